@@ -1,0 +1,102 @@
+"""What every pdflash gRPC server shares: options, health, reflection, start-up and SIGTERM shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdflash.logging import get_logger
+
+log = get_logger("pdflash.server")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Set on both ends: large feature tensors, and keepalive that tolerates client pings.
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS: list[tuple[str, int]] = CHANNEL_OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class ServiceHost:
+    """An aio server with health and reflection for the named services.
+
+    Health: "" and each service name start NOT_SERVING; `set_serving()` flips them once the service
+    is ready; shutdown flips them back before the listener stops.
+    """
+
+    def __init__(self, service_names: Sequence[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
+        self.service_names = list(service_names)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+        self.port: int | None = None
+
+    def add_port(self, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+        if credentials is None:
+            port = self.server.add_insecure_port(address)
+        else:
+            port = self.server.add_secure_port(address, credentials)
+        if port == 0:
+            raise OSError(f"could not bind {address}")
+        self.port = port
+        return port
+
+    async def start(self) -> None:
+        for name in ["", *self.service_names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+
+    async def set_serving(self, serving: bool = True) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+async def serve_until_signal(
+    host: ServiceHost,
+    grace: float,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    stop_event: asyncio.Event | None = None,
+) -> None:
+    """Block until SIGTERM/SIGINT (or stop_event), then: NOT_SERVING -> stop(grace) -> on_stop()."""
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    await stop.wait()
+    log.info("shutting down", grace_s=grace, services=host.service_names)
+    await host.stop(grace)
+    if on_stop is not None:
+        await on_stop()
+    log.info("stopped", services=host.service_names)
+
+
+def channel(target: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)

@@ -1,0 +1,95 @@
+"""Tiny random-weight MoE checkpoints (and a tiny BPE tokenizer) made on the spot.
+
+Used by the tests (three architectures through the same seam) and, until a trained model is
+shipped, by `pdflash up` as its default. Random weights: outputs are meaningless text, but the
+serving path (loading, routing capture, KV rollback, acceptance) is exercised for real.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sysconfig
+
+import torch
+
+ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss")
+EOS = "<|endoftext|>"
+MASK = "<|mask|>"
+
+
+def _corpus(max_files: int = 40) -> list[str]:
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.glob("*.py"))[:max_files]
+    return [p.read_text(encoding="utf-8", errors="replace") for p in files]
+
+
+def make_tokenizer(out_dir: str | pathlib.Path, vocab_size: int = 512):
+    """A byte-level BPE trained on a few stdlib files, saved so AutoTokenizer loads it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, MASK],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, mask_token=MASK)
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def tiny_config(arch: str, vocab_size: int, eos_id: int, num_layers: int = 2):
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            **common, intermediate_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        )
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(**common, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)
+    if arch == "gpt_oss":
+        from transformers import GptOssConfig
+
+        return GptOssConfig(
+            **common, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, sliding_window=1024,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+        )
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHITECTURES}")
+
+
+def make_tiny_checkpoint(out_dir: str | pathlib.Path, arch: str = "qwen3_moe", seed: int = 0, num_layers: int = 2) -> pathlib.Path:
+    """Write config.json, model.safetensors, tokenizer files and generation_config.json to out_dir."""
+    from transformers import AutoModelForCausalLM
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(out)
+    cfg = tiny_config(arch, vocab_size=len(tok), eos_id=tok.convert_tokens_to_ids(EOS), num_layers=num_layers)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.generation_config.eos_token_id = cfg.eos_token_id
+    model.generation_config.pad_token_id = cfg.eos_token_id
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
