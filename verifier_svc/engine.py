@@ -1,0 +1,251 @@
+"""The verifier core: prefill, verify one block, commit/rollback. Pure Python + torch, no grpc.
+
+One forward per verify: the block [anchor, d1..dk] runs on top of the session's KV cache, the
+acceptance rule picks the longest valid prefix, the cache is cropped back to the committed length
+(anchor + accepted drafts), and the target's own next token becomes the next anchor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from pdflash.errors import FailedPrecondition, FieldViolation, check
+from pdflash.types import DraftResult, ExpertUnion, FinishReason, SamplingParams, union_bytes
+from verifier_svc.model import TargetModel
+from verifier_svc.session import Session, SessionStore
+from verifier_svc.verify import accept_greedy, accept_sampled, target_probs
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillInput:
+    request_id: str
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    feature_layer_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class StepOutput:
+    session_id: str
+    round: int
+    tokens: list[int]  # emitted this call (prefill: the first token)
+    num_accepted: int
+    committed: int
+    finished: FinishReason | None
+    features: np.ndarray | None
+    routed_union: ExpertUnion
+    routed_bytes: int
+    forward_ms: float
+    accept_ms: float
+
+
+class VerifierCore:
+    def __init__(
+        self,
+        target: TargetModel,
+        max_sessions: int = 64,
+        idle_ttl_s: float = 120.0,
+        max_block_size: int = 32,
+        max_tokens_limit: int = 4096,
+    ):
+        self.target = target
+        self.sessions = SessionStore(max_sessions, idle_ttl_s)
+        self.max_block_size = max_block_size
+        self.max_tokens_limit = max_tokens_limit
+
+    # ---- validation -----------------------------------------------------------------------------
+    def _check_ids(self, field: str, ids, out: list[FieldViolation]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+        if bad:
+            out.append(FieldViolation(field, f"token ids {bad[:5]} outside the vocabulary [0, {self.target.vocab_size})"))
+
+    def validate_prefill(self, req: PrefillInput) -> None:
+        v: list[FieldViolation] = []
+        t = self.target
+        if not req.prompt:
+            v.append(FieldViolation("prompt_tokens", "must not be empty"))
+        elif len(req.prompt) >= t.max_context:
+            v.append(FieldViolation("prompt_tokens", f"{len(req.prompt)} tokens; the model's context is {t.max_context}"))
+        self._check_ids("prompt_tokens", req.prompt, v)
+        self._check_ids("stop_token_ids", req.stop_token_ids, v)
+        if not 1 <= req.max_tokens <= self.max_tokens_limit:
+            v.append(FieldViolation("max_tokens", f"must be in [1, {self.max_tokens_limit}], got {req.max_tokens}"))
+        v.extend(validate_sampling(req.sampling))
+        bad_layers = [i for i in req.feature_layer_ids if not 0 <= i < t.num_layers]
+        if bad_layers:
+            v.append(FieldViolation("feature_layer_ids", f"{bad_layers} not in [0, {t.num_layers})"))
+        check(v, "invalid Prefill request")
+
+    def validate_draft(self, s: Session, d: DraftResult) -> None:
+        v: list[FieldViolation] = []
+        if d.round != s.round + 1:
+            v.append(FieldViolation("draft.round", f"expected round {s.round + 1} for this session, got {d.round}"))
+        if not d.tokens:
+            v.append(FieldViolation("draft.tokens", "must hold at least the anchor"))
+        else:
+            if d.tokens[0] != s.anchor:
+                v.append(FieldViolation("draft.tokens", f"tokens[0] must be the session's anchor {s.anchor}, got {d.tokens[0]}"))
+            if len(d.tokens) > self.max_block_size:
+                v.append(FieldViolation("draft.tokens", f"block of {len(d.tokens)} exceeds max_block_size {self.max_block_size}"))
+            self._check_ids("draft.tokens", d.tokens, v)
+        bm = self.target.byte_map
+        for layer, ids in d.expert_union.items():
+            if layer not in bm:
+                v.append(FieldViolation("draft.expert_union", f"layer {layer} is not an MoE layer of this model"))
+            elif any(not 0 <= e < len(bm[layer]) for e in ids):
+                v.append(FieldViolation("draft.expert_union", f"layer {layer}: expert ids must be < {len(bm[layer])}"))
+        if not v and d.expert_bytes != union_bytes(d.expert_union, bm):
+            v.append(
+                FieldViolation(
+                    "draft.expert_bytes",
+                    f"{d.expert_bytes} does not match the union's stored bytes {union_bytes(d.expert_union, bm)}",
+                )
+            )
+        check(v, "invalid Verify request")
+
+    # ---- the model --------------------------------------------------------------------------------
+    def _forward(self, s: Session, ids: list[int], want_features: bool):
+        t = self.target
+        inp = torch.tensor([ids], dtype=torch.long, device=t.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode(), t.seam.record() as rec:
+            out = t.model(input_ids=inp, past_key_values=s.cache, use_cache=True, output_hidden_states=want_features)
+        logits = out.logits[0].float()
+        feats = None
+        if want_features:
+            hs = out.hidden_states
+            feats = torch.cat([hs[i + 1][0] for i in s.feature_layer_ids], dim=-1).float()
+        union = rec.union(t.seam.num_experts)
+        if t.device.type == "cuda":
+            torch.cuda.synchronize(t.device)
+        return logits, feats, union, (time.perf_counter() - t0) * 1e3
+
+    def _emit(self, s: Session, candidates: list[int]) -> list[int]:
+        emitted: list[int] = []
+        for tok in candidates:
+            emitted.append(tok)
+            s.generated += 1
+            if tok in s.stop_ids:
+                s.finished = FinishReason.STOP
+                break
+            if s.generated >= s.max_tokens:
+                s.finished = FinishReason.LENGTH
+                break
+        return emitted
+
+    def _pick(self, s: Session, drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
+        if s.sampling.greedy:
+            return accept_greedy(drafts, logits)
+        return accept_sampled(drafts, target_probs(logits, s.sampling), s.generator)
+
+    # ---- API --------------------------------------------------------------------------------------
+    def prefill(self, req: PrefillInput) -> StepOutput:
+        self.validate_prefill(req)
+        self.sessions.check_capacity()
+        t = self.target
+        stop = set(req.stop_token_ids)
+        if not req.ignore_eos:
+            stop.update(t.eos_token_ids)
+        gen = None
+        if not req.sampling.greedy:
+            gen = torch.Generator()
+            gen.manual_seed(req.sampling.seed if req.sampling.seed is not None else int(torch.seed()))
+        cache = DynamicCache(config=t.model.config)
+        cache.activate_past_recording()  # lets sliding-window layers roll back after a rejected draft
+        s = Session(
+            session_id=self.sessions.new_id(),
+            request_id=req.request_id,
+            cache=cache,
+            committed=0,
+            anchor=-1,
+            generated=0,
+            max_tokens=req.max_tokens,
+            stop_ids=frozenset(stop),
+            sampling=req.sampling,
+            generator=gen,
+            feature_layer_ids=tuple(req.feature_layer_ids),
+        )
+        logits, feats, union, fwd_ms = self._forward(s, list(req.prompt), bool(req.feature_layer_ids))
+        t0 = time.perf_counter()
+        _, first = self._pick(s, [], logits[-1:])
+        s.committed = len(req.prompt)
+        s.anchor = first
+        emitted = self._emit(s, [first])
+        acc_ms = (time.perf_counter() - t0) * 1e3
+        if s.finished is None:
+            self.sessions.add(s)
+        return StepOutput(
+            session_id=s.session_id if s.finished is None else "",
+            round=0,
+            tokens=emitted,
+            num_accepted=0,
+            committed=s.committed,
+            finished=s.finished,
+            features=feats.cpu().numpy() if feats is not None else None,
+            routed_union=union,
+            routed_bytes=union_bytes(union, t.byte_map),
+            forward_ms=fwd_ms,
+            accept_ms=acc_ms,
+        )
+
+    def verify(self, draft: DraftResult, return_features: bool = True) -> StepOutput:
+        s = self.sessions.get(draft.session_id)
+        if s.finished is not None:
+            raise FailedPrecondition(f"session {s.session_id} already finished ({s.finished.name.lower()})")
+        self.validate_draft(s, draft)
+        t = self.target
+        block = list(draft.tokens)
+        room = t.max_context - s.committed
+        s.round = draft.round
+        if room < 1:
+            s.finished = FinishReason.CONTEXT
+            self.sessions.end(s.session_id)
+            return StepOutput(s.session_id, s.round, [], 0, s.committed, s.finished, None, {}, 0, 0.0, 0.0)
+        block = block[:room]
+        want = return_features and bool(s.feature_layer_ids)
+        logits, feats, union, fwd_ms = self._forward(s, block, want)
+        t0 = time.perf_counter()
+        n_acc, nxt = self._pick(s, block[1:], logits)
+        keep = n_acc + 1  # anchor + accepted drafts enter the KV cache
+        s.cache.crop(-(len(block) - keep))
+        s.committed += keep
+        s.anchor = nxt
+        emitted = self._emit(s, block[1 : 1 + n_acc] + [nxt])
+        acc_ms = (time.perf_counter() - t0) * 1e3
+        if s.finished is not None:
+            self.sessions.end(s.session_id)
+        return StepOutput(
+            session_id=s.session_id,
+            round=s.round,
+            tokens=emitted,
+            num_accepted=min(n_acc, len(emitted)),
+            committed=s.committed,
+            finished=s.finished,
+            features=feats[:keep].cpu().numpy() if feats is not None else None,
+            routed_union=union,
+            routed_bytes=union_bytes(union, t.byte_map),
+            forward_ms=fwd_ms,
+            accept_ms=acc_ms,
+        )
+
+    def end(self, session_id: str) -> bool:
+        return self.sessions.end(session_id)
+
+
+def validate_sampling(s: SamplingParams) -> list[FieldViolation]:
+    v = []
+    if not (s.temperature == 0.0 or 0.0 < s.temperature <= 100.0) or s.temperature != s.temperature:
+        v.append(FieldViolation("sampling.temperature", f"must be 0 (greedy) or in (0, 100], got {s.temperature}"))
+    if not 0.0 < s.top_p <= 1.0:
+        v.append(FieldViolation("sampling.top_p", f"must be in (0, 1] (0 means off), got {s.top_p}"))
+    if s.top_k < 0:
+        v.append(FieldViolation("sampling.top_k", f"must be >= 0 (0 means off), got {s.top_k}"))
+    return v

@@ -1,0 +1,100 @@
+"""Load a Hugging Face MoE checkpoint (local safetensors) through transformers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pdflash.logging import get_logger
+from verifier_svc.experts import ExpertsSeam, expert_byte_map
+
+log = get_logger("pdflash.verifier.model")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class TargetModel:
+    name: str
+    directory: pathlib.Path
+    model: torch.nn.Module
+    seam: ExpertsSeam
+    byte_map: dict[int, list[int]]  # layer -> exact stored bytes per expert
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_context: int
+    experts_per_token: int
+    eos_token_ids: tuple[int, ...]
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return sorted(self.byte_map)
+
+    @property
+    def experts_per_layer(self) -> int:
+        return max((len(v) for v in self.byte_map.values()), default=0)
+
+    @property
+    def total_expert_bytes(self) -> int:
+        return sum(sum(v) for v in self.byte_map.values())
+
+
+def _eos_ids(directory: pathlib.Path, config) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = directory / "generation_config.json"
+    sources = [json.loads(gen.read_text()).get("eos_token_id")] if gen.exists() else []
+    sources.append(getattr(config, "eos_token_id", None))
+    for src in sources:
+        if src is None:
+            continue
+        for i in src if isinstance(src, list) else [src]:
+            if int(i) not in ids:
+                ids.append(int(i))
+        if ids:
+            break
+    return tuple(ids)
+
+
+def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str = "auto") -> TargetModel:
+    directory = pathlib.Path(directory)
+    if not (directory / "config.json").exists():
+        raise FileNotFoundError(f"{directory} is not a checkpoint directory (no config.json)")
+    if not list(directory.glob("*.safetensors")):
+        raise FileNotFoundError(f"{directory} has no *.safetensors weights")
+    dev = torch.device(device)
+    if dtype == "auto":
+        torch_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    else:
+        torch_dtype = _DTYPES[dtype]
+    config = AutoConfig.from_pretrained(directory)
+    log.info("loading target", path=str(directory), architecture=config.model_type, dtype=str(torch_dtype), device=str(dev))
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, use_safetensors=True)
+    model = model.to(dev).eval()
+    model.requires_grad_(False)
+    seam = ExpertsSeam(model)
+    byte_map = expert_byte_map(model)
+    text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return TargetModel(
+        name=directory.name,
+        directory=directory,
+        model=model,
+        seam=seam,
+        byte_map=byte_map,
+        architecture=config.model_type,
+        num_layers=int(text_cfg.num_hidden_layers),
+        hidden_size=int(text_cfg.hidden_size),
+        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        max_context=int(getattr(text_cfg, "max_position_embeddings", 4096) or 4096),
+        experts_per_token=int(getattr(text_cfg, "num_experts_per_tok", 0) or 0),
+        eos_token_ids=_eos_ids(directory, config),
+        device=dev,
+        dtype=torch_dtype,
+    )

@@ -1,0 +1,79 @@
+"""Per-sequence state on the verifier: KV cache, committed length, the pending anchor, limits.
+
+The anchor (the last emitted token) is NOT in the KV cache: it is the first token of the next block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+
+import torch
+from transformers import DynamicCache
+
+from pdflash.errors import NotFound, ResourceExhausted
+from pdflash.types import FinishReason, SamplingParams
+
+
+@dataclasses.dataclass
+class Session:
+    session_id: str
+    request_id: str
+    cache: DynamicCache
+    committed: int  # tokens in the KV cache (prompt + committed generations)
+    anchor: int
+    generated: int  # tokens emitted so far (the anchor included)
+    max_tokens: int
+    stop_ids: frozenset[int]
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    feature_layer_ids: tuple[int, ...]
+    round: int = 0
+    finished: FinishReason | None = None
+    last_used: float = dataclasses.field(default_factory=time.monotonic)
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+
+
+class SessionStore:
+    def __init__(self, max_sessions: int, idle_ttl_s: float):
+        self.max_sessions = max_sessions
+        self.idle_ttl_s = idle_ttl_s
+        self._sessions: dict[str, Session] = {}
+        self.expired_total = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def new_id(self) -> str:
+        return uuid.uuid4().hex
+
+    def check_capacity(self) -> None:
+        if len(self._sessions) >= self.max_sessions:
+            raise ResourceExhausted(
+                f"verifier holds its maximum of {self.max_sessions} sessions; retry shortly", retry_after_s=1.0
+            )
+
+    def add(self, session: Session) -> None:
+        self.check_capacity()
+        self._sessions[session.session_id] = session
+
+    def get(self, session_id: str) -> Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise NotFound(f"unknown or expired session {session_id!r}; start a new one with Prefill")
+        s.touch()
+        return s
+
+    def end(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    def expire(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        dead = [sid for sid, s in self._sessions.items() if now - s.last_used > self.idle_ttl_s]
+        for sid in dead:
+            del self._sessions[sid]
+        self.expired_total += len(dead)
+        return dead
