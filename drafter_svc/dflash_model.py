@@ -51,13 +51,14 @@ def spec_from_config(cfg: dict) -> DFlashSpec:
 
 
 def default_target_layers(num_target_layers: int, n: int) -> list[int]:
-    """Evenly spread layer ids (one layer -> the middle one)."""
+    """n distinct layer ids spread evenly over the target (one layer -> the middle one)."""
+    if not 1 <= n <= num_target_layers:
+        raise ValueError(f"cannot pick {n} distinct layers of a {num_target_layers}-layer target")
     if n == 1:
         return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    if end <= start:
-        return sorted({min(i, num_target_layers - 1) for i in range(n)})
-    return [round(start + i * (end - start) / (n - 1)) for i in range(n)]
+    # Prefer layers 1 .. L-3 (as DFlash does); widen to 0 .. L-1 when too few layers for n distinct ids.
+    start, end = (1, num_target_layers - 3) if num_target_layers - 3 - 1 >= n - 1 else (0, num_target_layers - 1)
+    return [start + (i * (end - start)) // (n - 1) for i in range(n)]
 
 
 class ContextKV:
@@ -179,7 +180,7 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self._rope(block_embeds, block_positions)
         ctx_kv = None
         if context is not None:
-            ctx = self.project_context(context)
+            ctx = self.project_context(context.to(self.fc.weight.dtype))
             ccos, csin = self._rope(ctx, context_positions)
         h = block_embeds
         for i, layer in enumerate(self.layers):

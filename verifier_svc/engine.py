@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from pdflash.errors import FailedPrecondition, FieldViolation, check
+from pdflash.validation import sampling_violations
 from pdflash.types import DraftResult, ExpertUnion, FinishReason, SamplingParams, union_bytes
 from verifier_svc.model import TargetModel
 from verifier_svc.session import Session, SessionStore
@@ -78,7 +79,7 @@ class VerifierCore:
         self._check_ids("stop_token_ids", req.stop_token_ids, v)
         if not 1 <= req.max_tokens <= self.max_tokens_limit:
             v.append(FieldViolation("max_tokens", f"must be in [1, {self.max_tokens_limit}], got {req.max_tokens}"))
-        v.extend(validate_sampling(req.sampling))
+        v.extend(sampling_violations(req.sampling))
         bad_layers = [i for i in req.feature_layer_ids if not 0 <= i < t.num_layers]
         if bad_layers:
             v.append(FieldViolation("feature_layer_ids", f"{bad_layers} not in [0, {t.num_layers})"))
@@ -239,13 +240,3 @@ class VerifierCore:
     def end(self, session_id: str) -> bool:
         return self.sessions.end(session_id)
 
-
-def validate_sampling(s: SamplingParams) -> list[FieldViolation]:
-    v = []
-    if not (s.temperature == 0.0 or 0.0 < s.temperature <= 100.0) or s.temperature != s.temperature:
-        v.append(FieldViolation("sampling.temperature", f"must be 0 (greedy) or in (0, 100], got {s.temperature}"))
-    if not 0.0 < s.top_p <= 1.0:
-        v.append(FieldViolation("sampling.top_p", f"must be in (0, 1] (0 means off), got {s.top_p}"))
-    if s.top_k < 0:
-        v.append(FieldViolation("sampling.top_k", f"must be >= 0 (0 means off), got {s.top_k}"))
-    return v

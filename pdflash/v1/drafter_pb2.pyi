@@ -75,15 +75,33 @@ class Usage(_message.Message):
     accepted_draft_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
+class PhaseTimings(_message.Message):
+    __slots__ = ("prefill_ms", "draft_ms", "admit_ms", "verify_ms", "verify_server_ms", "verify_forward_ms")
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SERVER_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    prefill_ms: float
+    draft_ms: float
+    admit_ms: float
+    verify_ms: float
+    verify_server_ms: float
+    verify_forward_ms: float
+    def __init__(self, prefill_ms: _Optional[float] = ..., draft_ms: _Optional[float] = ..., admit_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., verify_server_ms: _Optional[float] = ..., verify_forward_ms: _Optional[float] = ...) -> None: ...
+
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "usage", "text")
+    __slots__ = ("finish_reason", "usage", "text", "timings")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     usage: Usage
     text: str
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
+    timings: PhaseTimings
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., text: _Optional[str] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "final")

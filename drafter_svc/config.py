@@ -1,0 +1,49 @@
+"""Drafter (public front door) options: flags, PDFLASH_* environment variables or a config file."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+from pdflash.config import ConfigError, option
+
+KINDS = ("none", "ngram", "dflash", "hybrid")
+
+
+@dataclasses.dataclass
+class DrafterConfig:
+    model: str = option("", "target checkpoint directory (tokenizer, embedding, LM head); empty = the embedded demo model")
+    drafter: str = option("", "DFlash drafter directory (z-lab layout); empty = the embedded demo drafter if shipped, else n-gram only")
+    no_dflash: bool = option(False, "serve without a DFlash drafter even if one is shipped (n-gram / none only)")
+    default_drafter: str = option("", "default drafter kind: none, ngram, dflash, hybrid (empty = hybrid with DFlash, else ngram)")
+    host: str = option("127.0.0.1", "address to bind; use 0.0.0.0 to serve other machines")
+    port: int = option(50051, "port to bind (0 = pick a free one)")
+    scheduler: str = option("127.0.0.1:50052", "scheduler address host:port")
+    verifier: str = option("127.0.0.1:50053", "verifier address host:port")
+    block_size: int = option(16, "default verify block (anchor + drafts); 1 = plain autoregressive")
+    max_block_size: int = option(32, "largest block a request may ask for")
+    default_max_tokens: int = option(256, "max_tokens when a request leaves it 0")
+    max_tokens_limit: int = option(4096, "largest max_tokens a request may ask for")
+    max_prompt_tokens: int = option(8192, "longest prompt accepted (tokens)")
+    max_concurrent: int = option(64, "requests generating at once; beyond it Generate answers RESOURCE_EXHAUSTED")
+    ngram_min_match: int = option(3, "hybrid: use the n-gram proposal when at least this many tokens match")
+    upstream_wait_s: float = option(120.0, "at start, how long to wait for the scheduler and verifier to be ready")
+    grace_s: float = option(5.0, "shutdown grace period for in-flight streams")
+    log_level: str = option("info", "debug, info, warning, error")
+
+    def validate(self) -> None:
+        for name in ("model", "drafter"):
+            v = getattr(self, name)
+            if v and not (pathlib.Path(v) / "config.json").exists():
+                raise ConfigError(f"--{name} {v!r}: no config.json there; point it at a checkpoint directory")
+        if self.default_drafter and self.default_drafter not in KINDS:
+            raise ConfigError(f"--default-drafter {self.default_drafter!r}: choose one of {', '.join(KINDS)}")
+        if not 1 <= self.block_size <= self.max_block_size:
+            raise ConfigError(f"--block-size {self.block_size}: must be in [1, --max-block-size={self.max_block_size}]")
+        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+            raise ConfigError("--default-max-tokens must be in [1, --max-tokens-limit]")
+        if self.max_concurrent < 1:
+            raise ConfigError("--max-concurrent must be >= 1")
+        for name in ("scheduler", "verifier"):
+            if ":" not in getattr(self, name):
+                raise ConfigError(f"--{name} {getattr(self, name)!r}: expected host:port")

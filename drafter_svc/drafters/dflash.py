@@ -1,0 +1,294 @@
+"""The DFlash block drafter at inference: one forward per round over `[anchor, MASK x k]`.
+
+The drafter has no embedding or LM head of its own; it borrows the target's, read straight from the
+target checkpoint's safetensors (two tensors, not the whole model). Each session keeps a `ContextKV`
+of the projected target features of every committed token at its absolute position: `start` adds the
+prompt rows at 0..T-1, `commit` appends the round's rows after them. `propose` places the block at
+positions L..L+k (L = committed length; the anchor is not yet committed) and drafts
+argmax(lm_head(hidden)) of the k mask rows. See REFERENCE.md section 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from transformers import Qwen3Config
+
+from pdflash.logging import get_logger
+
+from drafter_svc.dflash_model import (
+    ContextKV,
+    DFlashDraftModel,
+    DFlashSpec,
+    default_target_layers,
+    load_dflash,
+)
+from drafter_svc.drafters.base import Drafter, DrafterFactory
+
+log = get_logger(__name__)
+
+EMBED_SUFFIX = "embed_tokens.weight"
+LM_HEAD_SUFFIX = "lm_head.weight"
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use e.g. 'float32' or 'bfloat16'")
+    return value
+
+
+def read_target_config(target_dir: str | pathlib.Path) -> dict:
+    """The target's config.json, with a multimodal `text_config` merged over the top level."""
+    path = pathlib.Path(target_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"target checkpoint {target_dir} has no config.json")
+    cfg = json.loads(path.read_text())
+    text = cfg.get("text_config")
+    return {**cfg, **text} if isinstance(text, dict) else cfg
+
+
+@dataclasses.dataclass
+class TargetHead:
+    """The target's token embedding and LM head, [vocab, hidden] each (the same tensor when tied)."""
+
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    hidden_size: int
+    num_hidden_layers: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed.shape[0]
+
+
+def _tensor_files(target_dir: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Tensor name -> safetensors file, from the shard index when there is one (no tensor is read)."""
+    where: dict[str, pathlib.Path] = {}
+    for index in sorted(target_dir.glob("*.safetensors.index.json")):
+        for name, file in json.loads(index.read_text()).get("weight_map", {}).items():
+            where[name] = target_dir / file
+    if not where:
+        for file in sorted(target_dir.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    where[name] = file
+    if not where:
+        raise FileNotFoundError(f"target checkpoint {target_dir} has no *.safetensors files")
+    return where
+
+
+def _pick(names: list[str], suffix: str) -> str | None:
+    # The shortest match is the main model's (e.g. model.embed_tokens.weight, not an MTP layer's copy).
+    found = [n for n in names if n == suffix or n.endswith("." + suffix)]
+    return min(found, key=lambda n: (len(n), n)) if found else None
+
+
+def load_target_head(
+    target_dir: str | pathlib.Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu"
+) -> TargetHead:
+    """Read only `*embed_tokens.weight` and `*lm_head.weight` (or the embedding, when tied) of a target."""
+    target_dir = pathlib.Path(target_dir)
+    dtype = _as_dtype(dtype)
+    cfg = read_target_config(target_dir)
+    files = _tensor_files(target_dir)
+    embed_name = _pick(list(files), EMBED_SUFFIX)
+    if embed_name is None:
+        raise ValueError(f"target checkpoint {target_dir} has no tensor named *{EMBED_SUFFIX}")
+    head_name = None if cfg.get("tie_word_embeddings", False) else _pick(list(files), LM_HEAD_SUFFIX)
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(files[name]), framework="pt") as f:
+            return f.get_tensor(name).to(device=device, dtype=dtype)
+
+    embed = read(embed_name)
+    lm_head = read(head_name) if head_name is not None else embed
+    hidden = int(cfg.get("hidden_size", embed.shape[1]))
+    if embed.shape[1] != hidden or lm_head.shape != embed.shape:
+        raise ValueError(
+            f"target checkpoint {target_dir}: {embed_name} {tuple(embed.shape)} and "
+            f"{head_name or embed_name} {tuple(lm_head.shape)} do not fit hidden_size {hidden}"
+        )
+    return TargetHead(embed=embed, lm_head=lm_head, hidden_size=hidden, num_hidden_layers=int(cfg["num_hidden_layers"]))
+
+
+def check_compatible(spec: DFlashSpec, drafter_hidden: int, head: TargetHead, drafter_dir, target_dir) -> None:
+    """Raise ValueError when a drafter cannot condition on / decode through this target."""
+    if drafter_hidden != head.hidden_size:
+        raise ValueError(
+            f"drafter {drafter_dir} has hidden_size {drafter_hidden} but target {target_dir} has "
+            f"{head.hidden_size}: the drafter was made for another target"
+        )
+    bad = [i for i in spec.target_layer_ids if not 0 <= i < head.num_hidden_layers]
+    if bad or not spec.target_layer_ids:
+        raise ValueError(
+            f"drafter {drafter_dir} conditions on target layers {spec.target_layer_ids}, but target "
+            f"{target_dir} has layers 0..{head.num_hidden_layers - 1}"
+        )
+    if not 0 <= spec.mask_token_id < head.vocab_size:
+        raise ValueError(
+            f"drafter {drafter_dir} mask_token_id {spec.mask_token_id} is outside the target vocabulary "
+            f"({head.vocab_size} tokens)"
+        )
+    if spec.block_size < 2:
+        raise ValueError(f"drafter {drafter_dir} block_size {spec.block_size} must be >= 2")
+    if spec.num_target_layers and spec.num_target_layers != head.num_hidden_layers:
+        log.warning(
+            "drafter_target_layers_mismatch",
+            drafter=str(drafter_dir),
+            drafter_num_target_layers=spec.num_target_layers,
+            target_num_hidden_layers=head.num_hidden_layers,
+        )
+
+
+class DFlashFactory(DrafterFactory):
+    """Loaded drafter weights plus the target's embedding and LM head, shared by all sessions."""
+
+    name = "dflash"
+
+    def __init__(
+        self,
+        target_dir: str | pathlib.Path,
+        drafter_dir: str | pathlib.Path,
+        dtype: torch.dtype | str = torch.float32,
+        device: str = "cpu",
+    ):
+        dtype = _as_dtype(dtype)
+        self.target_dir = pathlib.Path(target_dir)
+        self.drafter_dir = pathlib.Path(drafter_dir)
+        self.head = load_target_head(target_dir, dtype=dtype, device=device)
+        self.model: DFlashDraftModel = load_dflash(drafter_dir, dtype=dtype, device=device)
+        self.spec = self.model.spec
+        check_compatible(self.spec, self.model.config.hidden_size, self.head, drafter_dir, target_dir)
+        self.feature_layer_ids = list(self.spec.target_layer_ids)
+        self.max_block_size = self.spec.block_size
+        self.feature_dim = len(self.feature_layer_ids) * self.head.hidden_size
+        self.dtype = dtype
+        self.device = device
+
+    def new_session(self) -> DFlashDrafter:
+        return DFlashDrafter(self)
+
+
+class DFlashDrafter(Drafter):
+    needs_features = True
+
+    def __init__(self, factory: DFlashFactory):
+        self._f = factory
+        self.cache: ContextKV | None = None
+
+    @property
+    def max_drafts(self) -> int:
+        return self._f.spec.block_size - 1
+
+    @property
+    def length(self) -> int:
+        """Committed tokens whose features are in the context cache."""
+        return 0 if self.cache is None else self.cache.length
+
+    def start(self, prompt_ids: list[int], features: np.ndarray | None = None) -> None:
+        self.cache = ContextKV(len(self._f.model.layers))
+        self._extend(len(prompt_ids), features)
+
+    def commit(self, tokens: list[int], features: np.ndarray | None = None) -> None:
+        if self.cache is None:
+            raise RuntimeError("DFlashDrafter.commit before start")
+        self._extend(len(tokens), features)
+
+    def _extend(self, n: int, features: np.ndarray | None) -> None:
+        if n == 0:
+            return
+        if features is None:
+            raise ValueError(f"the DFlash drafter needs target features for {n} committed tokens, got none")
+        arr = np.asarray(features)
+        if arr.shape != (n, self._f.feature_dim):
+            raise ValueError(
+                f"DFlash features have shape {arr.shape}, expected ({n}, {self._f.feature_dim}) "
+                f"({n} tokens x {len(self._f.feature_layer_ids)} layers x hidden {self._f.head.hidden_size})"
+            )
+        rows = torch.from_numpy(arr) if arr.flags.writeable else torch.tensor(arr)
+        rows = rows.to(device=self._f.device, dtype=self._f.dtype)[None]
+        start = self.cache.length
+        positions = torch.arange(start, start + n, device=self._f.device)[None]
+        self._f.model.extend_context(self.cache, rows, positions)
+
+    @torch.no_grad()
+    def propose(self, anchor: int, k: int) -> list[int]:
+        if self.cache is None:
+            raise RuntimeError("DFlashDrafter.propose before start")
+        k = min(k, self.max_drafts)
+        if k <= 0:
+            return []
+        head = self._f.head
+        if not 0 <= anchor < head.vocab_size:
+            raise ValueError(f"anchor token {anchor} is outside the target vocabulary ({head.vocab_size} tokens)")
+        ids = torch.tensor([anchor] + [self._f.spec.mask_token_id] * k, device=self._f.device)
+        start = self.cache.length
+        positions = torch.arange(start, start + k + 1, device=self._f.device)[None]
+        hidden = self._f.model(head.embed[ids][None], positions, cache=self.cache)
+        logits = hidden[0, 1:] @ head.lm_head.T
+        return logits.argmax(dim=-1).tolist()
+
+    def close(self) -> None:
+        self.cache = None
+
+
+def make_tiny_dflash(
+    target_dir: str | pathlib.Path,
+    out_dir: str | pathlib.Path,
+    num_layers: int = 1,
+    target_layer_ids: list[int] | None = None,
+    seed: int = 0,
+    block_size: int = 8,
+    mask_token_id: int | None = None,
+) -> pathlib.Path:
+    """Write a random-weight drafter (z-lab layout) sized for a target checkpoint; for tests.
+
+    Sizes come from the target's config.json; the mask token from its tokenizer unless given.
+    """
+    cfg = read_target_config(target_dir)
+    n_target = int(cfg["num_hidden_layers"])
+    if mask_token_id is None:
+        from transformers import AutoTokenizer
+
+        mask_token_id = AutoTokenizer.from_pretrained(str(target_dir)).mask_token_id
+        if mask_token_id is None:
+            raise ValueError(f"the tokenizer of {target_dir} has no mask token; pass mask_token_id")
+    if target_layer_ids is None:
+        # Deduplicated: for small targets the default spread can repeat a layer.
+        target_layer_ids = sorted(set(default_target_layers(n_target, min(3, n_target))))
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    rope = cfg.get("rope_parameters") or {}
+    theta = float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    qcfg = Qwen3Config(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg.get("intermediate_size") or 2 * hidden),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        attention_bias=False,
+    )
+    spec = DFlashSpec(
+        block_size=block_size,
+        mask_token_id=int(mask_token_id),
+        target_layer_ids=[int(i) for i in target_layer_ids],
+        num_target_layers=n_target,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DFlashDraftModel(qcfg, spec)
+    model.save(out_dir)
+    return pathlib.Path(out_dir)

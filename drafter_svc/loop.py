@@ -1,0 +1,183 @@
+"""The round loop of one request: prefill -> (draft -> admit -> verify -> stream -> release)* -> end.
+
+Pure asyncio over two client objects (VerifierClient, SchedulerClient or anything with the same
+methods); no protobuf here. Every exit path (finish, error, client cancel, Abort) ends the verifier
+session and releases the admission ticket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+
+from pdflash.errors import DeadlineExceeded
+from pdflash.logging import get_logger
+from pdflash.types import DraftResult, FinishReason, SamplingParams, union_bytes
+
+log = get_logger("pdflash.drafter.loop")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    block_size: int  # anchor + drafts; 1 = no drafting
+
+
+@dataclasses.dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    prefill_ms: float = 0.0
+    draft_ms: float = 0.0
+    admit_ms: float = 0.0
+    verify_ms: float = 0.0
+    verify_server_ms: float = 0.0
+    verify_forward_ms: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify round: accepted drafts + the target's own token."""
+        return (self.accepted_draft_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+@dataclasses.dataclass
+class Tokens:
+    """New tokens to stream (round 0 = the first token, from prefill)."""
+
+    token_ids: list[int]
+    round: int
+
+
+@dataclasses.dataclass
+class Finished:
+    reason: FinishReason
+    usage: Usage
+
+
+class Deadline:
+    def __init__(self, seconds: float | None):
+        self.at = None if seconds is None else time.monotonic() + seconds
+
+    def remaining(self) -> float | None:
+        if self.at is None:
+            return None
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("the request's deadline passed before it finished")
+        return left
+
+
+async def run_request(
+    req: Request,
+    drafter_factory,
+    verifier,
+    scheduler,
+    byte_map: dict[int, list[int]],
+    deadline: Deadline,
+    abort: asyncio.Event | None = None,
+) -> AsyncIterator[Tokens | Finished]:
+    usage = Usage(prompt_tokens=len(req.prompt))
+    drafter = drafter_factory.new_session()
+    heavy = bool(drafter_factory.feature_layer_ids)
+    session_id = ""
+    finished: FinishReason | None = None
+    verifier_done = False  # the verifier ended the session itself (finished there)
+    try:
+        t0 = time.perf_counter()
+        pre = await verifier.prefill(
+            req.request_id,
+            list(req.prompt),
+            req.sampling,
+            req.max_tokens,
+            list(req.stop_token_ids),
+            req.ignore_eos,
+            list(drafter_factory.feature_layer_ids),
+            deadline.remaining(),
+        )
+        usage.prefill_ms = (time.perf_counter() - t0) * 1e3
+        session_id = pre.session_id
+        finished = pre.finished
+        verifier_done = finished is not None
+        usage.completion_tokens = 1
+        yield Tokens([pre.first_token], 0)
+        if finished is not None:
+            yield Finished(finished, usage)
+            return
+        drafter.start(list(req.prompt), pre.features)
+        anchor = pre.first_token
+        union = pre.routed_union  # best projection for round 1: what the prompt routed
+        rnd = 0
+        while finished is None:
+            if abort is not None and abort.is_set():
+                finished = FinishReason.ABORTED
+                break
+            rnd += 1
+            remaining = req.max_tokens - usage.completion_tokens  # a verify emits at most drafts + 1
+            k = max(0, min(req.block_size - 1, remaining - 1))
+            t0 = time.perf_counter()
+            if k <= 0:
+                drafts = []
+            elif heavy:  # a model forward: keep the event loop free for other streams and health
+                drafts = list(await asyncio.to_thread(drafter.propose, anchor, k))[:k]
+            else:
+                drafts = list(drafter.propose(anchor, k))[:k]
+            usage.draft_ms += (time.perf_counter() - t0) * 1e3
+            draft = DraftResult(
+                session_id=session_id,
+                round=rnd,
+                tokens=(anchor, *drafts),
+                expert_union=union,
+                expert_bytes=union_bytes(union, byte_map),
+            )
+            t0 = time.perf_counter()
+            ticket = await scheduler.admit(req.request_id, draft, deadline.remaining())
+            t1 = time.perf_counter()
+            usage.admit_ms += (t1 - t0) * 1e3
+            try:
+                res = await verifier.verify(req.request_id, draft, ticket, drafter.needs_features, deadline.remaining())
+            finally:
+                t2 = time.perf_counter()
+                try:
+                    await asyncio.shield(scheduler.release(ticket.ticket_id))
+                except Exception as e:  # the lease expires anyway; never mask the real outcome
+                    log.warning("release failed", ticket_id=ticket.ticket_id, error=str(e))
+                usage.admit_ms += (time.perf_counter() - t2) * 1e3
+            usage.verify_ms += (t2 - t1) * 1e3
+            usage.verify_server_ms += res.server_ms
+            usage.verify_forward_ms += res.forward_ms
+            usage.rounds += 1
+            usage.draft_tokens += len(drafts)
+            usage.accepted_draft_tokens += res.num_accepted
+            if len(usage.accepted_per_position) < len(drafts):
+                usage.accepted_per_position += [0] * (len(drafts) - len(usage.accepted_per_position))
+            for i in range(res.num_accepted):
+                usage.accepted_per_position[i] += 1
+            usage.completion_tokens += len(res.tokens)
+            finished = res.finished
+            verifier_done = finished is not None
+            if finished is None:
+                committed = [anchor, *drafts[: res.num_accepted]]
+                drafter.commit(committed, res.features)
+                anchor = res.tokens[-1]
+                union = res.routed_union
+            yield Tokens(res.tokens, rnd)
+        yield Finished(finished, usage)
+    finally:
+        drafter.close()
+        if session_id and not verifier_done:
+            # Cancelled, aborted or failed mid-way: free the verifier's KV now, not at its idle timeout.
+            try:
+                await asyncio.shield(verifier.end(session_id))
+            except Exception as e:
+                log.warning("end session failed", session_id=session_id, error=str(e))

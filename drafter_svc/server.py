@@ -1,0 +1,119 @@
+"""Start the drafter (public front door): tokenizer and drafters, wait for the upstream services, serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import time
+
+from pdflash import config as cfgmod
+from pdflash.defaults import default_drafter_dir, default_target_dir
+from pdflash.errors import PdflashError, Unavailable
+from pdflash.logging import configure, get_logger
+from pdflash.server import ServiceHost, serve_until_signal
+from pdflash.types import DrafterKind
+from pdflash.v1 import drafter_pb2, drafter_pb2_grpc
+from drafter_svc.clients import SchedulerClient, VerifierClient
+from drafter_svc.config import DrafterConfig
+from drafter_svc.drafters import make_factory
+from drafter_svc.servicer import DrafterServicer, FrontDoor
+from drafter_svc.tokens import load_tokenizer
+
+log = get_logger("pdflash.drafter")
+SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+
+
+@dataclasses.dataclass
+class RunningDrafter:
+    host: ServiceHost
+    door: FrontDoor
+    port: int
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.host.stop(grace)
+        await self.door.verifier.close()
+        await self.door.scheduler.close()
+
+
+async def _wait_upstream(verifier: VerifierClient, scheduler: SchedulerClient, wait_s: float):
+    deadline = time.monotonic() + wait_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            info = await verifier.model_info(timeout=max(0.5, min(5.0, deadline - time.monotonic())), wait_for_ready=True)
+            await scheduler.wait_ready(timeout=max(0.5, deadline - time.monotonic()))
+            return info
+        except PdflashError as e:  # UNAVAILABLE while the verifier loads its model
+            last = e
+            log.info("waiting for upstream services", error=e.message)
+            await asyncio.sleep(0.5)
+    raise Unavailable(f"scheduler/verifier not ready after {wait_s:.0f}s: {last}")
+
+
+def build_factories(cfg: DrafterConfig, model_dir: str) -> tuple[dict[DrafterKind, object], DrafterKind, str]:
+    drafter_dir = cfg.drafter or ("" if cfg.no_dflash else str(default_drafter_dir() or ""))
+    factories: dict[DrafterKind, object] = {
+        DrafterKind.NONE: make_factory("none", model_dir),
+        DrafterKind.NGRAM: make_factory("ngram", model_dir, max_n=3),
+    }
+    if drafter_dir:
+        dflash = make_factory("dflash", model_dir, drafter_dir)
+        factories[DrafterKind.DFLASH] = dflash
+        from drafter_svc.drafters.hybrid import HybridFactory
+
+        factories[DrafterKind.HYBRID] = HybridFactory(dflash, min_match=cfg.ngram_min_match)
+    if cfg.default_drafter:
+        default = DrafterKind[cfg.default_drafter.upper()]
+        if default not in factories:
+            raise cfgmod.ConfigError(f"--default-drafter {cfg.default_drafter}: needs a DFlash drafter (--drafter DIR)")
+    else:
+        default = DrafterKind.HYBRID if drafter_dir else DrafterKind.NGRAM
+    return factories, default, drafter_dir
+
+
+async def start(cfg: DrafterConfig) -> RunningDrafter:
+    host = ServiceHost([SERVICE])
+    servicer = DrafterServicer()
+    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, host.server)
+    port = host.add_port(f"{cfg.host}:{cfg.port}")
+    await host.start()
+    log.info("drafter listening", address=f"{cfg.host}:{port}", phase="loading")
+    model_dir = cfg.model or str(await asyncio.to_thread(default_target_dir))
+    tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+    factories, default, drafter_dir = await asyncio.to_thread(build_factories, cfg, model_dir)
+    verifier, scheduler = VerifierClient(cfg.verifier), SchedulerClient(cfg.scheduler)
+    log.info("waiting for upstream", verifier=cfg.verifier, scheduler=cfg.scheduler, phase="connecting")
+    target = await _wait_upstream(verifier, scheduler, cfg.upstream_wait_s)
+    if len(tokenizer) > target.vocab_size:
+        raise cfgmod.ConfigError(
+            f"tokenizer of {model_dir} has {len(tokenizer)} tokens but the verifier's model has {target.vocab_size}: "
+            "the drafter and the verifier must serve the same checkpoint"
+        )
+    servicer.door = FrontDoor(cfg, tokenizer, factories, default, verifier, scheduler, target, drafter_dir)
+    await host.set_serving(True)
+    log.info("drafter ready", model=target.model, drafters=[k.name.lower() for k in factories], default=default.name.lower(),
+             block_size=cfg.block_size)
+    return RunningDrafter(host, servicer.door, port)
+
+
+async def serve(cfg: DrafterConfig) -> None:
+    running = await start(cfg)
+    await serve_until_signal(running.host, cfg.grace_s, on_stop=lambda: running.stop(0))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cfgmod.add_arguments(parser, DrafterConfig)
+
+
+def run(args: argparse.Namespace) -> None:
+    cfg = cfgmod.from_sources(DrafterConfig, args)
+    configure(cfg.log_level)
+    log.info("configuration", service="drafter", **cfgmod.describe(cfg))
+    asyncio.run(serve(cfg))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pdflash serve-drafter", description="Serve the pdflash drafter (public API)")
+    add_arguments(parser)
+    run(parser.parse_args(argv))

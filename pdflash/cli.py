@@ -1,0 +1,212 @@
+"""`pdflash`: the one entry point. Serve each service, start all three, generate, probe health."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from pdflash.config import ConfigError
+
+EPILOG = """Every option is also an environment variable PDFLASH_<OPTION> (e.g. PDFLASH_PORT) and a key of
+the optional --config YAML/JSON file. Default ports: drafter (public) 50051, scheduler 50052,
+verifier 50053."""
+
+
+def _add_stack_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="", help="target checkpoint directory (default: the embedded demo model)")
+    p.add_argument("--drafter", default="", help="DFlash drafter directory (default: the embedded demo drafter, if shipped)")
+    p.add_argument("--no-dflash", action="store_true", help="n-gram drafting only")
+    p.add_argument("--host", default="127.0.0.1", help="drafter (public) bind address")
+    p.add_argument("--port", type=int, default=50051, help="drafter (public) port")
+    p.add_argument("--scheduler-port", type=int, default=50052)
+    p.add_argument("--verifier-port", type=int, default=50053)
+    p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<service>.log instead of the terminal")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+
+
+def _spec(args):
+    from pdflash.stack import StackSpec
+
+    return StackSpec(
+        model=args.model, drafter=args.drafter, no_dflash=args.no_dflash, drafter_host=args.host,
+        drafter_port=args.port, scheduler_port=args.scheduler_port, verifier_port=args.verifier_port,
+        log_dir=args.log_dir,
+    )
+
+
+def cmd_up(args) -> int:
+    from pdflash.stack import Stack
+
+    stack = Stack(_spec(args)).start()
+    stop = {"flag": False}
+
+    def on_signal(signum, frame):
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        stack.wait_ready(args.startup_timeout)
+        print(f"pdflash is up: drafter {args.host}:{args.port} (scheduler :{args.scheduler_port}, verifier :{args.verifier_port})",
+              file=sys.stderr, flush=True)
+        while not stop["flag"]:
+            for name, p in stack.procs.items():
+                if p.poll() is not None:
+                    print(f"{name} exited with code {p.returncode}; stopping the stack", file=sys.stderr)
+                    return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        stack.stop()
+
+
+def cmd_demo(args) -> int:
+    """Start the stack, answer one request, print it with its statistics, stop."""
+    from pdflash.client import Client
+    from pdflash.stack import Stack
+
+    with Stack(_spec(args)) as stack:
+        stack.wait_ready(args.startup_timeout)
+        with Client(stack.drafter) as client:
+            info = client.model_info()
+            print(f"model {info.model} ({info.architecture}); drafters available: "
+                  f"{', '.join(k.removeprefix('DRAFTER_KIND_').lower() for k in map(_kind_name, info.drafters))}", file=sys.stderr)
+            print(f">>> {args.prompt}", file=sys.stderr)
+            sys.stdout.write(args.prompt)
+            t0 = time.perf_counter()
+            req = Client.request(args.prompt, max_tokens=args.max_tokens)
+            n = 0
+            final = None
+            for msg in client.stream(req, timeout=600):
+                if msg.HasField("chunk"):
+                    n += len(msg.chunk.token_ids)
+                    sys.stdout.write(msg.chunk.text)
+                    sys.stdout.flush()
+                else:
+                    final = msg.final
+                    sys.stdout.write(final.text + "\n")
+            dt = time.perf_counter() - t0
+            u = final.usage
+            print(f"--- {n} tokens in {dt:.2f}s ({n / dt:.1f} tok/s), {u.rounds} verify rounds, "
+                  f"mean acceptance length {u.mean_acceptance_length:.2f}", file=sys.stderr)
+    return 0
+
+
+def _kind_name(k: int) -> str:
+    from pdflash.v1 import drafter_pb2
+
+    return drafter_pb2.DrafterKind.Name(k)
+
+
+def cmd_generate(args) -> int:
+    import grpc
+
+    from pdflash.client import Client
+
+    with Client(args.target) as client:
+        req = Client.request(
+            args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed, drafter=args.drafter, block_size=args.block_size, ignore_eos=args.ignore_eos,
+        )
+        try:
+            final = None
+            for msg in client.stream(req, timeout=args.timeout):
+                if msg.HasField("chunk"):
+                    sys.stdout.write(msg.chunk.text)
+                    sys.stdout.flush()
+                else:
+                    final = msg.final
+                    sys.stdout.write(final.text)
+            sys.stdout.write("\n")
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2
+        if args.stats and final is not None:
+            u = final.usage
+            print(f"finish={_finish_name(final.finish_reason)} prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
+                  f"rounds={u.rounds} mean_acceptance_length={u.mean_acceptance_length:.2f}", file=sys.stderr)
+    return 0
+
+
+def _finish_name(r: int) -> str:
+    from pdflash.v1 import common_pb2
+
+    return common_pb2.FinishReason.Name(r).removeprefix("FINISH_REASON_").lower()
+
+
+def cmd_health(args) -> int:
+    from pdflash.stack import check_health
+
+    ok = check_health(args.target, args.service, args.timeout)
+    print("SERVING" if ok else "NOT_SERVING")
+    return 0 if ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdflash", description="Speculative decoding for offloaded MoE models, as gRPC services.", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    from drafter_svc import server as drafter_server
+    from scheduler_svc import server as scheduler_server
+    from verifier_svc import server as verifier_server
+
+    for name, mod, help_text in (
+        ("serve-scheduler", scheduler_server, "serve the scheduler (verify admission)"),
+        ("serve-verifier", verifier_server, "serve the verifier (target model, KV cache, experts)"),
+        ("serve-drafter", drafter_server, "serve the drafter: the public Generate API"),
+    ):
+        p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG)
+        mod.add_arguments(p)
+        p.set_defaults(func=lambda a, m=mod: m.run(a) or 0)
+
+    p = sub.add_parser("up", help="start all three services (foreground; Ctrl-C stops them)")
+    _add_stack_args(p)
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("demo", help="start the stack, answer one request with statistics, stop")
+    _add_stack_args(p)
+    p.add_argument("--prompt", default="def fibonacci(n):\n")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("generate", help="stream a completion from a running stack")
+    p.add_argument("prompt")
+    p.add_argument("--target", default="127.0.0.1:50051", help="drafter address")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--drafter", default="unspecified", choices=["unspecified", "none", "ngram", "dflash", "hybrid"])
+    p.add_argument("--block-size", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--stats", action="store_true", help="print usage statistics to stderr")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("health", help="probe grpc.health.v1 (exit 0 when SERVING)")
+    p.add_argument("target", nargs="?", default="127.0.0.1:50051")
+    p.add_argument("--service", default="")
+    p.add_argument("--timeout", type=float, default=3.0)
+    p.set_defaults(func=cmd_health)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"pdflash: configuration error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

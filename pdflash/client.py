@@ -1,0 +1,113 @@
+"""A small synchronous client of the public API, used by `pdflash generate`, benchmarks and tests."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import grpc
+
+from pdflash.server import CHANNEL_OPTIONS
+from pdflash.types import DrafterKind
+from pdflash.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+
+@dataclasses.dataclass
+class Completion:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    usage: drafter_pb2.Usage
+    timings: drafter_pb2.PhaseTimings
+    chunks: int
+
+
+class Client:
+    def __init__(self, target: str = "127.0.0.1:50051", credentials: grpc.ChannelCredentials | None = None, metadata=()):
+        self.channel = (
+            grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+            if credentials is not None
+            else grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        )
+        self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
+        self.metadata = tuple(metadata)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @staticmethod
+    def request(
+        prompt: str | list[int],
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        drafter: str | DrafterKind = DrafterKind.UNSPECIFIED,
+        block_size: int = 0,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        request_id: str = "",
+    ) -> drafter_pb2.GenerateRequest:
+        sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        if seed is not None:
+            sampling.seed = seed
+        kind = DrafterKind[drafter.upper()] if isinstance(drafter, str) else drafter
+        req = drafter_pb2.GenerateRequest(
+            request_id=request_id,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            drafter=int(kind),
+            block_size=block_size,
+            stop_token_ids=stop_token_ids or [],
+            ignore_eos=ignore_eos,
+        )
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        else:
+            req.prompt_tokens.ids.extend(prompt)
+        return req
+
+    def stream(self, req: drafter_pb2.GenerateRequest, timeout: float | None = None) -> Iterator[drafter_pb2.GenerateResponse]:
+        return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
+
+    def generate(self, prompt: str | list[int], timeout: float | None = 300.0, **kw) -> Completion:
+        req = self.request(prompt, **kw)
+        ids: list[int] = []
+        text: list[str] = []
+        chunks = 0
+        final = None
+        rid = ""
+        for msg in self.stream(req, timeout=timeout):
+            rid = msg.request_id
+            if msg.HasField("chunk"):
+                chunks += 1
+                ids.extend(msg.chunk.token_ids)
+                text.append(msg.chunk.text)
+            else:
+                final = msg.final
+                text.append(final.text)
+        if final is None:
+            raise RuntimeError("stream ended without a final message")
+        return Completion(
+            request_id=rid,
+            token_ids=ids,
+            text="".join(text),
+            finish_reason=common_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower(),
+            usage=final.usage,
+            timings=final.timings,
+            chunks=chunks,
+        )
+
+    def model_info(self, timeout: float = 10.0) -> drafter_pb2.ModelInfoResponse:
+        return self.stub.ModelInfo(drafter_pb2.ModelInfoRequest(), timeout=timeout, metadata=self.metadata)
+
+    def abort(self, request_id: str, timeout: float = 10.0) -> bool:
+        return self.stub.Abort(drafter_pb2.AbortRequest(request_id=request_id), timeout=timeout, metadata=self.metadata).aborted

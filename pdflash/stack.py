@@ -1,0 +1,141 @@
+"""Run the whole stack (scheduler, verifier, drafter) as three real processes on loopback ports."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdflash.server import CHANNEL_OPTIONS
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_health(target: str, service: str = "", timeout: float = 2.0) -> bool:
+    """True when target answers SERVING for service ("" = the whole server)."""
+    try:
+        with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+@dataclasses.dataclass
+class StackSpec:
+    model: str = ""
+    drafter: str = ""
+    no_dflash: bool = False
+    drafter_host: str = "127.0.0.1"
+    drafter_port: int = 50051
+    scheduler_port: int = 50052
+    verifier_port: int = 50053
+    extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    scheduler_args: list[str] = dataclasses.field(default_factory=list)
+    verifier_args: list[str] = dataclasses.field(default_factory=list)
+    drafter_args: list[str] = dataclasses.field(default_factory=list)
+    log_dir: str | None = None
+
+
+class Stack:
+    """Starts the three services; `wait_ready()` blocks until the drafter is SERVING."""
+
+    def __init__(self, spec: StackSpec):
+        self.spec = spec
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._logs: list = []
+
+    @property
+    def drafter(self) -> str:
+        return f"127.0.0.1:{self.spec.drafter_port}"
+
+    @property
+    def scheduler(self) -> str:
+        return f"127.0.0.1:{self.spec.scheduler_port}"
+
+    @property
+    def verifier(self) -> str:
+        return f"127.0.0.1:{self.spec.verifier_port}"
+
+    def _cmd(self, name: str) -> list[str]:
+        s = self.spec
+        base = [sys.executable, "-m", "pdflash.cli"]
+        if name == "scheduler":
+            return base + ["serve-scheduler", "--port", str(s.scheduler_port), *s.scheduler_args]
+        if name == "verifier":
+            cmd = base + ["serve-verifier", "--port", str(s.verifier_port)]
+            if s.model:
+                cmd += ["--model", s.model]
+            return cmd + s.verifier_args
+        cmd = base + [
+            "serve-drafter", "--host", s.drafter_host, "--port", str(s.drafter_port),
+            "--scheduler", self.scheduler, "--verifier", self.verifier,
+        ]
+        if s.model:
+            cmd += ["--model", s.model]
+        if s.drafter:
+            cmd += ["--drafter", s.drafter]
+        if s.no_dflash:
+            cmd += ["--no-dflash"]
+        return cmd + s.drafter_args
+
+    def start_one(self, name: str) -> subprocess.Popen:
+        env = {**os.environ, **self.spec.extra_env}
+        out = None
+        if self.spec.log_dir:
+            os.makedirs(self.spec.log_dir, exist_ok=True)
+            out = open(os.path.join(self.spec.log_dir, f"{name}.log"), "ab")
+            self._logs.append(out)
+        p = subprocess.Popen(self._cmd(name), env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+        self.procs[name] = p
+        return p
+
+    def start(self) -> "Stack":
+        for name in ("scheduler", "verifier", "drafter"):
+            self.start_one(name)
+        return self
+
+    def wait_ready(self, timeout: float = 180.0, name: str = "drafter") -> None:
+        target = {"drafter": self.drafter, "scheduler": self.scheduler, "verifier": self.verifier}[name]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for n, p in self.procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{n} exited with code {p.returncode} during start-up" +
+                                       (f"; see {self.spec.log_dir}/{n}.log" if self.spec.log_dir else ""))
+            if check_health(target, timeout=1.0):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{name} not SERVING after {timeout:.0f}s")
+
+    def stop(self, grace: float = 10.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

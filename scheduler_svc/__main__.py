@@ -1,0 +1,3 @@
+from scheduler_svc.server import main
+
+raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""Start the scheduler: options -> core -> gRPC server (health, reflection) -> SERVING; SIGTERM drains.
+
+Entry points: `main(argv)` ("pdflash serve-scheduler" on its own), and `add_arguments(parser)` +
+`run(args)` for the pdflash CLI; `start(cfg)` for tests and embedding (port 0 picks a free port).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+
+from pdflash import config as pconfig
+from pdflash import logging as plogging
+from pdflash.server import ServiceHost, serve_until_signal
+from pdflash.v1 import scheduler_pb2_grpc
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.core import SchedulerCore
+from scheduler_svc.servicer import SERVICE_NAME, SchedulerServicer
+
+log = plogging.get_logger("pdflash.scheduler")
+
+PROG = "pdflash serve-scheduler"
+
+
+@dataclasses.dataclass
+class RunningScheduler:
+    cfg: SchedulerConfig
+    host: ServiceHost
+    core: SchedulerCore
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.host}:{self.port}"
+
+    async def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING -> waiting Admits answer UNAVAILABLE -> stop(grace) -> stop the expiry task."""
+        await self.host.set_serving(False)
+        self.core.close()
+        await self.host.stop(self.cfg.grace_s if grace is None else grace)
+        await self.core.stop()
+
+
+async def start(cfg: SchedulerConfig) -> RunningScheduler:
+    core = SchedulerCore(cfg)
+    host = ServiceHost([SERVICE_NAME])
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(core), host.server)
+    port = host.add_port(f"{cfg.host}:{cfg.port}")
+    await core.start()
+    await host.start()
+    await host.set_serving(True)
+    log.info(
+        "scheduler serving",
+        address=f"{cfg.host}:{port}",
+        token_budget=cfg.token_budget,
+        byte_budget=cfg.byte_budget or "unlimited",
+        lease_s=cfg.lease_s,
+    )
+    return RunningScheduler(cfg=cfg, host=host, core=core, port=port)
+
+
+async def serve(cfg: SchedulerConfig, stop_event: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or stop_event), then drain and stop."""
+    running = await start(cfg)
+    stop = stop_event or asyncio.Event()
+
+    async def close_admission_on_stop() -> None:
+        await stop.wait()
+        running.core.close()  # waiting Admits answer UNAVAILABLE now instead of at the end of the grace
+
+    closer = asyncio.create_task(close_admission_on_stop())
+    try:
+        await serve_until_signal(running.host, cfg.grace_s, on_stop=running.core.stop, stop_event=stop)
+    finally:
+        closer.cancel()
+        await running.core.stop()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pconfig.add_arguments(parser, SchedulerConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the config from flags / environment / config file, log it, serve. Returns an exit code."""
+    try:
+        cfg = pconfig.from_sources(SchedulerConfig, args)
+    except pconfig.ConfigError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    plogging.configure(cfg.log_level)
+    log.info("effective configuration", **pconfig.describe(cfg))
+    try:
+        asyncio.run(serve(cfg))
+    except OSError as e:  # e.g. the port is taken
+        log.error("cannot serve", error=str(e), address=f"{cfg.host}:{cfg.port}")
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description="pdflash verify-admission scheduler (gRPC pdflash.v1.Scheduler)")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

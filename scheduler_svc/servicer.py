@@ -1,0 +1,117 @@
+"""pdflash.v1.Scheduler over gRPC: validate, convert, call the core, convert back.
+
+The only scheduler module that knows protobuf. Errors from the core map to statuses in
+pdflash.errors.abort_with (INVALID_ARGUMENT + field violations, RESOURCE_EXHAUSTED + RetryInfo, ...).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from pdflash.convert import union_from_pb
+from pdflash.errors import FieldViolation, PdflashError, abort_with, check
+from pdflash.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.core import IssuedTicket, SchedulerCore
+from scheduler_svc.policy import Demand, Stats
+
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+MAX_ID_CHARS = 256
+
+# A deadline further away than this is treated as none (some stacks report "infinite" as a huge number).
+_NO_DEADLINE_S = 1e8
+
+
+def demand_from_pb(request: scheduler_pb2.AdmitRequest) -> Demand:
+    violations: list[FieldViolation] = []
+    if not request.HasField("draft"):
+        violations.append(FieldViolation("draft", "required: the DraftResult to admit"))
+    d = request.draft
+    if request.HasField("draft"):
+        if not d.session_id:
+            violations.append(FieldViolation("draft.session_id", "must not be empty"))
+        elif len(d.session_id) > MAX_ID_CHARS:
+            violations.append(FieldViolation("draft.session_id", f"longer than {MAX_ID_CHARS} characters"))
+        if d.round < 1:
+            violations.append(FieldViolation("draft.round", "must be >= 1 (rounds are 1-based)"))
+        if not d.tokens:
+            violations.append(FieldViolation("draft.tokens", "must hold the block (at least the anchor token)"))
+    if len(request.request_id) > MAX_ID_CHARS:
+        violations.append(FieldViolation("request_id", f"longer than {MAX_ID_CHARS} characters"))
+    check(violations, "invalid AdmitRequest")
+    return Demand(
+        session_id=d.session_id,
+        round=int(d.round),
+        tokens=len(d.tokens),
+        expert_bytes=int(d.expert_bytes),
+        expert_union=union_from_pb(d.expert_union),
+        request_id=request.request_id,
+    )
+
+
+def ticket_to_pb(t: IssuedTicket) -> scheduler_pb2.Ticket:
+    return scheduler_pb2.Ticket(
+        ticket_id=t.ticket_id,
+        session_id=t.session_id,
+        round=t.round,
+        tokens=t.tokens,
+        expert_bytes=t.expert_bytes,
+        lease_s=t.lease_s,
+        waited_ms=t.waited_ms,
+        admitted_alone=t.admitted_alone,
+        signature=t.signature,
+        expires_at_unix=t.expires_at_unix,
+    )
+
+
+def stats_to_pb(s: Stats) -> scheduler_pb2.SchedulerStats:
+    return scheduler_pb2.SchedulerStats(
+        token_budget=s.token_budget or 0,  # 0 = unlimited
+        byte_budget=s.byte_budget or 0,
+        tokens_in_use=s.tokens_in_use,
+        bytes_in_use=s.bytes_in_use,
+        in_flight=s.in_flight,
+        waiting=s.waiting,
+        admitted_total=s.admitted_total,
+        released_total=s.released_total,
+        expired_total=s.expired_total,
+        rejected_total=s.rejected_total,
+        sessions_waiting=s.sessions_waiting,
+    )
+
+
+def _ticket_id(ticket_id: str) -> str:
+    check([FieldViolation("ticket_id", "must not be empty")] if not ticket_id else [], "invalid request")
+    return ticket_id
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, core: SchedulerCore):
+        self.core = core
+
+    async def Admit(self, request: scheduler_pb2.AdmitRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.Ticket:
+        try:
+            demand = demand_from_pb(request)
+            remaining = context.time_remaining()
+            if remaining is not None and remaining > _NO_DEADLINE_S:
+                remaining = None
+            return ticket_to_pb(await self.core.admit(demand, deadline_s=remaining))
+        except PdflashError as e:
+            err = e
+        await abort_with(context, err)
+
+    async def Release(self, request: scheduler_pb2.ReleaseRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.ReleaseResponse:
+        try:
+            return scheduler_pb2.ReleaseResponse(released=self.core.release(_ticket_id(request.ticket_id)))
+        except PdflashError as e:
+            err = e
+        await abort_with(context, err)
+
+    async def Renew(self, request: scheduler_pb2.RenewRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.Ticket:
+        try:
+            return ticket_to_pb(self.core.renew(_ticket_id(request.ticket_id)))
+        except PdflashError as e:
+            err = e
+        await abort_with(context, err)
+
+    async def GetStats(self, request: scheduler_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
+        return stats_to_pb(self.core.stats())

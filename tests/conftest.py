@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny checkpoints made on the spot, and real three-process stacks on free ports."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+from pdflash.stack import Stack, StackSpec, free_port
+from pdflash.tiny import make_tiny_checkpoint
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class TinyModels:
+    """Lazily made tiny random checkpoints (target + a random DFlash drafter), once per session."""
+
+    def __init__(self, root: pathlib.Path):
+        self.root = root
+
+    def target(self, arch: str) -> pathlib.Path:
+        d = self.root / f"target-{arch}"
+        if not (d / "config.json").exists():
+            make_tiny_checkpoint(d, arch)
+        return d
+
+    def drafter(self, arch: str) -> pathlib.Path:
+        from drafter_svc.drafters.dflash import make_tiny_dflash
+
+        d = self.root / f"drafter-{arch}"
+        if not (d / "config.json").exists():
+            make_tiny_dflash(self.target(arch), d, num_layers=1, block_size=8)
+        return d
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny"))
+
+
+def start_stack(model: pathlib.Path | str, drafter: pathlib.Path | str | None, log_dir: pathlib.Path, **kw) -> Stack:
+    spec = StackSpec(
+        model=str(model),
+        drafter=str(drafter) if drafter else "",
+        no_dflash=drafter is None,
+        drafter_port=free_port(),
+        scheduler_port=free_port(),
+        verifier_port=free_port(),
+        log_dir=str(log_dir),
+        **kw,
+    )
+    stack = Stack(spec).start()
+    try:
+        stack.wait_ready(timeout=180)
+    except Exception:
+        stack.stop()
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(log_dir.glob("*.log")))
+        raise RuntimeError(f"stack did not start:\n{logs}")
+    return stack
+
+
+@pytest.fixture(scope="session")
+def stack(tiny, tmp_path_factory):
+    """The stack on a tiny qwen3_moe target with a (random) DFlash drafter: all drafter kinds available."""
+    s = start_stack(tiny.target("qwen3_moe"), tiny.drafter("qwen3_moe"), tmp_path_factory.mktemp("stack-logs"))
+    yield s
+    s.stop()

@@ -1,0 +1,94 @@
+"""Start the verifier: load the model (health NOT_SERVING meanwhile), then serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+
+import torch
+
+from pdflash import config as cfgmod
+from pdflash.defaults import default_target_dir
+from pdflash.logging import configure, get_logger
+from pdflash.server import ServiceHost, serve_until_signal
+from pdflash.v1 import verifier_pb2, verifier_pb2_grpc
+from verifier_svc.config import VerifierConfig
+from verifier_svc.engine import VerifierCore
+from verifier_svc.model import load_target
+from verifier_svc.servicer import VerifierServicer
+
+log = get_logger("pdflash.verifier")
+SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+
+
+@dataclasses.dataclass
+class RunningVerifier:
+    host: ServiceHost
+    core: VerifierCore | None
+    port: int
+    _sweeper: asyncio.Task | None = None
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await self.host.stop(grace)
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+async def _sweep(core: VerifierCore) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        for sid in core.sessions.expire():
+            log.info("session expired", session_id=sid)
+
+
+async def start(cfg: VerifierConfig) -> RunningVerifier:
+    host = ServiceHost([SERVICE])
+    servicer = VerifierServicer()
+    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, host.server)
+    port = host.add_port(f"{cfg.host}:{cfg.port}")
+    await host.start()  # health answers NOT_SERVING while the model loads
+    log.info("verifier listening", address=f"{cfg.host}:{port}", phase="loading")
+    model_dir = cfg.model or str(await asyncio.to_thread(default_target_dir))
+    target = await asyncio.to_thread(load_target, model_dir, resolve_device(cfg.device), cfg.dtype)
+    core = VerifierCore(target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size, cfg.max_tokens_limit)
+    servicer.core = core
+    await host.set_serving(True)
+    log.info(
+        "verifier ready",
+        model=target.name,
+        architecture=target.architecture,
+        moe_layers=len(target.moe_layers),
+        experts_per_layer=target.experts_per_layer,
+        total_expert_bytes=target.total_expert_bytes,
+        device=str(target.device),
+    )
+    return RunningVerifier(host, core, port, asyncio.create_task(_sweep(core)))
+
+
+async def serve(cfg: VerifierConfig) -> None:
+    running = await start(cfg)
+    await serve_until_signal(running.host, cfg.grace_s, on_stop=lambda: running.stop(0))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cfgmod.add_arguments(parser, VerifierConfig)
+
+
+def run(args: argparse.Namespace) -> None:
+    cfg = cfgmod.from_sources(VerifierConfig, args)
+    configure(cfg.log_level)
+    log.info("configuration", service="verifier", **cfgmod.describe(cfg))
+    asyncio.run(serve(cfg))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pdflash serve-verifier", description="Serve the pdflash verifier")
+    add_arguments(parser)
+    run(parser.parse_args(argv))

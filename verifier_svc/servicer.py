@@ -1,0 +1,132 @@
+"""pdflash.v1.Verifier: validate, convert, call the core (on a worker thread), convert back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from pdflash import convert
+from pdflash.errors import FieldViolation, PdflashError, Unavailable, abort_with, check
+from pdflash.logging import get_logger
+from pdflash.types import FinishReason
+from pdflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from verifier_svc.engine import PrefillInput, StepOutput, VerifierCore
+
+log = get_logger("pdflash.verifier")
+
+
+def _finish_pb(f: FinishReason | None) -> int:
+    return int(f) if f is not None else 0
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, core: VerifierCore | None = None):
+        self.core = core  # None while the model loads: RPCs answer UNAVAILABLE
+        # One device: forwards run one at a time, off the event loop so health keeps answering.
+        self._device = asyncio.Lock()
+
+    async def _ready(self, context) -> VerifierCore:
+        if self.core is None:
+            await abort_with(context, Unavailable("verifier is still loading its model; retry when health is SERVING"))
+        return self.core
+
+    async def _run(self, fn, *args):
+        t0 = time.perf_counter()
+        async with self._device:
+            queued = (time.perf_counter() - t0) * 1e3
+            return await asyncio.to_thread(fn, *args), queued
+
+    def _timings(self, out: StepOutput, t_start: float, queued: float) -> common_pb2.Timings:
+        return common_pb2.Timings(
+            total_ms=(time.perf_counter() - t_start) * 1e3, forward_ms=out.forward_ms, accept_ms=out.accept_ms, queue_ms=queued
+        )
+
+    async def GetModelInfo(self, request, context):
+        await self._ready(context)
+        t = self.core.target
+        return verifier_pb2.VerifierModelInfo(
+            model=t.name,
+            architecture=t.architecture,
+            num_layers=t.num_layers,
+            hidden_size=t.hidden_size,
+            vocab_size=t.vocab_size,
+            max_context=t.max_context,
+            moe_layers=t.moe_layers,
+            experts_per_layer=t.experts_per_layer,
+            experts_per_token=t.experts_per_token,
+            expert_bytes=[verifier_pb2.LayerExpertBytes(layer=l, expert_bytes=b) for l, b in sorted(t.byte_map.items())],
+            total_expert_bytes=t.total_expert_bytes,
+            eos_token_ids=list(t.eos_token_ids),
+            dtype=str(t.dtype).removeprefix("torch."),
+            device=str(t.device),
+            max_block_size=self.core.max_block_size,
+            sessions_alive=len(self.core.sessions),
+            max_sessions=self.core.sessions.max_sessions,
+        )
+
+    async def Prefill(self, request, context):
+        t_start = time.perf_counter()
+        await self._ready(context)
+        try:
+            req = PrefillInput(
+                request_id=request.request_id,
+                prompt=tuple(request.prompt_tokens),
+                sampling=convert.sampling_from_pb(request.sampling),
+                max_tokens=int(request.max_tokens),
+                stop_token_ids=tuple(request.stop_token_ids),
+                ignore_eos=request.ignore_eos,
+                feature_layer_ids=tuple(request.feature_layer_ids),
+            )
+            self.core.validate_prefill(req)
+            out, queued = await self._run(self.core.prefill, req)
+        except PdflashError as e:
+            await abort_with(context, e)
+        log.info("prefill", request_id=request.request_id, session_id=out.session_id, prompt_tokens=len(req.prompt),
+                 forward_ms=round(out.forward_ms, 2))
+        return verifier_pb2.PrefillResponse(
+            session_id=out.session_id,
+            first_token=out.tokens[0],
+            finished=out.finished is not None,
+            finish_reason=_finish_pb(out.finished),
+            features=convert.array_to_pb(out.features),
+            routed_union=convert.union_to_pb(out.routed_union),
+            routed_bytes=out.routed_bytes,
+            timings=self._timings(out, t_start, queued),
+            committed_tokens=out.committed,
+        )
+
+    async def Verify(self, request, context):
+        t_start = time.perf_counter()
+        await self._ready(context)
+        try:
+            v = []
+            if not request.HasField("draft"):
+                v.append(FieldViolation("draft", "required"))
+            elif not request.draft.session_id:
+                v.append(FieldViolation("draft.session_id", "required"))
+            check(v, "invalid Verify request")
+            draft = convert.draft_from_pb(request.draft)
+            out, queued = await self._run(self.core.verify, draft, request.return_features)
+        except PdflashError as e:
+            await abort_with(context, e)
+        log.debug("verify", request_id=request.request_id, session_id=draft.session_id, round=draft.round,
+                  ticket_id=request.ticket_id, block=len(draft.tokens), accepted=out.num_accepted)
+        return verifier_pb2.VerifyResult(
+            session_id=out.session_id,
+            round=out.round,
+            accepted_tokens=out.tokens,
+            num_accepted_drafts=out.num_accepted,
+            committed_tokens=out.committed,
+            finished=out.finished is not None,
+            finish_reason=_finish_pb(out.finished),
+            features=convert.array_to_pb(out.features),
+            routed_union=convert.union_to_pb(out.routed_union),
+            routed_bytes=out.routed_bytes,
+            timings=self._timings(out, t_start, queued),
+        )
+
+    async def EndSession(self, request, context):
+        await self._ready(context)
+        return verifier_pb2.EndSessionResponse(ended=self.core.end(request.session_id))
