@@ -60,7 +60,7 @@ COPY --from=project /dist /tmp/dist
 RUN pip install --no-deps --no-cache-dir --disable-pip-version-check /tmp/dist/*.whl \
     && rm -rf /tmp/dist \
     && pip check \
-    && useradd --system --uid 10001 --user-group --create-home --home-dir /home/pdflash pdflash \
+    && useradd --uid 10001 --user-group --create-home --home-dir /home/pdflash pdflash \
     && mkdir -p /models && chown pdflash:pdflash /models
 USER pdflash
 WORKDIR /home/pdflash
@@ -69,7 +69,7 @@ WORKDIR /home/pdflash
 RUN python -c "from pdflash.defaults import default_target_dir; print('default model:', default_target_dir())"
 EXPOSE 50051 50052 50053 9101 9102 9103
 # Readiness of whichever service runs here: PDFLASH_PORT is its gRPC port (compose sets it).
-HEALTHCHECK --interval=5s --timeout=5s --start-period=120s --retries=3 \
+HEALTHCHECK --interval=5s --timeout=10s --start-period=120s --retries=3 \
     CMD pdflash health "127.0.0.1:${PDFLASH_PORT:-50051}"
 ENTRYPOINT ["pdflash"]
 CMD ["--help"]

@@ -26,7 +26,7 @@ export PDFLASH_PUBLISH_ADDR=127.0.0.1
 export PDFLASH_PUBLIC_PORT=${PDFLASH_PUBLIC_PORT:-$(free_port)}
 export PDFLASH_PUBLIC_METRICS_PORT=${PDFLASH_PUBLIC_METRICS_PORT:-$(free_port)}
 project=pdflash-test-$$
-dc() { docker-compose --no-ansi -p "$project" -f compose.yaml "$@"; }
+dc() { docker-compose --ansi never -p "$project" -f compose.yaml "$@"; }
 
 finish() {
     rc=$?
@@ -44,9 +44,12 @@ finish() {
     exit "$rc"
 }
 trap finish EXIT
+trap 'exit 143' TERM; trap 'exit 130' INT   # killed (a test timeout): still tear down
 
 dc config -q
-dc build
+build_log=$(mktemp)
+dc build >"$build_log" 2>&1 || { tail -n 60 "$build_log" >&2; exit 1; }
+rm -f "$build_log"
 phase "image built"
 dc up -d   # returns once the drafter is created: compose waited for scheduler/verifier healthy
 phase "up returned; waiting for the drafter to be healthy"

@@ -107,7 +107,7 @@ class SchedulerCore:
             if (held.tokens, held.expert_bytes) == (demand.tokens, demand.expert_bytes) and self.policy.renew(held.ticket_id, now):
                 blog.info("admit retried: returning the held ticket", ticket_id=held.ticket_id)
                 return self._issue(held, now)
-            self.policy.release(held.ticket_id, now)
+            self._release(held.ticket_id, "released: a new block was admitted for the same round")
         try:
             wid = self.policy.submit(demand, now)
         except QueueFull as e:

@@ -6,8 +6,11 @@ How a demand is seated:
 - Cost = dominant share: max(tokens / token_budget, bytes / byte_budget), in integer credit units
   where SCALE is one whole budget; clamped to [1, SCALE] (a demand over a budget costs one budget).
 - Sessions with waiting demands form a deficit round-robin ring. Each session carries credit in
-  [0, SCALE] across rounds (cap = SCALE >= every clamped cost). The head session is the pick while its
-  credit covers its oldest demand; otherwise it gains one quantum and goes to the back.
+  [0, SCALE] across rounds (cap = SCALE >= every clamped cost; forgotten once the session is idle for
+  forget_idle_s). The head session is the pick while its credit covers its oldest demand; otherwise it
+  gains one quantum and goes to the back. Seating pays the cost from the credit (floored at 0). So
+  under contention each session gets about one quantum of dominant share per turn, and a demand
+  costing k quanta waits k turns (among fresh sessions, cheaper demands are funded first).
 - The pick is seated if it fits both budgets, or if nothing is in flight (the alone rule: a demand
   bigger than a budget, or any demand under a zero budget, still runs, by itself).
 - A pick that does not fit blocks the ring. Other sessions' demands that fit may backfill the idle
@@ -239,7 +242,7 @@ class AdmissionPolicy:
 
     def _fits(self, demand: Demand) -> bool:
         if not len(self.leases):
-            return True  # the alone rule
+            return False
         return self.budgets.fit(self.leases.tokens_in_use, self.leases.bytes_in_use, demand.tokens, demand.expert_bytes)
 
     def _backfill(self, pick: _Waiter, now: float) -> list[Admission]:

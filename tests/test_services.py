@@ -1,0 +1,94 @@
+"""Every service answers health and reflection; the public API's metadata and errors behave."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
+
+from pdflash.client import Client
+from pdflash.v1 import drafter_pb2, scheduler_pb2, scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+SERVICES = {"drafter": "pdflash.v1.Drafter", "scheduler": "pdflash.v1.Scheduler", "verifier": "pdflash.v1.Verifier"}
+
+
+def reflection_services(target: str) -> set[str]:
+    with grpc.insecure_channel(target) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(iter(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)))
+        return {s.name for s in resp.list_services_response.service}
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_health_and_reflection(stack, name):
+    target = getattr(stack, name)
+    with grpc.insecure_channel(target) as ch:
+        h = health_pb2_grpc.HealthStub(ch)
+        for service in ("", SERVICES[name]):
+            r = h.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            h.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    names = reflection_services(target)
+    assert {SERVICES[name], "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+
+
+def test_request_id_echoed_and_returned_in_trailing_metadata(stack):
+    with Client(stack.drafter) as c:
+        call = c.stub.Generate(Client.request("x = 1\n", max_tokens=4, request_id="my-req-1"), timeout=60)
+        msgs = list(call)
+        assert all(m.request_id == "my-req-1" for m in msgs)
+        assert ("x-request-id", "my-req-1") in tuple(call.trailing_metadata())
+        assert msgs[-1].HasField("final") and sum(len(m.chunk.token_ids) for m in msgs[:-1]) == 4
+
+
+def test_invalid_generate_gets_field_violations(stack):
+    with Client(stack.drafter) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            list(c.stream(Client.request("", max_tokens=10**6, temperature=-2.0), timeout=30))
+    err = e.value
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    status = rpc_status.from_call(err)
+    fields = set()
+    for d in status.details:
+        br = error_details_pb2.BadRequest()
+        if d.Unpack(br):
+            fields |= {v.field for v in br.field_violations}
+    assert {"prompt", "max_tokens", "sampling.temperature"} <= fields
+
+
+def test_model_info_and_verifier_byte_map(stack):
+    with Client(stack.drafter) as c:
+        info = c.model_info()
+    assert info.architecture == "qwen3_moe"
+    assert set(info.drafters) == {1, 2, 3, 4}
+    with grpc.insecure_channel(stack.verifier) as ch:
+        vi = verifier_pb2_grpc.VerifierStub(ch).GetModelInfo(verifier_pb2.VerifierModelInfoRequest(), timeout=10)
+    assert vi.experts_per_layer == 8 and len(vi.expert_bytes) == len(vi.moe_layers)
+    assert vi.total_expert_bytes == sum(sum(l.expert_bytes) for l in vi.expert_bytes)
+
+
+def test_no_leaks_after_requests(stack):
+    """After streams finish (or are cancelled), no verifier session and no scheduler budget stays held."""
+    with Client(stack.drafter) as c:
+        c.generate("a = 1\n", max_tokens=8)
+        call = c.stream(Client.request("b = 2\n", max_tokens=200, drafter="none", ignore_eos=True), timeout=60)
+        next(call)
+        call.cancel()
+    import time
+
+    with grpc.insecure_channel(stack.verifier) as vch, grpc.insecure_channel(stack.scheduler) as sch:
+        for _ in range(50):
+            vi = verifier_pb2_grpc.VerifierStub(vch).GetModelInfo(verifier_pb2.VerifierModelInfoRequest(), timeout=5)
+            st = scheduler_pb2_grpc.SchedulerStub(sch).GetStats(scheduler_pb2.StatsRequest(), timeout=5)
+            if vi.sessions_alive == 0 and st.tokens_in_use == 0 and st.in_flight == 0:
+                break
+            time.sleep(0.1)
+    assert vi.sessions_alive == 0
+    assert st.tokens_in_use == 0 and st.bytes_in_use == 0 and st.in_flight == 0
