@@ -242,7 +242,7 @@ class AdmissionPolicy:
 
     def _fits(self, demand: Demand) -> bool:
         if not len(self.leases):
-            return False
+            return True  # the alone rule
         return self.budgets.fit(self.leases.tokens_in_use, self.leases.bytes_in_use, demand.tokens, demand.expert_bytes)
 
     def _backfill(self, pick: _Waiter, now: float) -> list[Admission]:

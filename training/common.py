@@ -149,6 +149,15 @@ class LossTable:
         return "\n".join(lines)
 
 
+def fit_steps(total: int, done: int, step_s: float, elapsed_s: float, budget_s: float) -> tuple[int, str | None]:
+    """Steps that fit a wall-time budget, given the measured time per step. (total, None) when all fit."""
+    fit = done + int(max(0.0, budget_s - elapsed_s) / max(step_s, 1e-9))
+    if fit >= total:
+        return total, None
+    return max(fit, done + 1), (f"time budget {budget_s:.0f}s: {step_s * 1000:.0f} ms/step projects past it; "
+                                f"training {max(fit, done + 1)} steps instead of {total}")
+
+
 def cosine_lr(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup

@@ -88,16 +88,20 @@ class Split:
         }
 
 
-def load_split(root: pathlib.Path | None = None, max_train_files: int | None = None) -> Split:
-    """The split on this machine: listed files that exist, and target-train = all the others."""
+def load_split(root: pathlib.Path | None = None, max_files: int | None = None) -> Split:
+    """The split on this machine: listed files that exist, and target-train = all the others.
+
+    `max_files` (smoke runs) keeps at most that many files of each part: for target-train a
+    deterministic sample spread over the library, for the fixed lists their first entries.
+    """
     root = root or stdlib_root()
     files = find_files(root)
     heldout = [r for r in read_list(HELDOUT_LIST) if r in files]
     drafter = [r for r in read_list(DRAFTER_LIST) if r in files]
     fixed = set(read_list(HELDOUT_LIST)) | set(read_list(DRAFTER_LIST))
     train = [r for r in files if r not in fixed]
-    if max_train_files is not None:  # smoke runs: a deterministic sample spread over the library
-        train = sorted(train, key=_hash)[:max_train_files]
+    if max_files is not None:
+        train, drafter, heldout = sorted(train, key=_hash)[:max_files], drafter[:max_files], heldout[:max_files]
     return Split(root, train, drafter, heldout)
 
 

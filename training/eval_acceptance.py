@@ -52,10 +52,12 @@ def repo_code_files(root: pathlib.Path = REPO) -> list[pathlib.Path]:
 
 
 def prompt_sets(tok, n_prompts: int, prompt_len: int, n_new: int, seed: int, max_files: int | None = None) -> dict:
-    split = load_split()
-    held = split.heldout[:max_files] if max_files else split.heldout
-    stdlib_docs = encode_docs(tok, [t for t in (read_text(split.root / r) for r in held) if t])
+    split = load_split(max_files=max_files)
+    held = split.heldout
+    stdlib_docs = encode_docs(tok, split.texts("heldout"))
     files = repo_code_files()
+    if max_files:  # smoke runs: the largest few
+        files = sorted(files, key=lambda f: -f.stat().st_size)[:max_files]
     repo_docs = encode_docs(tok, [t for t in (read_text(p) for p in files) if t])
     # Prompts need text after them only so that they start inside a file, not at its very end.
     return {
@@ -247,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--drafters", default=",".join(DRAFTERS))
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--max-files", type=int, default=None, help="smoke runs: use only this many held-out files")
+    ap.add_argument("--max-files", type=int, default=None, help="smoke runs: use at most this many files per set")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer

@@ -20,9 +20,7 @@ from training.corpus import encode_docs, load_split, prompt_windows
 
 def make_rollouts(target, tok, count: int, prompt_lens: list[int], seq_len: int, device, seed: int,
                   chunk: int = 4096, max_files: int | None = None) -> np.ndarray:
-    split = load_split()
-    if max_files:
-        split.drafter = split.drafter[:max_files]
+    split = load_split(max_files=max_files)
     docs = encode_docs(tok, split.texts("drafter"))
     out = []
     per = [count // len(prompt_lens) + (i < count % len(prompt_lens)) for i in range(len(prompt_lens))]
@@ -45,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk", type=int, default=4096, help="sequences decoded together")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--max-files", type=int, default=None, help="smoke runs: use only this many drafter-only files")
+    ap.add_argument("--max-files", type=int, default=None, help="smoke runs: use at most this many files per part")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer

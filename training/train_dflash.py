@@ -14,7 +14,6 @@ block position k (k >= 1) is weighted exp(-(k-1)/gamma). Saved with drafter_svc.
 from __future__ import annotations
 
 import argparse
-import math
 import pathlib
 import time
 
@@ -23,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from drafter_svc.dflash_model import DFlashDraftModel, DFlashSpec
-from training.common import (LossTable, autocast, cosine_lr, device_name, dflash_blocks, draft_hidden, load_target,
-                             pick_device, seed_all, target_features, write_json)
+from training.common import (LossTable, autocast, cosine_lr, device_name, dflash_blocks, draft_hidden, fit_steps,
+                             load_target, pick_device, seed_all, target_features, write_json)
 from training.corpus import MASK, concat, encode_docs, load_split
 
 
@@ -118,12 +117,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--weight-decay", type=float, default=0.01)
-    ap.add_argument("--max-minutes", type=float, default=None,
-                    help="stop early (and say so) if training passes this wall time; keeps a device run inside its limit")
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="fit the run to this wall time: after 25 steps, --steps becomes what fits (logged; the cosine "
+                         "schedule follows); reproduce a run with the --steps it reports")
     ap.add_argument("--log-every", type=int, default=None, help="steps between loss-table rows (default: steps / 12)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--max-files", type=int, default=None, help="smoke runs: use only this many corpus files")
+    ap.add_argument("--max-files", type=int, default=None, help="smoke runs: use at most this many files per part")
     args = ap.parse_args(argv)
 
     from tqdm.auto import tqdm
@@ -137,9 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     mask_id = tok.convert_tokens_to_ids(MASK)
 
     t0 = time.time()
-    split = load_split(max_train_files=args.max_files)
-    if args.max_files:
-        split.drafter = split.drafter[: args.max_files]
+    split = load_split(max_files=args.max_files)
     corpus = concat(encode_docs(tok, split.texts("train") + split.texts("drafter")))
     rollouts = np.load(args.rollouts) if args.rollouts else None
     if rollouts is not None and rollouts.shape[1] < args.seq_len:
@@ -160,18 +158,19 @@ def main(argv: list[str] | None = None) -> dict:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    log_every = args.log_every or max(1, args.steps // 12)
-    table = LossTable(f"drafter loss curve ({args.steps} steps, {args.batch} seqs x {args.anchors} blocks of {args.block})",
+    total = args.steps
+    log_every = args.log_every or max(1, total // 12)
+    table = LossTable(f"drafter loss curve ({args.batch} seqs x {args.anchors} blocks of {args.block} per step)",
                       ["loss", "acc1", "acc2", "acc4", "acc8", "est_tau", "lr"])
     sums = {"loss": 0.0, "tau": 0.0, "n": 0}
     acc_sum = torch.zeros(args.block - 1, device=device)
-    t_train = time.time()
-    stopped_early = False
-    bar = tqdm(total=args.steps, desc="drafter", mininterval=5.0)
+    t_train = t_probe = time.time()
+    bar = tqdm(total=total, desc="drafter", mininterval=5.0)
     step = 0
-    for step in range(1, args.steps + 1):
+    while step < total:
+        step += 1
         ids = torch.from_numpy(batches.next(args.batch)).to(device, non_blocking=True)
-        lr = cosine_lr(step - 1, args.steps, args.lr, args.warmup)
+        lr = cosine_lr(step - 1, total, args.lr, args.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
         with autocast(device):
@@ -185,19 +184,23 @@ def main(argv: list[str] | None = None) -> dict:
         sums["tau"] += tau
         sums["n"] += 1
         acc_sum += acc
-        if step % log_every == 0 or step == args.steps:
+        if step == 5:
+            t_probe = time.time()
+        if step == 25 and args.time_budget_s:
+            fit, _ = fit_steps(10**9, step, (time.time() - t_probe) / 20, time.time() - t_train, args.time_budget_s)
+            total = min(fit, args.steps)
+            bar.total = total
+            if args.log_every is None:
+                log_every = max(1, total // 12)
+            bar.write(f"time budget {args.time_budget_s:.0f}s at {(time.time() - t_probe) / 20 * 1000:.0f} ms/step: "
+                      f"{total} steps")
+        if step % log_every == 0 or step == total:
             a = (acc_sum / sums["n"]).tolist()
             pick = {f"acc{k}": a[k - 1] for k in (1, 2, 4, 8) if k <= len(a)}
             row = table.add(step, loss=sums["loss"] / sums["n"], est_tau=sums["tau"] / sums["n"], lr=lr, **pick)
             bar.write(f"step {step}: loss {row['loss']:.4f} est. tau@{args.block} {row['est_tau']:.3f} acc1 {a[0]:.3f}")
             sums = {"loss": 0.0, "tau": 0.0, "n": 0}
             acc_sum.zero_()
-        if args.max_minutes and time.time() - t_train > args.max_minutes * 60:
-            stopped_early = True
-            bar.write(f"stopping at step {step}: past --max-minutes {args.max_minutes}")
-            if sums["n"]:
-                table.add(step, loss=sums["loss"] / sums["n"], est_tau=sums["tau"] / sums["n"], lr=lr)
-            break
     bar.close()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -210,7 +213,6 @@ def main(argv: list[str] | None = None) -> dict:
         "device": device_name(device),
         "params": n_params,
         "steps": step,
-        "stopped_early": stopped_early,
         "train_seconds": round(t_train, 1),
         "seconds_per_step": round(t_train / max(step, 1), 4),
         "final_loss": table.rows[-1]["loss"],

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from training.common import LossTable, autocast, cosine_lr, device_name, pick_device, seed_all, write_json
+from training.common import LossTable, autocast, cosine_lr, device_name, fit_steps, pick_device, seed_all, write_json
 from training.corpus import EOS, concat, encode_docs, load_split
 
 
@@ -105,9 +105,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--evals", type=int, default=14, help="held-out evaluations over the run")
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="safety net for device runs: if the first steps project past this, train fewer steps (logged)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--max-train-files", type=int, default=None, help="smoke runs: use only this many files")
+    ap.add_argument("--max-files", type=int, default=None, help="smoke runs: use at most this many files per part")
     ap.add_argument("--max-eval-windows", type=int, default=None, help="smoke runs: cap the evaluation windows")
     args = ap.parse_args(argv)
 
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     eos_id = tok.convert_tokens_to_ids(EOS)
 
     t0 = time.time()
-    split = load_split(max_train_files=args.max_train_files)
+    split = load_split(max_files=args.max_files)
     train = concat(encode_docs(tok, split.texts("train")))
     heldout = windows(concat(encode_docs(tok, split.texts("heldout"))), args.seq_len)
     val = windows(concat(encode_docs(tok, split.texts("drafter"))), args.seq_len)  # never trained on by the target
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     table = LossTable(f"target loss curve ({total} steps, {args.batch}x{args.seq_len} tokens/step)",
                       ["epoch", "train", "val", "heldout", "heldout_ppl", "lr"])
     eval_at = sorted({int(round(total * (i + 1) / args.evals)) for i in range(args.evals)})
-    step, running, n_running = 0, 0.0, 0
+    step, running, n_running, t_probe = 0, 0.0, 0, 0.0
     t_train = time.time()
     bar = tqdm(total=total, desc="target", mininterval=5.0)
     while step < total:
@@ -170,6 +172,14 @@ def main(argv: list[str] | None = None) -> dict:
             opt.zero_grad(set_to_none=True)
             step += 1
             bar.update(1)
+            if step == 5:
+                t_probe = time.time()
+            if step == 25 and args.time_budget_s:
+                total, note = fit_steps(total, step, (time.time() - t_probe) / 20, time.time() - t_train, args.time_budget_s)
+                if note:
+                    bar.write(note)
+                    bar.total = total
+                    eval_at = sorted({int(round(total * (i + 1) / args.evals)) for i in range(args.evals)})
             running += float(out.loss.detach()) - args.aux_coef * float(out.aux_loss.detach())
             n_running += 1
             if step in eval_at:
@@ -199,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
         "corpus": {**split.summary(), "train_tokens": int(len(train)), "heldout_tokens": int(heldout.size),
                    "val_tokens": int(val.size)},
         "steps": total,
+        "steps_requested": max(1, int(args.epochs * steps_per_epoch)),
         "tokens_per_step": args.batch * args.seq_len,
         "epochs": args.epochs,
         "train_seconds": round(t_train, 1),
