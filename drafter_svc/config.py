@@ -28,6 +28,7 @@ class DrafterConfig:
     max_concurrent: int = option(64, "requests generating at once; beyond it Generate answers RESOURCE_EXHAUSTED")
     ngram_min_match: int = option(3, "hybrid: use the n-gram proposal when at least this many tokens match")
     upstream_wait_s: float = option(120.0, "at start, how long to wait for the scheduler and verifier to be ready")
+    metrics_port: int = option(9101, "Prometheus /metrics HTTP port (0 = any free port, -1 = off)")
     grace_s: float = option(5.0, "shutdown grace period for in-flight streams")
     log_level: str = option("info", "debug, info, warning, error")
 

@@ -57,6 +57,8 @@ class Tokens:
 
     token_ids: list[int]
     round: int
+    drafted: int = 0  # draft tokens verified this round
+    accepted: int = 0  # of which accepted
 
 
 @dataclasses.dataclass
@@ -76,6 +78,23 @@ class Deadline:
         if left <= 0:
             raise DeadlineExceeded("the request's deadline passed before it finished")
         return left
+
+
+async def _admit(scheduler, request_id: str, draft: DraftResult, timeout: float | None):
+    """Admit, but if we are cancelled while the answer is on its way, release the ticket it brings.
+
+    Without this, a client that leaves at the wrong moment strands a lease until it expires.
+    """
+    task = asyncio.ensure_future(scheduler.admit(request_id, draft, timeout))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        def give_back(t: asyncio.Task) -> None:
+            if not t.cancelled() and t.exception() is None:
+                asyncio.ensure_future(scheduler.release(t.result().ticket_id))
+
+        task.add_done_callback(give_back)
+        raise
 
 
 async def run_request(
@@ -141,7 +160,7 @@ async def run_request(
                 expert_bytes=union_bytes(union, byte_map),
             )
             t0 = time.perf_counter()
-            ticket = await scheduler.admit(req.request_id, draft, deadline.remaining())
+            ticket = await _admit(scheduler, req.request_id, draft, deadline.remaining())
             t1 = time.perf_counter()
             usage.admit_ms += (t1 - t0) * 1e3
             try:
@@ -171,7 +190,7 @@ async def run_request(
                 drafter.commit(committed, res.features)
                 anchor = res.tokens[-1]
                 union = res.routed_union
-            yield Tokens(res.tokens, rnd)
+            yield Tokens(res.tokens, rnd, len(drafts), res.num_accepted)
         yield Finished(finished, usage)
     finally:
         drafter.close()

@@ -11,6 +11,7 @@ from pdflash import config as cfgmod
 from pdflash.defaults import default_drafter_dir, default_target_dir
 from pdflash.errors import PdflashError, Unavailable
 from pdflash.logging import configure, get_logger
+from pdflash.metrics import DrafterMetrics, start_metrics_server_logged
 from pdflash.server import ServiceHost, serve_until_signal
 from pdflash.types import DrafterKind
 from pdflash.v1 import drafter_pb2, drafter_pb2_grpc
@@ -29,9 +30,13 @@ class RunningDrafter:
     host: ServiceHost
     door: FrontDoor
     port: int
+    metrics_server: object | None = None
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.host.stop(grace)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
         await self.door.verifier.close()
         await self.door.scheduler.close()
 
@@ -74,7 +79,9 @@ def build_factories(cfg: DrafterConfig, model_dir: str) -> tuple[dict[DrafterKin
 
 async def start(cfg: DrafterConfig) -> RunningDrafter:
     host = ServiceHost([SERVICE])
-    servicer = DrafterServicer()
+    metrics = DrafterMetrics()
+    metrics_server = start_metrics_server_logged(cfg.metrics_port, cfg.host, metrics, log)
+    servicer = DrafterServicer(metrics=metrics)
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, host.server)
     port = host.add_port(f"{cfg.host}:{cfg.port}")
     await host.start()
@@ -94,7 +101,7 @@ async def start(cfg: DrafterConfig) -> RunningDrafter:
     await host.set_serving(True)
     log.info("drafter ready", model=target.model, drafters=[k.name.lower() for k in factories], default=default.name.lower(),
              block_size=cfg.block_size)
-    return RunningDrafter(host, servicer.door, port)
+    return RunningDrafter(host, servicer.door, port, metrics_server)
 
 
 async def serve(cfg: DrafterConfig) -> None:

@@ -48,8 +48,9 @@ def _request_id(request, context) -> str:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, door: FrontDoor | None = None):
+    def __init__(self, door: FrontDoor | None = None, metrics=None):
         self.door = door  # None until the upstream services answer
+        self.metrics = metrics  # pdflash.metrics.DrafterMetrics or None
         self._running: dict[str, asyncio.Event] = {}
 
     def _to_request(self, request, request_id: str) -> tuple[Request, DrafterKind]:
@@ -117,6 +118,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         structlog.contextvars.bind_contextvars(request_id=request_id)
         gen = None
         registered = False
+        timer = None
+        outcome = "error"
         try:
             if self.door is None:
                 raise Unavailable("drafter is still starting (waiting for the scheduler and verifier); retry when health is SERVING")
@@ -125,6 +128,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 raise InvalidArgument(f"request_id {request_id!r} is already running", [FieldViolation("request_id", "must be unique among running requests")])
             if len(self._running) >= self.door.cfg.max_concurrent:
                 raise ResourceExhausted(f"{len(self._running)} requests already running (limit {self.door.cfg.max_concurrent}); retry shortly")
+            if self.metrics is not None:
+                timer = self.metrics.request(len(req.prompt))
+                timer.started()
             abort = asyncio.Event()
             self._running[request_id] = abort
             registered = True
@@ -136,11 +142,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             )
             async for ev in gen:
                 if isinstance(ev, Tokens):
+                    if timer is not None:
+                        timer.tokens(len(ev.token_ids))
+                        if ev.round > 0:
+                            self.metrics.record_draft(ev.drafted, ev.accepted)
                     yield drafter_pb2.GenerateResponse(
                         request_id=request_id,
                         chunk=drafter_pb2.TokenChunk(token_ids=ev.token_ids, text=detok.add(ev.token_ids), round=ev.round),
                     )
                 elif isinstance(ev, Finished):
+                    outcome = ev.reason.name.lower()
                     u = ev.usage
                     log.info("finished", finish_reason=ev.reason.name.lower(), completion_tokens=u.completion_tokens,
                              rounds=u.rounds, mean_acceptance_length=round(u.mean_acceptance_length, 3))
@@ -166,7 +177,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         except PdflashError as e:
             log.info("generate failed", code=e.code.name, error=e.message)
             await abort_with(context, e)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
         finally:
+            if timer is not None:
+                timer.finished(outcome)
             if gen is not None:
                 await gen.aclose()
             if registered:

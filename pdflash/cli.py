@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import sys
 import time
@@ -151,18 +152,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from drafter_svc import server as drafter_server
-    from scheduler_svc import server as scheduler_server
-    from verifier_svc import server as verifier_server
+    # Only the option classes are imported here: `pdflash health` and `generate` must start fast
+    # (container healthchecks run them), so a service's heavy modules load when it is served.
+    from drafter_svc.config import DrafterConfig
+    from pdflash.config import add_arguments
+    from scheduler_svc.config import SchedulerConfig
+    from verifier_svc.config import VerifierConfig
 
-    for name, mod, help_text in (
-        ("serve-scheduler", scheduler_server, "serve the scheduler (verify admission)"),
-        ("serve-verifier", verifier_server, "serve the verifier (target model, KV cache, experts)"),
-        ("serve-drafter", drafter_server, "serve the drafter: the public Generate API"),
+    for name, cls, module, help_text in (
+        ("serve-scheduler", SchedulerConfig, "scheduler_svc.server", "serve the scheduler (verify admission)"),
+        ("serve-verifier", VerifierConfig, "verifier_svc.server", "serve the verifier (target model, KV cache, experts)"),
+        ("serve-drafter", DrafterConfig, "drafter_svc.server", "serve the drafter: the public Generate API"),
     ):
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG)
-        mod.add_arguments(p)
-        p.set_defaults(func=lambda a, m=mod: m.run(a) or 0)
+        add_arguments(p, cls)
+        p.set_defaults(func=lambda a, m=module: importlib.import_module(m).run(a) or 0)
 
     p = sub.add_parser("up", help="start all three services (foreground; Ctrl-C stops them)")
     _add_stack_args(p)

@@ -198,3 +198,15 @@ def start_metrics_server(port: int, host: str = "127.0.0.1", metrics: _Metrics |
         registry = metrics.registry if metrics is not None else new_registry()
     httpd, thread = start_http_server(port, addr=host, registry=registry)
     return MetricsServer(host, httpd.server_port, httpd, thread)
+
+
+def start_metrics_server_logged(port: int, host: str, metrics: _Metrics, log) -> MetricsServer | None:
+    """start_metrics_server, but a port already in use is a warning, not a crash of the service."""
+    try:
+        server = start_metrics_server(port, host, metrics)
+    except OSError as e:
+        log.warning("metrics endpoint not started", port=port, error=str(e))
+        return None
+    if server is not None:
+        log.info("metrics endpoint", url=server.url)
+    return server

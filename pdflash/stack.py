@@ -41,6 +41,7 @@ class StackSpec:
     drafter_port: int = 50051
     scheduler_port: int = 50052
     verifier_port: int = 50053
+    metrics_ports: tuple[int, int, int] = (9101, 9102, 9103)  # drafter, scheduler, verifier; -1 = off
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     scheduler_args: list[str] = dataclasses.field(default_factory=list)
     verifier_args: list[str] = dataclasses.field(default_factory=list)
@@ -72,15 +73,15 @@ class Stack:
         s = self.spec
         base = [sys.executable, "-m", "pdflash.cli"]
         if name == "scheduler":
-            return base + ["serve-scheduler", "--port", str(s.scheduler_port), *s.scheduler_args]
+            return base + ["serve-scheduler", "--port", str(s.scheduler_port), "--metrics-port", str(s.metrics_ports[1]), *s.scheduler_args]
         if name == "verifier":
-            cmd = base + ["serve-verifier", "--port", str(s.verifier_port)]
+            cmd = base + ["serve-verifier", "--port", str(s.verifier_port), "--metrics-port", str(s.metrics_ports[2])]
             if s.model:
                 cmd += ["--model", s.model]
             return cmd + s.verifier_args
         cmd = base + [
             "serve-drafter", "--host", s.drafter_host, "--port", str(s.drafter_port),
-            "--scheduler", self.scheduler, "--verifier", self.verifier,
+            "--scheduler", self.scheduler, "--verifier", self.verifier, "--metrics-port", str(s.metrics_ports[0]),
         ]
         if s.model:
             cmd += ["--model", s.model]

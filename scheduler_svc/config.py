@@ -20,6 +20,7 @@ class SchedulerConfig:
     max_waiting: int = option(1024, "demands queued at once; beyond it Admit answers RESOURCE_EXHAUSTED")
     max_waiting_per_session: int = option(4, "demands one session may have queued at once")
     max_bypass: int = option(8, "times newer demands may be seated past a blocked one before admission waits for it (0 = strict order)")
+    metrics_port: int = option(9102, "Prometheus /metrics HTTP port (0 = any free port, -1 = off)")
     grace_s: float = option(5.0, "shutdown grace period for in-flight RPCs")
     log_level: str = option("info", "debug, info, warning, error")
     ticket_secret: str = option("", "HMAC-SHA256 key for ticket signatures; empty = tickets are not signed", secret=True)

@@ -67,6 +67,7 @@ class SchedulerCore:
         self._hold_s = 0.1  # moving average of how long leases are held: the retry delay we suggest
         self._closed = False
         self._expiry_task: asyncio.Task[None] | None = None
+        self.metrics = None  # pdflash.metrics.SchedulerMetrics, set by the server
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -137,6 +138,8 @@ class SchedulerCore:
                 )
             lease = fut.result()
             ticket = self._issue(lease, self._clock())
+            if self.metrics is not None:
+                self.metrics.admission_wait.observe(ticket.waited_ms / 1000.0)
             blog.debug("admitted", ticket_id=lease.ticket_id, waited_ms=ticket.waited_ms, alone=lease.alone)
             handed_over = True
             return ticket
@@ -169,6 +172,8 @@ class SchedulerCore:
     def expire_now(self) -> int:
         """Reclaim expired leases (the background task calls this); returns how many."""
         expired = self.policy.expire(self._clock())
+        if expired and self.metrics is not None:
+            self.metrics.tickets_expired.inc(len(expired))
         for lease in expired:
             log.warning(
                 "lease expired: budget reclaimed",

@@ -13,6 +13,7 @@ import sys
 
 from pdflash import config as pconfig
 from pdflash import logging as plogging
+from pdflash.metrics import SchedulerMetrics, start_metrics_server_logged
 from pdflash.server import ServiceHost, serve_until_signal
 from pdflash.v1 import scheduler_pb2_grpc
 from scheduler_svc.config import SchedulerConfig
@@ -30,6 +31,7 @@ class RunningScheduler:
     host: ServiceHost
     core: SchedulerCore
     port: int
+    metrics_server: object | None = None
 
     @property
     def address(self) -> str:
@@ -41,10 +43,19 @@ class RunningScheduler:
         self.core.close()
         await self.host.stop(self.cfg.grace_s if grace is None else grace)
         await self.core.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
 
 
 async def start(cfg: SchedulerConfig) -> RunningScheduler:
     core = SchedulerCore(cfg)
+    metrics = SchedulerMetrics()
+    core.metrics = metrics
+    metrics.budget_tokens_in_use.set_function(lambda: core.stats().tokens_in_use)
+    metrics.budget_bytes_in_use.set_function(lambda: core.stats().bytes_in_use)
+    metrics.queue_length.set_function(lambda: core.stats().waiting)
+    metrics_server = start_metrics_server_logged(cfg.metrics_port, cfg.host, metrics, log)
     host = ServiceHost([SERVICE_NAME])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(core), host.server)
     port = host.add_port(f"{cfg.host}:{cfg.port}")
@@ -58,7 +69,7 @@ async def start(cfg: SchedulerConfig) -> RunningScheduler:
         byte_budget=cfg.byte_budget or "unlimited",
         lease_s=cfg.lease_s,
     )
-    return RunningScheduler(cfg=cfg, host=host, core=core, port=port)
+    return RunningScheduler(cfg=cfg, host=host, core=core, port=port, metrics_server=metrics_server)
 
 
 async def serve(cfg: SchedulerConfig, stop_event: asyncio.Event | None = None) -> None:

@@ -47,6 +47,7 @@ def start_stack(model: pathlib.Path | str, drafter: pathlib.Path | str | None, l
         drafter_port=free_port(),
         scheduler_port=free_port(),
         verifier_port=free_port(),
+        metrics_ports=(free_port(), free_port(), free_port()),
         log_dir=str(log_dir),
         **kw,
     )

@@ -92,3 +92,33 @@ def test_no_leaks_after_requests(stack):
             time.sleep(0.1)
     assert vi.sessions_alive == 0
     assert st.tokens_in_use == 0 and st.bytes_in_use == 0 and st.in_flight == 0
+
+
+def scrape(port: int) -> str:
+    import urllib.request
+
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
+def metric_value(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_metrics_endpoints_count_what_happened(stack):
+    d_port, s_port, v_port = stack.spec.metrics_ports
+    before = metric_value(scrape(d_port), "pdflash_generation_tokens_total")
+    with Client(stack.drafter) as c:
+        got = c.generate("def f(x):\n", max_tokens=12, drafter="ngram", ignore_eos=True)
+    d = scrape(d_port)
+    assert metric_value(d, "pdflash_generation_tokens_total") - before == len(got.token_ids) == 12
+    assert metric_value(d, "pdflash_time_to_first_token_seconds_count") >= 1
+    assert metric_value(d, "pdflash_spec_decode_num_drafts_total") >= got.usage.rounds
+    s = scrape(s_port)
+    assert metric_value(s, "pdflash_admission_wait_seconds_count") >= got.usage.rounds
+    assert metric_value(s, "pdflash_budget_tokens_in_use") == 0
+    v = scrape(v_port)
+    assert metric_value(v, "pdflash_verify_latency_seconds_count") >= got.usage.rounds
+    assert metric_value(v, "pdflash_sessions_alive") == 0

@@ -19,6 +19,7 @@ class VerifierConfig:
     session_ttl_s: float = option(120.0, "an idle session is ended after this many seconds")
     max_block_size: int = option(32, "largest verify block (anchor + drafts)")
     max_tokens_limit: int = option(4096, "largest max_tokens a request may ask for")
+    metrics_port: int = option(9103, "Prometheus /metrics HTTP port (0 = any free port, -1 = off)")
     grace_s: float = option(5.0, "shutdown grace period for in-flight RPCs")
     log_level: str = option("info", "debug, info, warning, error")
 

@@ -11,6 +11,7 @@ import torch
 from pdflash import config as cfgmod
 from pdflash.defaults import default_target_dir
 from pdflash.logging import configure, get_logger
+from pdflash.metrics import VerifierMetrics, start_metrics_server_logged
 from pdflash.server import ServiceHost, serve_until_signal
 from pdflash.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.config import VerifierConfig
@@ -28,11 +29,15 @@ class RunningVerifier:
     core: VerifierCore | None
     port: int
     _sweeper: asyncio.Task | None = None
+    metrics_server: object | None = None
 
     async def stop(self, grace: float = 1.0) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
         await self.host.stop(grace)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
 
 
 def resolve_device(name: str) -> str:
@@ -50,7 +55,9 @@ async def _sweep(core: VerifierCore) -> None:
 
 async def start(cfg: VerifierConfig) -> RunningVerifier:
     host = ServiceHost([SERVICE])
-    servicer = VerifierServicer()
+    metrics = VerifierMetrics()
+    metrics_server = start_metrics_server_logged(cfg.metrics_port, cfg.host, metrics, log)
+    servicer = VerifierServicer(metrics=metrics)
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, host.server)
     port = host.add_port(f"{cfg.host}:{cfg.port}")
     await host.start()  # health answers NOT_SERVING while the model loads
@@ -59,6 +66,7 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
     target = await asyncio.to_thread(load_target, model_dir, resolve_device(cfg.device), cfg.dtype)
     core = VerifierCore(target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size, cfg.max_tokens_limit)
     servicer.core = core
+    metrics.sessions_alive.set_function(lambda: len(core.sessions))
     await host.set_serving(True)
     log.info(
         "verifier ready",
@@ -69,7 +77,7 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         total_expert_bytes=target.total_expert_bytes,
         device=str(target.device),
     )
-    return RunningVerifier(host, core, port, asyncio.create_task(_sweep(core)))
+    return RunningVerifier(host, core, port, asyncio.create_task(_sweep(core)), metrics_server)
 
 
 async def serve(cfg: VerifierConfig) -> None:

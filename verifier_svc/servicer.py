@@ -22,7 +22,8 @@ def _finish_pb(f: FinishReason | None) -> int:
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, core: VerifierCore | None = None):
+    def __init__(self, core: VerifierCore | None = None, metrics=None):
+        self.metrics = metrics  # pdflash.metrics.VerifierMetrics or None
         self.core = core  # None while the model loads: RPCs answer UNAVAILABLE
         # One device: forwards run one at a time, off the event loop so health keeps answering.
         self._device = asyncio.Lock()
@@ -42,6 +43,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return common_pb2.Timings(
             total_ms=(time.perf_counter() - t_start) * 1e3, forward_ms=out.forward_ms, accept_ms=out.accept_ms, queue_ms=queued
         )
+
+    def _observe(self, out: StepOutput, t_start: float, prefill: bool) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        (m.prefill_latency if prefill else m.verify_latency).observe(time.perf_counter() - t_start)
+        # Every expert is resident on this verifier (no offloaded store yet): each routed expert is a hit.
+        m.expert_cache_hits.inc(sum(len(ids) for ids in out.routed_union.values()))
 
     async def GetModelInfo(self, request, context):
         await self._ready(context)
@@ -83,6 +92,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             out, queued = await self._run(self.core.prefill, req)
         except PdflashError as e:
             await abort_with(context, e)
+        self._observe(out, t_start, prefill=True)
         log.info("prefill", request_id=request.request_id, session_id=out.session_id, prompt_tokens=len(req.prompt),
                  forward_ms=round(out.forward_ms, 2))
         return verifier_pb2.PrefillResponse(
@@ -111,6 +121,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             out, queued = await self._run(self.core.verify, draft, request.return_features)
         except PdflashError as e:
             await abort_with(context, e)
+        self._observe(out, t_start, prefill=False)
         log.debug("verify", request_id=request.request_id, session_id=draft.session_id, round=draft.round,
                   ticket_id=request.ticket_id, block=len(draft.tokens), accepted=out.num_accepted)
         return verifier_pb2.VerifyResult(
