@@ -12,6 +12,8 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 
+import structlog
+
 from pdflash.errors import DeadlineExceeded
 from pdflash.logging import get_logger
 from pdflash.types import DraftResult, FinishReason, SamplingParams, union_bytes
@@ -80,20 +82,50 @@ class Deadline:
         return left
 
 
-async def _admit(scheduler, request_id: str, draft: DraftResult, timeout: float | None):
-    """Admit, but if we are cancelled while the answer is on its way, release the ticket it brings.
+# How long the clean-up Admit of a timed-out Admit may wait (see _reclaim).
+RECLAIM_TIMEOUT_S = 2.0
+_background: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
 
-    Without this, a client that leaves at the wrong moment strands a lease until it expires.
+
+def _in_background(coro) -> None:
+    task = asyncio.ensure_future(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def _reclaim(scheduler, request_id: str, draft: DraftResult) -> None:
+    """An Admit that hit its deadline may still have been seated: the ticket was lost on the way back.
+
+    Admitting the same block again returns the ticket the scheduler holds for that (session, round)
+    (or seats a fresh one); releasing it gives the budget back now instead of at the lease's expiry.
+    """
+    try:
+        ticket = await scheduler.admit(request_id, draft, RECLAIM_TIMEOUT_S)
+        await scheduler.release(ticket.ticket_id)
+    except Exception as e:  # nothing was held, or the scheduler is gone: the lease expires anyway
+        log.debug("reclaim after a timed-out admit", session_id=draft.session_id, round=draft.round, error=str(e))
+
+
+async def _admit(scheduler, request_id: str, draft: DraftResult, timeout: float | None):
+    """Admit, never stranding a lease: if we are cancelled while the answer is on its way, release the
+    ticket it brings; if the Admit timed out, reclaim the ticket that may have been issued anyway.
     """
     task = asyncio.ensure_future(scheduler.admit(request_id, draft, timeout))
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
         def give_back(t: asyncio.Task) -> None:
-            if not t.cancelled() and t.exception() is None:
-                asyncio.ensure_future(scheduler.release(t.result().ticket_id))
+            if t.cancelled():
+                return
+            if t.exception() is None:
+                _in_background(scheduler.release(t.result().ticket_id))
+            elif isinstance(t.exception(), DeadlineExceeded):
+                _in_background(_reclaim(scheduler, request_id, draft))
 
         task.add_done_callback(give_back)
+        raise
+    except DeadlineExceeded:
+        _in_background(_reclaim(scheduler, request_id, draft))
         raise
 
 
@@ -111,6 +143,16 @@ async def _drain(releases: list[asyncio.Future], usage: Usage) -> None:
         t0 = time.perf_counter()
         await asyncio.shield(asyncio.gather(*pending, return_exceptions=True))
         usage.admit_ms += (time.perf_counter() - t0) * 1e3
+
+
+async def _clean_up(verifier, session_id: str, releases: list[asyncio.Future], usage: Usage) -> None:
+    await _drain(releases, usage)
+    if session_id:
+        # Cancelled, aborted or failed mid-way: free the verifier's KV now, not at its idle timeout.
+        try:
+            await verifier.end(session_id)
+        except Exception as e:
+            log.warning("end session failed", session_id=session_id, error=str(e))
 
 
 async def run_request(
@@ -143,6 +185,7 @@ async def run_request(
         )
         usage.prefill_ms = (time.perf_counter() - t0) * 1e3
         session_id = pre.session_id
+        structlog.contextvars.bind_contextvars(session_id=session_id)  # every later log line of this request
         finished = pre.finished
         verifier_done = finished is not None
         usage.completion_tokens = 1
@@ -210,10 +253,8 @@ async def run_request(
         yield Finished(finished, usage)
     finally:
         drafter.close()
-        await _drain(releases, usage)
-        if session_id and not verifier_done:
-            # Cancelled, aborted or failed mid-way: free the verifier's KV now, not at its idle timeout.
-            try:
-                await asyncio.shield(verifier.end(session_id))
-            except Exception as e:
-                log.warning("end session failed", session_id=session_id, error=str(e))
+        structlog.contextvars.unbind_contextvars("session_id")
+        # One shielded task for all of the clean-up: a second cancel (the client's deadline firing while
+        # we clean up after a hop's own deadline) must not skip ending the session.
+        await asyncio.shield(asyncio.ensure_future(
+            _clean_up(verifier, session_id if session_id and not verifier_done else "", releases, usage)))

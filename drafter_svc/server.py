@@ -13,6 +13,7 @@ from pdflash.errors import PdflashError, Unavailable
 from pdflash.logging import configure, get_logger
 from pdflash.metrics import DrafterMetrics, start_metrics_server_logged
 from pdflash.server import ServiceHost, serve_until_signal
+from pdflash.tls import BearerAuth, channel_credentials, server_credentials
 from pdflash.types import DrafterKind
 from pdflash.v1 import drafter_pb2, drafter_pb2_grpc
 from drafter_svc.clients import SchedulerClient, VerifierClient
@@ -77,19 +78,30 @@ def build_factories(cfg: DrafterConfig, model_dir: str) -> tuple[dict[DrafterKin
     return factories, default, drafter_dir
 
 
+def _is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+
+
 async def start(cfg: DrafterConfig) -> RunningDrafter:
-    host = ServiceHost([SERVICE])
+    # Health and reflection stay open (see pdflash.tls.BearerAuth); the Drafter service needs the token.
+    interceptors = [BearerAuth(cfg.auth_token, [SERVICE])] if cfg.auth_token else []
+    host = ServiceHost([SERVICE], interceptors=interceptors)
     metrics = DrafterMetrics()
     metrics_server = start_metrics_server_logged(cfg.metrics_port, cfg.host, metrics, log)
     servicer = DrafterServicer(metrics=metrics)
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, host.server)
-    port = host.add_port(f"{cfg.host}:{cfg.port}")
+    port = host.add_port(f"{cfg.host}:{cfg.port}", server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
     await host.start()
-    log.info("drafter listening", address=f"{cfg.host}:{port}", phase="loading")
+    log.info("drafter listening", address=f"{cfg.host}:{port}", phase="loading",
+             tls="mutual" if cfg.tls_ca else "on" if cfg.tls_cert else "off", auth="bearer token" if cfg.auth_token else "off")
+    if not _is_loopback(cfg.host) and not cfg.tls_cert:
+        log.warning("serving other machines without TLS: prompts, tokens" + (" and the bearer token" if cfg.auth_token else "")
+                    + " travel in plaintext; set --tls-cert/--tls-key")
     model_dir = cfg.model or str(await asyncio.to_thread(default_target_dir))
     tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
     factories, default, drafter_dir = await asyncio.to_thread(build_factories, cfg, model_dir)
-    verifier, scheduler = VerifierClient(cfg.verifier), SchedulerClient(cfg.scheduler)
+    upstream = channel_credentials(cfg.upstream_tls_ca, cfg.upstream_tls_cert, cfg.upstream_tls_key)
+    verifier, scheduler = VerifierClient(cfg.verifier, upstream), SchedulerClient(cfg.scheduler, upstream)
     log.info("waiting for upstream", verifier=cfg.verifier, scheduler=cfg.scheduler, phase="connecting")
     target = await _wait_upstream(verifier, scheduler, cfg.upstream_wait_s)
     if len(tokenizer) > target.vocab_size:

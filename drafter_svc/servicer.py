@@ -22,6 +22,10 @@ from drafter_svc.tokens import IncrementalDetokenizer
 log = get_logger("pdflash.drafter")
 
 REQUEST_ID_KEY = "x-request-id"
+MAX_ID_CHARS = 256
+MAX_STOP_TOKENS = 256
+# Text longer than this many characters per allowed prompt token is refused before tokenizing it.
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclasses.dataclass
@@ -47,6 +51,14 @@ def _request_id(request, context) -> str:
     return uuid.uuid4().hex
 
 
+def _request_id_violations(request_id: str) -> list[FieldViolation]:
+    if len(request_id) > MAX_ID_CHARS:
+        return [FieldViolation("request_id", f"{len(request_id)} characters; at most {MAX_ID_CHARS}")]
+    if not all(" " <= c <= "~" for c in request_id):
+        return [FieldViolation("request_id", "must be printable ASCII (it is echoed in the x-request-id metadata)")]
+    return []
+
+
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, door: FrontDoor | None = None, metrics=None):
         self.door = door  # None until the upstream services answer
@@ -61,6 +73,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if which == "prompt":
             if not request.prompt:
                 v.append(FieldViolation("prompt", "must not be empty"))
+            elif len(request.prompt) > cfg.max_prompt_tokens * MAX_CHARS_PER_TOKEN:
+                v.append(FieldViolation("prompt", f"{len(request.prompt)} characters is far beyond the limit of "
+                                                  f"{cfg.max_prompt_tokens} tokens; shorten the prompt"))
             else:
                 prompt = list(door.tokenizer(request.prompt, add_special_tokens=True)["input_ids"])
         elif which == "prompt_tokens":
@@ -81,7 +96,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             v.append(FieldViolation("max_tokens", f"must be <= {cfg.max_tokens_limit}, got {max_tokens}"))
         bad_stop = [t for t in request.stop_token_ids if not 0 <= t < door.target.vocab_size]
         if bad_stop:
-            v.append(FieldViolation("stop_token_ids", f"ids {bad_stop[:5]} outside the vocabulary"))
+            v.append(FieldViolation("stop_token_ids", f"ids {bad_stop[:5]} outside the vocabulary [0, {door.target.vocab_size})"))
+        if len(request.stop_token_ids) > MAX_STOP_TOKENS:
+            v.append(FieldViolation("stop_token_ids", f"{len(request.stop_token_ids)} ids; at most {MAX_STOP_TOKENS}"))
         sampling = convert.sampling_from_pb(request.sampling)
         v.extend(sampling_violations(sampling))
         kind = DrafterKind(request.drafter) if request.drafter in DrafterKind._value2member_map_ else None
@@ -114,6 +131,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def Generate(self, request, context):
         request_id = _request_id(request, context)
+        bad_id = _request_id_violations(request_id)
+        if bad_id:  # never echoed: it may not even be valid metadata
+            await abort_with(context, InvalidArgument(f"invalid Generate request: {bad_id[0].field}: {bad_id[0].description}", bad_id))
         context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
         structlog.contextvars.bind_contextvars(request_id=request_id)
         gen = None
@@ -190,6 +210,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             structlog.contextvars.unbind_contextvars("request_id")
 
     async def Abort(self, request, context):
+        v = []
+        if not request.request_id:
+            v.append(FieldViolation("request_id", "required: the id of the running Generate to stop"))
+        elif len(request.request_id) > MAX_ID_CHARS:
+            v.append(FieldViolation("request_id", f"longer than {MAX_ID_CHARS} characters"))
+        try:
+            check(v, "invalid Abort request")
+        except InvalidArgument as e:
+            await abort_with(context, e)
         ev = self._running.get(request.request_id)
         if ev is not None:
             ev.set()

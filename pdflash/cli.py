@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import time
@@ -25,15 +26,39 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier-port", type=int, default=50053)
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<service>.log instead of the terminal")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    g = p.add_argument_group(
+        "TLS and secrets",
+        "TLS on every hop: each service serves --tls-cert/--tls-key; --tls-ca is the CA that signed them. "
+        "Secrets come from the environment: PDFLASH_AUTH_TOKEN (the public API's bearer token) and "
+        "PDFLASH_TICKET_SECRET (scheduler-signed admission tickets, checked by the verifier).",
+    )
+    g.add_argument("--tls-cert", default="", help="PEM certificate chain every service serves")
+    g.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-ca", default="", help="PEM CA that signed the certificates (required with --tls-cert)")
+    g.add_argument("--tls-no-client-auth", action="store_true", help="one-way TLS: do not require client certificates")
+    g.add_argument("--tls-client-cert", default="", help="client certificate for the internal hops (default: --tls-cert)")
+    g.add_argument("--tls-client-key", default="", help="PEM private key of --tls-client-cert")
+
+
+def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default="", help="PEM CA that signed the server's certificate: connect over TLS")
+    p.add_argument("--tls-cert", default="", help="PEM client certificate, for a server that requires mutual TLS")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
 
 
 def _spec(args):
+    import os
+
     from pdflash.stack import StackSpec
 
+    if args.tls_cert and not (args.tls_key and args.tls_ca):
+        raise ConfigError("--tls-cert needs --tls-key and --tls-ca")
     return StackSpec(
         model=args.model, drafter=args.drafter, no_dflash=args.no_dflash, drafter_host=args.host,
         drafter_port=args.port, scheduler_port=args.scheduler_port, verifier_port=args.verifier_port,
-        log_dir=args.log_dir,
+        log_dir=args.log_dir, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+        tls_mutual=not args.tls_no_client_auth, tls_client_cert=args.tls_client_cert, tls_client_key=args.tls_client_key,
+        auth_token=os.environ.get("PDFLASH_AUTH_TOKEN", ""), ticket_secret=os.environ.get("PDFLASH_TICKET_SECRET", ""),
     )
 
 
@@ -68,9 +93,10 @@ def cmd_demo(args) -> int:
     from pdflash.client import Client
     from pdflash.stack import Stack
 
-    with Stack(_spec(args)) as stack:
+    spec = _spec(args)
+    with Stack(spec) as stack:
         stack.wait_ready(args.startup_timeout)
-        with Client(stack.drafter) as client:
+        with Client(stack.drafter, spec.credentials(), token=spec.auth_token) as client:
             info = client.model_info()
             print(f"model {info.model} ({info.architecture}); drafters available: "
                   f"{', '.join(k.removeprefix('DRAFTER_KIND_').lower() for k in map(_kind_name, info.drafters))}", file=sys.stderr)
@@ -106,7 +132,7 @@ def cmd_generate(args) -> int:
 
     from pdflash.client import Client
 
-    with Client(args.target) as client:
+    with Client(args.target, token=args.token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
         req = Client.request(
             args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, drafter=args.drafter, block_size=args.block_size, ignore_eos=args.ignore_eos,
@@ -140,7 +166,9 @@ def _finish_name(r: int) -> str:
 def cmd_health(args) -> int:
     from pdflash.stack import check_health
 
-    ok = check_health(args.target, args.service, args.timeout)
+    from pdflash.tls import channel_credentials
+
+    ok = check_health(args.target, args.service, args.timeout, channel_credentials(args.tls_ca, args.tls_cert, args.tls_key))
     print("SERVING" if ok else "NOT_SERVING")
     return 0 if ok else 1
 
@@ -191,12 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--stats", action="store_true", help="print usage statistics to stderr")
+    p.add_argument("--token", default=os.environ.get("PDFLASH_AUTH_TOKEN", ""),
+                   help="bearer token of the public API [env PDFLASH_AUTH_TOKEN]")
+    _add_client_tls_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("health", help="probe grpc.health.v1 (exit 0 when SERVING)")
     p.add_argument("target", nargs="?", default="127.0.0.1:50051")
     p.add_argument("--service", default="")
     p.add_argument("--timeout", type=float, default=3.0)
+    _add_client_tls_args(p)
     p.set_defaults(func=cmd_health)
     return parser
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import grpc
 
 from pdflash.server import CHANNEL_OPTIONS
+from pdflash.tls import bearer_metadata, channel_credentials
 from pdflash.types import DrafterKind
 from pdflash.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
@@ -24,14 +25,30 @@ class Completion:
 
 
 class Client:
-    def __init__(self, target: str = "127.0.0.1:50051", credentials: grpc.ChannelCredentials | None = None, metadata=()):
+    """`token`: the drafter's bearer token. TLS: `tls_ca` checks the server (empty with a client
+    certificate = the system's roots); `tls_cert`/`tls_key` identify this client to a mutual-TLS
+    server; or pass ready `credentials`."""
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata=(),
+        *,
+        token: str = "",
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+    ):
+        if credentials is None:
+            credentials = channel_credentials(tls_ca, tls_cert, tls_key)
         self.channel = (
             grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
             if credentials is not None
             else grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         )
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
-        self.metadata = tuple(metadata)
+        self.metadata = tuple(metadata) + bearer_metadata(token)
 
     def close(self) -> None:
         self.channel.close()

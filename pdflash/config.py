@@ -75,7 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         tp = _base_type(hints[f.name])
         help_text = f"{f.metadata.get('help', '')} [env {env_name(f.name)}; default {f.default!r}]"
         if tp is bool:
-            parser.add_argument(flag_name(f.name), dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
+            # Not BooleanOptionalAction: it reads any flag starting with "--no-" as False, so an option
+            # named no_x (flag --no-x) could never be turned on.
+            parser.add_argument(flag_name(f.name), dest=f.name, default=None, action="store_const", const=True, help=help_text)
+            parser.add_argument("--no-" + flag_name(f.name)[2:], dest=f.name, action="store_const", const=False,
+                                help=argparse.SUPPRESS)
         else:
             parser.add_argument(flag_name(f.name), dest=f.name, default=None, help=help_text, metavar=f.name.upper())
 

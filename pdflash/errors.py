@@ -66,6 +66,10 @@ class PermissionDenied(PdflashError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class Unauthenticated(PdflashError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class Aborted(PdflashError):
     code = grpc.StatusCode.CANCELLED
 
@@ -106,27 +110,64 @@ async def abort_with(context: grpc.aio.ServicerContext, err: PdflashError) -> No
     await context.abort_with_status(rpc_status.to_status(to_status(err)))
 
 
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+_BY_CODE: dict[grpc.StatusCode, type[PdflashError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.CANCELLED: Aborted,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.UNKNOWN: Unavailable,
+}
+
+
+def status_details(err: grpc.RpcError) -> status_pb2.Status | None:
+    """The google.rpc.Status a callee attached to its error (None when there is none or it is unreadable)."""
+    trailers = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == STATUS_DETAILS_KEY:
+            try:
+                return status_pb2.Status.FromString(value)
+            except Exception:  # a malformed trailer must not hide the error itself
+                return None
+    return None
+
+
 def from_rpc_error(err: grpc.RpcError, hop: str) -> PdflashError:
-    """Re-raise a downstream failure as our own error, naming the hop (no opaque errors across hops)."""
+    """Re-raise a downstream failure as our own error, naming the hop (no opaque errors across hops).
+
+    The details travel on: BadRequest field violations (prefixed with the hop) and RetryInfo's delay,
+    so a client two hops away still learns which field was wrong and when to retry.
+    """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     msg = f"{hop}: {details}"
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidArgument(msg)
-    if code == grpc.StatusCode.NOT_FOUND:
-        return NotFound(msg)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ResourceExhausted(msg)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded(msg)
-    if code == grpc.StatusCode.PERMISSION_DENIED:
-        return PermissionDenied(msg)
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        return FailedPrecondition(msg)
-    if code == grpc.StatusCode.CANCELLED:
-        return Aborted(msg)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
-        return Unavailable(msg)
+    violations: list[FieldViolation] = []
+    retry_after_s: float | None = None
+    status = status_details(err)
+    for any_ in status.details if status is not None else ():
+        if any_.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            br = error_details_pb2.BadRequest()
+            any_.Unpack(br)
+            violations += [FieldViolation(f"{hop}: {v.field}", v.description) for v in br.field_violations]
+        elif any_.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            ri = error_details_pb2.RetryInfo()
+            any_.Unpack(ri)
+            retry_after_s = ri.retry_delay.seconds + ri.retry_delay.nanos / 1e9
+    cls = _BY_CODE.get(code)
+    if cls is InvalidArgument:
+        return InvalidArgument(msg, violations)
+    if cls is ResourceExhausted:
+        return ResourceExhausted(msg, retry_after_s=1.0 if retry_after_s is None else retry_after_s)
+    if cls is Unavailable:
+        return Unavailable(f"{msg} (the service is down or restarting; retry shortly)")
+    if cls is not None:
+        return cls(msg)
     e = PdflashError(msg)
     e.code = code
     return e

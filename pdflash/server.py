@@ -10,13 +10,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdflash.errors import FieldViolation, InvalidArgument, abort_with
 from pdflash.logging import get_logger
 
 log = get_logger("pdflash.server")
 
+# Explicit on both ends (gRPC's default receive limit is 4 MiB): room for large feature tensors. A
+# bigger message is refused by gRPC itself with RESOURCE_EXHAUSTED ("... larger than max ...").
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-# Set on both ends: large feature tensors, and keepalive that tolerates client pings.
+# Keepalive that tolerates client pings. Reconnect backoff capped at 1 s: a restarted peer is used
+# again within a second, not after gRPC's default backoff of up to two minutes.
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -24,12 +28,65 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 SERVER_OPTIONS: list[tuple[str, int]] = CHANNEL_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.so_reuseport", 0),
 ]
+
+
+class _Undecodable:
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class DecodeErrors(grpc.aio.ServerInterceptor):
+    """A request that does not decode gets INVALID_ARGUMENT with a field violation, not UNKNOWN.
+
+    (gRPC's aio server reports a failing deserializer as UNKNOWN "Unexpected DecodeError".) Only the
+    pdflash services' unary-request methods are wrapped; health and reflection are left as they are.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if (handler is None or handler.request_streaming or handler.request_deserializer is None
+                or not handler_call_details.method.startswith("/pdflash.")):
+            return handler
+        decode, method = handler.request_deserializer, handler_call_details.method
+
+        def deserializer(data: bytes):
+            try:
+                return decode(data)
+            except Exception as e:  # protobuf's DecodeError, or anything a deserializer raises
+                return _Undecodable(e)
+
+        async def refuse(context, bad: _Undecodable) -> None:
+            what = f"not a valid request message for {method}: {bad.error}"
+            await abort_with(context, InvalidArgument(f"invalid request: {what}", [FieldViolation("(message)", what)]))
+
+        kw = dict(request_deserializer=deserializer, response_serializer=handler.response_serializer)
+        if handler.response_streaming:
+            inner = handler.unary_stream
+
+            async def unary_stream(request, context):
+                if isinstance(request, _Undecodable):
+                    await refuse(context, request)
+                async for response in inner(request, context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+        inner_unary = handler.unary_unary
+
+        async def unary_unary(request, context):
+            if isinstance(request, _Undecodable):
+                await refuse(context, request)
+            return await inner_unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
 
 
 class ServiceHost:
@@ -41,7 +98,7 @@ class ServiceHost:
 
     def __init__(self, service_names: Sequence[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
         self.service_names = list(service_names)
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[DecodeErrors(), *interceptors])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

@@ -22,10 +22,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_health(target: str, service: str = "", timeout: float = 2.0) -> bool:
-    """True when target answers SERVING for service ("" = the whole server)."""
+def check_health(target: str, service: str = "", timeout: float = 2.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
+    """True when target answers SERVING for service ("" = the whole server). credentials: TLS, None = plaintext."""
     try:
-        with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as ch:
+        with (grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials is not None
+              else grpc.insecure_channel(target, options=CHANNEL_OPTIONS)) as ch:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
             return r.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
@@ -47,6 +48,35 @@ class StackSpec:
     verifier_args: list[str] = dataclasses.field(default_factory=list)
     drafter_args: list[str] = dataclasses.field(default_factory=list)
     log_dir: str | None = None
+    # TLS on every hop (PEM paths): the three servers serve tls_cert/tls_key; tls_ca (required with
+    # them) is the CA that signed them, which every client checks. tls_mutual: the servers also require
+    # client certificates signed by tls_ca; the drafter's upstream calls and the stack's health probes
+    # present tls_client_cert/key (default: tls_cert/key, which then needs clientAuth usage too).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_mutual: bool = True
+    tls_client_cert: str = ""
+    tls_client_key: str = ""
+    # Secrets travel in the environment, not on command lines (where `ps` shows them).
+    auth_token: str = ""  # the drafter's bearer token
+    ticket_secret: str = ""  # shared by the scheduler (signs) and the verifier (checks)
+
+    @property
+    def client_cert(self) -> str:
+        return (self.tls_client_cert or self.tls_cert) if self.tls_mutual else ""
+
+    @property
+    def client_key(self) -> str:
+        return (self.tls_client_key or self.tls_key) if self.tls_mutual else ""
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """What a client of this stack's services presents (None = plaintext)."""
+        from pdflash.tls import channel_credentials
+
+        if not self.tls_cert:
+            return None
+        return channel_credentials(self.tls_ca, self.client_cert, self.client_key)
 
 
 class Stack:
@@ -69,19 +99,43 @@ class Stack:
     def verifier(self) -> str:
         return f"127.0.0.1:{self.spec.verifier_port}"
 
+    def _tls_args(self, name: str) -> list[str]:
+        s = self.spec
+        if not s.tls_cert:
+            return []
+        if not (s.tls_key and s.tls_ca):
+            raise ValueError("StackSpec: tls_cert needs tls_key and tls_ca (the CA that signed the services' certificates)")
+        args = ["--tls-cert", s.tls_cert, "--tls-key", s.tls_key] + (["--tls-ca", s.tls_ca] if s.tls_mutual else [])
+        if name == "drafter":
+            args += ["--upstream-tls-ca", s.tls_ca]
+            if s.client_cert:
+                args += ["--upstream-tls-cert", s.client_cert, "--upstream-tls-key", s.client_key]
+        return args
+
+    def _env(self, name: str) -> dict[str, str]:
+        env = {**os.environ, **self.spec.extra_env}
+        if self.spec.auth_token and name == "drafter":
+            env["PDFLASH_AUTH_TOKEN"] = self.spec.auth_token
+        if self.spec.ticket_secret and name in ("scheduler", "verifier"):
+            env["PDFLASH_TICKET_SECRET"] = self.spec.ticket_secret
+        return env
+
     def _cmd(self, name: str) -> list[str]:
         s = self.spec
         base = [sys.executable, "-m", "pdflash.cli"]
         if name == "scheduler":
-            return base + ["serve-scheduler", "--port", str(s.scheduler_port), "--metrics-port", str(s.metrics_ports[1]), *s.scheduler_args]
+            return base + ["serve-scheduler", "--port", str(s.scheduler_port), "--metrics-port", str(s.metrics_ports[1]),
+                           *self._tls_args(name), *s.scheduler_args]
         if name == "verifier":
-            cmd = base + ["serve-verifier", "--port", str(s.verifier_port), "--metrics-port", str(s.metrics_ports[2])]
+            cmd = base + ["serve-verifier", "--port", str(s.verifier_port), "--metrics-port", str(s.metrics_ports[2]),
+                          *self._tls_args(name)]
             if s.model:
                 cmd += ["--model", s.model]
             return cmd + s.verifier_args
         cmd = base + [
             "serve-drafter", "--host", s.drafter_host, "--port", str(s.drafter_port),
             "--scheduler", self.scheduler, "--verifier", self.verifier, "--metrics-port", str(s.metrics_ports[0]),
+            *self._tls_args(name),
         ]
         if s.model:
             cmd += ["--model", s.model]
@@ -92,7 +146,8 @@ class Stack:
         return cmd + s.drafter_args
 
     def start_one(self, name: str) -> subprocess.Popen:
-        env = {**os.environ, **self.spec.extra_env}
+        """Start (or restart, after it died or was killed) one of the three services."""
+        env = self._env(name)
         out = None
         if self.spec.log_dir:
             os.makedirs(self.spec.log_dir, exist_ok=True)
@@ -109,13 +164,14 @@ class Stack:
 
     def wait_ready(self, timeout: float = 180.0, name: str = "drafter") -> None:
         target = {"drafter": self.drafter, "scheduler": self.scheduler, "verifier": self.verifier}[name]
+        creds = self.spec.credentials()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for n, p in self.procs.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{n} exited with code {p.returncode} during start-up" +
                                        (f"; see {self.spec.log_dir}/{n}.log" if self.spec.log_dir else ""))
-            if check_health(target, timeout=1.0):
+            if check_health(target, timeout=1.0, credentials=creds):
                 return
             time.sleep(0.2)
         raise TimeoutError(f"{name} not SERVING after {timeout:.0f}s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pdflash.config import ConfigError, option
+from pdflash.tls import check_server_options
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -23,7 +24,10 @@ class SchedulerConfig:
     metrics_port: int = option(9102, "Prometheus /metrics HTTP port (0 = any free port, -1 = off)")
     grace_s: float = option(5.0, "shutdown grace period for in-flight RPCs")
     log_level: str = option("info", "debug, info, warning, error")
-    ticket_secret: str = option("", "HMAC-SHA256 key for ticket signatures; empty = tickets are not signed", secret=True)
+    ticket_secret: str = option("", "HMAC-SHA256 key for ticket signatures (the verifier's --ticket-secret must match); empty = tickets are not signed", secret=True)
+    tls_cert: str = option("", "PEM certificate chain: serve TLS (with --tls-key)")
+    tls_key: str = option("", "PEM private key of --tls-cert")
+    tls_ca: str = option("", "PEM CA bundle: require client certificates signed by it (mutual TLS)")
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -45,5 +49,6 @@ class SchedulerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
         if self.max_bypass < 0:
             raise ConfigError(f"--max-bypass {self.max_bypass}: must be >= 0 (0 = strict order)")
+        check_server_options(self.tls_cert, self.tls_key, self.tls_ca)
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"--log-level {self.log_level!r}: choose one of {', '.join(LOG_LEVELS)}")

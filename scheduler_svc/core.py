@@ -16,8 +16,9 @@ import grpc
 
 from pdflash.errors import DeadlineExceeded, NotFound, PdflashError, ResourceExhausted, Unavailable
 from pdflash.logging import get_logger
+from pdflash.tickets import TicketSigner
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.leases import Lease, TicketSigner
+from scheduler_svc.leases import Lease
 from scheduler_svc.policy import AdmissionPolicy, Budgets, Demand, QueueFull, Stats
 
 log = get_logger("pdflash.scheduler")

@@ -1,4 +1,4 @@
-"""Tickets as leases: ids, expiry bookkeeping and the signing seam. Pure: time is passed in.
+"""Tickets as leases: ids and expiry bookkeeping. Pure: time is passed in. Signing: pdflash.tickets.
 
 A lease holds budget from the moment a demand is seated until it is released or its expiry passes,
 so a drafter that dies between Admit and Release cannot leak budget. Renew moves the expiry forward.
@@ -7,12 +7,12 @@ so a drafter that dies between Admit and Release cannot leak budget. Renew moves
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import itertools
 import secrets
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
+
+from pdflash.tickets import TicketSigner  # noqa: F401  (re-exported: the signer lives in pdflash, shared with the verifier)
 
 if TYPE_CHECKING:
     from scheduler_svc.policy import Demand
@@ -99,34 +99,3 @@ class LeaseTable:
 
     def next_expiry(self) -> float | None:
         return min((lease.expires_at for lease in self._by_id.values()), default=None)
-
-
-class TicketSigner:
-    """HMAC-SHA256 over the ticket's identity and limits; empty signature when no secret is set.
-
-    Signed text: "ticket_id|session_id|round|tokens|expert_bytes|expires_at_unix" with expires_at_unix
-    written with 6 decimals. The verifier can check a ticket with the same secret (`verify`).
-    """
-
-    def __init__(self, secret: str = ""):
-        self._key = secret.encode() if secret else b""
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self._key)
-
-    @staticmethod
-    def message(ticket_id: str, session_id: str, round: int, tokens: int, expert_bytes: int, expires_at_unix: float) -> bytes:
-        return f"{ticket_id}|{session_id}|{round}|{tokens}|{expert_bytes}|{expires_at_unix:.6f}".encode()
-
-    def sign(self, ticket_id: str, session_id: str, round: int, tokens: int, expert_bytes: int, expires_at_unix: float) -> str:
-        if not self._key:
-            return ""
-        msg = self.message(ticket_id, session_id, round, tokens, expert_bytes, expires_at_unix)
-        return hmac.new(self._key, msg, hashlib.sha256).hexdigest()
-
-    def verify(self, signature: str, ticket_id: str, session_id: str, round: int, tokens: int, expert_bytes: int, expires_at_unix: float) -> bool:
-        if not self._key:
-            return True
-        expected = self.sign(ticket_id, session_id, round, tokens, expert_bytes, expires_at_unix)
-        return hmac.compare_digest(expected, signature)

@@ -15,6 +15,7 @@ from pdflash import config as pconfig
 from pdflash import logging as plogging
 from pdflash.metrics import SchedulerMetrics, start_metrics_server_logged
 from pdflash.server import ServiceHost, serve_until_signal
+from pdflash.tls import server_credentials
 from pdflash.v1 import scheduler_pb2_grpc
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import SchedulerCore
@@ -58,7 +59,7 @@ async def start(cfg: SchedulerConfig) -> RunningScheduler:
     metrics_server = start_metrics_server_logged(cfg.metrics_port, cfg.host, metrics, log)
     host = ServiceHost([SERVICE_NAME])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(core), host.server)
-    port = host.add_port(f"{cfg.host}:{cfg.port}")
+    port = host.add_port(f"{cfg.host}:{cfg.port}", server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
     await core.start()
     await host.start()
     await host.set_serving(True)
@@ -68,6 +69,8 @@ async def start(cfg: SchedulerConfig) -> RunningScheduler:
         token_budget=cfg.token_budget,
         byte_budget=cfg.byte_budget or "unlimited",
         lease_s=cfg.lease_s,
+        tls="mutual" if cfg.tls_ca else "on" if cfg.tls_cert else "off",
+        tickets="signed" if cfg.ticket_secret else "unsigned",
     )
     return RunningScheduler(cfg=cfg, host=host, core=core, port=port, metrics_server=metrics_server)
 

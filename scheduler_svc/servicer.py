@@ -9,13 +9,16 @@ from __future__ import annotations
 import grpc
 
 from pdflash.convert import union_from_pb
-from pdflash.errors import FieldViolation, PdflashError, abort_with, check
+from pdflash.errors import DeadlineExceeded, FieldViolation, PdflashError, abort_with, check
 from pdflash.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.core import IssuedTicket, SchedulerCore
 from scheduler_svc.policy import Demand, Stats
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 MAX_ID_CHARS = 256
+# Bounds on one demand, far above any real block: a malformed Admit cannot claim absurd budget.
+MAX_BLOCK_TOKENS = 4096
+MAX_UNION_LAYERS = 4096
 
 # A deadline further away than this is treated as none (some stacks report "infinite" as a huge number).
 _NO_DEADLINE_S = 1e8
@@ -35,6 +38,12 @@ def demand_from_pb(request: scheduler_pb2.AdmitRequest) -> Demand:
             violations.append(FieldViolation("draft.round", "must be >= 1 (rounds are 1-based)"))
         if not d.tokens:
             violations.append(FieldViolation("draft.tokens", "must hold the block (at least the anchor token)"))
+        elif len(d.tokens) > MAX_BLOCK_TOKENS:
+            violations.append(FieldViolation("draft.tokens", f"block of {len(d.tokens)} tokens; at most {MAX_BLOCK_TOKENS}"))
+        if len(d.expert_union) > MAX_UNION_LAYERS:
+            violations.append(FieldViolation("draft.expert_union", f"{len(d.expert_union)} layers; at most {MAX_UNION_LAYERS}"))
+        if d.expert_bytes and not any(le.expert_ids for le in d.expert_union):
+            violations.append(FieldViolation("draft.expert_bytes", f"{d.expert_bytes} bytes for an empty expert_union: must be 0"))
     if len(request.request_id) > MAX_ID_CHARS:
         violations.append(FieldViolation("request_id", f"longer than {MAX_ID_CHARS} characters"))
     check(violations, "invalid AdmitRequest")
@@ -80,7 +89,10 @@ def stats_to_pb(s: Stats) -> scheduler_pb2.SchedulerStats:
 
 
 def _ticket_id(ticket_id: str) -> str:
-    check([FieldViolation("ticket_id", "must not be empty")] if not ticket_id else [], "invalid request")
+    if not ticket_id:
+        check([FieldViolation("ticket_id", "must not be empty")], "invalid request")
+    if len(ticket_id) > MAX_ID_CHARS:
+        check([FieldViolation("ticket_id", f"longer than {MAX_ID_CHARS} characters")], "invalid request")
     return ticket_id
 
 
@@ -94,7 +106,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             remaining = context.time_remaining()
             if remaining is not None and remaining > _NO_DEADLINE_S:
                 remaining = None
-            return ticket_to_pb(await self.core.admit(demand, deadline_s=remaining))
+            ticket = await self.core.admit(demand, deadline_s=remaining)
+            left = context.time_remaining()
+            if left is not None and left <= 0:  # the caller has given up: the ticket would be lost on the way
+                self.core.release(ticket.ticket_id)
+                raise DeadlineExceeded("admitted only after the call's deadline; the ticket was released")
+            return ticket_to_pb(ticket)
         except PdflashError as e:
             err = e
         await abort_with(context, err)

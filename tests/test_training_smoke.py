@@ -67,3 +67,28 @@ def test_training_pipeline_smoke(tmp_path):
     drafter = load_dflash(str(drafter_dir))
     assert drafter.spec.mask_token_id == tok.convert_tokens_to_ids("<|mask|>")
     assert drafter.spec.block_size == 4 and drafter.spec.target_layer_ids == [0, 1]
+
+
+DEMO = REPO / "pdflash" / "assets" / "demo"
+
+
+@pytest.mark.skipif(not (DEMO / "target" / "model.safetensors").exists(), reason="demo pair not shipped")
+def test_shipped_demo_pair_loads():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from drafter_svc.dflash_model import load_dflash
+
+    tok = AutoTokenizer.from_pretrained(str(DEMO / "target"))
+    model = AutoModelForCausalLM.from_pretrained(str(DEMO / "target"), dtype=torch.float32)
+    assert model.config.model_type == "qwen3_moe" and model.config.num_local_experts == 8
+    assert len(tok) == model.config.vocab_size == 4096
+    assert model.generation_config.eos_token_id == tok.eos_token_id == 0
+    ids = tok("def main():\n    ", return_tensors="pt")["input_ids"]
+    text = tok.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:])
+    assert text.strip(), "greedy decoding produced only whitespace"
+    drafter = load_dflash(str(DEMO / "drafter"))
+    assert drafter.spec.mask_token_id == tok.convert_tokens_to_ids("<|mask|>") == 1
+    assert drafter.spec.block_size == 16 and drafter.spec.target_layer_ids == [1, 3, 5]
+    assert drafter.config.hidden_size == model.config.hidden_size
+    total = sum(f.stat().st_size for f in DEMO.rglob("*") if f.is_file())
+    assert total < 40e6

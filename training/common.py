@@ -46,6 +46,59 @@ def write_json(path: str | pathlib.Path, obj: dict) -> None:
 
 # ---- target ----------------------------------------------------------------------------------------
 
+class _Bf16Experts:
+    """A view of an experts module whose expert weights read as bf16 (autograd flows to the fp32 masters)."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        value = getattr(self._module, name)
+        if name in ("gate_up_proj", "down_proj") and isinstance(value, torch.Tensor):
+            return value.to(torch.bfloat16)
+        return value
+
+
+def _grouped_mm_bf16(module, hidden_states, top_k_index, top_k_weights):
+    # torch's grouped_mm wants bf16 on CUDA; under autocast the fp32 master weights would reach it as fp32.
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    return grouped_mm_experts_forward(_Bf16Experts(module), hidden_states, top_k_index, top_k_weights)
+
+
+def use_fast_experts(model, device: torch.device, training: bool) -> str:
+    """Set (and return) the first experts implementation that runs here: training in bf16 autocast on
+    CUDA -> grouped matmuls on bf16 views of the weights; float32 inference on CUDA -> the exact eager
+    loop (matches the CPU verifier's float32); bf16 on CUDA or anything on the CPU -> grouped_mm."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if "grouped_mm_bf16" not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register("grouped_mm_bf16", _grouped_mm_bf16)
+    dtype = next(model.parameters()).dtype
+    if device.type != "cuda":
+        candidates = ["grouped_mm", "eager"]
+    elif training:
+        candidates = ["grouped_mm_bf16", "grouped_mm", "eager"]
+    else:
+        candidates = ["grouped_mm", "eager"] if dtype == torch.bfloat16 else ["eager"]
+    ids = torch.randint(2, model.config.vocab_size, (2, 16), device=device)
+    for impl in candidates:
+        try:
+            model.set_experts_implementation(impl)
+            if training:
+                with autocast(device):
+                    out = model(input_ids=ids, labels=ids, use_cache=False)
+                out.loss.backward()
+                model.zero_grad(set_to_none=True)
+            else:
+                with torch.no_grad():
+                    model(input_ids=ids, use_cache=False)
+            return impl
+        except Exception as e:  # noqa: BLE001 - any failure means: try the next implementation
+            print(f"experts implementation {impl!r} does not run here ({type(e).__name__}: {e}); trying the next")
+    raise RuntimeError("no experts implementation runs here")
+
+
 def load_target(directory: str | pathlib.Path, device: torch.device, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
@@ -53,6 +106,7 @@ def load_target(directory: str | pathlib.Path, device: torch.device, dtype: torc
     model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    use_fast_experts(model, device, training=False)
     return model
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import os
 import pathlib
 import sysconfig
 
@@ -34,7 +35,9 @@ _NOT_LISTABLE_TOP = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2t
 
 
 def stdlib_root() -> pathlib.Path:
-    return pathlib.Path(sysconfig.get_paths()["stdlib"])
+    """This interpreter's stdlib, or $PDFLASH_STDLIB: Debian/Ubuntu system Pythons ship the test suite
+    (about 60% of the stdlib's code) in a separate package, so point this at a full stdlib there."""
+    return pathlib.Path(os.environ.get("PDFLASH_STDLIB") or sysconfig.get_paths()["stdlib"])
 
 
 def find_files(root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -102,6 +105,9 @@ def load_split(root: pathlib.Path | None = None, max_files: int | None = None) -
     train = [r for r in files if r not in fixed]
     if max_files is not None:
         train, drafter, heldout = sorted(train, key=_hash)[:max_files], drafter[:max_files], heldout[:max_files]
+    elif not (root / "test").is_dir():
+        print(f"WARNING: {root} has no test/ folder (a Debian/Ubuntu system Python?): target-train is about a third "
+              "of the usual size; set PDFLASH_STDLIB to a full stdlib (see training/README.md)")
     return Split(root, train, drafter, heldout)
 
 

@@ -27,12 +27,36 @@ import numpy as np
 import torch
 
 from drafter_svc.dflash_model import ContextKV, load_dflash
-from drafter_svc.drafters.ngram import NgramIndex
 from training.common import (device_name, dflash_blocks, draft_hidden, greedy_generate, load_target, pick_device,
                              seed_all, target_features, write_json)
 from training.corpus import EOS, MASK, encode_docs, load_split, prompt_windows, read_text
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _ngram_index_class():
+    """drafter_svc's NgramIndex, the n-gram drafter the services run.
+
+    The drafters package's __init__ imports the serving stack (structlog, grpc ...), which a bare GPU
+    image may lack; ngram.py itself needs only numpy, so fall back to loading it (and base.py) alone.
+    """
+    try:
+        from drafter_svc.drafters.ngram import NgramIndex
+        return NgramIndex
+    except ImportError:
+        import importlib
+        import sys
+        import types
+
+        name = "_pdflash_ngram_only"
+        if name not in sys.modules:
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [str(REPO / "drafter_svc" / "drafters")]
+            sys.modules[name] = pkg
+        return importlib.import_module(f"{name}.ngram").NgramIndex
+
+
+NgramIndex = _ngram_index_class()
 DRAFTERS = ("dflash", "ngram", "hybrid")
 HYBRID_MIN_N = 3
 
@@ -98,12 +122,13 @@ def replay(seq: list[int], prompt_len: int, n_new: int, block: int, kind: str, d
     c, accepted = prompt_len, []  # c = tokens in the target's KV; seq[c] is this round's anchor
     while c < stop:
         anchor = seq[c]
+        k = min(block - 1, prompt_len + n_new - 2 - c)  # never draft past n_new generated tokens
         if kind == "dflash":
-            d = list(drafts[c - prompt_len])
+            d = list(drafts[c - prompt_len][:k])
         else:
-            n, d = index.lookup(anchor, block - 1)
+            n, d = index.lookup(anchor, k)
             if kind == "hybrid" and n < HYBRID_MIN_N:
-                d = list(drafts[c - prompt_len])
+                d = list(drafts[c - prompt_len][:k])
         a = 0
         while a < len(d) and c + 1 + a <= eos_pos and d[a] == seq[c + 1 + a]:
             a += 1
@@ -172,12 +197,13 @@ def run_loop(target, drafter, prompt: list[int], n_new: int, block: int, kind: s
     anchor = int(out.logits[0, -1].argmax())
     generated, accepted = [anchor], []
     while len(generated) < n_new and anchor != eos_id:
-        n, d = index.lookup(anchor, block - 1) if kind != "dflash" else (0, [])
+        k = min(block - 1, n_new - len(generated) - 1)  # never draft past n_new generated tokens
+        n, d = index.lookup(anchor, k) if kind != "dflash" else (0, [])
         if kind == "dflash" or (kind == "hybrid" and n < HYBRID_MIN_N):
             ids = torch.tensor([[anchor] + [mask_id] * (block - 1)], device=dev)
             pos = torch.arange(c, c + block, device=dev)[None]
             h = drafter(target.get_input_embeddings()(ids).to(drafter.fc.weight.dtype), pos, cache=ctx)
-            d = target.lm_head(h[:, 1:].to(target.lm_head.weight.dtype))[0].argmax(-1).tolist()
+            d = target.lm_head(h[:, 1:].to(target.lm_head.weight.dtype))[0].argmax(-1).tolist()[:k]
         blk = [anchor] + list(d)
         out = target(input_ids=torch.tensor([blk], device=dev), past_key_values=cache, use_cache=True,
                      output_hidden_states=drafter is not None)

@@ -17,7 +17,8 @@ import time
 import numpy as np
 import torch
 
-from training.common import LossTable, autocast, cosine_lr, device_name, fit_steps, pick_device, seed_all, write_json
+from training.common import (LossTable, autocast, cosine_lr, device_name, fit_steps, pick_device, seed_all,
+                             use_fast_experts, write_json)
 from training.corpus import EOS, concat, encode_docs, load_split
 
 
@@ -71,22 +72,6 @@ def eval_loss(model, data: np.ndarray, device, batch: int) -> float:
     return total / max(count, 1)
 
 
-def choose_experts_impl(model, device, vocab: int) -> str:
-    """grouped_mm where it runs forward+backward here, else batched_mm, else the eager loop."""
-    ids = torch.randint(0, vocab, (2, 16), device=device)
-    for impl in ("grouped_mm", "batched_mm", "eager"):
-        try:
-            model.set_experts_implementation(impl)
-            with autocast(device):
-                out = model(input_ids=ids, labels=ids, use_cache=False)
-            out.loss.backward()
-            model.zero_grad(set_to_none=True)
-            return impl
-        except Exception as e:  # noqa: BLE001 - any failure means: try the next implementation
-            print(f"experts implementation {impl!r} failed here ({type(e).__name__}: {e}); trying the next")
-    raise RuntimeError("no experts implementation works")
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", required=True, help="folder with tokenizer.json; the model is written here")
@@ -137,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = make_config(len(tok), eos_id, args)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device)
     model.config.output_router_logits = True
-    impl = choose_experts_impl(model, device, len(tok))
+    impl = use_fast_experts(model, device, training=True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"target: qwen3_moe {n_params / 1e6:.2f}M params, experts implementation {impl}, device {device_name(device)}")
 

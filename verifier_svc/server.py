@@ -13,6 +13,8 @@ from pdflash.defaults import default_target_dir
 from pdflash.logging import configure, get_logger
 from pdflash.metrics import VerifierMetrics, start_metrics_server_logged
 from pdflash.server import ServiceHost, serve_until_signal
+from pdflash.tickets import TicketSigner
+from pdflash.tls import server_credentials
 from pdflash.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.config import VerifierConfig
 from verifier_svc.engine import VerifierCore
@@ -57,11 +59,12 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
     host = ServiceHost([SERVICE])
     metrics = VerifierMetrics()
     metrics_server = start_metrics_server_logged(cfg.metrics_port, cfg.host, metrics, log)
-    servicer = VerifierServicer(metrics=metrics)
+    servicer = VerifierServicer(metrics=metrics, signer=TicketSigner(cfg.ticket_secret), max_pending=cfg.max_pending)
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, host.server)
-    port = host.add_port(f"{cfg.host}:{cfg.port}")
+    port = host.add_port(f"{cfg.host}:{cfg.port}", server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
     await host.start()  # health answers NOT_SERVING while the model loads
-    log.info("verifier listening", address=f"{cfg.host}:{port}", phase="loading")
+    log.info("verifier listening", address=f"{cfg.host}:{port}", phase="loading",
+             tls="mutual" if cfg.tls_ca else "on" if cfg.tls_cert else "off", tickets="checked" if cfg.ticket_secret else "not checked")
     model_dir = cfg.model or str(await asyncio.to_thread(default_target_dir))
     target = await asyncio.to_thread(load_target, model_dir, resolve_device(cfg.device), cfg.dtype)
     core = VerifierCore(target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size, cfg.max_tokens_limit)

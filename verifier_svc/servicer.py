@@ -8,36 +8,72 @@ import time
 import grpc
 
 from pdflash import convert
-from pdflash.errors import FieldViolation, PdflashError, Unavailable, abort_with, check
+from pdflash.errors import DeadlineExceeded, FieldViolation, PdflashError, ResourceExhausted, Unavailable, abort_with, check
 from pdflash.logging import get_logger
+from pdflash.tickets import TicketSigner
 from pdflash.types import FinishReason
 from pdflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.engine import PrefillInput, StepOutput, VerifierCore
 
 log = get_logger("pdflash.verifier")
 
+MAX_ID_CHARS = 256  # request ids, session ids, ticket ids
+MAX_LIST_ITEMS = 1024  # stop ids, feature layers: far more than any model needs
+
 
 def _finish_pb(f: FinishReason | None) -> int:
     return int(f) if f is not None else 0
 
 
+def _id_violations(fields: dict[str, str]) -> list[FieldViolation]:
+    return [FieldViolation(k, f"longer than {MAX_ID_CHARS} characters") for k, v in fields.items() if len(v) > MAX_ID_CHARS]
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, core: VerifierCore | None = None, metrics=None):
+    def __init__(self, core: VerifierCore | None = None, metrics=None, signer: TicketSigner | None = None, max_pending: int = 128):
         self.metrics = metrics  # pdflash.metrics.VerifierMetrics or None
         self.core = core  # None while the model loads: RPCs answer UNAVAILABLE
+        self.signer = signer or TicketSigner("")  # no secret: tickets are not checked
         # One device: forwards run one at a time, off the event loop so health keeps answering.
         self._device = asyncio.Lock()
+        # Calls waiting for (or holding) the device; bounded so a flood cannot queue without limit.
+        self.max_pending = max_pending
+        self._pending = 0
 
     async def _ready(self, context) -> VerifierCore:
         if self.core is None:
             await abort_with(context, Unavailable("verifier is still loading its model; retry when health is SERVING"))
         return self.core
 
-    async def _run(self, fn, *args):
-        t0 = time.perf_counter()
-        async with self._device:
-            queued = (time.perf_counter() - t0) * 1e3
-            return await asyncio.to_thread(fn, *args), queued
+    async def _run(self, fn, *args, on_abandoned=None):
+        """fn(*args) on a worker thread, one at a time. on_abandoned(result): called when the caller left
+        while fn ran (cancel, deadline) and fn still succeeded, to undo what nobody will hear about."""
+        if self._pending >= self.max_pending:
+            raise ResourceExhausted(
+                f"verifier has {self._pending} calls waiting for the device (limit {self.max_pending}); retry shortly",
+                retry_after_s=0.1,
+            )
+        self._pending += 1
+        try:
+            t0 = time.perf_counter()
+            async with self._device:
+                queued = (time.perf_counter() - t0) * 1e3
+                work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+                try:
+                    return await asyncio.shield(work), queued
+                except asyncio.CancelledError:
+                    # The caller left (cancel, deadline). A forward cannot be interrupted: keep the device
+                    # until it ends so the next forward never overlaps it, then give up.
+                    while not work.done():
+                        try:
+                            await asyncio.wait([work])
+                        except asyncio.CancelledError:
+                            pass
+                    if on_abandoned is not None and not work.cancelled() and work.exception() is None:
+                        on_abandoned(work.result())
+                    raise
+        finally:
+            self._pending -= 1
 
     def _timings(self, out: StepOutput, t_start: float, queued: float) -> common_pb2.Timings:
         return common_pb2.Timings(
@@ -79,6 +115,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         t_start = time.perf_counter()
         await self._ready(context)
         try:
+            v = _id_violations({"request_id": request.request_id})
+            if len(request.stop_token_ids) > MAX_LIST_ITEMS:
+                v.append(FieldViolation("stop_token_ids", f"{len(request.stop_token_ids)} ids; at most {MAX_LIST_ITEMS}"))
+            if len(request.feature_layer_ids) > MAX_LIST_ITEMS:
+                v.append(FieldViolation("feature_layer_ids", f"{len(request.feature_layer_ids)} ids; at most {MAX_LIST_ITEMS}"))
+            check(v, "invalid Prefill request")
             req = PrefillInput(
                 request_id=request.request_id,
                 prompt=tuple(request.prompt_tokens),
@@ -89,7 +131,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 feature_layer_ids=tuple(request.feature_layer_ids),
             )
             self.core.validate_prefill(req)
-            out, queued = await self._run(self.core.prefill, req)
+            # A session whose id never reached the caller would hold its KV until the idle timeout.
+            out, queued = await self._run(self.core.prefill, req, on_abandoned=lambda o: self.core.end(o.session_id))
+            left = context.time_remaining()
+            if left is not None and left <= 0 and out.session_id:  # the caller has given up: nobody would end it
+                self.core.end(out.session_id)
+                raise DeadlineExceeded("prefill finished after the call's deadline; the session was ended")
         except PdflashError as e:
             await abort_with(context, e)
         self._observe(out, t_start, prefill=True)
@@ -111,13 +158,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         t_start = time.perf_counter()
         await self._ready(context)
         try:
-            v = []
+            v = _id_violations({"request_id": request.request_id, "draft.session_id": request.draft.session_id,
+                                "ticket_id": request.ticket_id})
             if not request.HasField("draft"):
-                v.append(FieldViolation("draft", "required"))
+                v.append(FieldViolation("draft", "required: the DraftResult to verify"))
             elif not request.draft.session_id:
-                v.append(FieldViolation("draft.session_id", "required"))
+                v.append(FieldViolation("draft.session_id", "required: the session id Prefill returned"))
             check(v, "invalid Verify request")
             draft = convert.draft_from_pb(request.draft)
+            # Before the session lookup: without a ticket a caller learns nothing, not even whether a session exists.
+            self.signer.require(
+                time.time(), request.ticket_signature, request.ticket_id, draft.session_id, draft.round,
+                len(draft.tokens), draft.expert_bytes, request.ticket_expires_at_unix,
+            )
             out, queued = await self._run(self.core.verify, draft, request.return_features)
         except PdflashError as e:
             await abort_with(context, e)
@@ -140,4 +193,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def EndSession(self, request, context):
         await self._ready(context)
+        try:
+            v = _id_violations({"session_id": request.session_id})
+            if not request.session_id:
+                v.append(FieldViolation("session_id", "required: the session id Prefill returned"))
+            check(v, "invalid EndSession request")
+        except PdflashError as e:
+            await abort_with(context, e)
         return verifier_pb2.EndSessionResponse(ended=self.core.end(request.session_id))

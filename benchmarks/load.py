@@ -1,0 +1,292 @@
+"""Load: many concurrent streaming clients against one stack, on loopback, bounded in time and count.
+
+Checks what must hold under load, then reports how fast it was:
+  - zero errors, and every output equal to its greedy reference (transformers `generate`, do_sample=False);
+  - afterwards no verifier session and no scheduler budget still held (no leaks);
+  - time to first token and inter-token latency (p50 / p99) and output tokens/s over the whole run.
+Inter-token latency is per token: a chunk of n tokens that arrives g seconds after the previous one
+counts n gaps of g/n (a verify round's tokens share its latency, as in the drafter's metrics).
+
+    python benchmarks/load.py [--clients 32 --requests 4 --max-tokens 48 --drafters ngram,none,hybrid]
+    python benchmarks/load.py --model DIR [--drafter DIR]          # another checkpoint
+    python benchmarks/load.py --target HOST:PORT --scheduler HOST:PORT --verifier HOST:PORT --model DIR
+
+Without --target it starts a stack on free loopback ports (the default model: the embedded demo pair,
+else a tiny random checkpoint). Prints a table; writes benchmarks/results/load.json. Exit code 1 when
+any request failed, any output differed from its reference, or something leaked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from pdflash.client import Client  # noqa: E402
+from pdflash.server import CHANNEL_OPTIONS  # noqa: E402
+from pdflash.v1 import drafter_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc  # noqa: E402
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\nclass Config:\n    def __init__(self):\n        self.",
+    "for i in range(10):\n    print(",
+    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
+    "class Node:\n    def __init__(self, value, children=None):\n",
+    "with open(path) as f:\n    for line in f:\n",
+    "try:\n    import json\nexcept ImportError:\n",
+    "def merge(a, b):\n    out = []\n    i = j = 0\n    while",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    prompt: str
+    max_tokens: int
+    drafter: str
+
+
+@dataclasses.dataclass
+class Record:
+    job: Job
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    start: float = 0.0
+    chunks: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (arrival, tokens)
+    end: float = 0.0
+    error: str = ""
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.chunks[0][0] - self.start if self.chunks else None
+
+    def inter_token_s(self) -> list[float]:
+        out = []
+        for (t0, _), (t1, n) in zip(self.chunks, self.chunks[1:]):
+            out += [(t1 - t0) / n] * n if n else []
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def _hf(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return tok, model
+
+
+@functools.lru_cache(maxsize=None)
+def greedy_reference(model_dir: str, prompt: str | tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    """transformers' own greedy decoding of the checkpoint: what the stack must reproduce exactly."""
+    import torch
+
+    tok, model = _hf(str(model_dir))
+    ids = tok(prompt, return_tensors="pt").input_ids if isinstance(prompt, str) else torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
+    return tuple(out[0, ids.shape[1]:].tolist())
+
+
+def make_jobs(clients: int, requests: int, max_tokens: int, drafters: list[str]) -> list[list[Job]]:
+    """Per client, its requests in order; prompts and drafter kinds rotate so clients differ."""
+    return [
+        [Job(PROMPTS[(c + r) % len(PROMPTS)], max_tokens, drafters[(c + r) % len(drafters)]) for r in range(requests)]
+        for c in range(clients)
+    ]
+
+
+async def _one(stub, job: Job, timeout: float, metadata) -> Record:
+    rec = Record(job)
+    req = Client.request(job.prompt, max_tokens=job.max_tokens, drafter=job.drafter)
+    rec.start = time.perf_counter()
+    try:
+        final = False
+        async for msg in stub.Generate(req, timeout=timeout, metadata=metadata):
+            now = time.perf_counter()
+            if msg.HasField("chunk"):
+                rec.chunks.append((now, len(msg.chunk.token_ids)))
+                rec.token_ids.extend(msg.chunk.token_ids)
+            else:
+                final = True
+        if not final:
+            rec.error = "stream ended without a final message"
+    except grpc.aio.AioRpcError as e:
+        rec.error = f"{e.code().name}: {e.details()}"
+    rec.end = time.perf_counter()
+    return rec
+
+
+async def run_load(
+    target: str,
+    jobs: list[list[Job]],
+    credentials: grpc.ChannelCredentials | None = None,
+    metadata=(),
+    request_timeout: float = 120.0,
+    time_limit: float = 600.0,
+) -> tuple[list[Record], float]:
+    """Every client runs its jobs one after another, all clients at once. Returns (records, wall seconds)."""
+    channel = (grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials is not None
+               else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
+    async with channel:
+        stub = drafter_pb2_grpc.DrafterStub(channel)
+
+        async def client(mine: list[Job]) -> list[Record]:
+            return [await _one(stub, job, request_timeout, metadata) for job in mine]
+
+        t0 = time.perf_counter()
+        per_client = await asyncio.wait_for(asyncio.gather(*(client(m) for m in jobs)), time_limit)
+        wall = time.perf_counter() - t0
+    return [r for rs in per_client for r in rs], wall
+
+
+def in_use(scheduler: str, verifier: str, credentials: grpc.ChannelCredentials | None = None, settle_s: float = 10.0) -> dict:
+    """Sessions and budget still held, polled until all are zero or settle_s passes (releases are async)."""
+
+    def channel(t):
+        return grpc.secure_channel(t, credentials, options=CHANNEL_OPTIONS) if credentials else grpc.insecure_channel(t, options=CHANNEL_OPTIONS)
+
+    end = time.monotonic() + settle_s
+    with channel(scheduler) as sch, channel(verifier) as vch:
+        while True:
+            st = scheduler_pb2_grpc.SchedulerStub(sch).GetStats(scheduler_pb2.StatsRequest(), timeout=10)
+            vi = verifier_pb2_grpc.VerifierStub(vch).GetModelInfo(verifier_pb2.VerifierModelInfoRequest(), timeout=10)
+            held = dict(sessions_alive=vi.sessions_alive, tokens_in_use=st.tokens_in_use, bytes_in_use=st.bytes_in_use,
+                        in_flight=st.in_flight, waiting=st.waiting)
+            if not any(held.values()) or time.monotonic() > end:
+                return held
+            time.sleep(0.05)
+
+
+def _pct(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))
+    return xs[k]
+
+
+def summarize(records: list[Record], wall_s: float, references: dict[Job, tuple[int, ...]]) -> dict:
+    ttft = [r.ttft_s for r in records if r.ttft_s is not None and not r.error]
+    itl = [g for r in records if not r.error for g in r.inter_token_s()]
+    errors = [r for r in records if r.error]
+    mismatches = [r for r in records if not r.error and tuple(r.token_ids) != references[r.job]]
+    tokens = sum(len(r.token_ids) for r in records)
+    ms = lambda x: None if x is None else round(x * 1e3, 2)  # noqa: E731
+    return dict(
+        requests=len(records),
+        errors=len(errors),
+        error_samples=sorted({r.error for r in errors})[:5],
+        mismatches=len(mismatches),
+        output_tokens=tokens,
+        wall_s=round(wall_s, 3),
+        output_tokens_per_s=round(tokens / wall_s, 2) if wall_s > 0 else None,
+        ttft_p50_ms=ms(_pct(ttft, 50)),
+        ttft_p99_ms=ms(_pct(ttft, 99)),
+        itl_p50_ms=ms(_pct(itl, 50)),
+        itl_p99_ms=ms(_pct(itl, 99)),
+    )
+
+
+def table(summary: dict, held: dict, cfg: dict) -> str:
+    rows = [
+        ("clients x requests", f"{cfg['clients']} x {cfg['requests']} (max_tokens {cfg['max_tokens']}, drafters {','.join(cfg['drafters'])})"),
+        ("requests / errors / mismatches", f"{summary['requests']} / {summary['errors']} / {summary['mismatches']}"),
+        ("output tokens", f"{summary['output_tokens']} in {summary['wall_s']:.2f}s"),
+        ("output tokens/s", f"{summary['output_tokens_per_s']}"),
+        ("TTFT p50 / p99 (ms)", f"{summary['ttft_p50_ms']} / {summary['ttft_p99_ms']}"),
+        ("ITL p50 / p99 (ms)", f"{summary['itl_p50_ms']} / {summary['itl_p99_ms']}"),
+        ("held afterwards", ", ".join(f"{k}={v}" for k, v in held.items())),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
+    ap.add_argument("--requests", type=int, default=4, help="requests per client, one after another")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--drafters", default="ngram,none,hybrid", help="drafter kinds, rotated across requests")
+    ap.add_argument("--model", default="", help="target checkpoint (the references come from it)")
+    ap.add_argument("--drafter", default="", help="DFlash drafter directory for a started stack")
+    ap.add_argument("--target", default="", help="an existing drafter HOST:PORT (else a stack is started)")
+    ap.add_argument("--scheduler", default="", help="with --target: the scheduler HOST:PORT, for the leak check")
+    ap.add_argument("--verifier", default="", help="with --target: the verifier HOST:PORT, for the leak check")
+    ap.add_argument("--token", default=os.environ.get("PDFLASH_AUTH_TOKEN", ""), help="bearer token [env PDFLASH_AUTH_TOKEN]")
+    ap.add_argument("--request-timeout", type=float, default=120.0)
+    ap.add_argument("--time-limit", type=float, default=600.0, help="the whole run, seconds")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "load.json"))
+    args = ap.parse_args(argv)
+    if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
+        ap.error("--clients, --requests and --max-tokens must be >= 1")
+    if args.target and not (args.model and args.scheduler and args.verifier):
+        ap.error("--target needs --model (for the references), --scheduler and --verifier (for the leak check)")
+
+    from pdflash.defaults import default_drafter_dir, default_target_dir
+    from pdflash.stack import Stack, StackSpec, free_port
+    from pdflash.tls import bearer_metadata
+
+    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    model = args.model or str(default_target_dir())
+    drafter_dir = "" if args.target else (args.drafter or str(default_drafter_dir() or ""))
+    if not args.target and not drafter_dir:  # no DFlash drafter to start the stack with
+        drafters = [d for d in drafters if d not in ("dflash", "hybrid")] or ["ngram"]
+    jobs = make_jobs(args.clients, args.requests, args.max_tokens, drafters)
+    t0 = time.perf_counter()
+    references = {j: greedy_reference(model, j.prompt, j.max_tokens) for js in jobs for j in js}
+    print(f"references: {len(references)} greedy generations in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+    stack = None
+    if args.target:
+        target, scheduler, verifier = args.target, args.scheduler, args.verifier
+    else:
+        log_dir = ROOT / "benchmarks" / "results" / "logs" / "load"
+        spec = StackSpec(
+            model=model, drafter=drafter_dir, no_dflash=not drafter_dir, drafter_port=free_port(), scheduler_port=free_port(),
+            verifier_port=free_port(), metrics_ports=(-1, -1, -1), log_dir=str(log_dir),
+            drafter_args=["--max-concurrent", str(max(64, args.clients))],
+            verifier_args=["--max-sessions", str(max(64, args.clients))],
+        )
+        stack = Stack(spec).start()
+        stack.wait_ready(300)
+        target, scheduler, verifier = stack.drafter, stack.scheduler, stack.verifier
+    try:
+        with Client(target, token=args.token) as c:  # warm-up: first-call costs are not load
+            c.generate(PROMPTS[0], max_tokens=4, drafter=drafters[0])
+        records, wall = asyncio.run(run_load(target, jobs, metadata=bearer_metadata(args.token),
+                                             request_timeout=args.request_timeout, time_limit=args.time_limit))
+        held = in_use(scheduler, verifier)
+    finally:
+        if stack is not None:
+            stack.stop()
+    cfg = dict(clients=args.clients, requests=args.requests, max_tokens=args.max_tokens, drafters=drafters,
+               model=model, target=args.target or "started on loopback")
+    summary = summarize(records, wall, references)
+    print(table(summary, held, cfg))
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(
+        config=cfg, summary=summary, held_afterwards=held,
+        machine=dict(platform=platform.platform(), python=platform.python_version(), cpus=os.cpu_count()),
+        command=" ".join(["python", "benchmarks/load.py", *(argv if argv is not None else sys.argv[1:])]),
+    ), indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    ok = summary["errors"] == 0 and summary["mismatches"] == 0 and not any(held.values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
