@@ -22,7 +22,7 @@ from training import eval_acceptance, rollouts, tokenizer, train_dflash, train_t
 
 TINY_TARGET = ["--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--experts", "4",
                "--moe-intermediate", "32", "--seq-len", "64", "--batch", "4", "--epochs", "0.15", "--evals", "2",
-               "--warmup", "2", "--max-files", "6", "--device", "cpu"]
+               "--warmup", "2", "--max-files", "6", "--max-eval-windows", "8", "--device", "cpu"]
 
 
 @pytest.mark.timeout(180)

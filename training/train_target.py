@@ -63,7 +63,7 @@ def eval_loss(model, data: np.ndarray, device, batch: int) -> float:
     for i in range(0, len(data), batch):
         ids = torch.from_numpy(data[i : i + batch]).long().to(device)
         with autocast(device):
-            logits = model(input_ids=ids, use_cache=False).logits
+            logits = model(input_ids=ids, use_cache=False, output_router_logits=False).logits
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
         total += float(loss)
