@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="start the stack, answer one request with statistics, stop")
     _add_stack_args(p)
-    p.add_argument("--prompt", default="def fibonacci(n):\n")
+    p.add_argument("--prompt", default="class Stack:\n    def __init__(self):\n")
     p.add_argument("--max-tokens", type=int, default=96)
     p.set_defaults(func=cmd_demo)
 

@@ -63,6 +63,15 @@ def _eos_ids(directory: pathlib.Path, config) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def model_name(directory: pathlib.Path) -> str:
+    """The directory's name; for the embedded pair's generic "target" folder, say which pair it is."""
+    from pdflash.defaults import ASSETS
+
+    if directory.resolve() == (ASSETS / "target").resolve():
+        return "pdflash-demo-qwen3moe"
+    return directory.name
+
+
 def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str = "auto") -> TargetModel:
     directory = pathlib.Path(directory)
     if not (directory / "config.json").exists():
@@ -83,7 +92,7 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
     byte_map = expert_byte_map(model)
     text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     return TargetModel(
-        name=directory.name,
+        name=model_name(directory),
         directory=directory,
         model=model,
         seam=seam,

@@ -1,0 +1,75 @@
+"""One way to configure every service: flags > PDFLASH_* environment > config file > defaults."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from pdflash.config import ConfigError, add_arguments, describe, from_sources
+from scheduler_svc.config import SchedulerConfig
+from verifier_svc.config import VerifierConfig
+
+
+def parse(cls, argv):
+    p = argparse.ArgumentParser()
+    add_arguments(p, cls)
+    return p.parse_args(argv)
+
+
+def test_precedence_flag_env_file_default(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("token_budget: 111\nlease_s: 7.5\nmax_wait_s: 3\n")
+    args = parse(SchedulerConfig, ["--config", str(f), "--token-budget", "333"])
+    cfg = from_sources(SchedulerConfig, args, env={"PDFLASH_TOKEN_BUDGET": "222", "PDFLASH_LEASE_S": "9"})
+    assert cfg.token_budget == 333  # flag wins
+    assert cfg.lease_s == 9.0  # env beats file
+    assert cfg.max_wait_s == 3.0  # file beats default
+    assert cfg.port == 50052  # default
+
+
+def test_json_config_and_booleans(tmp_path):
+    from drafter_svc.config import DrafterConfig
+
+    f = tmp_path / "d.json"
+    f.write_text('{"no_dflash": true, "block_size": 4}')
+    cfg = from_sources(DrafterConfig, parse(DrafterConfig, ["--config", str(f)]), env={})
+    assert cfg.no_dflash is True and cfg.block_size == 4
+    cfg = from_sources(DrafterConfig, parse(DrafterConfig, ["--no-no-dflash"]), env={"PDFLASH_NO_DFLASH": "yes"})
+    assert cfg.no_dflash is False
+
+
+@pytest.mark.parametrize(
+    "argv, env, fragment",
+    [
+        (["--port", "70000"], {}, "--port"),
+        (["--token-budget", "abc"], {}, "token_budget"),
+        ([], {"PDFLASH_LEASE_S": "-1"}, "lease"),
+    ],
+)
+def test_invalid_values_name_the_option(argv, env, fragment):
+    with pytest.raises(ConfigError) as e:
+        from_sources(SchedulerConfig, parse(SchedulerConfig, argv), env=env)
+    assert fragment in str(e.value)
+
+
+def test_unknown_file_key_is_an_error(tmp_path):
+    f = tmp_path / "v.yaml"
+    f.write_text("modle: /x\n")
+    with pytest.raises(ConfigError, match="unknown option"):
+        from_sources(VerifierConfig, parse(VerifierConfig, ["--config", str(f)]), env={})
+
+
+def test_secrets_are_masked_in_the_logged_configuration():
+    cfg = from_sources(SchedulerConfig, parse(SchedulerConfig, []), env={"PDFLASH_TICKET_SECRET": "hunter2"})
+    assert describe(cfg)["ticket_secret"] == "***"
+
+
+def test_cli_reports_bad_configuration_and_documents_options():
+    r = subprocess.run([sys.executable, "-m", "pdflash.cli", "serve-verifier", "--model", "/nonexistent"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "/nonexistent" in r.stderr and "config.json" in r.stderr
+    for cmd in ("serve-scheduler", "serve-verifier", "serve-drafter"):
+        h = subprocess.run([sys.executable, "-m", "pdflash.cli", cmd, "--help"], capture_output=True, text=True, timeout=120)
+        assert h.returncode == 0 and "--config" in h.stdout and "PDFLASH_PORT" in h.stdout
