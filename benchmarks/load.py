@@ -7,13 +7,14 @@ Checks what must hold under load, then reports how fast it was:
 Inter-token latency is per token: a chunk of n tokens that arrives g seconds after the previous one
 counts n gaps of g/n (a verify round's tokens share its latency, as in the drafter's metrics).
 
-    python benchmarks/load.py [--clients 32 --requests 4 --max-tokens 48 --drafters ngram,none,hybrid]
+    python benchmarks/load.py [--clients 1,8,32 --requests 4 --max-tokens 48 --drafters ngram,none,hybrid]
     python benchmarks/load.py --model DIR [--drafter DIR]          # another checkpoint
     python benchmarks/load.py --target HOST:PORT --scheduler HOST:PORT --verifier HOST:PORT --model DIR
 
-Without --target it starts a stack on free loopback ports (the default model: the embedded demo pair,
-else a tiny random checkpoint). Prints a table; writes benchmarks/results/load.json. Exit code 1 when
-any request failed, any output differed from its reference, or something leaked.
+Each concurrency level in --clients runs in turn against the same stack. Without --target a stack is
+started on free loopback ports (the default model: the embedded demo pair, else a tiny random
+checkpoint). Prints a table; writes benchmarks/results/load.json. Exit code 1 when any request failed,
+any output differed from its reference, or something leaked.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ if str(ROOT) not in sys.path:
 
 import grpc  # noqa: E402
 
-from pdflash.client import Client  # noqa: E402
+from pdflash.client import Client  # noqa: E402  (builds the requests)
 from pdflash.server import CHANNEL_OPTIONS  # noqa: E402
 from pdflash.v1 import drafter_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc  # noqa: E402
 
@@ -141,6 +142,7 @@ async def run_load(
     channel = (grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials is not None
                else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
     async with channel:
+        await asyncio.wait_for(channel.channel_ready(), 30)  # connecting is not part of the load
         stub = drafter_pb2_grpc.DrafterStub(channel)
 
         async def client(mine: list[Job]) -> list[Record]:
@@ -200,23 +202,26 @@ def summarize(records: list[Record], wall_s: float, references: dict[Job, tuple[
     )
 
 
-def table(summary: dict, held: dict, cfg: dict) -> str:
-    rows = [
-        ("clients x requests", f"{cfg['clients']} x {cfg['requests']} (max_tokens {cfg['max_tokens']}, drafters {','.join(cfg['drafters'])})"),
-        ("requests / errors / mismatches", f"{summary['requests']} / {summary['errors']} / {summary['mismatches']}"),
-        ("output tokens", f"{summary['output_tokens']} in {summary['wall_s']:.2f}s"),
-        ("output tokens/s", f"{summary['output_tokens_per_s']}"),
-        ("TTFT p50 / p99 (ms)", f"{summary['ttft_p50_ms']} / {summary['ttft_p99_ms']}"),
-        ("ITL p50 / p99 (ms)", f"{summary['itl_p50_ms']} / {summary['itl_p99_ms']}"),
-        ("held afterwards", ", ".join(f"{k}={v}" for k, v in held.items())),
-    ]
-    w = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+COLUMNS = [("clients", "clients"), ("requests", "requests"), ("errors", "errors"), ("mismatches", "mismatch"),
+           ("output_tokens", "tokens"), ("wall_s", "wall s"), ("output_tokens_per_s", "tok/s"),
+           ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"), ("itl_p50_ms", "ITL p50 ms"),
+           ("itl_p99_ms", "ITL p99 ms"), ("held_afterwards", "held after")]
+
+
+def table(runs: list[dict]) -> str:
+    def cell(run, key):
+        v = run[key]
+        return "none" if key == "held_afterwards" and not any(v.values()) else str(v)
+
+    rows = [[title for _, title in COLUMNS]] + [[cell(r, key) for key, _ in COLUMNS] for r in runs]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clients", type=int, default=32, help="concurrent streaming clients")
+    ap.add_argument("--clients", default="1,8,32", help="concurrent streaming clients; a comma list runs each level in turn")
     ap.add_argument("--requests", type=int, default=4, help="requests per client, one after another")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--drafters", default="ngram,none,hybrid", help="drafter kinds, rotated across requests")
@@ -227,10 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verifier", default="", help="with --target: the verifier HOST:PORT, for the leak check")
     ap.add_argument("--token", default=os.environ.get("PDFLASH_AUTH_TOKEN", ""), help="bearer token [env PDFLASH_AUTH_TOKEN]")
     ap.add_argument("--request-timeout", type=float, default=120.0)
-    ap.add_argument("--time-limit", type=float, default=600.0, help="the whole run, seconds")
+    ap.add_argument("--time-limit", type=float, default=600.0, help="each concurrency level, seconds")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "load.json"))
     args = ap.parse_args(argv)
-    if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
+    try:
+        levels = [int(c) for c in args.clients.split(",") if c.strip()]
+    except ValueError:
+        ap.error("--clients: a comma-separated list of integers")
+    if not levels or min(levels) < 1 or args.requests < 1 or args.max_tokens < 1:
         ap.error("--clients, --requests and --max-tokens must be >= 1")
     if args.target and not (args.model and args.scheduler and args.verifier):
         ap.error("--target needs --model (for the references), --scheduler and --verifier (for the leak check)")
@@ -244,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     drafter_dir = "" if args.target else (args.drafter or str(default_drafter_dir() or ""))
     if not args.target and not drafter_dir:  # no DFlash drafter to start the stack with
         drafters = [d for d in drafters if d not in ("dflash", "hybrid")] or ["ngram"]
-    jobs = make_jobs(args.clients, args.requests, args.max_tokens, drafters)
+    plans = {n: make_jobs(n, args.requests, args.max_tokens, drafters) for n in levels}
     t0 = time.perf_counter()
-    references = {j: greedy_reference(model, j.prompt, j.max_tokens) for js in jobs for j in js}
+    references = {j: greedy_reference(model, j.prompt, j.max_tokens) for jobs in plans.values() for js in jobs for j in js}
     print(f"references: {len(references)} greedy generations in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
     stack = None
@@ -257,34 +266,40 @@ def main(argv: list[str] | None = None) -> int:
         spec = StackSpec(
             model=model, drafter=drafter_dir, no_dflash=not drafter_dir, drafter_port=free_port(), scheduler_port=free_port(),
             verifier_port=free_port(), metrics_ports=(-1, -1, -1), log_dir=str(log_dir),
-            drafter_args=["--max-concurrent", str(max(64, args.clients))],
-            verifier_args=["--max-sessions", str(max(64, args.clients))],
+            drafter_args=["--max-concurrent", str(max(64, *levels))],
+            verifier_args=["--max-sessions", str(max(64, *levels))],
         )
         stack = Stack(spec).start()
         stack.wait_ready(300)
         target, scheduler, verifier = stack.drafter, stack.scheduler, stack.verifier
+    runs = []
     try:
-        with Client(target, token=args.token) as c:  # warm-up: first-call costs are not load
-            c.generate(PROMPTS[0], max_tokens=4, drafter=drafters[0])
-        records, wall = asyncio.run(run_load(target, jobs, metadata=bearer_metadata(args.token),
-                                             request_timeout=args.request_timeout, time_limit=args.time_limit))
-        held = in_use(scheduler, verifier)
+        # Warm-up: first-call costs (gRPC's asyncio start-up, lazy model code paths) are not load.
+        warm = [[Job(p, 4, d)] for p in PROMPTS[:2] for d in drafters]
+        asyncio.run(run_load(target, warm, metadata=bearer_metadata(args.token), request_timeout=args.request_timeout))
+        for n, jobs in plans.items():
+            records, wall = asyncio.run(run_load(target, jobs, metadata=bearer_metadata(args.token),
+                                                 request_timeout=args.request_timeout, time_limit=args.time_limit))
+            runs.append(dict(clients=n, **summarize(records, wall, references), held_afterwards=in_use(scheduler, verifier)))
+            print(f"{n} clients: {runs[-1]['output_tokens_per_s']} tok/s", file=sys.stderr)
     finally:
         if stack is not None:
             stack.stop()
-    cfg = dict(clients=args.clients, requests=args.requests, max_tokens=args.max_tokens, drafters=drafters,
-               model=model, target=args.target or "started on loopback")
-    summary = summarize(records, wall, references)
-    print(table(summary, held, cfg))
+    cfg = dict(clients=levels, requests_per_client=args.requests, max_tokens=args.max_tokens, drafters=drafters,
+               model=model, drafter=drafter_dir, target=args.target or "started on loopback")
+    print(f"load: {args.requests} requests per client, max_tokens {args.max_tokens}, drafters {','.join(drafters)}, "
+          f"model {model}")
+    print(table(runs))
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
-        config=cfg, summary=summary, held_afterwards=held,
-        machine=dict(platform=platform.platform(), python=platform.python_version(), cpus=os.cpu_count()),
+        config=cfg, runs=runs,
+        machine=dict(platform=platform.platform(), python=platform.python_version(), cpus=os.cpu_count(),
+                     load_average=os.getloadavg()),
         command=" ".join(["python", "benchmarks/load.py", *(argv if argv is not None else sys.argv[1:])]),
     ), indent=2) + "\n")
     print(f"wrote {out}", file=sys.stderr)
-    ok = summary["errors"] == 0 and summary["mismatches"] == 0 and not any(held.values())
+    ok = all(r["errors"] == 0 and r["mismatches"] == 0 and not any(r["held_afterwards"].values()) for r in runs)
     return 0 if ok else 1
 
 

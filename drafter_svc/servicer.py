@@ -13,7 +13,7 @@ from pdflash.errors import FieldViolation, InvalidArgument, PdflashError, Resour
 from pdflash.logging import get_logger
 from pdflash.types import DrafterKind, FinishReason
 from pdflash.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from pdflash.validation import sampling_violations
+from pdflash.validation import MAX_ID_CHARS, id_violations, sampling_violations
 from drafter_svc.clients import SchedulerClient, TargetInfo, VerifierClient
 from drafter_svc.config import DrafterConfig
 from drafter_svc.loop import Deadline, Finished, Request, Tokens, run_request
@@ -22,7 +22,6 @@ from drafter_svc.tokens import IncrementalDetokenizer
 log = get_logger("pdflash.drafter")
 
 REQUEST_ID_KEY = "x-request-id"
-MAX_ID_CHARS = 256
 MAX_STOP_TOKENS = 256
 # Text longer than this many characters per allowed prompt token is refused before tokenizing it.
 MAX_CHARS_PER_TOKEN = 32
@@ -53,7 +52,7 @@ def _request_id(request, context) -> str:
 
 def _request_id_violations(request_id: str) -> list[FieldViolation]:
     if len(request_id) > MAX_ID_CHARS:
-        return [FieldViolation("request_id", f"{len(request_id)} characters; at most {MAX_ID_CHARS}")]
+        return id_violations({"request_id": request_id})
     if not all(" " <= c <= "~" for c in request_id):
         return [FieldViolation("request_id", "must be printable ASCII (it is echoed in the x-request-id metadata)")]
     return []
@@ -210,11 +209,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             structlog.contextvars.unbind_contextvars("request_id")
 
     async def Abort(self, request, context):
-        v = []
+        v = id_violations({"request_id": request.request_id})
         if not request.request_id:
             v.append(FieldViolation("request_id", "required: the id of the running Generate to stop"))
-        elif len(request.request_id) > MAX_ID_CHARS:
-            v.append(FieldViolation("request_id", f"longer than {MAX_ID_CHARS} characters"))
         try:
             check(v, "invalid Abort request")
         except InvalidArgument as e:

@@ -98,7 +98,7 @@ class ServiceHost:
 
     def __init__(self, service_names: Sequence[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
         self.service_names = list(service_names)
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[DecodeErrors(), *interceptors])
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*interceptors, DecodeErrors()])  # auth answers before decoding
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

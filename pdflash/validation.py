@@ -7,6 +7,13 @@ import math
 from pdflash.errors import FieldViolation
 from pdflash.types import SamplingParams
 
+MAX_ID_CHARS = 256  # request, session and ticket ids: logged, some echoed as metadata
+
+
+def id_violations(fields: dict[str, str]) -> list[FieldViolation]:
+    """Ids (by field name) longer than MAX_ID_CHARS."""
+    return [FieldViolation(k, f"{len(v)} characters; at most {MAX_ID_CHARS}") for k, v in fields.items() if len(v) > MAX_ID_CHARS]
+
 
 def sampling_violations(s: SamplingParams, prefix: str = "sampling") -> list[FieldViolation]:
     v = []

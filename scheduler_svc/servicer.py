@@ -11,11 +11,11 @@ import grpc
 from pdflash.convert import union_from_pb
 from pdflash.errors import DeadlineExceeded, FieldViolation, PdflashError, abort_with, check
 from pdflash.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pdflash.validation import MAX_ID_CHARS
 from scheduler_svc.core import IssuedTicket, SchedulerCore
 from scheduler_svc.policy import Demand, Stats
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-MAX_ID_CHARS = 256
 # Bounds on one demand, far above any real block: a malformed Admit cannot claim absurd budget.
 MAX_BLOCK_TOKENS = 4096
 MAX_UNION_LAYERS = 4096

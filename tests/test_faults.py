@@ -27,7 +27,7 @@ from tests.conftest import start_stack
 pytestmark = pytest.mark.slow
 
 PROMPT = "def fibonacci(n):\n"
-LONG = 600  # tokens: long enough to be mid-generation when the fault hits
+LONG = 300  # tokens: long enough to be mid-generation when the fault hits
 
 
 def idle(stack, settle_s: float = 10.0) -> dict:
@@ -211,8 +211,8 @@ def test_a_ticket_lost_at_the_deadline_is_reclaimed():
 def faulty(tiny, tmp_path_factory):
     s = start_stack(
         tiny.target("qwen3_moe"), None, tmp_path_factory.mktemp("faults-logs"),
-        scheduler_args=["--lease-s", "3"],
-        verifier_args=["--session-ttl-s", "3", "--max-sessions", "1"],
+        scheduler_args=["--lease-s", "2"],
+        verifier_args=["--session-ttl-s", "2", "--max-sessions", "1"],
         drafter_args=["--max-concurrent", "1"],
     )
     yield s

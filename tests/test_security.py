@@ -235,6 +235,10 @@ def test_public_api_needs_the_bearer_token_health_and_reflection_do_not(secure, 
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with Client(secure.drafter, client_creds(pki), token=TOKEN) as c:
         assert c.model_info().architecture == "qwen3_moe"
+    with secure_channel(secure.drafter, client_creds(pki)) as ch:  # an unauthenticated caller learns nothing more
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary("/pdflash.v1.Drafter/ModelInfo")(b"\x00", timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # Open without a token (a transport certificate is still needed under mTLS).
     assert health(secure.drafter, client_creds(pki)) == health_pb2.HealthCheckResponse.SERVING
     with secure_channel(secure.drafter, client_creds(pki)) as ch:

@@ -13,20 +13,16 @@ from pdflash.logging import get_logger
 from pdflash.tickets import TicketSigner
 from pdflash.types import FinishReason
 from pdflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from pdflash.validation import id_violations
 from verifier_svc.engine import PrefillInput, StepOutput, VerifierCore
 
 log = get_logger("pdflash.verifier")
 
-MAX_ID_CHARS = 256  # request ids, session ids, ticket ids
 MAX_LIST_ITEMS = 1024  # stop ids, feature layers: far more than any model needs
 
 
 def _finish_pb(f: FinishReason | None) -> int:
     return int(f) if f is not None else 0
-
-
-def _id_violations(fields: dict[str, str]) -> list[FieldViolation]:
-    return [FieldViolation(k, f"longer than {MAX_ID_CHARS} characters") for k, v in fields.items() if len(v) > MAX_ID_CHARS]
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -115,7 +111,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         t_start = time.perf_counter()
         await self._ready(context)
         try:
-            v = _id_violations({"request_id": request.request_id})
+            v = id_violations({"request_id": request.request_id})
             if len(request.stop_token_ids) > MAX_LIST_ITEMS:
                 v.append(FieldViolation("stop_token_ids", f"{len(request.stop_token_ids)} ids; at most {MAX_LIST_ITEMS}"))
             if len(request.feature_layer_ids) > MAX_LIST_ITEMS:
@@ -158,7 +154,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         t_start = time.perf_counter()
         await self._ready(context)
         try:
-            v = _id_violations({"request_id": request.request_id, "draft.session_id": request.draft.session_id,
+            v = id_violations({"request_id": request.request_id, "draft.session_id": request.draft.session_id,
                                 "ticket_id": request.ticket_id})
             if not request.HasField("draft"):
                 v.append(FieldViolation("draft", "required: the DraftResult to verify"))
@@ -194,7 +190,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def EndSession(self, request, context):
         await self._ready(context)
         try:
-            v = _id_violations({"session_id": request.session_id})
+            v = id_violations({"session_id": request.session_id})
             if not request.session_id:
                 v.append(FieldViolation("session_id", "required: the session id Prefill returned"))
             check(v, "invalid EndSession request")
