@@ -178,7 +178,6 @@ class DFlashDraftModel(nn.Module):
         `context_positions` + `attn_mask` (training: [B, 1, Q, C + Q] boolean, True = may attend).
         """
         cos, sin = self._rope(block_embeds, block_positions)
-        ctx_kv = None
         if context is not None:
             ctx = self.project_context(context.to(self.fc.weight.dtype))
             ccos, csin = self._rope(ctx, context_positions)

@@ -10,9 +10,9 @@ import time
 from pdflash import config as cfgmod
 from pdflash.defaults import default_drafter_dir, default_target_dir
 from pdflash.errors import PdflashError, Unavailable
-from pdflash.logging import configure, get_logger
+from pdflash.logging import get_logger
 from pdflash.metrics import DrafterMetrics, start_metrics_server_logged
-from pdflash.server import ServiceHost, serve_until_signal
+from pdflash.server import ServiceHost, run_service, serve_until_signal
 from pdflash.tls import BearerAuth, channel_credentials, server_credentials
 from pdflash.types import DrafterKind
 from pdflash.v1 import drafter_pb2, drafter_pb2_grpc
@@ -125,14 +125,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfgmod.add_arguments(parser, DrafterConfig)
 
 
-def run(args: argparse.Namespace) -> None:
-    cfg = cfgmod.from_sources(DrafterConfig, args)
-    configure(cfg.log_level)
-    log.info("configuration", service="drafter", **cfgmod.describe(cfg))
-    asyncio.run(serve(cfg))
+def run(args: argparse.Namespace) -> int:
+    return run_service(DrafterConfig, serve, "drafter", args)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdflash serve-drafter", description="Serve the pdflash drafter (public API)")
     add_arguments(parser)
-    run(parser.parse_args(argv))
+    return run(parser.parse_args(argv))

@@ -11,8 +11,8 @@ import structlog
 from pdflash import convert
 from pdflash.errors import FieldViolation, InvalidArgument, PdflashError, ResourceExhausted, Unavailable, abort_with, check
 from pdflash.logging import get_logger
-from pdflash.types import DrafterKind, FinishReason
-from pdflash.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from pdflash.types import DrafterKind
+from pdflash.v1 import drafter_pb2, drafter_pb2_grpc
 from pdflash.validation import MAX_ID_CHARS, id_violations, sampling_violations
 from drafter_svc.clients import SchedulerClient, TargetInfo, VerifierClient
 from drafter_svc.config import DrafterConfig

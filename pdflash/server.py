@@ -157,3 +157,26 @@ def channel(target: str, credentials: grpc.ChannelCredentials | None = None) -> 
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
     return grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+
+
+def run_service(config_cls, serve, service: str, args) -> int:
+    """The `pdflash serve-<service>` body shared by the three services: options from flags / environment /
+    config file, logging, the effective configuration logged, serve until a signal. Returns an exit code."""
+    import sys
+
+    from pdflash import config as cfgmod
+    from pdflash.logging import configure
+
+    try:
+        cfg = cfgmod.from_sources(config_cls, args)
+    except cfgmod.ConfigError as e:
+        print(f"pdflash serve-{service}: configuration error: {e}", file=sys.stderr)
+        return 2
+    configure(cfg.log_level)
+    log.info("effective configuration", service=service, **cfgmod.describe(cfg))
+    try:
+        asyncio.run(serve(cfg))
+    except OSError as e:  # e.g. the port is taken
+        log.error("cannot serve", service=service, error=str(e), address=f"{cfg.host}:{cfg.port}")
+        return 1
+    return 0

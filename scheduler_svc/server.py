@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import sys
 
-from pdflash import config as pconfig
+from pdflash import config as cfgmod
 from pdflash import logging as plogging
 from pdflash.metrics import SchedulerMetrics, start_metrics_server_logged
-from pdflash.server import ServiceHost, serve_until_signal
+from pdflash.server import ServiceHost, run_service, serve_until_signal
 from pdflash.tls import server_credentials
 from pdflash.v1 import scheduler_pb2_grpc
 from scheduler_svc.config import SchedulerConfig
@@ -22,8 +21,6 @@ from scheduler_svc.core import SchedulerCore
 from scheduler_svc.servicer import SERVICE_NAME, SchedulerServicer
 
 log = plogging.get_logger("pdflash.scheduler")
-
-PROG = "pdflash serve-scheduler"
 
 
 @dataclasses.dataclass
@@ -93,28 +90,15 @@ async def serve(cfg: SchedulerConfig, stop_event: asyncio.Event | None = None) -
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pconfig.add_arguments(parser, SchedulerConfig)
+    cfgmod.add_arguments(parser, SchedulerConfig)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build the config from flags / environment / config file, log it, serve. Returns an exit code."""
-    try:
-        cfg = pconfig.from_sources(SchedulerConfig, args)
-    except pconfig.ConfigError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    plogging.configure(cfg.log_level)
-    log.info("effective configuration", **pconfig.describe(cfg))
-    try:
-        asyncio.run(serve(cfg))
-    except OSError as e:  # e.g. the port is taken
-        log.error("cannot serve", error=str(e), address=f"{cfg.host}:{cfg.port}")
-        return 1
-    return 0
+    return run_service(SchedulerConfig, serve, "scheduler", args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description="pdflash verify-admission scheduler (gRPC pdflash.v1.Scheduler)")
+    parser = argparse.ArgumentParser(prog="pdflash serve-scheduler", description="Serve the pdflash verify-admission scheduler")
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

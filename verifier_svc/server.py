@@ -10,9 +10,9 @@ import torch
 
 from pdflash import config as cfgmod
 from pdflash.defaults import default_target_dir
-from pdflash.logging import configure, get_logger
+from pdflash.logging import get_logger
 from pdflash.metrics import VerifierMetrics, start_metrics_server_logged
-from pdflash.server import ServiceHost, serve_until_signal
+from pdflash.server import ServiceHost, run_service, serve_until_signal
 from pdflash.tickets import TicketSigner
 from pdflash.tls import server_credentials
 from pdflash.v1 import verifier_pb2, verifier_pb2_grpc
@@ -92,14 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfgmod.add_arguments(parser, VerifierConfig)
 
 
-def run(args: argparse.Namespace) -> None:
-    cfg = cfgmod.from_sources(VerifierConfig, args)
-    configure(cfg.log_level)
-    log.info("configuration", service="verifier", **cfgmod.describe(cfg))
-    asyncio.run(serve(cfg))
+def run(args: argparse.Namespace) -> int:
+    return run_service(VerifierConfig, serve, "verifier", args)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdflash serve-verifier", description="Serve the pdflash verifier")
     add_arguments(parser)
-    run(parser.parse_args(argv))
+    return run(parser.parse_args(argv))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
 
 from pdflash import convert
 from pdflash.errors import DeadlineExceeded, FieldViolation, PdflashError, ResourceExhausted, Unavailable, abort_with, check
