@@ -2,7 +2,7 @@
 
 Same prompts and lengths for every mode:
   stack/none      block 1: plain autoregressive verification through the three services
-  stack/ngram     n-gram prompt lookup drafting
+  stack/ngram     n-gram prompt lookup drafting (block 16; stack/ngram@32: block 32)
   stack/dflash    DFlash block drafting
   stack/hybrid    n-gram when the context matches, DFlash otherwise
   hf/greedy       transformers `generate(do_sample=False)` in-process
@@ -36,7 +36,7 @@ from pdflash.client import Client  # noqa: E402
 from pdflash.defaults import default_drafter_dir, default_target_dir  # noqa: E402
 from pdflash.stack import Stack, StackSpec, free_port  # noqa: E402
 
-STACK_MODES = [("none", 1), ("ngram", 16), ("dflash", 16), ("hybrid", 16)]
+STACK_MODES = [("none", 1), ("ngram", 16), ("ngram", 32), ("dflash", 16), ("hybrid", 16)]
 
 
 def heldout_prompts(tok, n: int, prompt_tokens: int) -> list[list[int]]:
@@ -69,6 +69,7 @@ def run_stack_modes(model: str, drafter: str, prompts, new_tokens: int, log_dir:
         with Client(stack.drafter) as c:
             c.generate(prompts[0], max_tokens=8, drafter="none")  # warm-up
             for kind, block in STACK_MODES:
+                name = kind if block in (1, 16) else f"{kind}@{block}"
                 per = []
                 for p in prompts:
                     t0 = time.perf_counter()
@@ -80,8 +81,8 @@ def run_stack_modes(model: str, drafter: str, prompts, new_tokens: int, log_dir:
                         tau=u.mean_acceptance_length, prefill_ms=t.prefill_ms, draft_ms=t.draft_ms, admit_ms=t.admit_ms,
                         verify_ms=t.verify_ms, verify_server_ms=t.verify_server_ms, verify_forward_ms=t.verify_forward_ms,
                     ))
-                results[f"stack/{kind}"] = per
-                print(f"  stack/{kind}: done", file=sys.stderr, flush=True)
+                results[f"stack/{name}"] = per
+                print(f"  stack/{name}: done", file=sys.stderr, flush=True)
     return results
 
 
