@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-from pdflash.config import ConfigError, option
-from pdflash.tls import check_client_options, check_server_options
+from pdflash.config import ConfigError, ServerOptions, option
+from pdflash.tls import check_client_options
 
 KINDS = ("none", "ngram", "dflash", "hybrid")
 
 
 @dataclasses.dataclass
-class DrafterConfig:
+class DrafterConfig(ServerOptions):
     model: str = option("", "target checkpoint directory (tokenizer, embedding, LM head); empty = the embedded demo model")
     drafter: str = option("", "DFlash drafter directory (z-lab layout); empty = the embedded demo drafter if shipped, else n-gram only")
     no_dflash: bool = option(False, "serve without a DFlash drafter even if one is shipped (n-gram / none only)")
@@ -31,16 +31,14 @@ class DrafterConfig:
     upstream_wait_s: float = option(120.0, "at start, how long to wait for the scheduler and verifier to be ready")
     metrics_port: int = option(9101, "Prometheus /metrics HTTP port (0 = any free port, -1 = off)")
     grace_s: float = option(5.0, "shutdown grace period for in-flight streams")
-    log_level: str = option("info", "debug, info, warning, error")
     auth_token: str = option("", "when set, Generate/Abort/ModelInfo need metadata 'authorization: Bearer <token>' (health and reflection stay open)", secret=True)
     tls_cert: str = option("", "PEM certificate chain: serve the public API over TLS (with --tls-key)")
-    tls_key: str = option("", "PEM private key of --tls-cert")
-    tls_ca: str = option("", "PEM CA bundle: require client certificates signed by it (mutual TLS)")
     upstream_tls_ca: str = option("", "PEM CA that signed the scheduler's and verifier's certificates: call them over TLS")
     upstream_tls_cert: str = option("", "PEM client certificate for the scheduler and verifier (when they require mutual TLS)")
     upstream_tls_key: str = option("", "PEM private key of --upstream-tls-cert")
 
     def validate(self) -> None:
+        self.validate_server()
         for name in ("model", "drafter"):
             v = getattr(self, name)
             if v and not (pathlib.Path(v) / "config.json").exists():
@@ -56,7 +54,6 @@ class DrafterConfig:
         for name in ("scheduler", "verifier"):
             if ":" not in getattr(self, name):
                 raise ConfigError(f"--{name} {getattr(self, name)!r}: expected host:port")
-        check_server_options(self.tls_cert, self.tls_key, self.tls_ca)
         check_client_options(self.upstream_tls_ca, self.upstream_tls_cert, self.upstream_tls_key, "upstream_tls")
         if self.auth_token and any(c.isspace() for c in self.auth_token):
             raise ConfigError("--auth-token must not contain whitespace (it is sent as 'Bearer <token>')")

@@ -29,6 +29,36 @@ def option(default: Any, help: str, **kw: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclasses.dataclass
+class ServerOptions:
+    """What every pdflash server takes; each service's options extend it (and override port defaults)."""
+
+    host: str = option("127.0.0.1", "address to bind (loopback by default; 0.0.0.0 serves other machines)")
+    port: int = option(0, "port to bind (0 = pick a free one)")
+    metrics_port: int = option(-1, "Prometheus /metrics HTTP port (0 = any free port, -1 = off)")
+    grace_s: float = option(5.0, "shutdown grace period for in-flight RPCs")
+    log_level: str = option("info", "debug, info, warning, error")
+    tls_cert: str = option("", "PEM certificate chain: serve TLS (with --tls-key)")
+    tls_key: str = option("", "PEM private key of --tls-cert")
+    tls_ca: str = option("", "PEM CA bundle: require client certificates signed by it (mutual TLS)")
+
+    def validate_server(self) -> None:
+        from pdflash.tls import check_server_options  # pdflash.tls imports this module
+
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port}: must be in [0, 65535]")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port {self.metrics_port}: must be -1 (off), 0 (any free port) or a port")
+        if self.grace_s < 0:
+            raise ConfigError(f"--grace-s {self.grace_s}: must be >= 0 seconds")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"--log-level {self.log_level!r}: choose one of {', '.join(LOG_LEVELS)}")
+        check_server_options(self.tls_cert, self.tls_key, self.tls_ca)
+
+
 def env_name(field_name: str) -> str:
     return "PDFLASH_" + field_name.upper()
 

@@ -73,3 +73,16 @@ def test_cli_reports_bad_configuration_and_documents_options():
     for cmd in ("serve-scheduler", "serve-verifier", "serve-drafter"):
         h = subprocess.run([sys.executable, "-m", "pdflash.cli", cmd, "--help"], capture_output=True, text=True, timeout=120)
         assert h.returncode == 0 and "--config" in h.stdout and "PDFLASH_PORT" in h.stdout
+
+
+@pytest.mark.parametrize("module", ["scheduler_svc.config:SchedulerConfig", "verifier_svc.config:VerifierConfig", "drafter_svc.config:DrafterConfig"])
+@pytest.mark.parametrize("argv, fragment", [(["--log-level", "loud"], "--log-level"), (["--metrics-port", "-5"], "--metrics-port"),
+                                            (["--grace-s", "-1"], "--grace-s"), (["--port", "-1"], "--port")])
+def test_every_service_checks_the_shared_server_options(module, argv, fragment):
+    import importlib
+
+    mod, name = module.split(":")
+    cls = getattr(importlib.import_module(mod), name)
+    with pytest.raises(ConfigError) as e:
+        from_sources(cls, parse(cls, argv), env={})
+    assert fragment in str(e.value)
