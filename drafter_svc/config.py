@@ -28,6 +28,7 @@ class DrafterConfig(ServerOptions):
     max_prompt_tokens: int = option(8192, "longest prompt accepted (tokens)")
     max_concurrent: int = option(64, "requests generating at once; beyond it Generate answers RESOURCE_EXHAUSTED")
     ngram_min_match: int = option(3, "hybrid: use the n-gram proposal when at least this many tokens match")
+    torch_threads: int = option(1, "CPU threads for the drafter's torch work (0 = torch's default, all cores); on a CPU host keep the cores for the verifier")
     upstream_wait_s: float = option(120.0, "at start, how long to wait for the scheduler and verifier to be ready")
     metrics_port: int = option(9101, "Prometheus /metrics HTTP port (0 = any free port, -1 = off)")
     grace_s: float = option(5.0, "shutdown grace period for in-flight streams")
@@ -49,6 +50,8 @@ class DrafterConfig(ServerOptions):
             raise ConfigError(f"--block-size {self.block_size}: must be in [1, --max-block-size={self.max_block_size}]")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ConfigError("--default-max-tokens must be in [1, --max-tokens-limit]")
+        if self.torch_threads < 0:
+            raise ConfigError(f"--torch-threads {self.torch_threads}: must be >= 0 (0 = torch's default)")
         if self.max_concurrent < 1:
             raise ConfigError("--max-concurrent must be >= 1")
         for name in ("scheduler", "verifier"):

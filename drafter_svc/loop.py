@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import structlog
 
+from pdflash import torch_thread
 from pdflash.errors import DeadlineExceeded
 from pdflash.logging import get_logger
 from pdflash.types import DraftResult, FinishReason, SamplingParams, union_bytes
@@ -193,7 +194,10 @@ async def run_request(
         if finished is not None:
             yield Finished(finished, usage)
             return
-        drafter.start(list(req.prompt), pre.features)
+        if heavy:  # torch work: on the process's torch thread (pdflash.torch_thread says why)
+            await torch_thread.run(drafter.start, list(req.prompt), pre.features)
+        else:
+            drafter.start(list(req.prompt), pre.features)
         anchor = pre.first_token
         union = pre.routed_union  # best projection for round 1: what the prompt routed
         rnd = 0
@@ -208,7 +212,7 @@ async def run_request(
             if k <= 0:
                 drafts = []
             elif heavy:  # a model forward: keep the event loop free for other streams and health
-                drafts = list(await asyncio.to_thread(drafter.propose, anchor, k))[:k]
+                drafts = list(await torch_thread.run(drafter.propose, anchor, k))[:k]
             else:
                 drafts = list(drafter.propose(anchor, k))[:k]
             usage.draft_ms += (time.perf_counter() - t0) * 1e3
@@ -245,7 +249,10 @@ async def run_request(
             verifier_done = finished is not None
             if finished is None:
                 committed = [anchor, *drafts[: res.num_accepted]]
-                drafter.commit(committed, res.features)
+                if heavy:
+                    await torch_thread.run(drafter.commit, committed, res.features)
+                else:
+                    drafter.commit(committed, res.features)
                 anchor = res.tokens[-1]
                 union = res.routed_union
             yield Tokens(res.tokens, rnd, len(drafts), res.num_accepted)

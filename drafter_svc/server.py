@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import time
 
-from pdflash import config as cfgmod
+from pdflash import config as cfgmod, torch_thread
 from pdflash.defaults import default_drafter_dir, default_target_dir
 from pdflash.errors import PdflashError, Unavailable
 from pdflash.logging import get_logger
@@ -99,7 +99,8 @@ async def start(cfg: DrafterConfig) -> RunningDrafter:
                     + " travel in plaintext; set --tls-cert/--tls-key")
     model_dir = cfg.model or str(await asyncio.to_thread(default_target_dir))
     tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
-    factories, default, drafter_dir = await asyncio.to_thread(build_factories, cfg, model_dir)
+    threads = await torch_thread.run(torch_thread.configure, cfg.torch_threads)
+    factories, default, drafter_dir = await torch_thread.run(build_factories, cfg, model_dir)
     upstream = channel_credentials(cfg.upstream_tls_ca, cfg.upstream_tls_cert, cfg.upstream_tls_key)
     verifier, scheduler = VerifierClient(cfg.verifier, upstream), SchedulerClient(cfg.scheduler, upstream)
     log.info("waiting for upstream", verifier=cfg.verifier, scheduler=cfg.scheduler, phase="connecting")
@@ -112,7 +113,7 @@ async def start(cfg: DrafterConfig) -> RunningDrafter:
     servicer.door = FrontDoor(cfg, tokenizer, factories, default, verifier, scheduler, target, drafter_dir)
     await host.set_serving(True)
     log.info("drafter ready", model=target.model, drafters=[k.name.lower() for k in factories], default=default.name.lower(),
-             block_size=cfg.block_size)
+             block_size=cfg.block_size, torch_threads=threads)
     return RunningDrafter(host, servicer.door, port, metrics_server)
 
 

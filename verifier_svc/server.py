@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from pdflash import config as cfgmod
+from pdflash import config as cfgmod, torch_thread
 from pdflash.defaults import default_target_dir
 from pdflash.logging import get_logger
 from pdflash.metrics import VerifierMetrics, start_metrics_server_logged
@@ -66,7 +66,8 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
     log.info("verifier listening", address=f"{cfg.host}:{port}", phase="loading",
              tls="mutual" if cfg.tls_ca else "on" if cfg.tls_cert else "off", tickets="checked" if cfg.ticket_secret else "not checked")
     model_dir = cfg.model or str(await asyncio.to_thread(default_target_dir))
-    target = await asyncio.to_thread(load_target, model_dir, resolve_device(cfg.device), cfg.dtype)
+    threads = await torch_thread.run(torch_thread.configure, cfg.torch_threads)
+    target = await torch_thread.run(load_target, model_dir, resolve_device(cfg.device), cfg.dtype)
     core = VerifierCore(target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size, cfg.max_tokens_limit)
     servicer.core = core
     metrics.sessions_alive.set_function(lambda: len(core.sessions))
@@ -79,6 +80,7 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         experts_per_layer=target.experts_per_layer,
         total_expert_bytes=target.total_expert_bytes,
         device=str(target.device),
+        torch_threads=threads,
     )
     return RunningVerifier(host, core, port, asyncio.create_task(_sweep(core)), metrics_server)
 

@@ -6,7 +6,7 @@ import asyncio
 import time
 
 
-from pdflash import convert
+from pdflash import convert, torch_thread
 from pdflash.errors import DeadlineExceeded, FieldViolation, PdflashError, ResourceExhausted, Unavailable, abort_with, check
 from pdflash.logging import get_logger
 from pdflash.tickets import TicketSigner
@@ -29,7 +29,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.metrics = metrics  # pdflash.metrics.VerifierMetrics or None
         self.core = core  # None while the model loads: RPCs answer UNAVAILABLE
         self.signer = signer or TicketSigner("")  # no secret: tickets are not checked
-        # One device: forwards run one at a time, off the event loop so health keeps answering.
+        # One device: forwards run one at a time on the process's torch thread, so health keeps answering.
         self._device = asyncio.Lock()
         # Calls waiting for (or holding) the device; bounded so a flood cannot queue without limit.
         self.max_pending = max_pending
@@ -53,7 +53,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             t0 = time.perf_counter()
             async with self._device:
                 queued = (time.perf_counter() - t0) * 1e3
-                work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+                work = torch_thread.submit(fn, *args)  # see pdflash.torch_thread
                 try:
                     return await asyncio.shield(work), queued
                 except asyncio.CancelledError:
