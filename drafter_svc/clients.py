@@ -60,6 +60,9 @@ class TicketInfo:
     signature: str
     expires_at_unix: float
     waited_ms: float
+    tokens: int = 0  # the demand admitted (for an ahead admission: the most the block may use)
+    expert_bytes: int = 0
+    deferred: bool = False  # an ahead admission that was not seated: no ticket, nothing held
 
 
 def _finish(finished: bool, reason: int) -> FinishReason | None:
@@ -138,6 +141,9 @@ class VerifierClient:
             req.ticket_id = ticket.ticket_id
             req.ticket_signature = ticket.signature
             req.ticket_expires_at_unix = ticket.expires_at_unix
+            if ticket.tokens:  # the demand admitted; ahead of drafting it may exceed the block
+                req.ticket_tokens = ticket.tokens
+                req.ticket_expert_bytes = ticket.expert_bytes
         try:
             r = await self.stub.Verify(req, timeout=timeout)
         except grpc.aio.AioRpcError as e:
@@ -170,14 +176,17 @@ class SchedulerClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def admit(self, request_id: str, draft: DraftResult, timeout: float | None) -> TicketInfo:
+    async def admit(self, request_id: str, draft: DraftResult, timeout: float | None, reserve_tokens: int = 0) -> TicketInfo:
+        """Admit a drafted block; or, with reserve_tokens > 0, reserve the round ahead of drafting
+        (never waits; the answer may be `deferred`)."""
         try:
             t = await self.stub.Admit(
-                scheduler_pb2.AdmitRequest(request_id=request_id, draft=convert.draft_to_pb(draft)), timeout=timeout
+                scheduler_pb2.AdmitRequest(request_id=request_id, draft=convert.draft_to_pb(draft), reserve_tokens=reserve_tokens),
+                timeout=timeout,
             )
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "scheduler Admit") from None
-        return TicketInfo(t.ticket_id, t.signature, t.expires_at_unix, t.waited_ms)
+        return TicketInfo(t.ticket_id, t.signature, t.expires_at_unix, t.waited_ms, int(t.tokens), int(t.expert_bytes), t.deferred)
 
     async def release(self, ticket_id: str, timeout: float = 5.0) -> bool:
         try:

@@ -2,7 +2,12 @@
 
 Pure asyncio over two client objects (VerifierClient, SchedulerClient or anything with the same
 methods); no protobuf here. Every exit path (finish, error, client cancel, Abort) ends the verifier
-session and releases the admission ticket.
+session and releases every admission ticket.
+
+Admission ahead: while round r verifies, the next round's admission is already on its way (the
+scheduler seats it at once from budget nobody waits for, or defers it). Round r+1 then goes
+straight from drafting to Verify; its block carries the projection it was admitted with (one round
+older than the freshest). Deferred or failed ahead admissions fall back to a normal Admit.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class Usage:
     verify_ms: float = 0.0
     verify_server_ms: float = 0.0
     verify_forward_ms: float = 0.0
+    rounds_admitted_ahead: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -94,24 +100,29 @@ def _in_background(coro) -> None:
     task.add_done_callback(_background.discard)
 
 
-async def _reclaim(scheduler, request_id: str, draft: DraftResult) -> None:
+async def _reclaim(scheduler, request_id: str, draft: DraftResult, reserve_tokens: int = 0) -> None:
     """An Admit that hit its deadline may still have been seated: the ticket was lost on the way back.
 
     Admitting the same block again returns the ticket the scheduler holds for that (session, round)
     (or seats a fresh one); releasing it gives the budget back now instead of at the lease's expiry.
     """
     try:
-        ticket = await scheduler.admit(request_id, draft, RECLAIM_TIMEOUT_S)
-        await scheduler.release(ticket.ticket_id)
+        ticket = await scheduler.admit(request_id, draft, RECLAIM_TIMEOUT_S, reserve_tokens) if reserve_tokens else \
+            await scheduler.admit(request_id, draft, RECLAIM_TIMEOUT_S)
+        if not ticket.deferred:
+            await scheduler.release(ticket.ticket_id)
     except Exception as e:  # nothing was held, or the scheduler is gone: the lease expires anyway
         log.debug("reclaim after a timed-out admit", session_id=draft.session_id, round=draft.round, error=str(e))
 
 
-async def _admit(scheduler, request_id: str, draft: DraftResult, timeout: float | None):
+async def _admit(scheduler, request_id: str, draft: DraftResult, timeout: float | None, reserve_tokens: int = 0):
     """Admit, never stranding a lease: if we are cancelled while the answer is on its way, release the
     ticket it brings; if the Admit timed out, reclaim the ticket that may have been issued anyway.
+    reserve_tokens > 0: admission ahead of drafting (may come back `deferred`, holding nothing).
     """
-    task = asyncio.ensure_future(scheduler.admit(request_id, draft, timeout))
+    task = asyncio.ensure_future(
+        scheduler.admit(request_id, draft, timeout, reserve_tokens) if reserve_tokens else scheduler.admit(request_id, draft, timeout)
+    )
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
@@ -119,15 +130,48 @@ async def _admit(scheduler, request_id: str, draft: DraftResult, timeout: float 
             if t.cancelled():
                 return
             if t.exception() is None:
-                _in_background(scheduler.release(t.result().ticket_id))
+                if not t.result().deferred:
+                    _in_background(scheduler.release(t.result().ticket_id))
             elif isinstance(t.exception(), DeadlineExceeded):
-                _in_background(_reclaim(scheduler, request_id, draft))
+                _in_background(_reclaim(scheduler, request_id, draft, reserve_tokens))
 
         task.add_done_callback(give_back)
         raise
     except DeadlineExceeded:
-        _in_background(_reclaim(scheduler, request_id, draft))
+        _in_background(_reclaim(scheduler, request_id, draft, reserve_tokens))
         raise
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """The next round's admission, in flight while the current round verifies."""
+
+    round: int
+    union: object  # the ExpertUnion it was admitted with; the round's block must carry it
+    task: asyncio.Task
+
+    async def take(self, block_len: int, releases: list[asyncio.Future], scheduler):
+        """The ticket, if it was seated and the block fits in it; else None (admit normally)."""
+        try:
+            ticket = await asyncio.shield(self.task)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # an ahead admission is an optimization: the normal Admit reports real errors
+            log.debug("admit ahead failed", round=self.round, error=str(e))
+            return None
+        if ticket.deferred:
+            return None
+        if block_len > ticket.tokens:  # cannot happen (the reservation is an upper bound); never verify outside it
+            releases.append(asyncio.ensure_future(_release(scheduler, ticket.ticket_id)))
+            return None
+        return ticket
+
+    def drop(self, releases: list[asyncio.Future], scheduler) -> None:
+        """Not needed after all: give back whatever it holds or will hold."""
+        if not self.task.done():
+            self.task.cancel()  # _admit releases a ticket that arrives after this
+        elif not self.task.cancelled() and self.task.exception() is None and not self.task.result().deferred:
+            releases.append(asyncio.ensure_future(_release(scheduler, self.task.result().ticket_id)))
 
 
 async def _release(scheduler, ticket_id: str) -> None:
@@ -164,6 +208,7 @@ async def run_request(
     byte_map: dict[int, list[int]],
     deadline: Deadline,
     abort: asyncio.Event | None = None,
+    admit_ahead: bool = True,
 ) -> AsyncIterator[Tokens | Finished]:
     usage = Usage(prompt_tokens=len(req.prompt))
     drafter = drafter_factory.new_session()
@@ -172,6 +217,7 @@ async def run_request(
     session_id = ""
     finished: FinishReason | None = None
     verifier_done = False  # the verifier ended the session itself (finished there)
+    ahead: _Ahead | None = None  # the next round's admission, sent while this round verifies
     try:
         t0 = time.perf_counter()
         pre = await verifier.prefill(
@@ -216,17 +262,26 @@ async def run_request(
             else:
                 drafts = list(drafter.propose(anchor, k))[:k]
             usage.draft_ms += (time.perf_counter() - t0) * 1e3
-            draft = DraftResult(
-                session_id=session_id,
-                round=rnd,
-                tokens=(anchor, *drafts),
-                expert_union=union,
-                expert_bytes=union_bytes(union, byte_map),
-            )
+            tokens = (anchor, *drafts)
             t0 = time.perf_counter()
-            ticket = await _admit(scheduler, req.request_id, draft, deadline.remaining())
+            ticket = None
+            if ahead is not None:
+                ticket = await ahead.take(len(tokens), releases, scheduler)
+                taken, ahead = ahead, None  # only now: a cancel while waiting must still drop it
+            if ticket is not None:
+                draft = DraftResult(session_id, rnd, tokens, taken.union, union_bytes(taken.union, byte_map))
+                usage.rounds_admitted_ahead += 1
+            else:
+                draft = DraftResult(session_id, rnd, tokens, union, union_bytes(union, byte_map))
+                ticket = await _admit(scheduler, req.request_id, draft, deadline.remaining())
             t1 = time.perf_counter()
             usage.admit_ms += (t1 - t0) * 1e3
+            # This round emits at least one token: the next one has at most remaining - 1 to go.
+            if admit_ahead and remaining - 1 >= 1:
+                reserve = min(req.block_size, remaining - 1)
+                nxt = DraftResult(session_id, rnd + 1, (), union, union_bytes(union, byte_map))
+                ahead = _Ahead(rnd + 1, union, asyncio.ensure_future(
+                    _admit(scheduler, req.request_id, nxt, deadline.remaining(), reserve_tokens=reserve)))
             try:
                 res = await verifier.verify(req.request_id, draft, ticket, drafter.needs_features, deadline.remaining())
             finally:
@@ -256,9 +311,18 @@ async def run_request(
                 anchor = res.tokens[-1]
                 union = res.routed_union
             yield Tokens(res.tokens, rnd, len(drafts), res.num_accepted)
+        if ahead is not None:  # reserved for a round that will not come
+            try:
+                await asyncio.shield(ahead.task)
+            except Exception:
+                pass
+            ahead.drop(releases, scheduler)
+            ahead = None
         await _drain(releases, usage)  # budget is back before the client hears "finished"
         yield Finished(finished, usage)
     finally:
+        if ahead is not None:
+            ahead.drop(releases, scheduler)
         drafter.close()
         structlog.contextvars.unbind_contextvars("session_id")
         # One shielded task for all of the clean-up: a second cancel (the client's deadline firing while

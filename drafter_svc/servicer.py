@@ -157,7 +157,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             log.info("generate", prompt_tokens=len(req.prompt), max_tokens=req.max_tokens, drafter=kind.name.lower(), block_size=req.block_size)
             gen = run_request(
                 req, self.door.factories[kind], self.door.verifier, self.door.scheduler, self.door.target.byte_map,
-                Deadline(context.time_remaining()), abort,
+                Deadline(context.time_remaining()), abort, admit_ahead=self.door.cfg.admit_ahead,
             )
             async for ev in gen:
                 if isinstance(ev, Tokens):
@@ -184,7 +184,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                 completion_tokens=u.completion_tokens,
                                 rounds=u.rounds,
                                 mean_acceptance_length=u.mean_acceptance_length,
-                                draft_tokens=u.draft_tokens,
+                                draft_tokens=u.draft_tokens, rounds_admitted_ahead=u.rounds_admitted_ahead,
                                 accepted_draft_tokens=u.accepted_draft_tokens,
                             ),
                             timings=drafter_pb2.PhaseTimings(

@@ -153,6 +153,9 @@ class SchedulerMetrics(_Metrics):
         self.budget_bytes_in_use = self._gauge("budget_bytes_in_use", "Bytes of the memory budget held by leases.")
         self.queue_length = self._gauge("queue_length", "Requests waiting for admission.")
         self.tickets_expired = self._counter("tickets_expired", "Admission tickets that expired before use.")
+        self.admitted_ahead = self._counter(
+            "admitted_ahead", "Admissions ahead of drafting (next round reserved while the current one verifies).", ("outcome",)
+        )
 
 
 class VerifierMetrics(_Metrics):

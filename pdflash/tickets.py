@@ -1,7 +1,8 @@
 """Admission tickets signed by the scheduler and checked by the verifier (HMAC-SHA256, shared secret).
 
 A ticket binds one verify: its id, the session and round, and the demand it was admitted for
-(block length, projected expert bytes), plus a wall-clock expiry. The verifier recomputes the
+(block length, projected expert bytes; for an admission ahead of drafting, the most the block may
+use), plus a wall-clock expiry. The verifier recomputes the
 signature from the Verify request itself, so a ticket cannot be reused for another block, another
 round or after it expired. Pure: no grpc, no clock of its own (time is passed in).
 """
@@ -54,10 +55,14 @@ class TicketSigner:
         tokens: int,
         expert_bytes: int,
         expires_at_unix: float,
+        block_tokens: int | None = None,
+        block_bytes: int | None = None,
     ) -> None:
-        """Raise PermissionDenied unless the ticket is present, signed for exactly this block and unexpired.
+        """Raise PermissionDenied unless the ticket is present, correctly signed for the demand it was
+        admitted for (`tokens`, `expert_bytes`), unexpired, and the block fits in that demand.
 
-        Does nothing when no secret is set (signing off).
+        `block_tokens` / `block_bytes`: the block actually verified when the ticket was admitted ahead
+        for up to `tokens` (None = the same as the ticket's). Does nothing when no secret is set.
         """
         if not self._key:
             return
@@ -71,5 +76,10 @@ class TicketSigner:
             raise PermissionDenied(f"ticket {ticket_id!r} has an invalid signature for session {session_id!r} round {round} "
                                    f"({tokens} tokens, {expert_bytes} expert bytes): it was issued for another block, "
                                    "altered, or signed with another secret")
+        if block_tokens is not None and block_tokens > tokens:
+            raise PermissionDenied(f"ticket {ticket_id!r} was admitted for at most {tokens} tokens; the block has {block_tokens}")
+        if block_bytes is not None and block_bytes > expert_bytes:
+            raise PermissionDenied(f"ticket {ticket_id!r} was admitted for at most {expert_bytes} expert bytes; "
+                                   f"the block projects {block_bytes}")
         if expires_at_unix <= now_unix:
             raise PermissionDenied(f"ticket {ticket_id!r} expired {now_unix - expires_at_unix:.3f}s ago; admit the round again")

@@ -94,6 +94,31 @@ class SchedulerCore:
 
     # -- the RPCs' work --------------------------------------------------------------------------
 
+    def admit_ahead(self, demand: Demand) -> IssuedTicket | None:
+        """Seat a reservation for a session's next round at once, or None (deferred: nothing held).
+
+        Never waits (see AdmissionPolicy.seat_now). A retry for a (session, round) already held with
+        the same demand returns that ticket.
+        """
+        if self._closed:
+            raise Unavailable("scheduler is shutting down; retry on another replica")
+        now = self._clock()
+        held = self.policy.held(demand.session_id, demand.round)
+        if held is not None:
+            if (held.tokens, held.expert_bytes) == (demand.tokens, demand.expert_bytes) and self.policy.renew(held.ticket_id, now):
+                return self._issue(held, now)
+            self._release(held.ticket_id, "released: a new block was admitted for the same round")
+        lease = self.policy.seat_now(demand, now)
+        if self.metrics is not None:
+            self.metrics.admitted_ahead.labels(outcome="deferred" if lease is None else "seated").inc()
+        if lease is not None and self.metrics is not None:
+            self.metrics.admission_wait.observe(0.0)
+        if lease is None:
+            log.debug("admit ahead deferred", session_id=demand.session_id, round=demand.round, waiting=self.policy.waiting)
+            return None
+        log.debug("admitted ahead", ticket_id=lease.ticket_id, session_id=demand.session_id, round=demand.round)
+        return self._issue(lease, now)
+
     async def admit(self, demand: Demand, deadline_s: float | None = None) -> IssuedTicket:
         """Wait until the demand is seated; at most min(deadline_s, max_wait_s) seconds.
 

@@ -17,6 +17,9 @@ How a demand is seated:
   budget, each counting as one bypass of the pick; after `max_bypass` bypasses nothing else is seated
   until the pick fits (in flight drains, so it does): big demands cannot starve behind small ones.
 - Otherwise the budgets are never exceeded: with two or more leases in flight, both sums fit.
+- Admission ahead (`seat_now`): a session may reserve its next round while the current one verifies.
+  It never waits and never queues: it is seated at once only when no demand is waiting and it fits
+  beside the leases in flight (no alone rule), so it only ever takes budget nobody else asked for.
 
 Seated demands become leases (`leases.py`) that expire unless released or renewed. A later wave
 admission (several sessions verified together so their expert unions overlap) can replace `_next`:
@@ -229,6 +232,28 @@ class AdmissionPolicy:
             seated.extend(self._backfill(pick, now))
             break
         return seated
+
+    def seat_now(self, demand: Demand, now: float) -> Lease | None:
+        """Seat a demand at once without queueing (admission ahead of drafting), or None.
+
+        None when any demand is waiting, or when it does not fit beside the leases in flight: ahead
+        admissions only take budget that nobody waits for, and never use the alone rule.
+        """
+        if self._waiters or not self.budgets.fit(
+            self.leases.tokens_in_use, self.leases.bytes_in_use, demand.tokens, demand.expert_bytes
+        ):
+            return None
+        session = self._sessions.get(demand.session_id)
+        if session is None:
+            session = self._sessions[demand.session_id] = _Session()
+        session.credit = max(0, session.credit - self.budgets.cost(demand.tokens, demand.expert_bytes))
+        session.in_flight += 1
+        session.last_active = now
+        lease = Lease(ticket_id=self._new_ticket_id(), demand=demand, admitted_at=now, expires_at=now + self.lease_s,
+                      waited_s=0.0, alone=False)
+        self.leases.add(lease)
+        self.admitted_total += 1
+        return lease
 
     def _next(self) -> str:
         """Deficit round-robin: the first session in the ring whose credit covers its oldest demand."""

@@ -36,8 +36,13 @@ def demand_from_pb(request: scheduler_pb2.AdmitRequest) -> Demand:
             violations.append(FieldViolation("draft.session_id", f"longer than {MAX_ID_CHARS} characters"))
         if d.round < 1:
             violations.append(FieldViolation("draft.round", "must be >= 1 (rounds are 1-based)"))
-        if not d.tokens:
-            violations.append(FieldViolation("draft.tokens", "must hold the block (at least the anchor token)"))
+        if request.reserve_tokens:
+            if request.reserve_tokens > MAX_BLOCK_TOKENS:
+                violations.append(FieldViolation("reserve_tokens", f"{request.reserve_tokens} tokens; at most {MAX_BLOCK_TOKENS}"))
+            if len(d.tokens) > request.reserve_tokens:
+                violations.append(FieldViolation("draft.tokens", f"block of {len(d.tokens)} tokens exceeds reserve_tokens {request.reserve_tokens}"))
+        elif not d.tokens:
+            violations.append(FieldViolation("draft.tokens", "must hold the block (at least the anchor token); or set reserve_tokens to admit ahead"))
         elif len(d.tokens) > MAX_BLOCK_TOKENS:
             violations.append(FieldViolation("draft.tokens", f"block of {len(d.tokens)} tokens; at most {MAX_BLOCK_TOKENS}"))
         if len(d.expert_union) > MAX_UNION_LAYERS:
@@ -50,7 +55,7 @@ def demand_from_pb(request: scheduler_pb2.AdmitRequest) -> Demand:
     return Demand(
         session_id=d.session_id,
         round=int(d.round),
-        tokens=len(d.tokens),
+        tokens=int(request.reserve_tokens) or len(d.tokens),
         expert_bytes=int(d.expert_bytes),
         expert_union=union_from_pb(d.expert_union),
         request_id=request.request_id,
@@ -103,6 +108,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Admit(self, request: scheduler_pb2.AdmitRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.Ticket:
         try:
             demand = demand_from_pb(request)
+            if request.reserve_tokens:
+                ahead = self.core.admit_ahead(demand)
+                return scheduler_pb2.Ticket(session_id=demand.session_id, round=demand.round, deferred=True) if ahead is None else ticket_to_pb(ahead)
             remaining = context.time_remaining()
             if remaining is not None and remaining > _NO_DEADLINE_S:
                 remaining = None

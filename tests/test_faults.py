@@ -173,6 +173,105 @@ def test_every_hop_gets_the_remaining_time():
     assert timeouts == sorted(timeouts, reverse=True)  # the time left only shrinks
 
 
+class AheadScheduler:
+    """A scheduler double that seats ahead admissions (or defers them) and tracks every held ticket."""
+
+    def __init__(self, defer_rounds=()):
+        self.defer_rounds = set(defer_rounds)
+        self.held: dict[str, tuple] = {}
+        self.calls: list[tuple[int, int]] = []  # (round, reserve_tokens)
+        self.n = 0
+
+    async def admit(self, request_id, draft, timeout, reserve_tokens=0):
+        from drafter_svc.clients import TicketInfo
+
+        self.calls.append((draft.round, reserve_tokens))
+        await asyncio.sleep(0.001)
+        if reserve_tokens and draft.round in self.defer_rounds:
+            return TicketInfo("", "", 0.0, 0.0, deferred=True)
+        self.n += 1
+        tid = f"t{self.n}"
+        tokens = reserve_tokens or len(draft.tokens)
+        self.held[tid] = (draft.round, tokens, draft.expert_bytes, draft.expert_union)
+        return TicketInfo(tid, "", 0.0, 0.0, tokens, draft.expert_bytes)
+
+    async def release(self, ticket_id):
+        return self.held.pop(ticket_id, None) is not None
+
+
+def _ahead_loop(scheduler, max_tokens=12, cancel_after=None, admit_ahead=True):
+    """Run the round loop over a verifier double that routes a different union every round."""
+    from drafter_svc.clients import PrefillOut, VerifyOut
+    from drafter_svc.drafters import make_factory
+    from drafter_svc.loop import Deadline, Finished, Request, run_request
+    from pdflash.types import FinishReason, SamplingParams
+
+    verified = []
+
+    class Verifier:
+        async def prefill(self, *args):
+            return PrefillOut("s", 7, None, None, {0: frozenset({0})}, 0, 0.0)
+
+        async def verify(self, request_id, draft, ticket, return_features, timeout):
+            verified.append((draft, ticket))
+            await asyncio.sleep(0.005)
+            emitted = [7] * 2
+            done = FinishReason.LENGTH if sum(len(d.tokens) for d, _ in verified) >= max_tokens else None
+            return VerifyOut(emitted, 1, done, None, {0: frozenset({draft.round})}, 0, 0.0, 0.0)
+
+        async def end(self, session_id):
+            return True
+
+    byte_map = {0: [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]}
+    events = []
+
+    async def main():
+        req = Request("r", (1, 7, 7), max_tokens, SamplingParams(), (), True, 4)
+        gen = run_request(req, make_factory("ngram", ""), Verifier(), scheduler, byte_map, Deadline(5.0), admit_ahead=admit_ahead)
+        async for ev in gen:
+            events.append(ev)
+            if cancel_after is not None and len(events) > cancel_after:
+                await gen.aclose()
+                break
+        from drafter_svc.loop import _background
+        await asyncio.gather(*list(_background))
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    final = events[-1] if events and isinstance(events[-1], Finished) else None
+    return verified, final
+
+
+def test_admission_ahead_reserves_the_next_round_and_gives_back_what_it_did_not_use():
+    sched = AheadScheduler()
+    verified, final = _ahead_loop(sched)
+    assert final is not None and len(verified) >= 3
+    assert final.usage.rounds_admitted_ahead == len(verified) - 1  # every round but the first
+    for i, (draft, ticket) in enumerate(verified):
+        assert ticket.tokens >= len(draft.tokens)  # the block fits in what was admitted
+        if i > 0:  # admitted ahead with the projection known then (routed by round i-1), carried by the block
+            assert draft.expert_union == {0: frozenset({i - 1 if i > 1 else 0})}
+    assert sched.held == {}  # the last round's ahead reservation was released before Finished
+
+
+def test_deferred_admission_ahead_falls_back_to_a_normal_admit():
+    sched = AheadScheduler(defer_rounds={2, 3})
+    verified, final = _ahead_loop(sched)
+    assert final.usage.rounds_admitted_ahead == len(verified) - 3
+    assert (2, 0) in sched.calls and (3, 0) in sched.calls  # normal admits for the deferred rounds
+    assert verified[1][0].expert_union == {0: frozenset({1})}  # a normal admit carries the freshest projection
+    assert sched.held == {}
+
+
+def test_no_admission_ahead_when_disabled_and_nothing_held_after_a_cancel():
+    sched = AheadScheduler()
+    verified, final = _ahead_loop(sched, admit_ahead=False)
+    assert final.usage.rounds_admitted_ahead == 0 and all(r == 0 for _, r in sched.calls)
+    sched = AheadScheduler()
+    _ahead_loop(sched, max_tokens=40, cancel_after=2)  # the client leaves with an ahead reservation in flight
+    assert any(r for _, r in sched.calls) and sched.held == {}
+
+
 def test_a_ticket_lost_at_the_deadline_is_reclaimed():
     """The scheduler seated the block but its answer missed the deadline: the loop admits the same block
     again (the scheduler returns the ticket it holds) and releases it, instead of waiting for the expiry."""

@@ -266,6 +266,23 @@ def test_expert_union_travels_with_the_lease():
     assert a.lease.demand.expert_union == {3: frozenset({1, 7})}
 
 
+def test_seat_now_takes_only_budget_nobody_waits_for():
+    p = make(tokens=32)
+    a = p.seat_now(d("a", 2, 16), 0.0)
+    assert a is not None and a.waited_s == 0.0 and not a.alone
+    assert p.seat_now(d("b", 1, 17), 0.0) is None  # does not fit beside a: no queueing, nothing held
+    assert p.stats().waiting == 0 and len(p.leases) == 1
+    p.submit(d("c", 1, 32), 0.0)
+    assert p.pump(0.0) == []  # c waits for a
+    assert p.seat_now(d("b", 1, 4), 0.0) is None  # fits, but c is waiting: the budget is c's
+    p.release(a.ticket_id, 1.0)
+    assert [x.lease.session_id for x in p.pump(1.0)] == ["c"]
+    # Nothing in flight, a demand over the budget: an ahead admission never uses the alone rule.
+    p.release(next(iter(p.leases)).ticket_id, 2.0)
+    assert p.seat_now(d("big", 1, 64), 2.0) is None
+    assert p.stats().admitted_total == 2
+
+
 def test_ticket_signature():
     args = ("t-1", "sess", 3, 16, 1024, 1700000000.25)
     assert TicketSigner("").sign(*args) == ""
@@ -292,6 +309,7 @@ ops = st.lists(
         st.tuples(st.just("withdraw"), st.integers(0, 99)),
         st.tuples(st.just("renew"), st.integers(0, 99)),
         st.tuples(st.just("tick"), st.floats(0.0, 4.0)),
+        st.tuples(st.just("ahead"), st.integers(0, 5), st.integers(1, 48), st.integers(0, 300)),
     ),
     max_size=80,
 )
@@ -332,6 +350,19 @@ class Run:
         elif kind == "tick":
             self.now += op[1]
             self.p.expire(self.now)
+        elif kind == "ahead":
+            s = f"s{op[1]}"
+            self.rounds[s] += 1
+            demand = d(s, self.rounds[s], op[2], op[3])
+            had_waiters, held = bool(self.waiting), len(self.p.leases)
+            lease = self.p.seat_now(demand, self.now)
+            if lease is not None:
+                assert not had_waiters, "an ahead admission took budget someone waits for"
+                assert held == 0 or within_budget(self.p), "an ahead admission exceeded a budget"
+                self.seated[-self.rounds.total()] = demand  # counted as admitted, never as waiting
+            else:
+                assert had_waiters or not self.p.budgets.fit(
+                    sum(x.tokens for x in self.p.leases), sum(x.expert_bytes for x in self.p.leases), op[2], op[3])
         self.pump()
 
     def pump(self) -> None:

@@ -127,6 +127,40 @@ def test_second_admit_waits_until_the_first_releases():
     with_server(body, token_budget=16)
 
 
+def test_admit_ahead_is_seated_at_once_or_deferred_never_queued():
+    def ahead(session, round, reserve, nbytes=0, tokens=0):
+        req = admit_req(session, round, tokens=tokens, nbytes=nbytes)
+        req.reserve_tokens = reserve
+        return req
+
+    async def body(sched, stub, ch):
+        # Free budget, nobody waiting: seated for the reserved tokens, before any block exists.
+        t = await stub.Admit(ahead("a", 2, 12, nbytes=100), timeout=5)
+        assert t.ticket_id and not t.deferred and (t.round, t.tokens, t.expert_bytes, t.waited_ms) == (2, 12, 100, 0.0)
+        # Does not fit beside it: answered at once, deferred, nothing held or queued.
+        d = await stub.Admit(ahead("b", 2, 12), timeout=5)
+        assert d.deferred and not d.ticket_id
+        s = await stub.GetStats(scheduler_pb2.StatsRequest())
+        assert (s.in_flight, s.waiting, s.tokens_in_use) == (1, 0, 12)
+        # A normal Admit waits for a; an ahead admission that would fit is still deferred: the budget is b's.
+        waiter = asyncio.ensure_future(stub.Admit(admit_req("b", 1, tokens=8), timeout=5))
+        await until(lambda: _waiting(stub, 1))
+        assert (await stub.Admit(ahead("c", 2, 2), timeout=5)).deferred
+        await stub.Release(scheduler_pb2.ReleaseRequest(ticket_id=t.ticket_id))
+        assert (await waiter).session_id == "b"
+        # A retried ahead admission for a held round returns the same ticket.
+        again = await stub.Admit(ahead("d", 5, 4), timeout=5)
+        assert (await stub.Admit(ahead("d", 5, 4), timeout=5)).ticket_id == again.ticket_id
+        # Validation: a block longer than the reservation, an absurd reservation.
+        for bad, field in ((ahead("e", 1, 2, tokens=3), "draft.tokens"), (ahead("e", 1, 10**6), "reserve_tokens")):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Admit(bad, timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in {v.field for v in detail(e.value, error_details_pb2.BadRequest).field_violations}
+
+    with_server(body, token_budget=16)
+
+
 async def _waiting(stub, n) -> bool:
     return (await stub.GetStats(scheduler_pb2.StatsRequest())).waiting == n
 

@@ -313,9 +313,30 @@ def test_verify_needs_a_valid_unexpired_ticket_for_exactly_this_block(secure, pk
         assert code == grpc.StatusCode.PERMISSION_DENIED
         scheduler.Release(scheduler_pb2.ReleaseRequest(ticket_id=other.ticket_id), timeout=10)
 
+        # A ticket admitted ahead for fewer tokens than the block does not cover it.
+        short = scheduler.Admit(scheduler_pb2.AdmitRequest(draft=common_pb2.DraftResult(session_id=pre.session_id, round=1),
+                                                           reserve_tokens=2), timeout=10)
+        assert not short.deferred and short.tokens == 2
+        code, details = _status(lambda: verify(ticket_id=short.ticket_id, ticket_signature=short.signature,
+                                               ticket_expires_at_unix=short.expires_at_unix, ticket_tokens=2))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "at most 2 tokens" in details
+        # Claiming the block's own size with that ticket breaks its signature.
+        code, _ = _status(lambda: verify(ticket_id=short.ticket_id, ticket_signature=short.signature,
+                                         ticket_expires_at_unix=short.expires_at_unix))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        scheduler.Release(scheduler_pb2.ReleaseRequest(ticket_id=short.ticket_id), timeout=10)
+
         # The scheduler's own ticket for this block: accepted, and the refusals changed nothing (round 1 still next).
         t = scheduler.Admit(scheduler_pb2.AdmitRequest(draft=draft), timeout=10)
         res = verify(ticket_id=t.ticket_id, ticket_signature=t.signature, ticket_expires_at_unix=t.expires_at_unix)
         assert res.round == 1 and len(res.accepted_tokens) >= 1
         assert scheduler.Release(scheduler_pb2.ReleaseRequest(ticket_id=t.ticket_id), timeout=10).released
+        # A ticket admitted ahead for more tokens than the block covers round 2's shorter block.
+        ahead = scheduler.Admit(scheduler_pb2.AdmitRequest(draft=common_pb2.DraftResult(session_id=pre.session_id, round=2),
+                                                           reserve_tokens=8), timeout=10)
+        draft = common_pb2.DraftResult(session_id=pre.session_id, round=2, tokens=[res.accepted_tokens[-1], 11])
+        res2 = verify(ticket_id=ahead.ticket_id, ticket_signature=ahead.signature, ticket_expires_at_unix=ahead.expires_at_unix,
+                      ticket_tokens=8)
+        assert res2.round == 2
+        scheduler.Release(scheduler_pb2.ReleaseRequest(ticket_id=ahead.ticket_id), timeout=10)
         assert verifier.EndSession(verifier_pb2.EndSessionRequest(session_id=pre.session_id), timeout=10).ended

@@ -162,9 +162,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             check(v, "invalid Verify request")
             draft = convert.draft_from_pb(request.draft)
             # Before the session lookup: without a ticket a caller learns nothing, not even whether a session exists.
+            # A ticket admitted ahead of drafting names the demand it reserved; the block must fit in it.
             self.signer.require(
                 time.time(), request.ticket_signature, request.ticket_id, draft.session_id, draft.round,
-                len(draft.tokens), draft.expert_bytes, request.ticket_expires_at_unix,
+                request.ticket_tokens or len(draft.tokens), request.ticket_expert_bytes or draft.expert_bytes,
+                request.ticket_expires_at_unix, block_tokens=len(draft.tokens), block_bytes=draft.expert_bytes,
             )
             out, queued = await self._run(self.core.verify, draft, request.return_features)
         except PdflashError as e:

@@ -7,15 +7,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "draft")
+    __slots__ = ("request_id", "draft", "reserve_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft: _common_pb2.DraftResult
-    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftResult, _Mapping]] = ...) -> None: ...
+    reserve_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftResult, _Mapping]] = ..., reserve_tokens: _Optional[int] = ...) -> None: ...
 
 class Ticket(_message.Message):
-    __slots__ = ("ticket_id", "session_id", "round", "tokens", "expert_bytes", "lease_s", "waited_ms", "admitted_alone", "signature", "expires_at_unix")
+    __slots__ = ("ticket_id", "session_id", "round", "tokens", "expert_bytes", "lease_s", "waited_ms", "admitted_alone", "signature", "expires_at_unix", "deferred")
     TICKET_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +28,7 @@ class Ticket(_message.Message):
     ADMITTED_ALONE_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
     ticket_id: str
     session_id: str
     round: int
@@ -36,7 +39,8 @@ class Ticket(_message.Message):
     admitted_alone: bool
     signature: str
     expires_at_unix: float
-    def __init__(self, ticket_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., tokens: _Optional[int] = ..., expert_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., waited_ms: _Optional[float] = ..., admitted_alone: _Optional[bool] = ..., signature: _Optional[str] = ..., expires_at_unix: _Optional[float] = ...) -> None: ...
+    deferred: bool
+    def __init__(self, ticket_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., tokens: _Optional[int] = ..., expert_bytes: _Optional[int] = ..., lease_s: _Optional[float] = ..., waited_ms: _Optional[float] = ..., admitted_alone: _Optional[bool] = ..., signature: _Optional[str] = ..., expires_at_unix: _Optional[float] = ..., deferred: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("ticket_id",)

@@ -98,20 +98,24 @@ class PrefillResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., first_token: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., routed_union: _Optional[_Iterable[_Union[_common_pb2.LayerExperts, _Mapping]]] = ..., routed_bytes: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., committed_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("request_id", "draft", "ticket_id", "return_features", "ticket_signature", "ticket_expires_at_unix")
+    __slots__ = ("request_id", "draft", "ticket_id", "return_features", "ticket_signature", "ticket_expires_at_unix", "ticket_tokens", "ticket_expert_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     TICKET_ID_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     TICKET_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     TICKET_EXPIRES_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TICKET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TICKET_EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft: _common_pb2.DraftResult
     ticket_id: str
     return_features: bool
     ticket_signature: str
     ticket_expires_at_unix: float
-    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftResult, _Mapping]] = ..., ticket_id: _Optional[str] = ..., return_features: _Optional[bool] = ..., ticket_signature: _Optional[str] = ..., ticket_expires_at_unix: _Optional[float] = ...) -> None: ...
+    ticket_tokens: int
+    ticket_expert_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftResult, _Mapping]] = ..., ticket_id: _Optional[str] = ..., return_features: _Optional[bool] = ..., ticket_signature: _Optional[str] = ..., ticket_expires_at_unix: _Optional[float] = ..., ticket_tokens: _Optional[int] = ..., ticket_expert_bytes: _Optional[int] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("session_id", "round", "accepted_tokens", "num_accepted_drafts", "committed_tokens", "finished", "finish_reason", "features", "routed_union", "routed_bytes", "timings")
