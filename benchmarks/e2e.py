@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -30,6 +31,7 @@ import sysconfig
 import time
 
 import torch
+import transformers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -89,13 +91,15 @@ def _hf_run(m, kw: dict, prompts, new_tokens: int) -> list[dict]:
 HF_MODES = [("hf/greedy", {}), ("hf/prompt_lookup", {"prompt_lookup_num_tokens": 10})]
 
 
-def run_all(model: str, drafter: str, prompts, new_tokens: int, repeats: int, log_dir: str) -> list[dict]:
+def run_all(model: str, drafter: str, prompts, new_tokens: int, repeats: int, log_dir: str, threads: int = 0) -> list[dict]:
     """Every mode once per pass, passes repeated: machine drift hits all modes alike (medians are reported)."""
     from transformers import AutoModelForCausalLM
 
+    if threads:
+        torch.set_num_threads(threads)
     spec = StackSpec(
         model=model, drafter=drafter, drafter_port=free_port(), scheduler_port=free_port(), verifier_port=free_port(),
-        metrics_ports=(-1, -1, -1), log_dir=log_dir,
+        metrics_ports=(-1, -1, -1), log_dir=log_dir, verifier_args=["--device", "cpu", "--torch-threads", str(threads)],
     )
     m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     passes = []
@@ -177,6 +181,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="passes over all modes; the median pass is reported")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch CPU threads of transformers in-process and of the verifier (0 = torch's default: all cores)")
+    ap.add_argument("--prompt-file", default=str(ROOT / "benchmarks" / "prompts_heldout.json"),
+                    help="JSON list of token-id prompts (written from the held-out stdlib files when missing)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e_cpu"))
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
@@ -185,10 +193,15 @@ def main(argv=None) -> int:
     drafter = args.drafter or str(default_drafter_dir() or "")
     if not drafter:
         ap.error("a DFlash drafter is needed (--drafter DIR, or the embedded demo pair)")
-    tok = AutoTokenizer.from_pretrained(model)
-    prompts = heldout_prompts(tok, args.prompts, args.prompt_tokens)
+    pfile = pathlib.Path(args.prompt_file)
+    prompts = json.loads(pfile.read_text()) if pfile.exists() else []
+    if len(prompts) < args.prompts or any(len(p) < args.prompt_tokens for p in prompts):
+        # The same prompts on every machine (stdlib files differ between Python versions): made once, then read.
+        prompts = heldout_prompts(AutoTokenizer.from_pretrained(model), args.prompts, args.prompt_tokens)
+        pfile.write_text(json.dumps(prompts))
+    prompts = [p[: args.prompt_tokens] for p in prompts[: args.prompts]]
     print(f"{len(prompts)} prompts; running the stack modes", file=sys.stderr)
-    passes = run_all(model, drafter, prompts, args.new_tokens, args.repeats, str(pathlib.Path(args.out).parent / "logs"))
+    passes = run_all(model, drafter, prompts, args.new_tokens, args.repeats, str(pathlib.Path(args.out).parent / "logs"), args.threads)
     ref = [r["tokens"] for r in passes[0]["stack/none"]]
     for results in passes:
         for mode, per in results.items():
@@ -201,7 +214,8 @@ def main(argv=None) -> int:
         date=time.strftime("%Y-%m-%d"), model=pathlib.Path(model).name, drafter=pathlib.Path(drafter).name,
         prompts=len(prompts), prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
         matches_hf_greedy=f"{matches}/{len(ref)} prompts",
-        machine=f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
+        machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads (HF and verifier; drafter 1), "
+                f"torch {torch.__version__}, transformers {transformers.__version__}",
         command="python benchmarks/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     )
     md = markdown(rows, meta)

@@ -176,12 +176,15 @@ class SchedulerClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def admit(self, request_id: str, draft: DraftResult, timeout: float | None, reserve_tokens: int = 0) -> TicketInfo:
+    async def admit(
+        self, request_id: str, draft: DraftResult, timeout: float | None, reserve_tokens: int = 0, release: tuple[str, ...] = ()
+    ) -> TicketInfo:
         """Admit a drafted block; or, with reserve_tokens > 0, reserve the round ahead of drafting
-        (never waits; the answer may be `deferred`)."""
+        (never waits; the answer may be `deferred`). `release`: tickets to give back first."""
         try:
             t = await self.stub.Admit(
-                scheduler_pb2.AdmitRequest(request_id=request_id, draft=convert.draft_to_pb(draft), reserve_tokens=reserve_tokens),
+                scheduler_pb2.AdmitRequest(request_id=request_id, draft=convert.draft_to_pb(draft), reserve_tokens=reserve_tokens,
+                                           release_ticket_ids=release),
                 timeout=timeout,
             )
         except grpc.aio.AioRpcError as e:

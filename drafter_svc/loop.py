@@ -115,14 +115,21 @@ async def _reclaim(scheduler, request_id: str, draft: DraftResult, reserve_token
         log.debug("reclaim after a timed-out admit", session_id=draft.session_id, round=draft.round, error=str(e))
 
 
-async def _admit(scheduler, request_id: str, draft: DraftResult, timeout: float | None, reserve_tokens: int = 0):
+async def _admit(
+    scheduler, request_id: str, draft: DraftResult, timeout: float | None, reserve_tokens: int = 0, release: tuple[str, ...] = ()
+):
     """Admit, never stranding a lease: if we are cancelled while the answer is on its way, release the
     ticket it brings; if the Admit timed out, reclaim the ticket that may have been issued anyway.
     reserve_tokens > 0: admission ahead of drafting (may come back `deferred`, holding nothing).
+    release: tickets of finished rounds that the same call gives back.
     """
-    task = asyncio.ensure_future(
-        scheduler.admit(request_id, draft, timeout, reserve_tokens) if reserve_tokens else scheduler.admit(request_id, draft, timeout)
-    )
+    if release:
+        call = scheduler.admit(request_id, draft, timeout, reserve_tokens, release)
+    elif reserve_tokens:
+        call = scheduler.admit(request_id, draft, timeout, reserve_tokens)
+    else:
+        call = scheduler.admit(request_id, draft, timeout)
+    task = asyncio.ensure_future(call)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
@@ -149,6 +156,7 @@ class _Ahead:
     round: int
     union: object  # the ExpertUnion it was admitted with; the round's block must carry it
     task: asyncio.Task
+    released: tuple[str, ...] = ()  # tickets of finished rounds this call gives back
 
     async def take(self, block_len: int, releases: list[asyncio.Future], scheduler):
         """The ticket, if it was seated and the block fits in it; else None (admit normally)."""
@@ -158,6 +166,7 @@ class _Ahead:
             raise
         except Exception as e:  # an ahead admission is an optimization: the normal Admit reports real errors
             log.debug("admit ahead failed", round=self.round, error=str(e))
+            self._release_carried(releases, scheduler)
             return None
         if ticket.deferred:
             return None
@@ -170,8 +179,21 @@ class _Ahead:
         """Not needed after all: give back whatever it holds or will hold."""
         if not self.task.done():
             self.task.cancel()  # _admit releases a ticket that arrives after this
-        elif not self.task.cancelled() and self.task.exception() is None and not self.task.result().deferred:
+            self._release_carried(releases, scheduler)  # the call may not have reached the scheduler
+        elif self.task.cancelled() or self.task.exception() is not None:
+            self._release_carried(releases, scheduler)
+        elif not self.task.result().deferred:
             releases.append(asyncio.ensure_future(_release(scheduler, self.task.result().ticket_id)))
+
+    def _release_carried(self, releases: list[asyncio.Future], scheduler) -> None:
+        releases.extend(asyncio.ensure_future(_release(scheduler, t)) for t in self.released)
+        self.released = ()
+
+
+def _flush(to_release: list[str], releases: list[asyncio.Future], scheduler) -> None:
+    """Release now what was waiting to ride on a next Admit."""
+    releases.extend(asyncio.ensure_future(_release(scheduler, t)) for t in to_release)
+    to_release.clear()
 
 
 async def _release(scheduler, ticket_id: str) -> None:
@@ -218,6 +240,7 @@ async def run_request(
     finished: FinishReason | None = None
     verifier_done = False  # the verifier ended the session itself (finished there)
     ahead: _Ahead | None = None  # the next round's admission, sent while this round verifies
+    to_release: list[str] = []  # tickets of verified rounds: they ride on the next ahead Admit
     try:
         t0 = time.perf_counter()
         pre = await verifier.prefill(
@@ -276,19 +299,34 @@ async def run_request(
                 ticket = await _admit(scheduler, req.request_id, draft, deadline.remaining())
             t1 = time.perf_counter()
             usage.admit_ms += (t1 - t0) * 1e3
-            # This round emits at least one token: the next one has at most remaining - 1 to go.
-            if admit_ahead and remaining - 1 >= 1:
-                reserve = min(req.block_size, remaining - 1)
-                nxt = DraftResult(session_id, rnd + 1, (), union, union_bytes(union, byte_map))
-                ahead = _Ahead(rnd + 1, union, asyncio.ensure_future(
-                    _admit(scheduler, req.request_id, nxt, deadline.remaining(), reserve_tokens=reserve)))
+            verify = None
             try:
-                res = await verifier.verify(req.request_id, draft, ticket, drafter.needs_features, deadline.remaining())
+                verify = asyncio.ensure_future(
+                    verifier.verify(req.request_id, draft, ticket, drafter.needs_features, deadline.remaining()))
+                # This round emits at least one token: the next one has at most remaining - 1 to go.
+                if admit_ahead and remaining - 1 >= 1:
+                    # The Verify leaves first (two loop turns: our task, then the call's own), so the
+                    # admission ahead is never on its path.
+                    await asyncio.sleep(0)
+                    await asyncio.sleep(0)
+                    reserve = min(req.block_size, remaining - 1)
+                    nxt = DraftResult(session_id, rnd + 1, (), union, union_bytes(union, byte_map))
+                    timeout = deadline.remaining()  # may raise: before the tickets move from to_release
+                    carried = tuple(to_release)
+                    ahead = _Ahead(rnd + 1, union, asyncio.ensure_future(_admit(
+                        scheduler, req.request_id, nxt, timeout, reserve_tokens=reserve, release=carried)), carried)
+                    to_release.clear()
+                res = await verify
             finally:
+                answered = verify is not None and verify.done() and not verify.cancelled() and verify.exception() is None
+                if verify is not None and not verify.done():
+                    verify.cancel()
                 t2 = time.perf_counter()
-                # Release off the critical path: the next round drafts while it travels. Awaited at the end.
+                # Given back on the next round's ahead Admit (now, when there will be none); awaited at the end.
                 releases[:] = [f for f in releases if not f.done()]
-                releases.append(asyncio.ensure_future(_release(scheduler, ticket.ticket_id)))
+                to_release.append(ticket.ticket_id)
+                if not (admit_ahead and answered):
+                    _flush(to_release, releases, scheduler)
             usage.verify_ms += (t2 - t1) * 1e3
             usage.verify_server_ms += res.server_ms
             usage.verify_forward_ms += res.forward_ms
@@ -318,11 +356,13 @@ async def run_request(
                 pass
             ahead.drop(releases, scheduler)
             ahead = None
+        _flush(to_release, releases, scheduler)
         await _drain(releases, usage)  # budget is back before the client hears "finished"
         yield Finished(finished, usage)
     finally:
         if ahead is not None:
             ahead.drop(releases, scheduler)
+        _flush(to_release, releases, scheduler)
         drafter.close()
         structlog.contextvars.unbind_contextvars("session_id")
         # One shielded task for all of the clean-up: a second cancel (the client's deadline firing while

@@ -19,6 +19,7 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 # Bounds on one demand, far above any real block: a malformed Admit cannot claim absurd budget.
 MAX_BLOCK_TOKENS = 4096
 MAX_UNION_LAYERS = 4096
+MAX_RELEASES_PER_ADMIT = 16
 
 # A deadline further away than this is treated as none (some stacks report "infinite" as a huge number).
 _NO_DEADLINE_S = 1e8
@@ -51,6 +52,10 @@ def demand_from_pb(request: scheduler_pb2.AdmitRequest) -> Demand:
             violations.append(FieldViolation("draft.expert_bytes", f"{d.expert_bytes} bytes for an empty expert_union: must be 0"))
     if len(request.request_id) > MAX_ID_CHARS:
         violations.append(FieldViolation("request_id", f"longer than {MAX_ID_CHARS} characters"))
+    if len(request.release_ticket_ids) > MAX_RELEASES_PER_ADMIT:
+        violations.append(FieldViolation("release_ticket_ids", f"{len(request.release_ticket_ids)} ids; at most {MAX_RELEASES_PER_ADMIT}"))
+    elif any(not t or len(t) > MAX_ID_CHARS for t in request.release_ticket_ids):
+        violations.append(FieldViolation("release_ticket_ids", f"ids must be non-empty and at most {MAX_ID_CHARS} characters"))
     check(violations, "invalid AdmitRequest")
     return Demand(
         session_id=d.session_id,
@@ -108,13 +113,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Admit(self, request: scheduler_pb2.AdmitRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.Ticket:
         try:
             demand = demand_from_pb(request)
+            for ticket_id in request.release_ticket_ids:  # finished rounds first: their budget may seat this one
+                self.core.release(ticket_id)
             if request.reserve_tokens:
-                ahead = self.core.admit_ahead(demand)
-                return scheduler_pb2.Ticket(session_id=demand.session_id, round=demand.round, deferred=True) if ahead is None else ticket_to_pb(ahead)
-            remaining = context.time_remaining()
-            if remaining is not None and remaining > _NO_DEADLINE_S:
-                remaining = None
-            ticket = await self.core.admit(demand, deadline_s=remaining)
+                ticket = self.core.admit_ahead(demand)
+                if ticket is None:
+                    return scheduler_pb2.Ticket(session_id=demand.session_id, round=demand.round, deferred=True)
+            else:
+                remaining = context.time_remaining()
+                if remaining is not None and remaining > _NO_DEADLINE_S:
+                    remaining = None
+                ticket = await self.core.admit(demand, deadline_s=remaining)
             left = context.time_remaining()
             if left is not None and left <= 0:  # the caller has given up: the ticket would be lost on the way
                 self.core.release(ticket.ticket_id)

@@ -180,12 +180,16 @@ class AheadScheduler:
         self.defer_rounds = set(defer_rounds)
         self.held: dict[str, tuple] = {}
         self.calls: list[tuple[int, int]] = []  # (round, reserve_tokens)
+        self.released_on_admit: list[str] = []
         self.n = 0
 
-    async def admit(self, request_id, draft, timeout, reserve_tokens=0):
+    async def admit(self, request_id, draft, timeout, reserve_tokens=0, release=()):
         from drafter_svc.clients import TicketInfo
 
         self.calls.append((draft.round, reserve_tokens))
+        for t in release:
+            self.released_on_admit.append(t)
+            self.held.pop(t, None)
         await asyncio.sleep(0.001)
         if reserve_tokens and draft.round in self.defer_rounds:
             return TicketInfo("", "", 0.0, 0.0, deferred=True)
@@ -252,6 +256,8 @@ def test_admission_ahead_reserves_the_next_round_and_gives_back_what_it_did_not_
         if i > 0:  # admitted ahead with the projection known then (routed by round i-1), carried by the block
             assert draft.expert_union == {0: frozenset({i - 1 if i > 1 else 0})}
     assert sched.held == {}  # the last round's ahead reservation was released before Finished
+    # Each verified round's ticket rode on a later ahead Admit (one scheduler call per round), but the last ones.
+    assert len(sched.released_on_admit) >= len(verified) - 2
 
 
 def test_deferred_admission_ahead_falls_back_to_a_normal_admit():

@@ -151,6 +151,12 @@ def test_admit_ahead_is_seated_at_once_or_deferred_never_queued():
         # A retried ahead admission for a held round returns the same ticket.
         again = await stub.Admit(ahead("d", 5, 4), timeout=5)
         assert (await stub.Admit(ahead("d", 5, 4), timeout=5)).ticket_id == again.ticket_id
+        # An Admit gives back the tickets of finished rounds first (one call instead of Admit + Release).
+        nxt = ahead("d", 6, 4)
+        nxt.release_ticket_ids.append(again.ticket_id)
+        t6 = await stub.Admit(nxt, timeout=5)
+        assert not (await stub.Release(scheduler_pb2.ReleaseRequest(ticket_id=again.ticket_id))).released
+        assert (await stub.Release(scheduler_pb2.ReleaseRequest(ticket_id=t6.ticket_id))).released
         # Validation: a block longer than the reservation, an absurd reservation.
         for bad, field in ((ahead("e", 1, 2, tokens=3), "draft.tokens"), (ahead("e", 1, 10**6), "reserve_tokens")):
             with pytest.raises(grpc.aio.AioRpcError) as e:

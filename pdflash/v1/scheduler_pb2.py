@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdflash.v1 import common_pb2 as pdflash_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdflash/v1/scheduler.proto\x12\npdflash.v1\x1a\x17pdflash/v1/common.proto\"b\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x17.pdflash.v1.DraftResult\x12\x16\n\x0ereserve_tokens\x18\x03 \x01(\r\"\xde\x01\n\x06Ticket\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x12\x14\n\x0c\x65xpert_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\x12\x11\n\twaited_ms\x18\x07 \x01(\x01\x12\x16\n\x0e\x61\x64mitted_alone\x18\x08 \x01(\x08\x12\x11\n\tsignature\x18\t \x01(\t\x12\x17\n\x0f\x65xpires_at_unix\x18\n \x01(\x01\x12\x10\n\x08\x64\x65\x66\x65rred\x18\x0b \x01(\x08\"#\n\x0eReleaseRequest\x12\x11\n\tticket_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"!\n\x0cRenewRequest\x12\x11\n\tticket_id\x18\x01 \x01(\t\"\x0e\n\x0cStatsRequest\"\x85\x02\n\x0eSchedulerStats\x12\x14\n\x0ctoken_budget\x18\x01 \x01(\x04\x12\x13\n\x0b\x62yte_budget\x18\x02 \x01(\x04\x12\x15\n\rtokens_in_use\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_in_use\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x16\n\x0e\x61\x64mitted_total\x18\x07 \x01(\x04\x12\x16\n\x0ereleased_total\x18\x08 \x01(\x04\x12\x15\n\rexpired_total\x18\t \x01(\x04\x12\x16\n\x0erejected_total\x18\n \x01(\x04\x12\x18\n\x10sessions_waiting\x18\x0b \x01(\r2\xff\x01\n\tScheduler\x12\x35\n\x05\x41\x64mit\x12\x18.pdflash.v1.AdmitRequest\x1a\x12.pdflash.v1.Ticket\x12\x42\n\x07Release\x12\x1a.pdflash.v1.ReleaseRequest\x1a\x1b.pdflash.v1.ReleaseResponse\x12\x35\n\x05Renew\x12\x18.pdflash.v1.RenewRequest\x1a\x12.pdflash.v1.Ticket\x12@\n\x08GetStats\x12\x18.pdflash.v1.StatsRequest\x1a\x1a.pdflash.v1.SchedulerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdflash/v1/scheduler.proto\x12\npdflash.v1\x1a\x17pdflash/v1/common.proto\"~\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x17.pdflash.v1.DraftResult\x12\x16\n\x0ereserve_tokens\x18\x03 \x01(\r\x12\x1a\n\x12release_ticket_ids\x18\x04 \x03(\t\"\xde\x01\n\x06Ticket\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\x04\x12\x14\n\x0c\x65xpert_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\x12\x11\n\twaited_ms\x18\x07 \x01(\x01\x12\x16\n\x0e\x61\x64mitted_alone\x18\x08 \x01(\x08\x12\x11\n\tsignature\x18\t \x01(\t\x12\x17\n\x0f\x65xpires_at_unix\x18\n \x01(\x01\x12\x10\n\x08\x64\x65\x66\x65rred\x18\x0b \x01(\x08\"#\n\x0eReleaseRequest\x12\x11\n\tticket_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"!\n\x0cRenewRequest\x12\x11\n\tticket_id\x18\x01 \x01(\t\"\x0e\n\x0cStatsRequest\"\x85\x02\n\x0eSchedulerStats\x12\x14\n\x0ctoken_budget\x18\x01 \x01(\x04\x12\x13\n\x0b\x62yte_budget\x18\x02 \x01(\x04\x12\x15\n\rtokens_in_use\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_in_use\x18\x04 \x01(\x04\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x16\n\x0e\x61\x64mitted_total\x18\x07 \x01(\x04\x12\x16\n\x0ereleased_total\x18\x08 \x01(\x04\x12\x15\n\rexpired_total\x18\t \x01(\x04\x12\x16\n\x0erejected_total\x18\n \x01(\x04\x12\x18\n\x10sessions_waiting\x18\x0b \x01(\r2\xff\x01\n\tScheduler\x12\x35\n\x05\x41\x64mit\x12\x18.pdflash.v1.AdmitRequest\x1a\x12.pdflash.v1.Ticket\x12\x42\n\x07Release\x12\x1a.pdflash.v1.ReleaseRequest\x1a\x1b.pdflash.v1.ReleaseResponse\x12\x35\n\x05Renew\x12\x18.pdflash.v1.RenewRequest\x1a\x12.pdflash.v1.Ticket\x12@\n\x08GetStats\x12\x18.pdflash.v1.StatsRequest\x1a\x1a.pdflash.v1.SchedulerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdflash.v1.scheduler_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ADMITREQUEST']._serialized_start=67
-  _globals['_ADMITREQUEST']._serialized_end=165
-  _globals['_TICKET']._serialized_start=168
-  _globals['_TICKET']._serialized_end=390
-  _globals['_RELEASEREQUEST']._serialized_start=392
-  _globals['_RELEASEREQUEST']._serialized_end=427
-  _globals['_RELEASERESPONSE']._serialized_start=429
-  _globals['_RELEASERESPONSE']._serialized_end=464
-  _globals['_RENEWREQUEST']._serialized_start=466
-  _globals['_RENEWREQUEST']._serialized_end=499
-  _globals['_STATSREQUEST']._serialized_start=501
-  _globals['_STATSREQUEST']._serialized_end=515
-  _globals['_SCHEDULERSTATS']._serialized_start=518
-  _globals['_SCHEDULERSTATS']._serialized_end=779
-  _globals['_SCHEDULER']._serialized_start=782
-  _globals['_SCHEDULER']._serialized_end=1037
+  _globals['_ADMITREQUEST']._serialized_end=193
+  _globals['_TICKET']._serialized_start=196
+  _globals['_TICKET']._serialized_end=418
+  _globals['_RELEASEREQUEST']._serialized_start=420
+  _globals['_RELEASEREQUEST']._serialized_end=455
+  _globals['_RELEASERESPONSE']._serialized_start=457
+  _globals['_RELEASERESPONSE']._serialized_end=492
+  _globals['_RENEWREQUEST']._serialized_start=494
+  _globals['_RENEWREQUEST']._serialized_end=527
+  _globals['_STATSREQUEST']._serialized_start=529
+  _globals['_STATSREQUEST']._serialized_end=543
+  _globals['_SCHEDULERSTATS']._serialized_start=546
+  _globals['_SCHEDULERSTATS']._serialized_end=807
+  _globals['_SCHEDULER']._serialized_start=810
+  _globals['_SCHEDULER']._serialized_end=1065
 # @@protoc_insertion_point(module_scope)

@@ -1,20 +1,23 @@
 from pdflash.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "draft", "reserve_tokens")
+    __slots__ = ("request_id", "draft", "reserve_tokens", "release_ticket_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_TICKET_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft: _common_pb2.DraftResult
     reserve_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftResult, _Mapping]] = ..., reserve_tokens: _Optional[int] = ...) -> None: ...
+    release_ticket_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftResult, _Mapping]] = ..., reserve_tokens: _Optional[int] = ..., release_ticket_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Ticket(_message.Message):
     __slots__ = ("ticket_id", "session_id", "round", "tokens", "expert_bytes", "lease_s", "waited_ms", "admitted_alone", "signature", "expires_at_unix", "deferred")
