@@ -51,12 +51,28 @@ class DecodeErrors(grpc.aio.ServerInterceptor):
     pdflash services' unary-request methods are wrapped; health and reflection are left as they are.
     """
 
+    def __init__(self) -> None:
+        # method -> (handler, its wrapper): built once per method, not per call (a handler seen for the
+        # first time, e.g. an interceptor's refusal, is wrapped afresh and not kept).
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if (handler is None or handler.request_streaming or handler.request_deserializer is None
                 or not handler_call_details.method.startswith("/pdflash.")):
             return handler
-        decode, method = handler.request_deserializer, handler_call_details.method
+        method = handler_call_details.method
+        known = self._wrapped.get(method)
+        if known is not None and known[0] is handler:
+            return known[1]
+        wrapped = self._wrap(handler, method)
+        if known is None:
+            self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    @staticmethod
+    def _wrap(handler, method: str):
+        decode = handler.request_deserializer
 
         def deserializer(data: bytes):
             try:
