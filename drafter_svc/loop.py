@@ -296,7 +296,15 @@ async def run_request(
                 usage.rounds_admitted_ahead += 1
             else:
                 draft = DraftResult(session_id, rnd, tokens, union, union_bytes(union, byte_map))
-                ticket = await _admit(scheduler, req.request_id, draft, deadline.remaining())
+                # Finished rounds' tickets ride on this Admit: never hold a lease while waiting for the next
+                # (sessions holding budget while queueing for more would starve each other until expiry).
+                carried = tuple(to_release)
+                to_release.clear()
+                try:
+                    ticket = await _admit(scheduler, req.request_id, draft, deadline.remaining(), release=carried)
+                except BaseException:
+                    to_release.extend(carried)  # perhaps not released: the clean-up releases them (idempotent)
+                    raise
             t1 = time.perf_counter()
             usage.admit_ms += (t1 - t0) * 1e3
             verify = None

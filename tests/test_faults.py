@@ -181,12 +181,14 @@ class AheadScheduler:
         self.held: dict[str, tuple] = {}
         self.calls: list[tuple[int, int]] = []  # (round, reserve_tokens)
         self.released_on_admit: list[str] = []
+        self.release_calls: list[tuple[int, int, tuple[str, ...]]] = []
         self.n = 0
 
     async def admit(self, request_id, draft, timeout, reserve_tokens=0, release=()):
         from drafter_svc.clients import TicketInfo
 
         self.calls.append((draft.round, reserve_tokens))
+        self.release_calls.append((draft.round, reserve_tokens, tuple(release)))
         for t in release:
             self.released_on_admit.append(t)
             self.held.pop(t, None)
@@ -265,6 +267,8 @@ def test_deferred_admission_ahead_falls_back_to_a_normal_admit():
     verified, final = _ahead_loop(sched)
     assert final.usage.rounds_admitted_ahead == len(verified) - 3
     assert (2, 0) in sched.calls and (3, 0) in sched.calls  # normal admits for the deferred rounds
+    # A normal Admit (which may wait) never holds a finished round's lease: it gives it back first.
+    assert (2, 0, (verified[0][1].ticket_id,)) in sched.release_calls
     assert verified[1][0].expert_union == {0: frozenset({1})}  # a normal admit carries the freshest projection
     assert sched.held == {}
 

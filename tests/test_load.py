@@ -23,3 +23,34 @@ def test_concurrent_streams_are_exact_and_leave_nothing_behind(stack, tiny):
     assert summary["mismatches"] == 0
     held = in_use(stack.scheduler, stack.verifier)
     assert not any(held.values()), held
+
+
+def _expired_total(stack) -> int:
+    import grpc
+
+    from pdflash.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    with grpc.insecure_channel(stack.scheduler) as ch:
+        return scheduler_pb2_grpc.SchedulerStub(ch).GetStats(scheduler_pb2.StatsRequest(), timeout=10).expired_total
+
+
+def test_streams_contending_for_a_small_budget_never_wait_on_each_others_leases(tiny, tmp_path):
+    """A budget of two blocks, eight streams: every lease is given back by its holder (none expires). A
+    session must not hold a finished round's lease while it queues for its next round, or sessions would
+    wait on each other until the leases expire."""
+    from conftest import start_stack
+
+    model = str(tiny.target("qwen3_moe"))
+    stack = start_stack(model, tiny.drafter("qwen3_moe"), tmp_path, scheduler_args=["--token-budget", "32", "--lease-s", "30"])
+    try:
+        jobs = make_jobs(clients=8, requests=2, max_tokens=24, drafters=["ngram", "none", "hybrid"])
+        references = {j: greedy_reference(model, j.prompt, j.max_tokens) for js in jobs for j in js}
+        records, wall = asyncio.run(run_load(stack.drafter, jobs, request_timeout=60, time_limit=300))
+        summary = summarize(records, wall, references)
+        assert summary["errors"] == 0, summary["error_samples"]
+        assert summary["mismatches"] == 0
+        assert _expired_total(stack) == 0
+        held = in_use(stack.scheduler, stack.verifier)
+        assert not any(held.values()), held
+    finally:
+        stack.stop()

@@ -1,0 +1,116 @@
+"""The verify loop without the services: VerifierCore + the n-gram drafter in one process, no RPC.
+
+The ceiling of what the stack could reach on this machine: the same prompts as benchmarks/e2e.py,
+the same core code (verifier_svc.engine.VerifierCore, drafter_svc.drafters.ngram), every round's
+prefill/verify/commit called directly, next to transformers' in-process prompt-lookup decoding. The
+difference to benchmarks/e2e.py's stack/ngram rows is what the three processes and their hops cost.
+
+    python benchmarks/inprocess.py [--blocks 16 32] [--repeats 3] [--threads 0]
+
+Prints a table and writes benchmarks/results/inprocess_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from drafter_svc.drafters.ngram import NgramDrafter  # noqa: E402
+from pdflash.defaults import default_target_dir  # noqa: E402
+from pdflash.types import DraftResult, SamplingParams, union_bytes  # noqa: E402
+from verifier_svc.engine import PrefillInput, VerifierCore  # noqa: E402
+from verifier_svc.model import load_target  # noqa: E402
+
+
+def core_run(core: VerifierCore, prompts, new_tokens: int, block: int) -> dict:
+    byte_map = core.target.byte_map
+    tokens = rounds = 0
+    outputs = []
+    t0 = time.perf_counter()
+    for p in prompts:
+        pre = core.prefill(PrefillInput("bench", tuple(p), SamplingParams(), new_tokens, ignore_eos=True))
+        drafter = NgramDrafter()
+        drafter.start(list(p))
+        out, anchor, union, rnd = list(pre.tokens), pre.tokens[-1], pre.routed_union, 0
+        while pre.finished is None:
+            rnd += 1
+            drafts = drafter.propose(anchor, max(0, min(block - 1, new_tokens - len(out) - 1)))
+            res = core.verify(DraftResult(pre.session_id, rnd, (anchor, *drafts), union, union_bytes(union, byte_map)))
+            drafter.commit([anchor, *drafts[: res.num_accepted]])
+            out += res.tokens
+            anchor, union = res.tokens[-1], res.routed_union
+            if res.finished is not None:
+                break
+        rounds += rnd
+        tokens += len(out)
+        outputs.append(out)
+    wall = time.perf_counter() - t0
+    return dict(tok_per_s=tokens / wall, rounds=rounds, tokens=tokens, outputs=outputs)
+
+
+def hf_run(model, prompts, new_tokens: int) -> dict:
+    tokens = 0
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                 prompt_lookup_num_tokens=10)
+            tokens += out.shape[1] - len(p)
+    return dict(tok_per_s=tokens / (time.perf_counter() - t0), tokens=tokens)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="")
+    ap.add_argument("--blocks", type=int, nargs="+", default=[16, 32])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--prompt-file", default=str(ROOT / "benchmarks" / "prompts_heldout.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "inprocess_cpu.json"))
+    args = ap.parse_args(argv)
+    from transformers import AutoModelForCausalLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = args.model or str(default_target_dir())
+    prompts = json.loads(pathlib.Path(args.prompt_file).read_text())
+    core = VerifierCore(load_target(model_dir, "cpu"), max_block_size=max(args.blocks))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    core_run(core, prompts[:1], 8, 4)  # warm-up
+    hf_run(hf, prompts[:1], 8)
+    passes: dict[str, list[float]] = {}
+    rounds: dict[str, int] = {}
+    for _ in range(args.repeats):  # modes alternate within a pass: drift hits them alike
+        for b in args.blocks:
+            r = core_run(core, prompts, args.new_tokens, b)
+            passes.setdefault(f"core/ngram@{b}", []).append(r["tok_per_s"])
+            rounds[f"core/ngram@{b}"] = r["rounds"]
+        passes.setdefault("hf/prompt_lookup", []).append(hf_run(hf, prompts, args.new_tokens)["tok_per_s"])
+    pl = statistics.median(passes["hf/prompt_lookup"])
+    rows = {k: dict(tok_per_s=round(statistics.median(v), 2), passes=[round(x, 2) for x in v],
+                    vs_hf_prompt_lookup=round(statistics.median(v) / pl, 2), rounds=rounds.get(k)) for k, v in passes.items()}
+    meta = dict(date=time.strftime("%Y-%m-%d"), prompts=len(prompts), new_tokens=args.new_tokens, repeats=args.repeats,
+                machine=f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
+                command="python benchmarks/inprocess.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print(f"# in-process verify loop ({meta['machine']}; median of {args.repeats})\n")
+    print("| mode | tok/s | vs HF prompt-lookup | rounds |\n|---|---|---|---|")
+    for k, r in rows.items():
+        print(f"| {k} | {r['tok_per_s']} | {r['vs_hf_prompt_lookup']}x | {r['rounds'] or ''} |")
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
