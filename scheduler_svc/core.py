@@ -100,19 +100,15 @@ class SchedulerCore:
         Never waits (see AdmissionPolicy.seat_now). A retry for a (session, round) already held with
         the same demand returns that ticket.
         """
-        if self._closed:
-            raise Unavailable("scheduler is shutting down; retry on another replica")
         now = self._clock()
-        held = self.policy.held(demand.session_id, demand.round)
-        if held is not None:
-            if (held.tokens, held.expert_bytes) == (demand.tokens, demand.expert_bytes) and self.policy.renew(held.ticket_id, now):
-                return self._issue(held, now)
-            self._release(held.ticket_id, "released: a new block was admitted for the same round")
+        again = self._retried(demand, now)
+        if again is not None:
+            return again
         lease = self.policy.seat_now(demand, now)
         if self.metrics is not None:
             self.metrics.admitted_ahead.labels(outcome="deferred" if lease is None else "seated").inc()
-        if lease is not None and self.metrics is not None:
-            self.metrics.admission_wait.observe(0.0)
+            if lease is not None:
+                self.metrics.admission_wait.observe(0.0)
         if lease is None:
             log.debug("admit ahead deferred", session_id=demand.session_id, round=demand.round, waiting=self.policy.waiting)
             return None
@@ -126,15 +122,10 @@ class SchedulerCore:
         max_wait_s is, RESOURCE_EXHAUSTED with a retry delay (the scheduler is overloaded).
         """
         blog = log.bind(session_id=demand.session_id, round=demand.round, request_id=demand.request_id)
-        if self._closed:
-            raise Unavailable("scheduler is shutting down; retry on another replica")
         now = self._clock()
-        held = self.policy.held(demand.session_id, demand.round)
-        if held is not None:
-            if (held.tokens, held.expert_bytes) == (demand.tokens, demand.expert_bytes) and self.policy.renew(held.ticket_id, now):
-                blog.info("admit retried: returning the held ticket", ticket_id=held.ticket_id)
-                return self._issue(held, now)
-            self._release(held.ticket_id, "released: a new block was admitted for the same round")
+        again = self._retried(demand, now)
+        if again is not None:
+            return again
         try:
             wid = self.policy.submit(demand, now)
         except QueueFull as e:
@@ -214,6 +205,21 @@ class SchedulerCore:
         return len(expired)
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _retried(self, demand: Demand, now: float) -> IssuedTicket | None:
+        """Refuse when closing; a retry for a (session, round) held with the same demand gets that ticket
+        again; a different demand for a held round replaces it (the old lease is released). None: go on."""
+        if self._closed:
+            raise Unavailable("scheduler is shutting down; retry on another replica")
+        held = self.policy.held(demand.session_id, demand.round)
+        if held is None:
+            return None
+        if (held.tokens, held.expert_bytes) == (demand.tokens, demand.expert_bytes) and self.policy.renew(held.ticket_id, now):
+            log.info("admit retried: returning the held ticket", ticket_id=held.ticket_id, session_id=demand.session_id,
+                     round=demand.round, request_id=demand.request_id)
+            return self._issue(held, now)
+        self._release(held.ticket_id, "released: a new block was admitted for the same round")
+        return None
 
     def _release(self, ticket_id: str, why: str) -> bool:
         now = self._clock()
