@@ -6,13 +6,14 @@ Downstream failures come back as PdflashError naming the hop.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import grpc
 import numpy as np
 
 from pdflash import convert
-from pdflash.errors import from_rpc_error
+from pdflash.errors import Unavailable, from_rpc_error
 from pdflash.server import channel
 from pdflash.types import DraftResult, ExpertUnion, FinishReason, SamplingParams
 from pdflash.v1 import scheduler_pb2, scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -132,32 +133,15 @@ class VerifierClient:
     async def verify(
         self, request_id: str, draft: DraftResult, ticket: TicketInfo | None, return_features: bool, timeout: float | None
     ) -> VerifyOut:
-        req = verifier_pb2.VerifyRequest(
-            request_id=request_id,
-            draft=convert.draft_to_pb(draft),
-            return_features=return_features,
-        )
-        if ticket is not None:
-            req.ticket_id = ticket.ticket_id
-            req.ticket_signature = ticket.signature
-            req.ticket_expires_at_unix = ticket.expires_at_unix
-            if ticket.tokens:  # the demand admitted; ahead of drafting it may exceed the block
-                req.ticket_tokens = ticket.tokens
-                req.ticket_expert_bytes = ticket.expert_bytes
         try:
-            r = await self.stub.Verify(req, timeout=timeout)
+            r = await self.stub.Verify(_verify_request(request_id, draft, ticket, return_features), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "verifier Verify") from None
-        return VerifyOut(
-            tokens=list(r.accepted_tokens),
-            num_accepted=r.num_accepted_drafts,
-            finished=_finish(r.finished, r.finish_reason),
-            features=convert.array_from_pb(r.features) if r.HasField("features") else None,
-            routed_union=convert.union_from_pb(r.routed_union),
-            routed_bytes=r.routed_bytes,
-            server_ms=r.timings.total_ms,
-            forward_ms=r.timings.forward_ms,
-        )
+        return _verify_out(r)
+
+    def open_verify_stream(self, timeout: float | None) -> "VerifyStream":
+        """A VerifyStream for one session's rounds; `timeout` bounds the whole stream (the request's deadline)."""
+        return VerifyStream(self.stub.VerifyStream(timeout=timeout))
 
     async def end(self, session_id: str, timeout: float = 5.0) -> bool:
         try:
@@ -165,6 +149,65 @@ class VerifierClient:
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "verifier EndSession") from None
         return r.ended
+
+
+def _verify_request(request_id: str, draft: DraftResult, ticket: TicketInfo | None, return_features: bool) -> verifier_pb2.VerifyRequest:
+    req = verifier_pb2.VerifyRequest(request_id=request_id, draft=convert.draft_to_pb(draft), return_features=return_features)
+    if ticket is not None:
+        req.ticket_id = ticket.ticket_id
+        req.ticket_signature = ticket.signature
+        req.ticket_expires_at_unix = ticket.expires_at_unix
+        if ticket.tokens:  # the demand admitted; ahead of drafting it may exceed the block
+            req.ticket_tokens = ticket.tokens
+            req.ticket_expert_bytes = ticket.expert_bytes
+    return req
+
+
+def _verify_out(r: verifier_pb2.VerifyResult) -> VerifyOut:
+    return VerifyOut(
+        tokens=list(r.accepted_tokens),
+        num_accepted=r.num_accepted_drafts,
+        finished=_finish(r.finished, r.finish_reason),
+        features=convert.array_from_pb(r.features) if r.HasField("features") else None,
+        routed_union=convert.union_from_pb(r.routed_union),
+        routed_bytes=r.routed_bytes,
+        server_ms=r.timings.total_ms,
+        forward_ms=r.timings.forward_ms,
+    )
+
+
+class VerifyStream:
+    """One session's rounds over one Verifier.VerifyStream call: one request, one answer, in turn.
+
+    `verify` has VerifierClient.verify's signature (the per-call timeout is ignored: the stream carries
+    the request's deadline). After an error or a cancelled round the stream is unusable: `cancel` it.
+    """
+
+    def __init__(self, call):
+        self.call = call
+
+    async def verify(
+        self, request_id: str, draft: DraftResult, ticket: TicketInfo | None, return_features: bool, timeout: float | None = None
+    ) -> VerifyOut:
+        try:
+            await self.call.write(_verify_request(request_id, draft, ticket, return_features))
+            r = await self.call.read()
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "verifier VerifyStream") from None
+        if r is grpc.aio.EOF:
+            raise Unavailable("verifier VerifyStream: the verifier closed the stream without an answer")
+        return _verify_out(r)
+
+    async def close(self, timeout: float = 2.0) -> None:
+        """Half-close and wait for the verifier's end of the stream (cancels it if that takes longer)."""
+        try:
+            await self.call.done_writing()
+            await asyncio.wait_for(self.call.code(), timeout)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+            self.call.cancel()
+
+    def cancel(self) -> None:
+        self.call.cancel()
 
 
 class SchedulerClient:

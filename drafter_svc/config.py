@@ -28,6 +28,7 @@ class DrafterConfig(ServerOptions):
     max_prompt_tokens: int = option(8192, "longest prompt accepted (tokens)")
     max_concurrent: int = option(64, "requests generating at once; beyond it Generate answers RESOURCE_EXHAUSTED")
     admit_ahead: bool = option(True, "while a round verifies, reserve the next round's admission (seated only from budget nobody waits for)")
+    verify_stream: bool = option(True, "send a request's verify rounds over one Verifier.VerifyStream call instead of one Verify call each")
     ngram_min_match: int = option(3, "hybrid: use the n-gram proposal when at least this many tokens match")
     torch_threads: int = option(1, "CPU threads for the drafter's torch work (0 = torch's default, all cores); on a CPU host keep the cores for the verifier")
     upstream_wait_s: float = option(120.0, "at start, how long to wait for the scheduler and verifier to be ready")

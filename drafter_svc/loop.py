@@ -231,6 +231,7 @@ async def run_request(
     deadline: Deadline,
     abort: asyncio.Event | None = None,
     admit_ahead: bool = True,
+    verify_stream: bool = True,
 ) -> AsyncIterator[Tokens | Finished]:
     usage = Usage(prompt_tokens=len(req.prompt))
     drafter = drafter_factory.new_session()
@@ -241,6 +242,7 @@ async def run_request(
     verifier_done = False  # the verifier ended the session itself (finished there)
     ahead: _Ahead | None = None  # the next round's admission, sent while this round verifies
     to_release: list[str] = []  # tickets of verified rounds: they ride on the next ahead Admit
+    stream = None  # the session's VerifyStream, when the verifier client offers one
     try:
         t0 = time.perf_counter()
         pre = await verifier.prefill(
@@ -267,6 +269,9 @@ async def run_request(
             await torch_thread.run(drafter.start, list(req.prompt), pre.features)
         else:
             drafter.start(list(req.prompt), pre.features)
+        if verify_stream and hasattr(verifier, "open_verify_stream"):
+            stream = verifier.open_verify_stream(deadline.remaining())  # this session's rounds, one call
+        hop = stream if stream is not None else verifier
         anchor = pre.first_token
         union = pre.routed_union  # best projection for round 1: what the prompt routed
         rnd = 0
@@ -310,7 +315,7 @@ async def run_request(
             verify = None
             try:
                 verify = asyncio.ensure_future(
-                    verifier.verify(req.request_id, draft, ticket, drafter.needs_features, deadline.remaining()))
+                    hop.verify(req.request_id, draft, ticket, drafter.needs_features, deadline.remaining()))
                 # This round emits at least one token: the next one has at most remaining - 1 to go.
                 if admit_ahead and remaining - 1 >= 1:
                     # The Verify leaves first (two loop turns: our task, then the call's own), so the
@@ -368,6 +373,8 @@ async def run_request(
         await _drain(releases, usage)  # budget is back before the client hears "finished"
         yield Finished(finished, usage)
     finally:
+        if stream is not None:  # finished, failed or cancelled: nothing more goes over it
+            stream.cancel()
         if ahead is not None:
             ahead.drop(releases, scheduler)
         _flush(to_release, releases, scheduler)

@@ -158,6 +158,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             gen = run_request(
                 req, self.door.factories[kind], self.door.verifier, self.door.scheduler, self.door.target.byte_map,
                 Deadline(context.time_remaining()), abort, admit_ahead=self.door.cfg.admit_ahead,
+                verify_stream=self.door.cfg.verify_stream,
             )
             async for ev in gen:
                 if isinstance(ev, Tokens):

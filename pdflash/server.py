@@ -48,7 +48,9 @@ class DecodeErrors(grpc.aio.ServerInterceptor):
     """A request that does not decode gets INVALID_ARGUMENT with a field violation, not UNKNOWN.
 
     (gRPC's aio server reports a failing deserializer as UNKNOWN "Unexpected DecodeError".) Only the
-    pdflash services' unary-request methods are wrapped; health and reflection are left as they are.
+    pdflash services' methods are wrapped (unary requests, and request streams such as
+    Verifier.VerifyStream, where the first undecodable message ends the stream); health and reflection
+    are left as they are.
     """
 
     def __init__(self) -> None:
@@ -58,7 +60,8 @@ class DecodeErrors(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if (handler is None or handler.request_streaming or handler.request_deserializer is None
+        if (handler is None or handler.request_deserializer is None
+                or (handler.request_streaming and not handler.response_streaming)
                 or not handler_call_details.method.startswith("/pdflash.")):
             return handler
         method = handler_call_details.method
@@ -85,6 +88,20 @@ class DecodeErrors(grpc.aio.ServerInterceptor):
             await abort_with(context, InvalidArgument(f"invalid request: {what}", [FieldViolation("(message)", what)]))
 
         kw = dict(request_deserializer=deserializer, response_serializer=handler.response_serializer)
+        if handler.request_streaming:  # and response streaming (the only kind the services have)
+            inner_bidi = handler.stream_stream
+
+            async def stream_stream(request_iterator, context):
+                async def checked():
+                    async for request in request_iterator:
+                        if isinstance(request, _Undecodable):
+                            await refuse(context, request)
+                        yield request
+
+                async for response in inner_bidi(checked(), context):
+                    yield response
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
         if handler.response_streaming:
             inner = handler.unary_stream
 

@@ -417,7 +417,8 @@ METHODS = {
         ("Renew", scheduler_pb2.RenewRequest), ("GetStats", scheduler_pb2.StatsRequest))],
     "verifier": [(f"/pdflash.v1.Verifier/{m}", t, False) for m, t in (
         ("GetModelInfo", verifier_pb2.VerifierModelInfoRequest), ("Prefill", verifier_pb2.PrefillRequest),
-        ("Verify", verifier_pb2.VerifyRequest), ("EndSession", verifier_pb2.EndSessionRequest))],
+        ("Verify", verifier_pb2.VerifyRequest), ("EndSession", verifier_pb2.EndSessionRequest))]
+    + [("/pdflash.v1.Verifier/VerifyStream", verifier_pb2.VerifyRequest, "bidi")],
 }
 ALL_METHODS = [(svc, *m) for svc, ms in METHODS.items() for m in ms]
 
@@ -439,7 +440,9 @@ def test_fuzz_raw_bytes_at_every_method(stack, before, channels):
             decodes = False
         if decodes and msg_type is drafter_pb2.GenerateRequest and (msg.max_tokens == 0 or msg.max_tokens > 8):
             return  # a valid long generation is not what this test is about
-        if streaming:
+        if streaming == "bidi":
+            code, err = outcome(lambda: list(ch.stream_stream(path)(iter([payload]), timeout=30)))
+        elif streaming:
             code, err = outcome(lambda: list(ch.unary_stream(path)(payload, timeout=30)))
         else:
             code, err = outcome(lambda: ch.unary_unary(path)(payload, timeout=30))

@@ -149,28 +149,25 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             committed_tokens=out.committed,
         )
 
-    async def Verify(self, request, context):
+    async def _verify(self, request) -> verifier_pb2.VerifyResult:
+        """One VerifyRequest -> its VerifyResult (Verify and VerifyStream); raises PdflashError."""
         t_start = time.perf_counter()
-        await self._ready(context)
-        try:
-            v = id_violations({"request_id": request.request_id, "draft.session_id": request.draft.session_id,
-                                "ticket_id": request.ticket_id})
-            if not request.HasField("draft"):
-                v.append(FieldViolation("draft", "required: the DraftResult to verify"))
-            elif not request.draft.session_id:
-                v.append(FieldViolation("draft.session_id", "required: the session id Prefill returned"))
-            check(v, "invalid Verify request")
-            draft = convert.draft_from_pb(request.draft)
-            # Before the session lookup: without a ticket a caller learns nothing, not even whether a session exists.
-            # A ticket admitted ahead of drafting names the demand it reserved; the block must fit in it.
-            self.signer.require(
-                time.time(), request.ticket_signature, request.ticket_id, draft.session_id, draft.round,
-                request.ticket_tokens or len(draft.tokens), request.ticket_expert_bytes or draft.expert_bytes,
-                request.ticket_expires_at_unix, block_tokens=len(draft.tokens), block_bytes=draft.expert_bytes,
-            )
-            out, queued = await self._run(self.core.verify, draft, request.return_features)
-        except PdflashError as e:
-            await abort_with(context, e)
+        v = id_violations({"request_id": request.request_id, "draft.session_id": request.draft.session_id,
+                            "ticket_id": request.ticket_id})
+        if not request.HasField("draft"):
+            v.append(FieldViolation("draft", "required: the DraftResult to verify"))
+        elif not request.draft.session_id:
+            v.append(FieldViolation("draft.session_id", "required: the session id Prefill returned"))
+        check(v, "invalid Verify request")
+        draft = convert.draft_from_pb(request.draft)
+        # Before the session lookup: without a ticket a caller learns nothing, not even whether a session exists.
+        # A ticket admitted ahead of drafting names the demand it reserved; the block must fit in it.
+        self.signer.require(
+            time.time(), request.ticket_signature, request.ticket_id, draft.session_id, draft.round,
+            request.ticket_tokens or len(draft.tokens), request.ticket_expert_bytes or draft.expert_bytes,
+            request.ticket_expires_at_unix, block_tokens=len(draft.tokens), block_bytes=draft.expert_bytes,
+        )
+        out, queued = await self._run(self.core.verify, draft, request.return_features)
         self._observe(out, t_start, prefill=False)
         log.debug("verify", request_id=request.request_id, session_id=draft.session_id, round=draft.round,
                   ticket_id=request.ticket_id, block=len(draft.tokens), accepted=out.num_accepted)
@@ -187,6 +184,32 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             routed_bytes=out.routed_bytes,
             timings=self._timings(out, t_start, queued),
         )
+
+    async def Verify(self, request, context):
+        await self._ready(context)
+        try:
+            return await self._verify(request)
+        except PdflashError as e:
+            await abort_with(context, e)
+
+    async def VerifyStream(self, request_iterator, context):
+        await self._ready(context)
+        unfinished: set[str] = set()  # sessions this stream verified that have not finished
+        try:
+            async for request in request_iterator:
+                try:
+                    result = await self._verify(request)
+                except PdflashError as e:
+                    await abort_with(context, e)
+                (unfinished.discard if result.finished else unfinished.add)(result.session_id)
+                yield result
+        finally:
+            # The stream owns the sessions it verified: however it ends (half-close, cancel, deadline, a
+            # vanished caller, an error), their KV is freed now instead of at the idle timeout. (gRPC ends
+            # the request iterator the same way for a cancel as for a half-close.)
+            for sid in unfinished:
+                if self.core.end(sid):
+                    log.info("session ended with its verify stream", session_id=sid)
 
     async def EndSession(self, request, context):
         await self._ready(context)
