@@ -91,7 +91,8 @@ def _hf_run(m, kw: dict, prompts, new_tokens: int) -> list[dict]:
 HF_MODES = [("hf/greedy", {}), ("hf/prompt_lookup", {"prompt_lookup_num_tokens": 10})]
 
 
-def run_all(model: str, drafter: str, prompts, new_tokens: int, repeats: int, log_dir: str, threads: int = 0) -> list[dict]:
+def run_all(model: str, drafter: str, prompts, new_tokens: int, repeats: int, log_dir: str, threads: int = 0,
+            verifier_threads: int | None = None) -> list[dict]:
     """Every mode once per pass, passes repeated: machine drift hits all modes alike (medians are reported)."""
     from transformers import AutoModelForCausalLM
 
@@ -99,7 +100,8 @@ def run_all(model: str, drafter: str, prompts, new_tokens: int, repeats: int, lo
         torch.set_num_threads(threads)
     spec = StackSpec(
         model=model, drafter=drafter, drafter_port=free_port(), scheduler_port=free_port(), verifier_port=free_port(),
-        metrics_ports=(-1, -1, -1), log_dir=log_dir, verifier_args=["--device", "cpu", "--torch-threads", str(threads)],
+        metrics_ports=(-1, -1, -1), log_dir=log_dir,
+        verifier_args=["--device", "cpu", "--torch-threads", str(threads if verifier_threads is None else verifier_threads)],
     )
     m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     passes = []
@@ -183,6 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="passes over all modes; the median pass is reported")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch CPU threads of transformers in-process and of the verifier (0 = torch's default: all cores)")
+    ap.add_argument("--verifier-threads", type=int, default=None, help="the verifier's torch threads, when not --threads")
     ap.add_argument("--prompt-file", default=str(ROOT / "benchmarks" / "prompts_heldout.json"),
                     help="JSON list of token-id prompts (written from the held-out stdlib files when missing)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e_cpu"))
@@ -201,7 +204,8 @@ def main(argv=None) -> int:
         pfile.write_text(json.dumps(prompts))
     prompts = [p[: args.prompt_tokens] for p in prompts[: args.prompts]]
     print(f"{len(prompts)} prompts; running the stack modes", file=sys.stderr)
-    passes = run_all(model, drafter, prompts, args.new_tokens, args.repeats, str(pathlib.Path(args.out).parent / "logs"), args.threads)
+    passes = run_all(model, drafter, prompts, args.new_tokens, args.repeats, str(pathlib.Path(args.out).parent / "logs"), args.threads,
+                     args.verifier_threads)
     ref = [r["tokens"] for r in passes[0]["stack/none"]]
     for results in passes:
         for mode, per in results.items():
@@ -214,7 +218,8 @@ def main(argv=None) -> int:
         date=time.strftime("%Y-%m-%d"), model=pathlib.Path(model).name, drafter=pathlib.Path(drafter).name,
         prompts=len(prompts), prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
         matches_hf_greedy=f"{matches}/{len(ref)} prompts",
-        machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads (HF and verifier; drafter 1), "
+        machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads in-process, "
+                f"verifier {args.threads if args.verifier_threads is None else args.verifier_threads} (0 = all cores), drafter 1, "
                 f"torch {torch.__version__}, transformers {transformers.__version__}",
         command="python benchmarks/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     )
