@@ -6,7 +6,6 @@ Downstream failures come back as PdflashError naming the hop.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import grpc
@@ -197,14 +196,6 @@ class VerifyStream:
         if r is grpc.aio.EOF:
             raise Unavailable("verifier VerifyStream: the verifier closed the stream without an answer")
         return _verify_out(r)
-
-    async def close(self, timeout: float = 2.0) -> None:
-        """Half-close and wait for the verifier's end of the stream (cancels it if that takes longer)."""
-        try:
-            await self.call.done_writing()
-            await asyncio.wait_for(self.call.code(), timeout)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError):
-            self.call.cancel()
 
     def cancel(self) -> None:
         self.call.cancel()

@@ -162,8 +162,6 @@ class _Ahead:
         """The ticket, if it was seated and the block fits in it; else None (admit normally)."""
         try:
             ticket = await asyncio.shield(self.task)
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # an ahead admission is an optimization: the normal Admit reports real errors
             log.debug("admit ahead failed", round=self.round, error=str(e))
             self._release_carried(releases, scheduler)

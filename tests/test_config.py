@@ -86,3 +86,17 @@ def test_every_service_checks_the_shared_server_options(module, argv, fragment):
     with pytest.raises(ConfigError) as e:
         from_sources(cls, parse(cls, argv), env={})
     assert fragment in str(e.value)
+
+
+def test_torch_threads_and_round_options():
+    from drafter_svc.config import DrafterConfig
+
+    d = from_sources(DrafterConfig, parse(DrafterConfig, []), env={})
+    assert (d.torch_threads, d.admit_ahead, d.verify_stream) == (1, True, True)  # the drafter leaves the cores to the verifier
+    d = from_sources(DrafterConfig, parse(DrafterConfig, ["--no-admit-ahead", "--no-verify-stream", "--torch-threads", "0"]), env={})
+    assert (d.torch_threads, d.admit_ahead, d.verify_stream) == (0, False, False)
+    assert from_sources(VerifierConfig, parse(VerifierConfig, []), env={}).torch_threads == 0  # all cores
+    for cls in (DrafterConfig, VerifierConfig):
+        with pytest.raises(ConfigError) as e:
+            from_sources(cls, parse(cls, ["--torch-threads", "-2"]), env={})
+        assert "--torch-threads" in str(e.value)
