@@ -8,6 +8,9 @@ Admission ahead: while round r verifies, the next round's admission is already o
 scheduler seats it at once from budget nobody waits for, or defers it). Round r+1 then goes
 straight from drafting to Verify; its block carries the projection it was admitted with (one round
 older than the freshest). Deferred or failed ahead admissions fall back to a normal Admit.
+
+The verifier hop: a request's rounds go over one VerifyStream when the client offers it (the verifier
+ends an unfinished session when its stream closes), else one Verify call per round.
 """
 
 from __future__ import annotations
@@ -107,8 +110,7 @@ async def _reclaim(scheduler, request_id: str, draft: DraftResult, reserve_token
     (or seats a fresh one); releasing it gives the budget back now instead of at the lease's expiry.
     """
     try:
-        ticket = await scheduler.admit(request_id, draft, RECLAIM_TIMEOUT_S, reserve_tokens) if reserve_tokens else \
-            await scheduler.admit(request_id, draft, RECLAIM_TIMEOUT_S)
+        ticket = await scheduler.admit(request_id, draft, RECLAIM_TIMEOUT_S, reserve_tokens=reserve_tokens)
         if not ticket.deferred:
             await scheduler.release(ticket.ticket_id)
     except Exception as e:  # nothing was held, or the scheduler is gone: the lease expires anyway
@@ -123,13 +125,7 @@ async def _admit(
     reserve_tokens > 0: admission ahead of drafting (may come back `deferred`, holding nothing).
     release: tickets of finished rounds that the same call gives back.
     """
-    if release:
-        call = scheduler.admit(request_id, draft, timeout, reserve_tokens, release)
-    elif reserve_tokens:
-        call = scheduler.admit(request_id, draft, timeout, reserve_tokens)
-    else:
-        call = scheduler.admit(request_id, draft, timeout)
-    task = asyncio.ensure_future(call)
+    task = asyncio.ensure_future(scheduler.admit(request_id, draft, timeout, reserve_tokens=reserve_tokens, release=release))
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:

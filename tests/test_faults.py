@@ -295,7 +295,7 @@ def test_a_ticket_lost_at_the_deadline_is_reclaimed():
     held: dict[tuple[str, int], str] = {}
 
     class Scheduler:
-        async def admit(self, request_id, draft, timeout):
+        async def admit(self, request_id, draft, timeout, reserve_tokens=0, release=()):
             first = (draft.session_id, draft.round) not in held
             held.setdefault((draft.session_id, draft.round), f"t-{len(held)}")
             if first:
