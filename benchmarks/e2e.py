@@ -2,9 +2,12 @@
 
 Same prompts and lengths for every mode:
   stack/none      block 1: plain autoregressive verification through the three services
-  stack/ngram     n-gram prompt lookup drafting (block 16; stack/ngram@32: block 32)
-  stack/dflash    DFlash block drafting
-  stack/hybrid    n-gram when the context matches, DFlash otherwise
+  stack/ngram     n-gram prompt lookup drafting (block 16; stack/ngram@32: block 32), adaptive width
+  stack/ngram@32/fixed  the same with every round drafting 31 tokens (the width adaptation switched off)
+  stack/dflash    DFlash block drafting (block 16)
+  stack/hybrid    n-gram when the context matches (block 32), DFlash otherwise (its block 16)
+The stack runs as `pdflash up` runs it: the verifier on every core but one (--verifier-threads to change);
+transformers in-process uses torch's default (all cores; --threads to change).
   hf/greedy       transformers `generate(do_sample=False)` in-process
   hf/prompt_lookup  transformers `generate(prompt_lookup_num_tokens=10)` in-process
 Per-round time is split into draft, admission (Admit + Release), verify forward, verifier handler
@@ -38,9 +41,14 @@ sys.path.insert(0, str(ROOT))
 
 from pdflash.client import Client  # noqa: E402
 from pdflash.defaults import default_drafter_dir, default_target_dir  # noqa: E402
-from pdflash.stack import Stack, StackSpec, free_port  # noqa: E402
+from pdflash.stack import Stack, StackSpec, colocated_verifier_threads, free_port  # noqa: E402
 
-STACK_MODES = [("none", 1), ("ngram", 16), ("ngram", 32), ("dflash", 16), ("hybrid", 16)]
+# (row name, drafter, block, fixed width): every round drafts block - 1 with a fixed width, else the width adapts
+# (drafter_svc.width). DFlash drafts at most its trained block (16); hybrid n-gram rounds may use 32.
+STACK_MODES = [
+    ("none", "none", 1, False), ("ngram", "ngram", 16, False), ("ngram@32", "ngram", 32, False),
+    ("ngram@32/fixed", "ngram", 32, True), ("dflash", "dflash", 16, False), ("hybrid", "hybrid", 32, False),
+]
 
 
 def heldout_prompts(tok, n: int, prompt_tokens: int) -> list[list[int]]:
@@ -62,11 +70,12 @@ def heldout_prompts(tok, n: int, prompt_tokens: int) -> list[list[int]]:
     return prompts
 
 
-def _stack_run(c: Client, kind: str, block: int, prompts, new_tokens: int) -> list[dict]:
+def _stack_run(c: Client, kind: str, block: int, fixed: bool, prompts, new_tokens: int) -> list[dict]:
     per = []
     for p in prompts:
         t0 = time.perf_counter()
-        out = c.generate(p, max_tokens=new_tokens, drafter=kind, block_size=block, ignore_eos=True, timeout=600)
+        out = c.generate(p, max_tokens=new_tokens, drafter=kind, block_size=block, fixed_width=fixed, ignore_eos=True,
+                         timeout=600)
         wall = time.perf_counter() - t0
         u, t = out.usage, out.timings
         per.append(dict(
@@ -101,7 +110,7 @@ def run_all(model: str, drafter: str, prompts, new_tokens: int, repeats: int, lo
     spec = StackSpec(
         model=model, drafter=drafter, drafter_port=free_port(), scheduler_port=free_port(), verifier_port=free_port(),
         metrics_ports=(-1, -1, -1), log_dir=log_dir,
-        verifier_args=["--device", "cpu", "--torch-threads", str(threads if verifier_threads is None else verifier_threads)],
+        verifier_args=["--device", "cpu"] + ([] if verifier_threads is None else ["--torch-threads", str(verifier_threads)]),
     )
     m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     passes = []
@@ -114,9 +123,8 @@ def run_all(model: str, drafter: str, prompts, new_tokens: int, repeats: int, lo
                     m.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False, **kw)
             for rep in range(repeats):
                 results = {}
-                for kind, block in STACK_MODES:
-                    name = kind if block in (1, 16) else f"{kind}@{block}"
-                    results[f"stack/{name}"] = _stack_run(c, kind, block, prompts, new_tokens)
+                for name, kind, block, fixed in STACK_MODES:
+                    results[f"stack/{name}"] = _stack_run(c, kind, block, fixed, prompts, new_tokens)
                 for name, kw in HF_MODES:
                     results[name] = _hf_run(m, kw, prompts, new_tokens)
                 passes.append(results)
@@ -184,8 +192,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="passes over all modes; the median pass is reported")
     ap.add_argument("--threads", type=int, default=0,
-                    help="torch CPU threads of transformers in-process and of the verifier (0 = torch's default: all cores)")
-    ap.add_argument("--verifier-threads", type=int, default=None, help="the verifier's torch threads, when not --threads")
+                    help="torch CPU threads of transformers in-process (0 = torch's default: all cores)")
+    ap.add_argument("--verifier-threads", type=int, default=None,
+                    help="the verifier's torch threads (default: the stack's own choice, every core but one)")
     ap.add_argument("--prompt-file", default=str(ROOT / "benchmarks" / "prompts_heldout.json"),
                     help="JSON list of token-id prompts (written from the held-out stdlib files when missing)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e_cpu"))
@@ -219,7 +228,7 @@ def main(argv=None) -> int:
         prompts=len(prompts), prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
         matches_hf_greedy=f"{matches}/{len(ref)} prompts",
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads in-process, "
-                f"verifier {args.threads if args.verifier_threads is None else args.verifier_threads} (0 = all cores), drafter 1, "
+                f"verifier {colocated_verifier_threads() if args.verifier_threads is None else args.verifier_threads}, drafter 1, "
                 f"torch {torch.__version__}, transformers {transformers.__version__}",
         command="python benchmarks/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     )

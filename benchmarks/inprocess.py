@@ -26,6 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from drafter_svc.drafters.ngram import NgramDrafter  # noqa: E402
+from drafter_svc.width import VerifyWidth  # noqa: E402
 from pdflash.defaults import default_target_dir  # noqa: E402
 from pdflash.types import DraftResult, SamplingParams, union_bytes  # noqa: E402
 from verifier_svc.engine import PrefillInput, VerifierCore  # noqa: E402
@@ -41,12 +42,14 @@ def core_run(core: VerifierCore, prompts, new_tokens: int, block: int) -> dict:
         pre = core.prefill(PrefillInput("bench", tuple(p), SamplingParams(), new_tokens, ignore_eos=True))
         drafter = NgramDrafter()
         drafter.start(list(p))
+        width = VerifyWidth(block)  # as the stack's round loop: the width adapts
         out, anchor, union, rnd = list(pre.tokens), pre.tokens[-1], pre.routed_union, 0
         while pre.finished is None:
             rnd += 1
-            drafts = drafter.propose(anchor, max(0, min(block - 1, new_tokens - len(out) - 1)))
+            drafts = drafter.propose(anchor, max(0, min(width.drafts(), new_tokens - len(out) - 1)))
             res = core.verify(DraftResult(pre.session_id, rnd, (anchor, *drafts), union, union_bytes(union, byte_map)))
             drafter.commit([anchor, *drafts[: res.num_accepted]])
+            width.observe(res.num_accepted)
             out += res.tokens
             anchor, union = res.tokens[-1], res.routed_union
             if res.finished is not None:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 
 import structlog
 
+from drafter_svc.width import VerifyWidth
 from pdflash import torch_thread
 from pdflash.errors import DeadlineExceeded
 from pdflash.logging import get_logger
@@ -38,7 +39,8 @@ class Request:
     sampling: SamplingParams
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
-    block_size: int  # anchor + drafts; 1 = no drafting
+    block_size: int  # anchor + drafts: the widest verify; 1 = no drafting
+    fixed_width: bool = False  # every round drafts block_size - 1 (default: the width adapts, drafter_svc.width)
 
 
 @dataclasses.dataclass
@@ -229,6 +231,7 @@ async def run_request(
 ) -> AsyncIterator[Tokens | Finished]:
     usage = Usage(prompt_tokens=len(req.prompt))
     drafter = drafter_factory.new_session()
+    width = VerifyWidth(req.block_size, adaptive=not req.fixed_width)
     heavy = bool(drafter_factory.feature_layer_ids)
     releases: list[asyncio.Future] = []
     session_id = ""
@@ -275,7 +278,7 @@ async def run_request(
                 break
             rnd += 1
             remaining = req.max_tokens - usage.completion_tokens  # a verify emits at most drafts + 1
-            k = max(0, min(req.block_size - 1, remaining - 1))
+            k = max(0, min(width.drafts(), remaining - 1))
             t0 = time.perf_counter()
             if k <= 0:
                 drafts = []
@@ -316,7 +319,7 @@ async def run_request(
                     # admission ahead is never on its path.
                     await asyncio.sleep(0)
                     await asyncio.sleep(0)
-                    reserve = min(req.block_size, remaining - 1)
+                    reserve = min(1 + width.bound_after(len(drafts)), remaining - 1)  # the next block can't be wider
                     nxt = DraftResult(session_id, rnd + 1, (), union, union_bytes(union, byte_map))
                     timeout = deadline.remaining()  # may raise: before the tickets move from to_release
                     carried = tuple(to_release)
@@ -345,6 +348,7 @@ async def run_request(
             for i in range(res.num_accepted):
                 usage.accepted_per_position[i] += 1
             usage.completion_tokens += len(res.tokens)
+            width.observe(res.num_accepted)
             finished = res.finished
             verifier_done = finished is not None
             if finished is None:

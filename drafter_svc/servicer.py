@@ -125,6 +125,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             stop_token_ids=tuple(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
             block_size=block,
+            fixed_width=request.fixed_width or cfg.fixed_width,
         )
         return req, kind
 

@@ -72,6 +72,7 @@ class Client:
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
         request_id: str = "",
+        fixed_width: bool = False,
     ) -> drafter_pb2.GenerateRequest:
         sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         if seed is not None:
@@ -85,6 +86,7 @@ class Client:
             block_size=block_size,
             stop_token_ids=stop_token_ids or [],
             ignore_eos=ignore_eos,
+            fixed_width=fixed_width,
         )
         if isinstance(prompt, str):
             req.prompt = prompt

@@ -22,6 +22,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def colocated_verifier_threads() -> int:
+    """The verifier's torch threads when the three services share this machine: every core but one.
+
+    The spare core runs the drafter, scheduler and clients while a forward runs. Measured on the 2-core
+    machine (benchmarks/README.md): a one-thread verifier beat a two-thread one through the stack,
+    because every hop's work and every spinning OpenMP worker came out of the forward's two threads.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
 def check_health(target: str, service: str = "", timeout: float = 2.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
     """True when target answers SERVING for service ("" = the whole server). credentials: TLS, None = plaintext."""
     try:
@@ -131,6 +145,11 @@ class Stack:
                           *self._tls_args(name)]
             if s.model:
                 cmd += ["--model", s.model]
+            env = self._env(name)  # an explicit choice (flag, environment, config file) wins
+            chosen = any(a.startswith(("--torch-threads", "--config")) for a in s.verifier_args) or \
+                "PDFLASH_TORCH_THREADS" in env or "PDFLASH_CONFIG" in env
+            if not chosen:
+                cmd += ["--torch-threads", str(colocated_verifier_threads())]
             return cmd + s.verifier_args
         cmd = base + [
             "serve-drafter", "--host", s.drafter_host, "--port", str(s.drafter_port),

@@ -46,6 +46,19 @@ def test_ngram_backs_off_to_shorter_matches():
     assert d3.match(7, 2) == (0, [])
 
 
+def test_ngram_caps_weak_matches():
+    prompt = [5, 6, 7, 8, 1, 2, 9, 4, 8, 2, 3, 3, 3, 3]
+    d = ngram(prompt)
+    assert d.match(9, 6) == (1, [4, 8, 2, 3, 3, 3])  # only [9] matches: weak
+    assert d.propose(9, 6) == [4, 8, 2]  # at most weak_drafts (3)
+    assert len(d.propose(3, 6)) == 6  # [3, 3, 3] matches on max_n tokens: the whole ask
+    loose = NgramDrafter(1, 3, weak_drafts=None)
+    loose.start(prompt, None)
+    assert loose.propose(9, 6) == [4, 8, 2, 3, 3, 3]
+    with pytest.raises(ValueError, match="weak_drafts"):
+        NgramDrafter(1, 3, weak_drafts=0)
+
+
 def test_ngram_no_match_and_zero_k():
     d = ngram([1, 2, 3])
     assert d.propose(42, 5) == []
@@ -302,7 +315,8 @@ def test_incompatible_drafters_are_refused(tmp_path, drafter_dir, target_dir):
 def test_hybrid_switches_between_ngram_and_dflash(dflash):
     rng = np.random.default_rng(4)
     hybrid = HybridFactory(dflash)
-    assert hybrid.feature_layer_ids == dflash.feature_layer_ids and hybrid.max_block_size == BLOCK
+    # Only DFlash proposals are bounded by its trained block; n-gram rounds may use the server's largest.
+    assert hybrid.feature_layer_ids == dflash.feature_layer_ids and hybrid.max_block_size is None
     prompt = [10, 11, 12, 13, 14, 15, 16, 10, 11]
     feats = features(rng, len(prompt), dflash)
     h = hybrid.new_session()
@@ -312,6 +326,7 @@ def test_hybrid_switches_between_ngram_and_dflash(dflash):
 
     assert h.propose(12, 5) == [13, 14, 15, 16, 10]  # [10, 11, 12] occurred: n-gram
     assert h.last_source == "ngram"
+    assert len(h.propose(12, 40)) == 40  # n-gram: the whole ask, past DFlash's block
     assert h.propose(99, 5) == plain.propose(99, 5)  # no match: DFlash
     assert h.last_source == "dflash"
     # Both inner drafters see the commit.
@@ -323,7 +338,8 @@ def test_hybrid_switches_between_ngram_and_dflash(dflash):
     assert h.propose(16, 3) == plain.propose(16, 3)
     assert h.last_source == "dflash"
     assert h.dflash.length == len(prompt) + 2 and len(h.ngram.index) == len(prompt) + 2
-    assert len(h.propose(12, 100)) == BLOCK - 1
+    assert len(h.propose(77, 40)) == BLOCK - 1  # DFlash: at most its block
+    assert h.last_source == "dflash"
 
 
 def test_hybrid_min_match_is_configurable(dflash):

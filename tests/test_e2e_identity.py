@@ -58,12 +58,13 @@ def test_greedy_stack_equals_transformers(arch_stack, tiny, drafter):
 
 
 def test_block_sizes_all_equal_reference(stack, tiny):
-    """Every verify width gives the same tokens (n-gram drafts are accepted often on a looping model)."""
+    """Every verify width, fixed or adaptive, gives the same tokens (n-gram drafts are accepted often on a looping model)."""
     want = reference(tiny.target("qwen3_moe"), PROMPTS[0], 64)
     accepted = 0
     with Client(stack.drafter) as client:
-        for block in (1, 2, 4, 8, 16):
-            got = client.generate(PROMPTS[0], max_tokens=64, drafter="ngram", block_size=block)
-            assert got.token_ids == want, f"block {block}"
-            accepted += got.usage.accepted_draft_tokens
+        for block in (1, 2, 4, 8, 16, 32):
+            for fixed in (False, True):  # the adaptive width (default) and every round at the full block
+                got = client.generate(PROMPTS[0], max_tokens=64, drafter="ngram", block_size=block, fixed_width=fixed)
+                assert got.token_ids == want, f"block {block}, fixed width {fixed}"
+                accepted += got.usage.accepted_draft_tokens
     assert accepted > 0, "no draft was ever accepted: the acceptance path was not exercised"

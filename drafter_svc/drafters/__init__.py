@@ -2,7 +2,7 @@
 
 `make_factory(kind, target_dir, drafter_dir, **opts)` builds the factory for a kind:
   none    proposes nothing (block of 1)              opts: -
-  ngram   prompt lookup with n-gram backoff          opts: min_n, max_n, max_block_size
+  ngram   prompt lookup with n-gram backoff          opts: min_n, max_n, max_block_size, weak_drafts
   dflash  DFlash block drafter                       opts: dtype, device
   hybrid  n-gram on a long match, DFlash otherwise   opts: dtype, device, min_match, max_n
 """
@@ -22,7 +22,7 @@ KINDS = ("none", "ngram", "dflash", "hybrid")
 
 _OPTIONS = {
     "none": set(),
-    "ngram": {"min_n", "max_n", "max_block_size"},
+    "ngram": {"min_n", "max_n", "max_block_size", "weak_drafts"},
     "dflash": {"dtype", "device"},
     "hybrid": {"dtype", "device", "min_match", "max_n"},
 }

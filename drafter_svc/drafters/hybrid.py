@@ -29,7 +29,7 @@ class HybridDrafter(Drafter):
         self.dflash.start(prompt_ids, features)
 
     def propose(self, anchor: int, k: int) -> list[int]:
-        k = min(k, self.dflash.max_drafts)
+        # The n-gram proposal may use the whole block; DFlash drafts at most its trained block.
         n, tokens = self.ngram.match(anchor, k)
         if n >= self.min_match and tokens:
             self.last_source = "ngram"
@@ -59,7 +59,7 @@ class HybridFactory(DrafterFactory):
         # Shorter matches are never used here, so only n-grams of min_match..max_n are indexed.
         self.max_n = max_n or min_match
         self.feature_layer_ids = list(dflash.feature_layer_ids)
-        self.max_block_size = dflash.max_block_size
+        self.max_block_size = None  # n-gram rounds may use the server's largest block
 
     def new_session(self) -> HybridDrafter:
         return HybridDrafter(NgramDrafter(self.min_match, self.max_n), self.dflash.new_session(), self.min_match)

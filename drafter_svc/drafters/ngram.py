@@ -66,8 +66,18 @@ class NgramIndex:
 
 
 class NgramDrafter(Drafter):
-    def __init__(self, min_n: int = 1, max_n: int = 3):
+    """`weak_drafts`: a match on fewer than max_n tokens proposes at most this many (None = no cap).
+
+    Short matches are weak evidence: on the demo pair's held-out prompts a 1- or 2-token match's first
+    draft is rejected most of the time, and every draft past a rejection costs verify time for nothing
+    (drafter_svc.width has the numbers).
+    """
+
+    def __init__(self, min_n: int = 1, max_n: int = 3, weak_drafts: int | None = 3):
+        if weak_drafts is not None and weak_drafts < 1:
+            raise ValueError(f"weak_drafts must be >= 1 or None, got {weak_drafts}")
         self._min_n, self._max_n = min_n, max_n
+        self.weak_drafts = weak_drafts
         self.index = NgramIndex(min_n, max_n)
 
     def start(self, prompt_ids: list[int], features: np.ndarray | None = None) -> None:
@@ -79,7 +89,10 @@ class NgramDrafter(Drafter):
         return self.index.lookup(anchor, k)
 
     def propose(self, anchor: int, k: int) -> list[int]:
-        return self.index.lookup(anchor, k)[1]
+        n, tokens = self.index.lookup(anchor, k)
+        if self.weak_drafts is not None and n < self._max_n:
+            return tokens[: self.weak_drafts]
+        return tokens
 
     def commit(self, tokens: list[int], features: np.ndarray | None = None) -> None:
         self.index.extend(tokens)
@@ -91,13 +104,14 @@ class NgramDrafter(Drafter):
 class NgramFactory(DrafterFactory):
     name = "ngram"
 
-    def __init__(self, min_n: int = 1, max_n: int = 3, max_block_size: int | None = None):
-        NgramIndex(min_n, max_n)  # validates the sizes now rather than per request
+    def __init__(self, min_n: int = 1, max_n: int = 3, max_block_size: int | None = None, weak_drafts: int | None = 3):
+        NgramDrafter(min_n, max_n, weak_drafts)  # validates the options now rather than per request
         if max_block_size is not None and max_block_size < 1:
             raise ValueError(f"max_block_size must be >= 1, got {max_block_size}")
         self.min_n, self.max_n = min_n, max_n
+        self.weak_drafts = weak_drafts
         self.max_block_size = max_block_size
         self.feature_layer_ids = []
 
     def new_session(self) -> NgramDrafter:
-        return NgramDrafter(self.min_n, self.max_n)
+        return NgramDrafter(self.min_n, self.max_n, self.weak_drafts)

@@ -28,7 +28,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_tokens", "max_tokens", "sampling", "stop_token_ids", "ignore_eos", "block_size", "drafter")
+    __slots__ = ("request_id", "prompt", "prompt_tokens", "max_tokens", "sampling", "stop_token_ids", "ignore_eos", "block_size", "drafter", "fixed_width")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    FIXED_WIDTH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_tokens: TokenIds
@@ -47,7 +48,8 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     block_size: int
     drafter: DrafterKind
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., block_size: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ...) -> None: ...
+    fixed_width: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., block_size: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., fixed_width: _Optional[bool] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "round")

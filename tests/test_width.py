@@ -1,0 +1,115 @@
+"""The adaptive verify width: the controller alone, and the round loop using it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from drafter_svc.width import VerifyWidth
+
+
+def test_first_round_drafts_the_whole_block_then_follows_what_rounds_earn():
+    w = VerifyWidth(32)
+    assert w.drafts() == 31
+    w.observe(0)  # first draft rejected: a cheap probe next
+    assert w.drafts() == 3
+    w.observe(3)  # all 3 accepted: 3 x 4 emitted
+    assert w.drafts() == 12
+    w.observe(12)
+    assert w.drafts() == 31  # capped by the block
+    w.observe(1)
+    assert w.drafts() == 6
+
+
+def test_fixed_width_and_small_blocks():
+    w = VerifyWidth(16, adaptive=False)
+    for acc in (0, 5, 15):
+        w.observe(acc)
+        assert w.drafts() == 15 and w.bound_after(0) == 15
+    one = VerifyWidth(1)
+    one.observe(0)
+    assert one.drafts() == 0 and one.bound_after(0) == 0  # block 1: never drafts
+    two = VerifyWidth(2)
+    two.observe(0)
+    assert two.drafts() == 1  # the floor never exceeds the block
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="block_size"):
+        VerifyWidth(0)
+    with pytest.raises(ValueError, match="growth"):
+        VerifyWidth(8, growth=0)
+
+
+@given(block=st.integers(1, 64), rounds=st.lists(st.tuples(st.integers(0, 63), st.integers(0, 63)), max_size=30),
+       adaptive=st.booleans())
+def test_next_width_stays_in_the_block_and_within_the_bound_reserved_for_it(block, rounds, adaptive):
+    w = VerifyWidth(block, adaptive=adaptive)
+    for asked, acc in rounds:
+        proposed = min(asked, w.drafts())  # a drafter may propose fewer than asked
+        accepted = min(acc, proposed)
+        bound = w.bound_after(proposed)
+        w.observe(accepted)
+        assert 0 <= w.drafts() <= block - 1
+        assert w.drafts() <= bound  # the admission reserved ahead always covers the next block
+
+
+def _loop(accepts: list[int], block: int, fixed_width: bool = False):
+    """Run the round loop with a verifier double accepting `accepts[r]` drafts in round r."""
+    from drafter_svc.clients import PrefillOut, TicketInfo, VerifyOut
+    from drafter_svc.drafters import make_factory
+    from drafter_svc.loop import Deadline, Finished, Request, run_request
+    from pdflash.types import FinishReason, SamplingParams
+
+    drafted: list[int] = []
+    reserves: list[int] = []
+    max_tokens = 200
+
+    class Verifier:
+        async def prefill(self, *args):
+            return PrefillOut("s", 7, None, None, {0: frozenset({0})}, 0, 0.0)
+
+        async def verify(self, request_id, draft, ticket, return_features, timeout):
+            k = len(draft.tokens) - 1
+            drafted.append(k)
+            acc = min(k, accepts[len(drafted) - 1])
+            done = FinishReason.LENGTH if len(drafted) == len(accepts) else None
+            return VerifyOut([7] * (acc + 1), acc, done, None, {0: frozenset({0})}, 0, 0.0, 0.0)
+
+        async def end(self, session_id):
+            return True
+
+    class Scheduler:
+        async def admit(self, request_id, draft, timeout, reserve_tokens=0, release=()):
+            if reserve_tokens:
+                reserves.append(reserve_tokens)
+            return TicketInfo("t", "", 0.0, 0.0, reserve_tokens or len(draft.tokens), draft.expert_bytes)
+
+        async def release(self, ticket_id):
+            return True
+
+    async def main():
+        # A prompt of one repeated token: the n-gram drafter always has a full-length match to copy.
+        req = Request("r", (7,) * 8, max_tokens, SamplingParams(), (), True, block, fixed_width)
+        async for ev in run_request(req, make_factory("ngram", ""), Verifier(), Scheduler(), {0: [1]}, Deadline(5.0)):
+            if isinstance(ev, Finished):
+                return
+
+    asyncio.run(main())
+    return drafted, reserves
+
+
+def test_the_round_loop_drafts_what_the_width_controller_says():
+    drafted, reserves = _loop([0, 0, 3, 12, 31, 2], block=32)
+    assert drafted == [31, 3, 3, 12, 31, 31]
+    # Each ahead reservation covers the widest next block the round could lead to, not the whole block.
+    assert reserves[:3] == [32, 13, 13]
+
+
+def test_fixed_width_drafts_the_whole_block_every_round():
+    drafted, reserves = _loop([0, 0, 3, 1], block=16, fixed_width=True)
+    assert drafted == [15, 15, 15, 15]
+    assert set(reserves) == {16}
