@@ -100,3 +100,33 @@ def test_torch_threads_and_round_options():
         with pytest.raises(ConfigError) as e:
             from_sources(cls, parse(cls, ["--torch-threads", "-2"]), env={})
         assert "--torch-threads" in str(e.value)
+
+
+def test_width_and_prefill_thread_options():
+    from drafter_svc.config import DrafterConfig
+
+    d = from_sources(DrafterConfig, parse(DrafterConfig, []), env={})
+    assert (d.block_size, d.fixed_width) == (32, False)  # the widest block; rounds adapt within it
+    assert from_sources(DrafterConfig, parse(DrafterConfig, ["--fixed-width"]), env={}).fixed_width
+    v = from_sources(VerifierConfig, parse(VerifierConfig, ["--prefill-threads", "4"]), env={})
+    assert v.prefill_threads == 4
+    with pytest.raises(ConfigError, match="--prefill-threads"):
+        from_sources(VerifierConfig, parse(VerifierConfig, ["--prefill-threads", "-1"]), env={})
+
+
+def test_a_colocated_stack_leaves_a_core_to_the_other_services_unless_told_otherwise(monkeypatch):
+    from pdflash import stack as stackmod
+    from pdflash.stack import Stack, StackSpec
+
+    monkeypatch.setattr(stackmod, "usable_cores", lambda: 8)
+    cmd = Stack(StackSpec())._cmd("verifier")
+    assert cmd[cmd.index("--torch-threads") + 1] == "7" and cmd[cmd.index("--prefill-threads") + 1] == "8"
+    cmd = Stack(StackSpec(verifier_args=["--torch-threads", "2"]))._cmd("verifier")
+    assert cmd.count("--torch-threads") == 1 and cmd[cmd.index("--torch-threads") + 1] == "2"
+    cmd = Stack(StackSpec(extra_env={"PDFLASH_PREFILL_THREADS": "3"}))._cmd("verifier")
+    assert "--prefill-threads" not in cmd and "--torch-threads" in cmd
+    cmd = Stack(StackSpec(verifier_args=["--config", "v.json"]))._cmd("verifier")
+    assert "--torch-threads" not in cmd and "--prefill-threads" not in cmd  # the file decides
+    monkeypatch.setattr(stackmod, "usable_cores", lambda: 1)
+    cmd = Stack(StackSpec())._cmd("verifier")
+    assert cmd[cmd.index("--torch-threads") + 1] == "1"

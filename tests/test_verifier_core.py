@@ -204,3 +204,26 @@ def test_finished_session_refuses_verify(tiny):
     assert v.finished == FinishReason.LENGTH
     with pytest.raises(NotFound):  # ended and freed
         c.verify(DraftResult(o.session_id, 2, (v.tokens[-1],), {}, 0))
+
+
+def test_prefill_threads_change_nothing_but_the_prefill_threads(tiny):
+    """A prefill on more CPU threads gives the same tokens, and verify forwards keep the thread count."""
+    target = load_target(tiny.target("qwen3_moe"))
+    before = torch.get_num_threads()
+    seen = []
+    want = None
+    for threads in (0, before + 1):
+        c = VerifierCore(target, max_block_size=16, prefill_threads=threads)
+        forward = c._forward
+
+        def spy(*args, _f=forward):
+            seen.append(torch.get_num_threads())
+            return _f(*args)
+
+        c._forward = spy
+        toks, _ = run(c, PROMPT, 12, lambda pos: [], ignore_eos=True)
+        assert torch.get_num_threads() == before
+        want = want or toks
+        assert toks == want
+    assert seen[len(seen) // 2] == before + 1  # the second core's prefill
+    assert all(n == before for i, n in enumerate(seen) if i != len(seen) // 2)

@@ -15,6 +15,7 @@ class VerifierConfig(ServerOptions):
     device: str = option("auto", "torch device: auto, cpu, cuda, cuda:N")
     dtype: str = option("auto", "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
     torch_threads: int = option(0, "CPU threads for torch (0 = torch's default: all cores)")
+    prefill_threads: int = option(0, "CPU threads for prefill forwards (0 = as --torch-threads); prompts are compute-bound, verify blocks latency-bound")
     max_sessions: int = option(64, "sessions held at once; beyond it Prefill answers RESOURCE_EXHAUSTED")
     session_ttl_s: float = option(120.0, "an idle session is ended after this many seconds")
     max_block_size: int = option(32, "largest verify block (anchor + drafts)")
@@ -31,6 +32,8 @@ class VerifierConfig(ServerOptions):
             raise ConfigError(f"--dtype {self.dtype!r}: choose auto, float32, bfloat16 or float16")
         if self.torch_threads < 0:
             raise ConfigError(f"--torch-threads {self.torch_threads}: must be >= 0 (0 = torch's default)")
+        if self.prefill_threads < 0:
+            raise ConfigError(f"--prefill-threads {self.prefill_threads}: must be >= 0 (0 = as --torch-threads)")
         for name in ("max_sessions", "max_block_size", "max_tokens_limit", "max_pending"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")

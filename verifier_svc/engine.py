@@ -7,6 +7,7 @@ acceptance rule picks the longest valid prefix, the cache is cropped back to the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -56,11 +57,28 @@ class VerifierCore:
         idle_ttl_s: float = 120.0,
         max_block_size: int = 32,
         max_tokens_limit: int = 4096,
+        prefill_threads: int = 0,
     ):
         self.target = target
         self.sessions = SessionStore(max_sessions, idle_ttl_s)
         self.max_block_size = max_block_size
         self.max_tokens_limit = max_tokens_limit
+        # CPU threads for prefill forwards (0 = as verify forwards). A prompt is compute-bound and the
+        # other services wait for it; a verify block is latency-bound and shares the machine with them.
+        self.prefill_threads = prefill_threads
+
+    @contextlib.contextmanager
+    def _prefill_threads(self):
+        n = self.prefill_threads
+        if n <= 0 or self.target.device.type != "cpu" or n == torch.get_num_threads():
+            yield
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     # ---- validation -----------------------------------------------------------------------------
     def _check_ids(self, field: str, ids, out: list[FieldViolation]) -> None:
@@ -174,7 +192,8 @@ class VerifierCore:
             generator=gen,
             feature_layer_ids=tuple(req.feature_layer_ids),
         )
-        logits, feats, union, fwd_ms = self._forward(s, list(req.prompt), bool(req.feature_layer_ids))
+        with self._prefill_threads():
+            logits, feats, union, fwd_ms = self._forward(s, list(req.prompt), bool(req.feature_layer_ids))
         t0 = time.perf_counter()
         _, first = self._pick(s, [], logits[-1:])
         s.committed = len(req.prompt)
