@@ -113,3 +113,46 @@ def test_fixed_width_drafts_the_whole_block_every_round():
     drafted, reserves = _loop([0, 0, 3, 1], block=16, fixed_width=True)
     assert drafted == [15, 15, 15, 15]
     assert set(reserves) == {16}
+
+
+def test_a_rounds_tokens_reach_the_client_even_when_the_next_round_fails():
+    """Tokens stream while the next round verifies; an error in that round must not swallow them."""
+    from drafter_svc.clients import PrefillOut, TicketInfo, VerifyOut
+    from drafter_svc.drafters import make_factory
+    from drafter_svc.loop import Deadline, Request, Tokens, run_request
+    from pdflash.errors import Unavailable
+    from pdflash.types import SamplingParams
+
+    class Verifier:
+        rounds = 0
+
+        async def prefill(self, *args):
+            return PrefillOut("s", 7, None, None, {0: frozenset({0})}, 0, 0.0)
+
+        async def verify(self, request_id, draft, ticket, return_features, timeout):
+            self.rounds += 1
+            if self.rounds == 3:
+                raise Unavailable("verifier went away")
+            return VerifyOut([100 + self.rounds], 0, None, None, {0: frozenset({0})}, 0, 0.0, 0.0)
+
+        async def end(self, session_id):
+            return True
+
+    class Scheduler:
+        async def admit(self, request_id, draft, timeout, reserve_tokens=0, release=()):
+            return TicketInfo("t", "", 0.0, 0.0, reserve_tokens or len(draft.tokens), draft.expert_bytes)
+
+        async def release(self, ticket_id):
+            return True
+
+    got = []
+
+    async def main():
+        req = Request("r", (7,) * 8, 50, SamplingParams(), (), True, 8)
+        with pytest.raises(Unavailable):
+            async for ev in run_request(req, make_factory("ngram", ""), Verifier(), Scheduler(), {0: [1]}, Deadline(5.0)):
+                if isinstance(ev, Tokens):
+                    got.extend(ev.token_ids)
+
+    asyncio.run(main())
+    assert got == [7, 101, 102]  # the first token, then both verified rounds
