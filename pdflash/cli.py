@@ -136,6 +136,7 @@ def cmd_generate(args) -> int:
         req = Client.request(
             args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, drafter=args.drafter, block_size=args.block_size, ignore_eos=args.ignore_eos,
+            fixed_width=args.fixed_width,
         )
         try:
             final = None
@@ -215,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--drafter", default="unspecified", choices=["unspecified", "none", "ngram", "dflash", "hybrid"])
-    p.add_argument("--block-size", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=0, help="widest verify block (0 = the server's default)")
+    p.add_argument("--fixed-width", action="store_true", help="draft the whole block every round (default: the width adapts)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--stats", action="store_true", help="print usage statistics to stderr")

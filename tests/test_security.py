@@ -255,7 +255,7 @@ def test_cli_generate_and_health_over_mtls(secure, pki):
     assert (ok.returncode, ok.stdout.strip()) == (0, "SERVING"), ok.stderr
     plain = subprocess.run([*cli, "health", secure.verifier], capture_output=True, text=True, timeout=60)
     assert (plain.returncode, plain.stdout.strip()) == (1, "NOT_SERVING")
-    gen = subprocess.run([*cli, "generate", PROMPT, "--max-tokens", "6", "--stats", "--target", secure.drafter, *tls],
+    gen = subprocess.run([*cli, "generate", PROMPT, "--max-tokens", "6", "--stats", "--fixed-width", "--target", secure.drafter, *tls],
                          capture_output=True, text=True, timeout=120, env=env)
     assert gen.returncode == 0, gen.stderr
     assert "completion_tokens=6" in gen.stderr
