@@ -70,7 +70,7 @@ class NgramDrafter(Drafter):
 
     Short matches are weak evidence: on the demo pair's held-out prompts a 1- or 2-token match's first
     draft is rejected most of the time, and every draft past a rejection costs verify time for nothing
-    (drafter_svc.width has the numbers).
+    (benchmarks/README.md, "Verify width", has the numbers).
     """
 
     def __init__(self, min_n: int = 1, max_n: int = 3, weak_drafts: int | None = 3):
