@@ -42,7 +42,9 @@ sys.path.insert(0, str(ROOT))
 
 from pdflash.client import Client  # noqa: E402
 from pdflash.defaults import default_drafter_dir, default_target_dir  # noqa: E402
-from pdflash.stack import Stack, StackSpec, colocated_verifier_threads, free_port  # noqa: E402
+from pdflash.stack import Stack, StackSpec, free_port  # noqa: E402
+from pdflash.torch_thread import usable_cores  # noqa: E402
+from verifier_svc.config import VerifierConfig  # noqa: E402
 
 # (row name, drafter, block, fixed width): every round drafts block - 1 with a fixed width, else the width adapts
 # (drafter_svc.width). DFlash drafts at most its trained block (16); hybrid n-gram rounds may use 32.
@@ -238,7 +240,7 @@ def main(argv=None) -> int:
         prompts=len(prompts), prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
         matches_hf_greedy=f"{matches}/{len(ref)} prompts",
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads in-process, "
-                f"verifier {colocated_verifier_threads() if args.verifier_threads is None else args.verifier_threads}, drafter 1, "
+                f"verifier {VerifierConfig(colocated=True).thread_counts(usable_cores())[0] if args.verifier_threads is None else args.verifier_threads}, drafter 1, "
                 f"torch {torch.__version__}, transformers {transformers.__version__}",
         command="python benchmarks/e2e.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     )

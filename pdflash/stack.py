@@ -22,23 +22,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def colocated_verifier_threads() -> int:
-    """The verifier's torch threads for verify blocks when the three services share this machine: every
-    core but one. The spare core runs the drafter, scheduler and clients while a forward runs. Measured on
-    the 2-core machine (benchmarks/README.md): a one-thread verifier beat a two-thread one through the
-    stack, because every hop's work and every spinning OpenMP worker came out of the forward's two threads.
-    Prefill forwards (compute-bound, nothing else runs meanwhile) use every core.
-    """
-    return max(1, usable_cores() - 1)
-
-
 def check_health(target: str, service: str = "", timeout: float = 2.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
     """True when target answers SERVING for service ("" = the whole server). credentials: TLS, None = plaintext."""
     try:
@@ -148,7 +131,7 @@ class Stack:
                           *self._tls_args(name)]
             if s.model:
                 cmd += ["--model", s.model]
-            cmd += self._colocated_threads(self._env(name))
+            cmd += ["--colocated"]  # the three share this machine (VerifierConfig.thread_counts)
             return cmd + s.verifier_args
         cmd = base + [
             "serve-drafter", "--host", s.drafter_host, "--port", str(s.drafter_port),
@@ -162,18 +145,6 @@ class Stack:
         if s.no_dflash:
             cmd += ["--no-dflash"]
         return cmd + s.drafter_args
-
-    def _colocated_threads(self, env: dict[str, str]) -> list[str]:
-        """The verifier's thread flags for a machine it shares with the other services, unless chosen
-        explicitly (flag, PDFLASH_* environment or a config file)."""
-        args = self.spec.verifier_args
-        if any(a.startswith("--config") for a in args) or "PDFLASH_CONFIG" in env:
-            return []
-        out = []
-        for flag, value in (("--torch-threads", colocated_verifier_threads()), ("--prefill-threads", usable_cores())):
-            if not any(a.startswith(flag) for a in args) and "PDFLASH_" + flag[2:].replace("-", "_").upper() not in env:
-                out += [flag, str(value)]
-        return out
 
     def start_one(self, name: str) -> subprocess.Popen:
         """Start (or restart, after it died or was killed) one of the three services."""

@@ -65,6 +65,16 @@ def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return executor().submit(fn, *args, **kwargs).result()
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def configure(num_threads: int) -> int:
     """Set torch's CPU thread count (0 = leave torch's default); returns the count in effect."""
     import torch

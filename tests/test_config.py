@@ -114,19 +114,17 @@ def test_width_and_prefill_thread_options():
         from_sources(VerifierConfig, parse(VerifierConfig, ["--prefill-threads", "-1"]), env={})
 
 
-def test_a_colocated_stack_leaves_a_core_to_the_other_services_unless_told_otherwise(monkeypatch):
-    from pdflash import stack as stackmod
+def test_a_colocated_verifier_leaves_a_core_to_the_other_services_unless_told_otherwise():
     from pdflash.stack import Stack, StackSpec
 
-    monkeypatch.setattr(stackmod, "usable_cores", lambda: 8)
-    cmd = Stack(StackSpec())._cmd("verifier")
-    assert cmd[cmd.index("--torch-threads") + 1] == "7" and cmd[cmd.index("--prefill-threads") + 1] == "8"
-    cmd = Stack(StackSpec(verifier_args=["--torch-threads", "2"]))._cmd("verifier")
-    assert cmd.count("--torch-threads") == 1 and cmd[cmd.index("--torch-threads") + 1] == "2"
-    cmd = Stack(StackSpec(extra_env={"PDFLASH_PREFILL_THREADS": "3"}))._cmd("verifier")
-    assert "--prefill-threads" not in cmd and "--torch-threads" in cmd
-    cmd = Stack(StackSpec(verifier_args=["--config", "v.json"]))._cmd("verifier")
-    assert "--torch-threads" not in cmd and "--prefill-threads" not in cmd  # the file decides
-    monkeypatch.setattr(stackmod, "usable_cores", lambda: 1)
-    cmd = Stack(StackSpec())._cmd("verifier")
-    assert cmd[cmd.index("--torch-threads") + 1] == "1"
+    def counts(argv, env=None, cores=8):
+        return from_sources(VerifierConfig, parse(VerifierConfig, argv), env=env or {}).thread_counts(cores)
+
+    assert counts([]) == (0, 0)  # alone on its machine: torch's defaults, all cores
+    assert counts(["--colocated"]) == (7, 8)  # verify forwards leave a core; prefill uses all
+    assert counts(["--colocated"], cores=1) == (1, 1)
+    assert counts(["--colocated", "--torch-threads", "2"]) == (2, 8)  # explicit settings win
+    assert counts([], env={"PDFLASH_COLOCATED": "true", "PDFLASH_PREFILL_THREADS": "3"}) == (7, 3)
+    # pdflash up (Stack) runs the three on one machine; compose.yaml sets it for the verifier container too.
+    assert "--colocated" in Stack(StackSpec())._cmd("verifier")
+    assert "--colocated" not in Stack(StackSpec())._cmd("drafter")

@@ -14,8 +14,9 @@ class VerifierConfig(ServerOptions):
     port: int = option(50053, "port to bind (0 = pick a free one)")
     device: str = option("auto", "torch device: auto, cpu, cuda, cuda:N")
     dtype: str = option("auto", "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
-    torch_threads: int = option(0, "CPU threads for torch (0 = torch's default: all cores)")
-    prefill_threads: int = option(0, "CPU threads for prefill forwards (0 = as --torch-threads); prompts are compute-bound, verify blocks latency-bound")
+    torch_threads: int = option(0, "CPU threads for torch (0 = automatic: all cores, or all but one with --colocated)")
+    prefill_threads: int = option(0, "CPU threads for prefill forwards (0 = automatic: as --torch-threads, or all cores with --colocated); prompts are compute-bound, verify blocks latency-bound")
+    colocated: bool = option(False, "the drafter and scheduler share this machine: verify forwards leave them a core, prefill uses all (pdflash up and compose set it)")
     max_sessions: int = option(64, "sessions held at once; beyond it Prefill answers RESOURCE_EXHAUSTED")
     session_ttl_s: float = option(120.0, "an idle session is ended after this many seconds")
     max_block_size: int = option(32, "largest verify block (anchor + drafts)")
@@ -23,6 +24,18 @@ class VerifierConfig(ServerOptions):
     max_pending: int = option(128, "Prefill/Verify calls waiting for the device at once; beyond it RESOURCE_EXHAUSTED with a retry delay")
     metrics_port: int = option(9103, "Prometheus /metrics HTTP port (0 = any free port, -1 = off)")
     ticket_secret: str = option("", "HMAC-SHA256 key shared with the scheduler: when set, Verify needs a valid, unexpired admission ticket", secret=True)
+
+    def thread_counts(self, cores: int) -> tuple[int, int]:
+        """(verify, prefill) CPU threads; 0 = torch's default. Explicit settings win over --colocated.
+
+        Co-located on a small CPU host, the drafter's, scheduler's and clients' work of a round runs while
+        the forward runs: measured on 2 cores (benchmarks/README.md), a one-thread verify forward beat a
+        two-thread one through the stack, whose second thread kept being preempted by that work. A prompt's
+        prefill is compute-bound and nothing else runs meanwhile: every core.
+        """
+        verify = self.torch_threads or (max(1, cores - 1) if self.colocated else 0)
+        prefill = self.prefill_threads or (cores if self.colocated else 0)
+        return verify, prefill
 
     def validate(self) -> None:
         self.validate_server()

@@ -66,10 +66,11 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
     log.info("verifier listening", address=f"{cfg.host}:{port}", phase="loading",
              tls="mutual" if cfg.tls_ca else "on" if cfg.tls_cert else "off", tickets="checked" if cfg.ticket_secret else "not checked")
     model_dir = cfg.model or str(await asyncio.to_thread(default_target_dir))
-    threads = await torch_thread.run(torch_thread.configure, cfg.torch_threads)
+    verify_threads, prefill_threads = cfg.thread_counts(torch_thread.usable_cores())
+    threads = await torch_thread.run(torch_thread.configure, verify_threads)
     target = await torch_thread.run(load_target, model_dir, resolve_device(cfg.device), cfg.dtype)
     core = VerifierCore(target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size, cfg.max_tokens_limit,
-                        prefill_threads=cfg.prefill_threads)
+                        prefill_threads=prefill_threads)
     servicer.core = core
     metrics.sessions_alive.set_function(lambda: len(core.sessions))
     await host.set_serving(True)
@@ -82,7 +83,8 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         total_expert_bytes=target.total_expert_bytes,
         device=str(target.device),
         torch_threads=threads,
-        prefill_threads=cfg.prefill_threads or threads,
+        prefill_threads=prefill_threads or threads,
+        colocated=cfg.colocated,
     )
     return RunningVerifier(host, core, port, asyncio.create_task(_sweep(core)), metrics_server)
 
