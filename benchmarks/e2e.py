@@ -12,8 +12,8 @@ transformers in-process uses torch's default (all cores; --threads to change).
   hf/prompt_lookup  transformers `generate(prompt_lookup_num_tokens=10)` in-process
 Per-round time is split into draft, admission (Admit + Release), verify forward, verifier handler
 overhead and RPC overhead (client-observed Verify minus the verifier's own handler time).
-Every pass runs every mode once (stack and transformers alternate, so drift on a shared machine hits
-all of them alike); the median pass per mode is reported, with all passes in the JSON, and the median
+Every pass runs every mode on every prompt, prompt by prompt (stack and transformers alternate every few
+hundred milliseconds, so drift on a shared machine hits all of them alike); the median pass per mode is reported, with all passes in the JSON, and the median
 over passes of each mode's ratio to transformers' prompt lookup within the same pass.
 
     python benchmarks/e2e.py [--model DIR --drafter DIR] [--prompts 8 --prompt-tokens 128 --new-tokens 128] [--repeats 3]
@@ -105,7 +105,8 @@ HF_MODES = [("hf/greedy", {}), ("hf/prompt_lookup", {"prompt_lookup_num_tokens":
 
 def run_all(model: str, drafter: str, prompts, new_tokens: int, repeats: int, log_dir: str, threads: int = 0,
             verifier_threads: int | None = None) -> list[dict]:
-    """Every mode once per pass, passes repeated: machine drift hits all modes alike (medians are reported)."""
+    """Every mode on every prompt once per pass (modes interleaved prompt by prompt), passes repeated: machine
+    drift hits all modes alike (medians are reported)."""
     from transformers import AutoModelForCausalLM
 
     if threads:
@@ -125,11 +126,13 @@ def run_all(model: str, drafter: str, prompts, new_tokens: int, repeats: int, lo
                 for _, kw in HF_MODES:
                     m.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False, **kw)
             for rep in range(repeats):
-                results = {}
-                for name, kind, block, fixed in STACK_MODES:
-                    results[f"stack/{name}"] = _stack_run(c, kind, block, fixed, prompts, new_tokens)
-                for name, kw in HF_MODES:
-                    results[name] = _hf_run(m, kw, prompts, new_tokens)
+                results: dict[str, list[dict]] = {}
+                # Prompt by prompt, every mode in turn: modes compared are measured seconds apart.
+                for p in prompts:
+                    for name, kind, block, fixed in STACK_MODES:
+                        results.setdefault(f"stack/{name}", []).extend(_stack_run(c, kind, block, fixed, [p], new_tokens))
+                    for name, kw in HF_MODES:
+                        results.setdefault(name, []).extend(_hf_run(m, kw, [p], new_tokens))
                 passes.append(results)
                 line = ", ".join(f"{k} {sum(r['completion'] for r in v) / sum(r['wall_s'] for r in v):.0f}" for k, v in results.items())
                 print(f"  pass {rep + 1}/{repeats} (tok/s): {line}", file=sys.stderr, flush=True)
