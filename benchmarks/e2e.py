@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from pdflash.client import Client  # noqa: E402
 from pdflash.defaults import default_drafter_dir, default_target_dir  # noqa: E402
-from pdflash.stack import Stack, StackSpec, free_port  # noqa: E402
+from pdflash.stack import Stack, StackSpec, free_ports  # noqa: E402
 from pdflash.torch_thread import usable_cores  # noqa: E402
 from verifier_svc.config import VerifierConfig  # noqa: E402
 
@@ -111,8 +111,9 @@ def run_all(model: str, drafter: str, prompts, new_tokens: int, repeats: int, lo
 
     if threads:
         torch.set_num_threads(threads)
+    ports = free_ports(3)
     spec = StackSpec(
-        model=model, drafter=drafter, drafter_port=free_port(), scheduler_port=free_port(), verifier_port=free_port(),
+        model=model, drafter=drafter, drafter_port=ports[0], scheduler_port=ports[1], verifier_port=ports[2],
         metrics_ports=(-1, -1, -1), log_dir=log_dir,
         verifier_args=["--device", "cpu"] + ([] if verifier_threads is None else ["--torch-threads", str(verifier_threads)]),
     )

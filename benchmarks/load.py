@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--target needs --model (for the references), --scheduler and --verifier (for the leak check)")
 
     from pdflash.defaults import default_drafter_dir, default_target_dir
-    from pdflash.stack import Stack, StackSpec, free_port
+    from pdflash.stack import Stack, StackSpec, free_ports
     from pdflash.tls import bearer_metadata
 
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
@@ -263,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         target, scheduler, verifier = args.target, args.scheduler, args.verifier
     else:
         log_dir = ROOT / "benchmarks" / "results" / "logs" / "load"
+        ports = free_ports(3)
         spec = StackSpec(
-            model=model, drafter=drafter_dir, no_dflash=not drafter_dir, drafter_port=free_port(), scheduler_port=free_port(),
-            verifier_port=free_port(), metrics_ports=(-1, -1, -1), log_dir=str(log_dir),
+            model=model, drafter=drafter_dir, no_dflash=not drafter_dir, drafter_port=ports[0], scheduler_port=ports[1],
+            verifier_port=ports[2], metrics_ports=(-1, -1, -1), log_dir=str(log_dir),
             drafter_args=["--max-concurrent", str(max(64, *levels))],
             verifier_args=["--max-sessions", str(max(64, *levels))],
         )

@@ -14,12 +14,30 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdflash.server import CHANNEL_OPTIONS
+from pdflash.v1 import drafter_pb2, scheduler_pb2, verifier_pb2
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (all held open while picking: separate picks can repeat a port)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+# The gRPC service each process serves: readiness asks for it by name, so another server that happens to
+# answer on the port (a stale process, a port picked twice) is never taken for this one.
+SERVICE_NAMES = {
+    "drafter": drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
+    "scheduler": scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name,
+    "verifier": verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
+}
 
 
 def check_health(target: str, service: str = "", timeout: float = 2.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
@@ -172,7 +190,7 @@ class Stack:
                 if p.poll() is not None:
                     raise RuntimeError(f"{n} exited with code {p.returncode} during start-up" +
                                        (f"; see {self.spec.log_dir}/{n}.log" if self.spec.log_dir else ""))
-            if check_health(target, timeout=1.0, credentials=creds):
+            if check_health(target, SERVICE_NAMES[name], timeout=1.0, credentials=creds):
                 return
             time.sleep(0.2)
         raise TimeoutError(f"{name} not SERVING after {timeout:.0f}s")

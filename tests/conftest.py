@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from pdflash.stack import Stack, StackSpec, free_port
+from pdflash.stack import Stack, StackSpec, free_ports
 from pdflash.tiny import make_tiny_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -40,14 +40,15 @@ def tiny(tmp_path_factory) -> TinyModels:
 
 
 def start_stack(model: pathlib.Path | str, drafter: pathlib.Path | str | None, log_dir: pathlib.Path, **kw) -> Stack:
+    ports = free_ports(6)
     spec = StackSpec(
         model=str(model),
         drafter=str(drafter) if drafter else "",
         no_dflash=drafter is None,
-        drafter_port=free_port(),
-        scheduler_port=free_port(),
-        verifier_port=free_port(),
-        metrics_ports=(free_port(), free_port(), free_port()),
+        drafter_port=ports[0],
+        scheduler_port=ports[1],
+        verifier_port=ports[2],
+        metrics_ports=(ports[3], ports[4], ports[5]),
         log_dir=str(log_dir),
         **kw,
     )

@@ -39,6 +39,17 @@ def test_health_and_reflection(stack, name):
     assert {SERVICES[name], "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
 
 
+def test_readiness_asks_for_the_service_by_name(stack):
+    """Stack.wait_ready probes each service by name, so another server on a port (a stale process, a port
+    picked twice) is never taken for the one being started; ports are picked distinct."""
+    from pdflash.stack import SERVICE_NAMES, check_health, free_ports
+
+    assert SERVICE_NAMES == SERVICES
+    assert check_health(stack.verifier, SERVICE_NAMES["verifier"])
+    assert not check_health(stack.verifier, SERVICE_NAMES["drafter"])
+    assert len(set(free_ports(64))) == 64
+
+
 def test_request_id_echoed_and_returned_in_trailing_metadata(stack):
     with Client(stack.drafter) as c:
         call = c.stub.Generate(Client.request("x = 1\n", max_tokens=4, request_id="my-req-1"), timeout=60)
