@@ -141,6 +141,15 @@ def replay(rows, ref, source: str, block: int, adaptive: bool, weak_cap: bool, c
     while i < len(ref):
         n, ng, df = rows[i - 1]
         k = min(width.drafts(), len(ref) - i - 1)
+        if source == "branches":  # both proposals verified at once as two branches of a tree (one forward)
+            a = ng[:k][:3] if n < 3 else ng[:k]
+            b = df[:min(k, 15)]
+            acc = max(lcp(a, ref[i:]), lcp(b, ref[i:]))
+            rounds, tokens = rounds + 1, tokens + 1 + len(a) + len(b)
+            ms += cost(1 + len(a) + len(b)) + hop_ms + dflash_ms[0] + dflash_ms[1]
+            width.observe(acc)
+            i += acc + 1
+            continue
         if source == "ngram" or (source == "hybrid" and n >= 3 and ng):
             prop = ng[:k]
             if weak_cap and n < 3:
@@ -191,6 +200,7 @@ def main(argv=None) -> int:
         "dflash adaptive": ("dflash", 16, True, False),
         "hybrid@32 fixed": ("hybrid", 32, False, True),
         "hybrid@32 adaptive": ("hybrid", 32, True, True),
+        "n-gram + DFlash as two branches, adaptive": ("branches", 32, True, True),
     }
     results: dict[str, dict] = {}
     for name, prompts in prompt_sets(tok).items():

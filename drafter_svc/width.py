@@ -9,9 +9,9 @@ request's block - 1: a rejected round shrinks the next to a cheap probe, an acce
 geometrically. The first round drafts the full block.
 
 An offline replay over greedy reference outputs (`python benchmarks/replay.py`; benchmarks/README.md,
-"Verify width") chose growth 3, floor 3: with the n-gram drafter's weak-match cap, 11-19% less time
+"Verify width") chose growth 3, floor 3: with the n-gram drafter's weak-match cap, 14-21% less time
 than a fixed 32-token block on held-out stdlib prompts and 7% on this project's own source; for DFlash
-the rule alone saves 3-5%. Lossless either way: the width only decides how many drafts are proposed,
+the rule alone saves 4-6%. Lossless either way: the width only decides how many drafts are proposed,
 never which tokens are accepted.
 """
 
