@@ -11,6 +11,9 @@ older than the freshest). Deferred or failed ahead admissions fall back to a nor
 
 The verifier hop: a request's rounds go over one VerifyStream when the client offers it (the verifier
 ends an unfinished session when its stream closes), else one Verify call per round.
+
+The verify width: each round drafts what the session's `VerifyWidth` (drafter_svc.width) allows, the
+whole block in round 1, then according to what the previous round emitted (unless `fixed_width`).
 """
 
 from __future__ import annotations
