@@ -1,7 +1,7 @@
 """How many drafts a session's next verify carries: the width adapts to what its rounds earn.
 
 A verify forward costs a fixed part plus a part per token (measured on the demo target, one CPU
-thread: 2.6 ms for 1 token, 5.1 ms for 8, 8.8 ms for 32), and drafts past the first rejection are
+thread, benchmarks/results/replay.json: 2.4 ms for 1 token, 5.1 ms for 8, 8.7 ms for 32), and drafts past the first rejection are
 thrown away. Drafting the full block every round pays for tokens that rounds seldom keep; drafting
 few caps what long accepted runs (copied code, boilerplate) can earn. So each round drafts
 `growth` x what the previous round emitted (accepted drafts + 1), between `floor` and the
