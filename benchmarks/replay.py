@@ -10,7 +10,8 @@ proposal and context-update costs, plus a fixed hop cost.
     python benchmarks/replay.py [--new-tokens 128] [--hop-ms 1.2]
 
 Prompt sets: `bench` (benchmarks/prompts_heldout.json, the e2e prompts), `val` (16 other held-out stdlib
-windows, two thirds into each file), `proj` (8 windows of this project's own source). Prints verify time
+windows, two thirds into each file), `proj` (8 windows of this project's own source, as of 2026-11-30);
+each is kept as token ids in benchmarks/prompts_*.json so every run replays the same prompts. Prints verify time
 relative to a fixed 32-token n-gram block per set; writes benchmarks/results/replay.json.
 """
 
@@ -38,9 +39,21 @@ PROJECT_FILES = ["drafter_svc/loop.py", "scheduler_svc/policy.py", "verifier_svc
 
 
 def prompt_sets(tok, n_tokens: int = 128) -> dict[str, list[list[int]]]:
+    """The three prompt sets, read from benchmarks/prompts_{heldout,replay_val,replay_proj}.json (written from
+    the files on first use, so later runs and other machines replay the same prompts)."""
+    out = {}
+    for name, path, make in (("bench", "prompts_heldout.json", None), ("val", "prompts_replay_val.json", _val_prompts),
+                             ("proj", "prompts_replay_proj.json", _project_prompts)):
+        f = ROOT / "benchmarks" / path
+        if not f.exists() and make is not None:
+            f.write_text(json.dumps(make(tok, n_tokens)))
+        out[name] = json.loads(f.read_text())
+    return out
+
+
+def _val_prompts(tok, n_tokens: int) -> list[list[int]]:
     from training.corpus import HELDOUT_LIST, read_list, stdlib_root
 
-    bench = json.loads((ROOT / "benchmarks" / "prompts_heldout.json").read_text())
     val = []
     for rel in read_list(HELDOUT_LIST):
         path = stdlib_root() / rel
@@ -51,11 +64,15 @@ def prompt_sets(tok, n_tokens: int = 128) -> dict[str, list[list[int]]]:
             val.append(ids[2 * len(ids) // 3:][:n_tokens])
         if len(val) == 16:
             break
-    proj = []
+    return val
+
+
+def _project_prompts(tok, n_tokens: int) -> list[list[int]]:
+    out = []
     for rel in PROJECT_FILES:
         ids = tok((ROOT / rel).read_text())["input_ids"]
-        proj.append(ids[len(ids) // 3:][:n_tokens])
-    return {"bench": bench, "val": val, "proj": proj}
+        out.append(ids[len(ids) // 3:][:n_tokens])
+    return out
 
 
 def forward_cost(model, widths=(1, 2, 4, 8, 16, 32)) -> dict[int, float]:
@@ -141,27 +158,18 @@ def replay(rows, ref, source: str, block: int, adaptive: bool, weak_cap: bool, c
     while i < len(ref):
         n, ng, df = rows[i - 1]
         k = min(width.drafts(), len(ref) - i - 1)
-        if source == "branches":  # both proposals verified at once as two branches of a tree (one forward)
-            a = ng[:k][:3] if n < 3 else ng[:k]
-            b = df[:min(k, 15)]
-            acc = max(lcp(a, ref[i:]), lcp(b, ref[i:]))
-            rounds, tokens = rounds + 1, tokens + 1 + len(a) + len(b)
-            ms += cost(1 + len(a) + len(b)) + hop_ms + dflash_ms[0] + dflash_ms[1]
-            width.observe(acc)
-            i += acc + 1
-            continue
-        if source == "ngram" or (source == "hybrid" and n >= 3 and ng):
-            prop = ng[:k]
-            if weak_cap and n < 3:
-                prop = prop[:3]
+        ngram = ng[:k][:3] if weak_cap and n < 3 else ng[:k]
+        dflash = df[:min(k, 15)]
+        if source == "branches":  # both proposals verified at once, as two branches of one forward
+            branches, drafted = [ngram, dflash], True
+        elif source == "ngram" or (source == "hybrid" and n >= 3 and ng):
+            branches, drafted = [ngram], False
         else:
-            prop = df[:min(k, 15)]
-            ms += dflash_ms[0]
-        if source != "ngram":
-            ms += dflash_ms[1]
-        acc = lcp(prop, ref[i:])
-        rounds, tokens = rounds + 1, tokens + 1 + len(prop)
-        ms += cost(1 + len(prop)) + hop_ms
+            branches, drafted = [dflash], True
+        acc = max(lcp(b, ref[i:]) for b in branches)
+        width_tokens = 1 + sum(len(b) for b in branches)
+        rounds, tokens = rounds + 1, tokens + width_tokens
+        ms += cost(width_tokens) + hop_ms + (dflash_ms[0] if drafted else 0.0) + (dflash_ms[1] if source != "ngram" else 0.0)
         width.observe(acc)
         i += acc + 1
     return rounds, tokens, ms

@@ -1,7 +1,7 @@
 """How many drafts a session's next verify carries: the width adapts to what its rounds earn.
 
 A verify forward costs a fixed part plus a part per token (measured on the demo target, one CPU
-thread, benchmarks/results/replay.json: 2.4 ms for 1 token, 5.1 ms for 8, 8.7 ms for 32), and drafts past the first rejection are
+thread, benchmarks/results/replay.json: 3.1 ms for 1 token, 5.8 ms for 8, 9.8 ms for 32), and drafts past the first rejection are
 thrown away. Drafting the full block every round pays for tokens that rounds seldom keep; drafting
 few caps what long accepted runs (copied code, boilerplate) can earn. So each round drafts
 `growth` x what the previous round emitted (accepted drafts + 1), between `floor` and the
@@ -9,9 +9,9 @@ request's block - 1: a rejected round shrinks the next to a cheap probe, an acce
 geometrically. The first round drafts the full block.
 
 An offline replay over greedy reference outputs (`python benchmarks/replay.py`; benchmarks/README.md,
-"Verify width") chose growth 3, floor 3: with the n-gram drafter's weak-match cap, 14-21% less time
-than a fixed 32-token block on held-out stdlib prompts and 7% on this project's own source; for DFlash
-the rule alone saves 4-6%. Lossless either way: the width only decides how many drafts are proposed,
+"Verify width") chose growth 3, floor 3: with the n-gram drafter's weak-match cap, 15-22% less time
+than a fixed 32-token block on held-out stdlib prompts and 13% on this project's own source; for DFlash
+the rule alone saves 4-7%. Lossless either way: the width only decides how many drafts are proposed,
 never which tokens are accepted.
 """
 
