@@ -179,7 +179,9 @@ class VerifyStream:
     """One session's rounds over one Verifier.VerifyStream call: one request, one answer, in turn.
 
     `verify` has VerifierClient.verify's signature (the per-call timeout is ignored: the stream carries
-    the request's deadline). After an error or a cancelled round the stream is unusable: `cancel` it.
+    the request's deadline); `send` then `receive` is the same in two steps, so a caller can do other
+    work once the request is on its way. After an error or a cancelled round the stream is unusable:
+    `cancel` it.
     """
 
     def __init__(self, call):
@@ -188,8 +190,19 @@ class VerifyStream:
     async def verify(
         self, request_id: str, draft: DraftResult, ticket: TicketInfo | None, return_features: bool, timeout: float | None = None
     ) -> VerifyOut:
+        await self.send(request_id, draft, ticket, return_features)
+        return await self.receive()
+
+    async def send(self, request_id: str, draft: DraftResult, ticket: TicketInfo | None, return_features: bool) -> None:
+        """Returns once gRPC has taken the request (it is on its way to the verifier)."""
         try:
             await self.call.write(_verify_request(request_id, draft, ticket, return_features))
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "verifier VerifyStream") from None
+
+    async def receive(self) -> VerifyOut:
+        """The answer to the request sent last."""
+        try:
             r = await self.call.read()
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "verifier VerifyStream") from None

@@ -10,7 +10,14 @@ straight from drafting to Verify; its block carries the projection it was admitt
 older than the freshest). Deferred or failed ahead admissions fall back to a normal Admit.
 
 The verifier hop: a request's rounds go over one VerifyStream when the client offers it (the verifier
-ends an unfinished session when its stream closes), else one Verify call per round.
+ends an unfinished session when its stream closes), else one Verify call per round. A round's request
+is sent before anything else of the round runs here (ahead Admit, streaming), so that work, which
+competes for the same cores on a small host, happens while the verifier computes.
+
+Streaming behind (light drafters): a round's tokens go to the client once the next round's Verify is on
+its way, not before it: the client write is off the critical path; the client hears them a fraction of
+a millisecond later. A heavy (model) drafter's tokens stream at once, before its next draft. Tokens
+already verified always reach the client before an error, a finish or an abort.
 
 The verify width: each round drafts what the session's `VerifyWidth` (drafter_svc.width) allows, the
 whole block in round 1, then according to what the previous round emitted (unless `fixed_width`).
@@ -231,6 +238,7 @@ async def run_request(
     abort: asyncio.Event | None = None,
     admit_ahead: bool = True,
     verify_stream: bool = True,
+    stream_behind: bool = True,
 ) -> AsyncIterator[Tokens | Finished]:
     usage = Usage(prompt_tokens=len(req.prompt))
     drafter = drafter_factory.new_session()
@@ -242,6 +250,7 @@ async def run_request(
     verifier_done = False  # the verifier ended the session itself (finished there)
     ahead: _Ahead | None = None  # the next round's admission, sent while this round verifies
     to_release: list[str] = []  # tickets of verified rounds: they ride on the next ahead Admit
+    behind: Tokens | None = None  # a round's tokens not yet streamed (stream_behind)
     stream = None  # the session's VerifyStream, when the verifier client offers one
     try:
         t0 = time.perf_counter()
@@ -271,7 +280,6 @@ async def run_request(
             drafter.start(list(req.prompt), pre.features)
         if verify_stream and hasattr(verifier, "open_verify_stream"):
             stream = verifier.open_verify_stream(deadline.remaining())  # this session's rounds, one call
-        hop = stream if stream is not None else verifier
         anchor = pre.first_token
         union = pre.routed_union  # best projection for round 1: what the prompt routed
         rnd = 0
@@ -314,14 +322,19 @@ async def run_request(
             usage.admit_ms += (t1 - t0) * 1e3
             verify = None
             try:
-                verify = asyncio.ensure_future(
-                    hop.verify(req.request_id, draft, ticket, drafter.needs_features, deadline.remaining()))
+                if stream is not None:
+                    # On its way before anything else of this round runs here (the ahead Admit, the previous
+                    # round's tokens to the client): on a small host that work would delay the request itself.
+                    await stream.send(req.request_id, draft, ticket, drafter.needs_features)
+                    verify = asyncio.ensure_future(stream.receive())
+                else:
+                    verify = asyncio.ensure_future(
+                        verifier.verify(req.request_id, draft, ticket, drafter.needs_features, deadline.remaining()))
+                    # The Verify leaves first (two loop turns: our task, then the call's own).
+                    await asyncio.sleep(0)
+                    await asyncio.sleep(0)
                 # This round emits at least one token: the next one has at most remaining - 1 to go.
                 if admit_ahead and remaining - 1 >= 1:
-                    # The Verify leaves first (two loop turns: our task, then the call's own), so the
-                    # admission ahead is never on its path.
-                    await asyncio.sleep(0)
-                    await asyncio.sleep(0)
                     reserve = min(1 + width.bound_after(len(drafts)), remaining - 1)  # the next block can't be wider
                     nxt = DraftResult(session_id, rnd + 1, (), union, union_bytes(union, byte_map))
                     timeout = deadline.remaining()  # may raise: before the tickets move from to_release
@@ -329,6 +342,9 @@ async def run_request(
                     ahead = _Ahead(rnd + 1, union, asyncio.ensure_future(_admit(
                         scheduler, req.request_id, nxt, timeout, reserve_tokens=reserve, release=carried)), carried)
                     to_release.clear()
+                if behind is not None:  # the previous round's tokens, while this round verifies
+                    ev, behind = behind, None
+                    yield ev
                 res = await verify
             finally:
                 answered = verify is not None and verify.done() and not verify.cancelled() and verify.exception() is None
@@ -362,7 +378,14 @@ async def run_request(
                     drafter.commit(committed, res.features)
                 anchor = res.tokens[-1]
                 union = res.routed_union
-            yield Tokens(res.tokens, rnd, len(drafts), res.num_accepted)
+            ev = Tokens(res.tokens, rnd, len(drafts), res.num_accepted)
+            if stream_behind and not heavy and finished is None:
+                behind = ev  # streamed once the next round's Verify is on its way
+            else:
+                yield ev
+        if behind is not None:  # aborted between rounds
+            ev, behind = behind, None
+            yield ev
         if ahead is not None:  # reserved for a round that will not come
             try:
                 await asyncio.shield(ahead.task)
@@ -373,6 +396,11 @@ async def run_request(
         _flush(to_release, releases, scheduler)
         await _drain(releases, usage)  # budget is back before the client hears "finished"
         yield Finished(finished, usage)
+    except Exception:
+        if behind is not None:  # tokens the target already emitted: the client hears them before the error
+            ev, behind = behind, None
+            yield ev
+        raise
     finally:
         if stream is not None:  # finished, failed or cancelled: nothing more goes over it
             stream.cancel()

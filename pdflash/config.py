@@ -44,6 +44,7 @@ class ServerOptions:
     tls_cert: str = option("", "PEM certificate chain: serve TLS (with --tls-key)")
     tls_key: str = option("", "PEM private key of --tls-cert")
     tls_ca: str = option("", "PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    cpus: str = option("", "CPU cores this service runs on, as taskset writes them: 3, 0-1, 0,2 (empty = every core it may use)")
 
     def validate_server(self) -> None:
         from pdflash.tls import check_server_options  # pdflash.tls imports this module
@@ -57,6 +58,23 @@ class ServerOptions:
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"--log-level {self.log_level!r}: choose one of {', '.join(LOG_LEVELS)}")
         check_server_options(self.tls_cert, self.tls_key, self.tls_ca)
+        if self.cpus:
+            parse_cpus(self.cpus)
+
+
+def parse_cpus(text: str) -> set[int]:
+    """'0-2,5' -> {0, 1, 2, 5}; ConfigError when malformed."""
+    out: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        lo, sep, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ConfigError(f"--cpus {text!r}: write cores as taskset does, e.g. 3, 0-1 or 0,2") from None
+        if a < 0 or b < a:
+            raise ConfigError(f"--cpus {text!r}: {part!r} is not a core or an increasing range of cores")
+        out.update(range(a, b + 1))
+    return out
 
 
 def env_name(field_name: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -206,6 +207,13 @@ def run_service(config_cls, serve, service: str, args) -> int:
         print(f"pdflash serve-{service}: configuration error: {e}", file=sys.stderr)
         return 2
     configure(cfg.log_level)
+    if cfg.cpus:
+        cores = cfgmod.parse_cpus(cfg.cpus)
+        try:
+            os.sched_setaffinity(0, cores)
+        except (OSError, AttributeError) as e:  # a core this process may not use, or not Linux
+            print(f"pdflash serve-{service}: --cpus {cfg.cpus!r}: cannot run on cores {sorted(cores)}: {e}", file=sys.stderr)
+            return 2
     log.info("effective configuration", service=service, **cfgmod.describe(cfg))
     try:
         asyncio.run(serve(cfg))

@@ -79,6 +79,9 @@ class StackSpec:
     # Secrets travel in the environment, not on command lines (where `ps` shows them).
     auth_token: str = ""  # the drafter's bearer token
     ticket_secret: str = ""  # shared by the scheduler (signs) and the verifier (checks)
+    # On a host of 2+ cores the drafter and the scheduler share one core (the last one this process may
+    # use) and leave the others to the verifier, whose verify forwards use every core but one (--colocated).
+    pin: bool = True
 
     @property
     def client_cert(self) -> str:
@@ -138,12 +141,24 @@ class Stack:
             env["PDFLASH_TICKET_SECRET"] = self.spec.ticket_secret
         return env
 
+    def _pin_args(self) -> list[str]:
+        """--cpus for the drafter and the scheduler: the last usable core (none on a 1-core host)."""
+        from pdflash.torch_thread import usable_cores
+
+        if not self.spec.pin or usable_cores() < 2:
+            return []
+        try:
+            core = max(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux: no affinity to set
+            return []
+        return ["--cpus", str(core)]
+
     def _cmd(self, name: str) -> list[str]:
         s = self.spec
         base = [sys.executable, "-m", "pdflash.cli"]
         if name == "scheduler":
             return base + ["serve-scheduler", "--port", str(s.scheduler_port), "--metrics-port", str(s.metrics_ports[1]),
-                           *self._tls_args(name), *s.scheduler_args]
+                           *self._tls_args(name), *self._pin_args(), *s.scheduler_args]
         if name == "verifier":
             cmd = base + ["serve-verifier", "--port", str(s.verifier_port), "--metrics-port", str(s.metrics_ports[2]),
                           *self._tls_args(name)]
@@ -154,7 +169,7 @@ class Stack:
         cmd = base + [
             "serve-drafter", "--host", s.drafter_host, "--port", str(s.drafter_port),
             "--scheduler", self.scheduler, "--verifier", self.verifier, "--metrics-port", str(s.metrics_ports[0]),
-            *self._tls_args(name),
+            *self._tls_args(name), *self._pin_args(),
         ]
         if s.model:
             cmd += ["--model", s.model]

@@ -17,6 +17,7 @@ class VerifierConfig(ServerOptions):
     torch_threads: int = option(0, "CPU threads for torch (0 = automatic: all cores, or all but one with --colocated)")
     prefill_threads: int = option(0, "CPU threads for prefill forwards (0 = automatic: as --torch-threads, or all cores with --colocated); prompts are compute-bound, verify blocks latency-bound")
     colocated: bool = option(False, "the drafter and scheduler share this machine: verify forwards leave them a core, prefill uses all (pdflash up and compose set it)")
+    inline_verify: str = option("auto", "run verify forwards on the server's event-loop thread: auto (when they run on a CPU with one thread), on, off; saves two thread hand-offs per round, blocks the loop for the forward")
     max_sessions: int = option(64, "sessions held at once; beyond it Prefill answers RESOURCE_EXHAUSTED")
     session_ttl_s: float = option(120.0, "an idle session is ended after this many seconds")
     max_block_size: int = option(32, "largest verify block (anchor + drafts)")
@@ -37,12 +38,29 @@ class VerifierConfig(ServerOptions):
         prefill = self.prefill_threads or (cores if self.colocated else 0)
         return verify, prefill
 
+    def verify_inline(self, device_type: str, verify_threads: int) -> bool:
+        """Whether verify forwards run on the event-loop thread (`verify_threads`: as thread_counts gave, 0 = torch's
+        default, i.e. every core).
+
+        A CPU forward with one thread holds the GIL for most of its run anyway, so the loop could do little
+        meanwhile; handing it to the torch thread costs two thread wake-ups per round (measured on 2 cores
+        through the stack: ~3% of n-gram throughput, benchmarks/README.md). With more threads the forward
+        stays on the torch thread, which owns the OpenMP team (pdflash.torch_thread says why there is one).
+        """
+        if self.inline_verify == "on":
+            return True
+        if self.inline_verify == "off":
+            return False
+        return device_type == "cpu" and verify_threads == 1
+
     def validate(self) -> None:
         self.validate_server()
         if self.model and not (pathlib.Path(self.model) / "config.json").exists():
             raise ConfigError(f"--model {self.model!r}: no config.json there; point it at a checkpoint directory")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype {self.dtype!r}: choose auto, float32, bfloat16 or float16")
+        if self.inline_verify not in ("auto", "on", "off"):
+            raise ConfigError(f"--inline-verify {self.inline_verify!r}: choose auto, on or off")
         if self.torch_threads < 0:
             raise ConfigError(f"--torch-threads {self.torch_threads}: must be >= 0 (0 = torch's default)")
         if self.prefill_threads < 0:

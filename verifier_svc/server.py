@@ -71,6 +71,10 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
     target = await torch_thread.run(load_target, model_dir, resolve_device(cfg.device), cfg.dtype)
     core = VerifierCore(target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size, cfg.max_tokens_limit,
                         prefill_threads=prefill_threads)
+    if cfg.verify_inline(target.device.type, threads):  # threads: the verify forwards' count in effect
+        if target.device.type == "cpu":
+            torch.set_num_threads(threads)  # OpenMP's thread count is per thread: this one's, as the torch thread's
+        servicer.inline_verify = True
     servicer.core = core
     metrics.sessions_alive.set_function(lambda: len(core.sessions))
     await host.set_serving(True)
@@ -85,6 +89,7 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         torch_threads=threads,
         prefill_threads=prefill_threads or threads,
         colocated=cfg.colocated,
+        inline_verify=servicer.inline_verify,
     )
     return RunningVerifier(host, core, port, asyncio.create_task(_sweep(core)), metrics_server)
 

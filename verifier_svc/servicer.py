@@ -25,8 +25,12 @@ def _finish_pb(f: FinishReason | None) -> int:
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, core: VerifierCore | None = None, metrics=None, signer: TicketSigner | None = None, max_pending: int = 128):
+    def __init__(self, core: VerifierCore | None = None, metrics=None, signer: TicketSigner | None = None, max_pending: int = 128,
+                 inline_verify: bool = False):
         self.metrics = metrics  # pdflash.metrics.VerifierMetrics or None
+        # Verify forwards on the event-loop thread itself (VerifierConfig.inline_verify says when): no hand-off
+        # to the torch thread and back, two thread wake-ups per round.
+        self.inline_verify = inline_verify
         self.core = core  # None while the model loads: RPCs answer UNAVAILABLE
         self.signer = signer or TicketSigner("")  # no secret: tickets are not checked
         # One device: forwards run one at a time on the process's torch thread, so health keeps answering.
@@ -40,9 +44,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await abort_with(context, Unavailable("verifier is still loading its model; retry when health is SERVING"))
         return self.core
 
-    async def _run(self, fn, *args, on_abandoned=None):
+    async def _run(self, fn, *args, on_abandoned=None, inline: bool = False):
         """fn(*args) on a worker thread, one at a time. on_abandoned(result): called when the caller left
-        while fn ran (cancel, deadline) and fn still succeeded, to undo what nobody will hear about."""
+        while fn ran (cancel, deadline) and fn still succeeded, to undo what nobody will hear about.
+        inline: call fn on this (the event loop's) thread instead, still one at a time; nothing can
+        interrupt it there, so nobody leaves while it runs."""
         if self._pending >= self.max_pending:
             raise ResourceExhausted(
                 f"verifier has {self._pending} calls waiting for the device (limit {self.max_pending}); retry shortly",
@@ -53,6 +59,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             t0 = time.perf_counter()
             async with self._device:
                 queued = (time.perf_counter() - t0) * 1e3
+                if inline:
+                    return fn(*args), queued
                 work = torch_thread.submit(fn, *args)  # see pdflash.torch_thread
                 try:
                     return await asyncio.shield(work), queued
@@ -167,7 +175,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             request.ticket_tokens or len(draft.tokens), request.ticket_expert_bytes or draft.expert_bytes,
             request.ticket_expires_at_unix, block_tokens=len(draft.tokens), block_bytes=draft.expert_bytes,
         )
-        out, queued = await self._run(self.core.verify, draft, request.return_features)
+        out, queued = await self._run(self.core.verify, draft, request.return_features, inline=self.inline_verify)
         self._observe(out, t_start, prefill=False)
         log.debug("verify", request_id=request.request_id, session_id=draft.session_id, round=draft.round,
                   ticket_id=request.ticket_id, block=len(draft.tokens), accepted=out.num_accepted)
