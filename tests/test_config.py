@@ -121,10 +121,96 @@ def test_a_colocated_verifier_leaves_a_core_to_the_other_services_unless_told_ot
         return from_sources(VerifierConfig, parse(VerifierConfig, argv), env=env or {}).thread_counts(cores)
 
     assert counts([]) == (0, 0)  # alone on its machine: torch's defaults, all cores
-    assert counts(["--colocated"]) == (7, 8)  # verify forwards leave a core; prefill uses all
-    assert counts(["--colocated"], cores=1) == (1, 1)
-    assert counts(["--colocated", "--torch-threads", "2"]) == (2, 8)  # explicit settings win
+    assert counts(["--colocated"]) == (7, 0)  # forwards leave a core (prefill: as verify)
+    assert counts(["--colocated"], cores=1) == (1, 0)
+    assert counts(["--colocated", "--torch-threads", "2"]) == (2, 0)  # explicit settings win
+    assert counts(["--colocated", "--prefill-threads", "8"]) == (7, 8)
     assert counts([], env={"PDFLASH_COLOCATED": "true", "PDFLASH_PREFILL_THREADS": "3"}) == (7, 3)
     # pdflash up (Stack) runs the three on one machine; compose.yaml sets it for the verifier container too.
     assert "--colocated" in Stack(StackSpec())._cmd("verifier")
     assert "--colocated" not in Stack(StackSpec())._cmd("drafter")
+
+
+def test_verify_forwards_run_on_the_event_loop_when_they_are_one_cpu_thread():
+    def inline(argv, device, threads):
+        return from_sources(VerifierConfig, parse(VerifierConfig, argv), env={}).verify_inline(device, threads)
+
+    assert inline([], "cpu", 1)  # auto: one CPU thread, no OpenMP team to keep on the torch thread
+    assert not inline([], "cpu", 2)
+    assert not inline([], "cuda", 1)  # the torch thread owns the device's streams
+    assert inline(["--inline-verify", "on"], "cpu", 4)
+    assert not inline(["--inline-verify", "off"], "cpu", 1)
+    with pytest.raises(ConfigError, match="--inline-verify"):
+        from_sources(VerifierConfig, parse(VerifierConfig, ["--inline-verify", "sometimes"]), env={})
+
+
+def test_inline_runs_on_the_loop_thread_and_one_call_at_a_time():
+    import asyncio
+    import threading
+
+    from verifier_svc.servicer import VerifierServicer
+
+    async def main():
+        s = VerifierServicer()
+        seen = []
+
+        def fn(tag):
+            seen.append((tag, threading.get_ident(), s._device.locked()))
+            return tag
+
+        loop_thread = threading.get_ident()
+        assert (await s._run(fn, "inline", inline=True))[0] == "inline"
+        assert (await s._run(fn, "worker"))[0] == "worker"
+        assert seen[0] == ("inline", loop_thread, True)  # on this thread, holding the device
+        assert seen[1][1] != loop_thread and seen[1][2]  # on the torch thread, holding the device
+
+    asyncio.run(main())
+
+
+def test_cpus_option_parses_taskset_lists_and_refuses_garbage():
+    from pdflash.config import parse_cpus
+
+    assert parse_cpus("3") == {3}
+    assert parse_cpus("0-2,5") == {0, 1, 2, 5}
+    for bad in ("a", "2-1", "-1", "1,,2"):
+        with pytest.raises(ConfigError, match="--cpus"):
+            parse_cpus(bad)
+    with pytest.raises(ConfigError, match="--cpus"):
+        from_sources(SchedulerConfig, parse(SchedulerConfig, ["--cpus", "x"]), env={})
+
+
+def test_a_service_runs_on_the_cores_it_is_given_and_refuses_cores_it_cannot_use():
+    import os
+
+    bad = subprocess.run([sys.executable, "-m", "pdflash.cli", "serve-scheduler", "--port", "0", "--metrics-port", "-1",
+                          "--cpus", "4095"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--cpus '4095'" in bad.stderr
+    core = max(os.sched_getaffinity(0))
+    p = subprocess.Popen([sys.executable, "-m", "pdflash.cli", "serve-scheduler", "--port", "0", "--metrics-port", "-1",
+                          "--cpus", str(core)], stderr=subprocess.PIPE, text=True)
+    try:
+        for line in p.stderr:  # the effective configuration is logged after the affinity is set
+            if "effective configuration" in line:
+                break
+        assert os.sched_getaffinity(p.pid) == {core}
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+def test_pdflash_up_puts_the_drafter_and_scheduler_on_one_core_and_leaves_the_verifier_free(monkeypatch):
+    import os
+
+    from pdflash import torch_thread
+    from pdflash.stack import Stack, StackSpec
+
+    monkeypatch.setattr(torch_thread, "usable_cores", lambda: 4)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    s = Stack(StackSpec())
+    for name in ("drafter", "scheduler"):
+        cmd = s._cmd(name)
+        assert cmd[cmd.index("--cpus") + 1] == "3"
+    assert "--cpus" not in s._cmd("verifier")
+    assert "--cpus" not in Stack(StackSpec(pin=False))._cmd("drafter")
+    monkeypatch.setattr(torch_thread, "usable_cores", lambda: 1)
+    assert "--cpus" not in Stack(StackSpec())._cmd("drafter")  # one core: nothing to share out

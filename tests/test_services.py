@@ -143,3 +143,22 @@ def test_rounds_after_the_first_are_admitted_ahead_and_nothing_stays_held(stack)
     with grpc.insecure_channel(stack.scheduler) as ch:
         s = scheduler_pb2_grpc.SchedulerStub(ch).GetStats(scheduler_pb2.StatsRequest(), timeout=10)
     assert (s.in_flight, s.tokens_in_use, s.waiting) == (0, 0, 0)
+
+
+def test_the_stack_shares_out_the_cores_as_pdflash_up_promises(stack):
+    """On a host of 2+ cores: the drafter and the scheduler on the last core; the verifier on all, its verify
+    forwards on every core but one and, with one thread, on its event loop (verifier_svc.config)."""
+    import json
+    import os
+    import pathlib
+
+    cores = os.sched_getaffinity(0)
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to share out")
+    for name in ("drafter", "scheduler"):
+        assert os.sched_getaffinity(stack.procs[name].pid) == {max(cores)}
+    assert os.sched_getaffinity(stack.procs["verifier"].pid) == cores
+    log = pathlib.Path(stack.spec.log_dir) / "verifier.log"
+    ready = [json.loads(l) for l in log.read_text().splitlines() if '"verifier ready"' in l][-1]
+    assert ready["torch_threads"] == len(cores) - 1
+    assert ready["inline_verify"] == (len(cores) == 2)

@@ -216,9 +216,9 @@ def test_prefill_threads_change_nothing_but_the_prefill_threads(tiny):
         c = VerifierCore(target, max_block_size=16, prefill_threads=threads)
         forward = c._forward
 
-        def spy(*args, _f=forward):
+        def spy(*args, _f=forward, **kw):
             seen.append(torch.get_num_threads())
-            return _f(*args)
+            return _f(*args, **kw)
 
         c._forward = spy
         toks, _ = run(c, PROMPT, 12, lambda pos: [], ignore_eos=True)
@@ -227,3 +227,21 @@ def test_prefill_threads_change_nothing_but_the_prefill_threads(tiny):
         assert toks == want
     assert seen[len(seen) // 2] == before + 1  # the second core's prefill
     assert all(n == before for i, n in enumerate(seen) if i != len(seen) // 2)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_prefill_runs_the_lm_head_on_the_last_position_only(tiny, arch):
+    """A prompt needs only the next token's logits; verify blocks need every position's."""
+    target = load_target(tiny.target(arch))
+    rows = []
+    hook = target.model.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape[-2]))
+    try:
+        c = VerifierCore(target, max_block_size=16)
+        o = c.prefill(PrefillInput("a", PROMPT, SamplingParams(), 8, ignore_eos=True))
+        c.verify(DraftResult(o.session_id, 1, (o.tokens[0], 5, 6, 7), o.routed_union, union_bytes(o.routed_union, target.byte_map)))
+    finally:
+        hook.remove()
+    assert rows == [1, 4]
+    ref = AutoModelForCausalLM.from_pretrained(tiny.target(arch), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert o.tokens[0] == int(ref(torch.tensor([PROMPT])).logits[0, -1].argmax())

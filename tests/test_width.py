@@ -116,9 +116,8 @@ def test_fixed_width_drafts_the_whole_block_every_round():
 
 
 def test_a_rounds_tokens_reach_the_client_even_when_the_next_round_fails():
-    """Every verified round's tokens reach the client, even when a later round fails (a guard for any
-    reordering of streaming and verifying: streaming a round's tokens while the next one verifies was
-    measured and dropped this stop, being no faster on 2 cores)."""
+    """Every verified round's tokens reach the client, even when a later round fails (one Verify call per
+    round here; tests/test_stream_order.py has the VerifyStream path, where tokens stream behind)."""
     from drafter_svc.clients import PrefillOut, TicketInfo, VerifyOut
     from drafter_svc.drafters import make_factory
     from drafter_svc.loop import Deadline, Request, Tokens, run_request

@@ -15,8 +15,8 @@ class VerifierConfig(ServerOptions):
     device: str = option("auto", "torch device: auto, cpu, cuda, cuda:N")
     dtype: str = option("auto", "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
     torch_threads: int = option(0, "CPU threads for torch (0 = automatic: all cores, or all but one with --colocated)")
-    prefill_threads: int = option(0, "CPU threads for prefill forwards (0 = automatic: as --torch-threads, or all cores with --colocated); prompts are compute-bound, verify blocks latency-bound")
-    colocated: bool = option(False, "the drafter and scheduler share this machine: verify forwards leave them a core, prefill uses all (pdflash up and compose set it)")
+    prefill_threads: int = option(0, "CPU threads for prefill forwards (0 = as the verify forwards)")
+    colocated: bool = option(False, "the drafter and scheduler share this machine: the verifier's forwards leave them a core (pdflash up and compose set it)")
     inline_verify: str = option("auto", "run verify forwards on the server's event-loop thread: auto (when they run on a CPU with one thread), on, off; saves two thread hand-offs per round, blocks the loop for the forward")
     max_sessions: int = option(64, "sessions held at once; beyond it Prefill answers RESOURCE_EXHAUSTED")
     session_ttl_s: float = option(120.0, "an idle session is ended after this many seconds")
@@ -27,16 +27,16 @@ class VerifierConfig(ServerOptions):
     ticket_secret: str = option("", "HMAC-SHA256 key shared with the scheduler: when set, Verify needs a valid, unexpired admission ticket", secret=True)
 
     def thread_counts(self, cores: int) -> tuple[int, int]:
-        """(verify, prefill) CPU threads; 0 = torch's default. Explicit settings win over --colocated.
+        """(verify, prefill) CPU threads; 0 = torch's default (prefill: as verify). Explicit settings win over --colocated.
 
         Co-located on a small CPU host, the drafter's, scheduler's and clients' work of a round runs while
         the forward runs: measured on 2 cores (benchmarks/README.md), a one-thread verify forward beat a
-        two-thread one through the stack, whose second thread kept being preempted by that work. A prompt's
-        prefill is compute-bound and nothing else runs meanwhile: every core.
+        two-thread one through the stack, whose second thread kept being preempted by that work. Prefill
+        too: a two-thread prompt forward took 13 ms alone but 13-54 ms (mean 16-22) between the other
+        services' work, and the stack was 2% faster with one-thread prefill (A/B, benchmarks/README.md).
         """
         verify = self.torch_threads or (max(1, cores - 1) if self.colocated else 0)
-        prefill = self.prefill_threads or (cores if self.colocated else 0)
-        return verify, prefill
+        return verify, self.prefill_threads
 
     def verify_inline(self, device_type: str, verify_threads: int) -> bool:
         """Whether verify forwards run on the event-loop thread (`verify_threads`: as thread_counts gave, 0 = torch's

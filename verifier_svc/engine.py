@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import time
 
 import numpy as np
@@ -66,6 +67,9 @@ class VerifierCore:
         # CPU threads for prefill forwards (0 = as verify forwards). A prompt is compute-bound and the
         # other services wait for it; a verify block is latency-bound and shares the machine with them.
         self.prefill_threads = prefill_threads
+        # transformers' CausalLMs take logits_to_keep: a prompt's LM head on its last position only (for a
+        # 128-token prompt of the demo target, 12.4 -> 10.9 ms at 2 threads).
+        self._keeps_logits = "logits_to_keep" in inspect.signature(target.model.forward).parameters
 
     @contextlib.contextmanager
     def _prefill_threads(self):
@@ -131,12 +135,14 @@ class VerifierCore:
         check(v, "invalid Verify request")
 
     # ---- the model --------------------------------------------------------------------------------
-    def _forward(self, s: Session, ids: list[int], want_features: bool):
+    def _forward(self, s: Session, ids: list[int], want_features: bool, last_logits_only: bool = False):
+        """last_logits_only: the LM head on the last position alone (a prompt needs only the next token's)."""
         t = self.target
         inp = torch.tensor([ids], dtype=torch.long, device=t.device)
+        kw = {"logits_to_keep": 1} if last_logits_only and self._keeps_logits else {}
         t0 = time.perf_counter()
         with torch.inference_mode(), t.seam.record() as rec:
-            out = t.model(input_ids=inp, past_key_values=s.cache, use_cache=True, output_hidden_states=want_features)
+            out = t.model(input_ids=inp, past_key_values=s.cache, use_cache=True, output_hidden_states=want_features, **kw)
         logits = out.logits[0].float()
         feats = None
         if want_features:
@@ -193,7 +199,7 @@ class VerifierCore:
             feature_layer_ids=tuple(req.feature_layer_ids),
         )
         with self._prefill_threads():
-            logits, feats, union, fwd_ms = self._forward(s, list(req.prompt), bool(req.feature_layer_ids))
+            logits, feats, union, fwd_ms = self._forward(s, list(req.prompt), bool(req.feature_layer_ids), last_logits_only=True)
         t0 = time.perf_counter()
         _, first = self._pick(s, [], logits[-1:])
         s.committed = len(req.prompt)
