@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -245,3 +247,22 @@ def test_prefill_runs_the_lm_head_on_the_last_position_only(tiny, arch):
     ref = AutoModelForCausalLM.from_pretrained(tiny.target(arch), dtype=torch.float32).eval()
     with torch.no_grad():
         assert o.tokens[0] == int(ref(torch.tensor([PROMPT])).logits[0, -1].argmax())
+
+
+@given(st.data())
+@settings(max_examples=60, deadline=None)
+def test_route_union_is_the_set_of_routed_ids_per_layer(data):
+    """The one-scatter union equals the plain set of each layer's ids in [0, n) (ids outside are padding)."""
+    from verifier_svc.experts import RouteRecorder
+
+    experts = data.draw(st.integers(1, 12))
+    layers = data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=6, unique=True))
+    n_ids = data.draw(st.integers(1, 16))
+    uniform = data.draw(st.booleans())
+    rec, want = RouteRecorder(), {}
+    for layer in layers:
+        k = n_ids if uniform else data.draw(st.integers(1, 16))
+        ids = data.draw(st.lists(st.integers(-1, experts + 2), min_size=k, max_size=k))
+        rec.add(layer, torch.tensor(ids).reshape(-1, 1))
+        want[layer] = frozenset(i for i in ids if 0 <= i < experts)
+    assert rec.union({layer: experts for layer in layers}) == dict(sorted(want.items()))

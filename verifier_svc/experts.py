@@ -28,17 +28,38 @@ class RouteRecorder:
     """Routed expert ids seen during one forward, per decoder layer."""
 
     def __init__(self) -> None:
-        self._ids: dict[int, list[torch.Tensor]] = {}
+        self._ids: list[tuple[int, torch.Tensor]] = []
 
     def add(self, layer: int, top_k_index: torch.Tensor) -> None:
-        self._ids.setdefault(layer, []).append(top_k_index.detach().reshape(-1))
+        self._ids.append((layer, top_k_index.detach().reshape(-1)))
 
     def union(self, num_experts: dict[int, int]) -> ExpertUnion:
-        out: dict[int, frozenset[int]] = {}
-        for layer, parts in sorted(self._ids.items()):
-            ids = torch.unique(torch.cat(parts)).tolist()
+        """Layer -> the expert ids routed to. One scatter and one device->host copy for all layers (a
+        forward calls each layer's experts once, with as many ids per layer); ids outside [0, n) are
+        padding sentinels and are dropped."""
+        if not self._ids:
+            return {}
+        layers = [layer for layer, _ in self._ids]
+        if len(set(layers)) != len(layers) or len({ids.numel() for _, ids in self._ids}) != 1:
+            return self._union_by_layer(num_experts)
+        width = max(num_experts[layer] for layer in layers) + 1  # the last column takes the sentinels
+        idx = torch.stack([ids for _, ids in self._ids])
+        idx = torch.where((idx < 0) | (idx >= width - 1), width - 1, idx)
+        seen = torch.zeros(idx.shape[0], width, dtype=torch.bool, device=idx.device).scatter_(1, idx, True)
+        out = {}
+        for layer, row in zip(layers, seen.tolist()):
             n = num_experts[layer]
-            out[layer] = frozenset(int(i) for i in ids if 0 <= i < n)  # ids >= n are padding sentinels
+            out[layer] = frozenset(e for e, hit in enumerate(row[:n]) if hit)
+        return dict(sorted(out.items()))
+
+    def _union_by_layer(self, num_experts: dict[int, int]) -> ExpertUnion:
+        parts: dict[int, list[torch.Tensor]] = {}
+        for layer, ids in self._ids:
+            parts.setdefault(layer, []).append(ids)
+        out: dict[int, frozenset[int]] = {}
+        for layer, ps in sorted(parts.items()):
+            n = num_experts[layer]
+            out[layer] = frozenset(int(i) for i in torch.unique(torch.cat(ps)).tolist() if 0 <= i < n)
         return out
 
 
@@ -49,8 +70,7 @@ def _capture_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index
     recorder = _active.get()
     if recorder is not None:
         recorder.add(module._pdflash_layer, top_k_index)
-    inner = ALL_EXPERTS_FUNCTIONS.get_interface(module._pdflash_inner, type(module).forward.__wrapped__)
-    return inner(module, hidden_states, top_k_index, *args, **kwargs)
+    return module._pdflash_inner_fn(module, hidden_states, top_k_index, *args, **kwargs)
 
 
 ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _capture_forward)
@@ -117,6 +137,8 @@ class ExpertsSeam:
         for layer, module in self.modules.items():
             module._pdflash_layer = layer
             module._pdflash_inner = inner
+            # Looked up once here, not on every call of every layer.
+            module._pdflash_inner_fn = ALL_EXPERTS_FUNCTIONS.get_interface(inner, type(module).forward.__wrapped__)
         model.set_experts_implementation(IMPL_NAME)
         self.num_experts = {layer: num_experts_of(m) for layer, m in self.modules.items()}
 
