@@ -28,7 +28,9 @@ def configure(level: str = "info", json: bool | None = None) -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=False,
+        # A service configures once, before its first log call: module loggers bind once instead of on every
+        # call (a filtered debug line per verify round cost ~20 us of binding).
+        cache_logger_on_first_use=True,
     )
     _configured = True
 

@@ -34,33 +34,19 @@ class RouteRecorder:
         self._ids.append((layer, top_k_index.detach().reshape(-1)))
 
     def union(self, num_experts: dict[int, int]) -> ExpertUnion:
-        """Layer -> the expert ids routed to. One scatter and one device->host copy for all layers (a
-        forward calls each layer's experts once, with as many ids per layer); ids outside [0, n) are
-        padding sentinels and are dropped."""
+        """Layer -> the expert ids routed to; ids outside [0, n) are padding sentinels and are dropped.
+        One concatenation and one device->host copy for all layers (right after a forward, each small
+        torch op costs tens of microseconds: a unique per layer cost ~80 us a verify on the demo target)."""
         if not self._ids:
             return {}
-        layers = [layer for layer, _ in self._ids]
-        if len(set(layers)) != len(layers) or len({ids.numel() for _, ids in self._ids}) != 1:
-            return self._union_by_layer(num_experts)
-        width = max(num_experts[layer] for layer in layers) + 1  # the last column takes the sentinels
-        idx = torch.stack([ids for _, ids in self._ids])
-        idx = torch.where((idx < 0) | (idx >= width - 1), width - 1, idx)
-        seen = torch.zeros(idx.shape[0], width, dtype=torch.bool, device=idx.device).scatter_(1, idx, True)
-        out = {}
-        for layer, row in zip(layers, seen.tolist()):
-            n = num_experts[layer]
-            out[layer] = frozenset(e for e, hit in enumerate(row[:n]) if hit)
-        return dict(sorted(out.items()))
-
-    def _union_by_layer(self, num_experts: dict[int, int]) -> ExpertUnion:
-        parts: dict[int, list[torch.Tensor]] = {}
+        flat = torch.cat([ids for _, ids in self._ids]).tolist()
+        seen: dict[int, set[int]] = {}
+        pos = 0
         for layer, ids in self._ids:
-            parts.setdefault(layer, []).append(ids)
-        out: dict[int, frozenset[int]] = {}
-        for layer, ps in sorted(parts.items()):
-            n = num_experts[layer]
-            out[layer] = frozenset(int(i) for i in torch.unique(torch.cat(ps)).tolist() if 0 <= i < n)
-        return out
+            n = ids.numel()
+            seen.setdefault(layer, set()).update(flat[pos:pos + n])
+            pos += n
+        return {layer: frozenset(e for e in ids if 0 <= e < num_experts[layer]) for layer, ids in sorted(seen.items())}
 
 
 _active: contextvars.ContextVar[RouteRecorder | None] = contextvars.ContextVar("pdflash_route_recorder", default=None)
