@@ -21,6 +21,7 @@ import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -46,7 +47,7 @@ def _env(pairs: list[str]) -> dict[str, str]:
 def _spec(env: dict[str, str], tree: str, pin: bool, log_dir: str) -> StackSpec:
     env = dict(env)
     if tree:
-        env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(tree).resolve()), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join([tree, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     ports = free_ports(3)
     return StackSpec(model=str(default_target_dir()), drafter=str(default_drafter_dir() or ""), drafter_port=ports[0],
                      scheduler_port=ports[1], verifier_port=ports[2], metrics_ports=(-1, -1, -1), log_dir=log_dir,
@@ -69,6 +70,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
+    # The services run `python -m pdflash.cli`, which puts the working directory first on sys.path: from a
+    # neutral one, a side's --X-tree (PYTHONPATH) wins and the other side imports the installed package.
+    args.out = str(pathlib.Path(args.out).resolve()) if args.out else ""
+    args.prompt_file = str(pathlib.Path(args.prompt_file).resolve())
+    args.a_tree = str(pathlib.Path(args.a_tree).resolve()) if args.a_tree else ""
+    args.b_tree = str(pathlib.Path(args.b_tree).resolve()) if args.b_tree else ""
+    os.chdir(tempfile.mkdtemp(prefix="pdflash-ab-"))
     prompts = json.loads(pathlib.Path(args.prompt_file).read_text())[: args.prompts]
     model = AutoModelForCausalLM.from_pretrained(str(default_target_dir()), dtype=torch.float32).eval()
     n = args.new_tokens

@@ -253,6 +253,9 @@ async def run_request(
     behind: Tokens | None = None  # a round's tokens not yet streamed (stream_behind)
     stream = None  # the session's VerifyStream, when the verifier client offers one
     try:
+        if verify_stream and hasattr(verifier, "open_verify_stream"):
+            # Opened now: the call is set up while the prompt's forward runs, not on round 1's path.
+            stream = verifier.open_verify_stream(deadline.remaining())  # this session's rounds, one call
         t0 = time.perf_counter()
         pre = await verifier.prefill(
             req.request_id,
@@ -270,6 +273,14 @@ async def run_request(
         finished = pre.finished
         verifier_done = finished is not None
         usage.completion_tokens = 1
+        anchor = pre.first_token
+        union = pre.routed_union  # best projection for round 1: what the prompt routed
+        if finished is None and admit_ahead and req.max_tokens - 1 >= 1:
+            # Round 1's admission, ahead: it travels while the first token streams and the drafter reads the prompt.
+            reserve = min(1 + width.drafts(), req.max_tokens - 1)
+            first = DraftResult(session_id, 1, (), union, union_bytes(union, byte_map))
+            ahead = _Ahead(1, union, asyncio.ensure_future(_admit(
+                scheduler, req.request_id, first, deadline.remaining(), reserve_tokens=reserve)))
         yield Tokens([pre.first_token], 0)
         if finished is not None:
             yield Finished(finished, usage)
@@ -278,10 +289,6 @@ async def run_request(
             await torch_thread.run(drafter.start, list(req.prompt), pre.features)
         else:
             drafter.start(list(req.prompt), pre.features)
-        if verify_stream and hasattr(verifier, "open_verify_stream"):
-            stream = verifier.open_verify_stream(deadline.remaining())  # this session's rounds, one call
-        anchor = pre.first_token
-        union = pre.routed_union  # best projection for round 1: what the prompt routed
         rnd = 0
         while finished is None:
             if abort is not None and abort.is_set():

@@ -254,11 +254,13 @@ def test_admission_ahead_reserves_the_next_round_and_gives_back_what_it_did_not_
     sched = AheadScheduler()
     verified, final = _ahead_loop(sched)
     assert final is not None and len(verified) >= 3
-    assert final.usage.rounds_admitted_ahead == len(verified) - 1  # every round but the first
+    # Every round, the first too (its admission travels while the first token streams).
+    assert final.usage.rounds_admitted_ahead == len(verified)
     for i, (draft, ticket) in enumerate(verified):
         assert ticket.tokens >= len(draft.tokens)  # the block fits in what was admitted
-        if i > 0:  # admitted ahead with the projection known then (routed by round i-1), carried by the block
-            assert draft.expert_union == {0: frozenset({i - 1 if i > 1 else 0})}
+        # Admitted ahead with the projection known then (prefill's for rounds 1-2, then routed by round i-1),
+        # carried by the block.
+        assert draft.expert_union == {0: frozenset({i - 1 if i > 1 else 0})}
     assert sched.held == {}  # the last round's ahead reservation was released before Finished
     # Each verified round's ticket rode on a later ahead Admit (one scheduler call per round), but the last ones.
     assert len(sched.released_on_admit) >= len(verified) - 2
@@ -267,7 +269,8 @@ def test_admission_ahead_reserves_the_next_round_and_gives_back_what_it_did_not_
 def test_deferred_admission_ahead_falls_back_to_a_normal_admit():
     sched = AheadScheduler(defer_rounds={2, 3})
     verified, final = _ahead_loop(sched)
-    assert final.usage.rounds_admitted_ahead == len(verified) - 3
+    assert final.usage.rounds_admitted_ahead == len(verified) - 2
+    assert (1, 0) not in sched.calls  # round 1 was admitted ahead, during prefill's answer
     assert (2, 0) in sched.calls and (3, 0) in sched.calls  # normal admits for the deferred rounds
     # A normal Admit (which may wait) never holds a finished round's lease: it gives it back first.
     assert (2, 0, (verified[0][1].ticket_id,)) in sched.release_calls

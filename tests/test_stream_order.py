@@ -96,7 +96,7 @@ def test_the_verify_leaves_first_and_a_rounds_tokens_stream_while_the_next_one_v
     asyncio.run(main())
     at = log.index
     assert log[0] == "tokens [7]"  # the first token, from prefill, at once
-    assert at("admit 1") < at("send 1")  # round 1: no admission ahead yet
+    assert at("admit 1 ahead") < at("send 1")  # round 1's admission travelled while the first token streamed
     for r in (1, 2, 3):
         assert at(f"send {r}") < at(f"admit {r + 1} ahead") < at(f"answer {r}")  # the Verify leaves first
     for r in (1, 2):  # a round's tokens while the next round verifies
