@@ -44,14 +44,14 @@ def _env(pairs: list[str]) -> dict[str, str]:
     return out
 
 
-def _spec(env: dict[str, str], tree: str, pin: bool, log_dir: str) -> StackSpec:
+def _spec(env: dict[str, str], tree: str, pin: bool, log_dir: str, verifier_args: str = "") -> StackSpec:
     env = dict(env)
     if tree:
         env["PYTHONPATH"] = os.pathsep.join([tree, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     ports = free_ports(3)
     return StackSpec(model=str(default_target_dir()), drafter=str(default_drafter_dir() or ""), drafter_port=ports[0],
                      scheduler_port=ports[1], verifier_port=ports[2], metrics_ports=(-1, -1, -1), log_dir=log_dir,
-                     verifier_args=["--device", "cpu"], extra_env=env, pin=pin)
+                     verifier_args=["--device", "cpu", *verifier_args.split()], extra_env=env, pin=pin)
 
 
 def main(argv=None) -> int:
@@ -60,6 +60,7 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{side}-env", nargs="*", default=[], metavar="KEY=VALUE")
         ap.add_argument(f"--{side}-tree", default="", help="run this side's services from that checkout")
         ap.add_argument(f"--{side}-no-pin", action="store_true")
+        ap.add_argument(f"--{side}-verifier-args", default="", help="extra serve-verifier flags, e.g. '--cpus 0'")
     ap.add_argument("--passes", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -88,8 +89,8 @@ def main(argv=None) -> int:
             return time.perf_counter() - t0
 
     logs = ROOT / "benchmarks" / "results" / "logs"
-    spec_a = _spec(_env(args.a_env), args.a_tree, not args.a_no_pin, str(logs / "ab_a"))
-    spec_b = _spec(_env(args.b_env), args.b_tree, not args.b_no_pin, str(logs / "ab_b"))
+    spec_a = _spec(_env(args.a_env), args.a_tree, not args.a_no_pin, str(logs / "ab_a"), args.a_verifier_args)
+    spec_b = _spec(_env(args.b_env), args.b_tree, not args.b_no_pin, str(logs / "ab_b"), args.b_verifier_args)
     res: dict[str, list[float]] = {"a": [], "b": [], "hf": []}
     outputs: dict[str, list] = {"a": [], "b": []}
     with Stack(spec_a) as a, Stack(spec_b) as b:
