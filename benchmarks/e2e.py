@@ -6,7 +6,8 @@ Same prompts and lengths for every mode:
   stack/ngram@32/fixed  the same with every round drafting 31 tokens (the width adaptation switched off)
   stack/dflash    DFlash block drafting (block 16)
   stack/hybrid    n-gram when the context matches (block 32), DFlash otherwise (its block 16)
-The stack runs as `pdflash up` runs it: the verifier on every core but one (--verifier-threads to change);
+The stack runs as `pdflash up` runs it: the verifier's forwards on every core but one (--verifier-threads to
+change), the drafter and scheduler pinned to the spare core;
 transformers in-process uses torch's default (all cores; --threads to change).
   hf/greedy       transformers `generate(do_sample=False)` in-process
   hf/prompt_lookup  transformers `generate(prompt_lookup_num_tokens=10)` in-process

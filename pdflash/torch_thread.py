@@ -6,7 +6,8 @@ thread that enters a parallel region. A service that ran its forwards on asyncio
 same cores: measured on the 2-core CI machine, a demo-target verify forward of 16 tokens took
 6.9 ms on one thread and 15 ms as soon as a second thread had run any parallel op. So every torch
 call of a service (model loading included) goes through this one worker thread; on a GPU it is also
-the natural owner of the device's streams.
+the natural owner of the device's streams. One exception: a verifier whose verify forwards run on one
+CPU thread runs them on its event-loop thread (`--inline-verify`), where one thread means no OpenMP team.
 """
 
 from __future__ import annotations

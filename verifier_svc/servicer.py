@@ -1,4 +1,5 @@
-"""pdflash.v1.Verifier: validate, convert, call the core (on a worker thread), convert back."""
+"""pdflash.v1.Verifier: validate, convert, call the core (on the torch thread, or inline for one-thread CPU verify
+forwards), convert back."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.inline_verify = inline_verify
         self.core = core  # None while the model loads: RPCs answer UNAVAILABLE
         self.signer = signer or TicketSigner("")  # no secret: tickets are not checked
-        # One device: forwards run one at a time on the process's torch thread, so health keeps answering.
+        # One device: forwards run one at a time on the process's torch thread, so health keeps answering
+        # (an inline verify forward holds the loop for its few milliseconds; prefill never runs inline).
         self._device = asyncio.Lock()
         # Calls waiting for (or holding) the device; bounded so a flood cannot queue without limit.
         self.max_pending = max_pending
