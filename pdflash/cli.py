@@ -20,6 +20,9 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="", help="target checkpoint directory (default: the embedded demo model)")
     p.add_argument("--drafter", default="", help="DFlash drafter directory (default: the embedded demo drafter, if shipped)")
     p.add_argument("--no-dflash", action="store_true", help="n-gram drafting only")
+    p.add_argument("--no-pin", action="store_true",
+                   help="leave the drafter and scheduler free to run on any core (default: pinned to the last core, the one "
+                        "the co-located verifier leaves them)")
     p.add_argument("--host", default="127.0.0.1", help="drafter (public) bind address")
     p.add_argument("--port", type=int, default=50051, help="drafter (public) port")
     p.add_argument("--scheduler-port", type=int, default=50052)
@@ -59,6 +62,7 @@ def _spec(args):
         log_dir=args.log_dir, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         tls_mutual=not args.tls_no_client_auth, tls_client_cert=args.tls_client_cert, tls_client_key=args.tls_client_key,
         auth_token=os.environ.get("PDFLASH_AUTH_TOKEN", ""), ticket_secret=os.environ.get("PDFLASH_TICKET_SECRET", ""),
+        pin=not args.no_pin,
     )
 
 

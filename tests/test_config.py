@@ -214,3 +214,8 @@ def test_pdflash_up_puts_the_drafter_and_scheduler_on_one_core_and_leaves_the_ve
     assert "--cpus" not in Stack(StackSpec(pin=False))._cmd("drafter")
     monkeypatch.setattr(torch_thread, "usable_cores", lambda: 1)
     assert "--cpus" not in Stack(StackSpec())._cmd("drafter")  # one core: nothing to share out
+
+    from pdflash.cli import _spec, build_parser
+
+    assert _spec(build_parser().parse_args(["up"])).pin
+    assert not _spec(build_parser().parse_args(["up", "--no-pin"])).pin
