@@ -51,9 +51,11 @@ class Verifier:
         self.stream = stream
 
     async def prefill(self, *args):
+        self.stream.log.append("prefill")
         return PrefillOut("s", 7, None, None, UNION, 0, 0.0)
 
     def open_verify_stream(self, timeout):
+        self.stream.log.append("open stream")
         return self.stream
 
     async def end(self, session_id):
@@ -94,6 +96,8 @@ def _run(rounds: int, fail_send: int = 0, abort_after: int = 0, stream_behind: b
 def test_the_verify_leaves_first_and_a_rounds_tokens_stream_while_the_next_one_verifies():
     log, stream, main = _run(rounds=3)
     asyncio.run(main())
+    assert log[:2] == ["open stream", "prefill"]  # the stream is set up while the prompt's forward runs
+    del log[:2]
     at = log.index
     assert log[0] == "tokens [7]"  # the first token, from prefill, at once
     assert at("admit 1 ahead") < at("send 1")  # round 1's admission travelled while the first token streamed
@@ -112,10 +116,11 @@ def test_without_streaming_behind_tokens_go_out_before_the_next_round():
 
 
 def test_verified_tokens_reach_the_client_before_an_error():
-    log, _, main = _run(rounds=5, fail_send=3)
+    log, stream, main = _run(rounds=5, fail_send=3)
     with pytest.raises(Unavailable):
         asyncio.run(main())
     assert [e for e in log if e.startswith("tokens")] == ["tokens [7]", "tokens [101]", "tokens [102]"]
+    assert stream.cancelled  # nothing more goes over a stream after an error
 
 
 def test_verified_tokens_reach_the_client_before_an_abort_ends_the_request():
