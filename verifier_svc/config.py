@@ -32,7 +32,7 @@ class VerifierConfig(ServerOptions):
         Co-located on a small CPU host, the drafter's, scheduler's and clients' work of a round runs while
         the forward runs: measured on 2 cores (benchmarks/README.md), a one-thread verify forward beat a
         two-thread one through the stack, whose second thread kept being preempted by that work. Prefill
-        too: a two-thread prompt forward took 13 ms alone but 13-54 ms (mean 16-22) between the other
+        too: a two-thread prompt forward took 12-13 ms alone but 13-73 ms (mean 15-22) between the other
         services' work, and the stack was 2% faster with one-thread prefill (A/B, benchmarks/README.md).
         """
         verify = self.torch_threads or (max(1, cores - 1) if self.colocated else 0)
