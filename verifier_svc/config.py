@@ -44,7 +44,7 @@ class VerifierConfig(ServerOptions):
 
         A CPU forward with one thread holds the GIL for most of its run anyway, so the loop could do little
         meanwhile; handing it to the torch thread costs two thread wake-ups per round (measured on 2 cores
-        through the stack: ~3% of n-gram throughput, benchmarks/README.md). With more threads the forward
+        through the stack: ~4% of n-gram throughput, benchmarks/README.md). With more threads the forward
         stays on the torch thread, which owns the OpenMP team (pdflash.torch_thread says why there is one).
         """
         if self.inline_verify == "on":
