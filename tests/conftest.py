@@ -6,6 +6,11 @@ import os
 import pathlib
 
 import pytest
+import torch
+
+# Without CUDA, Triton kernels (kernels/) run under Triton's CPU interpreter; set before anything imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pdflash.stack import Stack, StackSpec, free_ports
 from pdflash.tiny import make_tiny_checkpoint

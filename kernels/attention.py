@@ -1,0 +1,155 @@
+"""Batch-invariant causal attention over a KV cache (GQA, sliding window, gpt-oss sinks).
+
+Keys are visited in chunks aligned to absolute positions (chunk c = positions [c*BN, (c+1)*BN)), in
+ascending order, with an online softmax. A query's result depends only on its own position and the keys
+it may see: a chunk that is fully masked for a query leaves its running state bit for bit unchanged, so
+the number of queries sharing the call (1 token or a 32-token block), and where the cache's tensor
+starts (a sliding-window layer keeps only the last W keys), change nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import runtime
+
+triton, tl = runtime.triton, runtime.tl
+to_out = runtime.to_out if triton is not None else None
+
+BLOCK_M = 16
+BLOCK_N = 64
+NEG = -1.0e30  # a finite "minus infinity" for the running max: exp(NEG - NEG) = 1, never NaN
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attn_chunk(
+        c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, sks, svs, kpos0, S, last, scaling, window,
+        kmask_ptr, smb, b, dd, HAS_KMASK: tl.constexpr, BLOCK_N: tl.constexpr, F32DOT: tl.constexpr,
+    ):
+        kp = c + tl.arange(0, BLOCK_N)
+        j = kp - kpos0
+        k_ok = (j >= 0) & (j < S)
+        kt = tl.load(k_ptr + kbase + j[:, None] * sks + dd[None, :], mask=k_ok[:, None], other=0.0)
+        vt = tl.load(v_ptr + vbase + j[:, None] * svs + dd[None, :], mask=k_ok[:, None], other=0.0)
+        if F32DOT:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        s = tl.dot(q, tl.trans(kt)) * scaling
+        allowed = k_ok[None, :] & (kp[None, :] <= qpos[:, None])
+        if window > 0:
+            allowed = allowed & (kp[None, :] > qpos[:, None] - window)
+        if HAS_KMASK:
+            km = tl.load(kmask_ptr + b * smb + kp, mask=(kp >= 0) & (kp <= last), other=0)
+            allowed = allowed & (km != 0)[None, :]
+        s = tl.where(allowed, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if F32DOT:
+            pv = tl.dot(p, vt)
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + pv
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _attn_kernel(
+        q_ptr, sqb, sqh, sqt,
+        k_ptr, skb, skh, sks,
+        v_ptr, svb, svh, svs,
+        o_ptr, sob, sot, soh,
+        pos_ptr, spb,
+        kmask_ptr, smb,
+        sink_ptr,
+        T, S, scaling, window,
+        GROUP: tl.constexpr, D: tl.constexpr, HAS_SINK: tl.constexpr, HAS_KMASK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32DOT: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        kh = h // GROUP
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < T
+        dd = tl.arange(0, D)
+        qpos = tl.load(pos_ptr + b * spb + rows, mask=row_ok, other=0).to(tl.int64)
+        last = tl.load(pos_ptr + b * spb + T - 1).to(tl.int64)
+        kpos0 = last - (S - 1)  # absolute position of the cache tensor's key 0
+        q = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqt + dd[None, :], mask=row_ok[:, None], other=0.0)
+        if F32DOT:
+            q = q.to(tl.float32)
+        hi = tl.max(tl.where(row_ok, qpos, -1), axis=0)
+        lo = kpos0
+        if window > 0:
+            lo = tl.maximum(lo, tl.min(tl.where(row_ok, qpos, hi), axis=0) - window + 1)
+        lo = tl.maximum(lo, 0)
+        c0 = (lo // BLOCK_N) * BLOCK_N
+        m_i = tl.full((BLOCK_M,), NEG, dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        kbase = b * skb + kh * skh
+        vbase = b * svb + kh * svh
+        if F32DOT:  # Triton's interpreter cannot run a range() whose bounds were loaded from memory
+            c = c0
+            while c <= hi:
+                m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, sks, svs, kpos0, S, last,
+                                            scaling, window, kmask_ptr, smb, b, dd, HAS_KMASK, BLOCK_N, F32DOT)
+                c += BLOCK_N
+        else:
+            for c in range(c0, hi + 1, BLOCK_N):
+                m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, sks, svs, kpos0, S, last,
+                                            scaling, window, kmask_ptr, smb, b, dd, HAS_KMASK, BLOCK_N, F32DOT)
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + h).to(tl.float32)
+            m_f = tl.maximum(m_i, sink)
+            sc = tl.exp(m_i - m_f)
+            l_i = l_i * sc + tl.exp(sink - m_f)
+            acc = acc * sc[:, None]
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        tl.store(o_ptr + b * sob + rows[:, None] * sot + h * soh + dd[None, :], to_out(out, o_ptr, F32DOT), mask=row_ok[:, None])
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, T, D], k/v [B, Hkv, S, D] (the cache's keys, the last of them at the last query's position),
+    positions [B, T] (absolute, the queries'), key_mask [B, >= last position + 1] (0 = padding) or None.
+    Returns [B, T, Hq, D]."""
+    bsz, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads do not group over {hkv} key/value heads")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"head_dim {d} is not a power of two >= 16")
+    out = torch.empty((bsz, t, hq, d), dtype=q.dtype, device=q.device)
+    pos = positions.reshape(bsz, t) if positions.dim() == 2 else positions.reshape(1, t).expand(bsz, t)
+    if pos.stride(-1) != 1:
+        pos = pos.contiguous()
+    km = key_mask if key_mask is not None else pos
+    grid = (triton.cdiv(t, BLOCK_M), hq, bsz)
+    _attn_kernel[grid](
+        q, q.stride(0), q.stride(1), q.stride(2),
+        k, k.stride(0), k.stride(1), k.stride(2),
+        v, v.stride(0), v.stride(1), v.stride(2),
+        out, out.stride(0), out.stride(1), out.stride(2),
+        pos, pos.stride(0),
+        km, km.stride(0),
+        sinks if sinks is not None else q,
+        t, s, float(scaling), int(sliding_window or 0),
+        GROUP=hq // hkv, D=d, HAS_SINK=sinks is not None, HAS_KMASK=key_mask is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, F32DOT=runtime.interpreting(),
+    )
+    return out

@@ -1,0 +1,330 @@
+"""Put the batch-invariant kernels under a loaded transformers model, without per-model code.
+
+- experts: a function registered in transformers' `ALL_EXPERTS_FUNCTIONS` (the experts seam) runs every
+  experts module on `kernels.moe` (bf16 as loaded, or MXFP4 quantized at install);
+- attention: a function registered in transformers' `AttentionInterface` runs on `kernels.attention`;
+- linears, norms, routers, LM head: the model's forward runs inside `kernels.dispatch.InvariantMode`.
+
+`install` probes one small forward and reports what is covered; a part it cannot cover (an experts
+module with an activation it does not know, an aten reduction it does not take over) is named in the
+report and logged, never silently left on a batch-dependent kernel. `Installation.uninstall` undoes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import warnings
+
+import torch
+from torch import nn
+
+from kernels import attention as attn_kernels
+from kernels import mxfp4, runtime
+from kernels.dispatch import InvariantMode, Recorder
+from kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights, moe_forward
+
+EXPERTS_IMPL = "batch_invariant"
+ATTN_IMPL = "batch_invariant"  # no "flash" in it: transformers would swap a *flash* name for its own kernels
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+# ---- finding the experts ---------------------------------------------------------------------------------
+def experts_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """Decoder layer index -> its experts module (classes decorated with transformers' use_experts_implementation)."""
+    found: dict[int, nn.Module] = {}
+    for name, module in model.named_modules():
+        fwd = getattr(type(module), "forward", None)
+        if not (hasattr(module, "is_concatenated") and hasattr(module, "has_gate") and hasattr(fwd, "__wrapped__")):
+            continue
+        m = _LAYER_RE.search(name)
+        if m is not None:
+            found[int(m.group(1))] = module
+    return dict(sorted(found.items()))
+
+
+def num_experts_of(module: nn.Module) -> int:
+    for attr in ("num_experts", "num_local_experts"):
+        v = getattr(module, attr, None)
+        if isinstance(v, int):
+            return v
+    for p in module.parameters(recurse=False):
+        return int(p.shape[0])
+    raise ValueError(f"cannot tell the number of experts of {type(module).__name__}")
+
+
+def _activation(module: nn.Module, inter: int, row_mul: int, up_off: int) -> tuple[int, str]:
+    """Which activation the module's gate applies, checked numerically against our formulas."""
+    apply_gate = getattr(module, "_apply_gate", None)
+    if apply_gate is None:
+        return -1, "no _apply_gate"
+    z = torch.randn(3, 2 * inter, generator=torch.Generator().manual_seed(0)) * 4
+    j = torch.arange(inter)
+    g, u = z[:, j * row_mul], z[:, j * row_mul + up_off]
+    try:
+        with torch.no_grad():
+            got = apply_gate(z)
+    except Exception as e:  # noqa: BLE001 - any failure means "not ours"
+        return -1, f"gate probe failed: {e}"
+    silu = torch.nn.functional.silu(g) * u
+    if got.shape == silu.shape and torch.allclose(got, silu, rtol=1e-4, atol=1e-5):
+        return ACT_SILU, "silu"
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    if alpha is not None and limit is not None:
+        gc, uc = g.clamp(max=limit), u.clamp(-limit, limit)
+        ref = (uc + 1) * (gc * torch.sigmoid(gc * alpha))
+        if got.shape == ref.shape and torch.allclose(got, ref, rtol=1e-4, atol=1e-5):
+            return ACT_GPTOSS, "clamped swiglu"
+    return -1, "an activation the kernels do not implement"
+
+
+def _k_major(module: nn.Module, name: str) -> torch.Tensor:
+    """The [E, out, in] weight with `in` contiguous. A transposed parameter is re-laid once, and the module
+    keeps a transposed view of the new storage, so its own forward (and other implementations) still work."""
+    p = getattr(module, name)
+    if not module.is_transposed:
+        return p.data
+    km = p.data.transpose(1, 2).contiguous()
+    setattr(module, name, nn.Parameter(km.transpose(1, 2), requires_grad=False))
+    return km
+
+
+def expert_weights(module: nn.Module, experts_format: str = "native") -> ExpertWeights | str:
+    """The module's weights as the kernels read them, or why it cannot run on them."""
+    if not getattr(module, "has_gate", True):
+        return "up-only experts (no gate)"
+    if getattr(module, "has_post_expert_norm", False):
+        return "a norm after each expert"
+    if not hasattr(module, "gate_up_proj") or not hasattr(module, "down_proj"):
+        return "no gate_up_proj/down_proj parameters"
+    w1 = _k_major(module, "gate_up_proj")
+    w2 = _k_major(module, "down_proj")
+    inter = w1.shape[1] // 2
+    row_mul, up_off = (1, inter) if module.is_concatenated else (2, 1)
+    act, why = _activation(module, inter, row_mul, up_off)
+    if act < 0:
+        return why
+    b1 = getattr(module, "gate_up_proj_bias", None) if getattr(module, "has_bias", False) else None
+    b2 = getattr(module, "down_proj_bias", None) if getattr(module, "has_bias", False) else None
+    kw = dict(row_mul=row_mul, up_off=up_off, act=act, alpha=float(getattr(module, "alpha", 1.702)), limit=float(getattr(module, "limit", 7.0)))
+    if experts_format == "mxfp4":
+        w1b, w1s = mxfp4.quantize(w1)
+        w2b, w2s = mxfp4.quantize(w2)
+        bias = (lambda b: None if b is None else b.data.to(torch.bfloat16))
+        return ExpertWeights(w1b, w2b, w1s, w2s, bias(b1), bias(b2), **kw)
+    if experts_format != "native":
+        raise ValueError(f"experts_format must be 'native' or 'mxfp4', got {experts_format!r}")
+    return ExpertWeights(w1, w2, None, None, None if b1 is None else b1.data, None if b2 is None else b2.data, **kw)
+
+
+# ---- the functions registered with transformers ----------------------------------------------------------
+CALLS = {"experts": 0, "attention": 0}  # kernel calls, counted by the install probe
+
+
+def _experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args, **kwargs):
+    w = getattr(module, "_pdflash_weights", None)
+    if w is None or not runtime.triton_usable(hidden_states.device):
+        return module._pdflash_fallback(module, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+    CALLS["experts"] += 1
+    return moe_forward(hidden_states, top_k_index, top_k_weights, w, module._pdflash_num_experts)
+
+
+def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, s_aux=None, **kwargs):
+    key_mask = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            return _fallback_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, s_aux, **kwargs)
+        key_mask = attention_mask
+    if not runtime.triton_usable(query.device):
+        return _fallback_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, s_aux, **kwargs)
+    t, s = query.shape[2], key.shape[2]
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(s - t, s, device=query.device).unsqueeze(0)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
+    CALLS["attention"] += 1
+    out = attn_kernels.attention(query, key, value, positions, scaling, sliding_window, sinks, key_mask)
+    return out, None
+
+
+def _fallback_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, s_aux, **kwargs):
+    fn = module._pdflash_attn_fallback if hasattr(module, "_pdflash_attn_fallback") else None
+    if fn is None:
+        raise RuntimeError("invariant attention: no fallback attention for this module")
+    kw = dict(kwargs)
+    if s_aux is not None:
+        kw["s_aux"] = s_aux
+    return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, sliding_window=sliding_window, **kw)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPL, _experts_forward)
+    AttentionInterface.register(ATTN_IMPL, _attention_forward)
+
+
+# ---- install / uninstall ---------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Installation:
+    model: nn.Module
+    experts: dict[int, str]  # layer -> "triton bf16" / "triton mxfp4" / why not
+    attention: str
+    dense: str
+    uncovered: dict[str, int]  # risky aten ops the probe forward still ran on torch's kernels
+    experts_format: str
+    _undo: list = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def exact(self) -> bool:
+        """Every part of a forward runs on batch-invariant kernels."""
+        return (
+            all(v.startswith("triton") for v in self.experts.values())
+            and self.attention.startswith("triton")
+            and self.dense.startswith("triton")
+            and not self.uncovered
+        )
+
+    def summary(self) -> dict:
+        kinds = sorted(set(self.experts.values()))
+        return {
+            "batch_invariant": self.exact,
+            "experts": kinds[0] if len(kinds) == 1 else "; ".join(f"{k}: layers {[l for l, v in self.experts.items() if v == k]}" for k in kinds),
+            "attention": self.attention,
+            "dense": self.dense,
+            "uncovered_ops": dict(self.uncovered),
+        }
+
+    def uninstall(self) -> None:
+        for fn in reversed(self._undo):
+            fn()
+        self._undo.clear()
+
+
+def _set_attn_impl(model: nn.Module, name: str) -> str:
+    prev = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    try:
+        model.set_attn_implementation(name)
+    except Exception:  # noqa: BLE001 - older transformers: set the config attribute directly
+        for m in model.modules():
+            cfg = getattr(m, "config", None)
+            if cfg is not None and hasattr(cfg, "_attn_implementation"):
+                cfg._attn_implementation = name
+    return prev
+
+
+def install(model: nn.Module, experts_format: str = "native", probe: bool = True) -> Installation:
+    """Install the kernels under `model` (on CUDA; on CPU only under TRITON_INTERPRET, for tests)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if runtime.triton is None:
+        raise RuntimeError("triton is not installed: the batch-invariant kernels need it")
+    _register()
+    undo: list = []
+    report: dict[int, str] = {}
+    prev_experts = getattr(model.config, "_experts_implementation", None) or "eager"
+    if prev_experts == EXPERTS_IMPL:
+        raise RuntimeError("the kernels are already installed on this model")
+    for layer, module in experts_modules(model).items():
+        module._pdflash_fallback = ALL_EXPERTS_FUNCTIONS.get_interface(prev_experts, type(module).forward.__wrapped__)
+        module._pdflash_num_experts = num_experts_of(module)
+        w = expert_weights(module, experts_format)
+        if isinstance(w, str):
+            report[layer] = f"transformers {prev_experts} ({w})"
+            continue
+        module._pdflash_weights = w
+        report[layer] = f"triton {'mxfp4' if w.fp4 else str(w.w1.dtype).removeprefix('torch.')}"
+        if w.fp4:
+            _drop_native(module, w)
+    if report:
+        model.set_experts_implementation(EXPERTS_IMPL)
+        undo.append(lambda: model.set_experts_implementation(prev_experts))
+
+    prev_attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    fallback = ALL_ATTENTION_FUNCTIONS[prev_attn] if prev_attn in ALL_ATTENTION_FUNCTIONS else ALL_ATTENTION_FUNCTIONS["sdpa"]
+    for m in model.modules():
+        if hasattr(m, "num_key_value_groups") and hasattr(m, "scaling"):
+            m._pdflash_attn_fallback = fallback
+    _set_attn_impl(model, ATTN_IMPL)
+    undo.append(lambda: _set_attn_impl(model, prev_attn))
+
+    orig_forward = model.forward
+
+    @functools.wraps(orig_forward)
+    def forward(*args, **kwargs):
+        with InvariantMode():
+            return orig_forward(*args, **kwargs)
+
+    model.forward = forward
+    undo.append(lambda: model.__dict__.pop("forward", None))
+    for module in experts_modules(model).values():
+        undo.append(lambda module=module: _forget(module))
+
+    inst = Installation(model, report, f"triton ({ATTN_IMPL}, absolute-position KV chunks)", "triton (linear/matmul/mm/addmm/bmm, sum/mean, softmax)", {}, experts_format, undo)
+    if probe:
+        before = dict(CALLS)
+        inst.uncovered = probe_uncovered(model, orig_forward)
+        if CALLS["attention"] == before["attention"]:
+            inst.attention = "not reached by the probe forward (the model does not call transformers' attention interface)"
+        if any(v.startswith("triton") for v in report.values()) and CALLS["experts"] == before["experts"]:
+            inst.experts = {layer: "not reached by the probe forward" for layer in report}
+    return inst
+
+
+def _drop_native(module: nn.Module, w: ExpertWeights) -> None:
+    """MXFP4 resident: free the bf16 experts; the packed tensors become the module's buffers (so the byte map
+    and `.to()` see them)."""
+    for name in ("gate_up_proj", "down_proj"):
+        p = getattr(module, name)
+        setattr(module, name, nn.Parameter(torch.empty(p.shape[0], 0, dtype=p.dtype, device=p.device), requires_grad=False))
+    module.register_buffer("pdflash_w1_blocks", w.w1)
+    module.register_buffer("pdflash_w1_scales", w.s1)
+    module.register_buffer("pdflash_w2_blocks", w.w2)
+    module.register_buffer("pdflash_w2_scales", w.s2)
+
+
+def _forget(module: nn.Module) -> None:
+    w = module.__dict__.pop("_pdflash_weights", None)
+    if w is not None and w.fp4:  # give the module bf16 weights back (dequantized: MXFP4 is lossy)
+        w1, w2 = mxfp4.dequantize(w.w1, w.s1), mxfp4.dequantize(w.w2, w.s2)
+        if module.is_transposed:
+            w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+        module.gate_up_proj = nn.Parameter(w1, requires_grad=False)
+        module.down_proj = nn.Parameter(w2, requires_grad=False)
+        for name in ("pdflash_w1_blocks", "pdflash_w1_scales", "pdflash_w2_blocks", "pdflash_w2_scales"):
+            module._buffers.pop(name, None)
+
+
+def probe_uncovered(model: nn.Module, forward) -> dict[str, int]:
+    """Run 3 + 2 + 1 tokens through the model under the mode and list risky ops left on torch's kernels."""
+    from transformers import DynamicCache
+
+    rec = Recorder()
+    dev = next(model.parameters()).device
+    ids = torch.tensor([[1, 2, 3]], device=dev)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kw = {cache_kwarg(forward): cache}
+        with InvariantMode(rec):
+            forward(input_ids=ids, use_cache=True, **kw)
+            forward(input_ids=torch.tensor([[4, 5]], device=dev), use_cache=True, **kw)
+            forward(input_ids=torch.tensor([[6]], device=dev), use_cache=True, **kw)
+    return dict(rec.uncovered)
+
+
+def cache_kwarg(model_or_forward) -> str:
+    """The KV-cache keyword of a transformers forward: `cache` (>= 5.2x) or `past_key_values` (older)."""
+    import inspect
+
+    fn = getattr(model_or_forward, "forward", model_or_forward)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    return "cache" if "cache" in params else "past_key_values"

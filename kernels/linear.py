@@ -1,0 +1,125 @@
+"""Batch-invariant dense matmul: out[M, N] = a[M, K] @ b[K, N] (+ bias), each row independent of M.
+
+Tiles, K order and the split of K (a fixed number of K ranges, summed in order by a second launch) are
+chosen from (N, K) and the device alone, never from M: a row of the output is bit-identical whether it is
+computed alone or with up to thousands of other rows (cuBLAS picks its algorithm by M, which is what
+makes a 1-token and a 16-token forward disagree in the last bits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from kernels import runtime
+
+triton, tl = runtime.triton, runtime.tl
+to_out = runtime.to_out if triton is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int
+    k_per_split: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@functools.lru_cache(maxsize=None)
+def linear_config(n: int, k: int, esize: int = 2) -> LinearConfig:
+    sms = runtime.sm_count()
+    block_n = 64
+    block_k = 128 if esize <= 2 else 64
+    block_m = 64
+    n_tiles = (n + block_n - 1) // block_n
+    k_steps = (k + block_k - 1) // block_k
+    split = 1
+    # Split K only as far as it takes to give every SM work at small M, keeping >= 2 steps per split.
+    while n_tiles * split < 2 * sms and k_steps // (split * 2) >= 2:
+        split *= 2
+    k_per_split = ((k_steps + split - 1) // split) * block_k
+    split = (k + k_per_split - 1) // k_per_split
+    return LinearConfig(block_m, block_n, block_k, split, k_per_split)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _linear_kernel(
+        a_ptr, stride_am, stride_ak,
+        b_ptr, stride_bk, stride_bn,
+        bias_ptr, out_ptr, stride_om, ws_ptr,
+        M,
+        N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, F32DOT: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = rm < M
+        n_ok = rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_start = pid_s * K_PER_SPLIT
+        for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+            kk = k_start + k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if F32DOT:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc += tl.dot(a, b, input_precision=PRECISION)
+        if SPLIT == 1:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], to_out(acc, out_ptr, F32DOT), mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            ws = ws_ptr + pid_s.to(tl.int64) * M * N
+            tl.store(ws + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _split_reduce(ws_ptr, bias_ptr, out_ptr, stride_om, M, N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+        m = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(SPLIT):
+            acc += tl.load(ws_ptr + (s * M + m).to(tl.int64) * N + cols, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m.to(tl.int64) * stride_om + cols, to_out(acc, out_ptr, EMULATE), mask=ok)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] (+ bias [N]) -> [M, N]; any strides (b is usually a weight's transposed view)."""
+    m, k = a.shape
+    k2, n = b.shape
+    if k != k2:
+        raise ValueError(f"matmul shapes {tuple(a.shape)} @ {tuple(b.shape)} do not match")
+    out = torch.empty((m, n), dtype=out_dtype or a.dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    cfg = linear_config(n, k, a.element_size())
+    ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=a.device) if cfg.split > 1 else out
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(m, cfg.block_m))
+    bias_arg = bias if bias is not None else out
+    _linear_kernel[grid](
+        a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), bias_arg, out, out.stride(0), ws, m,
+        N=n, K=k, K_PER_SPLIT=cfg.k_per_split, SPLIT=cfg.split, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
+        F32DOT=runtime.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.split > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _split_reduce[(m, triton.cdiv(n, block))](ws, bias_arg, out, out.stride(0), m, N=n, SPLIT=cfg.split, HAS_BIAS=bias is not None, BLOCK=block, EMULATE=runtime.interpreting())
+    return out

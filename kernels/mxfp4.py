@@ -1,0 +1,225 @@
+"""MXFP4: the OCP microscaling FP4 format (E2M1 values, one E8M0 scale per 32 values along K).
+
+Pure torch (CPU or GPU); the reference every kernel is checked against.
+
+Format (REFERENCE.md section 5):
+- values: E2M1, +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}; two per byte, the lower index of a pair in the low nibble;
+- scales: one byte s per 32 consecutive values along the last (K) dimension, value 2^(s - 127) (255 = NaN);
+- `blocks[..., K // 2]` uint8 and `scales[..., K // 32]` uint8 for a weight `w[..., K]` (K = the input
+  dimension: rows are output features, as in nn.Linear and gpt-oss's `*_blocks`, so a row's K bytes are
+  contiguous and a kernel reads them with wide loads).
+
+Quantisation picks, per 32-value group, the smallest power-of-two scale that needs no clipping
+(amax / scale <= 6) and rounds each value to the nearest E2M1 value, ties to the even code. So a group
+whose values are all E2M1 values times one power of two round-trips exactly.
+
+gpt-oss checkpoints store `*_blocks` as [E, N, K/32, 16] and `*_scales` as [E, N, K/32]: the same bytes;
+`from_gpt_oss` only reshapes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+GROUP = 32  # values per scale
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+BYTES_PER_WEIGHT = 0.5 + 1 / GROUP  # 0.53125
+
+# Rounding |q| to the E2M1 magnitudes (codes 0..7 = 0, .5, 1, 1.5, 2, 3, 4, 6). Midpoints between two codes;
+# a value exactly on a midpoint goes to the even code: the lower one (">") or the upper one (">=").
+_LOWER_TIE = (0.25, 1.25, 2.5, 5.0)  # midpoints whose even neighbour is the lower code
+_UPPER_TIE = (0.75, 1.75, 3.5)  # midpoints whose even neighbour is the upper code
+
+
+def _lut(device: torch.device) -> torch.Tensor:
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w[..., K] (any float dtype, K % 32 == 0) -> (blocks[..., K/2] uint8, scales[..., K/32] uint8)."""
+    if w.shape[-1] % GROUP:
+        raise ValueError(f"MXFP4 needs the last dimension to be a multiple of {GROUP}, got {w.shape[-1]}")
+    if not torch.isfinite(w).all():
+        raise ValueError("cannot quantize non-finite weights to MXFP4")
+    x = w.detach().to(torch.float32).reshape(*w.shape[:-1], -1, GROUP)
+    amax = x.abs().amax(dim=-1)
+    # Smallest j with amax <= 6 * 2^j: a first guess from frexp, then corrected in exact arithmetic.
+    mant, exp = torch.frexp(amax / 6.0)
+    j = exp.to(torch.int32) - (mant == 0.5).to(torch.int32)
+    six = torch.full_like(amax, 6.0)
+    j = torch.where(amax > torch.ldexp(six, j.float()), j + 1, j)
+    j = torch.where((j > -127) & (amax <= torch.ldexp(six, (j - 1).float())), j - 1, j)
+    j = torch.where(amax == 0, torch.full_like(j, -127), j).clamp(-127, 127)
+    q = x / torch.ldexp(torch.ones_like(amax), j.float()).unsqueeze(-1)
+    a = q.abs()
+    code = torch.zeros_like(a, dtype=torch.int32)
+    for b in _LOWER_TIE:
+        code += (a > b).to(torch.int32)
+    for b in _UPPER_TIE:
+        code += (a >= b).to(torch.int32)
+    code = code | (((q < 0) & (code > 0)).to(torch.int32) << 3)
+    code = code.reshape(*w.shape[:-1], -1, 2).to(torch.uint8)
+    blocks = code[..., 0] | (code[..., 1] << 4)
+    scales = (j + 127).to(torch.uint8)
+    return blocks.reshape(*w.shape[:-1], -1).contiguous(), scales.contiguous()
+
+
+def decode_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """blocks[..., K/2] -> E2M1 codes[..., K] (int64), lower index from the low nibble."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1)
+    return codes.reshape(*blocks.shape[:-1], -1).long()
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(blocks[..., K/2], scales[..., K/32]) -> w[..., K] in `dtype` (exact in float32 and bfloat16)."""
+    if blocks.shape[:-1] != scales.shape[:-1] or blocks.shape[-1] * 2 != scales.shape[-1] * GROUP:
+        raise ValueError(f"blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not describe one MXFP4 tensor")
+    vals = _lut(blocks.device)[decode_codes(blocks)]
+    exps = scales.to(torch.int32) - 127
+    scale = torch.ldexp(torch.ones_like(exps, dtype=torch.float32), exps.float())
+    scale = torch.where(scales == 255, torch.full_like(scale, float("nan")), scale)
+    out = vals.reshape(*scales.shape, GROUP) * scale.unsqueeze(-1)
+    return out.reshape(*blocks.shape[:-1], -1).to(dtype)
+
+
+def from_gpt_oss(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss `*_blocks` [E, N, K/32, 16] + `*_scales` [E, N, K/32] -> this module's layout (no copy)."""
+    if blocks.dim() != 4 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"not a gpt-oss MXFP4 pair: blocks {tuple(blocks.shape)}, scales {tuple(scales.shape)}")
+    return blocks.reshape(*blocks.shape[:2], -1), scales
+
+
+def deinterleave_rows(t: torch.Tensor, dim: int = -2) -> torch.Tensor:
+    """Rows [g0, u0, g1, u1, ...] (gpt-oss's gate/up interleave) -> [g0, g1, ..., u0, u1, ...]."""
+    dim = dim % t.dim()
+    idx = torch.arange(t.shape[dim], device=t.device)
+    order = torch.cat([idx[0::2], idx[1::2]])
+    return t.index_select(dim, order)
+
+
+# ---- the arena layout of one expert ------------------------------------------------------------------
+ALIGN = 256  # bytes; every section starts on it (full 128-byte lines, 16-byte vector loads)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """Where each part of one MXFP4 expert lies in its contiguous slice of an arena (host store or GPU slot).
+
+    Sections, each starting on a 256-byte boundary, in this order:
+      w1_blocks [2I, H/2] u8 · w1_scales [2I, H/32] u8   (gate rows 0..I-1, then up rows I..2I-1)
+      w2_blocks [H, I/2] u8  · w2_scales [H, I/32] u8
+      b1 [2I] bf16, b2 [H] bf16                            (only when the experts have biases)
+    Rows are output features and K (the input dimension) is contiguous inside a row, so a kernel reads a
+    row's packed values with 16-byte loads. `nbytes` (a multiple of 256) is what the byte map reports.
+    """
+
+    hidden: int
+    intermediate: int
+    has_bias: bool
+
+    def _sections(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        h, i = self.hidden, self.intermediate
+        s = [
+            ("w1_blocks", (2 * i, h // 2), torch.uint8),
+            ("w1_scales", (2 * i, h // GROUP), torch.uint8),
+            ("w2_blocks", (h, i // 2), torch.uint8),
+            ("w2_scales", (h, i // GROUP), torch.uint8),
+        ]
+        if self.has_bias:
+            s += [("b1", (2 * i,), torch.bfloat16), ("b2", (h,), torch.bfloat16)]
+        return s
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        out, pos = {}, 0
+        for name, shape, dtype in self._sections():
+            out[name] = pos
+            pos += _align(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        name, shape, dtype = self._sections()[-1]
+        return self.offsets[name] + _align(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
+
+    def views(self, arena: torch.Tensor) -> dict[str, torch.Tensor]:
+        """arena [S, >= nbytes] uint8 (S experts or slots, one per row) -> per-section views [S, ...]."""
+        if arena.dtype != torch.uint8 or arena.dim() != 2 or arena.shape[1] < self.nbytes:
+            raise ValueError(f"arena must be uint8 [S, >= {self.nbytes}], got {arena.dtype} {tuple(arena.shape)}")
+        if arena.stride(1) != 1:
+            raise ValueError("arena rows must be contiguous")
+        out = {}
+        offs = self.offsets
+        for name, shape, dtype in self._sections():
+            esize = torch.empty((), dtype=dtype).element_size()
+            n = int(torch.Size(shape).numel()) * esize
+            raw = arena[:, offs[name] : offs[name] + n]
+            if esize > 1:
+                raw = raw.view(dtype)  # rows are 256-byte aligned and the row stride is even
+            out[name] = raw.unflatten(1, shape)
+        return out
+
+    def pack(self, arena_row: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+        """Copy one expert's parts (w1_blocks, w1_scales, w2_blocks, w2_scales[, b1, b2]) into an arena row."""
+        views = self.views(arena_row.reshape(1, -1))
+        for name, v in views.items():
+            v[0].copy_(parts[name])
+
+
+@dataclasses.dataclass
+class MXFP4Experts:
+    """One layer's routed experts in MXFP4, [E, ...] each (rows = output features, gate rows then up rows)."""
+
+    w1_blocks: torch.Tensor  # [E, 2I, H/2]
+    w1_scales: torch.Tensor  # [E, 2I, H/32]
+    w2_blocks: torch.Tensor  # [E, H, I/2]
+    w2_scales: torch.Tensor  # [E, H, I/32]
+    b1: torch.Tensor | None = None  # [E, 2I]
+    b2: torch.Tensor | None = None  # [E, H]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1_blocks.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w2_blocks.shape[1]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w1_blocks.shape[1] // 2
+
+    def layout(self) -> ExpertLayout:
+        return ExpertLayout(self.hidden, self.intermediate, self.b1 is not None)
+
+    def parts(self, e: int) -> dict[str, torch.Tensor]:
+        p = {"w1_blocks": self.w1_blocks[e], "w1_scales": self.w1_scales[e], "w2_blocks": self.w2_blocks[e], "w2_scales": self.w2_scales[e]}
+        if self.b1 is not None:
+            p["b1"], p["b2"] = self.b1[e], self.b2[e]
+        return p
+
+    def to_arena(self, pin: bool = False) -> torch.Tensor:
+        """All experts packed one per row of a uint8 arena [E, layout.nbytes]."""
+        lay = self.layout()
+        arena = torch.zeros(self.num_experts, lay.nbytes, dtype=torch.uint8, pin_memory=pin)
+        views = lay.views(arena)
+        for name, v in views.items():
+            v.copy_(getattr(self, name))
+        return arena
+
+    @classmethod
+    def quantize(cls, w1: torch.Tensor, w2: torch.Tensor, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None):
+        """w1 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]: float weights -> MXFP4."""
+        w1b, w1s = quantize(w1)
+        w2b, w2s = quantize(w2)
+        bf = (lambda b: None if b is None else b.detach().to(torch.bfloat16).contiguous())
+        return cls(w1b, w1s, w2b, w2s, bf(b1), bf(b2))
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+        return dequantize(self.w1_blocks, self.w1_scales, dtype), dequantize(self.w2_blocks, self.w2_scales, dtype)

@@ -1,0 +1,55 @@
+"""Where the kernels run: Triton when it is importable (compiled on CUDA, or numpy under TRITON_INTERPRET=1
+for CPU tests of the kernels' logic), the torch references otherwise."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:  # triton is optional: CPU installs serve through the torch references
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+
+def interpreting() -> bool:
+    """Triton's CPU interpreter (bf16 dots are computed in float32 there: its bf16 dot is unreliable)."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def triton_usable(device: torch.device | str) -> bool:
+    dev = torch.device(device)
+    if triton is None:
+        return False
+    return dev.type == "cuda" or (dev.type == "cpu" and interpreting())
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: int | None = None) -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device()).multi_processor_count
+    return 132  # an H200's count: CPU/interpreter runs pick the same tiles the GPU would
+
+
+if triton is not None:
+
+    @triton.jit
+    def to_bf16(x, EMULATE: tl.constexpr):
+        """fp32 -> bf16, round to nearest even. EMULATE: do the rounding in integer ops first (Triton's CPU
+        interpreter truncates on this cast; the GPU rounds)."""
+        if EMULATE:
+            bits = x.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            x = bits.to(tl.float32, bitcast=True)
+        return x.to(tl.bfloat16)
+
+    @triton.jit
+    def to_out(x, out_ptr, EMULATE: tl.constexpr):
+        """Cast to the element type of out_ptr, rounding like the GPU does."""
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            return to_bf16(x, EMULATE)
+        return x.to(out_ptr.dtype.element_ty)

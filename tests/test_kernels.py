@@ -1,0 +1,270 @@
+"""kernels/ on the CPU: the MXFP4 format, the torch references against plain torch math, and the Triton
+kernels' logic under Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py on machines without
+CUDA). The same kernels compiled for the GPU are tested in tests/test_kernels_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import mxfp4, runtime
+from kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights, MoeConfig, align
+from kernels.reference import attention_reference, moe_reference
+
+LUT = torch.tensor(mxfp4.E2M1_VALUES)
+needs_triton = pytest.mark.skipif(not runtime.triton_usable("cpu"), reason="needs triton (interpreted on CPU)")
+
+
+# ---- MXFP4 --------------------------------------------------------------------------------------------
+def test_quantize_known_values():
+    # one group: each midpoint goes to the even code; amax 6 -> scale 2^0 (byte 127)
+    row = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.5, -6.0, 0.1, -0.3] + [0.0] * 20)
+    blocks, scales = mxfp4.quantize(row[None])
+    assert scales.tolist() == [[127]]
+    codes = mxfp4.decode_codes(blocks)[0].tolist()
+    assert codes[:12] == [0, 2, 2, 4, 4, 6, 6, 7, 9, 15, 0, 9]
+    assert blocks[0, 0].item() == 0x20  # 0.25 -> code 0 in the low nibble, 0.75 -> code 2 in the high nibble
+    back = mxfp4.dequantize(blocks, scales, torch.float32)[0]
+    assert back[:12].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -0.5, -6.0, 0.0, -0.5]
+
+
+def test_scale_is_the_smallest_power_of_two_without_clipping():
+    for amax, byte in [(6.0, 127), (6.5, 128), (12.0, 128), (3.0, 126), (0.75, 124), (1e-3, 127 - 12), (0.0, 0)]:
+        _, s = mxfp4.quantize(torch.tensor([[amax] + [0.0] * 31]))
+        assert s.item() == byte, (amax, s.item())
+
+
+def test_representable_values_round_trip_exactly():
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (5, 7, 96), generator=g)
+    exps = torch.randint(-20, 20, (5, 7, 3, 1), generator=g).float()
+    w = (LUT[codes].reshape(5, 7, 3, 32) * torch.ldexp(torch.ones(5, 7, 3, 1), exps)).reshape(5, 7, 96)
+    for dtype in (torch.float32, torch.bfloat16):
+        b, s = mxfp4.quantize(w.to(dtype))
+        assert torch.equal(mxfp4.dequantize(b, s, torch.float32), w)
+
+
+def test_quantization_error_is_bounded():
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    b, s = mxfp4.quantize(w)
+    err = (mxfp4.dequantize(b, s, torch.float32) - w).abs()
+    # within a group of scale 2^j, the spacing of E2M1 values is at most 2 * 2^j: error <= 2^j
+    scale = torch.ldexp(torch.ones_like(s, dtype=torch.float32), s.float() - 127).repeat_interleave(32, dim=-1)
+    assert (err <= scale + 1e-12).all()
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mxfp4.quantize(torch.ones(2, 40))
+    with pytest.raises(ValueError, match="non-finite"):
+        mxfp4.quantize(torch.tensor([[float("inf")] * 32]))
+    with pytest.raises(ValueError, match="one MXFP4 tensor"):
+        mxfp4.dequantize(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8))
+
+
+def test_gpt_oss_layout_is_read_as_is():
+    w = torch.randn(2, 6, 64)
+    b, s = mxfp4.quantize(w)
+    gb, gs = b.reshape(2, 6, 2, 16), s  # how gpt-oss checkpoints store the same bytes
+    b2, s2 = mxfp4.from_gpt_oss(gb, gs)
+    assert torch.equal(b2, b) and b2.data_ptr() == gb.data_ptr()
+    rows = torch.arange(6)
+    inter = mxfp4.deinterleave_rows(w)
+    assert torch.equal(inter[:, :3], w[:, rows[0::2]]) and torch.equal(inter[:, 3:], w[:, rows[1::2]])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_arena_layout_round_trip(bias):
+    e, h, i = 3, 64, 96
+    w1, w2 = torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    b1, b2 = (torch.randn(e, 2 * i), torch.randn(e, h)) if bias else (None, None)
+    q = mxfp4.MXFP4Experts.quantize(w1, w2, b1, b2)
+    lay = q.layout()
+    arena = q.to_arena()
+    assert arena.shape == (e, lay.nbytes) and lay.nbytes % mxfp4.ALIGN == 0
+    assert all(off % mxfp4.ALIGN == 0 for off in lay.offsets.values())
+    views = lay.views(arena)
+    for name, v in views.items():
+        assert torch.equal(v, getattr(q, name)), name
+    # one expert packed alone into a row equals its row of the arena
+    row = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    lay.pack(row, q.parts(1))
+    assert torch.equal(row, arena[1])
+    expected = 2 * i * h // 2 + 2 * i * h // 32 + h * i // 2 + h * i // 32 + ((2 * i + h) * 2 if bias else 0)
+    assert expected <= lay.nbytes < expected + 6 * mxfp4.ALIGN
+
+
+# ---- references against plain torch -------------------------------------------------------------------
+def _experts(e=6, h=64, i=32, act=ACT_SILU, bias=False, fp4=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w1 = (torch.randn(e, 2 * i, h, generator=g) * 0.2).bfloat16()
+    w2 = (torch.randn(e, h, i, generator=g) * 0.2).bfloat16()
+    b1 = (torch.randn(e, 2 * i, generator=g) * 0.2).bfloat16() if bias else None
+    b2 = (torch.randn(e, h, generator=g) * 0.2).bfloat16() if bias else None
+    if fp4:
+        q = mxfp4.MXFP4Experts.quantize(w1, w2, b1, b2)
+        return ExpertWeights(q.w1_blocks, q.w2_blocks, q.w1_scales, q.w2_scales, q.b1, q.b2, act=act)
+    return ExpertWeights(w1, w2, b1=b1, b2=b2, act=act)
+
+
+def _routing(t, e, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    wts = torch.softmax(torch.randn(t, k, generator=g), -1)
+    x = torch.randn(t, 64, generator=g).bfloat16()
+    return x, ids, wts
+
+
+def test_moe_reference_equals_a_plain_loop_over_experts():
+    w = _experts()
+    x, ids, wts = _routing(5, 6, 2)
+    out = moe_reference(x, ids, wts, w, 6)
+    want = torch.zeros(5, 64)
+    for t in range(5):
+        for s in range(2):
+            e = int(ids[t, s])
+            gu = x[t].float() @ w.w1[e].float().T
+            h = torch.nn.functional.silu(gu[:32]) * gu[32:]
+            want[t] += wts[t, s] * (h @ w.w2[e].float().T)
+    assert torch.allclose(out.float(), want, atol=0.05, rtol=0.02)
+
+
+def test_attention_reference_equals_sdpa():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 5, 16, generator=g) for _ in range(3))
+    k, v = k[:, :2].repeat(1, 1, 4, 1)[:, :, :9], v[:, :2].repeat(1, 1, 4, 1)[:, :, :9]
+    out = attention_reference(q, k, v, torch.arange(4, 9), 0, 0.25)
+    mask = torch.arange(9)[None, :] <= torch.arange(4, 9)[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.25)
+    assert torch.allclose(out, want.transpose(1, 2), atol=1e-5)
+
+
+def test_align_groups_pairs_by_expert_and_drops_padding():
+    ids = torch.tensor([[3, 1], [1, 0], [3, 2], [0, 3]])
+    r = align(ids, num_experts=4, block_m=2, n_valid=torch.tensor([3]))
+    used = int(r.num_blocks)
+    pairs = r.sorted_pairs.view(-1, 2)[:used]
+    seen = {}
+    for b in range(used):
+        for p in pairs[b].tolist():
+            if p < r.num_pairs:
+                seen[p] = int(r.block_slot[b])
+    flat = ids.reshape(-1).tolist()
+    assert seen == {p: flat[p] for p in range(6)}  # rows 0..2 only, each pair in its expert's block
+    assert (r.block_slot[used:] == -1).all() and not r.pair_valid[6:].any()
+
+
+# ---- the Triton kernels under the interpreter ---------------------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("fp4", [False, True])
+@pytest.mark.parametrize("act,bias", [(ACT_SILU, False), (ACT_GPTOSS, True)])
+def test_moe_kernel_matches_reference(fp4, act, bias):
+    from kernels.moe import moe_forward
+
+    w = _experts(act=act, bias=bias, fp4=fp4)
+    x, ids, wts = _routing(5, 6, 2)
+    cfg = MoeConfig(block_m=16, block_n=32, block_k=32, num_stages=1)
+    out = moe_forward(x, ids, wts, w, 6, config=cfg, config2=cfg)
+    ref = moe_reference(x, ids, wts, w, 6)
+    assert (out.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max() + 1e-3
+
+
+@needs_triton
+def test_moe_kernel_slots_padding_and_interleaved_rows():
+    from kernels.moe import moe_forward
+
+    w = _experts(act=ACT_GPTOSS, bias=True)
+    x, ids, wts = _routing(5, 6, 2)
+    # the same experts stored gpt-oss style (gate/up rows interleaved) in shuffled slots
+    perm = torch.tensor([4, 0, 5, 2, 1, 3])  # slot s holds expert perm[s]
+    slot_of = torch.argsort(perm).to(torch.int32)
+    inter = w.w1.shape[1] // 2
+    order = torch.stack([torch.arange(inter), torch.arange(inter) + inter], 1).reshape(-1)  # g0 u0 g1 u1 ...
+    wi = ExpertWeights(w.w1[perm][:, order], w.w2[perm], b1=w.b1[perm][:, order], b2=w.b2[perm], row_mul=2, up_off=1, act=ACT_GPTOSS)
+    cfg = MoeConfig(block_m=16, block_n=32, block_k=32, num_stages=1)
+    out = moe_forward(x, ids, wts, wi, 6, slot_of_expert=slot_of, n_valid=torch.tensor([3]), config=cfg, config2=cfg)
+    ref = moe_reference(x, ids, wts, w, 6, n_valid=3)
+    assert (out[:3].float() - ref[:3].float()).abs().max() <= 0.02 * ref.float().abs().max() + 1e-3
+    assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+
+
+@needs_triton
+def test_moe_kernel_rows_do_not_depend_on_other_rows():
+    from kernels.moe import moe_forward
+
+    w = _experts(fp4=True)
+    cfg = MoeConfig(block_m=16, block_n=32, block_k=32, num_stages=1)
+    x, ids, wts = _routing(20, 6, 2, seed=3)
+    alone = moe_forward(x[:1], ids[:1], wts[:1], w, 6, config=cfg, config2=cfg)
+    for t in (2, 7, 20):
+        perm = torch.randperm(t, generator=torch.Generator().manual_seed(t))
+        where = int((perm == 0).nonzero())
+        out = moe_forward(x[:t][perm], ids[:t][perm], wts[:t][perm], w, 6, config=cfg, config2=cfg)
+        assert torch.equal(out[where], alone[0])
+
+
+@needs_triton
+def test_linear_reduce_softmax_kernels():
+    from kernels.linear import matmul
+    from kernels.reduce import row_sum, softmax
+
+    g = torch.Generator().manual_seed(0)
+    a, w, b = torch.randn(9, 300, generator=g).bfloat16(), torch.randn(70, 300, generator=g).bfloat16(), torch.randn(70, generator=g).bfloat16()
+    out = matmul(a, w.t(), b)
+    assert torch.allclose(out.float(), a.float() @ w.float().t() + b.float(), rtol=1e-2, atol=0.3)
+    for m in (1, 4):  # rows are independent of the others
+        assert torch.equal(matmul(a[:m], w.t(), b), out[:m])
+    x = torch.randn(4, 3, 100, generator=g)
+    assert torch.allclose(row_sum(x, [-1]), x.sum(-1), atol=1e-5)
+    assert torch.allclose(row_sum(x, [1], keepdim=True, mean=True), x.mean(1, keepdim=True), atol=1e-6)
+    assert torch.allclose(softmax(x, -1), x.softmax(-1), atol=1e-6)
+    assert torch.allclose(softmax(x, 1, log=True), x.log_softmax(1), atol=1e-5)
+    assert torch.equal(softmax(x[:1], -1), softmax(x, -1)[:1])
+
+
+@needs_triton
+@pytest.mark.parametrize("window,sinks", [(None, False), (7, True)])
+def test_attention_kernel(window, sinks):
+    from kernels.attention import attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5, 16, generator=g).bfloat16()
+    k, v = torch.randn(1, 2, 40, 16, generator=g).bfloat16(), torch.randn(1, 2, 40, 16, generator=g).bfloat16()
+    pos = torch.arange(35, 40).reshape(1, 5) + 100  # the cache tensor starts at absolute position 100
+    sk = torch.randn(4, generator=g) if sinks else None
+    out = attention(q, k, v, pos, 0.25, window, sk)
+    ref = attention_reference(q, k, v, pos[0], 100, 0.25, window, sk)
+    assert (out.float() - ref.float()).abs().max() < 0.02
+    # the last query alone, with the cache's first key at a different absolute chunk offset
+    alone = attention(q[:, :, 4:], k[:, :, 3:], v[:, :, 3:], pos[:, 4:], 0.25, window, sk)
+    assert torch.equal(alone[:, 0], out[:, 4]) if window else True
+
+
+@needs_triton
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_installed_tiny_model_is_block_invariant_on_cpu(arch, tiny):
+    """The installer end to end under the interpreter: logits of every position equal whether computed in one
+    forward or in blocks of 1 or 5 on a KV cache (the GPU test also covers real-shaped bf16 layers)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    import kernels
+    from kernels.installer import cache_kwarg
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.target(arch), dtype=torch.bfloat16).eval()
+    inst = kernels.install(model)
+    try:
+        assert inst.exact, inst.summary()
+        ids = torch.randint(0, 400, (1, 14), generator=torch.Generator().manual_seed(0))
+        kw = cache_kwarg(model)
+        with torch.inference_mode():
+            full = model(input_ids=ids).logits
+            for block in (1, 5):
+                cache = DynamicCache(config=model.config)
+                outs = [model(input_ids=ids[:, :4], use_cache=True, **{kw: cache}).logits]
+                for p in range(4, 14, block):
+                    outs.append(model(input_ids=ids[:, p : p + block], use_cache=True, **{kw: cache}).logits)
+                assert torch.equal(torch.cat(outs, 1), full), block
+    finally:
+        inst.uninstall()
+    assert model.config._experts_implementation != "batch_invariant"
