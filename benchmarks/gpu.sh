@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Everything this project runs on the GPU machine, in one call (CI has no GPU):
+#   bash benchmarks/gpu.sh OUT [tests|kernels|sweep|all]...
+# Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
+# GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
+set -uo pipefail
+OUT=${1:?usage: gpu.sh OUT [steps]}; shift
+STEPS=${*:-all}
+mkdir -p "$OUT"
+if [ -d .whl/py312 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/py312/*.whl 2>&1 | grep -v WARNING
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+has() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
+if has tests; then
+  timeout 560 python3 -m pytest -q -p no:cacheprovider -x --timeout=300 tests/test_kernels_gpu.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
+fi
+if has sweep; then
+  timeout 400 python3 benchmarks/kernels.py --out "$OUT" --sweep --skip-main 2>&1 | tail -80 > "$OUT/sweep.txt"
+fi
+if has kernels; then
+  timeout 500 python3 benchmarks/kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt" | tail -60
+fi

@@ -1,0 +1,217 @@
+"""kernels/ compiled on a CUDA GPU (skipped without one): each kernel against its torch reference over many
+shapes, bit-identical rows whatever the other rows of the call, and an installed model (real layer shapes
+of Qwen3-30B-A3B, gpt-oss-20b and Mixtral-8x7B, few layers, random bf16 weights) whose logits for a
+position are bit-identical whether computed in one forward or in blocks of 1, 2, 4, 16 or 32.
+
+Error bounds: the kernels and the references round at the same points (bf16 after each projection) but add
+in a different order, so a value may land one bf16 step apart and a routing weight or activation can
+carry that on; we bound the error by 2% of the largest output (several bf16 steps).
+Run on the GPU machine with `bash benchmarks/gpu.sh` (results: benchmarks/results/gpu_tests_h200.txt)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DEV = "cuda"
+SHAPES = {  # experts, top-k, hidden, expert width
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "gpt-oss-20b": (32, 4, 2880, 2880),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+    "small": (16, 4, 256, 512),
+}
+
+
+def _weights(model: str, fp4: bool, seed: int = 0):
+    from kernels import mxfp4
+    from kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights
+
+    e, _, h, i = SHAPES[model]
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w1 = (torch.randn(e, 2 * i, h, generator=g, device=DEV) * 0.02).bfloat16()
+    w2 = (torch.randn(e, h, i, generator=g, device=DEV) * 0.02).bfloat16()
+    gptoss = model == "gpt-oss-20b"
+    b1 = (torch.randn(e, 2 * i, generator=g, device=DEV) * 0.02).bfloat16() if gptoss else None
+    b2 = (torch.randn(e, h, generator=g, device=DEV) * 0.02).bfloat16() if gptoss else None
+    act = ACT_GPTOSS if gptoss else ACT_SILU
+    # gpt-oss keeps gate/up rows interleaved (read in place: row_mul 2, up_off 1)
+    kw = dict(row_mul=2, up_off=1) if gptoss else {}
+    if fp4:
+        b1q, s1 = mxfp4.quantize(w1)
+        b2q, s2 = mxfp4.quantize(w2)
+        return ExpertWeights(b1q, b2q, s1, s2, b1, b2, act=act, **kw)
+    return ExpertWeights(w1, w2, b1=b1, b2=b2, act=act, **kw)
+
+
+def _tokens(model: str, t: int, seed: int = 0):
+    e, k, h, _ = SHAPES[model]
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(t, h, generator=g, device=DEV).bfloat16()
+    ids = torch.argsort(torch.rand(t, e, generator=g, device=DEV), dim=1)[:, :k]
+    wts = torch.softmax(torch.randn(t, k, generator=g, device=DEV), dim=-1).bfloat16()
+    return x, ids, wts
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("fp4", [False, True])
+@pytest.mark.parametrize("t", [1, 16, 64])
+def test_moe_matches_reference(model, fp4, t):
+    from kernels.moe import MoeConfig, default_config, moe_forward
+    from kernels.reference import moe_reference
+
+    w = _weights(model, fp4)
+    x, ids, wts = _tokens(model, t)
+    e = SHAPES[model][0]
+    ref = moe_reference(x, ids, wts, w, e)
+    decodes = (0, 1) if fp4 else (0,)
+    for decode in decodes:
+        c1 = default_config(w.intermediate, w.hidden, ids.shape[1], fp4)
+        c2 = default_config(w.hidden, w.intermediate, ids.shape[1], fp4)
+        c1, c2 = (MoeConfig(**{**c.__dict__, "decode": decode}) for c in (c1, c2))
+        out = moe_forward(x, ids, wts, w, e, config=c1, config2=c2)
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err <= 0.02 * ref.float().abs().max().item() + 1e-4, (decode, err)
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "gpt-oss-20b"])
+@pytest.mark.parametrize("fp4", [False, True])
+def test_moe_rows_are_bit_identical_whatever_the_other_rows(model, fp4):
+    from kernels.moe import moe_forward
+
+    w = _weights(model, fp4)
+    e = SHAPES[model][0]
+    x0, ids0, w0 = _tokens(model, 1, seed=99)
+    alone = moe_forward(x0, ids0, w0, w, e)
+    for t in (2, 3, 8, 16, 31, 64, 128, 256):
+        x, ids, wts = _tokens(model, t, seed=t)
+        where = t // 2
+        x[where], ids[where], wts[where] = x0[0], ids0[0], w0[0]
+        out = moe_forward(x, ids, wts, w, e)
+        assert torch.equal(out[where], alone[0]), t
+
+
+LINEAR_SHAPES = [(4096, 2048), (512, 2048), (2048, 4096), (128, 2048), (4096, 2880), (2880, 4096), (1024, 4096), (4096, 4096), (2048, 64), (151936, 2048)]
+
+
+@pytest.mark.parametrize("n,k", LINEAR_SHAPES)
+def test_linear_matches_cublas_and_rows_are_invariant(n, k):
+    from kernels.linear import matmul
+
+    g = torch.Generator(device=DEV).manual_seed(n + k)
+    a = torch.randn(256, k, generator=g, device=DEV).bfloat16()
+    w = (torch.randn(n, k, generator=g, device=DEV) * k**-0.5).bfloat16()
+    b = torch.randn(n, generator=g, device=DEV).bfloat16()
+    full = matmul(a, w.t(), b)
+    ref = torch.nn.functional.linear(a, w, b)
+    assert (full.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+    for m in (1, 2, 3, 5, 8, 13, 16, 17, 32, 33, 64, 100, 128, 255):
+        assert torch.equal(matmul(a[:m], w.t(), b), full[:m]), m
+    assert torch.equal(matmul(a[200:201], w.t(), b), full[200:201])
+
+
+@pytest.mark.parametrize("d", [8, 128, 2048, 2880, 151936])
+def test_reductions_rows_are_invariant(d):
+    from kernels.reduce import row_sum, softmax
+
+    x = torch.randn(256, d, device=DEV).bfloat16()
+    s, m = row_sum(x, [-1], dtype=torch.float32), row_sum(x.float(), [-1], mean=True)
+    sm = softmax(x, -1, dtype=torch.float32)
+    assert torch.allclose(s, x.float().sum(-1), rtol=1e-3, atol=1e-2)
+    assert torch.allclose(sm, x.float().softmax(-1), rtol=1e-3, atol=1e-6)
+    for r in (1, 3, 17, 100):
+        assert torch.equal(row_sum(x[:r], [-1], dtype=torch.float32), s[:r])
+        assert torch.equal(row_sum(x[:r].float(), [-1], mean=True), m[:r])
+        assert torch.equal(softmax(x[:r], -1, dtype=torch.float32), sm[:r])
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(32, 4, 128), (64, 8, 64)])
+@pytest.mark.parametrize("window,sinks", [(None, False), (128, True)])
+def test_attention_matches_reference_and_queries_are_invariant(hq, hkv, d, window, sinks):
+    from kernels.attention import attention
+    from kernels.reference import attention_reference
+
+    s = 700
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q = torch.randn(1, hq, 32, d, generator=g, device=DEV).bfloat16()
+    k = torch.randn(1, hkv, s, d, generator=g, device=DEV).bfloat16()
+    v = torch.randn(1, hkv, s, d, generator=g, device=DEV).bfloat16()
+    sk = torch.randn(hq, generator=g, device=DEV) if sinks else None
+    pos = torch.arange(s - 32, s, device=DEV).reshape(1, 32)
+    out = attention(q, k, v, pos, d**-0.5, window, sk)
+    ref = attention_reference(q, k, v, pos[0], 0, d**-0.5, window, sk)
+    assert (out.float() - ref.float()).abs().max() < 0.02
+    # query i alone on a cache that ends at its own position (what 1-token decoding does), and in blocks
+    for i in (0, 7, 31):
+        end = s - 32 + i + 1
+        alone = attention(q[:, :, i : i + 1], k[:, :, :end], v[:, :, :end], pos[:, i : i + 1], d**-0.5, window, sk)
+        assert torch.equal(alone[:, 0], out[:, i]), i
+    for t in (2, 4, 16):
+        blk = attention(q[:, :, 32 - t :], k, v, pos[:, 32 - t :], d**-0.5, window, sk)
+        assert torch.equal(blk, out[:, 32 - t :]), t
+    if window:  # a sliding-window cache holds only the last keys: its tensor starts elsewhere
+        start = s - 32 - window
+        cut = attention(q, k[:, :, start:], v[:, :, start:], pos, d**-0.5, window, sk)
+        assert torch.equal(cut, out)
+
+
+def real_config(arch: str, layers: int = 2):
+    """Real layer shapes, few layers, a small vocabulary."""
+    from transformers import GptOssConfig, MixtralConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=4096, num_hidden_layers=layers, max_position_embeddings=4096, tie_word_embeddings=False,
+                  initializer_range=0.05, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                              moe_intermediate_size=768, intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
+                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    if arch == "gpt_oss":
+        return GptOssConfig(**common, hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                            intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
+    if arch == "mixtral":
+        return MixtralConfig(**common, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                             intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)
+    raise ValueError(arch)
+
+
+def make_model(arch: str, layers: int = 2, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(DEV):
+        model = AutoModelForCausalLM.from_config(real_config(arch, layers), dtype=torch.bfloat16)
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "native"), ("gpt_oss", "native"), ("mixtral", "native"), ("gpt_oss", "mxfp4")])
+def test_installed_model_logits_are_identical_in_blocks(arch, fmt):
+    from transformers import DynamicCache
+
+    import kernels
+    from kernels.installer import cache_kwarg
+
+    model = make_model(arch)
+    n = 200  # past the 128-token sliding window of gpt-oss's odd layers
+    ids = torch.randint(0, 4096, (1, n), generator=torch.Generator().manual_seed(1)).to(DEV)
+    with torch.inference_mode():
+        stock = model(input_ids=ids[:, :64]).logits.float()
+    inst = kernels.install(model, experts_format=fmt)
+    assert inst.exact, inst.summary()
+    kw = cache_kwarg(model)
+    with torch.inference_mode():
+        full = model(input_ids=ids).logits
+        # the kernels compute what the model computes (up to bf16 rounding; MXFP4 experts are lossy)
+        cos = torch.nn.functional.cosine_similarity(full[0, :64].float(), stock[0], dim=-1)
+        assert cos.min() > (0.99 if fmt == "native" else 0.9), cos.min()
+        prefix = 100
+        for block in (1, 2, 4, 16, 32):
+            cache = DynamicCache(config=model.config)
+            outs = [model(input_ids=ids[:, :prefix], use_cache=True, **{kw: cache}).logits]
+            for p in range(prefix, n, block):
+                outs.append(model(input_ids=ids[:, p : p + block], use_cache=True, **{kw: cache}).logits)
+            got = torch.cat(outs, 1)
+            diff = (got != full).any(-1)[0].nonzero().flatten().tolist()
+            assert not diff, f"block {block}: positions {diff[:10]} differ"
+    inst.uninstall()
