@@ -18,11 +18,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 has() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
 if has tests; then
-  timeout 560 python3 -m pytest -q -p no:cacheprovider -x --timeout=300 tests/test_kernels_gpu.py 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
+  timeout ${TESTS_S:-270} python3 -m pytest -q -p no:cacheprovider --timeout=200 tests/test_kernels_gpu.py 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
 fi
 if has sweep; then
-  timeout 400 python3 benchmarks/kernels.py --out "$OUT" --sweep --skip-main 2>&1 | tail -80 > "$OUT/sweep.txt"
+  timeout ${SWEEP_S:-120} python3 benchmarks/kernels.py --out "$OUT" --sweep --skip-main 2>&1 | tail -80 > "$OUT/sweep.txt"
 fi
 if has kernels; then
-  timeout 500 python3 benchmarks/kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt" | tail -60
+  timeout ${KERNELS_S:-200} python3 benchmarks/kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt" | tail -60
 fi

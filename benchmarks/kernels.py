@@ -172,7 +172,7 @@ def sweep() -> list[dict]:
         x, ids, wts = routing(e, k, h, active, tpe)
         for decode in (0, 1):
             for bn in (32, 64, 128):
-                for bk in (128, 256):
+                for bk in (128,):
                     for stages in (3, 4):
                         for warps in (4,):
                             c = MoeConfig(16, bn, bk, warps, stages, decode)
