@@ -3,8 +3,9 @@ implementation (`grouped_mm`, bf16), and the batch-invariant dense matmul agains
 
     python benchmarks/kernels.py [--out DIR] [--sweep]
 
-Prints tables and writes kernels_h200.json / .md to --out (default benchmarks/results). Times are CUDA-event
-medians over repeated launches of the whole call (routing, both GEMMs, the combine). `hbm_fraction` = weight
+Prints tables and writes kernels_h200.json / .md to --out (default benchmarks/results). `us` is GPU time: the
+whole call (routing, both GEMMs, the combine) captured in a CUDA graph and replayed back to back, as the
+verifier's graphed forwards run it; `eager_us` is the same call issued from Python (launch overhead included). `hbm_fraction` = weight
 bytes read / time / the measured device-copy rate (bytes read + written per second by a large device copy).
 --sweep also times tile variants of the MXFP4 kernel on decode shapes (to choose default_config).
 """
@@ -28,7 +29,35 @@ MODELS = {  # experts, top-k, hidden, expert width
 }
 
 
+def gpu_time_us(fn, reps: int = 50) -> float:
+    """GPU time of one call: the call captured in a CUDA graph, replayed back to back (host overhead excluded,
+    as in the verifier's graphed forwards). Falls back to eager timing when the call cannot be captured."""
+    try:
+        fn()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+    except Exception as e:  # noqa: BLE001
+        print("  (not capturable:", type(e).__name__, str(e)[:80], "- eager time)")
+        return cuda_time_us(fn)
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps
+
+
 def cuda_time_us(fn, reps: int = 30, warmup: int = 5) -> float:
+    """Wall time of one call as the host issues it (launch overhead included): CUDA-event median."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -100,7 +129,7 @@ def bench_moe(rate: float) -> list[dict]:
                     continue
                 for tpe in (1, 4, 16, 64):
                     x, ids, wts = routing(e, k, h, active, tpe)
-                    cases.append((active, tpe, x, ids, wts, cuda_time_us(lambda: mod(x, ids, wts))))
+                    cases.append((active, tpe, x, ids, wts, gpu_time_us(lambda: mod(x, ids, wts))))
         w_bf16 = expert_weights(mod, "native")
         w_fp4 = expert_weights(mod, "mxfp4")
         bias = (2 * i + h) * 2 if w_bf16.b1 is not None else 0
@@ -108,9 +137,10 @@ def bench_moe(rate: float) -> list[dict]:
         for active, tpe, x, ids, wts, t_hf in cases:
             for name, w in (("mxfp4", w_fp4), ("bf16", w_bf16)):
                 with torch.inference_mode():
-                    us = cuda_time_us(lambda: moe_forward(x, ids, wts, w, e))
+                    us = gpu_time_us(lambda: moe_forward(x, ids, wts, w, e))
+                    eager = cuda_time_us(lambda: moe_forward(x, ids, wts, w, e), reps=10)
                 nbytes = active * per[name]
-                rows.append(dict(model=model, weights=name, tokens_per_expert=tpe, active_experts=active, us=round(us, 1),
+                rows.append(dict(model=model, weights=name, tokens_per_expert=tpe, active_experts=active, us=round(us, 1), eager_us=round(eager, 1),
                                  torch_bf16_us=round(t_hf, 1), speedup=round(t_hf / us, 2), weight_bytes=nbytes,
                                  gbps=round(nbytes / us / 1e3, 1), hbm_fraction=round(nbytes / (us * 1e-6) / rate, 3)))
                 r = rows[-1]
@@ -129,8 +159,8 @@ def bench_linear() -> list[dict]:
         w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
         for m in (1, 4, 16, 64):
             a = torch.randn(m, k, device="cuda").bfloat16()
-            us = cuda_time_us(lambda: matmul(a, w.t()), reps=50)
-            cub = cuda_time_us(lambda: torch.matmul(a, w.t()), reps=50)
+            us = gpu_time_us(lambda: matmul(a, w.t()))
+            cub = gpu_time_us(lambda: torch.matmul(a, w.t()))
             rows.append(dict(M=m, N=n, K=k, us=round(us, 2), cublas_us=round(cub, 2), ratio=round(us / cub, 3)))
             print(f"linear M={m:3d} N={n:5d} K={k:5d}  {us:7.2f} us  cublas {cub:7.2f} us  ratio {us / cub:5.2f}", flush=True)
     return rows
@@ -170,14 +200,14 @@ def sweep() -> list[dict]:
         mod = hf_experts(model)
         w = expert_weights(mod, "mxfp4")
         x, ids, wts = routing(e, k, h, active, tpe)
-        for decode in (0, 1):
+        for decode in (0, 1, 2):
             for bn in (32, 64, 128):
-                for bk in (128,):
+                for bm in (16, 64):
                     for stages in (3, 4):
                         for warps in (4,):
-                            c = MoeConfig(16, bn, bk, warps, stages, decode)
+                            c = MoeConfig(bm, bn, 128, warps, stages, decode)
                             try:
-                                us = cuda_time_us(lambda: moe_forward(x, ids, wts, w, e, config=c, config2=c), reps=20, warmup=2)
+                                us = gpu_time_us(lambda: moe_forward(x, ids, wts, w, e, config=c, config2=c), reps=20)
                             except Exception as ex:  # noqa: BLE001 - a config that does not compile is skipped
                                 print("skip", c, type(ex).__name__)
                                 continue
@@ -213,10 +243,10 @@ def main() -> None:
     (out / "kernels_h200.json").write_text(json.dumps(result, indent=1))
     md = [f"# kernels on {result['device']} (`python benchmarks/kernels.py`)", "",
           f"Device copy {rate / 1e12:.2f} TB/s (read + write). Invariance: {result['invariance']}.", "",
-          "| model | weights | tokens/expert | active experts | us | transformers grouped_mm bf16 us | speedup | weight MB | GB/s | of copy rate |", "|---|---|---|---|---|---|---|---|---|---|"]
+          "| model | weights | tokens/expert | active experts | us (graph) | eager us | transformers grouped_mm bf16 us (graph) | speedup | weight MB | GB/s | of copy rate |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["moe"]:
-        md.append(f"| {r['model']} | {r['weights']} | {r['tokens_per_expert']} | {r['active_experts']} | {r['us']} | {r['torch_bf16_us']} | {r['speedup']}x | {r['weight_bytes'] / 1e6:.1f} | {r['gbps']} | {r['hbm_fraction']:.0%} |")
-    md += ["", "| M | N | K | invariant us | cuBLAS us | ratio |", "|---|---|---|---|---|---|"]
+        md.append(f"| {r['model']} | {r['weights']} | {r['tokens_per_expert']} | {r['active_experts']} | {r['us']} | {r['eager_us']} | {r['torch_bf16_us']} | {r['speedup']}x | {r['weight_bytes'] / 1e6:.1f} | {r['gbps']} | {r['hbm_fraction']:.0%} |")
+    md += ["", "| M | N | K | invariant us (graph) | cuBLAS us (graph) | ratio |", "|---|---|---|---|---|---|"]
     md += [f"| {r['M']} | {r['N']} | {r['K']} | {r['us']} | {r['cublas_us']} | {r['ratio']} |" for r in result["linear"]]
     (out / "kernels_h200.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

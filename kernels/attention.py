@@ -18,7 +18,6 @@ to_out = runtime.to_out if triton is not None else None
 
 BLOCK_M = 16
 BLOCK_N = 64
-NEG = -1.0e30  # a finite "minus infinity" for the running max: exp(NEG - NEG) = 1, never NaN
 
 
 if triton is not None:
@@ -87,7 +86,8 @@ if triton is not None:
             lo = tl.maximum(lo, tl.min(tl.where(row_ok, qpos, hi), axis=0) - window + 1)
         lo = tl.maximum(lo, 0)
         c0 = (lo // BLOCK_N) * BLOCK_N
-        m_i = tl.full((BLOCK_M,), NEG, dtype=tl.float32)
+        # a finite "minus infinity" for the running max: exp(m - m) = 1 for a row that has seen no key yet, never NaN
+        m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
         kbase = b * skb + kh * skh

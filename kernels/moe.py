@@ -37,7 +37,7 @@ class MoeConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
-    decode: int = 0  # FP4 decode variant: 0 = exact selects, 1 = subnormal bit placement
+    decode: int = 0  # FP4 decode: 0 = exact selects, 1 = subnormal bit placement, 2 = tl.dot_scaled (GPU only)
 
 
 def default_config(n: int, k: int, topk: int, fp4: bool) -> MoeConfig:
@@ -118,28 +118,33 @@ def align(
 if triton is not None:
 
     @triton.jit
-    def _fp4_tile(w_ptr, s_ptr, rows, row_ok, stride_wn, stride_sn, kh, kh_ok, HI: tl.constexpr, DECODE: tl.constexpr):
-        """[BN, BK/2] bf16 weights of one nibble (low = even K, high = odd K) of packed rows, scaled."""
-        packed = tl.load(w_ptr + rows[:, None] * stride_wn + kh[None, :], mask=row_ok[:, None] & kh_ok[None, :], other=0)
-        c = packed.to(tl.int32)
-        if HI:
-            c = c >> 4
-        c = c & 15
-        # one scale byte per 32 values = per 16 packed bytes
-        s = tl.load(s_ptr + rows[:, None] * stride_sn + (kh[None, :] // 16), mask=row_ok[:, None] & kh_ok[None, :], other=0)
-        s = s.to(tl.int32)
+    def _fp4_tiles(w_ptr, s_ptr, rows, row_ok, stride_wn, stride_sn, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr):
+        """Packed rows [BN, BK/2] -> (even-K, odd-K) bf16 tiles [BN, BK/2] (low nibble = even index), scaled.
+        One load of the packed bytes and one scale per 32 values."""
+        BN: tl.constexpr = rows.shape[0]
+        kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        ok = row_ok[:, None] & (kh < K // 2)[None, :]
+        p = tl.load(w_ptr + rows[:, None] * stride_wn + kh[None, :], mask=ok, other=0).to(tl.int32)
+        kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s = tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0).to(tl.int32)
         if DECODE == 0:
-            u = c & 7
-            mag = tl.where(u < 2, u.to(tl.float32) * 0.5, ((u << 22) + (126 << 23)).to(tl.float32, bitcast=True))
-            val = tl.where(c >= 8, -mag, mag)
-            scale = (s << 23).to(tl.float32, bitcast=True)  # 2^(s-127); s = 0 reads as 0
-            w = val * scale
+            # exact: E2M1 magnitude from its bits, code 1 (0.5) by a select; scale 2^(s-127) (s = 0 reads as 0)
+            scale = (s << 23).to(tl.float32, bitcast=True)
+            lo = p & 15
+            hi = p >> 4
+            ulo = lo & 7
+            uhi = hi & 7
+            mlo = tl.where(ulo < 2, ulo.to(tl.float32) * 0.5, ((ulo << 22) + (126 << 23)).to(tl.float32, bitcast=True))
+            mhi = tl.where(uhi < 2, uhi.to(tl.float32) * 0.5, ((uhi << 22) + (126 << 23)).to(tl.float32, bitcast=True))
+            vlo = tl.where(lo >= 8, -mlo, mlo)
+            vhi = tl.where(hi >= 8, -mhi, mhi)
         else:
-            # E2M1 bits placed straight into a float32 (code 1 becomes a subnormal), rescaled by 2^(s-1).
-            bits = ((c & 7) << 22) | ((c & 8) << 28)
+            # E2M1 bits placed straight into a float32 (code 1 becomes the subnormal 2^-127), rescaled by 2^(s-1)
             scale = (tl.minimum(s + 126, 254) << 23).to(tl.float32, bitcast=True)
-            w = bits.to(tl.float32, bitcast=True) * scale
-        return w.to(tl.bfloat16)  # exact: an E2M1 value times a power of two
+            vlo = (((p & 7) << 22) | ((p & 8) << 28)).to(tl.float32, bitcast=True)
+            vhi = (((p & 0x70) << 18) | ((p & 0x80) << 24)).to(tl.float32, bitcast=True)
+        sc = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BLOCK_K // 32, 16)), (BN, BLOCK_K // 2))
+        return (vlo * sc).to(tl.bfloat16), (vhi * sc).to(tl.bfloat16)  # exact: E2M1 values times powers of two
 
     @triton.jit
     def _gemm_rows(
@@ -152,7 +157,7 @@ if triton is not None:
     ):
         """acc[BM, BN] += a[a_rows, :K] @ w[rows, :K]^T for one (TWO: two) weight row sets, K in fixed order."""
         for k0 in range(0, K, BLOCK_K):
-            if FP4:
+            if FP4 and DECODE < 2:
                 kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
                 kh_ok = kh < K // 2
                 ke = 2 * kh
@@ -161,21 +166,33 @@ if triton is not None:
                 if F32DOT:
                     a_even = a_even.to(tl.float32)
                     a_odd = a_odd.to(tl.float32)
-                w_lo = _fp4_tile(w_ptr, s_ptr, rows0, n_ok, stride_wn, stride_sn, kh, kh_ok, False, DECODE)
-                w_hi = _fp4_tile(w_ptr, s_ptr, rows0, n_ok, stride_wn, stride_sn, kh, kh_ok, True, DECODE)
+                w_lo, w_hi = _fp4_tiles(w_ptr, s_ptr, rows0, n_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE)
                 if F32DOT:
                     w_lo = w_lo.to(tl.float32)
                     w_hi = w_hi.to(tl.float32)
                 acc0 += tl.dot(a_even, tl.trans(w_lo))
                 acc0 += tl.dot(a_odd, tl.trans(w_hi))
                 if TWO:
-                    v_lo = _fp4_tile(w_ptr, s_ptr, rows1, n_ok, stride_wn, stride_sn, kh, kh_ok, False, DECODE)
-                    v_hi = _fp4_tile(w_ptr, s_ptr, rows1, n_ok, stride_wn, stride_sn, kh, kh_ok, True, DECODE)
+                    v_lo, v_hi = _fp4_tiles(w_ptr, s_ptr, rows1, n_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE)
                     if F32DOT:
                         v_lo = v_lo.to(tl.float32)
                         v_hi = v_hi.to(tl.float32)
                     acc1 += tl.dot(a_even, tl.trans(v_lo))
                     acc1 += tl.dot(a_odd, tl.trans(v_hi))
+            elif FP4:
+                # Triton's own MXFP4 path (GPU only): it upcasts the packed weights itself
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < K
+                a = tl.load(a_ptr + a_rows[:, None] * stride_am + kk[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+                kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+                p0 = tl.load(w_ptr + rows0[:, None] * stride_wn + kh[None, :], mask=n_ok[:, None] & (kh < K // 2)[None, :], other=0)
+                s0 = tl.load(s_ptr + rows0[:, None] * stride_sn + kg[None, :], mask=n_ok[:, None] & (kg < K // 32)[None, :], other=0)
+                acc0 += tl.dot_scaled(a, None, "bf16", tl.trans(p0), s0, "e2m1")
+                if TWO:
+                    p1 = tl.load(w_ptr + rows1[:, None] * stride_wn + kh[None, :], mask=n_ok[:, None] & (kh < K // 2)[None, :], other=0)
+                    s1 = tl.load(s_ptr + rows1[:, None] * stride_sn + kg[None, :], mask=n_ok[:, None] & (kg < K // 32)[None, :], other=0)
+                    acc1 += tl.dot_scaled(a, None, "bf16", tl.trans(p1), s1, "e2m1")
             else:
                 kk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = kk < K

@@ -156,14 +156,14 @@ def test_align_groups_pairs_by_expert_and_drops_padding():
 
 # ---- the Triton kernels under the interpreter ---------------------------------------------------------
 @needs_triton
-@pytest.mark.parametrize("fp4", [False, True])
+@pytest.mark.parametrize("fp4,decode", [(False, 0), (True, 0), (True, 1)])
 @pytest.mark.parametrize("act,bias", [(ACT_SILU, False), (ACT_GPTOSS, True)])
-def test_moe_kernel_matches_reference(fp4, act, bias):
+def test_moe_kernel_matches_reference(fp4, decode, act, bias):
     from kernels.moe import moe_forward
 
     w = _experts(act=act, bias=bias, fp4=fp4)
     x, ids, wts = _routing(5, 6, 2)
-    cfg = MoeConfig(block_m=16, block_n=32, block_k=32, num_stages=1)
+    cfg = MoeConfig(block_m=16, block_n=32, block_k=32, num_stages=1, decode=decode)
     out = moe_forward(x, ids, wts, w, 6, config=cfg, config2=cfg)
     ref = moe_reference(x, ids, wts, w, 6)
     assert (out.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max() + 1e-3
