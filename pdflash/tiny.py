@@ -93,3 +93,46 @@ def make_tiny_checkpoint(out_dir: str | pathlib.Path, arch: str = "qwen3_moe", s
     model.generation_config.pad_token_id = cfg.eos_token_id
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+def real_shape_config(arch: str, vocab_size: int = 4096, num_layers: int = 2, eos_id: int = 0):
+    """The layer shapes of a real model (Qwen3-30B-A3B, gpt-oss-20b, Mixtral-8x7B), few layers, a small
+    vocabulary: random weights of real size have the near ties that bf16 kernels turn into different tokens."""
+    common = dict(vocab_size=vocab_size, num_hidden_layers=num_layers, max_position_embeddings=4096, tie_word_embeddings=False,
+                  initializer_range=0.05, eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None)
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**common, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                              moe_intermediate_size=768, intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
+                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    if arch == "gpt_oss":
+        from transformers import GptOssConfig
+
+        return GptOssConfig(**common, hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                            intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)])
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(**common, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                             intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)
+    raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES}")
+
+
+def make_real_shape_checkpoint(out_dir: str | pathlib.Path, arch: str, num_layers: int = 2, seed: int = 0,
+                               vocab_size: int = 4096, device: str = "cpu") -> pathlib.Path:
+    """A checkpoint directory (config, bf16 safetensors, a BPE tokenizer of `vocab_size`) with real layer shapes."""
+    from transformers import AutoModelForCausalLM
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(out, vocab_size=vocab_size)
+    cfg = real_shape_config(arch, vocab_size=len(tok), num_layers=num_layers, eos_id=tok.convert_tokens_to_ids(EOS))
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = cfg.eos_token_id
+    model.generation_config.pad_token_id = cfg.eos_token_id
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out

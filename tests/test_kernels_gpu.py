@@ -156,32 +156,14 @@ def test_attention_matches_reference_and_queries_are_invariant(hq, hkv, d, windo
         assert torch.equal(cut, out)
 
 
-def real_config(arch: str, layers: int = 2):
-    """Real layer shapes, few layers, a small vocabulary."""
-    from transformers import GptOssConfig, MixtralConfig, Qwen3MoeConfig
-
-    common = dict(vocab_size=4096, num_hidden_layers=layers, max_position_embeddings=4096, tie_word_embeddings=False,
-                  initializer_range=0.05, eos_token_id=0, pad_token_id=0, bos_token_id=None)
-    if arch == "qwen3_moe":
-        return Qwen3MoeConfig(**common, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                              moe_intermediate_size=768, intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
-                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
-    if arch == "gpt_oss":
-        return GptOssConfig(**common, hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                            intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
-                            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
-    if arch == "mixtral":
-        return MixtralConfig(**common, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                             intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)
-    raise ValueError(arch)
-
-
 def make_model(arch: str, layers: int = 2, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    from pdflash.tiny import real_shape_config
+
     with torch.device(DEV):
-        model = AutoModelForCausalLM.from_config(real_config(arch, layers), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(real_shape_config(arch, num_layers=layers), dtype=torch.bfloat16)
     return model.eval()
 
 

@@ -14,6 +14,8 @@ class VerifierConfig(ServerOptions):
     port: int = option(50053, "port to bind (0 = pick a free one)")
     device: str = option("auto", "torch device: auto, cpu, cuda, cuda:N")
     dtype: str = option("auto", "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
+    kernels: str = option("auto", "batch-invariant Triton kernels for every forward (exact greedy output at every block width): auto (on CUDA when triton is importable), on, off")
+    experts: str = option("native", "routed experts: native (the checkpoint's dtype) or mxfp4 (quantized at load, resident on the device; needs the kernels)")
     torch_threads: int = option(0, "CPU threads for torch (0 = automatic: all cores, or all but one with --colocated)")
     prefill_threads: int = option(0, "CPU threads for prefill forwards (0 = as the verify forwards)")
     colocated: bool = option(False, "the drafter and scheduler share this machine: the verifier's forwards leave them a core (pdflash up and compose set it)")
@@ -59,6 +61,12 @@ class VerifierConfig(ServerOptions):
             raise ConfigError(f"--model {self.model!r}: no config.json there; point it at a checkpoint directory")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype {self.dtype!r}: choose auto, float32, bfloat16 or float16")
+        if self.kernels not in ("auto", "on", "off"):
+            raise ConfigError(f"--kernels {self.kernels!r}: choose auto, on or off")
+        if self.experts not in ("native", "mxfp4"):
+            raise ConfigError(f"--experts {self.experts!r}: choose native or mxfp4")
+        if self.experts == "mxfp4" and self.kernels == "off":
+            raise ConfigError("--experts mxfp4 runs on the kernels: drop --kernels off")
         if self.inline_verify not in ("auto", "on", "off"):
             raise ConfigError(f"--inline-verify {self.inline_verify!r}: choose auto, on or off")
         if self.torch_threads < 0:

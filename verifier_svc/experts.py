@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import re
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from kernels.installer import experts_modules, num_experts_of
 from pdflash.types import ExpertUnion
 
 IMPL_NAME = "pdflash_capture"
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class RouteRecorder:
@@ -60,30 +59,6 @@ def _capture_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index
 
 
 ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _capture_forward)
-
-
-def experts_modules(model: nn.Module) -> dict[int, nn.Module]:
-    """Decoder layer index -> its experts module (classes decorated with use_experts_implementation)."""
-    found: dict[int, nn.Module] = {}
-    for name, module in model.named_modules():
-        fwd = getattr(type(module), "forward", None)
-        if not (hasattr(module, "is_concatenated") and hasattr(module, "has_gate") and hasattr(fwd, "__wrapped__")):
-            continue
-        m = _LAYER_RE.search(name)
-        if m is None:
-            continue
-        found[int(m.group(1))] = module
-    return dict(sorted(found.items()))
-
-
-def num_experts_of(module: nn.Module) -> int:
-    for attr in ("num_experts", "num_local_experts"):
-        v = getattr(module, attr, None)
-        if isinstance(v, int):
-            return v
-    for p in module.parameters(recurse=False):
-        return int(p.shape[0])
-    raise ValueError(f"cannot tell the number of experts of {type(module).__name__}")
 
 
 def expert_byte_map(model: nn.Module) -> dict[int, list[int]]:

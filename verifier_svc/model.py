@@ -33,6 +33,12 @@ class TargetModel:
     eos_token_ids: tuple[int, ...]
     device: torch.device
     dtype: torch.dtype
+    kernels: dict = dataclasses.field(default_factory=dict)  # Installation.summary(), {} when not installed
+    experts_format: str = "native"
+
+    @property
+    def batch_invariant(self) -> bool:
+        return bool(self.kernels.get("batch_invariant"))
 
     @property
     def moe_layers(self) -> list[int]:
@@ -72,7 +78,34 @@ def model_name(directory: pathlib.Path) -> str:
     return directory.name
 
 
-def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str = "auto") -> TargetModel:
+def kernels_wanted(mode: str, device: torch.device) -> bool:
+    """--kernels auto: on CUDA when triton imports; on: required (CUDA, or Triton's interpreter for tests)."""
+    from kernels import runtime
+
+    if mode == "off":
+        return False
+    usable = runtime.triton_usable(device)
+    if mode == "on" and not usable:
+        raise ValueError(f"--kernels on: the batch-invariant kernels need CUDA and triton (device {device}, triton "
+                         f"{'found' if runtime.triton is not None else 'not installed'})")
+    return usable
+
+
+def install_kernels(model, experts_format: str) -> dict:
+    import kernels
+
+    inst = kernels.install(model, experts_format=experts_format)
+    summary = inst.summary()
+    if summary["batch_invariant"]:
+        log.info("batch-invariant kernels installed", **summary)
+    else:
+        log.warning("kernels installed, but parts of the forward are not batch-invariant: greedy output may differ "
+                    "between block widths", **summary)
+    return summary
+
+
+def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str = "auto", kernels: str = "off",
+                experts: str = "native") -> TargetModel:
     directory = pathlib.Path(directory)
     if not (directory / "config.json").exists():
         raise FileNotFoundError(f"{directory} is not a checkpoint directory (no config.json)")
@@ -88,6 +121,11 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, use_safetensors=True)
     model = model.to(dev).eval()
     model.requires_grad_(False)
+    summary = {}
+    if kernels_wanted(kernels, dev):
+        summary = install_kernels(model, experts)  # before the seam: it wraps the experts implementation in force
+    elif experts != "native":
+        raise ValueError(f"--experts {experts} needs the kernels (CUDA and triton)")
     seam = ExpertsSeam(model)
     byte_map = expert_byte_map(model)
     text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -106,4 +144,6 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
         eos_token_ids=_eos_ids(directory, config),
         device=dev,
         dtype=torch_dtype,
+        kernels=summary,
+        experts_format=experts if summary else "native",
     )

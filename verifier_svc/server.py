@@ -68,7 +68,7 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
     model_dir = cfg.model or str(await asyncio.to_thread(default_target_dir))
     verify_threads, prefill_threads = cfg.thread_counts(torch_thread.usable_cores())
     threads = await torch_thread.run(torch_thread.configure, verify_threads)
-    target = await torch_thread.run(load_target, model_dir, resolve_device(cfg.device), cfg.dtype)
+    target = await torch_thread.run(load_target, model_dir, resolve_device(cfg.device), cfg.dtype, cfg.kernels, cfg.experts)
     core = VerifierCore(target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size, cfg.max_tokens_limit,
                         prefill_threads=prefill_threads)
     if cfg.verify_inline(target.device.type, threads):  # threads: the verify forwards' count in effect
@@ -86,6 +86,8 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         experts_per_layer=target.experts_per_layer,
         total_expert_bytes=target.total_expert_bytes,
         device=str(target.device),
+        batch_invariant=target.batch_invariant,
+        experts_format=target.experts_format,
         torch_threads=threads,
         prefill_threads=prefill_threads or threads,
         colocated=cfg.colocated,

@@ -4,6 +4,7 @@ forwards), convert back."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 
@@ -114,6 +115,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             max_block_size=self.core.max_block_size,
             sessions_alive=len(self.core.sessions),
             max_sessions=self.core.sessions.max_sessions,
+            batch_invariant=t.batch_invariant,
+            kernels=json.dumps(t.kernels, sort_keys=True) if t.kernels else "",
+            experts_format=t.experts_format,
         )
 
     async def Prefill(self, request, context):

@@ -1,0 +1,142 @@
+"""The verifier on a CUDA GPU (skipped without one): with the batch-invariant kernels installed at load, greedy
+output is token for token the verifier's own block-1 decoding, for every drafter and block width, fixed or
+adaptive, and for sessions verified interleaved; real layer shapes in bf16 (Qwen3-30B-A3B, gpt-oss-20b with
+its sliding window and sinks, Mixtral-8x7B; two layers, random weights) so near ties exist.
+
+The reference is block-1 decoding on the same GPU, the same dtype (bf16) and the same kernels. Run on the GPU
+machine with `bash benchmarks/gpu.sh OUT tests`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+NEW = 256
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "mixtral"])
+def core(request, tmp_path_factory):
+    from pdflash.tiny import make_real_shape_checkpoint
+    from verifier_svc.engine import VerifierCore
+    from verifier_svc.model import load_target
+
+    d = make_real_shape_checkpoint(tmp_path_factory.mktemp(request.param), request.param, device="cuda")
+    target = load_target(d, "cuda", "auto", kernels="on")
+    assert target.batch_invariant, target.kernels
+    c = VerifierCore(target, max_block_size=32, max_tokens_limit=1024)
+    yield c
+    del c, target
+    torch.cuda.empty_cache()
+
+
+def _prompts(vocab: int, n: int = 3) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(2, vocab) for _ in range(rng.randrange(20, 120))] for _ in range(n)]
+
+
+class Session:
+    """One request driven round by round, as the drafter's loop does (anchor + drafts -> Verify)."""
+
+    def __init__(self, core, prompt, propose, width: int, adaptive: bool):
+        from drafter_svc.width import VerifyWidth
+        from pdflash.types import SamplingParams
+        from verifier_svc.engine import PrefillInput
+
+        self.core, self.propose, self.prompt = core, propose, list(prompt)
+        self.width = VerifyWidth(width) if adaptive else None
+        self.fixed = width
+        pre = core.prefill(PrefillInput("t", tuple(prompt), SamplingParams(), NEW, ignore_eos=True))
+        self.sid, self.out, self.anchor, self.union, self.round = pre.session_id, list(pre.tokens), pre.tokens[-1], pre.routed_union, 0
+        self.done = pre.finished is not None
+
+    def step(self) -> None:
+        from pdflash.types import DraftResult, union_bytes
+
+        self.round += 1
+        want = (self.width.drafts() if self.width else self.fixed - 1)
+        drafts = self.propose(self.prompt, self.out, max(0, min(want, NEW - len(self.out) - 1)))
+        res = self.core.verify(DraftResult(self.sid, self.round, (self.anchor, *drafts), self.union,
+                                           union_bytes(self.union, self.core.target.byte_map)))
+        if self.width:
+            self.width.observe(res.num_accepted)
+        self.out += res.tokens
+        self.anchor, self.union = res.tokens[-1], res.routed_union
+        self.done = res.finished is not None
+
+
+def _run(core, prompt, propose, width=1, adaptive=False) -> list[int]:
+    s = Session(core, prompt, propose, width, adaptive)
+    while not s.done:
+        s.step()
+    return s.out
+
+
+def _no_drafts(prompt, out, k):
+    return []
+
+
+def _replay(reference: list[int], error_every: int, vocab: int):
+    """Proposes the reference continuation, with a wrong token every `error_every` drafts (acceptance ~ that)."""
+
+    def propose(prompt, out, k):
+        n = len(out)
+        drafts = list(reference[n : n + k])
+        for i in range(len(drafts)):
+            if (n + i) % error_every == error_every - 1:
+                drafts[i] = (drafts[i] + 1) % vocab
+        return drafts
+
+    return propose
+
+
+def _ngram():
+    from drafter_svc.drafters.ngram import NgramDrafter
+
+    state = {}
+
+    def propose(prompt, out, k):
+        seq = prompt + out  # committed tokens, then the anchor
+        d = state.get("d")
+        if d is None:
+            d = state["d"] = NgramDrafter()
+            d.start(list(prompt))
+            state["n"] = len(prompt)
+        d.commit(seq[state["n"] : -1])  # what the verifier committed since the last proposal
+        state["n"] = len(seq) - 1
+        return list(d.propose(seq[-1], k))
+
+    return propose
+
+
+def test_every_drafter_and_width_equals_block_one(core):
+    vocab = core.target.vocab_size
+    for prompt in _prompts(vocab, 2):
+        ref = _run(core, prompt, _no_drafts)
+        assert len(ref) == NEW
+        cases = {
+            "ngram@16 adaptive": dict(propose=_ngram(), width=16, adaptive=True),
+            "replay tau~4 @16 fixed": dict(propose=_replay(ref, 4, vocab), width=16),
+            "replay tau~8 @32 adaptive": dict(propose=_replay(ref, 8, vocab), width=32, adaptive=True),
+            "replay exact @8": dict(propose=_replay(ref, 10**9, vocab), width=8),
+        }
+        for name, kw in cases.items():
+            got = _run(core, prompt, **kw)
+            first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+            assert got == ref, f"{name}: differs from block-1 decoding at token {first}"
+
+
+def test_interleaved_sessions_equal_their_solo_runs(core):
+    vocab = core.target.vocab_size
+    prompts = _prompts(vocab, 3)
+    solo = [_run(core, p, _no_drafts) for p in prompts]
+    sessions = [Session(core, p, _replay(solo[i], 3 + i, vocab), 16, True) for i, p in enumerate(prompts)]
+    while not all(s.done for s in sessions):
+        for s in sessions:
+            if not s.done:
+                s.step()
+    for i, s in enumerate(sessions):
+        assert s.out == solo[i], i
