@@ -152,8 +152,8 @@ class Recorder:
     def seen(self, func, args, handled: bool) -> None:
         if handled or not is_risky(func):
             return
-        if func is aten.bmm.default and args and args[0].shape[-1] == 1:
-            return  # outer products are exact
+        if func in (aten.bmm.default, aten.matmul.default, aten.mm.default) and args and args[0].shape[-1] == 1:
+            return  # outer products (rotary tables: inv_freq @ positions) round once per element: exact
         if not any(isinstance(a, torch.Tensor) and a.is_floating_point() for a in args):
             return  # integer reductions are exact in any order
         self.uncovered[str(func)] += 1
