@@ -48,7 +48,8 @@ def default_config(n: int, k: int, topk: int, fp4: bool) -> MoeConfig:
     while block_n > 16 and topk * triton_cdiv(n, block_n) < 2 * sms:
         block_n //= 2
     block_k = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
-    return MoeConfig(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4 if fp4 else 3)
+    # FP4: decode 1 (bit placement) was the fastest variant on the H200 at decode shapes (benchmarks/kernels.py --sweep)
+    return MoeConfig(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4 if fp4 else 3, decode=1 if fp4 else 0)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -70,6 +71,35 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return min(num_pairs, num_experts) + triton_cdiv(num_pairs, block_m)
 
 
+def align_fused(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    slot_of_expert: torch.Tensor | None = None,
+    n_valid: torch.Tensor | None = None,
+) -> Routing:
+    """`align` as one Triton launch (the torch version below is ~28 small kernels: ~85 us of a decode layer)."""
+    t, topk = topk_ids.shape
+    p = t * topk
+    dev = topk_ids.device
+    mb = max_blocks(p, num_experts, block_m)
+    sorted_pairs = torch.empty(mb * block_m, dtype=torch.int32, device=dev)
+    block_slot = torch.empty(mb, dtype=torch.int32, device=dev)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=dev)
+    valid = torch.empty(p, dtype=torch.bool, device=dev)
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    e_pad = triton.next_power_of_2(num_experts + 1)
+    _align_kernel[(1,)](
+        ids, n_valid if n_valid is not None else ids, slot_of_expert if slot_of_expert is not None else ids,
+        sorted_pairs, block_slot, num_blocks, valid, p, mb,
+        E=num_experts, E_PAD=e_pad, TOPK=topk, BM=block_m, HAS_NVALID=n_valid is not None,
+        HAS_SLOT=slot_of_expert is not None, C=64 if e_pad <= 128 else 32, num_warps=4,
+    )
+    return Routing(sorted_pairs, block_slot, num_blocks, valid, mb, p)
+
+
 def align(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -77,7 +107,8 @@ def align(
     slot_of_expert: torch.Tensor | None = None,
     n_valid: torch.Tensor | None = None,
 ) -> Routing:
-    """Group the pairs by expert without a host sync (CUDA-graph safe: every shape is static).
+    """Group the pairs by expert without a host sync (CUDA-graph safe: every shape is static). Torch ops: the
+    reference of `align_fused`.
 
     Pairs of rows >= n_valid (padding rows of a bucketed forward) and ids outside [0, num_experts) are
     dropped: they compute nothing and the combine step gives their rows zeros.
@@ -309,6 +340,69 @@ if triton is not None:
         tl.store(out_ptr + t.to(tl.int64) * N + cols, to_out(acc, out_ptr, EMULATE), mask=ok)
 
 
+    @triton.jit
+    def _align_kernel(
+        ids_ptr, nvalid_ptr, slot_ptr, sorted_ptr, block_slot_ptr, num_blocks_ptr, valid_ptr,
+        P, MB,
+        E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
+        HAS_NVALID: tl.constexpr, HAS_SLOT: tl.constexpr, C: tl.constexpr,
+    ):
+        """`align` in one program: a stable counting sort of the pairs by expert into blocks of BM."""
+        ev = tl.arange(0, E_PAD)
+        ci = tl.arange(0, C)
+        nv = P // TOPK
+        if HAS_NVALID:
+            nv = tl.load(nvalid_ptr)
+        # while-loops with runtime bounds: P varies with the token count (a range() over it would not run under
+        # Triton's interpreter, and a constexpr P would compile once per prompt length)
+        start = P * 0
+        while start < MB * BM:  # padding everywhere first
+            offs = start + ci
+            tl.store(sorted_ptr + offs, tl.zeros((C,), tl.int32) + P, mask=offs < MB * BM)
+            start += C
+        counts = tl.zeros((E_PAD,), tl.int32)
+        start = P * 0
+        while start < P:
+            offs = start + ci
+            ok = offs < P
+            key = tl.load(ids_ptr + offs, mask=ok, other=E).to(tl.int32)
+            valid = ok & (key >= 0) & (key < E) & (offs // TOPK < nv)
+            key = tl.where(valid, key, E)
+            tl.store(valid_ptr + offs, valid, mask=ok)
+            counts += tl.sum((key[:, None] == ev[None, :]).to(tl.int32), axis=0)
+            start += C
+        blocks = tl.where(ev < E, (counts + BM - 1) // BM, 0)
+        block_end = tl.cumsum(blocks, axis=0)
+        block_start = block_end - blocks
+        num_blocks = tl.sum(blocks, axis=0)
+        tl.store(num_blocks_ptr, num_blocks)
+        tl.debug_barrier()  # the padding stores above land before the scatter below
+        running = block_start * BM
+        start = P * 0
+        while start < P:
+            offs = start + ci
+            ok = offs < P
+            key = tl.load(ids_ptr + offs, mask=ok, other=E).to(tl.int32)
+            valid = ok & (key >= 0) & (key < E) & (offs // TOPK < nv)
+            key = tl.where(valid, key, E)
+            onehot = (key[:, None] == ev[None, :]).to(tl.int32)
+            earlier = ((key[:, None] == key[None, :]) & (ci[None, :] < ci[:, None])).to(tl.int32)
+            dest = tl.sum(onehot * running[None, :], axis=1) + tl.sum(earlier, axis=1)
+            tl.store(sorted_ptr + dest, offs.to(tl.int32), mask=valid)
+            running += tl.sum(onehot, axis=0)
+            start += C
+        bstart = P * 0
+        while bstart < MB:
+            b = bstart + ci
+            e_b = tl.sum(((block_end[None, :] <= b[:, None]) & (ev[None, :] < E)).to(tl.int32), axis=1)
+            used = b < num_blocks
+            e_b = tl.minimum(e_b, E - 1)
+            if HAS_SLOT:
+                e_b = tl.load(slot_ptr + e_b, mask=used, other=0)
+            tl.store(block_slot_ptr + b, tl.where(used, e_b, -1), mask=b < MB)
+            bstart += C
+
+
 # ---- the launcher ---------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class ExpertWeights:
@@ -371,7 +465,7 @@ def moe_forward(
     if config2.block_m != bm:
         raise ValueError("both GEMMs share the routing blocks: block_m must match")
     x = x.contiguous()
-    r = align(topk_ids, num_experts, bm, slot_of_expert, n_valid)
+    r = align_fused(topk_ids, num_experts, bm, slot_of_expert, n_valid)
     dev = x.device
     h = torch.empty((r.max_blocks * bm, inter), dtype=torch.bfloat16, device=dev)
     y = torch.empty((r.num_pairs, hdim), dtype=torch.float32, device=dev)

@@ -156,6 +156,21 @@ def test_align_groups_pairs_by_expert_and_drops_padding():
 
 # ---- the Triton kernels under the interpreter ---------------------------------------------------------
 @needs_triton
+@pytest.mark.parametrize("t,k,e,bm,nv,slots", [(4, 2, 4, 2, 3, False), (37, 8, 128, 16, None, True), (5, 4, 32, 16, 2, True), (300, 2, 8, 16, None, False)])
+def test_fused_align_equals_torch_align(t, k, e, bm, nv, slots):
+    from kernels.moe import align_fused
+
+    g = torch.Generator().manual_seed(t)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    ids[t // 2, 0] = -1  # a dropped pair (an expert-parallel sentinel)
+    so = torch.randperm(e, generator=g).int() if slots else None
+    n = torch.tensor([nv]) if nv is not None else None
+    a, b = align(ids, e, bm, so, n), align_fused(ids, e, bm, so, n)
+    assert torch.equal(a.sorted_pairs, b.sorted_pairs) and torch.equal(a.block_slot, b.block_slot)
+    assert int(a.num_blocks) == int(b.num_blocks) and torch.equal(a.pair_valid, b.pair_valid)
+
+
+@needs_triton
 @pytest.mark.parametrize("fp4,decode", [(False, 0), (True, 0), (True, 1)])
 @pytest.mark.parametrize("act,bias", [(ACT_SILU, False), (ACT_GPTOSS, True)])
 def test_moe_kernel_matches_reference(fp4, decode, act, bias):
