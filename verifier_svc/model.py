@@ -9,6 +9,7 @@ import pathlib
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pdflash.hf_compat import cache_kwarg
 from pdflash.logging import get_logger
 from verifier_svc.experts import ExpertsSeam, expert_byte_map
 
@@ -33,6 +34,7 @@ class TargetModel:
     eos_token_ids: tuple[int, ...]
     device: torch.device
     dtype: torch.dtype
+    cache_arg: str = "past_key_values"  # the forward's KV-cache keyword in this transformers (pdflash.hf_compat)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -106,4 +108,5 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
         eos_token_ids=_eos_ids(directory, config),
         device=dev,
         dtype=torch_dtype,
+        cache_arg=cache_kwarg(model),
     )
