@@ -138,8 +138,8 @@ class Stack:
             self._state = tempfile.mkdtemp(prefix="pdflash-stack-")
         return os.path.join(self._state, f"{name}.reason")
 
-    def failure(self, name: str) -> str:
-        """One line on a service that exited: which, how, why (its own last words) and where its log is."""
+    def failure(self, name: str, when: str = "") -> str:
+        """One line on a service that exited: which, how (and `when`), why (its own last words), where its log is."""
         p = self.procs[name]
         rc = p.returncode if p.returncode is not None else p.poll()
         how = f"was killed by {_signal_name(-rc)}" if rc is not None and rc < 0 else f"exited with code {rc}"
@@ -149,7 +149,7 @@ class Stack:
         except OSError:
             why = ""
         where = self.log_path(name) or "the terminal, above"
-        return f"{name} (pid {p.pid}) {how}" + (f": {why}" if why else "") + f"; its log: {where}"
+        return f"{name} (pid {p.pid}) {how}{' ' + when if when else ''}" + (f": {why}" if why else "") + f"; its log: {where}"
 
     @property
     def drafter(self) -> str:
@@ -254,7 +254,7 @@ class Stack:
         while time.monotonic() < deadline:
             for n, p in self.procs.items():
                 if p.poll() is not None:
-                    raise StartupError(n, f"{self.failure(n)} (during start-up)")
+                    raise StartupError(n, self.failure(n, "during start-up"))
             if check_health(target, SERVICE_NAMES[name], timeout=1.0, credentials=creds):
                 return
             time.sleep(0.2)
