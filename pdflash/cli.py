@@ -245,8 +245,9 @@ def cmd_generate(args) -> int:
     from pdflash.client import Client
 
     from pdflash.errors import InvalidArgument
+    from pdflash.validation import seconds_violation
 
-    _check_seconds(args, "timeout")
+    v = [x for x in (seconds_violation("timeout", args.timeout),) if x is not None]
     try:
         req = Client.request(
             args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -254,7 +255,8 @@ def cmd_generate(args) -> int:
             fixed_width=args.fixed_width,
         )
     except InvalidArgument as e:
-        _check(e.violations, GENERATE_FLAGS)
+        v += e.violations
+    _check(v, GENERATE_FLAGS)
     with Client(args.target, token=args.token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
         try:
             final = None
@@ -277,7 +279,8 @@ def cmd_generate(args) -> int:
 
 
 GENERATE_FLAGS = {"max_tokens": "--max-tokens", "block_size": "--block-size", "sampling.temperature": "--temperature",
-                  "sampling.top_p": "--top-p", "sampling.top_k": "--top-k", "sampling.seed": "--seed", "drafter": "--drafter"}
+                  "sampling.top_p": "--top-p", "sampling.top_k": "--top-k", "sampling.seed": "--seed", "drafter": "--drafter",
+                  "timeout": "--timeout"}
 
 
 def _finish_name(r: int) -> str:

@@ -58,15 +58,16 @@ def as_float32(value) -> float | None:
         return math.copysign(math.inf, x)
 
 
-def temperature_violation(t: float, field: str = "sampling.temperature") -> FieldViolation | None:
+def temperature_violation(t: float, field: str = "sampling.temperature", shown: str | None = None) -> FieldViolation | None:
+    """shown: how to show the value when it is not the number t (e.g. text that is no number: t is then nan)."""
     if math.isnan(t) or not (t == 0.0 or 0.0 < t <= MAX_TEMPERATURE):
-        return FieldViolation(field, f"must be 0 (greedy) or in (0, {MAX_TEMPERATURE:g}], got {t}")
+        return FieldViolation(field, f"must be 0 (greedy) or in (0, {MAX_TEMPERATURE:g}], got {shown or t}")
     return None
 
 
-def top_p_violation(p: float, field: str = "sampling.top_p") -> FieldViolation | None:
+def top_p_violation(p: float, field: str = "sampling.top_p", shown: str | None = None) -> FieldViolation | None:
     if math.isnan(p) or not 0.0 < p <= 1.0:
-        return FieldViolation(field, f"must be in (0, 1] (0 means off), got {p}")
+        return FieldViolation(field, f"must be in (0, 1] (0 means off), got {shown or p}")
     return None
 
 
@@ -78,11 +79,11 @@ def sampling_violations(s: SamplingParams, prefix: str = "sampling") -> list[Fie
     return [x for x in v if x is not None]
 
 
-def _float_field(field: str, value, check) -> tuple[float | None, FieldViolation | None]:
+def _float_field(field: str, value, check) -> FieldViolation | None:
     x = as_float32(value)
-    if x is None:
-        return None, FieldViolation(field, f"must be a number, got {_show(value)}")
-    return x, check(x, field)
+    if x is None:  # not a number at all: the range, and the value as given
+        return check(math.nan, field, _show(value))
+    return check(x, field)
 
 
 def generate_violations(
@@ -106,9 +107,9 @@ def generate_violations(
     v = [
         int_violation("max_tokens", max_tokens, 0, UINT32_MAX, "(0 = the server's default)"),
         int_violation("block_size", block_size, 0, UINT32_MAX, "(0 = the server's default, 1 = no drafting)"),
-        _float_field("sampling.temperature", temperature, temperature_violation)[1],
+        _float_field("sampling.temperature", temperature, temperature_violation),
         # 0 means off on the wire (as the servers read it): checked as 1.
-        _float_field("sampling.top_p", top_p, lambda p, f: top_p_violation(1.0 if p == 0.0 else p, f))[1],
+        _float_field("sampling.top_p", top_p, lambda p, f, shown=None: top_p_violation(1.0 if p == 0.0 else p, f, shown)),
         int_violation("sampling.top_k", top_k, 0, INT32_MAX, "(0 means off)"),
     ]
     if seed is not None:
