@@ -144,8 +144,8 @@ def _start(stack, timeout: float, say) -> bool:
         stack.wait_ready(timeout)
         return True
     except StartupError as e:
+        stack.stop()  # first: the services' goodbyes must not follow the one line that says what happened
         say(f"could not start: {e}")
-        stack.stop()
         return False
 
 
@@ -173,6 +173,7 @@ def cmd_up(args) -> int:
         policy = RestartPolicy(max_crashes=args.max_crashes, window_s=args.crash_window)
         reason = Supervisor(stack, policy, say=say).run(lambda: stop["flag"])
         if reason is not None:
+            stack.stop()  # first: the services' goodbyes must not follow the line that says why
             say(reason)
             return 1
         say("stopping")

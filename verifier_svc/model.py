@@ -87,7 +87,10 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
         torch_dtype = _DTYPES[dtype]
     config = AutoConfig.from_pretrained(directory)
     log.info("loading target", path=str(directory), architecture=config.model_type, dtype=str(torch_dtype), device=str(dev))
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, use_safetensors=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, use_safetensors=True)
+    except Exception as e:  # noqa: BLE001 - one line that names the checkpoint (pdflash.server.failure_reason)
+        raise ValueError(f"cannot load the checkpoint in {directory}: {type(e).__name__}: {e}") from e
     model = model.to(dev).eval()
     model.requires_grad_(False)
     seam = ExpertsSeam(model)
