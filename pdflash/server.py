@@ -141,12 +141,15 @@ class ServiceHost:
         self.port: int | None = None
 
     def add_port(self, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
-        if credentials is None:
-            port = self.server.add_insecure_port(address)
-        else:
-            port = self.server.add_secure_port(address, credentials)
+        try:
+            if credentials is None:
+                port = self.server.add_insecure_port(address)
+            else:
+                port = self.server.add_secure_port(address, credentials)
+        except RuntimeError:  # grpc's "Failed to bind to address ..."
+            port = 0
         if port == 0:
-            raise OSError(f"could not bind {address}")
+            raise OSError(f"could not bind {address}: the port is in use, or the address is not one of this host's")
         self.port = port
         return port
 

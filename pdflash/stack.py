@@ -304,6 +304,13 @@ class RestartPolicy:
     def gives_up(self, crashes_in_window: int) -> bool:
         return crashes_in_window >= self.max_crashes
 
+    def record(self, crashes: collections.deque[float], now: float) -> int:
+        """Add a crash at `now` to one service's crash times; forget those older than the window; the count left."""
+        crashes.append(now)
+        while crashes and crashes[0] <= now - self.window_s:
+            crashes.popleft()
+        return len(crashes)
+
 
 class Supervisor:
     """Restarts the services of a started stack that exit unexpectedly (see RestartPolicy).
@@ -337,12 +344,9 @@ class Supervisor:
                 continue
             if proc.poll() is None:
                 continue
-            crashes = self.crashes.setdefault(name, collections.deque())
-            crashes.append(now)
-            while crashes and crashes[0] < now - self.policy.window_s:
-                crashes.popleft()
+            n = self.policy.record(self.crashes.setdefault(name, collections.deque()), now)
             self.recovering.discard(name)
-            n, window = len(crashes), f"{self.policy.window_s:g} s"
+            window = f"{self.policy.window_s:g} s"
             if self.policy.gives_up(n):
                 return f"{self.stack.failure(name)}; it crashed {n} times in {window}: stopping the stack"
             delay = self.policy.delay(n)

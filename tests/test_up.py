@@ -218,6 +218,20 @@ def test_up_restarts_a_killed_service_and_stops_after_repeated_crashes(tiny, tmp
     assert "Traceback" not in up.stderr()
 
 
+def test_restart_policy_backs_off_and_gives_up_on_repeated_crashes():
+    import collections
+
+    from pdflash.stack import RestartPolicy
+
+    p = RestartPolicy()  # `pdflash up`'s defaults: 5 crashes in 60 s stop the stack
+    assert [p.delay(n) for n in range(1, 8)] == [0.5, 1, 2, 4, 8, 10, 10]
+    crashes: collections.deque[float] = collections.deque()
+    assert [p.record(crashes, t) for t in (0, 10, 20, 30)] == [1, 2, 3, 4]
+    assert not p.gives_up(4)
+    assert p.record(crashes, 71) == 3, "crashes older than the window are forgotten (0 and 10 here)"
+    assert p.record(crashes, 72) == 4 and p.record(crashes, 73) == 5 and p.gives_up(5)
+
+
 # -- the demo's terminal -----------------------------------------------------------------------------------------
 
 
