@@ -135,13 +135,13 @@ def _drafter_note(args, say) -> None:
             say(why)
 
 
-def _start(stack, timeout: float, say) -> bool:
-    """Start the services and wait until the drafter serves; on failure say one line and stop them."""
+def _start(stack, timeout: float, say, abort=None) -> bool:
+    """Start the services and wait until the drafter serves; on failure stop them and say one line."""
     from pdflash.stack import StartupError
 
     stack.start()
     try:
-        stack.wait_ready(timeout)
+        stack.wait_ready(timeout, abort=abort)
         return True
     except StartupError as e:
         stack.stop()  # first: the services' goodbyes must not follow the one line that says what happened
@@ -165,8 +165,8 @@ def cmd_up(args) -> int:
     _drafter_note(args, say)
     stack = Stack(spec)
     try:
-        if not _start(stack, args.startup_timeout, say):
-            return 1
+        if not _start(stack, args.startup_timeout, say, abort=lambda: stop["flag"]):
+            return 130 if stop["flag"] else 1
         pids = ", ".join(f"{n} {p.pid}" for n, p in stack.procs.items())
         say(f"serving: drafter {args.host}:{args.port} (scheduler :{args.scheduler_port}, verifier :{args.verifier_port}; "
             f"pids {pids}); Ctrl-C stops it")

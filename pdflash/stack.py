@@ -247,11 +247,15 @@ class Stack:
             self.start_one(name)
         return self
 
-    def wait_ready(self, timeout: float = 180.0, name: str = "drafter") -> None:
+    def wait_ready(self, timeout: float = 180.0, name: str = "drafter", abort: Callable[[], bool] | None = None) -> None:
+        """Block until `name` is SERVING. StartupError (one line) when a service exits first, the timeout passes
+        or abort() turns true (a signal asked to stop)."""
         target = {"drafter": self.drafter, "scheduler": self.scheduler, "verifier": self.verifier}[name]
         creds = self.spec.credentials()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if abort is not None and abort():
+                raise StartupError(name, "start-up interrupted: asked to stop")
             for n, p in self.procs.items():
                 if p.poll() is not None:
                     raise StartupError(n, self.failure(n, "during start-up"))
@@ -319,8 +323,6 @@ class Supervisor:
     exited and says which restarted ones are SERVING again; it returns a one-line reason when the stack
     must stop (a service crashed too often). Every event is reported through `say` as one line.
     """
-
-    ADDRESSES = ("drafter", "scheduler", "verifier")
 
     def __init__(self, stack: Stack, policy: RestartPolicy = RestartPolicy(), say: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):

@@ -218,6 +218,38 @@ def test_up_restarts_a_killed_service_and_stops_after_repeated_crashes(tiny, tmp
     assert "Traceback" not in up.stderr()
 
 
+def _processes_with(arg: str) -> list[int]:
+    """Pids of service processes (`pdflash serve-*`) whose command line has `arg` (a port of this test's stack)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if arg.encode() in argv and any(a.startswith(b"serve-") for a in argv):
+                out.append(int(d))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_ctrl_c_during_start_up_stops_every_service(tiny, tmp_path):
+    """The services run in sessions of their own (a terminal's Ctrl-C reaches `pdflash up` only): SIGINT to
+    `pdflash up` while it starts (or just after) stops them all."""
+    up = Up(tmp_path, "--model", str(tiny.target("qwen3_moe")), "--log-dir", str(tmp_path / "logs"))
+    deadline = time.monotonic() + 120
+    while not _processes_with(str(up.verifier_port)) and time.monotonic() < deadline:  # the verifier is starting
+        time.sleep(0.05)
+    assert _processes_with(str(up.verifier_port)), up.stderr()
+    up.proc.send_signal(signal.SIGINT)
+    rc = up.proc.wait(120)
+    last = up.stderr().splitlines()[-1]
+    assert (rc, last) in ((130, "pdflash up: could not start: start-up interrupted: asked to stop"), (0, "pdflash up: stopping"))
+    assert not _processes_with(str(up.verifier_port)) and not _processes_with(str(up.scheduler_port))
+
+
 def test_restart_policy_backs_off_and_gives_up_on_repeated_crashes():
     import collections
 
