@@ -79,18 +79,21 @@ def forward_cost(model, widths=(1, 2, 4, 8, 16, 32)) -> dict[int, float]:
     """Median ms of a verify forward of w tokens on a 140-token KV cache, one CPU thread, steady state."""
     from transformers import DynamicCache
 
+    from pdflash.hf_compat import cache_kwarg
+
+    kv = cache_kwarg(model)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     ids = torch.randint(5, 4000, (1, 200))
     out = {}
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :140], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :140], **{kv: cache}, use_cache=True)
         for w in widths:
             times = []
             for _ in range(30):
                 t0 = time.perf_counter()
-                model(input_ids=ids[:, 140:140 + w], past_key_values=cache, use_cache=True)
+                model(input_ids=ids[:, 140:140 + w], **{kv: cache}, use_cache=True)
                 times.append((time.perf_counter() - t0) * 1e3)
                 cache.crop(-w)
             out[w] = sorted(times)[len(times) // 2]

@@ -2,7 +2,8 @@
 # Bring up a private Docker engine and the offline base image the pdflash Dockerfile builds FROM.
 #
 # Use:   eval "$(docker/engine.sh)"      # logs go to stderr; stdout is one `export DOCKER_HOST=...` line
-#        docker/engine.sh --stop         # stop the engine this script started
+#        docker/engine.sh --status       # exit 0 when the engine answers on its socket, 1 when not
+#        docker/engine.sh --stop         # stop the engine this script started (dockerd and its containerd)
 #
 # Idempotent: each step is skipped when its result is already there (packages installed, engine
 # answering on its socket, base image present). Needs root and apt-get; exits 3 (and says why) when
@@ -20,7 +21,10 @@ SUITE=${PDFLASH_DEBIAN_SUITE:-bookworm}
 MIRROR=${PDFLASH_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 SOCK=$RUNDIR/docker.sock
 PIDFILE=$RUNDIR/dockerd.pid
+CONTAINERD_PIDFILE=$RUNDIR/exec/containerd/containerd.pid   # the containerd dockerd starts for itself
 LOG=$STATE/dockerd.log
+# Extra dockerd arguments, e.g. `-b none --iptables=false` for a second engine beside another on this host.
+read -r -a DOCKERD_ARGS <<<"${PDFLASH_DOCKERD_ARGS:-}"
 export DOCKER_HOST=unix://$SOCK
 
 log() { echo "engine.sh: $*" >&2; }
@@ -28,16 +32,34 @@ cannot() { log "cannot provide docker: $*"; exit 3; }
 
 engine_up() { docker version >/dev/null 2>&1; }
 
-stop_engine() {
-    if [[ -f $PIDFILE ]] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
-        local pid; pid=$(cat "$PIDFILE")
-        log "stopping dockerd (pid $pid)"
-        kill "$pid"
-        for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-    fi
+# stop_pid NAME PIDFILE: SIGTERM, up to 30 s to exit, then SIGKILL. Returns 1 if it is still there.
+stop_pid() {
+    local name=$1 file=$2 pid
+    [[ -f $file ]] || return 0
+    pid=$(cat "$file" 2>/dev/null) || return 0
+    [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null || return 0
+    log "stopping $name (pid $pid)"
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.5; done
+    log "$name (pid $pid) did not stop within 30 s: SIGKILL"
+    kill -9 "$pid" 2>/dev/null || true
+    for _ in $(seq 20); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.5; done
+    return 1
 }
 
-if [[ ${1:-} == --stop ]]; then stop_engine; exit 0; fi
+stop_engine() {
+    # dockerd stops the containerd it started; one left behind (dockerd killed hard, say) is stopped too.
+    local ok=0
+    stop_pid dockerd "$PIDFILE" || ok=1
+    stop_pid containerd "$CONTAINERD_PIDFILE" || ok=1
+    rm -f "$PIDFILE" "$SOCK"
+    return $ok
+}
+
+case ${1:-} in
+    --stop) stop_engine; exit $? ;;
+    --status) engine_up; exit $? ;;
+esac
 
 [[ $(id -u) == 0 ]] || cannot "not root"
 
@@ -62,7 +84,7 @@ if ! engine_up; then
     log "starting dockerd (log: $LOG)"
     # setsid: the daemon outlives this script and is not killed with the caller's process group.
     setsid dockerd --data-root "$STATE/data" --exec-root "$RUNDIR/exec" --pidfile "$PIDFILE" \
-        -H "unix://$SOCK" >>"$LOG" 2>&1 </dev/null &
+        -H "unix://$SOCK" "${DOCKERD_ARGS[@]}" >>"$LOG" 2>&1 </dev/null &
     for _ in $(seq 120); do engine_up && break; sleep 0.5; done
     engine_up || { tail -n 30 "$LOG" >&2; cannot "dockerd did not answer on $SOCK within 60 s"; }
 fi

@@ -11,6 +11,21 @@ from pdflash.tls import check_client_options
 KINDS = ("none", "ngram", "dflash", "hybrid")
 
 
+def check_drafter_fits(drafter: str, model: str) -> None:
+    """ConfigError (one line) when the DFlash drafter in `drafter` was not made for target `model` (empty =
+    the embedded demo target). Reads the two config.json files only; skipped when the default target is
+    the stand-in made on first use (it does not exist yet)."""
+    from drafter_svc.compat import drafter_mismatch
+    from pdflash.defaults import ASSETS, is_embedded_target
+
+    target = model or (str(ASSETS / "target") if is_embedded_target("") else "")
+    if not target:
+        return
+    why = drafter_mismatch(drafter, target)
+    if why is not None:
+        raise ConfigError(f"--drafter {drafter}: {why}")
+
+
 @dataclasses.dataclass
 class DrafterConfig(ServerOptions):
     model: str = option("", "target checkpoint directory (tokenizer, embedding, LM head); empty = the embedded demo model")
@@ -47,6 +62,8 @@ class DrafterConfig(ServerOptions):
             v = getattr(self, name)
             if v and not (pathlib.Path(v) / "config.json").exists():
                 raise ConfigError(f"--{name} {v!r}: no config.json there; point it at a checkpoint directory")
+        if self.drafter:
+            check_drafter_fits(self.drafter, self.model)
         if self.default_drafter and self.default_drafter not in KINDS:
             raise ConfigError(f"--default-drafter {self.default_drafter!r}: choose one of {', '.join(KINDS)}")
         if not 1 <= self.block_size <= self.max_block_size:

@@ -8,11 +8,11 @@ import dataclasses
 import time
 
 from pdflash import config as cfgmod, torch_thread
-from pdflash.defaults import default_drafter_dir, default_target_dir
+from pdflash.defaults import default_drafter_for, default_target_dir
 from pdflash.errors import PdflashError, Unavailable
 from pdflash.logging import get_logger
 from pdflash.metrics import DrafterMetrics, start_metrics_server_logged
-from pdflash.server import ServiceHost, run_service, serve_until_signal
+from pdflash.server import ServiceHost, run_service, serve_until_signal, stop_on_failure
 from pdflash.tls import BearerAuth, channel_credentials, server_credentials
 from pdflash.types import DrafterKind
 from pdflash.v1 import drafter_pb2, drafter_pb2_grpc
@@ -58,7 +58,13 @@ async def _wait_upstream(verifier: VerifierClient, scheduler: SchedulerClient, w
 
 
 def build_factories(cfg: DrafterConfig, model_dir: str) -> tuple[dict[DrafterKind, object], DrafterKind, str]:
-    drafter_dir = cfg.drafter or ("" if cfg.no_dflash else str(default_drafter_dir() or ""))
+    if cfg.drafter or cfg.no_dflash:
+        drafter_dir = cfg.drafter
+    else:
+        default, why = default_drafter_for(cfg.model)
+        drafter_dir = str(default or "")
+        if why:
+            log.warning("no DFlash drafter for this model", reason=why, model=model_dir)
     factories: dict[DrafterKind, object] = {
         DrafterKind.NONE: make_factory("none", model_dir),
         DrafterKind.NGRAM: make_factory("ngram", model_dir, max_n=3),
@@ -97,23 +103,29 @@ async def start(cfg: DrafterConfig) -> RunningDrafter:
     if not _is_loopback(cfg.host) and not cfg.tls_cert:
         log.warning("serving other machines without TLS: prompts, tokens" + (" and the bearer token" if cfg.auth_token else "")
                     + " travel in plaintext; set --tls-cert/--tls-key")
-    model_dir = cfg.model or str(await asyncio.to_thread(default_target_dir))
-    tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
-    threads = await torch_thread.run(torch_thread.configure, cfg.torch_threads)
-    factories, default, drafter_dir = await torch_thread.run(build_factories, cfg, model_dir)
-    upstream = channel_credentials(cfg.upstream_tls_ca, cfg.upstream_tls_cert, cfg.upstream_tls_key)
-    verifier, scheduler = VerifierClient(cfg.verifier, upstream), SchedulerClient(cfg.scheduler, upstream)
-    log.info("waiting for upstream", verifier=cfg.verifier, scheduler=cfg.scheduler, phase="connecting")
-    target = await _wait_upstream(verifier, scheduler, cfg.upstream_wait_s)
-    if len(tokenizer) > target.vocab_size:
-        raise cfgmod.ConfigError(
-            f"tokenizer of {model_dir} has {len(tokenizer)} tokens but the verifier's model has {target.vocab_size}: "
-            "the drafter and the verifier must serve the same checkpoint"
-        )
-    servicer.door = FrontDoor(cfg, tokenizer, factories, default, verifier, scheduler, target, drafter_dir)
-    await host.set_serving(True)
-    log.info("drafter ready", model=target.model, drafters=[k.name.lower() for k in factories], default=default.name.lower(),
-             block_size=cfg.block_size, torch_threads=threads)
+    verifier = scheduler = None
+    try:
+        model_dir = cfg.model or str(await asyncio.to_thread(default_target_dir))
+        tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+        threads = await torch_thread.run(torch_thread.configure, cfg.torch_threads)
+        factories, default, drafter_dir = await torch_thread.run(build_factories, cfg, model_dir)
+        upstream = channel_credentials(cfg.upstream_tls_ca, cfg.upstream_tls_cert, cfg.upstream_tls_key)
+        verifier, scheduler = VerifierClient(cfg.verifier, upstream), SchedulerClient(cfg.scheduler, upstream)
+        log.info("waiting for upstream", verifier=cfg.verifier, scheduler=cfg.scheduler, phase="connecting")
+        target = await _wait_upstream(verifier, scheduler, cfg.upstream_wait_s)
+        if len(tokenizer) > target.vocab_size:
+            raise cfgmod.ConfigError(
+                f"tokenizer of {model_dir} has {len(tokenizer)} tokens but the verifier's model has {target.vocab_size}: "
+                "the drafter and the verifier must serve the same checkpoint"
+            )
+        servicer.door = FrontDoor(cfg, tokenizer, factories, default, verifier, scheduler, target, drafter_dir)
+        await host.set_serving(True)
+        log.info("drafter ready", model=target.model, drafters=[k.name.lower() for k in factories], default=default.name.lower(),
+                 block_size=cfg.block_size, torch_threads=threads)
+    except BaseException:
+        await stop_on_failure(host, metrics_server and metrics_server.close, verifier and verifier.close,
+                              scheduler and scheduler.close)
+        raise
     return RunningDrafter(host, servicer.door, port, metrics_server)
 
 

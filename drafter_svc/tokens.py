@@ -19,7 +19,10 @@ PROMPT_CONTEXT = 5
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - one line that names the checkpoint (pdflash.server.failure_reason)
+        raise ValueError(f"cannot load the tokenizer in {path}: {type(e).__name__}: {e}") from e
 
 
 class IncrementalDetokenizer:

@@ -24,6 +24,7 @@ from kernels import attention as attn_kernels
 from kernels import mxfp4, runtime
 from kernels.dispatch import InvariantMode, Recorder
 from kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights, moe_forward
+from pdflash.hf_compat import cache_kwarg
 
 EXPERTS_IMPL = "batch_invariant"
 ATTN_IMPL = "batch_invariant"  # no "flash" in it: transformers would swap a *flash* name for its own kernels
@@ -310,21 +311,9 @@ def probe_uncovered(model: nn.Module, forward) -> dict[str, int]:
     cache = DynamicCache(config=model.config)
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        kw = {cache_kwarg(forward): cache}
+        kw = {cache_kwarg(model): cache}
         with InvariantMode(rec):
             forward(input_ids=ids, use_cache=True, **kw)
             forward(input_ids=torch.tensor([[4, 5]], device=dev), use_cache=True, **kw)
             forward(input_ids=torch.tensor([[6]], device=dev), use_cache=True, **kw)
     return dict(rec.uncovered)
-
-
-def cache_kwarg(model_or_forward) -> str:
-    """The KV-cache keyword of a transformers forward: `cache` (>= 5.2x) or `past_key_values` (older)."""
-    import inspect
-
-    fn = getattr(model_or_forward, "forward", model_or_forward)
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        params = {}
-    return "cache" if "cache" in params else "past_key_values"

@@ -24,11 +24,11 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                    help="leave the drafter and scheduler free to run on any core (default: pinned to the last core, the one "
                         "the co-located verifier leaves them)")
     p.add_argument("--host", default="127.0.0.1", help="drafter (public) bind address")
-    p.add_argument("--port", type=int, default=50051, help="drafter (public) port")
-    p.add_argument("--scheduler-port", type=int, default=50052)
-    p.add_argument("--verifier-port", type=int, default=50053)
+    p.add_argument("--port", type=_number, default=50051, help="drafter (public) port")
+    p.add_argument("--scheduler-port", type=_number, default=50052)
+    p.add_argument("--verifier-port", type=_number, default=50053)
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<service>.log instead of the terminal")
-    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--startup-timeout", type=_number, default=300.0, help="seconds the services may take to become ready")
     g = p.add_argument_group(
         "TLS and secrets",
         "TLS on every hop: each service serves --tls-cert/--tls-key; --tls-ca is the CA that signed them. "
@@ -49,6 +49,61 @@ def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
 
 
+class UsageError(Exception):
+    """A command-line value out of range: one line per problem, exit code 2 (`main`)."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__("; ".join(lines))
+        self.lines = lines
+
+
+def _number(text: str):
+    """argparse type of every numeric option: int or float as written, else the text itself, so the range
+    check (pdflash.validation) names the option and its range for any value, "nan" and "1e99" included."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _check(violations, flags: dict[str, str]) -> None:
+    """UsageError naming each option (by its flag) and what it must be, in pdflash.validation's words."""
+    if violations:
+        raise UsageError([f"{flags.get(v.field, v.field)}: {v.description}" for v in violations])
+
+
+def _check_seconds(args, *names: str) -> None:
+    from pdflash.validation import seconds_violation
+
+    _check([v for n in names if (v := seconds_violation(n, getattr(args, n))) is not None],
+           {n: "--" + n.replace("_", "-") for n in names})
+
+
+def _check_stack_args(args) -> None:
+    """What `up` and `demo` check before anything starts: numbers in range, the model and drafter directories
+    exist, and a named drafter fits the target."""
+    from drafter_svc.config import check_drafter_fits
+    from pdflash.validation import int_violation
+
+    flags = {n: "--" + n.replace("_", "-") for n in ("port", "scheduler_port", "verifier_port", "max_crashes")}
+    v = [int_violation(n, getattr(args, n), 1, 65535) for n in ("port", "scheduler_port", "verifier_port")]
+    if hasattr(args, "max_crashes"):
+        v.append(int_violation("max_crashes", args.max_crashes, 1, 1_000_000))
+    _check([x for x in v if x is not None], flags)
+    _check_seconds(args, "startup_timeout", *(("crash_window",) if hasattr(args, "crash_window") else ()))
+    ports = [args.port, args.scheduler_port, args.verifier_port]
+    if len(set(ports)) != 3:
+        raise UsageError([f"--port, --scheduler-port and --verifier-port must differ, got {ports[0]}, {ports[1]}, {ports[2]}"])
+    for name in ("model", "drafter"):
+        d = getattr(args, name)
+        if d and not os.path.isfile(os.path.join(d, "config.json")):
+            raise ConfigError(f"--{name} {d!r}: no config.json there; point it at a checkpoint directory")
+    if args.drafter:
+        check_drafter_fits(args.drafter, args.model)
+
+
 def _spec(args):
     import os
 
@@ -66,10 +121,40 @@ def _spec(args):
     )
 
 
-def cmd_up(args) -> int:
-    from pdflash.stack import Stack
+def _say(command: str):
+    return lambda line: print(f"pdflash {command}: {line}", file=sys.stderr, flush=True)
 
-    stack = Stack(_spec(args)).start()
+
+def _drafter_note(args, say) -> None:
+    """With a model of one's own and no --drafter, say once why there is no DFlash drafting."""
+    from pdflash.defaults import default_drafter_for
+
+    if args.model and not args.drafter and not args.no_dflash:
+        _, why = default_drafter_for(args.model)
+        if why:
+            say(why)
+
+
+def _start(stack, timeout: float, say, abort=None) -> bool:
+    """Start the services and wait until the drafter serves; on failure stop them and say one line."""
+    from pdflash.stack import StartupError
+
+    stack.start()
+    try:
+        stack.wait_ready(timeout, abort=abort)
+        return True
+    except StartupError as e:
+        stack.stop()  # first: the services' goodbyes must not follow the one line that says what happened
+        say(f"could not start: {e}")
+        return False
+
+
+def cmd_up(args) -> int:
+    from pdflash.stack import RestartPolicy, Stack, Supervisor
+
+    _check_stack_args(args)
+    spec = _spec(args)
+    say = _say("up")
     stop = {"flag": False}
 
     def on_signal(signum, frame):
@@ -77,29 +162,52 @@ def cmd_up(args) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    _drafter_note(args, say)
+    stack = Stack(spec)
     try:
-        stack.wait_ready(args.startup_timeout)
-        print(f"pdflash is up: drafter {args.host}:{args.port} (scheduler :{args.scheduler_port}, verifier :{args.verifier_port})",
-              file=sys.stderr, flush=True)
-        while not stop["flag"]:
-            for name, p in stack.procs.items():
-                if p.poll() is not None:
-                    print(f"{name} exited with code {p.returncode}; stopping the stack", file=sys.stderr)
-                    return 1
-            time.sleep(0.5)
+        if not _start(stack, args.startup_timeout, say, abort=lambda: stop["flag"]):
+            return 130 if stop["flag"] else 1
+        pids = ", ".join(f"{n} {p.pid}" for n, p in stack.procs.items())
+        say(f"serving: drafter {args.host}:{args.port} (scheduler :{args.scheduler_port}, verifier :{args.verifier_port}; "
+            f"pids {pids}); Ctrl-C stops it")
+        policy = RestartPolicy(max_crashes=args.max_crashes, window_s=args.crash_window)
+        reason = Supervisor(stack, policy, say=say).run(lambda: stop["flag"])
+        if reason is not None:
+            stack.stop()  # first: the services' goodbyes must not follow the line that says why
+            say(reason)
+            return 1
+        say("stopping")
         return 0
     finally:
         stack.stop()
 
 
 def cmd_demo(args) -> int:
-    """Start the stack, answer one request, print it with its statistics, stop."""
+    """Start the stack, answer one request, print it with its statistics, stop.
+
+    The terminal carries the prompt, the streamed completion and the summary; the services log to files
+    (--log-dir, default a fresh directory whose path is printed)."""
+    import tempfile
+
     from pdflash.client import Client
+    from pdflash.errors import InvalidArgument
     from pdflash.stack import Stack
 
+    _check_stack_args(args)
+    try:
+        req = Client.request(args.prompt, max_tokens=args.max_tokens)
+    except InvalidArgument as e:
+        _check(e.violations, {"max_tokens": "--max-tokens"})
+    say = _say("demo")
+    if not args.log_dir:
+        args.log_dir = tempfile.mkdtemp(prefix="pdflash-demo-logs-")
     spec = _spec(args)
-    with Stack(spec) as stack:
-        stack.wait_ready(args.startup_timeout)
+    say(f"service logs: {args.log_dir}")
+    _drafter_note(args, say)
+    stack = Stack(spec)
+    try:
+        if not _start(stack, args.startup_timeout, say):
+            return 1
         with Client(stack.drafter, spec.credentials(), token=spec.auth_token) as client:
             info = client.model_info()
             print(f"model {info.model} ({info.architecture}); drafters available: "
@@ -107,7 +215,6 @@ def cmd_demo(args) -> int:
             print(f">>> {args.prompt}", file=sys.stderr)
             sys.stdout.write(args.prompt)
             t0 = time.perf_counter()
-            req = Client.request(args.prompt, max_tokens=args.max_tokens)
             n = 0
             final = None
             for msg in client.stream(req, timeout=600):
@@ -122,6 +229,8 @@ def cmd_demo(args) -> int:
             u = final.usage
             print(f"--- {n} tokens in {dt:.2f}s ({n / dt:.1f} tok/s), {u.rounds} verify rounds, "
                   f"mean acceptance length {u.mean_acceptance_length:.2f}", file=sys.stderr)
+    finally:
+        stack.stop()
     return 0
 
 
@@ -136,12 +245,20 @@ def cmd_generate(args) -> int:
 
     from pdflash.client import Client
 
-    with Client(args.target, token=args.token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
+    from pdflash.errors import InvalidArgument
+    from pdflash.validation import seconds_violation
+
+    v = [x for x in (seconds_violation("timeout", args.timeout),) if x is not None]
+    try:
         req = Client.request(
             args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, drafter=args.drafter, block_size=args.block_size, ignore_eos=args.ignore_eos,
             fixed_width=args.fixed_width,
         )
+    except InvalidArgument as e:
+        v += e.violations
+    _check(v, GENERATE_FLAGS)
+    with Client(args.target, token=args.token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
         try:
             final = None
             for msg in client.stream(req, timeout=args.timeout):
@@ -162,6 +279,11 @@ def cmd_generate(args) -> int:
     return 0
 
 
+GENERATE_FLAGS = {"max_tokens": "--max-tokens", "block_size": "--block-size", "sampling.temperature": "--temperature",
+                  "sampling.top_p": "--top-p", "sampling.top_k": "--top-k", "sampling.seed": "--seed", "drafter": "--drafter",
+                  "timeout": "--timeout"}
+
+
 def _finish_name(r: int) -> str:
     from pdflash.v1 import common_pb2
 
@@ -173,6 +295,7 @@ def cmd_health(args) -> int:
 
     from pdflash.tls import channel_credentials
 
+    _check_seconds(args, "timeout")
     ok = check_health(args.target, args.service, args.timeout, channel_credentials(args.tls_ca, args.tls_cert, args.tls_key))
     print("SERVING" if ok else "NOT_SERVING")
     return 0 if ok else 1
@@ -201,29 +324,35 @@ def build_parser() -> argparse.ArgumentParser:
         add_arguments(p, cls)
         p.set_defaults(func=lambda a, m=module: importlib.import_module(m).run(a) or 0)
 
-    p = sub.add_parser("up", help="start all three services (foreground; Ctrl-C stops them)")
+    p = sub.add_parser("up", help="start all three services (foreground; Ctrl-C stops them)",
+                       description="Start the three services and keep them running: a service that exits is restarted "
+                                   "(after 0.5 s, doubling per crash up to 10 s); Ctrl-C or SIGTERM stops the stack, "
+                                   "and so do --max-crashes crashes of one service within --crash-window seconds.")
     _add_stack_args(p)
+    p.add_argument("--max-crashes", type=_number, default=5,
+                   help="stop the stack when one service crashes this many times within --crash-window seconds")
+    p.add_argument("--crash-window", type=_number, default=60.0, help="seconds over which --max-crashes counts")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("demo", help="start the stack, answer one request with statistics, stop")
     _add_stack_args(p)
     p.add_argument("--prompt", default="class Stack:\n    def __init__(self):\n")
-    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--max-tokens", type=_number, default=96)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("generate", help="stream a completion from a running stack")
     p.add_argument("prompt")
     p.add_argument("--target", default="127.0.0.1:50051", help="drafter address")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=_number, default=64)
+    p.add_argument("--temperature", type=_number, default=0.0)
+    p.add_argument("--top-p", type=_number, default=1.0)
+    p.add_argument("--top-k", type=_number, default=0)
+    p.add_argument("--seed", type=_number, default=None)
     p.add_argument("--drafter", default="unspecified", choices=["unspecified", "none", "ngram", "dflash", "hybrid"])
-    p.add_argument("--block-size", type=int, default=0, help="widest verify block (0 = the server's default)")
+    p.add_argument("--block-size", type=_number, default=0, help="widest verify block (0 = the server's default)")
     p.add_argument("--fixed-width", action="store_true", help="draft the whole block every round (default: the width adapts)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=_number, default=300.0, help="seconds")
     p.add_argument("--stats", action="store_true", help="print usage statistics to stderr")
     p.add_argument("--token", default=os.environ.get("PDFLASH_AUTH_TOKEN", ""),
                    help="bearer token of the public API [env PDFLASH_AUTH_TOKEN]")
@@ -233,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("health", help="probe grpc.health.v1 (exit 0 when SERVING)")
     p.add_argument("target", nargs="?", default="127.0.0.1:50051")
     p.add_argument("--service", default="")
-    p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--timeout", type=_number, default=3.0, help="seconds")
     _add_client_tls_args(p)
     p.set_defaults(func=cmd_health)
     return parser
@@ -243,8 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except UsageError as e:
+        for line in e.lines:
+            print(f"pdflash {args.command}: {line}", file=sys.stderr)
+        return 2
     except ConfigError as e:
-        print(f"pdflash: configuration error: {e}", file=sys.stderr)
+        print(f"pdflash {args.command}: configuration error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -7,10 +7,12 @@ from collections.abc import Iterator
 
 import grpc
 
+from pdflash.errors import FieldViolation, check
 from pdflash.server import CHANNEL_OPTIONS
 from pdflash.tls import bearer_metadata, channel_credentials
 from pdflash.types import DrafterKind
 from pdflash.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from pdflash.validation import generate_violations, seconds_violation
 
 
 @dataclasses.dataclass
@@ -74,10 +76,25 @@ class Client:
         request_id: str = "",
         fixed_width: bool = False,
     ) -> drafter_pb2.GenerateRequest:
+        """A GenerateRequest. Every value is checked before it reaches a protobuf field: a value the field
+        cannot hold, or one no server accepts, raises `pdflash.errors.InvalidArgument` whose field violations
+        use the server's words (`pdflash.validation`)."""
+        prompt_tokens = () if isinstance(prompt, str) else list(prompt)
+        v = generate_violations(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                block_size=block_size, stop_token_ids=list(stop_token_ids or ()),
+                                prompt_tokens=prompt_tokens, request_id=request_id)
+        kind = None
+        if isinstance(drafter, str):
+            kind = DrafterKind.__members__.get(drafter.upper())
+        elif drafter in DrafterKind._value2member_map_:
+            kind = DrafterKind(drafter)
+        if kind is None:
+            v.append(FieldViolation("drafter", f"unknown drafter kind {drafter!r}; choose one of "
+                                               f"{', '.join(k.name.lower() for k in DrafterKind)}"))
+        check(v, "invalid Generate request")
         sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         if seed is not None:
             sampling.seed = seed
-        kind = DrafterKind[drafter.upper()] if isinstance(drafter, str) else drafter
         req = drafter_pb2.GenerateRequest(
             request_id=request_id,
             max_tokens=max_tokens,
@@ -91,10 +108,12 @@ class Client:
         if isinstance(prompt, str):
             req.prompt = prompt
         else:
-            req.prompt_tokens.ids.extend(prompt)
+            req.prompt_tokens.ids.extend(prompt_tokens)
         return req
 
     def stream(self, req: drafter_pb2.GenerateRequest, timeout: float | None = None) -> Iterator[drafter_pb2.GenerateResponse]:
+        if timeout is not None:
+            check([v for v in (seconds_violation("timeout", timeout),) if v is not None], "invalid Generate call")
         return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
 
     def generate(self, prompt: str | list[int], timeout: float | None = 300.0, **kw) -> Completion:

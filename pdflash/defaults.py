@@ -33,3 +33,32 @@ def default_target_dir() -> pathlib.Path:
 def default_drafter_dir() -> pathlib.Path | None:
     d = ASSETS / "drafter"
     return d if (d / "config.json").exists() else None
+
+
+def is_embedded_target(model: str | os.PathLike) -> bool:
+    """Is `model` (empty = the default) the embedded demo target?"""
+    embedded = ASSETS / "target"
+    if not (embedded / "config.json").exists():
+        return False
+    if not model:
+        return True
+    try:
+        return pathlib.Path(model).resolve() == embedded.resolve()
+    except OSError:
+        return False
+
+
+def default_drafter_for(model: str | os.PathLike) -> tuple[pathlib.Path | None, str]:
+    """The DFlash drafter to serve with target `model` when none is named, and why there is none.
+
+    The embedded drafter belongs to the embedded target: it reads that model's hidden states and shares its
+    vocabulary. With any other target there is no default DFlash drafter; the reason says so (empty when
+    there is nothing to explain).
+    """
+    drafter = default_drafter_dir()
+    if drafter is None:
+        return None, ""
+    if is_embedded_target(model):
+        return drafter, ""
+    return None, (f"serving n-gram drafting: the embedded DFlash drafter was made for the embedded demo target, "
+                  f"not for {model}; pass --drafter DIR for a DFlash drafter made for this model")

@@ -141,12 +141,15 @@ class ServiceHost:
         self.port: int | None = None
 
     def add_port(self, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
-        if credentials is None:
-            port = self.server.add_insecure_port(address)
-        else:
-            port = self.server.add_secure_port(address, credentials)
+        try:
+            if credentials is None:
+                port = self.server.add_insecure_port(address)
+            else:
+                port = self.server.add_secure_port(address, credentials)
+        except RuntimeError:  # grpc's "Failed to bind to address ..."
+            port = 0
         if port == 0:
-            raise OSError(f"could not bind {address}")
+            raise OSError(f"could not bind {address}: the port is in use, or the address is not one of this host's")
         self.port = port
         return port
 
@@ -187,37 +190,94 @@ async def serve_until_signal(
     log.info("stopped", services=host.service_names)
 
 
+async def stop_on_failure(host: ServiceHost, *closers) -> None:
+    """Undo a start-up that failed half-way: stop the listener (so no grpc object outlives the event loop,
+    which printed "Event loop is closed" tracebacks at exit) and close what was opened (callables, awaited
+    when they return an awaitable; None entries are skipped)."""
+    try:
+        await host.stop(0)
+    except Exception:  # noqa: BLE001 - best effort on the way out; the start-up error is what matters
+        pass
+    for close in closers:
+        if close is None:
+            continue
+        try:
+            result = close()
+            if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+                await result
+        except Exception:  # noqa: BLE001
+            pass
+
+
 def channel(target: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
     return grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
 
 
+TERMINATION_LOG_ENV = "PDFLASH_TERMINATION_LOG"
+
+
+def failure_reason(error: BaseException) -> str:
+    """One line saying why a service failed: the message of the errors pdflash raises on purpose (bad
+    options, a checkpoint that does not load or fit, upstream services that never answered), the
+    exception's type too for anything else."""
+    from pdflash.config import ConfigError
+    from pdflash.errors import PdflashError
+
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, (ConfigError, PdflashError, OSError, ValueError)):
+        return text
+    return f"{type(error).__name__}: {text}"
+
+
+def write_termination_log(reason: str) -> None:
+    """Leave `reason` where the process's supervisor reads it: the file named by $PDFLASH_TERMINATION_LOG
+    (like Kubernetes' terminationMessagePath; `pdflash up` sets it for each service)."""
+    path = os.environ.get(TERMINATION_LOG_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(reason + "\n")
+    except OSError:
+        pass
+
+
 def run_service(config_cls, serve, service: str, args) -> int:
     """The `pdflash serve-<service>` body shared by the three services: options from flags / environment /
-    config file, logging, the effective configuration logged, serve until a signal. Returns an exit code."""
+    config file, logging, the effective configuration logged, serve until a signal. Returns an exit code.
+
+    A failure (bad options, a model that does not load, a port in use, upstream services that never
+    answer) is one line, logged and left in the termination log, and exit code 2 (options) or 1; the
+    traceback is logged only at --log-level debug."""
     import sys
 
     from pdflash import config as cfgmod
     from pdflash.logging import configure
 
+    def refuse(reason: str) -> int:
+        print(f"pdflash serve-{service}: configuration error: {reason}", file=sys.stderr)
+        write_termination_log(f"configuration error: {reason}")
+        return 2
+
     try:
         cfg = cfgmod.from_sources(config_cls, args)
     except cfgmod.ConfigError as e:
-        print(f"pdflash serve-{service}: configuration error: {e}", file=sys.stderr)
-        return 2
+        return refuse(str(e))
     configure(cfg.log_level)
     if cfg.cpus:
         cores = cfgmod.parse_cpus(cfg.cpus)
         try:
             os.sched_setaffinity(0, cores)
         except (OSError, AttributeError) as e:  # a core this process may not use, or not Linux
-            print(f"pdflash serve-{service}: --cpus {cfg.cpus!r}: cannot run on cores {sorted(cores)}: {e}", file=sys.stderr)
-            return 2
+            return refuse(f"--cpus {cfg.cpus!r}: cannot run on cores {sorted(cores)}: {e}")
     log.info("effective configuration", service=service, **cfgmod.describe(cfg))
     try:
         asyncio.run(serve(cfg))
-    except OSError as e:  # e.g. the port is taken
-        log.error("cannot serve", service=service, error=str(e), address=f"{cfg.host}:{cfg.port}")
-        return 1
+    except Exception as e:  # noqa: BLE001 - every failure becomes one line and an exit code
+        reason = failure_reason(e)
+        log.error("cannot serve", service=service, error=reason, exc_info=cfg.log_level.lower() == "debug")
+        write_termination_log(reason)
+        return 2 if isinstance(e, cfgmod.ConfigError) else 1
     return 0

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -100,6 +104,21 @@ class StackSpec:
         return channel_credentials(self.tls_ca, self.client_cert, self.client_key)
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class StartupError(RuntimeError):
+    """A service exited, or never became SERVING, while the stack started. `str()` is one line."""
+
+    def __init__(self, service: str, line: str):
+        super().__init__(line)
+        self.service = service
+
+
 class Stack:
     """Starts the three services; `wait_ready()` blocks until the drafter is SERVING."""
 
@@ -107,6 +126,30 @@ class Stack:
         self.spec = spec
         self.procs: dict[str, subprocess.Popen] = {}
         self._logs: list = []
+        # Each service leaves the reason it failed in <_state>/<name>.reason ($PDFLASH_TERMINATION_LOG).
+        self._state: str | None = None
+
+    def log_path(self, name: str) -> str | None:
+        """The file a service logs to (None: it logs to this process's terminal)."""
+        return os.path.join(self.spec.log_dir, f"{name}.log") if self.spec.log_dir else None
+
+    def _reason_file(self, name: str) -> str:
+        if self._state is None:
+            self._state = tempfile.mkdtemp(prefix="pdflash-stack-")
+        return os.path.join(self._state, f"{name}.reason")
+
+    def failure(self, name: str, when: str = "") -> str:
+        """One line on a service that exited: which, how (and `when`), why (its own last words), where its log is."""
+        p = self.procs[name]
+        rc = p.returncode if p.returncode is not None else p.poll()
+        how = f"was killed by {_signal_name(-rc)}" if rc is not None and rc < 0 else f"exited with code {rc}"
+        try:
+            with open(self._reason_file(name), encoding="utf-8") as f:
+                why = " ".join(f.read().split())
+        except OSError:
+            why = ""
+        where = self.log_path(name) or "the terminal, above"
+        return f"{name} (pid {p.pid}) {how}{' ' + when if when else ''}" + (f": {why}" if why else "") + f"; its log: {where}"
 
     @property
     def drafter(self) -> str:
@@ -180,14 +223,22 @@ class Stack:
         return cmd + s.drafter_args
 
     def start_one(self, name: str) -> subprocess.Popen:
-        """Start (or restart, after it died or was killed) one of the three services."""
+        """Start (or restart, after it died or was killed) one of the three services.
+
+        Each runs in its own session: a Ctrl-C at the terminal reaches the process that started the stack,
+        which stops the services itself (SIGTERM, then `stop`'s grace), instead of racing them to it."""
         env = self._env(name)
+        reason = self._reason_file(name)
+        if os.path.exists(reason):
+            os.remove(reason)
+        env["PDFLASH_TERMINATION_LOG"] = reason
         out = None
         if self.spec.log_dir:
             os.makedirs(self.spec.log_dir, exist_ok=True)
-            out = open(os.path.join(self.spec.log_dir, f"{name}.log"), "ab")
+            out = open(self.log_path(name), "ab")
             self._logs.append(out)
-        p = subprocess.Popen(self._cmd(name), env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+        p = subprocess.Popen(self._cmd(name), env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs[name] = p
         return p
 
@@ -196,19 +247,23 @@ class Stack:
             self.start_one(name)
         return self
 
-    def wait_ready(self, timeout: float = 180.0, name: str = "drafter") -> None:
+    def wait_ready(self, timeout: float = 180.0, name: str = "drafter", abort: Callable[[], bool] | None = None) -> None:
+        """Block until `name` is SERVING. StartupError (one line) when a service exits first, the timeout passes
+        or abort() turns true (a signal asked to stop)."""
         target = {"drafter": self.drafter, "scheduler": self.scheduler, "verifier": self.verifier}[name]
         creds = self.spec.credentials()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if abort is not None and abort():
+                raise StartupError(name, "start-up interrupted: asked to stop")
             for n, p in self.procs.items():
                 if p.poll() is not None:
-                    raise RuntimeError(f"{n} exited with code {p.returncode} during start-up" +
-                                       (f"; see {self.spec.log_dir}/{n}.log" if self.spec.log_dir else ""))
+                    raise StartupError(n, self.failure(n, "during start-up"))
             if check_health(target, SERVICE_NAMES[name], timeout=1.0, credentials=creds):
                 return
             time.sleep(0.2)
-        raise TimeoutError(f"{name} not SERVING after {timeout:.0f}s")
+        where = self.log_path(name) or "the terminal, above"
+        raise StartupError(name, f"{name} not SERVING after {timeout:.0f}s (--startup-timeout); its log: {where}")
 
     def stop(self, grace: float = 10.0) -> None:
         for p in self.procs.values():
@@ -224,9 +279,94 @@ class Stack:
         for f in self._logs:
             f.close()
         self._logs.clear()
+        if self._state is not None:
+            shutil.rmtree(self._state, ignore_errors=True)
+            self._state = None
 
     def __enter__(self) -> "Stack":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    """How `pdflash up` keeps a stack running, as compose's `restart: unless-stopped` does: a service that
+    exits is started again after a delay that doubles with each crash in the window (capped); `max_crashes`
+    crashes of one service within `window_s` seconds stop the stack instead."""
+
+    max_crashes: int = 5
+    window_s: float = 60.0
+    backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+
+    def delay(self, crashes_in_window: int) -> float:
+        """Seconds to wait before restarting after the n-th crash within the window (n >= 1)."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** max(0, crashes_in_window - 1))
+
+    def gives_up(self, crashes_in_window: int) -> bool:
+        return crashes_in_window >= self.max_crashes
+
+    def record(self, crashes: collections.deque[float], now: float) -> int:
+        """Add a crash at `now` to one service's crash times; forget those older than the window; the count left."""
+        crashes.append(now)
+        while crashes and crashes[0] <= now - self.window_s:
+            crashes.popleft()
+        return len(crashes)
+
+
+class Supervisor:
+    """Restarts the services of a started stack that exit unexpectedly (see RestartPolicy).
+
+    `step()` is one look at the processes: it starts services whose delay has passed, notes services that
+    exited and says which restarted ones are SERVING again; it returns a one-line reason when the stack
+    must stop (a service crashed too often). Every event is reported through `say` as one line.
+    """
+
+    def __init__(self, stack: Stack, policy: RestartPolicy = RestartPolicy(), say: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.stack = stack
+        self.policy = policy
+        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.clock = clock
+        self.crashes: dict[str, collections.deque[float]] = {n: collections.deque() for n in stack.procs}
+        self.pending: dict[str, float] = {}  # service -> when to start it again
+        self.recovering: set[str] = set()  # started again, not yet SERVING
+
+    def step(self) -> str | None:
+        now = self.clock()
+        for name, proc in list(self.stack.procs.items()):
+            if name in self.pending:
+                if now >= self.pending[name]:
+                    del self.pending[name]
+                    p = self.stack.start_one(name)
+                    self.recovering.add(name)
+                    self.say(f"{name} restarted (pid {p.pid})")
+                continue
+            if proc.poll() is None:
+                continue
+            n = self.policy.record(self.crashes.setdefault(name, collections.deque()), now)
+            self.recovering.discard(name)
+            window = f"{self.policy.window_s:g} s"
+            if self.policy.gives_up(n):
+                return f"{self.stack.failure(name)}; it crashed {n} times in {window}: stopping the stack"
+            delay = self.policy.delay(n)
+            self.pending[name] = now + delay
+            self.say(f"{self.stack.failure(name)}; restarting it in {delay:g} s "
+                     f"(crash {n} in {window}; {self.policy.max_crashes} stop the stack)")
+        creds = self.stack.spec.credentials()
+        for name in sorted(self.recovering):
+            if check_health(getattr(self.stack, name), SERVICE_NAMES[name], timeout=0.5, credentials=creds):
+                self.recovering.discard(name)
+                self.say(f"{name} is serving again")
+        return None
+
+    def run(self, should_stop: Callable[[], bool], interval_s: float = 0.25) -> str | None:
+        """step() until should_stop() (None) or a service crashed too often (its reason)."""
+        while not should_stop():
+            reason = self.step()
+            if reason is not None:
+                return reason
+            time.sleep(interval_s)
+        return None

@@ -80,9 +80,15 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int, num_layers: int = 2):
 
 
 def make_tiny_checkpoint(out_dir: str | pathlib.Path, arch: str = "qwen3_moe", seed: int = 0, num_layers: int = 2) -> pathlib.Path:
-    """Write config.json, model.safetensors, tokenizer files and generation_config.json to out_dir."""
+    """Write config.json, model.safetensors, tokenizer files and generation_config.json to out_dir.
+
+    The architecture is checked before anything is written: a call with its arguments swapped,
+    `make_tiny_checkpoint("qwen3_moe", path)`, once left a tokenizer in ./qwen3_moe/ (committed by accident).
+    """
     from transformers import AutoModelForCausalLM
 
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHITECTURES}")
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(out)

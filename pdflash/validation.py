@@ -1,13 +1,26 @@
-"""Input checks shared by the services (field violations, never exceptions of their own)."""
+"""Input checks shared by the services and the clients (field violations, never exceptions of their own).
+
+The servers answer INVALID_ARGUMENT with these words; `pdflash.client.Client.request` and the CLI check
+the same fields with the same functions before a value reaches a protobuf field (protobuf itself raises
+a bare ValueError/TypeError on a number its field cannot hold), so a user reads the same sentence
+whichever side caught the mistake.
+"""
 
 from __future__ import annotations
 
 import math
+import operator
+import struct
 
 from pdflash.errors import FieldViolation
 from pdflash.types import SamplingParams
 
 MAX_ID_CHARS = 256  # request, session and ticket ids: logged, some echoed as metadata
+
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+MAX_TEMPERATURE = 100.0
 
 
 def id_violations(fields: dict[str, str]) -> list[FieldViolation]:
@@ -15,12 +28,110 @@ def id_violations(fields: dict[str, str]) -> list[FieldViolation]:
     return [FieldViolation(k, f"{len(v)} characters; at most {MAX_ID_CHARS}") for k, v in fields.items() if len(v) > MAX_ID_CHARS]
 
 
+def _show(value) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def int_violation(field: str, value, lo: int, hi: int, note: str = "") -> FieldViolation | None:
+    """`value` must be an integer in [lo, hi] (note: what special values mean, e.g. "(0 = the server's default)")."""
+    note = f" {note}" if note else ""
+    try:
+        v = operator.index(value)  # int, bool, numpy integers; not floats or strings
+    except TypeError:
+        return FieldViolation(field, f"must be an integer in [{lo}, {hi}]{note}, got {_show(value)}")
+    if not lo <= v <= hi:
+        return FieldViolation(field, f"must be in [{lo}, {hi}]{note}, got {v}")
+    return None
+
+
+def as_float32(value) -> float | None:
+    """`value` as a protobuf `float` field stores it (None when it is not a number at all)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        return None
+    try:
+        x = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # beyond float32's range: the field would hold an infinity
+        return math.copysign(math.inf, x)
+
+
+def temperature_violation(t: float, field: str = "sampling.temperature", shown: str | None = None) -> FieldViolation | None:
+    """shown: how to show the value when it is not the number t (e.g. text that is no number: t is then nan)."""
+    if math.isnan(t) or not (t == 0.0 or 0.0 < t <= MAX_TEMPERATURE):
+        return FieldViolation(field, f"must be 0 (greedy) or in (0, {MAX_TEMPERATURE:g}], got {shown or t}")
+    return None
+
+
+def top_p_violation(p: float, field: str = "sampling.top_p", shown: str | None = None) -> FieldViolation | None:
+    if math.isnan(p) or not 0.0 < p <= 1.0:
+        return FieldViolation(field, f"must be in (0, 1] (0 means off), got {shown or p}")
+    return None
+
+
 def sampling_violations(s: SamplingParams, prefix: str = "sampling") -> list[FieldViolation]:
-    v = []
-    if math.isnan(s.temperature) or not (s.temperature == 0.0 or 0.0 < s.temperature <= 100.0):
-        v.append(FieldViolation(f"{prefix}.temperature", f"must be 0 (greedy) or in (0, 100], got {s.temperature}"))
-    if math.isnan(s.top_p) or not 0.0 < s.top_p <= 1.0:
-        v.append(FieldViolation(f"{prefix}.top_p", f"must be in (0, 1] (0 means off), got {s.top_p}"))
-    if s.top_k < 0:
-        v.append(FieldViolation(f"{prefix}.top_k", f"must be >= 0 (0 means off), got {s.top_k}"))
-    return v
+    v = [temperature_violation(s.temperature, f"{prefix}.temperature"), top_p_violation(s.top_p, f"{prefix}.top_p"),
+         int_violation(f"{prefix}.top_k", s.top_k, 0, INT32_MAX, "(0 means off)")]
+    if s.seed is not None:
+        v.append(int_violation(f"{prefix}.seed", s.seed, 0, UINT64_MAX))
+    return [x for x in v if x is not None]
+
+
+def _float_field(field: str, value, check) -> FieldViolation | None:
+    x = as_float32(value)
+    if x is None:  # not a number at all: the range, and the value as given
+        return check(math.nan, field, _show(value))
+    return check(x, field)
+
+
+def generate_violations(
+    *,
+    max_tokens=0,
+    temperature=0.0,
+    top_p=1.0,
+    top_k=0,
+    seed=None,
+    block_size=0,
+    stop_token_ids=(),
+    prompt_tokens=(),
+    request_id: str = "",
+) -> list[FieldViolation]:
+    """What a GenerateRequest built from these values would be refused for, before any protobuf field sees them.
+
+    Field names are the request's (`max_tokens`, `sampling.temperature`, ...). Limits the client cannot know
+    (the server's max_tokens limit, its vocabulary) stay the server's to check; values a field cannot hold,
+    and sampling values no server accepts, are refused here with the server's words.
+    """
+    v = [
+        int_violation("max_tokens", max_tokens, 0, UINT32_MAX, "(0 = the server's default)"),
+        int_violation("block_size", block_size, 0, UINT32_MAX, "(0 = the server's default, 1 = no drafting)"),
+        _float_field("sampling.temperature", temperature, temperature_violation),
+        # 0 means off on the wire (as the servers read it): checked as 1.
+        _float_field("sampling.top_p", top_p, lambda p, f, shown=None: top_p_violation(1.0 if p == 0.0 else p, f, shown)),
+        int_violation("sampling.top_k", top_k, 0, INT32_MAX, "(0 means off)"),
+    ]
+    if seed is not None:
+        v.append(int_violation("sampling.seed", seed, 0, UINT64_MAX))
+    for field, ids in (("stop_token_ids", stop_token_ids), ("prompt_tokens.ids", prompt_tokens)):
+        bad = [t for t in ids if int_violation(field, t, 0, INT32_MAX) is not None]
+        if bad:
+            v.append(FieldViolation(field, f"ids {bad[:5]} are not token ids in [0, {INT32_MAX}]"))
+    v.extend(id_violations({"request_id": request_id}))
+    return [x for x in v if x is not None]
+
+
+# gRPC turns a deadline beyond ~1e10 s into an immediate DEADLINE_EXCEEDED; the CLI's waits share the bound.
+MAX_SECONDS = 1_000_000_000
+
+
+def seconds_violation(field: str, value, hi: float = MAX_SECONDS) -> FieldViolation | None:
+    """A timeout or other duration: a number of seconds in (0, hi]."""
+    bound = f"(0, {hi:.0f}]" if float(hi).is_integer() else f"(0, {hi}]"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return FieldViolation(field, f"must be a number of seconds in {bound}, got {_show(value)}")
+    x = float(value)
+    if math.isnan(x) or not 0.0 < x <= hi:
+        return FieldViolation(field, f"must be a number of seconds in {bound}, got {value}")
+    return None

@@ -17,6 +17,14 @@ from pdflash.tiny import make_tiny_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The processes tests start (stacks, `pdflash up`, the CLI) import this checkout's code, whatever is
+# installed and wherever they run.
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                          if p and pathlib.Path(p).resolve() != ROOT]])
+
+pytest_plugins = ["checkout_guard"]  # the run must leave `git status --porcelain` as it found it
+
 
 class TinyModels:
     """Lazily made tiny random checkpoints (target + a random DFlash drafter), once per session."""

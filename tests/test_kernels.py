@@ -264,7 +264,7 @@ def test_installed_tiny_model_is_block_invariant_on_cpu(arch, tiny):
     from transformers import AutoModelForCausalLM, DynamicCache
 
     import kernels
-    from kernels.installer import cache_kwarg
+    from pdflash.hf_compat import cache_kwarg
 
     model = AutoModelForCausalLM.from_pretrained(tiny.target(arch), dtype=torch.bfloat16).eval()
     inst = kernels.install(model)

@@ -184,7 +184,7 @@ def test_installed_model_logits_are_identical_in_blocks(arch, fmt):
     from transformers import DynamicCache
 
     import kernels
-    from kernels.installer import cache_kwarg
+    from pdflash.hf_compat import cache_kwarg
 
     model = make_model(arch)
     n = 200  # past the 128-token sliding window of gpt-oss's odd layers

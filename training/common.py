@@ -127,12 +127,15 @@ def greedy_generate(model, prompts: torch.Tensor, n_new: int, chunk: int = 4096,
     from tqdm.auto import tqdm
     from transformers import DynamicCache
 
+    from pdflash.hf_compat import cache_kwarg
+
+    kv = cache_kwarg(model)
     outs = []
     bar = tqdm(total=n_new * math.ceil(len(prompts) / chunk), desc=desc or "greedy", leave=False, mininterval=2.0)
     for i in range(0, len(prompts), chunk):
         ids = prompts[i : i + chunk]
         cache = DynamicCache()
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=ids, **{kv: cache}, use_cache=True).logits[:, -1]
         toks = []
         for _ in range(n_new):
             nxt = logits.argmax(-1, keepdim=True)
@@ -140,7 +143,7 @@ def greedy_generate(model, prompts: torch.Tensor, n_new: int, chunk: int = 4096,
             bar.update(1)
             if len(toks) == n_new:
                 break
-            logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=nxt, **{kv: cache}, use_cache=True).logits[:, -1]
         outs.append(torch.cat(toks, dim=1))
     bar.close()
     return torch.cat(outs)

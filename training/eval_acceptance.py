@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from drafter_svc.dflash_model import ContextKV, load_dflash
+from pdflash.hf_compat import cache_kwarg
 from training.common import (device_name, dflash_blocks, draft_hidden, greedy_generate, load_target, pick_device,
                              seed_all, target_features, write_json)
 from training.corpus import EOS, MASK, encode_docs, load_split, prompt_windows, read_text
@@ -184,8 +185,9 @@ def run_loop(target, drafter, prompt: list[int], n_new: int, block: int, kind: s
     def feats_of(out, rows):
         return torch.cat([out.hidden_states[l + 1][:, :rows] for l in layer_ids], dim=-1)
 
+    kv = cache_kwarg(target)
     cache = DynamicCache()
-    out = target(input_ids=torch.tensor([prompt], device=dev), past_key_values=cache, use_cache=True,
+    out = target(input_ids=torch.tensor([prompt], device=dev), **{kv: cache}, use_cache=True,
                  output_hidden_states=drafter is not None)
     ctx = None
     if drafter is not None:
@@ -205,7 +207,7 @@ def run_loop(target, drafter, prompt: list[int], n_new: int, block: int, kind: s
             h = drafter(target.get_input_embeddings()(ids).to(drafter.fc.weight.dtype), pos, cache=ctx)
             d = target.lm_head(h[:, 1:].to(target.lm_head.weight.dtype))[0].argmax(-1).tolist()[:k]
         blk = [anchor] + list(d)
-        out = target(input_ids=torch.tensor([blk], device=dev), past_key_values=cache, use_cache=True,
+        out = target(input_ids=torch.tensor([blk], device=dev), **{kv: cache}, use_cache=True,
                      output_hidden_states=drafter is not None)
         g = out.logits[0].argmax(-1).tolist()  # g[i]: the target's token after blk[:i + 1]
         a = 0

@@ -142,7 +142,7 @@ class VerifierCore:
         kw = {"logits_to_keep": 1} if last_logits_only and self._keeps_logits else {}
         t0 = time.perf_counter()
         with torch.inference_mode(), t.seam.record() as rec:
-            out = t.model(input_ids=inp, past_key_values=s.cache, use_cache=True, output_hidden_states=want_features, **kw)
+            out = t.model(input_ids=inp, **{t.cache_arg: s.cache}, use_cache=True, output_hidden_states=want_features, **kw)
         logits = out.logits[0].float()
         feats = None
         if want_features:

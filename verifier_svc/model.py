@@ -9,6 +9,7 @@ import pathlib
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pdflash.hf_compat import cache_kwarg
 from pdflash.logging import get_logger
 from verifier_svc.experts import ExpertsSeam, expert_byte_map
 
@@ -33,6 +34,7 @@ class TargetModel:
     eos_token_ids: tuple[int, ...]
     device: torch.device
     dtype: torch.dtype
+    cache_arg: str = "past_key_values"  # the forward's KV-cache keyword in this transformers (pdflash.hf_compat)
     kernels: dict = dataclasses.field(default_factory=dict)  # Installation.summary(), {} when not installed
     experts_format: str = "native"
 
@@ -118,7 +120,10 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
         torch_dtype = _DTYPES[dtype]
     config = AutoConfig.from_pretrained(directory)
     log.info("loading target", path=str(directory), architecture=config.model_type, dtype=str(torch_dtype), device=str(dev))
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, use_safetensors=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, use_safetensors=True)
+    except Exception as e:  # noqa: BLE001 - one line that names the checkpoint (pdflash.server.failure_reason)
+        raise ValueError(f"cannot load the checkpoint in {directory}: {type(e).__name__}: {e}") from e
     model = model.to(dev).eval()
     model.requires_grad_(False)
     summary = {}
@@ -144,6 +149,7 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
         eos_token_ids=_eos_ids(directory, config),
         device=dev,
         dtype=torch_dtype,
+        cache_arg=cache_kwarg(model),
         kernels=summary,
         experts_format=experts if summary else "native",
     )

@@ -12,7 +12,7 @@ from pdflash import config as cfgmod, torch_thread
 from pdflash.defaults import default_target_dir
 from pdflash.logging import get_logger
 from pdflash.metrics import VerifierMetrics, start_metrics_server_logged
-from pdflash.server import ServiceHost, run_service, serve_until_signal
+from pdflash.server import ServiceHost, run_service, serve_until_signal, stop_on_failure
 from pdflash.tickets import TicketSigner
 from pdflash.tls import server_credentials
 from pdflash.v1 import verifier_pb2, verifier_pb2_grpc
@@ -65,16 +65,20 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
     await host.start()  # health answers NOT_SERVING while the model loads
     log.info("verifier listening", address=f"{cfg.host}:{port}", phase="loading",
              tls="mutual" if cfg.tls_ca else "on" if cfg.tls_cert else "off", tickets="checked" if cfg.ticket_secret else "not checked")
-    model_dir = cfg.model or str(await asyncio.to_thread(default_target_dir))
-    verify_threads, prefill_threads = cfg.thread_counts(torch_thread.usable_cores())
-    threads = await torch_thread.run(torch_thread.configure, verify_threads)
-    target = await torch_thread.run(load_target, model_dir, resolve_device(cfg.device), cfg.dtype, cfg.kernels, cfg.experts)
-    core = VerifierCore(target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size, cfg.max_tokens_limit,
-                        prefill_threads=prefill_threads)
-    if cfg.verify_inline(target.device.type, threads):  # threads: the verify forwards' count in effect
-        if target.device.type == "cpu":
-            torch.set_num_threads(threads)  # OpenMP's thread count is per thread: this one's, as the torch thread's
-        servicer.inline_verify = True
+    try:
+        model_dir = cfg.model or str(await asyncio.to_thread(default_target_dir))
+        verify_threads, prefill_threads = cfg.thread_counts(torch_thread.usable_cores())
+        threads = await torch_thread.run(torch_thread.configure, verify_threads)
+        target = await torch_thread.run(load_target, model_dir, resolve_device(cfg.device), cfg.dtype, cfg.kernels, cfg.experts)
+        core = VerifierCore(target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size, cfg.max_tokens_limit,
+                            prefill_threads=prefill_threads)
+        if cfg.verify_inline(target.device.type, threads):  # threads: the verify forwards' count in effect
+            if target.device.type == "cpu":
+                torch.set_num_threads(threads)  # OpenMP's thread count is per thread: this one's, as the torch thread's
+            servicer.inline_verify = True
+    except BaseException:
+        await stop_on_failure(host, metrics_server and metrics_server.close)
+        raise
     servicer.core = core
     metrics.sessions_alive.set_function(lambda: len(core.sessions))
     await host.set_serving(True)

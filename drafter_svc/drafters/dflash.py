@@ -21,6 +21,7 @@ from transformers import Qwen3Config
 
 from pdflash.logging import get_logger
 
+from drafter_svc.compat import mismatch
 from drafter_svc.dflash_model import (
     ContextKV,
     DFlashDraftModel,
@@ -120,25 +121,15 @@ def load_target_head(
 
 
 def check_compatible(spec: DFlashSpec, drafter_hidden: int, head: TargetHead, drafter_dir, target_dir) -> None:
-    """Raise ValueError when a drafter cannot condition on / decode through this target."""
-    if drafter_hidden != head.hidden_size:
-        raise ValueError(
-            f"drafter {drafter_dir} has hidden_size {drafter_hidden} but target {target_dir} has "
-            f"{head.hidden_size}: the drafter was made for another target"
-        )
-    bad = [i for i in spec.target_layer_ids if not 0 <= i < head.num_hidden_layers]
-    if bad or not spec.target_layer_ids:
-        raise ValueError(
-            f"drafter {drafter_dir} conditions on target layers {spec.target_layer_ids}, but target "
-            f"{target_dir} has layers 0..{head.num_hidden_layers - 1}"
-        )
-    if not 0 <= spec.mask_token_id < head.vocab_size:
-        raise ValueError(
-            f"drafter {drafter_dir} mask_token_id {spec.mask_token_id} is outside the target vocabulary "
-            f"({head.vocab_size} tokens)"
-        )
-    if spec.block_size < 2:
-        raise ValueError(f"drafter {drafter_dir} block_size {spec.block_size} must be >= 2")
+    """Raise ValueError when a drafter cannot condition on / decode through this target (the words of
+    `drafter_svc.compat`, which asks the same of the two config.json files before anything loads)."""
+    why = mismatch(
+        drafter_dir, target_dir, drafter_hidden=drafter_hidden, target_layer_ids=list(spec.target_layer_ids),
+        mask_token_id=spec.mask_token_id, block_size=spec.block_size, target_hidden=head.hidden_size,
+        target_layers=head.num_hidden_layers, target_vocab=head.vocab_size,
+    )
+    if why is not None:
+        raise ValueError(why)
     if spec.num_target_layers and spec.num_target_layers != head.num_hidden_layers:
         log.warning(
             "drafter_target_layers_mismatch",

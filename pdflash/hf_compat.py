@@ -1,0 +1,34 @@
+"""Calling transformers models the way the installed transformers expects (pyproject allows >=5.17,<6).
+
+transformers renamed the forward keyword of the KV cache from `past_key_values` to `cache` (5.24 has
+`cache` and warns on every call that passes `past_key_values`, which it removes in 5.40; 5.17 knows
+only `past_key_values`). The keyword is read once from the model's forward signature, at load time,
+and every call site passes the cache through `cache_kwargs`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+NEW, OLD = "cache", "past_key_values"
+
+
+def cache_kwarg(model: Any) -> str:
+    """The name of the KV-cache keyword of `model.forward`: "cache" or "past_key_values".
+
+    `inspect.signature` follows the `__wrapped__` chain of transformers' decorators (including the one
+    that still accepts the old name), so it sees the forward's own parameters.
+    """
+    params = inspect.signature(model.forward).parameters
+    if NEW in params:
+        return NEW
+    if OLD in params:
+        return OLD
+    raise TypeError(f"{type(model).__name__}.forward takes neither `{NEW}` nor `{OLD}`: not a causal LM with a KV cache")
+
+
+def cache_kwargs(model_or_name: Any, cache: Any) -> dict[str, Any]:
+    """`{keyword: cache}` for a forward call; pass a name from `cache_kwarg` on hot paths."""
+    name = model_or_name if isinstance(model_or_name, str) else cache_kwarg(model_or_name)
+    return {name: cache}

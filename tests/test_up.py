@@ -1,0 +1,290 @@
+"""`pdflash up` and `pdflash demo` as a new user runs them: a model of one's own, start-up failures in one
+line, supervision (a killed service comes back; repeated crashes stop the stack), the demo's terminal."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from benchmarks.load import greedy_reference
+from pdflash.client import Client
+from pdflash.defaults import ASSETS, default_drafter_dir
+from pdflash.stack import free_ports
+from pdflash.tiny import ARCHITECTURES
+from pdflash.types import DrafterKind
+
+PROMPT = "import os\n\ndef main():\n    "
+MAX_TOKENS = 16
+DEMO_DRAFTER = ASSETS / "drafter"  # made for the embedded target: hidden 256, the tiny targets have 64
+NOISE = ("Traceback", "Event loop is closed", "was never awaited")
+
+
+class Up:
+    """`pdflash <command> ...` as a process of its own, on free ports; its stdout and stderr go to files."""
+
+    def __init__(self, tmp_path, *args: str, command: str = "up"):
+        self.port, self.scheduler_port, self.verifier_port = free_ports(3)
+        self.dir = tmp_path
+        self.out, self.err = tmp_path / f"{command}.stdout", tmp_path / f"{command}.stderr"
+        argv = [sys.executable, "-m", "pdflash.cli", command, *args, "--port", str(self.port),
+                "--scheduler-port", str(self.scheduler_port), "--verifier-port", str(self.verifier_port)]
+        with open(self.out, "wb") as out, open(self.err, "wb") as err:
+            # cwd: the test's directory, so nothing a run writes can land in the checkout; TMPDIR likewise.
+            self.proc = subprocess.Popen(argv, cwd=tmp_path, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, "TMPDIR": str(tmp_path)})
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stderr(self) -> str:
+        return self.err.read_text(errors="replace")
+
+    def stdout(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float = 240.0) -> re.Match:
+        """The first line of its stderr matching `pattern` (fails if the process ends or time runs out first)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.stderr().splitlines():
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            if self.proc.poll() is not None:
+                pytest.fail(f"exited {self.proc.returncode} before printing {pattern!r}:\n{self.stderr()[-6000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no line matching {pattern!r} after {timeout:.0f}s:\n{self.stderr()[-6000:]}")
+            time.sleep(0.2)
+
+    def pids(self) -> dict[str, int]:
+        m = self.wait_for(r"pids (scheduler \d+, verifier \d+, drafter \d+)")
+        return {name: int(pid) for name, pid in (part.split() for part in m.group(1).split(", "))}
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+def generate(target: str, deadline_s: float = 0.0) -> list[int]:
+    """Greedy tokens of PROMPT; with deadline_s, UNAVAILABLE (a peer just restarted) is retried until then."""
+    end = time.monotonic() + deadline_s
+    with Client(target) as c:
+        while True:
+            try:
+                return c.generate(PROMPT, max_tokens=MAX_TOKENS, timeout=120).token_ids
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > end:
+                    raise
+                time.sleep(0.2)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# -- a model of one's own --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_up_serves_a_model_of_ones_own(tiny, tmp_path, arch):
+    """No --drafter and a model that is not the embedded one: n-gram drafting, said why, exact output."""
+    model, logs = tiny.target(arch), tmp_path / "logs"
+    up = Up(tmp_path, "--model", str(model), "--log-dir", str(logs))
+    try:
+        up.wait_for(r"serving: drafter")
+        with Client(up.target) as c:
+            info = c.model_info()
+        assert info.architecture == arch
+        assert set(info.drafters) == {DrafterKind.NONE, DrafterKind.NGRAM}
+        assert tuple(generate(up.target)) == greedy_reference(str(model), PROMPT, MAX_TOKENS)
+    finally:
+        rc = up.stop()
+    err = up.stderr()
+    assert rc == 0, err
+    if default_drafter_dir() is not None:  # an embedded drafter ships: say why it is not used
+        assert f"serving n-gram drafting: the embedded DFlash drafter was made for the embedded demo target, not for {model}" in err
+        assert "no DFlash drafter for this model" in (logs / "drafter.log").read_text()
+    assert err.splitlines()[-1] == "pdflash up: stopping"
+    everything = err + "".join(p.read_text(errors="replace") for p in logs.glob("*.log"))
+    assert not any(n in everything for n in NOISE), everything[-6000:]
+
+
+@pytest.mark.skipif(not (DEMO_DRAFTER / "config.json").exists(), reason="the embedded drafter is not shipped")
+def test_up_refuses_a_drafter_made_for_another_target_before_anything_starts(tiny, tmp_path):
+    logs = tmp_path / "logs"
+    up = Up(tmp_path, "--model", str(tiny.target("mixtral")), "--drafter", str(DEMO_DRAFTER), "--log-dir", str(logs))
+    assert up.proc.wait(120) == 2
+    lines = up.stderr().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"pdflash up: configuration error: --drafter {DEMO_DRAFTER}: drafter {DEMO_DRAFTER} has "
+                               "hidden_size 256 but target ") and lines[0].endswith("the drafter was made for another target")
+    assert not logs.exists(), "nothing may start"
+    # The drafter service on its own says the same, in one line, before it loads anything.
+    r = subprocess.run([sys.executable, "-m", "pdflash.cli", "serve-drafter", "--model", str(tiny.target("mixtral")),
+                        "--drafter", str(DEMO_DRAFTER), "--port", "0", "--metrics-port", "-1"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "made for another target" in r.stderr, r.stderr
+
+
+# -- start-up failures: one line ----------------------------------------------------------------------------
+
+
+def broken_copy(src, dst, what: str):
+    shutil.copytree(src, dst)
+    if what == "weights":
+        (dst / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes()[:1000])
+    else:
+        (dst / "tokenizer.json").write_text("{ this is not a tokenizer")
+    return dst
+
+
+def test_a_service_that_cannot_start_says_why_in_one_line(tiny, tmp_path):
+    """serve-verifier on weights that do not load: one error line (no traceback, no event-loop noise), exit 1,
+    and the reason in its termination log for whoever supervises it."""
+    model = broken_copy(tiny.target("qwen3_moe"), tmp_path / "broken", "weights")
+    reason = tmp_path / "verifier.reason"
+    r = subprocess.run([sys.executable, "-m", "pdflash.cli", "serve-verifier", "--model", str(model), "--port", "0",
+                        "--metrics-port", "-1"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "PDFLASH_TERMINATION_LOG": str(reason)})
+    assert r.returncode == 1
+    assert not any(n in r.stderr for n in NOISE), r.stderr
+    errors = [line for line in r.stderr.splitlines() if '"level": "error"' in line]
+    assert len(errors) == 1 and '"event": "cannot serve"' in errors[0], r.stderr
+    assert reason.read_text().startswith(f"cannot load the checkpoint in {model}: SafetensorError: ")
+
+
+@pytest.mark.slow
+def test_up_start_up_failure_is_one_line(tiny, tmp_path):
+    """The drafter cannot load the checkpoint's tokenizer: `pdflash up` ends with one line naming the service, why
+    and where its log is (here the terminal: no --log-dir), and nobody prints a traceback."""
+    model = broken_copy(tiny.target("qwen3_moe"), tmp_path / "broken", "tokenizer")
+    up = Up(tmp_path, "--model", str(model), "--no-dflash")
+    assert up.proc.wait(300) == 1
+    err = up.stderr()
+    last = err.splitlines()[-1]
+    assert re.fullmatch(r"pdflash up: could not start: drafter \(pid \d+\) exited with code 1 during start-up: .+; "
+                        r"its log: the terminal, above", last), last
+    assert not any(n in err for n in NOISE), err[-6000:]
+
+
+# -- supervision ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_up_restarts_a_killed_service_and_stops_after_repeated_crashes(tiny, tmp_path):
+    logs = tmp_path / "logs"
+    up = Up(tmp_path, "--model", str(tiny.target("qwen3_moe")), "--log-dir", str(logs),
+            "--max-crashes", "2", "--crash-window", "600")
+    try:
+        pids = up.pids()
+        before = generate(up.target)
+
+        os.kill(pids["verifier"], signal.SIGKILL)
+        up.wait_for(rf"^pdflash up: verifier \(pid {pids['verifier']}\) was killed by SIGKILL; its log: "
+                    rf"{re.escape(str(logs / 'verifier.log'))}; restarting it in 0.5 s \(crash 1 in 600 s; 2 stop the stack\)$")
+        restarted = int(up.wait_for(r"^pdflash up: verifier restarted \(pid (\d+)\)$").group(1))
+        assert restarted != pids["verifier"] and alive(restarted)
+        up.wait_for(r"^pdflash up: verifier is serving again$")
+        assert generate(up.target, deadline_s=60) == before, "requests after the restart succeed, with the same output"
+        assert all(alive(pids[n]) for n in ("scheduler", "drafter")), "the others keep running"
+
+        os.kill(restarted, signal.SIGKILL)  # the second crash within the window: the stack stops
+        up.wait_for(rf"verifier \(pid {restarted}\) was killed by SIGKILL; its log: .*; it crashed 2 times in 600 s: "
+                    r"stopping the stack$")
+        assert up.proc.wait(120) == 1
+    finally:
+        up.stop()
+    for pid in (pids["scheduler"], pids["drafter"], restarted):
+        assert not alive(pid), "stopping the stack stops every service"
+    assert "Traceback" not in up.stderr()
+
+
+def _processes_with(arg: str) -> list[int]:
+    """Pids of service processes (`pdflash serve-*`) whose command line has `arg` (a port of this test's stack)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if arg.encode() in argv and any(a.startswith(b"serve-") for a in argv):
+                out.append(int(d))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_ctrl_c_during_start_up_stops_every_service(tiny, tmp_path):
+    """The services run in sessions of their own (a terminal's Ctrl-C reaches `pdflash up` only): SIGINT to
+    `pdflash up` while it starts (or just after) stops them all."""
+    up = Up(tmp_path, "--model", str(tiny.target("qwen3_moe")), "--log-dir", str(tmp_path / "logs"))
+    deadline = time.monotonic() + 120
+    while not _processes_with(str(up.verifier_port)) and time.monotonic() < deadline:  # the verifier is starting
+        time.sleep(0.05)
+    assert _processes_with(str(up.verifier_port)), up.stderr()
+    up.proc.send_signal(signal.SIGINT)
+    rc = up.proc.wait(120)
+    last = up.stderr().splitlines()[-1]
+    assert (rc, last) in ((130, "pdflash up: could not start: start-up interrupted: asked to stop"), (0, "pdflash up: stopping"))
+    assert not _processes_with(str(up.verifier_port)) and not _processes_with(str(up.scheduler_port))
+
+
+def test_restart_policy_backs_off_and_gives_up_on_repeated_crashes():
+    import collections
+
+    from pdflash.stack import RestartPolicy
+
+    p = RestartPolicy()  # `pdflash up`'s defaults: 5 crashes in 60 s stop the stack
+    assert [p.delay(n) for n in range(1, 8)] == [0.5, 1, 2, 4, 8, 10, 10]
+    crashes: collections.deque[float] = collections.deque()
+    assert [p.record(crashes, t) for t in (0, 10, 20, 30)] == [1, 2, 3, 4]
+    assert not p.gives_up(4)
+    assert p.record(crashes, 71) == 3, "crashes older than the window are forgotten (0 and 10 here)"
+    assert p.record(crashes, 72) == 4 and p.record(crashes, 73) == 5 and p.gives_up(5)
+
+
+# -- the demo's terminal -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_demo_keeps_service_logs_out_of_the_completion(tiny, tmp_path):
+    from transformers import AutoTokenizer
+
+    model = tiny.target("qwen3_moe")
+    demo = Up(tmp_path, "--model", str(model), "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), command="demo")
+    assert demo.proc.wait(300) == 0, demo.stderr()
+    want = AutoTokenizer.from_pretrained(str(model)).decode(list(greedy_reference(str(model), PROMPT, MAX_TOKENS)),
+                                                            skip_special_tokens=True)
+    assert demo.stdout() == PROMPT + want + "\n", "stdout: the prompt and the streamed completion, nothing else"
+    err = demo.stderr().splitlines()
+    logs = re.fullmatch(r"pdflash demo: service logs: (.+)", err[0])
+    assert logs, err
+    rest = [line for line in err[1:] if not line.startswith("pdflash demo: serving n-gram drafting")]
+    assert rest[0].startswith("model ") and rest[1] == ">>> " + PROMPT.splitlines()[0]
+    assert re.match(r"--- \d+ tokens in ", rest[-1]), err
+    assert not any(line.lstrip().startswith("{") for line in err), "no service log line on the terminal"
+    log_dir = tmp_path / logs.group(1) if not os.path.isabs(logs.group(1)) else logs.group(1)
+    for name in ("scheduler", "verifier", "drafter"):
+        text = open(os.path.join(log_dir, f"{name}.log")).read()
+        assert '"event": "effective configuration"' in text, name
