@@ -178,6 +178,19 @@ def cmd_health(args) -> int:
     return 0 if ok else 1
 
 
+def _add_stub_command(sub) -> None:
+    """`pdflash stub`: the public API without a model, for tests of clients (pdflash.testing)."""
+    from pdflash.config import add_arguments
+    from pdflash.testing.config import StubConfig
+
+    text = ("serve the public Drafter API without a model, for tests of clients: echo, fixed text, faults, stalls, "
+            "or record / replay a real stack")
+    p = sub.add_parser("stub", help=text, description=text + ". Per request, metadata pdflash-stub-<option> overrides "
+                       "the script options (text ... stall-after).", epilog=EPILOG)
+    add_arguments(p, StubConfig)
+    p.set_defaults(func=lambda a: importlib.import_module("pdflash.testing.stub").run(a) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdflash", description="Speculative decoding for offloaded MoE models, as gRPC services.", epilog=EPILOG,
@@ -236,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=3.0)
     _add_client_tls_args(p)
     p.set_defaults(func=cmd_health)
+
+    _add_stub_command(sub)
     return parser
 
 

@@ -207,7 +207,7 @@ def run_service(config_cls, serve, service: str, args) -> int:
         print(f"pdflash serve-{service}: configuration error: {e}", file=sys.stderr)
         return 2
     configure(cfg.log_level)
-    if cfg.cpus:
+    if getattr(cfg, "cpus", ""):  # the stub (pdflash.testing) has no --cpus
         cores = cfgmod.parse_cpus(cfg.cpus)
         try:
             os.sched_setaffinity(0, cores)
