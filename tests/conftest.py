@@ -12,6 +12,11 @@ from pdflash.tiny import make_tiny_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The plugin client developers get (fixtures pdflash_stub, pdflash_stack). An installed pdflash registers it
+# under this same name through its pytest11 entry point; named here too, the suite also runs from a checkout
+# whose installed metadata predates it (pytest loads a plugin once by name).
+pytest_plugins = ["pdflash.testing"]
+
 
 class TinyModels:
     """Lazily made tiny random checkpoints (target + a random DFlash drafter), once per session."""
