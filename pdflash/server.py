@@ -193,18 +193,20 @@ def channel(target: str, credentials: grpc.ChannelCredentials | None = None) -> 
     return grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
 
 
-def run_service(config_cls, serve, service: str, args) -> int:
-    """The `pdflash serve-<service>` body shared by the three services: options from flags / environment /
-    config file, logging, the effective configuration logged, serve until a signal. Returns an exit code."""
+def run_service(config_cls, serve, service: str, args, command: str = "") -> int:
+    """The `pdflash serve-<service>` body shared by the three services (and `pdflash stub`: `command`): options
+    from flags / environment / config file, logging, the effective configuration logged, serve until a signal.
+    Returns an exit code."""
     import sys
 
     from pdflash import config as cfgmod
     from pdflash.logging import configure
 
+    command = command or f"serve-{service}"
     try:
         cfg = cfgmod.from_sources(config_cls, args)
     except cfgmod.ConfigError as e:
-        print(f"pdflash serve-{service}: configuration error: {e}", file=sys.stderr)
+        print(f"pdflash {command}: configuration error: {e}", file=sys.stderr)
         return 2
     configure(cfg.log_level)
     if getattr(cfg, "cpus", ""):  # the stub (pdflash.testing) has no --cpus
@@ -212,7 +214,7 @@ def run_service(config_cls, serve, service: str, args) -> int:
         try:
             os.sched_setaffinity(0, cores)
         except (OSError, AttributeError) as e:  # a core this process may not use, or not Linux
-            print(f"pdflash serve-{service}: --cpus {cfg.cpus!r}: cannot run on cores {sorted(cores)}: {e}", file=sys.stderr)
+            print(f"pdflash {command}: --cpus {cfg.cpus!r}: cannot run on cores {sorted(cores)}: {e}", file=sys.stderr)
             return 2
     log.info("effective configuration", service=service, **cfgmod.describe(cfg))
     try:

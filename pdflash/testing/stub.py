@@ -112,6 +112,14 @@ def _usage(prompt_tokens: int, chunk_sizes: list[int], verify_ms: float) -> Usag
                  accepted_draft_tokens=accepted, verify_ms=verify_ms)
 
 
+@dataclasses.dataclass
+class _Sent:
+    """What a stream got out: the token count of each chunk, and whether Abort ended it."""
+
+    sizes: list[int] = dataclasses.field(default_factory=list)
+    aborted: bool = False
+
+
 class StubServicer(drafter_pb2_grpc.DrafterServicer):
     """pdflash.v1.Drafter answered by script or from a transcript."""
 
@@ -209,13 +217,13 @@ class StubServicer(drafter_pb2_grpc.DrafterServicer):
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt)
         chunks = [api.chunk_message(request_id, g, detok.add(g), r) for r, g in enumerate(groups)]
         final_text = detok.flush()
-        sizes: list[int] = []
+        sent = _Sent()
         t0 = time.perf_counter()
-        async for msg in self._paced(chunks, script, abort, sizes):
+        async for msg in self._paced(chunks, script, abort, sent):
             yield msg
-        reason = FinishReason.ABORTED if len(sizes) < len(chunks) else reason
-        yield api.final_message(request_id, reason, _usage(len(req.prompt), sizes, (time.perf_counter() - t0) * 1e3),
-                                final_text if reason != FinishReason.ABORTED else "")
+        reason = FinishReason.ABORTED if sent.aborted else reason
+        yield api.final_message(request_id, reason, _usage(len(req.prompt), sent.sizes, (time.perf_counter() - t0) * 1e3),
+                                "" if sent.aborted else final_text)
 
     async def _replayed(self, request_id: str, req: Request, call: Call, script: Script, abort: asyncio.Event):
         chunks, final = [], None
@@ -227,31 +235,33 @@ class StubServicer(drafter_pb2_grpc.DrafterServicer):
                 chunks.append(msg)
             else:
                 final = msg
-        sizes: list[int] = []
-        async for msg in self._paced(chunks, script, abort, sizes):
+        sent = _Sent()
+        async for msg in self._paced(chunks, script, abort, sent):
             yield msg
-        if len(sizes) < len(chunks) or (final is None and call.code == "OK"):
-            yield api.final_message(request_id, FinishReason.ABORTED, _usage(len(req.prompt), sizes, 0.0), "")
+        if sent.aborted or (final is None and call.code == "OK"):
+            yield api.final_message(request_id, FinishReason.ABORTED, _usage(len(req.prompt), sent.sizes, 0.0), "")
             return
         if final is not None:
             yield final
             return
         raise _Recorded(call)
 
-    async def _paced(self, chunks, script: Script, abort: asyncio.Event, sizes: list[int]):
-        """Stream chunks by the script: the delay between them, the fault or stall after N; stop on Abort
-        (the caller sees fewer sizes than chunks). A fault or stall set beyond the last chunk comes after it."""
+    async def _paced(self, chunks, script: Script, abort: asyncio.Event, sent: "_Sent"):
+        """Stream chunks by the script: the delay between them, the fault or stall after N of them; stop on
+        Abort (sent.aborted). A fault or stall set beyond the last chunk comes after it."""
         for i in range(len(chunks) + 1):
             if script.fault and i == min(script.fault_after, len(chunks)):
                 raise fault_error(script)
             if script.stall_after >= 0 and i == min(script.stall_after, len(chunks)):
                 await abort.wait()  # until Abort, or the client's deadline or cancel ends the call
+                sent.aborted = True
                 return
             if i == len(chunks):
                 return
             if abort.is_set() or (i > 0 and await _pause(abort, script.delay_ms / 1e3)):
+                sent.aborted = True
                 return
-            sizes.append(len(chunks[i].chunk.token_ids))
+            sent.sizes.append(len(chunks[i].chunk.token_ids))
             yield chunks[i]
 
     async def Abort(self, request, context):
@@ -407,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
     """`pdflash stub`."""
     from pdflash.server import run_service
 
-    return run_service(StubConfig, serve, "stub", args)
+    return run_service(StubConfig, serve, "stub", args, command="stub")
 
 
 # -- in a Python process ----------------------------------------------------------------------------------
