@@ -67,16 +67,18 @@ def fault_error(script: Script) -> PdflashError:
     return err
 
 
-def limits_of(cfg: StubConfig, vocab_size: int, info: drafter_pb2.ModelInfoResponse | None = None) -> api.Limits:
-    """What requests are checked against: the options, or a recorded server's ModelInfo where there is one."""
-    if info is not None:
-        kinds = [DrafterKind(k) for k in info.drafters]
-        return api.Limits(
-            max_prompt_tokens=info.max_prompt_tokens, max_tokens_limit=info.max_tokens_limit,
-            default_max_tokens=min(cfg.default_max_tokens, info.max_tokens_limit), block_size=info.block_size,
-            max_block_size=info.max_block_size, vocab_size=info.vocab_size, max_context=cfg.max_context,
-            drafters={k: None for k in kinds}, default_drafter=DrafterKind(info.default_drafter),
-        )
+def options_like(info: drafter_pb2.ModelInfoResponse) -> dict:
+    """StubConfig options that make a stub claim, and check requests against, what a server's ModelInfo says."""
+    kinds = [DrafterKind(k).name.lower() for k in info.drafters]
+    return dict(
+        model=info.model, architecture=info.architecture, vocab_size=info.vocab_size, drafters=",".join(kinds),
+        default_drafter=DrafterKind(info.default_drafter).name.lower(), block_size=info.block_size,
+        max_block_size=info.max_block_size, max_tokens_limit=info.max_tokens_limit, max_prompt_tokens=info.max_prompt_tokens,
+    )
+
+
+def limits_of(cfg: StubConfig, vocab_size: int) -> api.Limits:
+    """What requests are checked against, from the options."""
     kinds = [DrafterKind[k.upper()] for k in cfg.kinds()]
     if cfg.default_drafter:
         default = DrafterKind[cfg.default_drafter.upper()]
@@ -124,12 +126,15 @@ class StubServicer(drafter_pb2_grpc.DrafterServicer):
     """pdflash.v1.Drafter answered by script or from a transcript."""
 
     def __init__(self, cfg: StubConfig):
-        self.cfg = cfg
         self.tokenizer = tokmod.load(cfg.tokenizer)
         self.transcript = Transcript(cfg.replay) if cfg.replay else None
         info = self.transcript.model_info if self.transcript is not None else None
+        if info is not None:  # the recorded server's limits, so its refusals replay as they were
+            cfg = dataclasses.replace(cfg, **options_like(info))
+            cfg = dataclasses.replace(cfg, default_max_tokens=min(cfg.default_max_tokens, cfg.max_tokens_limit))
+        self.cfg = cfg
         vocab = cfg.vocab_size or (self.tokenizer.vocab_size if cfg.tokenizer else DEMO_VOCAB_SIZE)
-        self.limits = limits_of(cfg, vocab, info)
+        self.limits = limits_of(cfg, vocab)
         self.info = info or api.model_info_message(self.limits, cfg.model, cfg.architecture)
         self.script = script_of(cfg)
         self.running = api.RunningRequests()
@@ -440,6 +445,11 @@ class StubServer:
         self._running: RunningStub | None = None
         self._client = None
         self.port: int | None = None
+
+    @classmethod
+    def like(cls, info: drafter_pb2.ModelInfoResponse, **options) -> "StubServer":
+        """A stub that claims what a real server's ModelInfo says (model, vocabulary, drafters, limits)."""
+        return cls(**{**options_like(info), **options})
 
     @property
     def address(self) -> str:
