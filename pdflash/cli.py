@@ -191,6 +191,17 @@ def _add_stub_command(sub) -> None:
     p.set_defaults(func=lambda a: importlib.import_module("pdflash.testing.stub").run(a) or 0)
 
 
+# Commands that run the model, and what they need beyond the light install (the `serve` extra).
+SERVING_COMMANDS = ("up", "demo", "serve-scheduler", "serve-verifier", "serve-drafter")
+SERVING_MODULES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "prometheus_client")
+
+
+def _serving_missing() -> list[str]:
+    import importlib.util
+
+    return [m for m in SERVING_MODULES if importlib.util.find_spec(m) is None]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdflash", description="Speculative decoding for offloaded MoE models, as gRPC services.", epilog=EPILOG,
@@ -256,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in SERVING_COMMANDS and (missing := _serving_missing()):
+        print(f"pdflash {args.command}: needs the serving dependencies ({', '.join(missing)} missing); this is the light "
+              "install (client, stub, pytest plugin): pip install 'pdflash[serve]', torch first (see README)", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
