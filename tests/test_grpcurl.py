@@ -158,3 +158,16 @@ def test_example_runs_against_the_stub(line: str, grpcurl: str):
         assert json_stream(out) == [{"status": "SERVING"}], out
     else:
         assert "pdflash.v1.Drafter" in out, out
+
+
+def test_stub_metadata_scripts_a_fault_through_grpcurl(grpcurl: str):
+    """README: metadata pdflash-stub-<option> scripts one request, from any client (here grpcurl's -H)."""
+    from pdflash.testing import StubServer
+
+    with StubServer() as stub:
+        argv = [grpcurl, "-plaintext", "-H", "pdflash-stub-fault: RESOURCE_EXHAUSTED", "-H", "pdflash-stub-retry-after-s: 3",
+                "-d", '{"prompt": "x"}', stub.address, "pdflash.v1.Drafter/Generate"]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "Code: ResourceExhausted" in proc.stderr and "stub fault: RESOURCE_EXHAUSTED" in proc.stderr, proc.stderr
+    assert '"@type":"type.googleapis.com/google.rpc.RetryInfo","retry_delay":"3s"' in proc.stderr, proc.stderr
