@@ -141,10 +141,13 @@ class ServiceHost:
         self.port: int | None = None
 
     def add_port(self, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
-        if credentials is None:
-            port = self.server.add_insecure_port(address)
-        else:
-            port = self.server.add_secure_port(address, credentials)
+        try:
+            if credentials is None:
+                port = self.server.add_insecure_port(address)
+            else:
+                port = self.server.add_secure_port(address, credentials)
+        except RuntimeError as e:  # grpcio raises this when the port is taken (older releases returned 0)
+            raise OSError(f"could not bind {address}: {e}") from None
         if port == 0:
             raise OSError(f"could not bind {address}")
         self.port = port

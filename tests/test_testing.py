@@ -400,6 +400,21 @@ def test_pdflash_stub_command(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "pdflash.cli", "stub", "--replay", str(tmp_path / "none.jsonl")],
                          capture_output=True, text=True, env=child_env(), timeout=60)
     assert bad.returncode == 2 and "--replay" in bad.stderr and "no such file" in bad.stderr
+    from pdflash.stack import free_ports
+
+    nobody = f"127.0.0.1:{free_ports(1)[0]}"
+    gone = subprocess.run([sys.executable, "-m", "pdflash.cli", "stub", "--port", "0", "--record", str(tmp_path / "r.jsonl"),
+                           "--upstream", nobody, "--upstream-wait-s", "0.5"], capture_output=True, text=True, env=child_env(), timeout=60)
+    assert gone.returncode == 1 and f"pdflash stub: --upstream {nobody}: no ModelInfo" in gone.stderr, gone.stderr
+
+
+def test_a_failed_start_raises_and_leaves_nothing_running():
+    with StubServer() as first:
+        taken = StubServer(port=first.port)
+        with pytest.raises(OSError, match="could not bind"):
+            taken.start()
+        taken.stop()  # harmless after a failed start
+        assert first.client.generate("still here", max_tokens=16).text == "still here"
 
 
 IMPORT_CHECK = """

@@ -139,6 +139,7 @@ class StubServicer(drafter_pb2_grpc.DrafterServicer):
         self.script = script_of(cfg)
         self.running = api.RunningRequests()
         self.received: collections.deque[Received] = collections.deque(maxlen=RECEIVED_KEPT)
+        self.received_lock = threading.Lock()  # appended on the server's loop, read from the test's thread
         self.verbose = False  # a log line per call (`pdflash stub`); quiet inside a test process
 
     def _script_for(self, context) -> Script:
@@ -189,7 +190,8 @@ class StubServicer(drafter_pb2_grpc.DrafterServicer):
         except InvalidArgument as e:  # never echoed: it may not even be valid metadata
             await abort_with(context, e)
         context.set_trailing_metadata(((api.REQUEST_ID_KEY, request_id),))
-        self.received.append(Received(request, {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}))
+        with self.received_lock:
+            self.received.append(Received(request, {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}))
         registered = False
         try:
             script = self._script_for(context)
@@ -422,7 +424,11 @@ def run(args: argparse.Namespace) -> int:
     """`pdflash stub`."""
     from pdflash.server import run_service
 
-    return run_service(StubConfig, serve, "stub", args, command="stub")
+    try:
+        return run_service(StubConfig, serve, "stub", args, command="stub")
+    except (PdflashError, ValueError) as e:  # --record: no upstream; --replay: not a transcript
+        print(f"pdflash stub: {getattr(e, 'message', e)}", file=sys.stderr)
+        return 1
 
 
 # -- in a Python process ----------------------------------------------------------------------------------
@@ -460,7 +466,11 @@ class StubServer:
         ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._main, args=(ready,), name="pdflash-stub", daemon=True)
         self._thread.start()
-        self._running = ready.result(timeout)
+        try:
+            self._running = ready.result(timeout)
+        except BaseException:
+            self.stop()
+            raise
         self.port = self._running.port
         return self
 
@@ -486,9 +496,12 @@ class StubServer:
             self._client = None
         if self._thread is None:
             return
-        if self._loop is not None and self._stop is not None:
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
             self._grace = grace
-            self._loop.call_soon_threadsafe(self._stop.set)
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # the loop ended meanwhile (a failed start)
+                pass
         self._thread.join()
         self._thread = None
 
@@ -520,7 +533,8 @@ class StubServer:
 
     @property
     def received(self) -> list[Received]:
-        return list(self.servicer.received)
+        with self.servicer.received_lock:
+            return list(self.servicer.received)
 
     @property
     def client(self):
