@@ -293,6 +293,11 @@ def test_options_are_checked():
         Script(chunk_tokens=0).validate_script()
 
 
+@pytest.mark.parametrize("pdflash_stub", [{"text": "one"}, {"text": "two"}], indirect=True)
+def test_indirect_parametrization_configures_the_stub(pdflash_stub):
+    assert pdflash_stub.client.generate("x").text == pdflash_stub.config.text
+
+
 def test_received_lists_what_the_client_sent(pdflash_stub):
     pdflash_stub.client.generate("look", max_tokens=3, temperature=0.5, seed=7)
     (r,) = pdflash_stub.received

@@ -9,7 +9,9 @@ enough) gives two fixtures, each yielding an object with `.address` (host:port) 
 `pdflash.client.Client`):
 
 - `pdflash_stub`: a stub on a free port, for each test; options by marker,
-  `@pytest.mark.pdflash_stub(text="hi", fault="UNAVAILABLE")`, or later with `pdflash_stub.configure(...)`.
+  `@pytest.mark.pdflash_stub(text="hi", fault="UNAVAILABLE")`, by indirect parametrization
+  (`@pytest.mark.parametrize("pdflash_stub", [{"fault": "UNAVAILABLE"}], indirect=True)`), or later in the
+  test with `pdflash_stub.configure(...)`.
   `pdflash_stub.received` lists what the client sent.
 - `pdflash_stack`: the real three-process stack on free ports (CPU) with a tiny random-weight checkpoint
   made on the spot, shared by the session; `--pdflash-model DIR` serves your own checkpoint instead. It

@@ -28,6 +28,7 @@ def pdflash_stub(request):
 
     marker = request.node.get_closest_marker("pdflash_stub")
     options = dict(marker.kwargs) if marker is not None else {}
+    options.update(getattr(request, "param", None) or {})  # @pytest.mark.parametrize("pdflash_stub", [{...}], indirect=True)
     options.setdefault("port", 0)
     with StubServer(**options) as stub:
         yield stub
