@@ -32,9 +32,10 @@ RUN set -eu; \
     fi; \
     python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-# The other dependencies from pyproject.toml alone, so editing the source keeps this layer cached.
+# The other dependencies from pyproject.toml alone (the light ones and the `serve` extra), so editing the
+# source keeps this layer cached.
 COPY pyproject.toml /src/pyproject.toml
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/src/pyproject.toml', 'rb'))['project']['dependencies']))" \
+RUN python -c "import tomllib; p = tomllib.load(open('/src/pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['serve']))" \
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
 

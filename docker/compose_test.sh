@@ -25,8 +25,10 @@ export PDFLASH_TAG=${PDFLASH_TAG:-test}
 export PDFLASH_PUBLISH_ADDR=127.0.0.1
 export PDFLASH_PUBLIC_PORT=${PDFLASH_PUBLIC_PORT:-$(free_port)}
 export PDFLASH_PUBLIC_METRICS_PORT=${PDFLASH_PUBLIC_METRICS_PORT:-$(free_port)}
+export PDFLASH_STUB_PORT=${PDFLASH_STUB_PORT:-$(free_port)}
 project=pdflash-test-$$
 dc() { docker-compose --ansi never -p "$project" -f compose.yaml "$@"; }
+dcs() { dc --profile stub "$@"; }   # the stub profile too (its service only starts when named)
 
 finish() {
     rc=$?
@@ -38,7 +40,7 @@ finish() {
     if [[ ${KEEP_STACK:-0} == 1 ]]; then
         echo "compose_test: stack left up: DOCKER_HOST=$DOCKER_HOST docker-compose -p $project down -v" >&2
     else
-        dc down -v --remove-orphans >&2 || true
+        dcs down -v --remove-orphans >&2 || true
         phase "down -v done"
     fi
     exit "$rc"
@@ -47,6 +49,7 @@ trap finish EXIT
 trap 'exit 143' TERM; trap 'exit 130' INT   # killed (a test timeout): still tear down
 
 dc config -q
+dcs config -q
 build_log=$(mktemp)
 dc build >"$build_log" 2>&1 || { tail -n 60 "$build_log" >&2; exit 1; }
 rm -f "$build_log"
@@ -99,4 +102,23 @@ for svc in drafter verifier scheduler; do
     code=$(docker inspect --format '{{.State.ExitCode}}' "$(dc ps -q $svc)")
     [[ $code == 0 || $code == 143 ]] || { echo "compose_test: $svc exited $code on stop" >&2; exit 1; }
 done
-phase "stopped gracefully; PASSED"
+phase "stopped gracefully"
+
+# The stub profile: the same image serves the public API without a model, for tests of clients.
+dcs up -d stub
+stub=$(dcs ps -q stub)
+for _ in $(seq 60); do
+    state=$(docker inspect --format '{{.State.Status}} {{if .State.Health}}{{.State.Health.Status}}{{end}}' "$stub")
+    [[ $state == "running healthy" ]] && break
+    [[ $state == running* ]] || { echo "compose_test: stub is $state" >&2; exit 1; }
+    sleep 1
+done
+[[ $state == "running healthy" ]] || { echo "compose_test: stub still '$state'" >&2; exit 1; }
+out=$(dcs exec -T stub pdflash generate "echo me" --max-tokens 16)
+[[ $out == "echo me" ]] || { echo "compose_test: the stub answered ${out@Q}, not the echoed prompt" >&2; exit 1; }
+if command -v pdflash >/dev/null; then
+    out=$(pdflash health "127.0.0.1:$PDFLASH_STUB_PORT" --service pdflash.v1.Drafter)
+    echo "compose_test: stub health via its published port -> $out" >&2
+fi
+dcs stop stub >&2
+phase "stub profile served; PASSED"

@@ -6,7 +6,7 @@ import dataclasses
 import pathlib
 
 from pdflash.config import ConfigError, ServerOptions, option
-from pdflash.tls import check_client_options
+from pdflash.tls import check_auth_token, check_client_options
 
 KINDS = ("none", "ngram", "dflash", "hybrid")
 
@@ -78,5 +78,4 @@ class DrafterConfig(ServerOptions):
             if ":" not in getattr(self, name):
                 raise ConfigError(f"--{name} {getattr(self, name)!r}: expected host:port")
         check_client_options(self.upstream_tls_ca, self.upstream_tls_cert, self.upstream_tls_key, "upstream_tls")
-        if self.auth_token and any(c.isspace() for c in self.auth_token):
-            raise ConfigError("--auth-token must not contain whitespace (it is sent as 'Bearer <token>')")
+        check_auth_token(self.auth_token)

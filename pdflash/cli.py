@@ -301,6 +301,30 @@ def cmd_health(args) -> int:
     return 0 if ok else 1
 
 
+def _add_stub_command(sub) -> None:
+    """`pdflash stub`: the public API without a model, for tests of clients (pdflash.testing)."""
+    from pdflash.config import add_arguments
+    from pdflash.testing.config import StubConfig
+
+    text = ("serve the public Drafter API without a model, for tests of clients: echo, fixed text, faults, stalls, "
+            "or record / replay a real stack")
+    p = sub.add_parser("stub", help=text, description=text + ". Per request, metadata pdflash-stub-<option> overrides "
+                       "the script options (text ... stall-after).", epilog=EPILOG)
+    add_arguments(p, StubConfig)
+    p.set_defaults(func=lambda a: importlib.import_module("pdflash.testing.stub").run(a) or 0)
+
+
+# Commands that run the model, and what they need beyond the light install (the `serve` extra).
+SERVING_COMMANDS = ("up", "demo", "serve-scheduler", "serve-verifier", "serve-drafter")
+SERVING_MODULES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "prometheus_client")
+
+
+def _serving_missing() -> list[str]:
+    import importlib.util
+
+    return [m for m in SERVING_MODULES if importlib.util.find_spec(m) is None]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdflash", description="Speculative decoding for offloaded MoE models, as gRPC services.", epilog=EPILOG,
@@ -365,11 +389,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_number, default=3.0, help="seconds")
     _add_client_tls_args(p)
     p.set_defaults(func=cmd_health)
+
+    _add_stub_command(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in SERVING_COMMANDS and (missing := _serving_missing()):
+        print(f"pdflash {args.command}: needs the serving dependencies ({', '.join(missing)} missing); this is the light "
+              "install (client, stub, pytest plugin): pip install 'pdflash[serve]', torch first (see README)", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except UsageError as e:

@@ -116,6 +116,11 @@ def _parse(value: Any, tp: Any, name: str) -> Any:
     return value
 
 
+def parse_option(cls: type, name: str, value: Any, source: str | None = None) -> Any:
+    """One option of cls from text (a flag's, a variable's, a metadata value), as from_sources parses it."""
+    return _parse(value, typing.get_type_hints(cls)[name], source or name)
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     hints = typing.get_type_hints(cls)
     parser.add_argument("--config", type=pathlib.Path, default=None, help="YAML or JSON file of options (same names, snake_case)")

@@ -1,15 +1,21 @@
-"""Conversions between the shared protobuf messages and pdflash.types. The only shared place that knows protobuf."""
+"""Conversions between the shared protobuf messages and pdflash.types. The only shared place that knows protobuf.
+
+numpy is imported by the tensor conversions only: the public API's edge (drafter_svc.api, which the stub
+server shares) converts sampling parameters here and must import without numpy (the light install).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from pdflash.types import DraftResult, ExpertUnion, SamplingParams
 from pdflash.v1 import common_pb2
 
-_NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+if TYPE_CHECKING:
+    import numpy as np
+
+_DTYPE_NAMES = ("float32", "float16")
 
 
 def union_to_pb(union: Mapping[int, frozenset[int] | set[int]]) -> list[common_pb2.LayerExperts]:
@@ -61,6 +67,8 @@ def draft_from_pb(pb: common_pb2.DraftResult) -> DraftResult:
 
 
 def array_to_pb(a: np.ndarray | None) -> common_pb2.Tensor | None:
+    import numpy as np
+
     if a is None:
         return None
     a = np.ascontiguousarray(a)
@@ -69,9 +77,11 @@ def array_to_pb(a: np.ndarray | None) -> common_pb2.Tensor | None:
 
 
 def array_from_pb(pb: common_pb2.Tensor) -> np.ndarray:
-    if pb.dtype not in _NP_DTYPES:
+    import numpy as np
+
+    if pb.dtype not in _DTYPE_NAMES:
         raise ValueError(f"unsupported tensor dtype {pb.dtype!r}")
-    dt = np.dtype(_NP_DTYPES[pb.dtype]).newbyteorder("<")
+    dt = np.dtype(pb.dtype).newbyteorder("<")
     shape = tuple(int(s) for s in pb.shape)
     arr = np.frombuffer(pb.data, dtype=dt)
     if arr.size != int(np.prod(shape, dtype=np.int64)):

@@ -146,7 +146,7 @@ class ServiceHost:
                 port = self.server.add_insecure_port(address)
             else:
                 port = self.server.add_secure_port(address, credentials)
-        except RuntimeError:  # grpc's "Failed to bind to address ..."
+        except RuntimeError:  # grpcio raises this when the port is taken (older releases returned 0)
             port = 0
         if port == 0:
             raise OSError(f"could not bind {address}: the port is in use, or the address is not one of this host's")
@@ -251,6 +251,10 @@ def run_service(config_cls, serve, service: str, args) -> int:
     A failure (bad options, a model that does not load, a port in use, upstream services that never
     answer) is one line, logged and left in the termination log, and exit code 2 (options) or 1; the
     traceback is logged only at --log-level debug."""
+def run_service(config_cls, serve, service: str, args, command: str = "") -> int:
+    """The `pdflash serve-<service>` body shared by the three services (and `pdflash stub`: `command`): options
+    from flags / environment / config file, logging, the effective configuration logged, serve until a signal.
+    Returns an exit code."""
     import sys
 
     from pdflash import config as cfgmod
@@ -265,13 +269,21 @@ def run_service(config_cls, serve, service: str, args) -> int:
         cfg = cfgmod.from_sources(config_cls, args)
     except cfgmod.ConfigError as e:
         return refuse(str(e))
+    command = command or f"serve-{service}"
+    try:
+        cfg = cfgmod.from_sources(config_cls, args)
+    except cfgmod.ConfigError as e:
+        print(f"pdflash {command}: configuration error: {e}", file=sys.stderr)
+        return 2
     configure(cfg.log_level)
-    if cfg.cpus:
+    if getattr(cfg, "cpus", ""):  # the stub (pdflash.testing) has no --cpus
         cores = cfgmod.parse_cpus(cfg.cpus)
         try:
             os.sched_setaffinity(0, cores)
         except (OSError, AttributeError) as e:  # a core this process may not use, or not Linux
             return refuse(f"--cpus {cfg.cpus!r}: cannot run on cores {sorted(cores)}: {e}")
+            print(f"pdflash {command}: --cpus {cfg.cpus!r}: cannot run on cores {sorted(cores)}: {e}", file=sys.stderr)
+            return 2
     log.info("effective configuration", service=service, **cfgmod.describe(cfg))
     try:
         asyncio.run(serve(cfg))

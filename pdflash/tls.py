@@ -45,6 +45,11 @@ def check_client_options(ca: str, cert: str, key: str, prefix: str) -> None:
             raise ConfigError(f"{flag}-{name} {path!r}: no such file")
 
 
+def check_auth_token(token: str) -> None:
+    if token and any(c.isspace() for c in token):
+        raise ConfigError("--auth-token must not contain whitespace (it is sent as 'Bearer <token>')")
+
+
 def server_credentials(cert: str, key: str, ca: str = "") -> grpc.ServerCredentials | None:
     """None = plaintext. With ca: mutual TLS (clients must present a certificate signed by ca)."""
     if not cert:

@@ -23,7 +23,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                           if p and pathlib.Path(p).resolve() != ROOT]])
 
-pytest_plugins = ["checkout_guard"]  # the run must leave `git status --porcelain` as it found it
+# The plugin client developers get (fixtures pdflash_stub, pdflash_stack). An installed pdflash registers it
+# under this same name through its pytest11 entry point; named here too, the suite also runs from a checkout
+# whose installed metadata predates it (pytest loads a plugin once by name).
+pytest_plugins = ["pdflash.testing", "checkout_guard"]  # checkout_guard: the run must leave `git status --porcelain` as it found it
 
 
 class TinyModels:

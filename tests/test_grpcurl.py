@@ -137,3 +137,37 @@ def check_generate_stream(messages: list[dict], max_tokens: int) -> None:
         assert len(tokens) == max_tokens
     text = "".join(m["chunk"].get("text", "") for m in messages[:-1]) + final.get("text", "")
     assert text, "no text streamed"
+
+
+@pytest.mark.parametrize("line", [l for l in example_lines() if "localhost:50051" in l], ids=example_id)
+def test_example_runs_against_the_stub(line: str, grpcurl: str):
+    """The public API's lines work against `pdflash stub` too (health, reflection, Generate: it echoes the prompt)."""
+    import types
+
+    from pdflash.testing import StubServer
+
+    with StubServer() as stub:
+        role, out = run_example(line, grpcurl, types.SimpleNamespace(drafter=stub.address))
+    argv = shlex.split(line)
+    if argv[-1] == "pdflash.v1.Drafter/Generate":
+        messages = json_stream(out)
+        check_generate_stream(messages, max_tokens=16)
+        text = "".join(m["chunk"].get("text", "") for m in messages[:-1]) + messages[-1]["final"].get("text", "")
+        assert text == json.loads(argv[argv.index("-d") + 1])["prompt"]
+    elif argv[-1] == "grpc.health.v1.Health/Check":
+        assert json_stream(out) == [{"status": "SERVING"}], out
+    else:
+        assert "pdflash.v1.Drafter" in out, out
+
+
+def test_stub_metadata_scripts_a_fault_through_grpcurl(grpcurl: str):
+    """README: metadata pdflash-stub-<option> scripts one request, from any client (here grpcurl's -H)."""
+    from pdflash.testing import StubServer
+
+    with StubServer() as stub:
+        argv = [grpcurl, "-plaintext", "-H", "pdflash-stub-fault: RESOURCE_EXHAUSTED", "-H", "pdflash-stub-retry-after-s: 3",
+                "-d", '{"prompt": "x"}', stub.address, "pdflash.v1.Drafter/Generate"]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "Code: ResourceExhausted" in proc.stderr and "stub fault: RESOURCE_EXHAUSTED" in proc.stderr, proc.stderr
+    assert '"@type":"type.googleapis.com/google.rpc.RetryInfo","retry_delay":"3s"' in proc.stderr, proc.stderr
