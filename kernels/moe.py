@@ -44,8 +44,9 @@ def default_config(n: int, k: int, topk: int, fp4: bool) -> MoeConfig:
     """Tile sizes from the static shape only (never from the token count or the routing)."""
     sms = runtime.sm_count()
     # Enough programs at one token (topk pairs) to keep every SM reading: smaller N tiles for narrow layers.
+    # (not below 32: 16-wide tiles were slower in every case the H200 sweep timed)
     block_n = 64
-    while block_n > 16 and topk * triton_cdiv(n, block_n) < 2 * sms:
+    while block_n > 32 and topk * triton_cdiv(n, block_n) < 2 * sms:
         block_n //= 2
     block_k = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
     # FP4: decode 1 (bit placement) was the fastest variant on the H200 at decode shapes (benchmarks/kernels.py --sweep)

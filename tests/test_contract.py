@@ -65,15 +65,18 @@ def test_request_id_echo(api):
     assert len(generated) == 1 and len(next(iter(generated))) == 32
 
 
+# Built by hand: Client.request itself refuses out-of-range numbers before they reach a proto (tests/test_cli_ranges.py)
+_G = drafter_pb2.GenerateRequest
 BAD_REQUESTS = {
-    "empty prompt": (Client.request("", max_tokens=4), {"prompt"}),
-    "beyond the limits": (Client.request("x", max_tokens=10**6, temperature=-2.0, top_k=-1), {"max_tokens", "sampling.temperature", "sampling.top_k"}),
-    "ids outside the vocabulary": (Client.request([1, 10**6], stop_token_ids=[-1]), {"prompt_tokens.ids", "stop_token_ids"}),
-    "block too wide": (Client.request("x", block_size=10**4), {"block_size"}),
-    "unknown drafter": (drafter_pb2.GenerateRequest(prompt="x", drafter=42), {"drafter"}),
-    "no input": (drafter_pb2.GenerateRequest(max_tokens=3), {"prompt"}),
-    "prompt beyond the context": (Client.request("def f(x):\n    return x\n" * 400), {"prompt"}),
-    "request id too long": (Client.request("x", request_id="r" * 300), {"request_id"}),
+    "empty prompt": (_G(prompt="", max_tokens=4), {"prompt"}),
+    "beyond the limits": (_G(prompt="x", max_tokens=10**6, sampling=common_pb2.SamplingParams(temperature=-2.0, top_k=-1)),
+                          {"max_tokens", "sampling.temperature", "sampling.top_k"}),
+    "ids outside the vocabulary": (_G(prompt_tokens=drafter_pb2.TokenIds(ids=[1, 10**6]), stop_token_ids=[-1]), {"prompt_tokens.ids", "stop_token_ids"}),
+    "block too wide": (_G(prompt="x", block_size=10**4), {"block_size"}),
+    "unknown drafter": (_G(prompt="x", drafter=42), {"drafter"}),
+    "no input": (_G(max_tokens=3), {"prompt"}),
+    "prompt beyond the context": (_G(prompt="def f(x):\n    return x\n" * 400), {"prompt"}),
+    "request id too long": (_G(prompt="x", request_id="r" * 300), {"request_id"}),
 }
 
 

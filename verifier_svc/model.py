@@ -86,8 +86,10 @@ def kernels_wanted(mode: str, device: torch.device) -> bool:
 
     if mode == "off":
         return False
+    if mode == "auto":  # never the interpreter: it is for tests of the kernels, far too slow to serve
+        return device.type == "cuda" and runtime.triton is not None
     usable = runtime.triton_usable(device)
-    if mode == "on" and not usable:
+    if not usable:
         raise ValueError(f"--kernels on: the batch-invariant kernels need CUDA and triton (device {device}, triton "
                          f"{'found' if runtime.triton is not None else 'not installed'})")
     return usable
