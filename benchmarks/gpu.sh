@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [tests|kernels|sweep|all]...
+#   bash benchmarks/gpu.sh OUT [tests|kernels|sweep|e2e|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 set -uo pipefail
@@ -22,6 +22,9 @@ if has tests; then
 fi
 if has sweep; then
   timeout ${SWEEP_S:-120} python3 benchmarks/kernels.py --out "$OUT" --sweep --skip-main 2>&1 | tail -80 > "$OUT/sweep.txt"
+fi
+if has e2e; then
+  timeout ${E2E_S:-200} python3 benchmarks/e2e_gpu.py --out "$OUT" 2>&1 | tee "$OUT/e2e.txt" | tail -20
 fi
 if has kernels; then
   timeout ${KERNELS_S:-200} python3 benchmarks/kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt" | tail -60

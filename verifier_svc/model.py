@@ -126,8 +126,17 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, use_safetensors=True)
     except Exception as e:  # noqa: BLE001 - one line that names the checkpoint (pdflash.server.failure_reason)
         raise ValueError(f"cannot load the checkpoint in {directory}: {type(e).__name__}: {e}") from e
-    model = model.to(dev).eval()
+    return wrap_model(model.to(dev), directory, kernels, experts)
+
+
+def wrap_model(model, directory: pathlib.Path, kernels: str = "off", experts: str = "native") -> TargetModel:
+    """A loaded transformers model (on its device) -> TargetModel: kernels installed, the experts seam, the byte map.
+    (`load_target` reads the checkpoint first; benchmarks that build a model in memory call this directly.)"""
+    model = model.eval()
     model.requires_grad_(False)
+    param = next(model.parameters())
+    dev, torch_dtype = param.device, param.dtype
+    config = model.config
     summary = {}
     if kernels_wanted(kernels, dev):
         summary = install_kernels(model, experts)  # before the seam: it wraps the experts implementation in force
