@@ -29,6 +29,14 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier-port", type=_number, default=50053)
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<service>.log instead of the terminal")
     p.add_argument("--startup-timeout", type=_number, default=300.0, help="seconds the services may take to become ready")
+    v = p.add_argument_group("verifier", "the target's device and kernels (as serve-verifier's options of the same names)")
+    v.add_argument("--device", default="auto", help="torch device of the verifier: auto (cuda when available), cpu, cuda, cuda:N")
+    v.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto = float32 on CPU, bfloat16 on GPU")
+    v.add_argument("--kernels", default="auto", choices=["auto", "on", "off"],
+                   help="batch-invariant Triton kernels (exact greedy output at every block width): auto = on CUDA")
+    v.add_argument("--experts", default="native", choices=["native", "mxfp4"],
+                   help="routed experts in the checkpoint's dtype, or quantized to MXFP4 at load (needs the kernels)")
     g = p.add_argument_group(
         "TLS and secrets",
         "TLS on every hop: each service serves --tls-cert/--tls-key; --tls-ca is the CA that signed them. "
@@ -117,8 +125,18 @@ def _spec(args):
         log_dir=args.log_dir, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         tls_mutual=not args.tls_no_client_auth, tls_client_cert=args.tls_client_cert, tls_client_key=args.tls_client_key,
         auth_token=os.environ.get("PDFLASH_AUTH_TOKEN", ""), ticket_secret=os.environ.get("PDFLASH_TICKET_SECRET", ""),
-        pin=not args.no_pin,
+        pin=not args.no_pin, verifier_args=_verifier_args(args),
     )
+
+
+def _verifier_args(args) -> list[str]:
+    """The verifier options `pdflash up` passes through (only those changed from their defaults)."""
+    out = []
+    for flag, default in (("device", "auto"), ("dtype", "auto"), ("kernels", "auto"), ("experts", "native")):
+        value = getattr(args, flag, default)
+        if value != default:
+            out += [f"--{flag}", value]
+    return out
 
 
 def _say(command: str):

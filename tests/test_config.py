@@ -219,3 +219,18 @@ def test_pdflash_up_puts_the_drafter_and_scheduler_on_one_core_and_leaves_the_ve
 
     assert _spec(build_parser().parse_args(["up"])).pin
     assert not _spec(build_parser().parse_args(["up", "--no-pin"])).pin
+
+
+def test_pdflash_up_passes_the_verifier_device_and_kernel_options():
+    from pdflash.cli import _spec, build_parser
+    from pdflash.stack import Stack
+
+    args = build_parser().parse_args(["up", "--device", "cuda:1", "--kernels", "off", "--dtype", "float16"])
+    spec = _spec(args)
+    assert spec.verifier_args == ["--device", "cuda:1", "--dtype", "float16", "--kernels", "off"]
+    cmd = Stack(spec)._cmd("verifier")
+    assert cmd[cmd.index("--device") + 1] == "cuda:1" and cmd[cmd.index("--kernels") + 1] == "off"
+    assert _spec(build_parser().parse_args(["up"])).verifier_args == []  # defaults: the verifier decides
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["up", "--experts", "fp8"])
+    assert e.value.code == 2
