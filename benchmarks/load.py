@@ -91,14 +91,44 @@ def _hf(model_dir: str):
 
 @functools.lru_cache(maxsize=None)
 def greedy_reference(model_dir: str, prompt: str | tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
-    """transformers' own greedy decoding of the checkpoint: what the stack must reproduce exactly."""
+    """What the stack must reproduce exactly: transformers' own greedy decoding of the checkpoint in float32 on
+    the CPU (where the stack serves float32), or, when the stack serves on CUDA (bf16, the batch-invariant
+    kernels), the verifier's own block-1 decoding on the GPU, in process."""
     import torch
 
+    if torch.cuda.is_available():
+        return _verifier_block1(str(model_dir), prompt, max_tokens)
     tok, model = _hf(str(model_dir))
     ids = tok(prompt, return_tensors="pt").input_ids if isinstance(prompt, str) else torch.tensor([list(prompt)])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
     return tuple(out[0, ids.shape[1]:].tolist())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_core(model_dir: str):
+    from transformers import AutoTokenizer
+
+    from verifier_svc.engine import VerifierCore
+    from verifier_svc.model import load_target
+
+    return AutoTokenizer.from_pretrained(model_dir), VerifierCore(load_target(model_dir, "cuda", "auto", kernels="auto"))
+
+
+def _verifier_block1(model_dir: str, prompt, max_tokens: int) -> tuple[int, ...]:
+    from pdflash.types import DraftResult, SamplingParams, union_bytes
+    from verifier_svc.engine import PrefillInput
+
+    tok, core = _cuda_core(model_dir)
+    ids = tok(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+    step = core.prefill(PrefillInput("reference", tuple(ids), SamplingParams(), max_tokens))
+    out, rnd = list(step.tokens), 0
+    while step.finished is None:
+        rnd += 1
+        step = core.verify(DraftResult(step.session_id, rnd, (out[-1],), step.routed_union,
+                                       union_bytes(step.routed_union, core.target.byte_map)))
+        out += step.tokens
+    return tuple(out)
 
 
 def make_jobs(clients: int, requests: int, max_tokens: int, drafters: list[str]) -> list[list[Job]]:
