@@ -24,14 +24,22 @@ if triton is not None:
 
     @triton.jit
     def _attn_chunk(
-        c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, sks, svs, kpos0, S, last, scaling, window,
-        kmask_ptr, smb, b, dd, HAS_KMASK: tl.constexpr, BLOCK_N: tl.constexpr, F32DOT: tl.constexpr,
+        c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs, kpos0, S, last, scaling, window,
+        kmask_ptr, smb, b, dd, table_ptr, stb,
+        HAS_KMASK: tl.constexpr, BLOCK_N: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr,
     ):
         kp = c + tl.arange(0, BLOCK_N)
         j = kp - kpos0
         k_ok = (j >= 0) & (j < S)
-        kt = tl.load(k_ptr + kbase + j[:, None] * sks + dd[None, :], mask=k_ok[:, None], other=0.0)
-        vt = tl.load(v_ptr + vbase + j[:, None] * svs + dd[None, :], mask=k_ok[:, None], other=0.0)
+        if PAGED:  # a chunk is one page of the pool: [pages, Hkv, BLOCK_N, D], the page from the session's table
+            page = tl.load(table_ptr + b * stb + c // BLOCK_N).to(tl.int64)
+            koff = page * skp + (kp - c)[:, None] * sks
+            voff = page * svp + (kp - c)[:, None] * svs
+        else:
+            koff = j[:, None] * sks
+            voff = j[:, None] * svs
+        kt = tl.load(k_ptr + kbase + koff + dd[None, :], mask=k_ok[:, None], other=0.0)
+        vt = tl.load(v_ptr + vbase + voff + dd[None, :], mask=k_ok[:, None], other=0.0)
         if F32DOT:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
@@ -63,9 +71,10 @@ if triton is not None:
         pos_ptr, spb,
         kmask_ptr, smb,
         sink_ptr,
+        table_ptr, stb,
         T, S, scaling, window,
         GROUP: tl.constexpr, D: tl.constexpr, HAS_SINK: tl.constexpr, HAS_KMASK: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32DOT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
@@ -76,7 +85,11 @@ if triton is not None:
         dd = tl.arange(0, D)
         qpos = tl.load(pos_ptr + b * spb + rows, mask=row_ok, other=0).to(tl.int64)
         last = tl.load(pos_ptr + b * spb + T - 1).to(tl.int64)
-        kpos0 = last - (S - 1)  # absolute position of the cache tensor's key 0
+        if PAGED:  # keys by absolute position through the page table; the last query's key is the last written
+            kpos0 = last * 0
+            S = last + 1
+        else:
+            kpos0 = last - (S - 1)  # absolute position of the cache tensor's key 0
         q = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqt + dd[None, :], mask=row_ok[:, None], other=0.0)
         if F32DOT:
             q = q.to(tl.float32)
@@ -90,18 +103,24 @@ if triton is not None:
         m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-        kbase = b * skb + kh * skh
-        vbase = b * svb + kh * svh
+        if PAGED:
+            kbase = kh * skh
+            vbase = kh * svh
+        else:
+            kbase = b * skb + kh * skh
+            vbase = b * svb + kh * svh
         if F32DOT:  # Triton's interpreter cannot run a range() whose bounds were loaded from memory
             c = c0
             while c <= hi:
-                m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, sks, svs, kpos0, S, last,
-                                            scaling, window, kmask_ptr, smb, b, dd, HAS_KMASK, BLOCK_N, F32DOT)
+                m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skb, svb, sks, svs, kpos0, S,
+                                            last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
+                                            HAS_KMASK, BLOCK_N, F32DOT, PAGED)
                 c += BLOCK_N
         else:
             for c in range(c0, hi + 1, BLOCK_N):
-                m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, sks, svs, kpos0, S, last,
-                                            scaling, window, kmask_ptr, smb, b, dd, HAS_KMASK, BLOCK_N, F32DOT)
+                m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skb, svb, sks, svs, kpos0, S,
+                                            last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
+                                            HAS_KMASK, BLOCK_N, F32DOT, PAGED)
         if HAS_SINK:
             sink = tl.load(sink_ptr + h).to(tl.float32)
             m_f = tl.maximum(m_i, sink)
@@ -148,8 +167,56 @@ def attention(
         pos, pos.stride(0),
         km, km.stride(0),
         sinks if sinks is not None else q,
+        pos, 0,
         t, s, float(scaling), int(sliding_window or 0),
         GROUP=hq // hkv, D=d, HAS_SINK=sinks is not None, HAS_KMASK=key_mask is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, F32DOT=runtime.interpreting(),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, F32DOT=runtime.interpreting(), PAGED=False,
+    )
+    return out
+
+
+PAGE = BLOCK_N  # positions per KV page: one attention chunk reads exactly one page
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    positions: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, T, D]; k/v pools [pages, Hkv, PAGE, D]; page_table [B, max_pages] int32 (page of positions
+    [i*PAGE, (i+1)*PAGE) of sequence b); positions [B, T] (the queries' absolute positions; each sequence's keys
+    are written up to its last query's position). Returns [B, T, Hq, D]. The same chunks, in the same order, as
+    `attention`: results are bit-identical to it for the same keys."""
+    bsz, hq, t, d = q.shape
+    hkv = k_pool.shape[1]
+    if k_pool.shape[2] != PAGE:
+        raise ValueError(f"KV pages must hold {PAGE} positions, got {k_pool.shape[2]}")
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads do not group over {hkv} key/value heads")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty((bsz, t, hq, d), dtype=q.dtype, device=q.device)
+    pos = positions.reshape(bsz, t)
+    if pos.stride(-1) != 1:
+        pos = pos.contiguous()
+    table = page_table.reshape(bsz, -1)
+    grid = (triton.cdiv(t, BLOCK_M), hq, bsz)
+    _attn_kernel[grid](
+        q, q.stride(0), q.stride(1), q.stride(2),
+        k_pool, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool, v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        out, out.stride(0), out.stride(1), out.stride(2),
+        pos, pos.stride(0),
+        pos, 0,
+        sinks if sinks is not None else q,
+        table, table.stride(0),
+        t, 0, float(scaling), int(sliding_window or 0),
+        GROUP=hq // hkv, D=d, HAS_SINK=sinks is not None, HAS_KMASK=False,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, F32DOT=runtime.interpreting(), PAGED=True,
     )
     return out

@@ -12,6 +12,8 @@ report and logged, never silently left on a batch-dependent kernel. `Installatio
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import re
@@ -123,12 +125,36 @@ def expert_weights(module: nn.Module, experts_format: str = "native") -> ExpertW
 CALLS = {"experts": 0, "attention": 0}  # kernel calls, counted by the install probe
 
 
+@dataclasses.dataclass
+class ForwardContext:
+    """Set by a caller that runs the model's layers on a paged KV pool (verifier_svc.runner): the attention
+    function then reads keys through `page_table` (the cache's update returned the layer's pools), and the
+    experts skip rows >= `valid_rows` (padding rows of a bucketed forward)."""
+
+    page_table: torch.Tensor | None = None  # [B, max_pages] int32
+    valid_rows: torch.Tensor | None = None  # [1] int32 on the device
+
+
+_forward_ctx: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("pdflash_forward_ctx", default=None)
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext):
+    token = _forward_ctx.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _forward_ctx.reset(token)
+
+
 def _experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args, **kwargs):
     w = getattr(module, "_pdflash_weights", None)
     if w is None or not runtime.triton_usable(hidden_states.device):
         return module._pdflash_fallback(module, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     CALLS["experts"] += 1
-    return moe_forward(hidden_states, top_k_index, top_k_weights, w, module._pdflash_num_experts)
+    ctx = _forward_ctx.get()
+    valid = ctx.valid_rows if ctx is not None else None
+    return moe_forward(hidden_states, top_k_index, top_k_weights, w, module._pdflash_num_experts, n_valid=valid)
 
 
 def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, s_aux=None, **kwargs):
@@ -147,6 +173,9 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
         scaling = query.shape[-1] ** -0.5
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
     CALLS["attention"] += 1
+    ctx = _forward_ctx.get()
+    if ctx is not None and ctx.page_table is not None:  # key/value are the layer's page pools
+        return attn_kernels.paged_attention(query, key, value, ctx.page_table, positions, scaling, sliding_window, sinks), None
     out = attn_kernels.attention(query, key, value, positions, scaling, sliding_window, sinks, key_mask)
     return out, None
 

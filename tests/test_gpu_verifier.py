@@ -21,13 +21,16 @@ NEW = 256
 @pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "mixtral"])
 def core(request, tmp_path_factory):
     from pdflash.tiny import make_real_shape_checkpoint
-    from verifier_svc.engine import VerifierCore
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
     from verifier_svc.model import load_target
 
     d = make_real_shape_checkpoint(tmp_path_factory.mktemp(request.param), request.param, device="cuda")
     target = load_target(d, "cuda", "auto", kernels="on")
     assert target.batch_invariant, target.kernels
-    c = VerifierCore(target, max_block_size=32, max_tokens_limit=1024)
+    # as the server runs it on CUDA: the paged KV pool, verify forwards replayed from CUDA graphs
+    c = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=4))
+    assert c.graphs is not None
+    c.eager = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(mode="off"))
     yield c
     del c, target
     torch.cuda.empty_cache()
@@ -127,6 +130,11 @@ def test_every_drafter_and_width_equals_block_one(core):
             got = _run(core, prompt, **kw)
             first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
             assert got == ref, f"{name}: differs from block-1 decoding at token {first}"
+
+
+def test_graphs_on_the_paged_cache_equal_eager_forwards_on_transformers_cache(core):
+    prompt = _prompts(core.target.vocab_size, 1)[0]
+    assert _run(core, prompt, _no_drafts) == _run(core.eager, prompt, _no_drafts)
 
 
 def test_interleaved_sessions_equal_their_solo_runs(core):

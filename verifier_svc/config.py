@@ -15,6 +15,9 @@ class VerifierConfig(ServerOptions):
     device: str = option("auto", "torch device: auto, cpu, cuda, cuda:N")
     dtype: str = option("auto", "auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16")
     kernels: str = option("auto", "batch-invariant Triton kernels for every forward (exact greedy output at every block width): auto (on CUDA when triton is importable), on, off")
+    paged_kv: str = option("auto", "the paged KV pool and layer-by-layer forward (CUDA graphs per block-size bucket): auto (with the kernels), on, off (transformers' DynamicCache)")
+    kv_cache_gb: float = option(0.0, "size of the paged KV pool in GiB (0 = a quarter of the free GPU memory; 0.25 on a CPU)")
+    cuda_graphs: bool = option(True, "replay verify forwards from CUDA graphs (paged KV on CUDA)")
     experts: str = option("native", "routed experts: native (the checkpoint's dtype) or mxfp4 (quantized at load, resident on the device; needs the kernels)")
     torch_threads: int = option(0, "CPU threads for torch (0 = automatic: all cores, or all but one with --colocated)")
     prefill_threads: int = option(0, "CPU threads for prefill forwards (0 = as the verify forwards)")
@@ -63,6 +66,10 @@ class VerifierConfig(ServerOptions):
             raise ConfigError(f"--dtype {self.dtype!r}: choose auto, float32, bfloat16 or float16")
         if self.kernels not in ("auto", "on", "off"):
             raise ConfigError(f"--kernels {self.kernels!r}: choose auto, on or off")
+        if self.paged_kv not in ("auto", "on", "off"):
+            raise ConfigError(f"--paged-kv {self.paged_kv!r}: choose auto, on or off")
+        if self.kv_cache_gb < 0:
+            raise ConfigError(f"--kv-cache-gb {self.kv_cache_gb}: must be >= 0 (0 = automatic)")
         if self.experts not in ("native", "mxfp4"):
             raise ConfigError(f"--experts {self.experts!r}: choose native or mxfp4")
         if self.experts == "mxfp4" and self.kernels == "off":

@@ -20,6 +20,8 @@ from pdflash.errors import FailedPrecondition, FieldViolation, check
 from pdflash.validation import sampling_violations
 from pdflash.types import DraftResult, ExpertUnion, FinishReason, SamplingParams, union_bytes
 from verifier_svc.model import TargetModel
+from kernels.attention import PAGE
+from verifier_svc.kv import SequenceKV
 from verifier_svc.session import Session, SessionStore
 from verifier_svc.verify import accept_greedy, accept_sampled, target_probs
 
@@ -33,6 +35,32 @@ class PrefillInput:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     feature_layer_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKVOptions:
+    """The paged KV pool and CUDA graphs (used when the batch-invariant kernels are installed)."""
+
+    mode: str = "auto"  # auto (with the kernels), on, off
+    kv_cache_gb: float = 0.0  # 0 = a quarter of the device's free memory on CUDA, 0.25 GiB on a CPU
+    graphs: bool = True
+
+    def enabled(self, target: TargetModel) -> bool:
+        if self.mode == "off":
+            return False
+        if not target.batch_invariant:
+            if self.mode == "on":
+                raise ValueError("--paged-kv on needs the batch-invariant kernels (--kernels on)")
+            return False
+        return True
+
+    def budget_bytes(self, device: torch.device) -> float:
+        if self.kv_cache_gb > 0:
+            return self.kv_cache_gb * 2**30
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return free / 4
+        return 0.25 * 2**30
 
 
 @dataclasses.dataclass
@@ -59,9 +87,15 @@ class VerifierCore:
         max_block_size: int = 32,
         max_tokens_limit: int = 4096,
         prefill_threads: int = 0,
+        paged_kv: PagedKVOptions | None = None,
     ):
         self.target = target
         self.sessions = SessionStore(max_sessions, idle_ttl_s)
+        # The paged KV pool and the layer-by-layer forward (verifier_svc.runner) when the kernels are installed:
+        # CUDA graphs replay it per block-size bucket. Otherwise transformers' DynamicCache and model forward.
+        self.pool = self.runner = self.graphs = None
+        if paged_kv is not None and paged_kv.enabled(target):
+            self._init_paged(paged_kv)
         self.max_block_size = max_block_size
         self.max_tokens_limit = max_tokens_limit
         # CPU threads for prefill forwards (0 = as verify forwards). A prompt is compute-bound and the
@@ -70,6 +104,20 @@ class VerifierCore:
         # transformers' CausalLMs take logits_to_keep: a prompt's LM head on its last position only (for a
         # 128-token prompt of the demo target, 12.4 -> 10.9 ms at 2 threads).
         self._keeps_logits = "logits_to_keep" in inspect.signature(target.model.forward).parameters
+
+    def _init_paged(self, opts: "PagedKVOptions") -> None:
+        from verifier_svc.kv import KVPool
+        from verifier_svc.runner import ForwardRunner, GraphRunner
+
+        t = self.target
+        cfg = t.model.config.get_text_config()
+        kv_heads = int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        pages = KVPool.pages_for(kv_heads, head_dim, t.num_layers, t.dtype, int(opts.budget_bytes(t.device)))
+        self.pool = KVPool(t.num_layers, kv_heads, head_dim, pages, t.dtype, t.device)
+        self.runner = ForwardRunner(t.model, t.seam, self.pool)
+        if opts.graphs and t.device.type == "cuda":
+            self.graphs = GraphRunner(self.runner, (t.max_context + PAGE - 1) // PAGE)
 
     @contextlib.contextmanager
     def _prefill_threads(self):
@@ -137,6 +185,8 @@ class VerifierCore:
     # ---- the model --------------------------------------------------------------------------------
     def _forward(self, s: Session, ids: list[int], want_features: bool, last_logits_only: bool = False):
         """last_logits_only: the LM head on the last position alone (a prompt needs only the next token's)."""
+        if s.kv is not None:
+            return self._forward_paged(s, ids, want_features, last_logits_only)
         t = self.target
         inp = torch.tensor([ids], dtype=torch.long, device=t.device)
         kw = {"logits_to_keep": 1} if last_logits_only and self._keeps_logits else {}
@@ -149,6 +199,21 @@ class VerifierCore:
             hs = out.hidden_states
             feats = torch.cat([hs[i + 1][0] for i in s.feature_layer_ids], dim=-1).float()
         union = rec.union(t.seam.num_experts)
+        if t.device.type == "cuda":
+            torch.cuda.synchronize(t.device)
+        return logits, feats, union, (time.perf_counter() - t0) * 1e3
+
+    def _forward_paged(self, s: Session, ids: list[int], want_features: bool, last_logits_only: bool):
+        t = self.target
+        layers = s.feature_layer_ids if want_features else ()
+        t0 = time.perf_counter()
+        if self.graphs is not None and not last_logits_only:
+            out, rows = self.graphs.forward(ids, s.committed, s.kv, layers)
+        else:
+            out, rows = self.runner.forward(ids, s.committed, s.kv, layers, last_only=last_logits_only), len(ids)
+        logits = out.logits[: (1 if last_logits_only else rows)]
+        feats = out.features[:rows] if out.features is not None else None
+        union = out.recorder.union(t.seam.num_experts, rows=rows)
         if t.device.type == "cuda":
             torch.cuda.synchronize(t.device)
         return logits, feats, union, (time.perf_counter() - t0) * 1e3
@@ -183,8 +248,12 @@ class VerifierCore:
         if not req.sampling.greedy:
             gen = torch.Generator()
             gen.manual_seed(req.sampling.seed if req.sampling.seed is not None else int(torch.seed()))
-        cache = DynamicCache(config=t.model.config)
-        cache.activate_past_recording()  # lets sliding-window layers roll back after a rejected draft
+        cache = kv = None
+        if self.pool is not None:
+            kv = SequenceKV(self.pool, t.max_context)
+        else:
+            cache = DynamicCache(config=t.model.config)
+            cache.activate_past_recording()  # lets sliding-window layers roll back after a rejected draft
         s = Session(
             session_id=self.sessions.new_id(),
             request_id=req.request_id,
@@ -197,9 +266,14 @@ class VerifierCore:
             sampling=req.sampling,
             generator=gen,
             feature_layer_ids=tuple(req.feature_layer_ids),
+            kv=kv,
         )
-        with self._prefill_threads():
-            logits, feats, union, fwd_ms = self._forward(s, list(req.prompt), bool(req.feature_layer_ids), last_logits_only=True)
+        try:
+            with self._prefill_threads():
+                logits, feats, union, fwd_ms = self._forward(s, list(req.prompt), bool(req.feature_layer_ids), last_logits_only=True)
+        except BaseException:
+            s.close()
+            raise
         t0 = time.perf_counter()
         _, first = self._pick(s, [], logits[-1:])
         s.committed = len(req.prompt)
@@ -207,7 +281,13 @@ class VerifierCore:
         emitted = self._emit(s, [first])
         acc_ms = (time.perf_counter() - t0) * 1e3
         if s.finished is None:
-            self.sessions.add(s)
+            try:
+                self.sessions.add(s)
+            except BaseException:
+                s.close()
+                raise
+        else:
+            s.close()
         return StepOutput(
             session_id=s.session_id if s.finished is None else "",
             round=0,
@@ -241,7 +321,8 @@ class VerifierCore:
         t0 = time.perf_counter()
         n_acc, nxt = self._pick(s, block[1:], logits)
         keep = n_acc + 1  # anchor + accepted drafts enter the KV cache
-        s.cache.crop(-(len(block) - keep))
+        if s.kv is None:
+            s.cache.crop(-(len(block) - keep))  # the paged KV needs no crop: the next block overwrites from `committed`
         s.committed += keep
         s.anchor = nxt
         emitted = self._emit(s, block[1 : 1 + n_acc] + [nxt])

@@ -30,19 +30,20 @@ class RouteRecorder:
         self._ids: list[tuple[int, torch.Tensor]] = []
 
     def add(self, layer: int, top_k_index: torch.Tensor) -> None:
-        self._ids.append((layer, top_k_index.detach().reshape(-1)))
+        self._ids.append((layer, top_k_index.detach().reshape(top_k_index.shape[0], -1)))
 
-    def union(self, num_experts: dict[int, int]) -> ExpertUnion:
+    def union(self, num_experts: dict[int, int], rows: int | None = None) -> ExpertUnion:
         """Layer -> the expert ids routed to; ids outside [0, n) are padding sentinels and are dropped.
         One concatenation and one device->host copy for all layers (right after a forward, each small
         torch op costs tens of microseconds: a unique per layer cost ~80 us a verify on the demo target)."""
         if not self._ids:
             return {}
-        flat = torch.cat([ids for _, ids in self._ids]).tolist()
+        # rows: the real tokens of a forward padded to a bucket (a captured graph's routing buffers hold them all)
+        flat = torch.cat([(ids if rows is None else ids[:rows]).reshape(-1) for _, ids in self._ids]).tolist()
         seen: dict[int, set[int]] = {}
         pos = 0
         for layer, ids in self._ids:
-            n = ids.numel()
+            n = (ids if rows is None else ids[:rows]).numel()
             seen.setdefault(layer, set()).update(flat[pos:pos + n])
             pos += n
         return {layer: frozenset(e for e in ids if 0 <= e < num_experts[layer]) for layer, ids in sorted(seen.items())}

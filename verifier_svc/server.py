@@ -17,7 +17,7 @@ from pdflash.tickets import TicketSigner
 from pdflash.tls import server_credentials
 from pdflash.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_svc.config import VerifierConfig
-from verifier_svc.engine import VerifierCore
+from verifier_svc.engine import PagedKVOptions, VerifierCore
 from verifier_svc.model import load_target
 from verifier_svc.servicer import VerifierServicer
 
@@ -71,7 +71,8 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         threads = await torch_thread.run(torch_thread.configure, verify_threads)
         target = await torch_thread.run(load_target, model_dir, resolve_device(cfg.device), cfg.dtype, cfg.kernels, cfg.experts)
         core = VerifierCore(target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size, cfg.max_tokens_limit,
-                            prefill_threads=prefill_threads)
+                            prefill_threads=prefill_threads,
+                            paged_kv=PagedKVOptions(cfg.paged_kv, cfg.kv_cache_gb, cfg.cuda_graphs))
         if cfg.verify_inline(target.device.type, threads):  # threads: the verify forwards' count in effect
             if target.device.type == "cpu":
                 torch.set_num_threads(threads)  # OpenMP's thread count is per thread: this one's, as the torch thread's
@@ -91,6 +92,8 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         total_expert_bytes=target.total_expert_bytes,
         device=str(target.device),
         batch_invariant=target.batch_invariant,
+        paged_kv=core.pool is not None,
+        cuda_graphs=core.graphs is not None,
         experts_format=target.experts_format,
         torch_threads=threads,
         prefill_threads=prefill_threads or threads,

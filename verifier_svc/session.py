@@ -20,7 +20,7 @@ from pdflash.types import FinishReason, SamplingParams
 class Session:
     session_id: str
     request_id: str
-    cache: DynamicCache
+    cache: DynamicCache | None
     committed: int  # tokens in the KV cache (prompt + committed generations)
     anchor: int
     generated: int  # tokens emitted so far (the anchor included)
@@ -29,12 +29,19 @@ class Session:
     sampling: SamplingParams
     generator: torch.Generator | None
     feature_layer_ids: tuple[int, ...]
+    kv: object | None = None  # verifier_svc.kv.SequenceKV when the verifier runs on the paged KV pool
     round: int = 0
     finished: FinishReason | None = None
     last_used: float = dataclasses.field(default_factory=time.monotonic)
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
+
+    def close(self) -> None:
+        """Give back what the session holds beyond Python memory (its KV pages)."""
+        if self.kv is not None:
+            self.kv.free()
+            self.kv = None
 
 
 class SessionStore:
@@ -68,12 +75,15 @@ class SessionStore:
         return s
 
     def end(self, session_id: str) -> bool:
-        return self._sessions.pop(session_id, None) is not None
+        s = self._sessions.pop(session_id, None)
+        if s is not None:
+            s.close()
+        return s is not None
 
     def expire(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
         dead = [sid for sid, s in self._sessions.items() if now - s.last_used > self.idle_ttl_s]
         for sid in dead:
-            del self._sessions[sid]
+            self._sessions.pop(sid).close()
         self.expired_total += len(dead)
         return dead

@@ -1,0 +1,62 @@
+"""The verifier's paged KV pool (verifier_svc/kv.py) and its layer-by-layer forward (verifier_svc/runner.py).
+
+On the CPU the batch-invariant kernels run under Triton's interpreter (slow: tiny model, few tokens); the same
+path on CUDA, replayed from CUDA graphs, is tested in tests/test_gpu_verifier.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import runtime
+from kernels.attention import PAGE
+from pdflash.errors import ResourceExhausted
+from verifier_svc.kv import KVPool, SequenceKV
+
+
+def test_pool_pages_are_handed_out_and_back():
+    pool = KVPool(num_layers=2, kv_heads=2, head_dim=16, num_pages=4, dtype=torch.float32, device=torch.device("cpu"))
+    seq = SequenceKV(pool, max_positions=10 * PAGE)
+    seq.reserve(PAGE + 1)
+    assert len(seq.pages) == 2 and pool.free_pages == 2
+    pages, offs = seq.slots(PAGE - 1, 2)
+    assert pages.tolist() == [seq.pages[0], seq.pages[1]] and offs.tolist() == [PAGE - 1, 0]
+    assert seq.table[:2].tolist() == seq.pages
+    seq.reserve(PAGE)  # already covered: nothing more
+    assert pool.free_pages == 2
+    other = SequenceKV(pool, max_positions=10 * PAGE)
+    with pytest.raises(ResourceExhausted, match="KV cache is full"):
+        other.reserve(3 * PAGE)
+    seq.free()
+    assert pool.free_pages == 4 and seq.pages == []
+    with pytest.raises(ValueError, match="exceed the context"):
+        SequenceKV(pool, max_positions=PAGE).reserve(PAGE + 1)
+    assert KVPool.pages_for(2, 16, 2, torch.float32, budget_bytes=2 * 2 * 2 * PAGE * 16 * 4 * 3) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not runtime.triton_usable("cpu"), reason="needs triton (interpreted on CPU)")
+def test_paged_verifier_equals_the_dynamic_cache_one_and_returns_its_pages(tiny):
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    import test_gpu_verifier as drive
+
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
+    from verifier_svc.model import load_target
+
+    drive.NEW = 16
+    target = load_target(tiny.target("qwen3_moe"), "cpu", "bfloat16", kernels="on")
+    dynamic = VerifierCore(target, max_block_size=32)
+    paged = VerifierCore(target, max_block_size=32, paged_kv=PagedKVOptions(mode="on", kv_cache_gb=0.01))
+    assert paged.pool is not None and dynamic.pool is None
+    free = paged.pool.free_pages
+    prompt = list(range(5, 5 + PAGE + 6))  # the prompt crosses a page boundary
+    want = drive._run(dynamic, prompt, drive._no_drafts)
+    assert drive._run(paged, prompt, drive._no_drafts) == want
+    assert drive._run(paged, prompt, drive._replay(want, 3, target.vocab_size), width=8) == want
+    assert paged.pool.free_pages == free  # finished sessions gave their pages back
+    s = drive.Session(paged, prompt, drive._no_drafts, 1, False)
+    assert paged.pool.free_pages < free
+    paged.end(s.sid)
+    assert paged.pool.free_pages == free

@@ -1,0 +1,83 @@
+"""The verifier's paged KV cache: one pool of pages per layer, shared by every session.
+
+A page holds PAGE consecutive positions of one sequence (all KV heads): pool[layer] is [pages, Hkv, PAGE, D].
+A session owns a list of pages (its page table); position p lives in page table[p // PAGE] at p % PAGE.
+Rollback after a rejected draft is a length change (the next forward overwrites the rejected positions);
+pages return to the pool when the session ends. Because the layout is a pool plus per-sequence tables, the
+same forward can later read several sessions at once (a ragged batch: one table row per sequence), and a
+CUDA graph captured once serves every session (its table is copied into the graph's table buffer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import PAGE
+from pdflash.errors import ResourceExhausted
+
+
+class KVPool:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, num_pages: int, dtype: torch.dtype, device: torch.device):
+        shape = (num_pages, kv_heads, PAGE, head_dim)
+        # zeros, not empty: a masked key is still multiplied by a zero probability, and 0 * NaN would be NaN
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_pages = num_pages
+        self.device = device
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def bytes_per_page(self) -> int:
+        return 2 * len(self.k) * self.k[0][0].numel() * self.k[0].element_size()
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise ResourceExhausted(
+                f"the KV cache is full ({self.num_pages} pages of {PAGE} positions); retry when other requests end",
+                retry_after_s=1.0,
+            )
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+    @staticmethod
+    def pages_for(kv_heads: int, head_dim: int, num_layers: int, dtype: torch.dtype, budget_bytes: int) -> int:
+        per_page = 2 * num_layers * kv_heads * PAGE * head_dim * torch.empty((), dtype=dtype).element_size()
+        return max(1, budget_bytes // per_page)
+
+
+class SequenceKV:
+    """One session's pages. `length` = positions holding committed keys (the prompt and accepted tokens)."""
+
+    def __init__(self, pool: KVPool, max_positions: int):
+        self.pool = pool
+        self.pages: list[int] = []
+        self.length = 0
+        self.max_pages = (max_positions + PAGE - 1) // PAGE
+        self.table = torch.zeros(self.max_pages, dtype=torch.int32, device=pool.device)
+
+    def reserve(self, positions: int) -> None:
+        """Make sure pages exist for positions [0, positions)."""
+        need = (positions + PAGE - 1) // PAGE
+        if need > self.max_pages:
+            raise ValueError(f"{positions} positions exceed the context of {self.max_pages * PAGE}")
+        if need > len(self.pages):
+            new = self.pool.alloc(need - len(self.pages))
+            self.table[len(self.pages) : need] = torch.tensor(new, dtype=torch.int32, device="cpu").to(self.table.device)
+            self.pages += new
+
+    def slots(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, offset) of positions start .. start + n - 1, as device tensors."""
+        pos = torch.arange(start, start + n)
+        pages = torch.tensor([self.pages[p // PAGE] for p in pos.tolist()], dtype=torch.long)
+        return pages.to(self.pool.device), (pos % PAGE).to(self.pool.device)
+
+    def free(self) -> None:
+        self.pool.release(self.pages)
+        self.pages = []
+        self.length = 0

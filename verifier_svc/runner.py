@@ -1,0 +1,142 @@
+"""The verifier's forward on a paged KV pool, eager or replayed from CUDA graphs.
+
+`ForwardRunner` runs a transformers decoder-only model layer by layer (embeddings, rotary tables, each decoder
+layer, final norm, LM head: the layout every transformers MoE causal LM shares) with a duck-typed cache whose
+`update` writes the new keys/values into the layer's page pool (verifier_svc.kv) and hands the pool to the
+batch-invariant attention (which reads it through the session's page table). Needs the kernels installed.
+
+`GraphRunner` captures that forward once per block-size bucket (1, 2, 4, 8, 16, 32 rows) into a CUDA graph with
+static input buffers (token ids, positions, write slots, the page table, the number of real rows); a verify of
+T tokens replays the smallest bucket >= T with the session's table copied in. Padding rows are later positions:
+causal attention keeps them out of the real rows, the experts skip them (`valid_rows`), and the batch-invariant
+kernels make a real row's result independent of them, so a padded forward equals an exact-size one bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kernels.dispatch import InvariantMode
+from kernels.installer import ForwardContext, forward_context
+from pdflash.hf_compat import cache_kwarg
+from verifier_svc.kv import SequenceKV
+
+BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+class PagedLayerCache:
+    """What transformers' attention modules call `cache.update(k, v, layer_idx)` on: writes the block's keys and
+    values at their slots and returns the layer's pools."""
+
+    def __init__(self, pool, pages: torch.Tensor, offsets: torch.Tensor):
+        self.pool, self.pages, self.offsets = pool, pages, offsets
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        kp, vp = self.pool.k[layer_idx], self.pool.v[layer_idx]
+        kp[self.pages, :, self.offsets] = key[0].transpose(0, 1).to(kp.dtype)
+        vp[self.pages, :, self.offsets] = value[0].transpose(0, 1).to(vp.dtype)
+        return kp, vp
+
+
+@dataclasses.dataclass
+class ForwardOut:
+    logits: torch.Tensor  # [rows, V] float32
+    features: torch.Tensor | None  # [T, sum of feature layers' hidden] float32
+    recorder: object  # verifier_svc.experts.RouteRecorder
+
+
+class ForwardRunner:
+    def __init__(self, model, seam, pool):
+        self.model, self.seam, self.pool = model, seam, pool
+        self.inner = model.model
+        self.num_layers = model.config.get_text_config().num_hidden_layers
+        self.layer_kw = cache_kwarg(self.inner.layers[0])
+
+    def _layers(self, ids: torch.Tensor, pos: torch.Tensor, cache: PagedLayerCache, feature_layers: tuple[int, ...]):
+        h = self.inner.embed_tokens(ids)
+        pe = self.inner.rotary_emb(h, pos)
+        feats = []
+        for i, layer in enumerate(self.inner.layers[: self.num_layers]):
+            out = layer(h, attention_mask=None, position_ids=pos, use_cache=True, position_embeddings=pe, **{self.layer_kw: cache})
+            h = out[0] if isinstance(out, tuple) else out
+            if i in feature_layers:
+                feats.append((i, h))
+        h = self.inner.norm(h)
+        f = torch.cat([x for _, x in sorted(feats, key=lambda p: feature_layers.index(p[0]))], dim=-1)[0].float() if feats else None
+        return h, f
+
+    def forward_tensors(self, ids, pos, table, pages, offsets, valid_rows, feature_layers, last_only: bool):
+        """Everything on the device (what a CUDA graph captures): ids/pos [1, B], table [1, max_pages]."""
+        ctx = ForwardContext(page_table=table, valid_rows=valid_rows)
+        cache = PagedLayerCache(self.pool, pages, offsets)
+        with torch.inference_mode(), InvariantMode(), forward_context(ctx), self.seam.record() as rec:
+            h, feats = self._layers(ids, pos, cache, feature_layers)
+            hl = h[:, -1:] if last_only else h
+            logits = self.model.lm_head(hl)[0].float()
+        return ForwardOut(logits, feats, rec)
+
+    def forward(self, tokens: list[int], start: int, seq: SequenceKV, feature_layers=(), last_only: bool = False) -> ForwardOut:
+        """Eager: `tokens` at positions start .. start + len - 1 of the session's sequence."""
+        dev = self.pool.device
+        seq.reserve(start + len(tokens))
+        pages, offsets = seq.slots(start, len(tokens))
+        ids = torch.tensor([tokens], dtype=torch.long, device=dev)
+        pos = torch.arange(start, start + len(tokens), device=dev).unsqueeze(0)
+        return self.forward_tensors(ids, pos, seq.table.unsqueeze(0), pages, offsets, None, tuple(feature_layers), last_only)
+
+
+class _Graph:
+    def __init__(self, runner: ForwardRunner, bucket: int, max_pages: int, feature_layers: tuple[int, ...]):
+        dev = runner.pool.device
+        self.bucket = bucket
+        self.ids = torch.zeros(1, bucket, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, bucket, dtype=torch.long, device=dev)
+        self.table = torch.zeros(1, max_pages, dtype=torch.int32, device=dev)
+        self.pages = torch.zeros(bucket, dtype=torch.long, device=dev)
+        self.offsets = torch.zeros(bucket, dtype=torch.long, device=dev)
+        self.valid = torch.ones(1, dtype=torch.int32, device=dev)
+        args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers, False)
+        # warm up on a side stream (Triton compiles, the allocator settles), then capture
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            runner.forward_tensors(*args)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = runner.forward_tensors(*args)
+
+
+class GraphRunner:
+    """Bucketed CUDA graphs of the verify forward; falls back to eager beyond the largest bucket."""
+
+    def __init__(self, runner: ForwardRunner, max_pages: int, buckets=BUCKETS):
+        self.runner, self.max_pages, self.buckets = runner, max_pages, tuple(sorted(buckets))
+        self._graphs: dict[tuple[int, tuple[int, ...]], _Graph] = {}
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def forward(self, tokens: list[int], start: int, seq: SequenceKV, feature_layers=()) -> tuple[ForwardOut, int]:
+        """Returns the output (logits of the bucket's rows: the first len(tokens) are real) and the real row count."""
+        n = len(tokens)
+        b = self.bucket(n)
+        if b is None:
+            return self.runner.forward(tokens, start, seq, feature_layers), n
+        key = (b, tuple(feature_layers))
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = _Graph(self.runner, b, self.max_pages, tuple(feature_layers))
+        seq.reserve(start + b)  # the padding rows write their (ignored) keys past the real ones
+        pages, offsets = seq.slots(start, b)
+        pad = tokens + [tokens[-1]] * (b - n)
+        g.ids.copy_(torch.tensor([pad], dtype=torch.long), non_blocking=True)
+        g.pos.copy_(torch.arange(start, start + b).unsqueeze(0), non_blocking=True)
+        g.pages.copy_(pages)
+        g.offsets.copy_(offsets)
+        g.table[0, : seq.table.numel()].copy_(seq.table)
+        g.valid.fill_(n)
+        g.graph.replay()
+        return g.out, n
