@@ -88,14 +88,17 @@ class ForwardRunner:
 
 
 class _Graph:
-    def __init__(self, runner: ForwardRunner, bucket: int, max_pages: int, feature_layers: tuple[int, ...]):
+    def __init__(self, runner: ForwardRunner, bucket: int, max_pages: int, feature_layers: tuple[int, ...], scratch_page: int):
         dev = runner.pool.device
         self.bucket = bucket
         self.ids = torch.zeros(1, bucket, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, bucket, dtype=torch.long, device=dev)
         self.table = torch.zeros(1, max_pages, dtype=torch.int32, device=dev)
-        self.pages = torch.zeros(bucket, dtype=torch.long, device=dev)
-        self.offsets = torch.zeros(bucket, dtype=torch.long, device=dev)
+        # until the first replay fills them, the write slots point at a page no session owns: the warm-up forward
+        # below really runs and writes its keys
+        self.pages = torch.full((bucket,), scratch_page, dtype=torch.long, device=dev)
+        self.offsets = torch.arange(bucket, dtype=torch.long, device=dev)
+        self.table[:] = scratch_page
         self.valid = torch.ones(1, dtype=torch.int32, device=dev)
         args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers, False)
         # warm up on a side stream (Triton compiles, the allocator settles), then capture
@@ -115,6 +118,7 @@ class GraphRunner:
     def __init__(self, runner: ForwardRunner, max_pages: int, buckets=BUCKETS):
         self.runner, self.max_pages, self.buckets = runner, max_pages, tuple(sorted(buckets))
         self._graphs: dict[tuple[int, tuple[int, ...]], _Graph] = {}
+        self.scratch_page = runner.pool.alloc(1)[0]  # where captures write; never handed to a session
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -128,7 +132,7 @@ class GraphRunner:
         key = (b, tuple(feature_layers))
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = _Graph(self.runner, b, self.max_pages, tuple(feature_layers))
+            g = self._graphs[key] = _Graph(self.runner, b, self.max_pages, tuple(feature_layers), self.scratch_page)
         seq.reserve(start + b)  # the padding rows write their (ignored) keys past the real ones
         pages, offsets = seq.slots(start, b)
         pad = tokens + [tokens[-1]] * (b - n)
