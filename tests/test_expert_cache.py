@@ -1,0 +1,98 @@
+"""The offloaded experts' host store and device slot cache (verifier_svc/expert_store.py, expert_cache.py), on the
+CPU: a host "slot pool" and the torch reference kernel exercise every path but the CUDA copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kernels.installer import expert_weights, experts_modules
+from kernels.reference import moe_reference
+from verifier_svc.expert_cache import ExpertCache, min_slots
+from verifier_svc.expert_store import HostExpertStore
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
+def store(request, tiny):
+    model = AutoModelForCausalLM.from_pretrained(tiny.target(request.param), dtype=torch.float32)
+    s = HostExpertStore.from_model(model)
+    s.model = model
+    return s
+
+
+def test_store_holds_each_expert_as_one_slice_and_the_byte_map_says_so(store):
+    layers = experts_modules(store.model)
+    assert store.byte_map() == {l: [store.layout.nbytes] * len(store.byte_map()[l]) for l in layers}
+    assert store.total_bytes == sum(len(v) for v in store.byte_map().values()) * store.slice_bytes
+    for layer, module in layers.items():
+        w = expert_weights(module, "mxfp4")
+        for e in (0, w.w1.shape[0] - 1):
+            v = store.layout.views(store.slice(layer, e).reshape(1, -1))
+            assert torch.equal(v["w1_blocks"][0], w.w1[e]) and torch.equal(v["w2_scales"][0], w.s2[e])
+            if w.b1 is not None:
+                assert torch.equal(v["b1"][0], w.b1[e])
+
+
+def test_counters_add_up_and_lru_keeps_pinned_experts(store):
+    layer = next(iter(store.num_experts))
+    need = 2
+    with pytest.raises(ValueError, match=r"at least 3 slots"):
+        ExpertCache(store, 2, CPU, need=3)
+    cache = ExpertCache(store, 3, CPU, need=need)
+    cache.lookup(layer, [0, 1])
+    cache.release()
+    cache.lookup(layer, [1, 2])  # 1 hits; 2 fills the last free slot
+    cache.release()
+    cache.lookup(layer, [3])  # evicts the least recently used: expert 0
+    assert not cache.resident(layer, 0) and all(cache.resident(layer, e) for e in (1, 2, 3))
+    cache.lookup(layer, [2])  # pinned with 3 now
+    cache.lookup(layer, [4])  # must evict 1 (2 and 3 are pinned)
+    assert cache.resident(layer, 2) and cache.resident(layer, 3) and not cache.resident(layer, 1)
+    cache.release()
+    st = cache.stats
+    assert st.hits + st.misses == st.lookups == 7
+    assert (st.hits, st.misses, st.evictions) == (2, 5, 2)
+    assert st.bytes_moved == (st.misses + st.prefetched) * store.slice_bytes
+    table = cache.tables[layer]
+    for e in (2, 3, 4):  # the table points at slots holding exactly the expert's slice
+        assert torch.equal(cache.pool[int(table[e])], store.slice(layer, e))
+    assert int(table[0]) == int(table[1]) == -1
+
+
+def test_prefetch_counts_used_and_wasted_bytes(store):
+    layer = next(iter(store.num_experts))
+    cache = ExpertCache(store, 2, CPU, need=1)
+    assert cache.prefetch({layer: {0, 1}}) == 2
+    cache.lookup(layer, [0])  # a prefetched expert used
+    cache.release()
+    cache.lookup(layer, [2])  # evicts 1, prefetched and never used
+    st = cache.stats
+    assert (st.prefetched, st.prefetch_used, st.hits, st.misses) == (2, 1, 1, 1)
+    assert st.wasted_bytes == store.slice_bytes and st.bytes_moved == 3 * store.slice_bytes
+    cache.release()
+    cache.lookup(layer, [2, 3])
+    assert cache.prefetch({layer: {5}}) == 0  # every slot pinned: a prefetch never evicts those
+
+
+def test_experts_read_through_the_cache_equal_the_resident_store(store):
+    """The same reference kernel over the slot pool + slot table as over all experts resident: bit-identical, with
+    a cache so small that every call evicts."""
+    g = torch.Generator().manual_seed(0)
+    hidden = store.layout.hidden
+    resident = store.weights(store.arena)
+    for layer, n in store.num_experts.items():
+        cache = ExpertCache(store, min_slots(store, 4, 2), CPU, need=min_slots(store, 4, 2))
+        first = store.row(layer, 0)
+        for step in range(4):
+            x = torch.randn(4, hidden, generator=g)
+            ids = torch.stack([torch.randperm(n, generator=g)[:2] for _ in range(4)])
+            wts = torch.softmax(torch.randn(4, 2, generator=g), -1)
+            table = cache.lookup(layer, ids.unique().tolist())
+            got = moe_reference(x, ids, wts, cache.weights, n, slot_of_expert=table)
+            want = moe_reference(x, ids, wts, resident, n, slot_of_expert=torch.arange(first, first + n))
+            cache.release()
+            assert torch.equal(got, want), (layer, step)
+        assert cache.stats.evictions > 0 or n <= cache.num_slots

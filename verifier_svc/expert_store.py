@@ -1,0 +1,98 @@
+"""The host expert store: every routed expert of every MoE layer as one contiguous MXFP4 slice of one host
+arena (pinned when a GPU will read it), in `kernels.mxfp4.ExpertLayout` (the unit a GPU slot holds and one
+copy moves).
+
+Experts are quantized from the checkpoint's bf16/fp16/fp32 weights (`kernels.mxfp4.quantize`), rows kept as the
+model stores them (gate/up concatenated, or gpt-oss's interleave: the kernels read both). The byte map of an
+offloaded verifier is the slice size of every expert: what a verify's union moves, exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kernels.installer import expert_weights, experts_modules, num_experts_of
+from kernels.mxfp4 import ExpertLayout
+from kernels.moe import ExpertWeights
+
+
+@dataclasses.dataclass(frozen=True)
+class GateLayout:
+    """How gate/up rows and the activation read in every layer (the same for all layers of a model)."""
+
+    row_mul: int
+    up_off: int
+    act: int
+    alpha: float
+    limit: float
+
+
+class HostExpertStore:
+    def __init__(self, layout: ExpertLayout, num_experts: dict[int, int], gate: GateLayout, pin: bool = False):
+        self.layout, self.num_experts, self.gate = layout, dict(sorted(num_experts.items())), gate
+        self._row: dict[tuple[int, int], int] = {}
+        for layer, n in self.num_experts.items():
+            for e in range(n):
+                self._row[(layer, e)] = len(self._row)
+        self.arena = torch.zeros(len(self._row), layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    @property
+    def slice_bytes(self) -> int:
+        return self.layout.nbytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.arena.numel()
+
+    def row(self, layer: int, expert: int) -> int:
+        return self._row[(layer, expert)]
+
+    def slice(self, layer: int, expert: int) -> torch.Tensor:
+        return self.arena[self._row[(layer, expert)]]
+
+    def byte_map(self) -> dict[int, list[int]]:
+        return {layer: [self.layout.nbytes] * n for layer, n in self.num_experts.items()}
+
+    def put(self, layer: int, w: ExpertWeights) -> None:
+        """Pack one layer's MXFP4 experts (ExpertWeights with fp4 tensors, first dimension = expert)."""
+        if not w.fp4:
+            raise ValueError("the store holds MXFP4 experts")
+        views = self.layout.views(self.arena)
+        first = self._row[(layer, 0)]
+        rows = slice(first, first + self.num_experts[layer])
+        views["w1_blocks"][rows] = w.w1.cpu()
+        views["w1_scales"][rows] = w.s1.cpu()
+        views["w2_blocks"][rows] = w.w2.cpu()
+        views["w2_scales"][rows] = w.s2.cpu()
+        if self.layout.has_bias:
+            views["b1"][rows] = w.b1.cpu()
+            views["b2"][rows] = w.b2.cpu()
+
+    def weights(self, pool: torch.Tensor) -> ExpertWeights:
+        """ExpertWeights over a slot pool [slots, slice_bytes] (a GPU slot pool, or this arena itself)."""
+        v = self.layout.views(pool)
+        g = self.gate
+        return ExpertWeights(v["w1_blocks"], v["w2_blocks"], v["w1_scales"], v["w2_scales"], v.get("b1"), v.get("b2"),
+                             row_mul=g.row_mul, up_off=g.up_off, act=g.act, alpha=g.alpha, limit=g.limit)
+
+    @classmethod
+    def from_model(cls, model, pin: bool = False, progress=None) -> "HostExpertStore":
+        """Quantize every experts module of a loaded transformers model into a new store."""
+        modules = experts_modules(model)
+        if not modules:
+            raise ValueError(f"{type(model).__name__} has no experts modules")
+        store = None
+        for layer, module in modules.items():
+            w = expert_weights(module, "mxfp4")
+            if isinstance(w, str):
+                raise ValueError(f"layer {layer}: experts the MXFP4 store cannot hold ({w})")
+            if store is None:
+                layout = ExpertLayout(w.hidden, w.intermediate, w.b1 is not None)
+                gate = GateLayout(w.row_mul, w.up_offset, w.act, w.alpha, w.limit)
+                store = cls(layout, {l: num_experts_of(m) for l, m in modules.items()}, gate, pin=pin)
+            store.put(layer, w)
+            if progress is not None:
+                progress(layer)
+        return store
