@@ -148,6 +148,9 @@ def forward_context(ctx: ForwardContext):
 
 
 def _experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args, **kwargs):
+    offload = getattr(module, "_pdflash_offload", None)
+    if offload is not None:
+        return _offloaded_experts(module, offload, hidden_states, top_k_index, top_k_weights)
     w = getattr(module, "_pdflash_weights", None)
     if w is None or not runtime.triton_usable(hidden_states.device):
         return module._pdflash_fallback(module, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
@@ -155,6 +158,46 @@ def _experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index
     ctx = _forward_ctx.get()
     valid = ctx.valid_rows if ctx is not None else None
     return moe_forward(hidden_states, top_k_index, top_k_weights, w, module._pdflash_num_experts, n_valid=valid)
+
+
+def _offloaded_experts(module, offload, x, top_k_index, top_k_weights):
+    """Experts served from an expert cache (duck-typed: `lookup(layer, ids) -> slot table`, `release()`,
+    `weights`): the routed experts of this layer are made resident (the one host sync per layer), then the
+    grouped kernel reads them through the slot table (the torch reference without a usable Triton)."""
+    cache, layer = offload
+    ctx = _forward_ctx.get()
+    valid = ctx.valid_rows if ctx is not None else None
+    ids = top_k_index if valid is None else top_k_index[: int(valid)]
+    table = cache.lookup(layer, torch.unique(ids).tolist())
+    try:
+        if x.device.type == "cuda" and runtime.triton is not None:
+            CALLS["experts"] += 1
+            return moe_forward(x, top_k_index, top_k_weights, cache.weights, module._pdflash_num_experts,
+                               slot_of_expert=table, n_valid=valid)
+        from kernels.reference import moe_reference
+
+        return moe_reference(x, top_k_index, top_k_weights, cache.weights, module._pdflash_num_experts,
+                             slot_of_expert=table, n_valid=valid).to(x.dtype)
+    finally:
+        cache.release()
+
+
+def serve_offloaded_experts(model: nn.Module, cache, drop_native: bool = True) -> None:
+    """Route every experts module of `model` through `cache` (verifier_svc.expert_cache). Without the rest of the
+    kernels (a CPU verifier) this alone sets the experts implementation; `install` keeps the offload."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    _register()
+    for layer, module in experts_modules(model).items():
+        module._pdflash_offload = (cache, layer)
+        module._pdflash_num_experts = num_experts_of(module)
+        module._pdflash_fallback = ALL_EXPERTS_FUNCTIONS.get_interface("eager", type(module).forward.__wrapped__)
+        if drop_native:  # the host store holds them now; nothing of the experts stays on the device
+            for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+                p = getattr(module, name, None)
+                if isinstance(p, torch.Tensor):
+                    setattr(module, name, nn.Parameter(torch.empty(p.shape[0], 0, dtype=p.dtype, device=p.device), requires_grad=False))
+    model.set_experts_implementation(EXPERTS_IMPL)
 
 
 def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, s_aux=None, **kwargs):
@@ -258,11 +301,17 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
     undo: list = []
     report: dict[int, str] = {}
     prev_experts = getattr(model.config, "_experts_implementation", None) or "eager"
-    if prev_experts == EXPERTS_IMPL:
+    offloaded = any(getattr(m, "_pdflash_offload", None) is not None for m in experts_modules(model).values())
+    if prev_experts == EXPERTS_IMPL and not offloaded:
         raise RuntimeError("the kernels are already installed on this model")
+    if offloaded:
+        prev_experts = "eager"
     for layer, module in experts_modules(model).items():
         module._pdflash_fallback = ALL_EXPERTS_FUNCTIONS.get_interface(prev_experts, type(module).forward.__wrapped__)
         module._pdflash_num_experts = num_experts_of(module)
+        if getattr(module, "_pdflash_offload", None) is not None:
+            report[layer] = "triton mxfp4 (offloaded: expert cache)"
+            continue
         w = expert_weights(module, experts_format)
         if isinstance(w, str):
             report[layer] = f"transformers {prev_experts} ({w})"

@@ -36,7 +36,10 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--kernels", default="auto", choices=["auto", "on", "off"],
                    help="batch-invariant Triton kernels (exact greedy output at every block width): auto = on CUDA")
     v.add_argument("--experts", default="native", choices=["native", "mxfp4"],
-                   help="routed experts in the checkpoint's dtype, or quantized to MXFP4 at load (needs the kernels)")
+                   help="routed experts in the checkpoint's dtype, or quantized to MXFP4 at load")
+    v.add_argument("--expert-cache-gb", type=_number, default=0.0,
+                   help="with --experts mxfp4: keep the experts in host memory and serve them from a device cache of this "
+                        "many GiB (0 = every expert resident)")
     g = p.add_argument_group(
         "TLS and secrets",
         "TLS on every hop: each service serves --tls-cert/--tls-key; --tls-ca is the CA that signed them. "
@@ -101,6 +104,11 @@ def _check_stack_args(args) -> None:
         v.append(int_violation("max_crashes", args.max_crashes, 1, 1_000_000))
     _check([x for x in v if x is not None], flags)
     _check_seconds(args, "startup_timeout", *(("crash_window",) if hasattr(args, "crash_window") else ()))
+    gb = getattr(args, "expert_cache_gb", 0.0)
+    if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0.0 <= gb < float("inf"):
+        raise UsageError([f"--expert-cache-gb: must be a number of GiB >= 0 (0 = every expert resident), got {gb}"])
+    if gb > 0 and getattr(args, "experts", "native") != "mxfp4":
+        raise UsageError(["--expert-cache-gb serves offloaded MXFP4 experts: add --experts mxfp4"])
     ports = [args.port, args.scheduler_port, args.verifier_port]
     if len(set(ports)) != 3:
         raise UsageError([f"--port, --scheduler-port and --verifier-port must differ, got {ports[0]}, {ports[1]}, {ports[2]}"])
@@ -132,10 +140,10 @@ def _spec(args):
 def _verifier_args(args) -> list[str]:
     """The verifier options `pdflash up` passes through (only those changed from their defaults)."""
     out = []
-    for flag, default in (("device", "auto"), ("dtype", "auto"), ("kernels", "auto"), ("experts", "native")):
+    for flag, default in (("device", "auto"), ("dtype", "auto"), ("kernels", "auto"), ("experts", "native"), ("expert_cache_gb", 0.0)):
         value = getattr(args, flag, default)
         if value != default:
-            out += [f"--{flag}", value]
+            out += [f"--{flag.replace('_', '-')}", str(value)]
     return out
 
 

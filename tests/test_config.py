@@ -234,3 +234,12 @@ def test_pdflash_up_passes_the_verifier_device_and_kernel_options():
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["up", "--experts", "fp8"])
     assert e.value.code == 2
+
+
+def test_pdflash_up_refuses_a_bad_expert_cache_before_anything_starts(capsys):
+    from pdflash.cli import main
+
+    for argv, words in ((["--expert-cache-gb", "-1"], "must be a number of GiB >= 0"), (["--expert-cache-gb", "nan"], "got nan"),
+                        (["--expert-cache-gb", "0.5"], "add --experts mxfp4")):
+        assert main(["up", *argv]) == 2
+        assert words in capsys.readouterr().err

@@ -84,7 +84,7 @@ def test_experts_read_through_the_cache_equal_the_resident_store(store):
     hidden = store.layout.hidden
     resident = store.weights(store.arena)
     for layer, n in store.num_experts.items():
-        cache = ExpertCache(store, min_slots(store, 4, 2), CPU, need=min_slots(store, 4, 2))
+        cache = ExpertCache(store, min_slots(store), CPU, need=min_slots(store))
         first = store.row(layer, 0)
         for step in range(4):
             x = torch.randn(4, hidden, generator=g)

@@ -18,7 +18,8 @@ class VerifierConfig(ServerOptions):
     paged_kv: str = option("auto", "the paged KV pool and layer-by-layer forward (CUDA graphs per block-size bucket): auto (with the kernels), on, off (transformers' DynamicCache)")
     kv_cache_gb: float = option(0.0, "size of the paged KV pool in GiB (0 = a quarter of the free GPU memory; 0.25 on a CPU)")
     cuda_graphs: bool = option(True, "replay verify forwards from CUDA graphs (paged KV on CUDA)")
-    experts: str = option("native", "routed experts: native (the checkpoint's dtype) or mxfp4 (quantized at load, resident on the device; needs the kernels)")
+    experts: str = option("native", "routed experts: native (the checkpoint's dtype) or mxfp4 (quantized at load; resident on the device, or offloaded with --expert-cache-gb)")
+    expert_cache_gb: float = option(0.0, "offload the MXFP4 experts to a host store and serve them from a device cache of this many GiB (fractions allowed; 0 = every expert resident)")
     torch_threads: int = option(0, "CPU threads for torch (0 = automatic: all cores, or all but one with --colocated)")
     prefill_threads: int = option(0, "CPU threads for prefill forwards (0 = as the verify forwards)")
     colocated: bool = option(False, "the drafter and scheduler share this machine: the verifier's forwards leave them a core (pdflash up and compose set it)")
@@ -72,8 +73,12 @@ class VerifierConfig(ServerOptions):
             raise ConfigError(f"--kv-cache-gb {self.kv_cache_gb}: must be >= 0 (0 = automatic)")
         if self.experts not in ("native", "mxfp4"):
             raise ConfigError(f"--experts {self.experts!r}: choose native or mxfp4")
-        if self.experts == "mxfp4" and self.kernels == "off":
-            raise ConfigError("--experts mxfp4 runs on the kernels: drop --kernels off")
+        if self.experts == "mxfp4" and self.kernels == "off" and self.expert_cache_gb <= 0:
+            raise ConfigError("--experts mxfp4 (resident) runs on the kernels: drop --kernels off")
+        if self.expert_cache_gb < 0:
+            raise ConfigError(f"--expert-cache-gb {self.expert_cache_gb}: must be >= 0 (0 = every expert resident)")
+        if self.expert_cache_gb > 0 and self.experts != "mxfp4":
+            raise ConfigError("--expert-cache-gb serves offloaded MXFP4 experts: add --experts mxfp4")
         if self.inline_verify not in ("auto", "on", "off"):
             raise ConfigError(f"--inline-verify {self.inline_verify!r}: choose auto, on or off")
         if self.torch_threads < 0:

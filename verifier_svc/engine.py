@@ -116,7 +116,8 @@ class VerifierCore:
         pages = KVPool.pages_for(kv_heads, head_dim, t.num_layers, t.dtype, int(opts.budget_bytes(t.device)))
         self.pool = KVPool(t.num_layers, kv_heads, head_dim, pages, t.dtype, t.device)
         self.runner = ForwardRunner(t.model, t.seam, self.pool)
-        if opts.graphs and t.device.type == "cuda":
+        # offloaded experts sync once per layer (which experts to fetch): no graph capture around that
+        if opts.graphs and t.device.type == "cuda" and t.expert_cache is None:
             self.graphs = GraphRunner(self.runner, (t.max_context + PAGE - 1) // PAGE)
 
     @contextlib.contextmanager
@@ -317,6 +318,8 @@ class VerifierCore:
             return StepOutput(s.session_id, s.round, [], 0, s.committed, s.finished, None, {}, 0, 0.0, 0.0)
         block = block[:room]
         want = return_features and bool(s.feature_layer_ids)
+        if t.expert_cache is not None and draft.expert_union:
+            t.expert_cache.prefetch(draft.expert_union)  # the projected union streams in ahead of its layers
         logits, feats, union, fwd_ms = self._forward(s, block, want)
         t0 = time.perf_counter()
         n_acc, nxt = self._pick(s, block[1:], logits)

@@ -36,9 +36,10 @@ class CacheStats:
         return dataclasses.asdict(self)
 
 
-def min_slots(store: HostExpertStore, max_rows: int, top_k: int) -> int:
-    """Slots one layer of one forward can need at once: its routed experts, at most rows x top-k."""
-    return max(min(n, max_rows * top_k) for n in store.num_experts.values())
+def min_slots(store: HostExpertStore) -> int:
+    """Slots one layer of one forward can need at once: every expert of the largest layer (a prompt may route to
+    all of them)."""
+    return max(store.num_experts.values())
 
 
 class ExpertCache:
@@ -70,7 +71,8 @@ class ExpertCache:
 
     @classmethod
     def slots_for(cls, store: HostExpertStore, gib: float) -> int:
-        return int(gib * 2**30 // store.slice_bytes)
+        """Slots a budget of `gib` GiB holds, never more than there are experts."""
+        return min(int(gib * 2**30 // store.slice_bytes), sum(store.num_experts.values()))
 
     def resident(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self._slot
