@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pdflash.hf_compat import cache_kwarg
 from pdflash.logging import get_logger
-from verifier_svc.experts import ExpertsSeam, expert_byte_map
+from verifier_svc.experts import ExpertsSeam, expert_byte_map, experts_modules
 
 log = get_logger("pdflash.verifier.model")
 
@@ -147,8 +147,12 @@ def offload_experts(model, device: torch.device, cache_gb: float):
     from verifier_svc.expert_cache import ExpertCache, min_slots
     from verifier_svc.expert_store import HostExpertStore
 
+    from tqdm import tqdm
+
     t0 = time.perf_counter()
-    store = HostExpertStore.from_model(model, pin=device.type == "cuda")
+    layers = len(experts_modules(model))
+    with tqdm(total=layers, desc="quantizing experts to MXFP4 (host store)", unit="layer", leave=False) as bar:
+        store = HostExpertStore.from_model(model, pin=device.type == "cuda", progress=lambda _layer: bar.update())
     cache = ExpertCache(store, ExpertCache.slots_for(store, cache_gb), device, need=min_slots(store))
     serve_offloaded_experts(model, cache)
     log.info("experts offloaded", experts=sum(store.num_experts.values()), store_bytes=store.total_bytes,
