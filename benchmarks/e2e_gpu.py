@@ -28,10 +28,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.kernels import copy_rate  # noqa: E402
-from drafter_svc.drafters.ngram import NgramDrafter  # noqa: E402
-from drafter_svc.width import VerifyWidth  # noqa: E402
-from pdflash.types import DraftResult, SamplingParams, union_bytes  # noqa: E402
-from verifier_svc.engine import PagedKVOptions, PrefillInput, VerifierCore  # noqa: E402
+from benchmarks.inprocess import core_run, ngram_propose  # noqa: E402
+from verifier_svc.engine import PagedKVOptions, VerifierCore  # noqa: E402
 
 
 def build(target: str):
@@ -65,46 +63,6 @@ def hf_greedy(model, prompts, new: int) -> dict:
     return {"tok_s": toks / (time.perf_counter() - t0)}
 
 
-def core_run(core: VerifierCore, prompts, new: int, block: int, propose, dense_bytes: int) -> dict:
-    outs, rounds, fwd, byte_bytes, toks = [], 0, 0.0, 0, 0
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        pre = core.prefill(PrefillInput("bench", tuple(p), SamplingParams(), new, ignore_eos=True))
-        out, anchor, union, rnd = list(pre.tokens), pre.tokens[-1], pre.routed_union, 0
-        width = VerifyWidth(block)
-        state = {}
-        while pre.finished is None:
-            rnd += 1
-            k = max(0, min(width.drafts(), new - len(out) - 1)) if block > 1 else 0
-            drafts = propose(i, p, out, k, state) if k else []
-            res = core.verify(DraftResult(pre.session_id, rnd, (anchor, *drafts), union, union_bytes(union, core.target.byte_map)))
-            width.observe(res.num_accepted)
-            out += res.tokens
-            fwd += res.forward_ms
-            byte_bytes += dense_bytes + res.routed_bytes
-            anchor, union = res.tokens[-1], res.routed_union
-            if res.finished is not None:
-                break
-        rounds += rnd
-        toks += len(out)
-        outs.append(out)
-    wall = time.perf_counter() - t0
-    return {"tok_s": toks / wall, "tau": toks / max(rounds, 1), "rounds": rounds, "forward_ms": fwd / rounds,
-            "bytes_per_forward": byte_bytes / rounds, "round_ms": wall * 1e3 / rounds, "outputs": outs}
-
-
-def ngram(i, prompt, out, k, state):
-    d = state.get("d")
-    if d is None:
-        d = state["d"] = NgramDrafter()
-        d.start(list(prompt))
-        state["n"] = len(prompt)
-    seq = list(prompt) + out
-    d.commit(seq[state["n"] : -1])
-    state["n"] = len(seq) - 1
-    return list(d.propose(seq[-1], k))
-
-
 def replay(reference, every=4):
     def propose(i, prompt, out, k, state):
         n = len(out)
@@ -134,14 +92,16 @@ def main() -> None:
         t = wrap_model(model, d, kernels="on")
         core = VerifierCore(t, max_block_size=32, max_tokens_limit=4096, paged_kv=PagedKVOptions(kv_cache_gb=8))  # as served: paged KV, CUDA graphs
         dense = sum(p.numel() * p.element_size() for p in model.parameters()) - t.total_expert_bytes
-        base = core_run(core, prompts, args.new_tokens, 1, None, dense)
+        base = core_run(core, prompts, args.new_tokens, 1)
         modes = [("verifier block 1", base)]
-        modes.append(("verifier ngram@16", core_run(core, prompts, args.new_tokens, 16, ngram, dense)))
-        modes.append(("verifier replay@16 (block-1 output, every 4th draft wrong)", core_run(core, prompts, args.new_tokens, 16, replay(base["outputs"]), dense)))
+        modes.append(("verifier ngram@16", core_run(core, prompts, args.new_tokens, 16, ngram_propose)))
+        modes.append(("verifier replay@16 (block-1 output, every 4th draft wrong)", core_run(core, prompts, args.new_tokens, 16, replay(base["outputs"]))))
         for name, r in modes:
-            row = {"target": target, "mode": name, "tok_s": round(r["tok_s"], 1), "tau": round(r["tau"], 2),
-                   "forward_ms": round(r["forward_ms"], 3), "byte_time_ms": round(r["bytes_per_forward"] / rate * 1e3, 4),
-                   "round_other_ms": round(r["round_ms"] - r["forward_ms"], 3), "identical": r["outputs"] == base["outputs"],
+            n = r["rounds"]
+            fwd, per_forward = r["forward_ms"] / n, dense + r["routed_bytes"] / n
+            row = {"target": target, "mode": name, "tok_s": round(r["tok_per_s"], 1), "tau": round(r["tokens"] / n, 2),
+                   "forward_ms": round(fwd, 3), "byte_time_ms": round(per_forward / rate * 1e3, 4),
+                   "round_other_ms": round(r["wall_s"] * 1e3 / n - fwd, 3), "identical": r["outputs"] == base["outputs"],
                    "batch_invariant": t.batch_invariant}
             rows.append(row)
             print(row, flush=True)

@@ -33,24 +33,41 @@ from verifier_svc.engine import PrefillInput, VerifierCore  # noqa: E402
 from verifier_svc.model import load_target  # noqa: E402
 
 
-def core_run(core: VerifierCore, prompts, new_tokens: int, block: int) -> dict:
+def ngram_propose(i: int, prompt: list[int], out: list[int], k: int, state: dict) -> list[int]:
+    """The n-gram drafter as the stack's round loop drives it: the prompt, then what each verify committed."""
+    d = state.get("drafter")
+    if d is None:
+        d = state["drafter"] = NgramDrafter()
+        d.start(list(prompt))
+        state["seen"] = len(prompt)
+    seq = list(prompt) + out  # committed tokens, then the anchor
+    d.commit(seq[state["seen"] : -1])
+    state["seen"] = len(seq) - 1
+    return list(d.propose(seq[-1], k))
+
+
+def core_run(core: VerifierCore, prompts, new_tokens: int, block: int, propose=ngram_propose) -> dict:
+    """Every prompt through prefill and verify rounds of at most `block` tokens, the width adapting as in the stack.
+    propose(prompt index, prompt, emitted tokens, k, per-request state) -> at most k drafts."""
     byte_map = core.target.byte_map
-    tokens = rounds = 0
+    tokens = rounds = routed = 0
+    forward_ms = 0.0
     outputs = []
     t0 = time.perf_counter()
-    for p in prompts:
+    for i, p in enumerate(prompts):
         pre = core.prefill(PrefillInput("bench", tuple(p), SamplingParams(), new_tokens, ignore_eos=True))
-        drafter = NgramDrafter()
-        drafter.start(list(p))
-        width = VerifyWidth(block)  # as the stack's round loop: the width adapts
+        width = VerifyWidth(block)
+        state: dict = {}
         out, anchor, union, rnd = list(pre.tokens), pre.tokens[-1], pre.routed_union, 0
         while pre.finished is None:
             rnd += 1
-            drafts = drafter.propose(anchor, max(0, min(width.drafts(), new_tokens - len(out) - 1)))
+            k = max(0, min(width.drafts(), new_tokens - len(out) - 1))
+            drafts = propose(i, p, out, k, state) if k else []
             res = core.verify(DraftResult(pre.session_id, rnd, (anchor, *drafts), union, union_bytes(union, byte_map)))
-            drafter.commit([anchor, *drafts[: res.num_accepted]])
             width.observe(res.num_accepted)
             out += res.tokens
+            forward_ms += res.forward_ms
+            routed += res.routed_bytes
             anchor, union = res.tokens[-1], res.routed_union
             if res.finished is not None:
                 break
@@ -58,7 +75,8 @@ def core_run(core: VerifierCore, prompts, new_tokens: int, block: int) -> dict:
         tokens += len(out)
         outputs.append(out)
     wall = time.perf_counter() - t0
-    return dict(tok_per_s=tokens / wall, rounds=rounds, tokens=tokens, outputs=outputs)
+    return dict(tok_per_s=tokens / wall, rounds=rounds, tokens=tokens, outputs=outputs, wall_s=wall,
+                forward_ms=forward_ms, routed_bytes=routed)
 
 
 def hf_run(model, prompts, new_tokens: int) -> dict:

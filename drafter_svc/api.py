@@ -138,6 +138,12 @@ def check_abort(request) -> None:
     check(v, "invalid Abort request")
 
 
+def abort(running: "RunningRequests", request) -> drafter_pb2.AbortResponse:
+    """The Abort RPC of the drafter and the stub: checked (InvalidArgument), then the named request stopped."""
+    check_abort(request)
+    return drafter_pb2.AbortResponse(aborted=running.abort(request.request_id))
+
+
 class RunningRequests:
     """Requests generating now, by id, each with the event that Abort sets."""
 

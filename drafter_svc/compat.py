@@ -11,11 +11,12 @@ import json
 import pathlib
 
 
-def read_config(directory: str | pathlib.Path) -> dict:
-    """config.json of a checkpoint, with a multimodal `text_config` merged over the top level."""
+def read_config(directory: str | pathlib.Path, what: str = "") -> dict:
+    """config.json of a checkpoint, with a multimodal `text_config` merged over the top level. `what` names the
+    checkpoint in the error ("target checkpoint ")."""
     path = pathlib.Path(directory) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{directory} has no config.json")
+        raise FileNotFoundError(f"{what}{directory} has no config.json")
     cfg = json.loads(path.read_text())
     text = cfg.get("text_config")
     return {**cfg, **text} if isinstance(text, dict) else cfg

@@ -15,7 +15,7 @@ import structlog
 from pdflash.errors import InvalidArgument, PdflashError, Unavailable, abort_with
 from pdflash.logging import get_logger
 from pdflash.types import DrafterKind
-from pdflash.v1 import drafter_pb2, drafter_pb2_grpc
+from pdflash.v1 import drafter_pb2_grpc
 from drafter_svc import api
 from drafter_svc.api import REQUEST_ID_KEY  # noqa: F401  (where callers have always found it)
 from drafter_svc.clients import SchedulerClient, TargetInfo, VerifierClient
@@ -119,10 +119,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def Abort(self, request, context):
         try:
-            api.check_abort(request)
+            return api.abort(self._running, request)
         except InvalidArgument as e:
             await abort_with(context, e)
-        return drafter_pb2.AbortResponse(aborted=self._running.abort(request.request_id))
 
     async def ModelInfo(self, request, context):
         if self.door is None:

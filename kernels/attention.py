@@ -132,6 +132,39 @@ if triton is not None:
         tl.store(o_ptr + b * sob + rows[:, None] * sot + h * soh + dd[None, :], to_out(out, o_ptr, F32DOT), mask=row_ok[:, None])
 
 
+def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_table, s) -> torch.Tensor:
+    """One launcher for both layouts: k/v [B, Hkv, S, D] (page_table None) or pools [pages, Hkv, PAGE, D]."""
+    bsz, hq, t, d = q.shape
+    hkv = k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads do not group over {hkv} key/value heads")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"head_dim {d} is not a power of two >= 16")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty((bsz, t, hq, d), dtype=q.dtype, device=q.device)
+    pos = positions.reshape(bsz, t) if positions.dim() == 2 else positions.reshape(1, t).expand(bsz, t)
+    if pos.stride(-1) != 1:
+        pos = pos.contiguous()
+    km = key_mask if key_mask is not None else pos
+    table = page_table.reshape(bsz, -1) if page_table is not None else pos
+    grid = (triton.cdiv(t, BLOCK_M), hq, bsz)
+    _attn_kernel[grid](
+        q, q.stride(0), q.stride(1), q.stride(2),
+        k, k.stride(0), k.stride(1), k.stride(2),
+        v, v.stride(0), v.stride(1), v.stride(2),
+        out, out.stride(0), out.stride(1), out.stride(2),
+        pos, pos.stride(0),
+        km, km.stride(0),
+        sinks if sinks is not None else q,
+        table, table.stride(0) if page_table is not None else 0,
+        t, s, float(scaling), int(sliding_window or 0),
+        GROUP=hq // hkv, D=d, HAS_SINK=sinks is not None, HAS_KMASK=key_mask is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, F32DOT=runtime.interpreting(), PAGED=page_table is not None,
+    )
+    return out
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -145,34 +178,7 @@ def attention(
     """q [B, Hq, T, D], k/v [B, Hkv, S, D] (the cache's keys, the last of them at the last query's position),
     positions [B, T] (absolute, the queries'), key_mask [B, >= last position + 1] (0 = padding) or None.
     Returns [B, T, Hq, D]."""
-    bsz, hq, t, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads do not group over {hkv} key/value heads")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"head_dim {d} is not a power of two >= 16")
-    out = torch.empty((bsz, t, hq, d), dtype=q.dtype, device=q.device)
-    pos = positions.reshape(bsz, t) if positions.dim() == 2 else positions.reshape(1, t).expand(bsz, t)
-    if pos.stride(-1) != 1:
-        pos = pos.contiguous()
-    km = key_mask if key_mask is not None else pos
-    grid = (triton.cdiv(t, BLOCK_M), hq, bsz)
-    _attn_kernel[grid](
-        q, q.stride(0), q.stride(1), q.stride(2),
-        k, k.stride(0), k.stride(1), k.stride(2),
-        v, v.stride(0), v.stride(1), v.stride(2),
-        out, out.stride(0), out.stride(1), out.stride(2),
-        pos, pos.stride(0),
-        km, km.stride(0),
-        sinks if sinks is not None else q,
-        pos, 0,
-        t, s, float(scaling), int(sliding_window or 0),
-        GROUP=hq // hkv, D=d, HAS_SINK=sinks is not None, HAS_KMASK=key_mask is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, F32DOT=runtime.interpreting(), PAGED=False,
-    )
-    return out
+    return _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, None, k.shape[2])
 
 
 PAGE = BLOCK_N  # positions per KV page: one attention chunk reads exactly one page
@@ -192,31 +198,6 @@ def paged_attention(
     [i*PAGE, (i+1)*PAGE) of sequence b); positions [B, T] (the queries' absolute positions; each sequence's keys
     are written up to its last query's position). Returns [B, T, Hq, D]. The same chunks, in the same order, as
     `attention`: results are bit-identical to it for the same keys."""
-    bsz, hq, t, d = q.shape
-    hkv = k_pool.shape[1]
     if k_pool.shape[2] != PAGE:
         raise ValueError(f"KV pages must hold {PAGE} positions, got {k_pool.shape[2]}")
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads do not group over {hkv} key/value heads")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    out = torch.empty((bsz, t, hq, d), dtype=q.dtype, device=q.device)
-    pos = positions.reshape(bsz, t)
-    if pos.stride(-1) != 1:
-        pos = pos.contiguous()
-    table = page_table.reshape(bsz, -1)
-    grid = (triton.cdiv(t, BLOCK_M), hq, bsz)
-    _attn_kernel[grid](
-        q, q.stride(0), q.stride(1), q.stride(2),
-        k_pool, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        v_pool, v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-        out, out.stride(0), out.stride(1), out.stride(2),
-        pos, pos.stride(0),
-        pos, 0,
-        sinks if sinks is not None else q,
-        table, table.stride(0),
-        t, 0, float(scaling), int(sliding_window or 0),
-        GROUP=hq // hkv, D=d, HAS_SINK=sinks is not None, HAS_KMASK=False,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, F32DOT=runtime.interpreting(), PAGED=True,
-    )
-    return out
+    return _launch(q, k_pool, v_pool, positions, scaling, sliding_window, sinks, None, page_table, 0)

@@ -185,13 +185,10 @@ def _offloaded_experts(module, offload, x, top_k_index, top_k_weights):
 def serve_offloaded_experts(model: nn.Module, cache, drop_native: bool = True) -> None:
     """Route every experts module of `model` through `cache` (verifier_svc.expert_cache). Without the rest of the
     kernels (a CPU verifier) this alone sets the experts implementation; `install` keeps the offload."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
     _register()
     for layer, module in experts_modules(model).items():
         module._pdflash_offload = (cache, layer)
         module._pdflash_num_experts = num_experts_of(module)
-        module._pdflash_fallback = ALL_EXPERTS_FUNCTIONS.get_interface("eager", type(module).forward.__wrapped__)
         if drop_native:  # the host store holds them now; nothing of the experts stays on the device
             for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
                 p = getattr(module, name, None)

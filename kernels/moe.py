@@ -242,6 +242,14 @@ if triton is not None:
         return acc0, acc1
 
     @triton.jit
+    def _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M: tl.constexpr):
+        """The routing block a program computes: its expert's slot, its rows of the sorted pairs, which are real."""
+        slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(sorted_pairs_ptr + rm)
+        return slot, rm, pairs, pairs < P
+
+    @triton.jit
     def _moe_gemm1(
         x_ptr, stride_xm,
         h_ptr, stride_hm,
@@ -258,10 +266,7 @@ if triton is not None:
         pid_n = tl.program_id(1)
         if pid_m >= tl.load(num_blocks_ptr):
             return
-        slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_pairs_ptr + rm)
-        p_ok = pairs < P
+        slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
         tok = pairs // TOPK
         j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         j_ok = j < I
@@ -308,10 +313,7 @@ if triton is not None:
         pid_n = tl.program_id(1)
         if pid_m >= tl.load(num_blocks_ptr):
             return
-        slot = tl.load(block_slot_ptr + pid_m).to(tl.int64)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_pairs_ptr + rm)
-        p_ok = pairs < P
+        slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -342,6 +344,14 @@ if triton is not None:
 
 
     @triton.jit
+    def _pair_keys(ids_ptr, offs, P, nv, E: tl.constexpr, TOPK: tl.constexpr):
+        """Pairs `offs`: in range, kept (an expert id of a real row), and the sort key (E for dropped pairs)."""
+        ok = offs < P
+        key = tl.load(ids_ptr + offs, mask=ok, other=E).to(tl.int32)
+        valid = ok & (key >= 0) & (key < E) & (offs // TOPK < nv)
+        return ok, valid, tl.where(valid, key, E)
+
+    @triton.jit
     def _align_kernel(
         ids_ptr, nvalid_ptr, slot_ptr, sorted_ptr, block_slot_ptr, num_blocks_ptr, valid_ptr,
         P, MB,
@@ -365,10 +375,7 @@ if triton is not None:
         start = P * 0
         while start < P:
             offs = start + ci
-            ok = offs < P
-            key = tl.load(ids_ptr + offs, mask=ok, other=E).to(tl.int32)
-            valid = ok & (key >= 0) & (key < E) & (offs // TOPK < nv)
-            key = tl.where(valid, key, E)
+            ok, valid, key = _pair_keys(ids_ptr, offs, P, nv, E, TOPK)
             tl.store(valid_ptr + offs, valid, mask=ok)
             counts += tl.sum((key[:, None] == ev[None, :]).to(tl.int32), axis=0)
             start += C
@@ -382,10 +389,7 @@ if triton is not None:
         start = P * 0
         while start < P:
             offs = start + ci
-            ok = offs < P
-            key = tl.load(ids_ptr + offs, mask=ok, other=E).to(tl.int32)
-            valid = ok & (key >= 0) & (key < E) & (offs // TOPK < nv)
-            key = tl.where(valid, key, E)
+            ok, valid, key = _pair_keys(ids_ptr, offs, P, nv, E, TOPK)
             onehot = (key[:, None] == ev[None, :]).to(tl.int32)
             earlier = ((key[:, None] == key[None, :]) & (ci[None, :] < ci[:, None])).to(tl.int32)
             dest = tl.sum(onehot * running[None, :], axis=1) + tl.sum(earlier, axis=1)

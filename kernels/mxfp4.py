@@ -91,14 +91,6 @@ def from_gpt_oss(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
     return blocks.reshape(*blocks.shape[:2], -1), scales
 
 
-def deinterleave_rows(t: torch.Tensor, dim: int = -2) -> torch.Tensor:
-    """Rows [g0, u0, g1, u1, ...] (gpt-oss's gate/up interleave) -> [g0, g1, ..., u0, u1, ...]."""
-    dim = dim % t.dim()
-    idx = torch.arange(t.shape[dim], device=t.device)
-    order = torch.cat([idx[0::2], idx[1::2]])
-    return t.index_select(dim, order)
-
-
 # ---- the arena layout of one expert ------------------------------------------------------------------
 ALIGN = 256  # bytes; every section starts on it (full 128-byte lines, 16-byte vector loads)
 

@@ -2,18 +2,15 @@
 
 The reference depends on where the stack serves (the verifier's --device auto):
 - CPU (CI): transformers' own greedy `generate` in float32 on the CPU, the dtype and device the stack serves in;
-- CUDA: the stack's own block-1 decoding (bf16, the batch-invariant kernels): on the GPU greedy output is only
+- CUDA: the verifier's own block-1 decoding (bf16, the batch-invariant kernels): on the GPU greedy output is only
   defined up to the kernels' rounding, and the promise is that every drafter and width gives block 1's tokens
-  (tests/test_gpu_verifier.py checks the same on real layer shapes)."""
+  (tests/test_gpu_verifier.py checks the same on real layer shapes). Both from benchmarks.load.greedy_reference."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.load import greedy_reference
 from pdflash.client import Client
 from pdflash.tiny import ARCHITECTURES
 from tests.conftest import start_stack
@@ -35,24 +32,8 @@ def arch_stack(request, tiny, tmp_path_factory):
     stack.stop()
 
 
-SERVES_ON_CUDA = torch.cuda.is_available()
-
-
-def reference(model_dir, prompt: str, max_tokens: int, stack=None) -> list[int]:
-    if SERVES_ON_CUDA:
-        with Client(stack.drafter) as client:
-            return client.generate(prompt, max_tokens=max_tokens, drafter="none", block_size=1).token_ids
-    return transformers_greedy(model_dir, prompt, max_tokens)
-
-
-@functools.lru_cache(maxsize=None)
-def transformers_greedy(model_dir, prompt: str, max_tokens: int) -> list[int]:
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = tok(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
+def reference(model_dir, prompt: str, max_tokens: int) -> list[int]:
+    return list(greedy_reference(str(model_dir), prompt, max_tokens))  # says which device it decodes on
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "dflash", "hybrid"])
@@ -60,7 +41,7 @@ def test_greedy_stack_equals_transformers(arch_stack, tiny, drafter):
     arch, stack = arch_stack
     with Client(stack.drafter) as client:
         for prompt in PROMPTS:
-            want = reference(tiny.target(arch), prompt, MAX_TOKENS, stack)
+            want = reference(tiny.target(arch), prompt, MAX_TOKENS)
             got = client.generate(prompt, max_tokens=MAX_TOKENS, drafter=drafter)
             assert got.token_ids == want, f"{arch}/{drafter}: {prompt!r}"
             assert got.finish_reason in ("length", "stop")
@@ -75,7 +56,7 @@ def test_greedy_stack_equals_transformers(arch_stack, tiny, drafter):
 
 def test_block_sizes_all_equal_reference(stack, tiny):
     """Every verify width, fixed or adaptive, gives the same tokens (n-gram drafts are accepted often on a looping model)."""
-    want = reference(tiny.target("qwen3_moe"), PROMPTS[0], 64, stack)
+    want = reference(tiny.target("qwen3_moe"), PROMPTS[0], 64)
     accepted = 0
     with Client(stack.drafter) as client:
         for block in (1, 2, 4, 8, 16, 32):

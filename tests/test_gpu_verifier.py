@@ -97,22 +97,10 @@ def _replay(reference: list[int], error_every: int, vocab: int):
 
 
 def _ngram():
-    from drafter_svc.drafters.ngram import NgramDrafter
+    from benchmarks.inprocess import ngram_propose
 
-    state = {}
-
-    def propose(prompt, out, k):
-        seq = prompt + out  # committed tokens, then the anchor
-        d = state.get("d")
-        if d is None:
-            d = state["d"] = NgramDrafter()
-            d.start(list(prompt))
-            state["n"] = len(prompt)
-        d.commit(seq[state["n"] : -1])  # what the verifier committed since the last proposal
-        state["n"] = len(seq) - 1
-        return list(d.propose(seq[-1], k))
-
-    return propose
+    state: dict = {}
+    return lambda prompt, out, k: ngram_propose(0, prompt, out, k, state)
 
 
 def test_every_drafter_and_width_equals_block_one(core):

@@ -68,9 +68,6 @@ def test_gpt_oss_layout_is_read_as_is():
     gb, gs = b.reshape(2, 6, 2, 16), s  # how gpt-oss checkpoints store the same bytes
     b2, s2 = mxfp4.from_gpt_oss(gb, gs)
     assert torch.equal(b2, b) and b2.data_ptr() == gb.data_ptr()
-    rows = torch.arange(6)
-    inter = mxfp4.deinterleave_rows(w)
-    assert torch.equal(inter[:, :3], w[:, rows[0::2]]) and torch.equal(inter[:, 3:], w[:, rows[1::2]])
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -283,3 +280,13 @@ def test_installed_tiny_model_is_block_invariant_on_cpu(arch, tiny):
     finally:
         inst.uninstall()
     assert model.config._experts_implementation != "batch_invariant"
+
+
+def test_kernels_on_without_cuda_is_refused_in_one_line(monkeypatch):
+    from verifier_svc.model import kernels_wanted
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = torch.device("cpu")
+    assert kernels_wanted("auto", cpu) is False and kernels_wanted("off", cpu) is False
+    with pytest.raises(ValueError, match="need CUDA and triton"):
+        kernels_wanted("on", cpu)

@@ -5,9 +5,11 @@ the store's slices; a cache too small for one layer's routed experts fails at lo
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from pdflash.client import Client
+from pdflash.v1 import verifier_pb2, verifier_pb2_grpc
 from tests.conftest import start_stack
 from tests.test_gpu_verifier import Session, _no_drafts, _replay, _run
 
@@ -79,6 +81,11 @@ def test_the_stack_serves_offloaded_experts_as_it_serves_them_cached(tiny, tmp_p
         try:
             with Client(stack.drafter) as c:
                 outs.append([c.generate("def f(x):\n", max_tokens=24, drafter=d).token_ids for d in ("none", "ngram")])
+            with grpc.insecure_channel(stack.verifier) as ch:
+                vi = verifier_pb2_grpc.VerifierStub(ch).GetModelInfo(verifier_pb2.VerifierModelInfoRequest(), timeout=10)
+            assert vi.experts_format == "mxfp4"
+            sizes = {b for layer in vi.expert_bytes for b in layer.expert_bytes}
+            assert len(sizes) == 1 and sizes.pop() % 256 == 0  # every expert is one arena slice
         finally:
             stack.stop()
     assert outs[0] == outs[1] and outs[0][0] == outs[0][1]

@@ -60,3 +60,13 @@ def test_paged_verifier_equals_the_dynamic_cache_one_and_returns_its_pages(tiny)
     assert paged.pool.free_pages < free
     paged.end(s.sid)
     assert paged.pool.free_pages == free
+
+
+def test_the_paged_kv_needs_the_kernels_and_says_so(tiny):
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
+    from verifier_svc.model import load_target
+
+    target = load_target(tiny.target("qwen3_moe"), "cpu", "auto")  # --kernels off (a CPU default)
+    assert VerifierCore(target, paged_kv=PagedKVOptions()).pool is None  # auto: transformers' DynamicCache
+    with pytest.raises(ValueError, match="needs the batch-invariant kernels"):
+        VerifierCore(target, paged_kv=PagedKVOptions(mode="on"))

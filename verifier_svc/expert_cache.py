@@ -32,9 +32,6 @@ class CacheStats:
     bytes_moved: int = 0  # host -> device, demand and prefetch
     wasted_bytes: int = 0  # prefetched, evicted unused
 
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def min_slots(store: HostExpertStore) -> int:
     """Slots one layer of one forward can need at once: every expert of the largest layer (a prompt may route to

@@ -30,10 +30,6 @@ class KVPool:
     def free_pages(self) -> int:
         return len(self._free)
 
-    @property
-    def bytes_per_page(self) -> int:
-        return 2 * len(self.k) * self.k[0][0].numel() * self.k[0].element_size()
-
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise ResourceExhausted(
@@ -52,12 +48,11 @@ class KVPool:
 
 
 class SequenceKV:
-    """One session's pages. `length` = positions holding committed keys (the prompt and accepted tokens)."""
+    """One session's pages (its committed length lives in the session: `Session.committed`)."""
 
     def __init__(self, pool: KVPool, max_positions: int):
         self.pool = pool
         self.pages: list[int] = []
-        self.length = 0
         self.max_pages = (max_positions + PAGE - 1) // PAGE
         self.table = torch.zeros(self.max_pages, dtype=torch.int32, device=pool.device)
 
@@ -80,4 +75,3 @@ class SequenceKV:
     def free(self) -> None:
         self.pool.release(self.pages)
         self.pages = []
-        self.length = 0

@@ -21,7 +21,7 @@ from transformers import Qwen3Config
 
 from pdflash.logging import get_logger
 
-from drafter_svc.compat import mismatch
+from drafter_svc.compat import mismatch, read_config
 from drafter_svc.dflash_model import (
     ContextKV,
     DFlashDraftModel,
@@ -48,12 +48,7 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def read_target_config(target_dir: str | pathlib.Path) -> dict:
     """The target's config.json, with a multimodal `text_config` merged over the top level."""
-    path = pathlib.Path(target_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"target checkpoint {target_dir} has no config.json")
-    cfg = json.loads(path.read_text())
-    text = cfg.get("text_config")
-    return {**cfg, **text} if isinstance(text, dict) else cfg
+    return read_config(target_dir, what="target checkpoint ")
 
 
 @dataclasses.dataclass

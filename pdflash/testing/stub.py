@@ -273,10 +273,9 @@ class StubServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def Abort(self, request, context):
         try:
-            api.check_abort(request)
+            return api.abort(self.running, request)
         except InvalidArgument as e:
             await abort_with(context, e)
-        return drafter_pb2.AbortResponse(aborted=self.running.abort(request.request_id))
 
     async def ModelInfo(self, request, context):
         return self.info
