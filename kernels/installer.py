@@ -162,33 +162,79 @@ def _experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index
 
 def _offloaded_experts(module, offload, x, top_k_index, top_k_weights):
     """Experts served from an expert cache (duck-typed: `lookup(layer, ids) -> slot table`, `release()`,
-    `weights`): the routed experts of this layer are made resident (the one host sync per layer), then the
-    grouped kernel reads them through the slot table (the torch reference without a usable Triton)."""
+    `prefetch(union)`, `weights`, `layer_ahead`): the routed experts of this layer are made resident (the one host
+    sync per layer), then the grouped kernel reads them through the slot table (the torch reference without a
+    usable Triton). With `layer_ahead`, the next layer's router applied to this layer's input picks the experts to
+    prefetch for it (read in the same sync), so their copies run while this layer and the next one's attention
+    compute. A prediction only moves bytes early; what a layer computes depends on its own routing alone."""
     cache, layer = offload
     ctx = _forward_ctx.get()
     valid = ctx.valid_rows if ctx is not None else None
     ids = top_k_index if valid is None else top_k_index[: int(valid)]
-    table = cache.lookup(layer, torch.unique(ids).tolist())
+    nxt = getattr(module, "_pdflash_next_router", None) if cache.layer_ahead else None
+    if nxt is not None:
+        rows = x if valid is None else x[: int(valid)]
+        ahead = _predict_experts(rows, nxt)
+        both = torch.cat([torch.unique(ids).to(torch.int64), ahead.to(torch.int64) + 2**20]).tolist()
+        mine = [e for e in both if e < 2**20]
+        guess = [e - 2**20 for e in both if e >= 2**20]
+    else:
+        mine, guess = torch.unique(ids).tolist(), []
+    table = cache.lookup(layer, mine)
     try:
         if x.device.type == "cuda" and runtime.triton is not None:
             CALLS["experts"] += 1
-            return moe_forward(x, top_k_index, top_k_weights, cache.weights, module._pdflash_num_experts,
-                               slot_of_expert=table, n_valid=valid)
-        from kernels.reference import moe_reference
+            out = moe_forward(x, top_k_index, top_k_weights, cache.weights, module._pdflash_num_experts,
+                              slot_of_expert=table, n_valid=valid)
+        else:
+            from kernels.reference import moe_reference
 
-        return moe_reference(x, top_k_index, top_k_weights, cache.weights, module._pdflash_num_experts,
-                             slot_of_expert=table, n_valid=valid).to(x.dtype)
+            out = moe_reference(x, top_k_index, top_k_weights, cache.weights, module._pdflash_num_experts,
+                                slot_of_expert=table, n_valid=valid).to(x.dtype)
     finally:
         cache.release()
+    if guess:
+        cache.prefetch({layer + 1: guess})
+    return out
+
+
+def _predict_experts(x: torch.Tensor, router: nn.Module) -> torch.Tensor:
+    """The experts a router (weight [E, H], optional bias, top_k) would pick for rows x: the top-k of its logits
+    (softmax and the renormalisation keep the order), unique."""
+    w, b = router.weight, getattr(router, "bias", None)
+    logits = x.reshape(-1, x.shape[-1]).to(w.dtype) @ w.t()
+    if isinstance(b, torch.Tensor):
+        logits = logits + b
+    return torch.unique(torch.topk(logits.float(), min(router.top_k, logits.shape[-1]), dim=-1).indices)
+
+
+def routers(model: nn.Module) -> dict[int, nn.Module]:
+    """Decoder layer index -> its router: the sibling of the layer's experts module that carries a `top_k` and an
+    [E, H] weight (qwen3_moe/mixtral `mlp.gate`, gpt_oss `mlp.router`)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found = {}
+    for layer, experts in experts_modules(model).items():
+        parent = model.get_submodule(names[id(experts)].rpartition(".")[0])
+        e = num_experts_of(experts)
+        for child in parent.children():
+            w = getattr(child, "weight", None)
+            k = getattr(child, "top_k", None)
+            if child is not experts and isinstance(k, int) and isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == e:
+                found[layer] = child
+                break
+    return found
 
 
 def serve_offloaded_experts(model: nn.Module, cache, drop_native: bool = True) -> None:
     """Route every experts module of `model` through `cache` (verifier_svc.expert_cache). Without the rest of the
-    kernels (a CPU verifier) this alone sets the experts implementation; `install` keeps the offload."""
+    kernels (a CPU verifier) this alone sets the experts implementation; `install` keeps the offload. Each layer
+    also gets the next layer's router (for `cache.layer_ahead`)."""
     _register()
+    found = routers(model)
     for layer, module in experts_modules(model).items():
         module._pdflash_offload = (cache, layer)
         module._pdflash_num_experts = num_experts_of(module)
+        module.__dict__["_pdflash_next_router"] = found.get(layer + 1)  # not a submodule: no second registration
         if drop_native:  # the host store holds them now; nothing of the experts stays on the device
             for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
                 p = getattr(module, name, None)

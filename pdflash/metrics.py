@@ -166,6 +166,10 @@ class VerifierMetrics(_Metrics):
         self.expert_cache_hits = self._counter("expert_cache_hits", "Expert lookups served from device memory.")
         self.expert_cache_misses = self._counter("expert_cache_misses", "Expert lookups that had to load the expert.")
         self.expert_bytes_moved = self._counter("expert_bytes_moved", "Expert weight bytes copied to the device.")
+        self.expert_cache_evictions = self._counter("expert_cache_evictions", "Experts evicted from the device cache.")
+        self.expert_cache_prefetched = self._counter("expert_cache_prefetched", "Experts copied ahead of need (projected union, next-layer prediction).")
+        self.expert_cache_prefetch_used = self._counter("expert_cache_prefetch_used", "Prefetched experts a forward used before eviction.")
+        self.expert_cache_wasted_bytes = self._counter("expert_cache_wasted_bytes", "Prefetched expert bytes evicted unused.")
         self.sessions_alive = self._gauge("sessions_alive", "Verifier sessions (KV caches) currently held.")
 
 

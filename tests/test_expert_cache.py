@@ -77,6 +77,21 @@ def test_prefetch_counts_used_and_wasted_bytes(store):
     assert cache.prefetch({layer: {5}}) == 0  # every slot pinned: a prefetch never evicts those
 
 
+def test_a_prefetch_never_evicts_what_an_earlier_prefetch_brought_for_later(store):
+    """A projected union larger than the cache fills the free slots and stops: it does not evict its own unused
+    slices (they would be wasted) nor pinned ones; a forward's demand may still evict unused prefetches."""
+    layer = next(iter(store.num_experts))
+    cache = ExpertCache(store, 3, CPU, need=1)
+    assert cache.prefetch({layer: {0, 1, 2, 3, 4}}) == 3
+    assert cache.stats.wasted_bytes == 0 and cache.stats.evictions == 0
+    cache.lookup(layer, [0])  # used: now an ordinary resident expert, evictable by a later prefetch
+    cache.release()
+    assert cache.prefetch({layer: {5, 6}}) == 1 and cache.resident(layer, 5) and not cache.resident(layer, 0)
+    st = cache.stats
+    assert (st.prefetched, st.prefetch_used, st.evictions, st.wasted_bytes) == (4, 1, 1, 0)
+    assert st.coverage == 1.0  # the one expert a forward needed came from a prefetch
+
+
 def test_experts_read_through_the_cache_equal_the_resident_store(store):
     """The same reference kernel over the slot pool + slot table as over all experts resident: bit-identical, with
     a cache so small that every call evicts."""

@@ -5,11 +5,14 @@ the store's slices; a cache too small for one layer's routed experts fails at lo
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import grpc
 import pytest
 
 from pdflash.client import Client
-from pdflash.v1 import verifier_pb2, verifier_pb2_grpc
+from pdflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.conftest import start_stack
 from tests.test_gpu_verifier import Session, _no_drafts, _replay, _run
 
@@ -22,12 +25,12 @@ def tiny_cache_gb(core) -> float:
     return 9.5 * core.target.expert_cache.store.slice_bytes / 2**30
 
 
-def _core(tiny, arch, cache_gb):
+def _core(tiny, arch, cache_gb, prefetch="union,layer"):
     from verifier_svc.engine import VerifierCore
     from verifier_svc.model import load_target
 
-    return VerifierCore(load_target(tiny.target(arch), "cpu", "auto", experts="mxfp4", expert_cache_gb=cache_gb),
-                        max_block_size=8)
+    return VerifierCore(load_target(tiny.target(arch), "cpu", "auto", experts="mxfp4", expert_cache_gb=cache_gb,
+                                    expert_prefetch=prefetch), max_block_size=8)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
@@ -66,6 +69,44 @@ def test_prefetch_of_a_wrong_projection_changes_nothing(tiny):
     assert s.out == want and core.target.expert_cache.stats.prefetched > 0
 
 
+@functools.cache
+def _gpt_oss_reference(tiny):
+    full = _core(tiny, "gpt_oss", BIG)
+    return _run(full, list(range(3, 40)), _no_drafts), tiny_cache_gb(full)
+
+
+@pytest.mark.parametrize("prefetch", ["none", "union", "layer", "union,layer"])
+def test_prefetch_modes_change_no_token_and_each_call_reports_its_own_counters(tiny, prefetch):
+    """Union prefetch, next-layer prediction (the next layer's router on this layer's input), both, neither: the
+    same tokens. The counters each prefill/verify returns add up to the cache's totals."""
+    from verifier_svc.expert_cache import CacheStats
+
+    ref, gb = _gpt_oss_reference(tiny)
+    core = _core(tiny, "gpt_oss", gb, prefetch)
+    cache = core.target.expert_cache
+    assert (cache.prefetch_union, cache.layer_ahead) == ("union" in prefetch, "layer" in prefetch)
+    import tests.test_gpu_verifier as drive
+
+    s = Session(core, list(range(3, 40)), _replay(ref, 3, core.target.vocab_size), 4, False)
+    calls = []
+    verify = core.verify
+    core.verify = lambda *a, **k: calls.append(verify(*a, **k)) or calls[-1]
+    while not s.done:
+        s.step()
+    assert s.out == ref[: len(s.out)] and len(s.out) == drive.NEW
+    total = cache.stats
+    rounds = [c.expert_cache for c in calls]
+    prefill = total.minus(functools.reduce(CacheStats.plus, rounds))  # what the prefill did: the cache's totals less the verifies'
+    assert prefill.lookups > 0 and min(dataclasses.astuple(prefill)) >= 0
+    for r in rounds:
+        assert r.hits + r.misses == r.lookups > 0
+        assert r.bytes_moved == (r.misses + r.prefetched) * cache.store.slice_bytes
+    if prefetch == "none":
+        assert total.prefetched == 0
+    if "layer" in prefetch:  # predictions were made and some were used
+        assert total.prefetched > 0 and total.prefetch_used > 0 and total.coverage > 0
+
+
 def test_a_cache_below_one_layer_fails_at_load_with_the_minimum(tiny):
     from verifier_svc.model import load_target
 
@@ -82,7 +123,14 @@ def test_the_stack_serves_offloaded_experts_as_it_serves_them_cached(tiny, tmp_p
             with Client(stack.drafter) as c:
                 outs.append([c.generate("def f(x):\n", max_tokens=24, drafter=d).token_ids for d in ("none", "ngram")])
             with grpc.insecure_channel(stack.verifier) as ch:
-                vi = verifier_pb2_grpc.VerifierStub(ch).GetModelInfo(verifier_pb2.VerifierModelInfoRequest(), timeout=10)
+                stub = verifier_pb2_grpc.VerifierStub(ch)
+                vi = stub.GetModelInfo(verifier_pb2.VerifierModelInfoRequest(), timeout=10)
+                pre = stub.Prefill(verifier_pb2.PrefillRequest(prompt_tokens=[5, 6, 7, 8], max_tokens=8, ignore_eos=True), timeout=30)
+                res = stub.Verify(verifier_pb2.VerifyRequest(draft=common_pb2.DraftResult(
+                    session_id=pre.session_id, round=1, tokens=[pre.first_token, 9, 10])), timeout=30)
+            c = res.expert_cache  # each verify says what its forward did to the cache
+            assert c.lookups > 0 and c.hits + c.misses == c.lookups
+            assert c.bytes_moved == (c.misses + c.prefetched) * next(iter(vi.expert_bytes)).expert_bytes[0]
             assert vi.experts_format == "mxfp4"
             sizes = {b for layer in vi.expert_bytes for b in layer.expert_bytes}
             assert len(sizes) == 1 and sizes.pop() % 256 == 0  # every expert is one arena slice

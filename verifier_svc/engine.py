@@ -76,6 +76,7 @@ class StepOutput:
     routed_bytes: int
     forward_ms: float
     accept_ms: float
+    expert_cache: object | None = None  # verifier_svc.expert_cache.CacheStats of this call (offloaded experts)
 
 
 class VerifierCore:
@@ -269,6 +270,8 @@ class VerifierCore:
             feature_layer_ids=tuple(req.feature_layer_ids),
             kv=kv,
         )
+        cache = t.expert_cache
+        before = dataclasses.replace(cache.stats) if cache is not None else None
         try:
             with self._prefill_threads():
                 logits, feats, union, fwd_ms = self._forward(s, list(req.prompt), bool(req.feature_layer_ids), last_logits_only=True)
@@ -301,6 +304,7 @@ class VerifierCore:
             routed_bytes=union_bytes(union, t.byte_map),
             forward_ms=fwd_ms,
             accept_ms=acc_ms,
+            expert_cache=cache.stats.minus(before) if cache is not None else None,
         )
 
     def verify(self, draft: DraftResult, return_features: bool = True) -> StepOutput:
@@ -318,8 +322,10 @@ class VerifierCore:
             return StepOutput(s.session_id, s.round, [], 0, s.committed, s.finished, None, {}, 0, 0.0, 0.0)
         block = block[:room]
         want = return_features and bool(s.feature_layer_ids)
-        if t.expert_cache is not None and draft.expert_union:
-            t.expert_cache.prefetch(draft.expert_union)  # the projected union streams in ahead of its layers
+        cache = t.expert_cache
+        before = dataclasses.replace(cache.stats) if cache is not None else None
+        if cache is not None and cache.prefetch_union and draft.expert_union:
+            cache.prefetch(draft.expert_union)  # the projected union streams in ahead of its layers
         logits, feats, union, fwd_ms = self._forward(s, block, want)
         t0 = time.perf_counter()
         n_acc, nxt = self._pick(s, block[1:], logits)
@@ -344,6 +350,7 @@ class VerifierCore:
             routed_bytes=union_bytes(union, t.byte_map),
             forward_ms=fwd_ms,
             accept_ms=acc_ms,
+            expert_cache=cache.stats.minus(before) if cache is not None else None,
         )
 
     def end(self, session_id: str) -> bool:

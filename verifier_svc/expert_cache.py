@@ -4,11 +4,14 @@ host store (verifier_svc/expert_store.py) and read by the grouped MoE kernel thr
 - allocated once (`slots x slice bytes`), no allocator calls afterwards;
 - `lookup(layer, experts)` makes every listed expert resident and pins it until `release()` (the end of the
   layer's kernel, see below), counting hits and misses; a miss evicts the least recently used unpinned slot;
-- `prefetch(union)` brings experts in ahead of need (the projected union of an admitted verify) without pinning;
-  `wasted_bytes` counts prefetched slices evicted before any forward used them;
-- on CUDA the copies run on a side stream; a copy into an evicted slot first waits for everything already queued
-  on the compute stream (the kernels that might still read the slot), and the compute stream waits for the copies
-  before the layer's kernel runs.
+- `prefetch(union)` brings experts in ahead of need without pinning: the projected union of a verify when it
+  arrives, and (`layer_ahead`) the experts the next layer's router picks for this layer's input, while this
+  layer computes. A prefetch only takes free slots and slots nobody is waiting for: it never evicts a pinned
+  slot or a prefetched one not yet used, so it cannot thrash itself; `wasted_bytes` counts prefetched slices
+  evicted before any forward used them;
+- on CUDA the copies run on a side stream. Each slot remembers the event after its copy (the compute stream
+  waits for the newest copy a layer needs, not for the whole copy queue) and the event after the last kernel
+  that read it (a copy into an evicted slot waits for that one only). `copy_ms()` sums the copies' GPU time.
 """
 
 from __future__ import annotations
@@ -32,6 +35,22 @@ class CacheStats:
     bytes_moved: int = 0  # host -> device, demand and prefetch
     wasted_bytes: int = 0  # prefetched, evicted unused
 
+    def minus(self, other: "CacheStats") -> "CacheStats":
+        return CacheStats(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def plus(self, other: "CacheStats") -> "CacheStats":
+        return CacheStats(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    @property
+    def coverage(self) -> float | None:
+        """Of the experts a forward needed that earlier forwards had not left resident, the share a prefetch
+        brought (or had on its way) in time."""
+        new = self.prefetch_used + self.misses
+        return self.prefetch_used / new if new else None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
 
 def min_slots(store: HostExpertStore) -> int:
     """Slots one layer of one forward can need at once: every expert of the largest layer (a prompt may route to
@@ -40,7 +59,8 @@ def min_slots(store: HostExpertStore) -> int:
 
 
 class ExpertCache:
-    def __init__(self, store: HostExpertStore, num_slots: int, device: torch.device, need: int):
+    def __init__(self, store: HostExpertStore, num_slots: int, device: torch.device, need: int,
+                 prefetch: str = "union,layer", time_copies: bool = False):
         if num_slots < need:
             raise ValueError(
                 f"the expert cache holds {num_slots} experts ({num_slots * store.slice_bytes / 2**30:.4f} GiB), fewer than one "
@@ -48,6 +68,9 @@ class ExpertCache:
                 f"({need * store.slice_bytes} bytes)"
             )
         self.store, self.device = store, torch.device(device)
+        kinds = {p.strip() for p in prefetch.split(",")}
+        self.prefetch_union = "union" in kinds  # read by the verifier core when a verify arrives
+        self.layer_ahead = "layer" in kinds  # read by the experts forward (kernels.installer): predict layer l+1 at layer l
         self.pool = torch.zeros(num_slots, store.slice_bytes, dtype=torch.uint8, device=self.device)
         self.weights = store.weights(self.pool)
         self._host_tables = {layer: torch.full((n,), -1, dtype=torch.int32) for layer, n in store.num_experts.items()}
@@ -61,6 +84,11 @@ class ExpertCache:
         self.stats = CacheStats()
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._copied: list[tuple[int, torch.cuda.Event] | None] = [None] * num_slots  # (copy number, event after it)
+        self._used: list[torch.cuda.Event | None] = [None] * num_slots  # event after the last kernel that read it
+        self._copies = 0
+        self.time_copies = time_copies and self._cuda
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @property
     def num_slots(self) -> int:
@@ -74,13 +102,20 @@ class ExpertCache:
     def resident(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self._slot
 
-    def _take_slot(self) -> int:
+    def _victim(self, prefetch: bool) -> int | None:
+        """The least recently used slot a fetch may take (a prefetch spares unused prefetched slots too)."""
+        for slot in self._lru:  # least recently used first
+            if slot not in self._pinned and not (prefetch and slot in self._unused_prefetch):
+                return slot
+        return None
+
+    def _take_slot(self, prefetch: bool = False) -> int | None:
         if self._free:
             return self._free.pop()
-        for slot in self._lru:  # least recently used first
-            if slot not in self._pinned:
-                break
-        else:
+        slot = self._victim(prefetch)
+        if slot is None:
+            if prefetch:
+                return None
             raise RuntimeError("every expert slot is pinned: the cache is smaller than one layer's routed experts")
         key = self._owner[slot]
         del self._slot[key]
@@ -92,14 +127,27 @@ class ExpertCache:
             self.stats.wasted_bytes += self.store.slice_bytes
         return slot
 
-    def _fetch(self, layer: int, expert: int, evicting: bool) -> int:
-        slot = self._take_slot()
+    def _fetch(self, layer: int, expert: int, prefetch: bool = False) -> int | None:
+        slot = self._take_slot(prefetch)
+        if slot is None:
+            return None
         src = self.store.slice(layer, expert)
         if self._cuda:
-            if evicting:  # a kernel already queued may still read the evicted expert's slot
-                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            used = self._used[slot]
+            if used is not None:  # a kernel already queued may still read what this slot held
+                self._stream.wait_event(used)
+                self._used[slot] = None
             with torch.cuda.stream(self._stream):
+                start = torch.cuda.Event(enable_timing=True) if self.time_copies else None
+                if start is not None:
+                    start.record()
                 self.pool[slot].copy_(src, non_blocking=True)
+                done = torch.cuda.Event(enable_timing=self.time_copies)
+                done.record()
+            if start is not None:
+                self._timed.append((start, done))
+            self._copies += 1
+            self._copied[slot] = (self._copies, done)
         else:
             self.pool[slot].copy_(src)
         self._owner[slot] = (layer, expert)
@@ -109,21 +157,15 @@ class ExpertCache:
         self.stats.bytes_moved += self.store.slice_bytes
         return slot
 
-    def _sync_table(self, layer: int) -> None:
-        if self._cuda:
-            with torch.cuda.stream(self._stream):
-                self.tables[layer].copy_(self._host_tables[layer], non_blocking=True)
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        else:
-            self.tables[layer].copy_(self._host_tables[layer])
-
     def lookup(self, layer: int, experts) -> torch.Tensor:
-        """Make `experts` of `layer` resident and pinned; returns the layer's slot table (device int32 [E])."""
+        """Make `experts` of `layer` resident and pinned; returns the layer's slot table (device int32 [E]), valid on
+        the current stream once the copies the layer needs are done (the stream waits for them)."""
         experts = sorted(set(int(e) for e in experts))
         for e in experts:  # pin the resident ones first: a miss below must not evict them
             slot = self._slot.get((layer, e))
             if slot is not None:
                 self._pinned.add(slot)
+        newest = None
         for e in experts:
             self.stats.lookups += 1
             slot = self._slot.get((layer, e))
@@ -135,33 +177,52 @@ class ExpertCache:
                     self.stats.prefetch_used += 1
             else:
                 self.stats.misses += 1
-                slot = self._fetch(layer, e, evicting=not self._free)
+                slot = self._fetch(layer, e)
             self._pinned.add(slot)
-        self._sync_table(layer)
+            if self._cuda and self._copied[slot] is not None and (newest is None or self._copied[slot][0] > newest[0]):
+                newest = self._copied[slot]
+        if self._cuda:
+            compute = torch.cuda.current_stream(self.device)
+            if newest is not None:  # copies run in order: the newest one this layer needs covers the others
+                compute.wait_event(newest[1])
+            self.tables[layer].copy_(self._host_tables[layer], non_blocking=True)  # pageable source: staged at once
+        else:
+            self.tables[layer].copy_(self._host_tables[layer])
         return self.tables[layer]
 
     def release(self) -> None:
-        """Unpin everything (the kernels that read the pinned slots are queued; later copies wait for them)."""
+        """Unpin everything; on CUDA the pinned slots remember the point of the compute stream after the kernels
+        queued so far (a later copy into one of them waits for it)."""
+        if self._cuda and self._pinned:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            for slot in self._pinned:
+                self._used[slot] = ev
         self._pinned.clear()
 
     def prefetch(self, union: dict[int, frozenset[int] | set[int]]) -> int:
-        """Bring a projected union in, best effort (never evicting a pinned slot). Returns the slices copied."""
+        """Bring a projected union in, layer by layer in order, best effort (free slots and least recently used
+        ones nobody waits for). Returns the slices copied."""
         moved = 0
-        for layer, experts in union.items():
+        for layer in sorted(union):
             if layer not in self._host_tables:
                 continue
-            changed = False
-            for e in sorted(experts):
+            for e in sorted(union[layer]):
                 if (layer, e) in self._slot:
                     continue
-                if not self._free and all(s in self._pinned for s in self._lru):
+                slot = self._fetch(layer, e, prefetch=True)
+                if slot is None:
                     return moved
-                slot = self._fetch(layer, e, evicting=not self._free)
                 self._unused_prefetch.add(slot)
-                self._lru.move_to_end(slot)
                 self.stats.prefetched += 1
                 moved += 1
-                changed = True
-            if changed:
-                self._sync_table(layer)
         return moved
+
+    def copy_ms(self) -> float:
+        """GPU time of the copies issued since the last call (time_copies=True; waits for them)."""
+        total = 0.0
+        for start, done in self._timed:
+            done.synchronize()
+            total += start.elapsed_time(done)
+        self._timed.clear()
+        return total

@@ -111,9 +111,10 @@ def install_kernels(model, experts_format: str) -> dict:
 
 
 def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str = "auto", kernels: str = "off",
-                experts: str = "native", expert_cache_gb: float = 0.0) -> TargetModel:
+                experts: str = "native", expert_cache_gb: float = 0.0, expert_prefetch: str = "union,layer") -> TargetModel:
     """expert_cache_gb > 0 (with experts="mxfp4"): the routed experts live in a host MXFP4 store and a device cache
-    of that size serves them (they never reach the device whole); 0 = every expert resident."""
+    of that size serves them (they never reach the device whole); 0 = every expert resident. expert_prefetch: what
+    the cache fetches ahead of need (verifier_svc.config)."""
     directory = pathlib.Path(directory)
     if not (directory / "config.json").exists():
         raise FileNotFoundError(f"{directory} is not a checkpoint directory (no config.json)")
@@ -131,7 +132,7 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
     except Exception as e:  # noqa: BLE001 - one line that names the checkpoint (pdflash.server.failure_reason)
         raise ValueError(f"cannot load the checkpoint in {directory}: {type(e).__name__}: {e}") from e
     if experts == "mxfp4" and expert_cache_gb > 0:
-        cache = offload_experts(model, dev, expert_cache_gb)  # before the model moves to the device
+        cache = offload_experts(model, dev, expert_cache_gb, expert_prefetch)  # before the model moves to the device
         target = wrap_model(model.to(dev), directory, kernels, "native", byte_map=cache.store.byte_map())
         target.expert_cache, target.experts_format = cache, "mxfp4"
         return target
@@ -140,7 +141,7 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
     return wrap_model(model.to(dev), directory, kernels, experts)
 
 
-def offload_experts(model, device: torch.device, cache_gb: float):
+def offload_experts(model, device: torch.device, cache_gb: float, prefetch: str = "union,layer", time_copies: bool = False):
     """Quantize the routed experts into a host store (pinned for a GPU), route the model's experts through a device
     cache of `cache_gb` GiB, and drop the experts' original weights."""
     from kernels.installer import serve_offloaded_experts
@@ -153,7 +154,8 @@ def offload_experts(model, device: torch.device, cache_gb: float):
     layers = len(experts_modules(model))
     with tqdm(total=layers, desc="quantizing experts to MXFP4 (host store)", unit="layer", leave=False) as bar:
         store = HostExpertStore.from_model(model, pin=device.type == "cuda", progress=lambda _layer: bar.update())
-    cache = ExpertCache(store, ExpertCache.slots_for(store, cache_gb), device, need=min_slots(store))
+    cache = ExpertCache(store, ExpertCache.slots_for(store, cache_gb), device, need=min_slots(store),
+                        prefetch=prefetch, time_copies=time_copies)
     serve_offloaded_experts(model, cache)
     log.info("experts offloaded", experts=sum(store.num_experts.values()), store_bytes=store.total_bytes,
              slice_bytes=store.slice_bytes, cache_slots=cache.num_slots, cache_bytes=cache.pool.numel(),

@@ -34,7 +34,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # to the torch thread and back, two thread wake-ups per round.
         self.inline_verify = inline_verify
         self.core = core  # None while the model loads: RPCs answer UNAVAILABLE
-        self._cache_seen = (0, 0, 0)  # expert-cache hits, misses, bytes moved already counted in metrics
         self.signer = signer or TicketSigner("")  # no secret: tickets are not checked
         # One device: forwards run one at a time on the process's torch thread, so health keeps answering
         # (an inline verify forward holds the loop for its few milliseconds; prefill never runs inline).
@@ -92,15 +91,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if m is None:
             return
         (m.prefill_latency if prefill else m.verify_latency).observe(time.perf_counter() - t_start)
-        cache = self.core.target.expert_cache
-        if cache is None:  # every expert resident: each routed expert is a hit
+        st = out.expert_cache
+        if st is None:  # every expert resident: each routed expert is a hit
             m.expert_cache_hits.inc(sum(len(ids) for ids in out.routed_union.values()))
             return
-        st, last = cache.stats, self._cache_seen
-        m.expert_cache_hits.inc(st.hits - last[0])
-        m.expert_cache_misses.inc(st.misses - last[1])
-        m.expert_bytes_moved.inc(st.bytes_moved - last[2])
-        self._cache_seen = (st.hits, st.misses, st.bytes_moved)
+        m.expert_cache_hits.inc(st.hits)
+        m.expert_cache_misses.inc(st.misses)
+        m.expert_bytes_moved.inc(st.bytes_moved)
+        m.expert_cache_evictions.inc(st.evictions)
+        m.expert_cache_prefetched.inc(st.prefetched)
+        m.expert_cache_prefetch_used.inc(st.prefetch_used)
+        m.expert_cache_wasted_bytes.inc(st.wasted_bytes)
 
     async def GetModelInfo(self, request, context):
         await self._ready(context)
@@ -205,6 +206,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             routed_union=convert.union_to_pb(out.routed_union),
             routed_bytes=out.routed_bytes,
             timings=self._timings(out, t_start, queued),
+            expert_cache=verifier_pb2.ExpertCacheRound(**out.expert_cache.as_dict()) if out.expert_cache is not None else None,
         )
 
     async def Verify(self, request, context):

@@ -124,7 +124,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftResult, _Mapping]] = ..., ticket_id: _Optional[str] = ..., return_features: _Optional[bool] = ..., ticket_signature: _Optional[str] = ..., ticket_expires_at_unix: _Optional[float] = ..., ticket_tokens: _Optional[int] = ..., ticket_expert_bytes: _Optional[int] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("session_id", "round", "accepted_tokens", "num_accepted_drafts", "committed_tokens", "finished", "finish_reason", "features", "routed_union", "routed_bytes", "timings")
+    __slots__ = ("session_id", "round", "accepted_tokens", "num_accepted_drafts", "committed_tokens", "finished", "finish_reason", "features", "routed_union", "routed_bytes", "timings", "expert_cache")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class VerifyResult(_message.Message):
     ROUTED_UNION_FIELD_NUMBER: _ClassVar[int]
     ROUTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_CACHE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -147,7 +148,28 @@ class VerifyResult(_message.Message):
     routed_union: _containers.RepeatedCompositeFieldContainer[_common_pb2.LayerExperts]
     routed_bytes: int
     timings: _common_pb2.Timings
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., routed_union: _Optional[_Iterable[_Union[_common_pb2.LayerExperts, _Mapping]]] = ..., routed_bytes: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
+    expert_cache: ExpertCacheRound
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., routed_union: _Optional[_Iterable[_Union[_common_pb2.LayerExperts, _Mapping]]] = ..., routed_bytes: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., expert_cache: _Optional[_Union[ExpertCacheRound, _Mapping]] = ...) -> None: ...
+
+class ExpertCacheRound(_message.Message):
+    __slots__ = ("lookups", "hits", "misses", "evictions", "prefetched", "prefetch_used", "bytes_moved", "wasted_bytes")
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_USED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    WASTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    lookups: int
+    hits: int
+    misses: int
+    evictions: int
+    prefetched: int
+    prefetch_used: int
+    bytes_moved: int
+    wasted_bytes: int
+    def __init__(self, lookups: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., prefetched: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., wasted_bytes: _Optional[int] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id",)
