@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [tests|kernels|sweep|e2e|all]...
+#   bash benchmarks/gpu.sh OUT [tests|kernels|sweep|e2e|offload|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 set -uo pipefail
@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 has() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
 if has tests; then
-  timeout ${TESTS_S:-540} python3 -m pytest -q -p no:cacheprovider --timeout=300 ${TEST_FILES:-tests/test_kernels_gpu.py tests/test_gpu_verifier.py} 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
+  timeout ${TESTS_S:-540} python3 -m pytest -q -p no:cacheprovider --timeout=300 ${TEST_FILES:-tests/test_kernels_gpu.py tests/test_gpu_verifier.py tests/test_offload_gpu.py} 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
 fi
 if has sweep; then
   timeout ${SWEEP_S:-120} python3 benchmarks/kernels.py --out "$OUT" --sweep --skip-main 2>&1 | tail -80 > "$OUT/sweep.txt"
@@ -28,4 +28,7 @@ if has e2e; then
 fi
 if has kernels; then
   timeout ${KERNELS_S:-200} python3 benchmarks/kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt" | tail -60
+fi
+if has offload; then
+  timeout ${OFFLOAD_S:-420} python3 benchmarks/offload.py --out "$OUT" ${OFFLOAD_ARGS:-} 2>&1 | tee "$OUT/offload.txt" | tail -40
 fi

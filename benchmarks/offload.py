@@ -1,0 +1,287 @@
+"""Offloaded MXFP4 experts on one GPU: the verifier serving a MoE model whose experts live in pinned host memory,
+through a device expert cache of 10%, 25% and 100% of the expert bytes, next to transformers + accelerate
+offloading the same experts to CPU memory (PEER: plain `generate`, what a Python user does today).
+
+    python benchmarks/offload.py [--models gpt-oss-24l qwen3-48l] [--caches 0.1 0.25 1.0] [--new-tokens 64]
+                                 [--prompts 2] [--peer-tokens 4] [--out benchmarks/results]
+
+Targets: gpt-oss-20b layer shapes (24 layers, 32 experts top-4, H = I = 2880) and Qwen3-30B-A3B layer shapes (48
+layers, 128 experts top-8), random bf16 weights built on the GPU, experts quantized to MXFP4 into the host store.
+In process (VerifierCore, no RPC: a checkpoint of these sizes is not written to disk here), one request at a time,
+greedy, 128-token prompts (a random 32-token phrase said four times), `--new-tokens` each. Rows per cache size:
+block 1 (no drafts); n-gram drafting at block 16; a replay drafter at block 16 that proposes the block-1
+continuation with every 3rd draft wrong (tau ~3, labelled as such). Verify forwards run eagerly (no CUDA graphs
+while experts are offloaded: each layer syncs once to learn its experts).
+
+Columns: output tok/s; expert bytes moved host->device per output token; the achieved H2D rate of the expert copies
+(their GPU time) as a fraction of a plain pinned copy of same-size slices; the fraction of copy time hidden under
+compute (1 - (forward time - the same run's forward time with every expert cached) / copy time); cache hit rate;
+prefetch coverage (of the experts a forward needed that were not left resident by earlier forwards, the share a
+prefetch brought in time); wasted bytes (prefetched, evicted unused); the PCIe bound (tok/s if moving the row's bytes
+at the pinned rate were the only cost) and tok/s as a fraction of it; `byte_bound`: that copy time is at least the
+row's compute time (its 100%-cache run). `identical`: the row's tokens equal block 1 with every expert cached.
+Writes offload_h200.json / .md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import random
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.e2e_gpu import replay  # noqa: E402
+from benchmarks.inprocess import core_run, ngram_propose  # noqa: E402
+
+MODELS = {"gpt-oss-24l": ("gpt_oss", 24), "qwen3-48l": ("qwen3_moe", 48)}
+
+
+def none_propose(i, prompt, out, k, state):
+    return []
+
+
+def prompts_for(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(2, vocab) for _ in range(32)]
+        out.append(phrase * 4)
+    return out
+
+
+def pinned_rate(store, slices: int = 64) -> float:
+    """Bytes per second of a plain pinned host -> device copy, slice by slice (as the cache copies)."""
+    n = min(slices, store.arena.shape[0])
+    dst = torch.empty(n, store.slice_bytes, dtype=torch.uint8, device="cuda")
+    src = store.arena[:n]
+    for _ in range(2):
+        for i in range(n):
+            dst[i].copy_(src[i], non_blocking=True)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(3):
+        for i in range(n):
+            dst[i].copy_(src[i], non_blocking=True)
+    b.record()
+    b.synchronize()
+    return 3 * n * store.slice_bytes / (a.elapsed_time(b) * 1e-3)
+
+
+def build(arch: str, layers: int):
+    from transformers import AutoModelForCausalLM
+
+    from pdflash.tiny import real_shape_config
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return AutoModelForCausalLM.from_config(real_shape_config(arch, num_layers=layers), dtype=torch.bfloat16).eval()
+
+
+def offloaded_core(model, name: str):
+    """The model's experts into the host store (+ a first cache of every expert), the verifier core over it."""
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
+    from verifier_svc.model import offload_experts, wrap_model
+
+    cache = offload_experts(model, torch.device("cuda"), 1e9, time_copies=True)
+    target = wrap_model(model, pathlib.Path(f"/tmp/{name}"), kernels="on", experts="native", byte_map=cache.store.byte_map())
+    target.expert_cache, target.experts_format = cache, "mxfp4"
+    return VerifierCore(target, max_block_size=16, max_tokens_limit=4096, paged_kv=PagedKVOptions(kv_cache_gb=4))
+
+
+def use_cache(core, fraction: float):
+    """A fresh cache holding `fraction` of the experts (at least one layer's), the modules routed through it."""
+    from kernels.installer import serve_offloaded_experts
+    from verifier_svc.expert_cache import ExpertCache, min_slots
+
+    old = core.target.expert_cache
+    store = old.store
+    total = sum(store.num_experts.values())
+    core.target.expert_cache = None
+    del old
+    torch.cuda.empty_cache()
+    slots = max(min_slots(store), round(fraction * total))
+    cache = ExpertCache(store, slots, torch.device("cuda"), need=min_slots(store), time_copies=True)
+    serve_offloaded_experts(core.target.model, cache, drop_native=False)
+    core.target.expert_cache = cache
+    return cache
+
+
+def measure(core, prompts, new: int, block: int, propose) -> dict:
+    cache = core.target.expert_cache
+    cache.copy_ms()  # forget earlier copies
+    before = dataclasses.replace(cache.stats)
+    torch.cuda.synchronize()
+    r = core_run(core, prompts, new, block, propose)
+    st = cache.stats.minus(before)
+    r["stats"], r["copy_ms"] = st, cache.copy_ms()
+    return r
+
+
+def peer(arch: str, layers: int, prompts, new: int) -> dict:
+    """transformers + accelerate: the experts in CPU memory (bf16), moved to the GPU by accelerate's hooks at each
+    forward; plain greedy generate."""
+    from accelerate import dispatch_model
+
+    from kernels.installer import experts_modules
+
+    model = build(arch, layers)
+    experts = {id(m) for m in experts_modules(model).values()}
+    holders = set()  # modules with an experts module somewhere below them
+    for name, m in model.named_modules():
+        if id(m) in experts:
+            parts = name.split(".")
+            holders.update(".".join(parts[:i]) for i in range(len(parts)))
+    device_map = {}
+
+    def place(prefix: str, module) -> None:  # a device map without overlaps: experts -> cpu, the rest -> GPU 0
+        if id(module) in experts:
+            module.to("cpu")
+            device_map[prefix] = "cpu"
+        elif prefix in holders:
+            for child_name, child in module.named_children():
+                place(f"{prefix}.{child_name}" if prefix else child_name, child)
+            if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
+                raise RuntimeError(f"{prefix} holds tensors of its own beside its experts: no clean device map")
+        else:
+            device_map[prefix] = 0
+
+    place("", model)
+    torch.cuda.empty_cache()
+    model = dispatch_model(model, device_map=device_map, main_device=0)
+    toks = 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device="cuda")
+            out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            toks += out.shape[1] - ids.shape[1]
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    del model
+    torch.cuda.empty_cache()
+    return {"tok_s": toks / wall, "tokens": toks, "wall_s": wall}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--caches", nargs="+", type=float, default=[1.0, 0.25, 0.1], help="cache sizes as fractions of the expert bytes")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--peer-tokens", type=int, default=4, help="new tokens per prompt for the transformers + accelerate rows (0 = skip); gpt-oss only")
+    ap.add_argument("--peer-prompt-tokens", type=int, default=32)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    caches = sorted(set(args.caches), reverse=True)
+    if caches[0] != 1.0:
+        caches.insert(0, 1.0)  # the compute-only reference of every row
+    rows = []
+    meta = {"device": torch.cuda.get_device_name(), "new_tokens": args.new_tokens, "prompts": args.prompts,
+            "command": "python benchmarks/offload.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    for name in args.models:
+        arch, layers = MODELS[name]
+        t0 = time.perf_counter()
+        model = build(arch, layers)
+        core = offloaded_core(model, name)
+        store = core.target.expert_cache.store
+        rate = pinned_rate(store)
+        meta.setdefault("pinned_h2d_bytes_per_s", {})[name] = rate
+        meta.setdefault("store_bytes", {})[name] = store.total_bytes
+        meta.setdefault("slice_bytes", {})[name] = store.slice_bytes
+        print(f"{name}: built + quantized in {time.perf_counter() - t0:.1f} s; store {store.total_bytes / 2**30:.2f} GiB, "
+              f"slice {store.slice_bytes / 2**20:.2f} MiB; pinned H2D {rate / 1e9:.1f} GB/s", flush=True)
+        prompts = prompts_for(args.prompts, core.target.vocab_size)
+        core_run(core, prompts[:1], 4, 4)  # compile the kernels
+        reference = None
+        compute = {}
+        for fraction in caches:
+            cache = use_cache(core, fraction)
+            if fraction == 1.0:  # warm: every expert resident, no copies in the timed runs
+                core_run(core, prompts, 4, 1)
+            modes = [("none", 1, none_propose), ("ngram", 16, ngram_propose), ("replay tau~3", 16, None)]
+            for drafter, block, propose in modes:
+                if propose is None:
+                    propose = replay(reference["outputs"], every=3)
+                r = measure(core, prompts, args.new_tokens, block, propose)
+                if reference is None:
+                    reference = r
+                st, toks = r["stats"], r["tokens"]
+                if fraction == 1.0:
+                    compute[drafter] = r
+                base = compute[drafter]
+                copy_s = r["copy_ms"] * 1e-3
+                bound_s = st.bytes_moved / rate
+                exposed_s = max(0.0, (r["forward_ms"] - base["forward_ms"]) * 1e-3)
+                row = {
+                    "model": name, "cache_fraction": fraction, "cache_slots": cache.num_slots, "block": block,
+                    "drafter": drafter, "system": "OURS",
+                    "output_tokens_per_second": round(toks / r["wall_s"], 2),
+                    "tau": round(toks / r["rounds"], 2),
+                    "expert_bytes_per_token": round(st.bytes_moved / toks),
+                    "h2d_gbps": round(st.bytes_moved / copy_s / 1e9, 2) if copy_s > 0 else None,
+                    "h2d_fraction_of_pinned": round(st.bytes_moved / copy_s / rate, 3) if copy_s > 0 else None,
+                    "hidden_fraction": round(min(1.0, max(0.0, 1 - exposed_s / copy_s)), 3) if copy_s > 0 else None,
+                    "cache_hit_rate": round(st.hits / st.lookups, 4) if st.lookups else None,
+                    "prefetch_coverage": round(st.coverage, 4) if st.coverage is not None else None,
+                    "wasted_bytes": st.wasted_bytes,
+                    "bound_tokens_per_second": round(toks / bound_s, 2) if bound_s > 0 else None,
+                    "fraction_of_bound": round((toks / r["wall_s"]) / (toks / bound_s), 3) if bound_s > 0 else None,
+                    "byte_bound": bool(bound_s >= base["wall_s"]),
+                    "forward_ms_per_round": round(r["forward_ms"] / r["rounds"], 3),
+                    "copy_ms_per_round": round(r["copy_ms"] / r["rounds"], 3),
+                    "identical": r["outputs"] == reference["outputs"],
+                    "stats": dataclasses.asdict(st),
+                }
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "stats"}, flush=True)
+        del core, model
+        torch.cuda.empty_cache()
+        if args.peer_tokens and arch == "gpt_oss":
+            pp = [p[: args.peer_prompt_tokens] for p in prompts]
+            try:
+                r = peer(arch, layers, pp, args.peer_tokens)
+            except Exception as e:  # noqa: BLE001 - the OURS rows are still worth writing
+                print(f"PEER failed: {type(e).__name__}: {e}", flush=True)
+                continue
+            rows.append({"model": name, "cache_fraction": 0.0, "block": 1, "drafter": "none",
+                         "system": "PEER (transformers + accelerate, experts in CPU memory)",
+                         "output_tokens_per_second": round(r["tok_s"], 3), "tokens": r["tokens"],
+                         "note": f"{args.prompts} prompts x {args.peer_tokens} new tokens after {args.peer_prompt_tokens}-token prompts"})
+            print(rows[-1], flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "offload_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = [f"# Offloaded MXFP4 experts (`{meta['command']}`)", "",
+          f"{meta['device']}; in process, one request at a time, {args.prompts} prompts x {args.new_tokens} new tokens, greedy. "
+          "Pinned H2D rate per model: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in meta["pinned_h2d_bytes_per_s"].items()), "",
+          "| model | system | cache | block | drafter | tok/s | tau | expert MB/token | H2D of pinned | hidden | hit rate | coverage | wasted MB | PCIe bound tok/s | of bound | byte-bound | identical |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["system"] != "OURS":
+            md.append(f"| {r['model']} | {r['system']} | CPU | 1 | none | {r['output_tokens_per_second']} | | | | | | | | | | | ({r['note']}) |")
+            continue
+        f = lambda v, scale=1.0, nd=2: "" if v is None else round(v * scale, nd)  # noqa: E731
+        md.append(f"| {r['model']} | OURS | {int(r['cache_fraction'] * 100)}% | {r['block']} | {r['drafter']} | {r['output_tokens_per_second']} | "
+                  f"{r['tau']} | {f(r['expert_bytes_per_token'], 1e-6, 1)} | {f(r['h2d_fraction_of_pinned'])} | {f(r['hidden_fraction'])} | "
+                  f"{f(r['cache_hit_rate'])} | {f(r['prefetch_coverage'])} | {f(r['wasted_bytes'], 1e-6, 1)} | {f(r['bound_tokens_per_second'], 1, 1)} | "
+                  f"{f(r['fraction_of_bound'])} | {r['byte_bound']} | {r['identical']} |")
+    (out / "offload_h200.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    bad = [r for r in rows if r["system"] == "OURS" and not r["identical"]]
+    if bad:
+        print(f"NOT IDENTICAL: {len(bad)} rows", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Offloaded MXFP4 experts on a CUDA GPU (skipped without one): real layer shapes in bf16 (gpt-oss-20b and
+Qwen3-30B-A3B, two layers, random weights), the experts in a pinned host store served through a device cache far
+smaller than the experts (every forward evicts) give greedy output token for token equal to the same MXFP4 experts
+all resident on the GPU, at block 1 and with drafts at block 16, with every prefetch mode (the projected union,
+next-layer prediction, both, none). The reference is the resident-MXFP4 verifier on the same GPU, bf16, with the
+same kernels. Run on the GPU machine with `bash benchmarks/gpu.sh OUT tests`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_gpu_verifier import _no_drafts, _prompts, _replay, _run
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module", params=["gpt_oss", "qwen3_moe"])
+def checkpoint(request, tmp_path_factory):
+    from pdflash.tiny import make_real_shape_checkpoint
+
+    return make_real_shape_checkpoint(tmp_path_factory.mktemp(request.param), request.param, device="cuda")
+
+
+def _core(d, cache_gb: float, prefetch: str = "union,layer"):
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
+    from verifier_svc.model import load_target
+
+    target = load_target(d, "cuda", "auto", kernels="on", experts="mxfp4", expert_cache_gb=cache_gb, expert_prefetch=prefetch)
+    return VerifierCore(target, max_block_size=16, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2))
+
+
+def test_offloaded_equals_resident_mxfp4_for_every_prefetch_mode(checkpoint, monkeypatch):
+    import tests.test_gpu_verifier as drive
+
+    monkeypatch.setattr(drive, "NEW", 128)
+    resident = _core(checkpoint, 0.0)
+    assert resident.target.expert_cache is None and resident.target.experts_format == "mxfp4"
+    vocab = resident.target.vocab_size
+    prompts = _prompts(vocab, 2)
+    refs = [_run(resident, p, _no_drafts) for p in prompts]
+    del resident
+    torch.cuda.empty_cache()
+    probe = _core(checkpoint, 100.0)
+    store = probe.target.expert_cache.store
+    per_layer = max(store.num_experts.values())
+    small_gb = (per_layer + 3) * store.slice_bytes / 2**30  # one layer's experts + 3: every forward evicts
+    del probe
+    for prefetch in ("union,layer", "none", "union", "layer"):
+        core = _core(checkpoint, small_gb, prefetch)
+        cache = core.target.expert_cache
+        assert cache.num_slots < sum(store.num_experts.values())
+        for p, ref in zip(prompts, refs):
+            assert _run(core, p, _no_drafts) == ref, prefetch
+            assert _run(core, p, _replay(ref, 3, vocab), width=16) == ref, prefetch
+        st = cache.stats
+        assert st.evictions > 0 and st.hits + st.misses == st.lookups
+        assert st.bytes_moved == (st.misses + st.prefetched) * store.slice_bytes
+        if "layer" in prefetch:
+            assert st.prefetched > 0
+        del core, cache
+        torch.cuda.empty_cache()
