@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.e2e_gpu import replay  # noqa: E402
 from benchmarks.inprocess import core_run, ngram_propose  # noqa: E402
 
-MODELS = {"gpt-oss-24l": ("gpt_oss", 24), "qwen3-48l": ("qwen3_moe", 48)}
+MODELS = {"gpt-oss-24l": ("gpt_oss", 24), "qwen3-48l": ("qwen3_moe", 48), "tiny-gpt-oss": ("tiny:gpt_oss", 2)}
 
 
 def none_propose(i, prompt, out, k, state):
@@ -76,14 +76,26 @@ def pinned_rate(store, slices: int = 64) -> float:
     return 3 * n * store.slice_bytes / (a.elapsed_time(b) * 1e-3)
 
 
+DEVICE = torch.device("cuda")  # --device cpu: a smoke run of the script's logic (no copy timing, no PEER)
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def build(arch: str, layers: int):
     from transformers import AutoModelForCausalLM
 
-    from pdflash.tiny import real_shape_config
+    from pdflash.tiny import real_shape_config, tiny_config
 
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        return AutoModelForCausalLM.from_config(real_shape_config(arch, num_layers=layers), dtype=torch.bfloat16).eval()
+    if arch.startswith("tiny:"):  # smoke runs of the script
+        cfg = tiny_config(arch[5:], 512, 0, num_layers=layers)
+    else:
+        cfg = real_shape_config(arch, num_layers=layers)
+    with DEVICE:
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
 
 def offloaded_core(model, name: str):
@@ -91,8 +103,9 @@ def offloaded_core(model, name: str):
     from verifier_svc.engine import PagedKVOptions, VerifierCore
     from verifier_svc.model import offload_experts, wrap_model
 
-    cache = offload_experts(model, torch.device("cuda"), 1e9, time_copies=True)
-    target = wrap_model(model, pathlib.Path(f"/tmp/{name}"), kernels="on", experts="native", byte_map=cache.store.byte_map())
+    cache = offload_experts(model, DEVICE, 1e9, time_copies=True)
+    kernels = "on" if DEVICE.type == "cuda" else "off"
+    target = wrap_model(model, pathlib.Path(f"/tmp/{name}"), kernels=kernels, experts="native", byte_map=cache.store.byte_map())
     target.expert_cache, target.experts_format = cache, "mxfp4"
     return VerifierCore(target, max_block_size=16, max_tokens_limit=4096, paged_kv=PagedKVOptions(kv_cache_gb=4))
 
@@ -109,7 +122,7 @@ def use_cache(core, fraction: float):
     del old
     torch.cuda.empty_cache()
     slots = max(min_slots(store), round(fraction * total))
-    cache = ExpertCache(store, slots, torch.device("cuda"), need=min_slots(store), time_copies=True)
+    cache = ExpertCache(store, slots, DEVICE, need=min_slots(store), time_copies=True)
     serve_offloaded_experts(core.target.model, cache, drop_native=False)
     core.target.expert_cache = cache
     return cache
@@ -119,7 +132,7 @@ def measure(core, prompts, new: int, block: int, propose) -> dict:
     cache = core.target.expert_cache
     cache.copy_ms()  # forget earlier copies
     before = dataclasses.replace(cache.stats)
-    torch.cuda.synchronize()
+    sync()
     r = core_run(core, prompts, new, block, propose)
     st = cache.stats.minus(before)
     r["stats"], r["copy_ms"] = st, cache.copy_ms()
@@ -171,29 +184,58 @@ def peer(arch: str, layers: int, prompts, new: int) -> dict:
     return {"tok_s": toks / wall, "tokens": toks, "wall_s": wall}
 
 
+def write(args, meta: dict, rows: list[dict]) -> None:
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "offload_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = [f"# Offloaded MXFP4 experts (`{meta['command']}`)", "",
+          f"{meta['device']}; in process, one request at a time, {args.prompts} prompts x {args.new_tokens} new tokens, greedy. "
+          "Pinned H2D rate per model: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in meta["pinned_h2d_bytes_per_s"].items()), "",
+          "| model | system | cache | block | drafter | tok/s | tau | expert MB/token | H2D of pinned | hidden | hit rate | coverage | wasted MB | PCIe bound tok/s | of bound | byte-bound | identical |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["system"] != "OURS":
+            md.append(f"| {r['model']} | {r['system']} | CPU | 1 | none | {r['output_tokens_per_second']} | | | | | | | | | | | ({r['note']}) |")
+            continue
+        f = lambda v, scale=1.0, nd=2: "" if v is None else round(v * scale, nd)  # noqa: E731
+        md.append(f"| {r['model']} | OURS | {int(r['cache_fraction'] * 100)}% | {r['block']} | {r['drafter']} | {r['output_tokens_per_second']} | "
+                  f"{r['tau']} | {f(r['expert_bytes_per_token'], 1e-6, 1)} | {f(r['h2d_fraction_of_pinned'])} | {f(r['hidden_fraction'])} | "
+                  f"{f(r['cache_hit_rate'])} | {f(r['prefetch_coverage'])} | {f(r['wasted_bytes'], 1e-6, 1)} | {f(r['bound_tokens_per_second'], 1, 1)} | "
+                  f"{f(r['fraction_of_bound'])} | {r['byte_bound']} | {r['identical']} |")
+    (out / "offload_h200.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=["gpt-oss-24l", "qwen3-48l"], choices=list(MODELS))
     ap.add_argument("--caches", nargs="+", type=float, default=[1.0, 0.25, 0.1], help="cache sizes as fractions of the expert bytes")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--peer-tokens", type=int, default=4, help="new tokens per prompt for the transformers + accelerate rows (0 = skip); gpt-oss only")
     ap.add_argument("--peer-prompt-tokens", type=int, default=32)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--layers", type=int, default=0, help="override the layer count (smoke runs)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the logic (no copy timing, no PEER)")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type != "cuda":
+        args.peer_tokens = 0
     caches = sorted(set(args.caches), reverse=True)
     if caches[0] != 1.0:
         caches.insert(0, 1.0)  # the compute-only reference of every row
     rows = []
-    meta = {"device": torch.cuda.get_device_name(), "new_tokens": args.new_tokens, "prompts": args.prompts,
+    meta = {"device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "new_tokens": args.new_tokens, "prompts": args.prompts,
             "command": "python benchmarks/offload.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     for name in args.models:
         arch, layers = MODELS[name]
+        layers = args.layers or layers
         t0 = time.perf_counter()
         model = build(arch, layers)
         core = offloaded_core(model, name)
         store = core.target.expert_cache.store
-        rate = pinned_rate(store)
+        rate = pinned_rate(store) if DEVICE.type == "cuda" else 25e9
         meta.setdefault("pinned_h2d_bytes_per_s", {})[name] = rate
         meta.setdefault("store_bytes", {})[name] = store.total_bytes
         meta.setdefault("slice_bytes", {})[name] = store.slice_bytes
@@ -245,8 +287,9 @@ def main(argv=None) -> int:
                 print({k: v for k, v in row.items() if k != "stats"}, flush=True)
         del core, model
         torch.cuda.empty_cache()
+        write(args, meta, rows)  # a run cut by its time limit keeps the models done
         if args.peer_tokens and arch == "gpt_oss":
-            pp = [p[: args.peer_prompt_tokens] for p in prompts]
+            pp = [p[: args.peer_prompt_tokens] for p in prompts[:1]]
             try:
                 r = peer(arch, layers, pp, args.peer_tokens)
             except Exception as e:  # noqa: BLE001 - the OURS rows are still worth writing
@@ -255,27 +298,9 @@ def main(argv=None) -> int:
             rows.append({"model": name, "cache_fraction": 0.0, "block": 1, "drafter": "none",
                          "system": "PEER (transformers + accelerate, experts in CPU memory)",
                          "output_tokens_per_second": round(r["tok_s"], 3), "tokens": r["tokens"],
-                         "note": f"{args.prompts} prompts x {args.peer_tokens} new tokens after {args.peer_prompt_tokens}-token prompts"})
+                         "note": f"1 prompt x {args.peer_tokens} new tokens after {args.peer_prompt_tokens}-token prompts"})
             print(rows[-1], flush=True)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "offload_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    md = [f"# Offloaded MXFP4 experts (`{meta['command']}`)", "",
-          f"{meta['device']}; in process, one request at a time, {args.prompts} prompts x {args.new_tokens} new tokens, greedy. "
-          "Pinned H2D rate per model: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in meta["pinned_h2d_bytes_per_s"].items()), "",
-          "| model | system | cache | block | drafter | tok/s | tau | expert MB/token | H2D of pinned | hidden | hit rate | coverage | wasted MB | PCIe bound tok/s | of bound | byte-bound | identical |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["system"] != "OURS":
-            md.append(f"| {r['model']} | {r['system']} | CPU | 1 | none | {r['output_tokens_per_second']} | | | | | | | | | | | ({r['note']}) |")
-            continue
-        f = lambda v, scale=1.0, nd=2: "" if v is None else round(v * scale, nd)  # noqa: E731
-        md.append(f"| {r['model']} | OURS | {int(r['cache_fraction'] * 100)}% | {r['block']} | {r['drafter']} | {r['output_tokens_per_second']} | "
-                  f"{r['tau']} | {f(r['expert_bytes_per_token'], 1e-6, 1)} | {f(r['h2d_fraction_of_pinned'])} | {f(r['hidden_fraction'])} | "
-                  f"{f(r['cache_hit_rate'])} | {f(r['prefetch_coverage'])} | {f(r['wasted_bytes'], 1e-6, 1)} | {f(r['bound_tokens_per_second'], 1, 1)} | "
-                  f"{f(r['fraction_of_bound'])} | {r['byte_bound']} | {r['identical']} |")
-    (out / "offload_h200.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    write(args, meta, rows)
     bad = [r for r in rows if r["system"] == "OURS" and not r["identical"]]
     if bad:
         print(f"NOT IDENTICAL: {len(bad)} rows", file=sys.stderr)
