@@ -133,6 +133,9 @@ class ForwardContext:
 
     page_table: torch.Tensor | None = None  # [B, max_pages] int32
     valid_rows: torch.Tensor | None = None  # [1] int32 on the device
+    # offloaded experts inside a CUDA-graph capture: `split(module, offload, x, ids, weights) -> out` ends the
+    # graph before the experts and starts the next one after them (verifier_svc.runner's segmented graphs)
+    segments: object | None = None
 
 
 _forward_ctx: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("pdflash_forward_ctx", default=None)
@@ -150,7 +153,10 @@ def forward_context(ctx: ForwardContext):
 def _experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args, **kwargs):
     offload = getattr(module, "_pdflash_offload", None)
     if offload is not None:
-        return _offloaded_experts(module, offload, hidden_states, top_k_index, top_k_weights)
+        ctx = _forward_ctx.get()
+        if ctx is not None and ctx.segments is not None:
+            return ctx.segments.split(module, offload, hidden_states, top_k_index, top_k_weights)
+        return offloaded_experts(module, offload, hidden_states, top_k_index, top_k_weights)
     w = getattr(module, "_pdflash_weights", None)
     if w is None or not runtime.triton_usable(hidden_states.device):
         return module._pdflash_fallback(module, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
@@ -160,37 +166,42 @@ def _experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index
     return moe_forward(hidden_states, top_k_index, top_k_weights, w, module._pdflash_num_experts, n_valid=valid)
 
 
-def _offloaded_experts(module, offload, x, top_k_index, top_k_weights):
+def offloaded_experts(module, offload, x, top_k_index, top_k_weights, valid: int | None = None,
+                      valid_rows: torch.Tensor | None = None):
     """Experts served from an expert cache (duck-typed: `lookup(layer, ids) -> slot table`, `release()`,
-    `prefetch(union)`, `weights`, `layer_ahead`): the routed experts of this layer are made resident (the one host
-    sync per layer), then the grouped kernel reads them through the slot table (the torch reference without a
-    usable Triton). With `layer_ahead`, the next layer's router applied to this layer's input picks the experts to
-    prefetch for it (read in the same sync), so their copies run while this layer and the next one's attention
-    compute. A prediction only moves bytes early; what a layer computes depends on its own routing alone."""
+    `prefetch(union)`, `weights`, `layer_ahead`): the routed experts of this layer are made resident (one host
+    sync per layer: a mask of the routed experts read back), then the grouped kernel reads them through the slot
+    table (the torch reference without a usable Triton). With `layer_ahead`, the next layer's router applied to this
+    layer's input picks the experts to prefetch for it (read in the same sync), so their copies run while this layer
+    and the next one's attention compute. A prediction only moves bytes early; what a layer computes depends on its
+    own routing alone. `valid` / `valid_rows`: the real rows as a host int and as the kernel's device tensor (both
+    None: the forward context's, else all rows)."""
     cache, layer = offload
-    ctx = _forward_ctx.get()
-    valid = ctx.valid_rows if ctx is not None else None
-    ids = top_k_index if valid is None else top_k_index[: int(valid)]
+    if valid is None:
+        ctx = _forward_ctx.get()
+        if ctx is not None and ctx.valid_rows is not None:
+            valid_rows = ctx.valid_rows
+            valid = int(valid_rows)
+    ids = top_k_index if valid is None else top_k_index[:valid]
+    n = module._pdflash_num_experts
     nxt = getattr(module, "_pdflash_next_router", None) if cache.layer_ahead else None
+    mask = torch.zeros(2 * n if nxt is not None else n, dtype=torch.bool, device=x.device)
+    mask[ids.reshape(-1)] = True
     if nxt is not None:
-        rows = x if valid is None else x[: int(valid)]
-        ahead = _predict_experts(rows, nxt)
-        both = torch.cat([torch.unique(ids).to(torch.int64), ahead.to(torch.int64) + 2**20]).tolist()
-        mine = [e for e in both if e < 2**20]
-        guess = [e - 2**20 for e in both if e >= 2**20]
-    else:
-        mine, guess = torch.unique(ids).tolist(), []
+        rows = x if valid is None else x[:valid]
+        mask[n + _predict_experts(rows, nxt).reshape(-1)] = True
+    flags = mask.tolist()  # the one host sync of the layer
+    mine = [e for e in range(n) if flags[e]]
+    guess = [e - n for e in range(n, len(flags)) if flags[e]]
     table = cache.lookup(layer, mine)
     try:
         if x.device.type == "cuda" and runtime.triton is not None:
             CALLS["experts"] += 1
-            out = moe_forward(x, top_k_index, top_k_weights, cache.weights, module._pdflash_num_experts,
-                              slot_of_expert=table, n_valid=valid)
+            out = moe_forward(x, top_k_index, top_k_weights, cache.weights, n, slot_of_expert=table, n_valid=valid_rows)
         else:
             from kernels.reference import moe_reference
 
-            out = moe_reference(x, top_k_index, top_k_weights, cache.weights, module._pdflash_num_experts,
-                                slot_of_expert=table, n_valid=valid).to(x.dtype)
+            out = moe_reference(x, top_k_index, top_k_weights, cache.weights, n, slot_of_expert=table, n_valid=valid).to(x.dtype)
     finally:
         cache.release()
     if guess:
@@ -200,12 +211,12 @@ def _offloaded_experts(module, offload, x, top_k_index, top_k_weights):
 
 def _predict_experts(x: torch.Tensor, router: nn.Module) -> torch.Tensor:
     """The experts a router (weight [E, H], optional bias, top_k) would pick for rows x: the top-k of its logits
-    (softmax and the renormalisation keep the order), unique."""
+    (softmax and the renormalisation keep the order), [rows, k]."""
     w, b = router.weight, getattr(router, "bias", None)
     logits = x.reshape(-1, x.shape[-1]).to(w.dtype) @ w.t()
     if isinstance(b, torch.Tensor):
         logits = logits + b
-    return torch.unique(torch.topk(logits.float(), min(router.top_k, logits.shape[-1]), dim=-1).indices)
+    return torch.topk(logits.float(), min(router.top_k, logits.shape[-1]), dim=-1).indices
 
 
 def routers(model: nn.Module) -> dict[int, nn.Module]:

@@ -117,9 +117,9 @@ class VerifierCore:
         pages = KVPool.pages_for(kv_heads, head_dim, t.num_layers, t.dtype, int(opts.budget_bytes(t.device)))
         self.pool = KVPool(t.num_layers, kv_heads, head_dim, pages, t.dtype, t.device)
         self.runner = ForwardRunner(t.model, t.seam, self.pool)
-        # offloaded experts sync once per layer (which experts to fetch): no graph capture around that
-        if opts.graphs and t.device.type == "cuda" and t.expert_cache is None:
-            self.graphs = GraphRunner(self.runner, (t.max_context + PAGE - 1) // PAGE)
+        # offloaded experts sync once per layer (which experts to fetch): one graph per stretch between them
+        if opts.graphs and t.device.type == "cuda":
+            self.graphs = GraphRunner(self.runner, (t.max_context + PAGE - 1) // PAGE, segmented=t.expert_cache is not None)
 
     @contextlib.contextmanager
     def _prefill_threads(self):

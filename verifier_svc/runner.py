@@ -67,9 +67,10 @@ class ForwardRunner:
         f = torch.cat([x for _, x in sorted(feats, key=lambda p: feature_layers.index(p[0]))], dim=-1)[0].float() if feats else None
         return h, f
 
-    def forward_tensors(self, ids, pos, table, pages, offsets, valid_rows, feature_layers, last_only: bool):
-        """Everything on the device (what a CUDA graph captures): ids/pos [1, B], table [1, max_pages]."""
-        ctx = ForwardContext(page_table=table, valid_rows=valid_rows)
+    def forward_tensors(self, ids, pos, table, pages, offsets, valid_rows, feature_layers, last_only: bool, segments=None):
+        """Everything on the device (what a CUDA graph captures): ids/pos [1, B], table [1, max_pages]. `segments`:
+        the capture of a segmented graph (offloaded experts split the forward, see _SegmentedGraph)."""
+        ctx = ForwardContext(page_table=table, valid_rows=valid_rows, segments=segments)
         cache = PagedLayerCache(self.pool, pages, offsets)
         with torch.inference_mode(), InvariantMode(), forward_context(ctx), self.seam.record() as rec:
             h, feats = self._layers(ids, pos, cache, feature_layers)
@@ -90,16 +91,7 @@ class ForwardRunner:
 class _Graph:
     def __init__(self, runner: ForwardRunner, bucket: int, max_pages: int, feature_layers: tuple[int, ...], scratch_page: int):
         dev = runner.pool.device
-        self.bucket = bucket
-        self.ids = torch.zeros(1, bucket, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(1, bucket, dtype=torch.long, device=dev)
-        self.table = torch.zeros(1, max_pages, dtype=torch.int32, device=dev)
-        # until the first replay fills them, the write slots point at a page no session owns: the warm-up forward
-        # below really runs and writes its keys
-        self.pages = torch.full((bucket,), scratch_page, dtype=torch.long, device=dev)
-        self.offsets = torch.arange(bucket, dtype=torch.long, device=dev)
-        self.table[:] = scratch_page
-        self.valid = torch.ones(1, dtype=torch.int32, device=dev)
+        self._static_inputs(runner, bucket, max_pages, scratch_page)
         args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers, False)
         # warm up on a side stream (Triton compiles, the allocator settles), then capture
         side = torch.cuda.Stream(dev)
@@ -111,12 +103,84 @@ class _Graph:
         with torch.cuda.graph(self.graph):
             self.out = runner.forward_tensors(*args)
 
+    def _static_inputs(self, runner: ForwardRunner, bucket: int, max_pages: int, scratch_page: int) -> None:
+        dev = runner.pool.device
+        self.bucket = bucket
+        self.ids = torch.zeros(1, bucket, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, bucket, dtype=torch.long, device=dev)
+        self.table = torch.zeros(1, max_pages, dtype=torch.int32, device=dev)
+        # until the first replay fills them, the write slots point at a page no session owns: the warm-up forward
+        # below really runs and writes its keys
+        self.pages = torch.full((bucket,), scratch_page, dtype=torch.long, device=dev)
+        self.offsets = torch.arange(bucket, dtype=torch.long, device=dev)
+        self.table[:] = scratch_page
+        self.valid = torch.ones(1, dtype=torch.int32, device=dev)
+
+    def replay(self, n: int) -> None:
+        self.graph.replay()
+
+
+class _SegmentedGraph(_Graph):
+    """The forward of a model whose experts are offloaded, as one CUDA graph per stretch between two experts calls
+    (embeddings + layer 0 up to its router; the rest of layer 0 + layer 1 up to its router; ...; the last layer's
+    rest + norm + LM head). Between the graphs the host runs each layer's experts eagerly: one sync to read the
+    routed experts, the cache's copies, the grouped kernel writing into a static buffer the next graph reads. The
+    graphs share one memory pool and replay in capture order (the rule for sharing a pool)."""
+
+    def __init__(self, runner: ForwardRunner, bucket: int, max_pages: int, feature_layers: tuple[int, ...], scratch_page: int):
+        dev = runner.pool.device
+        self._static_inputs(runner, bucket, max_pages, scratch_page)
+        args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers, False)
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.steps: list[tuple] = []  # (module, offload, x, ids, weights, out buffer) per experts call
+        self._pool = torch.cuda.graph_pool_handle()
+        self._bucket = bucket
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            runner.forward_tensors(*args)  # warm-up: Triton compiles, the allocator settles
+            self._begin()
+            self.out = runner.forward_tensors(*args, segments=self)
+            self._current.capture_end()
+            self.graphs.append(self._current)
+            self._current.replay()
+        torch.cuda.current_stream(dev).wait_stream(side)
+
+    def _begin(self) -> None:
+        self._current = torch.cuda.CUDAGraph()
+        self._current.capture_begin(pool=self._pool)
+
+    def split(self, module, offload, x, top_k_index, top_k_weights):
+        """Called by the experts forward during the capture: close the graph so far, run it (the experts need its
+        real outputs), run the experts, open the next graph, hand it the experts' output buffer."""
+        from kernels.installer import offloaded_experts
+
+        self._current.capture_end()
+        self.graphs.append(self._current)
+        self._current.replay()
+        out = offloaded_experts(module, offload, x, top_k_index, top_k_weights, valid=self._bucket, valid_rows=self.valid)
+        buf = out.clone()
+        self.steps.append((module, offload, x, top_k_index, top_k_weights, buf))
+        self._begin()
+        return buf
+
+    def replay(self, n: int) -> None:
+        from kernels.installer import offloaded_experts
+
+        for i, graph in enumerate(self.graphs):
+            graph.replay()
+            if i < len(self.steps):
+                module, offload, x, ids, weights, buf = self.steps[i]
+                buf.copy_(offloaded_experts(module, offload, x, ids, weights, valid=n, valid_rows=self.valid))
+
 
 class GraphRunner:
-    """Bucketed CUDA graphs of the verify forward; falls back to eager beyond the largest bucket."""
+    """Bucketed CUDA graphs of the verify forward; falls back to eager beyond the largest bucket. `segmented`:
+    offloaded experts run eagerly between per-layer graphs (_SegmentedGraph)."""
 
-    def __init__(self, runner: ForwardRunner, max_pages: int, buckets=BUCKETS):
+    def __init__(self, runner: ForwardRunner, max_pages: int, buckets=BUCKETS, segmented: bool = False):
         self.runner, self.max_pages, self.buckets = runner, max_pages, tuple(sorted(buckets))
+        self._kind = _SegmentedGraph if segmented else _Graph
         self._graphs: dict[tuple[int, tuple[int, ...]], _Graph] = {}
         self.scratch_page = runner.pool.alloc(1)[0]  # where captures write; never handed to a session
 
@@ -132,7 +196,7 @@ class GraphRunner:
         key = (b, tuple(feature_layers))
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = _Graph(self.runner, b, self.max_pages, tuple(feature_layers), self.scratch_page)
+            g = self._graphs[key] = self._kind(self.runner, b, self.max_pages, tuple(feature_layers), self.scratch_page)
         seq.reserve(start + b)  # the padding rows write their (ignored) keys past the real ones
         pages, offsets = seq.slots(start, b)
         pad = tokens + [tokens[-1]] * (b - n)
@@ -142,5 +206,5 @@ class GraphRunner:
         g.offsets.copy_(offsets)
         g.table[0, : seq.table.numel()].copy_(seq.table)
         g.valid.fill_(n)
-        g.graph.replay()
+        g.replay(n)
         return g.out, n
