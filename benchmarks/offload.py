@@ -17,8 +17,8 @@ Columns: output tok/s; expert bytes moved host->device per output token; the ach
 (their GPU time) as a fraction of a plain pinned copy of same-size slices; the fraction of copy time hidden under
 compute (1 - (forward time - the same run's forward time with every expert cached) / copy time); cache hit rate;
 prefetch coverage (of the experts a forward needed that were not left resident by earlier forwards, the share a
-prefetch brought in time); wasted bytes (prefetched, evicted unused); the PCIe bound (tok/s if moving the row's bytes
-at the pinned rate were the only cost) and tok/s as a fraction of it; `byte_bound`: that copy time is at least the
+prefetch brought in time); wasted bytes (prefetched, evicted unused); the PCIe bound (tok/s if moving the row's
+non-resident union bytes (misses + used prefetches, not the wasted ones) at the pinned rate were the only cost) and tok/s as a fraction of it; `byte_bound`: that copy time is at least the
 row's compute time (its 100%-cache run). `identical`: the row's tokens equal block 1 with every expert cached.
 Writes offload_h200.json / .md under --out.
 """
@@ -261,7 +261,8 @@ def main(argv=None) -> int:
                     compute[drafter] = r
                 base = compute[drafter]
                 copy_s = r["copy_ms"] * 1e-3
-                bound_s = st.bytes_moved / rate
+                needed = (st.misses + st.prefetch_used) * store.slice_bytes  # the non-resident union bytes
+                bound_s = needed / rate
                 exposed_s = max(0.0, (r["forward_ms"] - base["forward_ms"]) * 1e-3)
                 row = {
                     "model": name, "cache_fraction": fraction, "cache_slots": cache.num_slots, "block": block,

@@ -169,7 +169,7 @@ def _experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index
 def offloaded_experts(module, offload, x, top_k_index, top_k_weights, valid: int | None = None,
                       valid_rows: torch.Tensor | None = None):
     """Experts served from an expert cache (duck-typed: `lookup(layer, ids) -> slot table`, `release()`,
-    `prefetch(union)`, `weights`, `layer_ahead`): the routed experts of this layer are made resident (one host
+    `prefetch(union)`, `advance(layer)`, `weights`, `layer_ahead`): the routed experts of this layer are made resident (one host
     sync per layer: a mask of the routed experts read back), then the grouped kernel reads them through the slot
     table (the torch reference without a usable Triton). With `layer_ahead`, the next layer's router applied to this
     layer's input picks the experts to prefetch for it (read in the same sync), so their copies run while this layer
@@ -204,8 +204,9 @@ def offloaded_experts(module, offload, x, top_k_index, top_k_weights, valid: int
             out = moe_reference(x, top_k_index, top_k_weights, cache.weights, n, slot_of_expert=table, n_valid=valid).to(x.dtype)
     finally:
         cache.release()
-    if guess:
+    if guess:  # the next layer first: it is needed soonest
         cache.prefetch({layer + 1: guess})
+    cache.advance(layer)
     return out
 
 

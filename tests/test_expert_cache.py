@@ -92,6 +92,20 @@ def test_a_prefetch_never_evicts_what_an_earlier_prefetch_brought_for_later(stor
     assert st.coverage == 1.0  # the one expert a forward needed came from a prefetch
 
 
+def test_a_projection_larger_than_the_cache_streams_in_a_window_ahead_of_the_layers(store):
+    """begin() prefetches the projected layers that fit in half the cache; advance(l) adds layer l + window."""
+    layers = sorted(store.num_experts)
+    cache = ExpertCache(store, 4, CPU, need=1)
+    projection = {l: {0, 1} for l in layers}  # 2 experts a layer: a window of 4 / 2 / 2 = 1 layer
+    assert cache.begin(projection) == 2 and cache._window == 1
+    assert all(cache.resident(layers[0], e) for e in (0, 1)) and not cache.resident(layers[1], 0)
+    cache.lookup(layers[0], [0, 1])
+    cache.release()
+    assert cache.advance(layers[0]) == 2 and cache.resident(layers[1], 0) and cache.resident(layers[1], 1)
+    assert cache.stats.wasted_bytes == 0 and cache.advance(layers[-1]) == 0
+    assert cache.begin({}) == 0 and cache.advance(layers[0]) == 0  # no projection, nothing ahead
+
+
 def test_experts_read_through_the_cache_equal_the_resident_store(store):
     """The same reference kernel over the slot pool + slot table as over all experts resident: bit-identical, with
     a cache so small that every call evicts."""

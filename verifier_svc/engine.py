@@ -272,6 +272,8 @@ class VerifierCore:
         )
         cache = t.expert_cache
         before = dataclasses.replace(cache.stats) if cache is not None else None
+        if cache is not None:
+            cache.begin({})  # a prompt has no projection: forget the last verify's
         try:
             with self._prefill_threads():
                 logits, feats, union, fwd_ms = self._forward(s, list(req.prompt), bool(req.feature_layer_ids), last_logits_only=True)
@@ -324,8 +326,8 @@ class VerifierCore:
         want = return_features and bool(s.feature_layer_ids)
         cache = t.expert_cache
         before = dataclasses.replace(cache.stats) if cache is not None else None
-        if cache is not None and cache.prefetch_union and draft.expert_union:
-            cache.prefetch(draft.expert_union)  # the projected union streams in ahead of its layers
+        if cache is not None and cache.prefetch_union:
+            cache.begin(draft.expert_union)  # the projected union streams in a window ahead of its layers
         logits, feats, union, fwd_ms = self._forward(s, block, want)
         t0 = time.perf_counter()
         n_acc, nxt = self._pick(s, block[1:], logits)

@@ -4,14 +4,17 @@ host store (verifier_svc/expert_store.py) and read by the grouped MoE kernel thr
 - allocated once (`slots x slice bytes`), no allocator calls afterwards;
 - `lookup(layer, experts)` makes every listed expert resident and pins it until `release()` (the end of the
   layer's kernel, see below), counting hits and misses; a miss evicts the least recently used unpinned slot;
-- `prefetch(union)` brings experts in ahead of need without pinning: the projected union of a verify when it
-  arrives, and (`layer_ahead`) the experts the next layer's router picks for this layer's input, while this
-  layer computes. A prefetch only takes free slots and slots nobody is waiting for: it never evicts a pinned
-  slot or a prefetched one not yet used, so it cannot thrash itself; `wasted_bytes` counts prefetched slices
-  evicted before any forward used them;
-- on CUDA the copies run on a side stream. Each slot remembers the event after its copy (the compute stream
-  waits for the newest copy a layer needs, not for the whole copy queue) and the event after the last kernel
-  that read it (a copy into an evicted slot waits for that one only). `copy_ms()` sums the copies' GPU time.
+- `prefetch(union)` brings experts in ahead of need without pinning. `begin(projection)` (a verify arrives with
+  its projected union) prefetches the projection of the first layers that fit in half the cache, and
+  `advance(layer)` (each layer's experts call) tops it up one layer further, so a projection larger than the
+  cache streams in a window ahead of the forward instead of evicting itself; with `layer_ahead` the experts call
+  also prefetches what the next layer's router picks for this layer's input. A prefetch only takes free slots and
+  slots nobody is waiting for: it never evicts a pinned slot or a prefetched one not yet used; `wasted_bytes`
+  counts prefetched slices evicted before any forward used them;
+- on CUDA the copies run on two side streams, one for a forward's misses and one for prefetches, so a miss never
+  queues behind a long prefetch. Each slot remembers the event after its copy (the compute stream waits for the
+  newest copy per stream that a layer needs, not for the whole queue) and the event after the last kernel that
+  read it (a copy into an evicted slot waits for that one only). `copy_ms()` sums the copies' GPU time.
 """
 
 from __future__ import annotations
@@ -83,10 +86,13 @@ class ExpertCache:
         self._unused_prefetch: set[int] = set()
         self.stats = CacheStats()
         self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
-        self._copied: list[tuple[int, torch.cuda.Event] | None] = [None] * num_slots  # (copy number, event after it)
+        self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self._cuda else ()  # misses, prefetches
+        # per slot: (stream index, copy number on that stream, event after the copy)
+        self._copied: list[tuple[int, int, torch.cuda.Event] | None] = [None] * num_slots
         self._used: list[torch.cuda.Event | None] = [None] * num_slots  # event after the last kernel that read it
-        self._copies = 0
+        self._copies = [0, 0]
+        self._projection: dict[int, frozenset[int]] = {}
+        self._window = 0
         self.time_copies = time_copies and self._cuda
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -133,11 +139,16 @@ class ExpertCache:
             return None
         src = self.store.slice(layer, expert)
         if self._cuda:
+            which = 1 if prefetch else 0
+            stream = self._streams[which]
             used = self._used[slot]
             if used is not None:  # a kernel already queued may still read what this slot held
-                self._stream.wait_event(used)
+                stream.wait_event(used)
                 self._used[slot] = None
-            with torch.cuda.stream(self._stream):
+            before = self._copied[slot]
+            if before is not None and before[0] != which:  # an earlier copy into this slot may still be running
+                stream.wait_event(before[2])
+            with torch.cuda.stream(stream):
                 start = torch.cuda.Event(enable_timing=True) if self.time_copies else None
                 if start is not None:
                     start.record()
@@ -146,8 +157,8 @@ class ExpertCache:
                 done.record()
             if start is not None:
                 self._timed.append((start, done))
-            self._copies += 1
-            self._copied[slot] = (self._copies, done)
+            self._copies[which] += 1
+            self._copied[slot] = (which, self._copies[which], done)
         else:
             self.pool[slot].copy_(src)
         self._owner[slot] = (layer, expert)
@@ -165,7 +176,7 @@ class ExpertCache:
             slot = self._slot.get((layer, e))
             if slot is not None:
                 self._pinned.add(slot)
-        newest = None
+        newest: dict[int, tuple] = {}  # stream -> its newest copy this layer needs
         for e in experts:
             self.stats.lookups += 1
             slot = self._slot.get((layer, e))
@@ -179,12 +190,13 @@ class ExpertCache:
                 self.stats.misses += 1
                 slot = self._fetch(layer, e)
             self._pinned.add(slot)
-            if self._cuda and self._copied[slot] is not None and (newest is None or self._copied[slot][0] > newest[0]):
-                newest = self._copied[slot]
+            c = self._copied[slot] if self._cuda else None
+            if c is not None and (c[0] not in newest or c[1] > newest[c[0]][1]):
+                newest[c[0]] = c
         if self._cuda:
             compute = torch.cuda.current_stream(self.device)
-            if newest is not None:  # copies run in order: the newest one this layer needs covers the others
-                compute.wait_event(newest[1])
+            for c in newest.values():  # a stream's copies run in order: its newest one needed covers the others
+                compute.wait_event(c[2])
             self.tables[layer].copy_(self._host_tables[layer], non_blocking=True)  # pageable source: staged at once
         else:
             self.tables[layer].copy_(self._host_tables[layer])
@@ -217,6 +229,25 @@ class ExpertCache:
                 self.stats.prefetched += 1
                 moved += 1
         return moved
+
+    def begin(self, projection: dict[int, frozenset[int] | set[int]]) -> int:
+        """A verify arrives with its projected union: prefetch the layers that fit in half the cache (the window),
+        remember the rest for `advance`. Returns the slices copied."""
+        self._projection = {l: frozenset(e) for l, e in projection.items() if l in self._host_tables and e}
+        if not self._projection:
+            self._window = 0
+            return 0
+        per_layer = max(1.0, sum(len(e) for e in self._projection.values()) / len(self._projection))
+        self._window = max(1, int(self.num_slots / 2 / per_layer))
+        layers = sorted(self._projection)
+        return self.prefetch({l: self._projection[l] for l in layers[: self._window]})
+
+    def advance(self, layer: int) -> int:
+        """Layer `layer`'s experts are running: prefetch the projection `window` layers further on."""
+        if not self._projection:
+            return 0
+        ahead = layer + self._window
+        return self.prefetch({ahead: self._projection[ahead]}) if ahead in self._projection else 0
 
     def copy_ms(self) -> float:
         """GPU time of the copies issued since the last call (time_copies=True; waits for them)."""
