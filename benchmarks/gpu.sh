@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 has() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
 if has tests; then
-  timeout ${TESTS_S:-540} python3 -m pytest -q -p no:cacheprovider --timeout=300 ${TEST_FILES:-tests/test_kernels_gpu.py tests/test_gpu_verifier.py tests/test_offload_gpu.py} 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
+  timeout ${TESTS_S:-540} python3 -m pytest -v -p no:cacheprovider --timeout=300 --durations=12 ${TEST_FILES:-tests/test_kernels_gpu.py tests/test_gpu_verifier.py tests/test_offload_gpu.py} 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
 fi
 if has sweep; then
   timeout ${SWEEP_S:-120} python3 benchmarks/kernels.py --out "$OUT" --sweep --skip-main 2>&1 | tail -80 > "$OUT/sweep.txt"

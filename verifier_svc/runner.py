@@ -132,7 +132,7 @@ class _SegmentedGraph(_Graph):
         self._static_inputs(runner, bucket, max_pages, scratch_page)
         args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers, False)
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.steps: list[tuple] = []  # (module, offload, x, ids, weights, out buffer) per experts call
+        self.steps: list[tuple] = []  # (experts module, x, ids, weights, out buffer) per experts call
         self._pool = torch.cuda.graph_pool_handle()
         self._bucket = bucket
         side = torch.cuda.Stream(dev)
@@ -160,7 +160,7 @@ class _SegmentedGraph(_Graph):
         self._current.replay()
         out = offloaded_experts(module, offload, x, top_k_index, top_k_weights, valid=self._bucket, valid_rows=self.valid)
         buf = out.clone()
-        self.steps.append((module, offload, x, top_k_index, top_k_weights, buf))
+        self.steps.append((module, x, top_k_index, top_k_weights, buf))
         self._begin()
         return buf
 
@@ -170,8 +170,8 @@ class _SegmentedGraph(_Graph):
         for i, graph in enumerate(self.graphs):
             graph.replay()
             if i < len(self.steps):
-                module, offload, x, ids, weights, buf = self.steps[i]
-                buf.copy_(offloaded_experts(module, offload, x, ids, weights, valid=n, valid_rows=self.valid))
+                module, x, ids, weights, buf = self.steps[i]  # the module's cache as of now (it may be swapped)
+                buf.copy_(offloaded_experts(module, module._pdflash_offload, x, ids, weights, valid=n, valid_rows=self.valid))
 
 
 class GraphRunner:
