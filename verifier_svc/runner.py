@@ -167,6 +167,10 @@ class _SegmentedGraph(_Graph):
     def replay(self, n: int) -> None:
         from kernels.installer import offloaded_experts
 
+        with torch.inference_mode():  # the buffers were made under it
+            self._replay(n, offloaded_experts)
+
+    def _replay(self, n: int, offloaded_experts) -> None:
         for i, graph in enumerate(self.graphs):
             graph.replay()
             if i < len(self.steps):
