@@ -86,6 +86,7 @@ def _stack_run(c: Client, kind: str, block: int, fixed: bool, prompts, new_token
             tokens=out.token_ids, wall_s=wall, completion=u.completion_tokens, rounds=u.rounds,
             tau=u.mean_acceptance_length, prefill_ms=t.prefill_ms, draft_ms=t.draft_ms, admit_ms=t.admit_ms,
             verify_ms=t.verify_ms, verify_server_ms=t.verify_server_ms, verify_forward_ms=t.verify_forward_ms,
+            routed_bytes=u.routed_expert_bytes,
         ))
     return per
 
@@ -95,7 +96,7 @@ def _hf_run(m, kw: dict, prompts, new_tokens: int) -> list[dict]:
     with torch.no_grad():
         for p in prompts:
             t0 = time.perf_counter()
-            out = m.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kw)
+            out = m.generate(torch.tensor([p], device=m.device), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kw)
             wall = time.perf_counter() - t0
             per.append(dict(tokens=out[0, len(p):].tolist(), wall_s=wall, completion=out.shape[1] - len(p)))
     return per

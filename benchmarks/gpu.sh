@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [tests|kernels|sweep|e2e|offload|all]...
+#   bash benchmarks/gpu.sh OUT [tests|kernels|sweep|e2e|stack|offload|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 set -uo pipefail
@@ -18,13 +18,17 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 has() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
 if has tests; then
-  timeout ${TESTS_S:-540} python3 -m pytest -v -p no:cacheprovider --timeout=300 --durations=12 ${TEST_FILES:-tests/test_kernels_gpu.py tests/test_gpu_verifier.py tests/test_offload_gpu.py} 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
+  timeout ${TESTS_S:-540} python3 -m pytest -v -p no:cacheprovider --timeout=300 --durations=12 ${TEST_FILES:-tests/test_kernels_gpu.py tests/test_gpu_verifier.py tests/test_drafter_gpu.py tests/test_offload_gpu.py} 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
 fi
 if has sweep; then
   timeout ${SWEEP_S:-120} python3 benchmarks/kernels.py --out "$OUT" --sweep --skip-main 2>&1 | tail -80 > "$OUT/sweep.txt"
 fi
 if has e2e; then
   timeout ${E2E_S:-200} python3 benchmarks/e2e_gpu.py --out "$OUT" 2>&1 | tee "$OUT/e2e.txt" | tail -20
+fi
+if has stack; then  # the stack through gRPC, verifier and drafter on the GPU (~5 min: run it on its own)
+  timeout ${STACK_S:-540} python3 benchmarks/e2e_stack_gpu.py --out "$OUT" ${STACK_ARGS:-} > "$OUT/e2e_stack.txt" 2>&1
+  rc=$?; tail -40 "$OUT/e2e_stack.txt"; echo "stack: exit $rc" | tee -a "$OUT/e2e_stack.txt"
 fi
 if has kernels; then
   timeout ${KERNELS_S:-200} python3 benchmarks/kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt" | tail -60

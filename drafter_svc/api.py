@@ -195,7 +195,7 @@ def final_message(request_id: str, reason: FinishReason, usage: Usage, text: str
                 rounds=u.rounds,
                 mean_acceptance_length=u.mean_acceptance_length,
                 draft_tokens=u.draft_tokens, rounds_admitted_ahead=u.rounds_admitted_ahead,
-                accepted_draft_tokens=u.accepted_draft_tokens,
+                accepted_draft_tokens=u.accepted_draft_tokens, routed_expert_bytes=u.routed_expert_bytes,
             ),
             timings=drafter_pb2.PhaseTimings(
                 prefill_ms=u.prefill_ms, draft_ms=u.draft_ms, admit_ms=u.admit_ms, verify_ms=u.verify_ms,
@@ -205,7 +205,8 @@ def final_message(request_id: str, reason: FinishReason, usage: Usage, text: str
     )
 
 
-def model_info_message(limits: Limits, model: str, architecture: str, drafter_model: str = "") -> drafter_pb2.ModelInfoResponse:
+def model_info_message(limits: Limits, model: str, architecture: str, drafter_model: str = "", drafter_device: str = "",
+                       drafter_dtype: str = "") -> drafter_pb2.ModelInfoResponse:
     return drafter_pb2.ModelInfoResponse(
         model=model,
         architecture=architecture,
@@ -217,4 +218,6 @@ def model_info_message(limits: Limits, model: str, architecture: str, drafter_mo
         max_prompt_tokens=limits.max_prompt_tokens,
         vocab_size=limits.vocab_size,
         drafter_model=drafter_model,
+        drafter_device=drafter_device,
+        drafter_dtype=drafter_dtype,
     )

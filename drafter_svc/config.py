@@ -6,6 +6,7 @@ import dataclasses
 import pathlib
 
 from pdflash.config import ConfigError, ServerOptions, option
+from pdflash.devices import check_device, check_dtype, resolve_device, resolve_dtype
 from pdflash.tls import check_auth_token, check_client_options
 
 KINDS = ("none", "ngram", "dflash", "hybrid")
@@ -46,6 +47,8 @@ class DrafterConfig(ServerOptions):
     admit_ahead: bool = option(True, "while a round verifies, reserve the next round's admission (seated only from budget nobody waits for)")
     verify_stream: bool = option(True, "send a request's verify rounds over one Verifier.VerifyStream call instead of one Verify call each")
     ngram_min_match: int = option(3, "hybrid: use the n-gram proposal when at least this many tokens match")
+    device: str = option("auto", "torch device of the DFlash drafter (dflash, hybrid): auto (cuda when available), cpu, cuda, cuda:N; n-gram drafting runs on the host either way")
+    dtype: str = option("auto", "dtype of the DFlash drafter and the target's embedding and LM head it borrows: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     torch_threads: int = option(1, "CPU threads for the drafter's torch work (0 = torch's default, all cores); on a CPU host keep the cores for the verifier")
     upstream_wait_s: float = option(120.0, "at start, how long to wait for the scheduler and verifier to be ready")
     metrics_port: int = option(9101, "Prometheus /metrics HTTP port (0 = any free port, -1 = off)")
@@ -56,8 +59,18 @@ class DrafterConfig(ServerOptions):
     upstream_tls_cert: str = option("", "PEM client certificate for the scheduler and verifier (when they require mutual TLS)")
     upstream_tls_key: str = option("", "PEM private key of --upstream-tls-cert")
 
+    def torch_device(self) -> str:
+        """The device the DFlash drafter runs on (auto resolved)."""
+        return resolve_device(self.device)
+
+    def torch_dtype(self) -> str:
+        """The DFlash drafter's dtype name (auto resolved for its device)."""
+        return resolve_dtype(self.dtype, self.torch_device())
+
     def validate(self) -> None:
         self.validate_server()
+        check_device(self.device)
+        check_dtype(self.dtype)
         for name in ("model", "drafter"):
             v = getattr(self, name)
             if v and not (pathlib.Path(v) / "config.json").exists():

@@ -62,16 +62,52 @@ def default_target_layers(num_target_layers: int, n: int) -> list[int]:
 
 
 class ContextKV:
-    """Per-layer K/V of the projected context rows (already rotated). Grows as tokens commit."""
+    """Per-layer K/V of the projected context rows (already rotated), [B, Hkv, T, D] each. Grows as tokens commit.
+
+    The rows live in per-layer buffers that double when full: a commit writes only its own rows (no copy of the
+    whole context, no allocation of a bigger tensor every round, which on a GPU can mean a device malloc)."""
+
+    MIN_CAPACITY = 256
 
     def __init__(self, num_layers: int):
-        self.k: list[torch.Tensor | None] = [None] * num_layers
-        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self._k: list[torch.Tensor | None] = [None] * num_layers
+        self._v: list[torch.Tensor | None] = [None] * num_layers
+        self._used = [0] * num_layers
         self.length = 0
 
+    def layer(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer i's context K and V (views of its buffers), or (None, None) before anything was committed."""
+        if self._k[i] is None:
+            return None, None
+        n = self._used[i]
+        return self._k[i][:, :, :n], self._v[i][:, :, :n]
+
+    @property
+    def k(self) -> list[torch.Tensor | None]:
+        return [self.layer(i)[0] for i in range(len(self._k))]
+
+    @property
+    def v(self) -> list[torch.Tensor | None]:
+        return [self.layer(i)[1] for i in range(len(self._v))]
+
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k], dim=2)
-        self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v], dim=2)
+        n, t = self._used[layer], k.shape[2]
+        buf = self._k[layer]
+        if buf is None or n + t > buf.shape[2]:
+            cap = max(n + t, 2 * (0 if buf is None else buf.shape[2]), self.MIN_CAPACITY)
+            self._k[layer] = self._grown(buf, k, n, cap)
+            self._v[layer] = self._grown(self._v[layer], v, n, cap)
+        self._k[layer][:, :, n : n + t] = k
+        self._v[layer][:, :, n : n + t] = v
+        self._used[layer] = n + t
+
+    @staticmethod
+    def _grown(old: torch.Tensor | None, like: torch.Tensor, n: int, cap: int) -> torch.Tensor:
+        b, h, _, d = like.shape
+        new = like.new_empty(b, h, cap, d)
+        if old is not None:
+            new[:, :, :n] = old[:, :, :n]
+        return new
 
 
 class DFlashAttention(nn.Module):
@@ -184,7 +220,7 @@ class DFlashDraftModel(nn.Module):
         h = block_embeds
         for i, layer in enumerate(self.layers):
             if cache is not None:
-                ck, cv = cache.k[i], cache.v[i]
+                ck, cv = cache.layer(i)
             elif context is not None:
                 ck, cv = layer.self_attn.kv(ctx, ccos, csin)
             else:
@@ -232,4 +268,8 @@ def load_dflash(directory: str | pathlib.Path, dtype: torch.dtype = torch.float3
     missing = [m for m in missing if not m.startswith("rotary_emb.")]
     if missing or unexpected:
         raise ValueError(f"drafter checkpoint {directory} does not match: missing {missing}, unexpected {unexpected}")
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    # The rotary frequencies stay float32 whatever the weights' dtype, as in training (fp32 weights, bf16 autocast) and in
+    # the target: cast to bf16 they would put a position's angle off by radians a few hundred tokens in.
+    model.rotary_emb = Qwen3RotaryEmbedding(model.config).to(device)
+    return model

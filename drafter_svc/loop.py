@@ -68,6 +68,7 @@ class Usage:
     verify_server_ms: float = 0.0
     verify_forward_ms: float = 0.0
     rounds_admitted_ahead: int = 0
+    routed_expert_bytes: int = 0  # of the experts the verify forwards routed (the verifier's byte map)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -366,6 +367,7 @@ async def run_request(
             usage.verify_ms += (t2 - t1) * 1e3
             usage.verify_server_ms += res.server_ms
             usage.verify_forward_ms += res.forward_ms
+            usage.routed_expert_bytes += res.routed_bytes
             usage.rounds += 1
             usage.draft_tokens += len(drafts)
             usage.accepted_draft_tokens += res.num_accepted

@@ -70,7 +70,7 @@ def build_factories(cfg: DrafterConfig, model_dir: str) -> tuple[dict[DrafterKin
         DrafterKind.NGRAM: make_factory("ngram", model_dir, max_n=3),
     }
     if drafter_dir:
-        dflash = make_factory("dflash", model_dir, drafter_dir)
+        dflash = make_factory("dflash", model_dir, drafter_dir, device=cfg.torch_device(), dtype=cfg.torch_dtype())
         factories[DrafterKind.DFLASH] = dflash
         from drafter_svc.drafters.hybrid import HybridFactory
 
@@ -120,8 +120,9 @@ async def start(cfg: DrafterConfig) -> RunningDrafter:
             )
         servicer.door = FrontDoor(cfg, tokenizer, factories, default, verifier, scheduler, target, drafter_dir)
         await host.set_serving(True)
+        device, dtype = servicer.door.dflash_placement()
         log.info("drafter ready", model=target.model, drafters=[k.name.lower() for k in factories], default=default.name.lower(),
-                 block_size=cfg.block_size, torch_threads=threads)
+                 block_size=cfg.block_size, torch_threads=threads, dflash_device=device, dflash_dtype=dtype)
     except BaseException:
         await stop_on_failure(host, metrics_server and metrics_server.close, verifier and verifier.close,
                               scheduler and scheduler.close)

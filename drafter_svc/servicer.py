@@ -51,6 +51,13 @@ class FrontDoor:
             default_drafter=self.default_kind, fixed_width=cfg.fixed_width,
         )
 
+    def dflash_placement(self) -> tuple[str, str]:
+        """(device, dtype) of the DFlash drafter, e.g. ("cuda:0", "bfloat16"); empty strings without one."""
+        f = self.factories.get(DrafterKind.DFLASH)
+        if f is None:
+            return "", ""
+        return str(f.head.embed.device), str(f.dtype).removeprefix("torch.")
+
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
@@ -127,4 +134,4 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if self.door is None:
             await abort_with(context, Unavailable("drafter is still starting; retry when health is SERVING"))
         d = self.door
-        return api.model_info_message(d.limits, d.target.model, d.target.architecture, d.drafter_model)
+        return api.model_info_message(d.limits, d.target.model, d.target.architecture, d.drafter_model, *d.dflash_placement())

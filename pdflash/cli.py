@@ -10,6 +10,7 @@ import sys
 import time
 
 from pdflash.config import ConfigError
+from pdflash.devices import DTYPES
 
 EPILOG = """Every option is also an environment variable PDFLASH_<OPTION> (e.g. PDFLASH_PORT) and a key of
 the optional --config YAML/JSON file. Default ports: drafter (public) 50051, scheduler 50052,
@@ -40,6 +41,12 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--expert-cache-gb", type=_number, default=0.0,
                    help="with --experts mxfp4: keep the experts in host memory and serve them from a device cache of this "
                         "many GiB (0 = every expert resident)")
+    d = p.add_argument_group("drafter", "where the DFlash drafter runs (serve-drafter's --device and --dtype)")
+    d.add_argument("--drafter-device", default=None,
+                   help="torch device of the DFlash drafter: auto, cpu, cuda, cuda:N (default: the verifier's --device; "
+                        "on a one-GPU host both processes share the GPU)")
+    d.add_argument("--drafter-dtype", default="auto", choices=DTYPES,
+                   help="auto = bfloat16 on CUDA, float32 on CPU")
     g = p.add_argument_group(
         "TLS and secrets",
         "TLS on every hop: each service serves --tls-cert/--tls-key; --tls-ca is the CA that signed them. "
@@ -96,6 +103,7 @@ def _check_stack_args(args) -> None:
     """What `up` and `demo` check before anything starts: numbers in range, the model and drafter directories
     exist, and a named drafter fits the target."""
     from drafter_svc.config import check_drafter_fits
+    from pdflash.devices import check_device
     from pdflash.validation import int_violation
 
     flags = {n: "--" + n.replace("_", "-") for n in ("port", "scheduler_port", "verifier_port", "max_crashes")}
@@ -109,6 +117,9 @@ def _check_stack_args(args) -> None:
         raise UsageError([f"--expert-cache-gb: must be a number of GiB >= 0 (0 = every expert resident), got {gb}"])
     if gb > 0 and getattr(args, "experts", "native") != "mxfp4":
         raise UsageError(["--expert-cache-gb serves offloaded MXFP4 experts: add --experts mxfp4"])
+    check_device(args.device, "--device")
+    if args.drafter_device is not None:
+        check_device(args.drafter_device, "--drafter-device")
     ports = [args.port, args.scheduler_port, args.verifier_port]
     if len(set(ports)) != 3:
         raise UsageError([f"--port, --scheduler-port and --verifier-port must differ, got {ports[0]}, {ports[1]}, {ports[2]}"])
@@ -133,7 +144,7 @@ def _spec(args):
         log_dir=args.log_dir, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         tls_mutual=not args.tls_no_client_auth, tls_client_cert=args.tls_client_cert, tls_client_key=args.tls_client_key,
         auth_token=os.environ.get("PDFLASH_AUTH_TOKEN", ""), ticket_secret=os.environ.get("PDFLASH_TICKET_SECRET", ""),
-        pin=not args.no_pin, verifier_args=_verifier_args(args),
+        pin=not args.no_pin, verifier_args=_verifier_args(args), drafter_args=_drafter_args(args),
     )
 
 
@@ -145,6 +156,13 @@ def _verifier_args(args) -> list[str]:
         if value != default:
             out += [f"--{flag.replace('_', '-')}", str(value)]
     return out
+
+
+def _drafter_args(args) -> list[str]:
+    """The drafter's --device (default: the verifier's) and --dtype, when not auto."""
+    device = args.drafter_device or args.device
+    return (["--device", device] if device != "auto" else []) + (
+        ["--dtype", args.drafter_dtype] if args.drafter_dtype != "auto" else [])
 
 
 def _say(command: str):

@@ -6,6 +6,10 @@ of the projected target features of every committed token at its absolute positi
 prompt rows at 0..T-1, `commit` appends the round's rows after them. `propose` places the block at
 positions L..L+k (L = committed length; the anchor is not yet committed) and drafts
 argmax(lm_head(hidden)) of the k mask rows. See REFERENCE.md section 2.
+
+On a GPU a round moves data between host and device twice: a commit's feature rows go to the device in one
+copy (from pinned memory, without waiting), and a proposal's drafts come back in one copy (the only sync of
+the round). The block's input rows are built on the device (the anchor's embedding row, the mask row).
 """
 
 from __future__ import annotations
@@ -144,9 +148,10 @@ class DFlashFactory(DrafterFactory):
         target_dir: str | pathlib.Path,
         drafter_dir: str | pathlib.Path,
         dtype: torch.dtype | str = torch.float32,
-        device: str = "cpu",
+        device: str | torch.device = "cpu",
     ):
         dtype = _as_dtype(dtype)
+        device = torch.device(device)
         self.target_dir = pathlib.Path(target_dir)
         self.drafter_dir = pathlib.Path(drafter_dir)
         self.head = load_target_head(target_dir, dtype=dtype, device=device)
@@ -158,6 +163,8 @@ class DFlashFactory(DrafterFactory):
         self.feature_dim = len(self.feature_layer_ids) * self.head.hidden_size
         self.dtype = dtype
         self.device = device
+        # The block's mask rows, one view of the mask token's embedding row (no copy, no host->device traffic).
+        self.mask_rows = self.head.embed[self.spec.mask_token_id].expand(self.max_block_size, -1)
 
     def new_session(self) -> DFlashDrafter:
         return DFlashDrafter(self)
@@ -200,7 +207,10 @@ class DFlashDrafter(Drafter):
                 f"({n} tokens x {len(self._f.feature_layer_ids)} layers x hidden {self._f.head.hidden_size})"
             )
         rows = torch.from_numpy(arr) if arr.flags.writeable else torch.tensor(arr)
-        rows = rows.to(device=self._f.device, dtype=self._f.dtype)[None]
+        if self._f.device.type == "cuda":
+            # Pinned (torch's caching host allocator keeps the block until the copy is done): the copy does not wait.
+            rows = rows.pin_memory()
+        rows = rows.to(self._f.device, non_blocking=True).to(self._f.dtype)[None]
         start = self.cache.length
         positions = torch.arange(start, start + n, device=self._f.device)[None]
         self._f.model.extend_context(self.cache, rows, positions)
@@ -215,12 +225,12 @@ class DFlashDrafter(Drafter):
         head = self._f.head
         if not 0 <= anchor < head.vocab_size:
             raise ValueError(f"anchor token {anchor} is outside the target vocabulary ({head.vocab_size} tokens)")
-        ids = torch.tensor([anchor] + [self._f.spec.mask_token_id] * k, device=self._f.device)
+        embeds = torch.cat([head.embed[anchor : anchor + 1], self._f.mask_rows[:k]])[None]  # [anchor, MASK x k]
         start = self.cache.length
         positions = torch.arange(start, start + k + 1, device=self._f.device)[None]
-        hidden = self._f.model(head.embed[ids][None], positions, cache=self.cache)
+        hidden = self._f.model(embeds, positions, cache=self.cache)
         logits = hidden[0, 1:] @ head.lm_head.T
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1).tolist()  # the round's one device->host copy
 
     def close(self) -> None:
         self.cache = None

@@ -62,7 +62,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "rounds", "mean_acceptance_length", "draft_tokens", "accepted_draft_tokens", "rounds_admitted_ahead")
+    __slots__ = ("prompt_tokens", "completion_tokens", "rounds", "mean_acceptance_length", "draft_tokens", "accepted_draft_tokens", "rounds_admitted_ahead", "routed_expert_bytes")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class Usage(_message.Message):
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_ADMITTED_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     rounds: int
@@ -77,7 +78,8 @@ class Usage(_message.Message):
     draft_tokens: int
     accepted_draft_tokens: int
     rounds_admitted_ahead: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., rounds_admitted_ahead: _Optional[int] = ...) -> None: ...
+    routed_expert_bytes: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., rounds_admitted_ahead: _Optional[int] = ..., routed_expert_bytes: _Optional[int] = ...) -> None: ...
 
 class PhaseTimings(_message.Message):
     __slots__ = ("prefill_ms", "draft_ms", "admit_ms", "verify_ms", "verify_server_ms", "verify_forward_ms")
@@ -134,7 +136,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "default_drafter", "drafters", "block_size", "max_block_size", "max_tokens_limit", "max_prompt_tokens", "vocab_size", "drafter_model")
+    __slots__ = ("model", "architecture", "default_drafter", "drafters", "block_size", "max_block_size", "max_tokens_limit", "max_prompt_tokens", "vocab_size", "drafter_model", "drafter_device", "drafter_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_DRAFTER_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +147,8 @@ class ModelInfoResponse(_message.Message):
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     default_drafter: DrafterKind
@@ -155,4 +159,6 @@ class ModelInfoResponse(_message.Message):
     max_prompt_tokens: int
     vocab_size: int
     drafter_model: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., default_drafter: _Optional[_Union[DrafterKind, str]] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., block_size: _Optional[int] = ..., max_block_size: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., drafter_model: _Optional[str] = ...) -> None: ...
+    drafter_device: str
+    drafter_dtype: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., default_drafter: _Optional[_Union[DrafterKind, str]] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., block_size: _Optional[int] = ..., max_block_size: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., drafter_model: _Optional[str] = ..., drafter_device: _Optional[str] = ..., drafter_dtype: _Optional[str] = ...) -> None: ...
