@@ -244,24 +244,23 @@ def write_termination_log(reason: str) -> None:
         pass
 
 
-def run_service(config_cls, serve, service: str, args) -> int:
-    """The `pdflash serve-<service>` body shared by the three services: options from flags / environment /
-    config file, logging, the effective configuration logged, serve until a signal. Returns an exit code.
+def run_service(config_cls, serve, service: str, args, command: str = "") -> int:
+    """The `pdflash serve-<service>` body shared by the three services (and `pdflash stub`: `command`): options
+    from flags / environment / config file, logging, the effective configuration logged, serve until a signal.
+    Returns an exit code.
 
     A failure (bad options, a model that does not load, a port in use, upstream services that never
     answer) is one line, logged and left in the termination log, and exit code 2 (options) or 1; the
     traceback is logged only at --log-level debug."""
-def run_service(config_cls, serve, service: str, args, command: str = "") -> int:
-    """The `pdflash serve-<service>` body shared by the three services (and `pdflash stub`: `command`): options
-    from flags / environment / config file, logging, the effective configuration logged, serve until a signal.
-    Returns an exit code."""
     import sys
 
     from pdflash import config as cfgmod
     from pdflash.logging import configure
 
+    command = command or f"serve-{service}"
+
     def refuse(reason: str) -> int:
-        print(f"pdflash serve-{service}: configuration error: {reason}", file=sys.stderr)
+        print(f"pdflash {command}: configuration error: {reason}", file=sys.stderr)
         write_termination_log(f"configuration error: {reason}")
         return 2
 
@@ -269,12 +268,6 @@ def run_service(config_cls, serve, service: str, args, command: str = "") -> int
         cfg = cfgmod.from_sources(config_cls, args)
     except cfgmod.ConfigError as e:
         return refuse(str(e))
-    command = command or f"serve-{service}"
-    try:
-        cfg = cfgmod.from_sources(config_cls, args)
-    except cfgmod.ConfigError as e:
-        print(f"pdflash {command}: configuration error: {e}", file=sys.stderr)
-        return 2
     configure(cfg.log_level)
     if getattr(cfg, "cpus", ""):  # the stub (pdflash.testing) has no --cpus
         cores = cfgmod.parse_cpus(cfg.cpus)
@@ -282,8 +275,6 @@ def run_service(config_cls, serve, service: str, args, command: str = "") -> int
             os.sched_setaffinity(0, cores)
         except (OSError, AttributeError) as e:  # a core this process may not use, or not Linux
             return refuse(f"--cpus {cfg.cpus!r}: cannot run on cores {sorted(cores)}: {e}")
-            print(f"pdflash {command}: --cpus {cfg.cpus!r}: cannot run on cores {sorted(cores)}: {e}", file=sys.stderr)
-            return 2
     log.info("effective configuration", service=service, **cfgmod.describe(cfg))
     try:
         asyncio.run(serve(cfg))
