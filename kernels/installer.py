@@ -95,6 +95,8 @@ def _k_major(module: nn.Module, name: str) -> torch.Tensor:
 
 def expert_weights(module: nn.Module, experts_format: str = "native") -> ExpertWeights | str:
     """The module's weights as the kernels read them, or why it cannot run on them."""
+    if experts_format == "mxfp4" and getattr(module, "_pdflash_mxfp4", None) is not None:
+        return module._pdflash_mxfp4  # read from the checkpoint at load (verifier_svc.checkpoint)
     if not getattr(module, "has_gate", True):
         return "up-only experts (no gate)"
     if getattr(module, "has_post_expert_norm", False):

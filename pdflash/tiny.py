@@ -79,9 +79,11 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int, num_layers: int = 2):
     raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHITECTURES}")
 
 
-def make_tiny_checkpoint(out_dir: str | pathlib.Path, arch: str = "qwen3_moe", seed: int = 0, num_layers: int = 2) -> pathlib.Path:
+def make_tiny_checkpoint(out_dir: str | pathlib.Path, arch: str = "qwen3_moe", seed: int = 0, num_layers: int = 2,
+                         mxfp4: bool = False) -> pathlib.Path:
     """Write config.json, model.safetensors, tokenizer files and generation_config.json to out_dir.
 
+    mxfp4 (gpt_oss only): the experts as gpt-oss publishes them (`save_gpt_oss_mxfp4`), everything else float32.
     The architecture is checked before anything is written: a call with its arguments swapped,
     `make_tiny_checkpoint("qwen3_moe", path)`, once left a tokenizer in ./qwen3_moe/ (committed by accident).
     """
@@ -89,6 +91,8 @@ def make_tiny_checkpoint(out_dir: str | pathlib.Path, arch: str = "qwen3_moe", s
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHITECTURES}")
+    if mxfp4 and arch != "gpt_oss":
+        raise ValueError(f"native MXFP4 checkpoints are gpt-oss's format; {arch!r} has none")
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(out)
@@ -97,7 +101,10 @@ def make_tiny_checkpoint(out_dir: str | pathlib.Path, arch: str = "qwen3_moe", s
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.generation_config.eos_token_id = cfg.eos_token_id
     model.generation_config.pad_token_id = cfg.eos_token_id
-    model.save_pretrained(str(out), safe_serialization=True)
+    if mxfp4:
+        save_gpt_oss_mxfp4(model, out)
+    else:
+        model.save_pretrained(str(out), safe_serialization=True)
     return out
 
 
@@ -127,10 +134,13 @@ def real_shape_config(arch: str, vocab_size: int = 4096, num_layers: int = 2, eo
 
 
 def make_real_shape_checkpoint(out_dir: str | pathlib.Path, arch: str, num_layers: int = 2, seed: int = 0,
-                               vocab_size: int = 4096, device: str = "cpu") -> pathlib.Path:
-    """A checkpoint directory (config, bf16 safetensors, a BPE tokenizer of `vocab_size`) with real layer shapes."""
+                               vocab_size: int = 4096, device: str = "cpu", mxfp4: bool = False) -> pathlib.Path:
+    """A checkpoint directory (config, bf16 safetensors, a BPE tokenizer of `vocab_size`) with real layer shapes;
+    mxfp4 (gpt_oss only): the experts in gpt-oss's published MXFP4 form (`save_gpt_oss_mxfp4`)."""
     from transformers import AutoModelForCausalLM
 
+    if mxfp4 and arch != "gpt_oss":
+        raise ValueError(f"native MXFP4 checkpoints are gpt-oss's format; {arch!r} has none")
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(out, vocab_size=vocab_size)
@@ -140,5 +150,69 @@ def make_real_shape_checkpoint(out_dir: str | pathlib.Path, arch: str, num_layer
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.generation_config.eos_token_id = cfg.eos_token_id
     model.generation_config.pad_token_id = cfg.eos_token_id
-    model.save_pretrained(str(out), safe_serialization=True)
+    if mxfp4:
+        save_gpt_oss_mxfp4(model, out)
+    else:
+        model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+# gpt-oss's published quantization_config (the experts are MXFP4; these modules are not)
+GPT_OSS_MXFP4_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+}
+
+
+def gpt_oss_mxfp4_experts(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One gpt_oss layer's experts as transformers holds them (gate_up_proj [E, H, 2I] with gate/up columns
+    interleaved, down_proj [E, I, H]) -> the published tensors (REFERENCE.md section 5), quantized with
+    kernels/mxfp4, one expert at a time: gate_up_proj_blocks [E, 2I, H/32, 16] u8 + _scales [E, 2I, H/32] u8,
+    down_proj_blocks [E, H, I/32, 16] + _scales [E, H, I/32] (rows = output features, K = the input dimension)."""
+    from kernels import mxfp4
+
+    out = {}
+    for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        parts = [mxfp4.quantize(w[e].transpose(0, 1)) for e in range(w.shape[0])]
+        blocks = torch.stack([b for b, _ in parts])
+        scales = torch.stack([s for _, s in parts])
+        out[f"{name}_blocks"] = blocks.reshape(*scales.shape, 16).contiguous()
+        out[f"{name}_scales"] = scales.contiguous()
+    return out
+
+
+def save_gpt_oss_mxfp4(model, out_dir: str | pathlib.Path) -> pathlib.Path:
+    """Save a gpt_oss model as gpt-oss checkpoints are published: every experts module's weights as MXFP4
+    `*_blocks`/`*_scales` (quantized from the model's weights), bf16 expert biases, every other tensor as the model
+    holds it, and `quantization_config: {"quant_method": "mxfp4", ...}` in config.json."""
+    import json
+
+    from safetensors.torch import save_file
+
+    if model.config.model_type != "gpt_oss":
+        raise ValueError(f"native MXFP4 checkpoints are gpt-oss's format, not {model.config.model_type!r}")
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    experts = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ == "GptOssExperts":
+            experts[name] = module
+    for name, t in model.state_dict().items():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix in experts:
+            if leaf in ("gate_up_proj_bias", "down_proj_bias"):
+                tensors[name] = t.detach().to(torch.bfloat16).contiguous().cpu()
+            continue  # the weights: below
+        tensors[name] = t.detach().contiguous().cpu()
+    for prefix, module in experts.items():
+        for key, t in gpt_oss_mxfp4_experts(module.gate_up_proj.detach().cpu(), module.down_proj.detach().cpu()).items():
+            tensors[f"{prefix}.{key}"] = t
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(str(out))
+    model.generation_config.save_pretrained(str(out))
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = dict(GPT_OSS_MXFP4_CONFIG)
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out

@@ -2,9 +2,10 @@
 arena (pinned when a GPU will read it), in `kernels.mxfp4.ExpertLayout` (the unit a GPU slot holds and one
 copy moves).
 
-Experts are quantized from the checkpoint's bf16/fp16/fp32 weights (`kernels.mxfp4.quantize`), rows kept as the
-model stores them (gate/up concatenated, or gpt-oss's interleave: the kernels read both). The byte map of an
-offloaded verifier is the slice size of every expert: what a verify's union moves, exactly.
+Experts come from the checkpoint's safetensors one layer at a time (`verifier_svc.checkpoint`: gpt-oss's MXFP4
+`*_blocks`/`*_scales` byte for byte, float experts quantized with `kernels.mxfp4.quantize`), or from a loaded model
+(`from_model`), rows kept as the model stores them (gate/up concatenated, or gpt-oss's interleave: the kernels read
+both). The byte map of an offloaded verifier is the slice size of every expert: what a verify's union moves, exactly.
 """
 
 from __future__ import annotations
@@ -76,6 +77,22 @@ class HostExpertStore:
         g = self.gate
         return ExpertWeights(v["w1_blocks"], v["w2_blocks"], v["w1_scales"], v["w2_scales"], v.get("b1"), v.get("b2"),
                              row_mul=g.row_mul, up_off=g.up_off, act=g.act, alpha=g.alpha, limit=g.limit)
+
+    def put_expert(self, layer: int, expert: int, parts: dict[str, torch.Tensor]) -> None:
+        """Pack one expert's parts (ExpertLayout's section names: w1_blocks, w1_scales, w2_blocks, w2_scales[, b1, b2])
+        into its slice."""
+        row = self.slice(layer, expert).reshape(1, -1)
+        for name, v in self.layout.views(row).items():
+            if name not in parts or tuple(parts[name].shape) != tuple(v.shape[1:]) or parts[name].dtype != v.dtype:
+                got = "missing" if name not in parts else f"{parts[name].dtype} {list(parts[name].shape)}"
+                raise ValueError(f"layer {layer} expert {expert}: {name} is {got}, the store holds {v.dtype} {list(v.shape[1:])}")
+            v[0].copy_(parts[name])
+
+    def layer_weights(self, layer: int, arena: torch.Tensor | None = None) -> ExpertWeights:
+        """One layer's experts (slot = expert id) over this arena's rows or a copy of it (e.g. on the device)."""
+        first = self._row[(layer, 0)]
+        arena = self.arena if arena is None else arena
+        return self.weights(arena[first : first + self.num_experts[layer]])
 
     @classmethod
     def from_model(cls, model, pin: bool = False, progress=None) -> "HostExpertStore":

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pdflash.hf_compat import cache_kwarg
 from pdflash.logging import get_logger
+from verifier_svc.checkpoint import DirectLoad, native_mxfp4, plan
 from verifier_svc.experts import ExpertsSeam, expert_byte_map, experts_modules
 
 log = get_logger("pdflash.verifier.model")
@@ -114,7 +115,11 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
                 experts: str = "native", expert_cache_gb: float = 0.0, expert_prefetch: str = "union,layer") -> TargetModel:
     """expert_cache_gb > 0 (with experts="mxfp4"): the routed experts live in a host MXFP4 store and a device cache
     of that size serves them (they never reach the device whole); 0 = every expert resident. expert_prefetch: what
-    the cache fetches ahead of need (verifier_svc.config)."""
+    the cache fetches ahead of need (verifier_svc.config).
+
+    experts="mxfp4" reads the experts from the safetensors one layer at a time (`verifier_svc.checkpoint`): a
+    gpt-oss checkpoint's native MXFP4 blocks/scales byte for byte, float experts quantized; no expert is ever held in
+    bf16 whole. A checkpoint whose tensor names transformers renames at load goes through `from_pretrained` first."""
     directory = pathlib.Path(directory)
     if not (directory / "config.json").exists():
         raise FileNotFoundError(f"{directory} is not a checkpoint directory (no config.json)")
@@ -125,20 +130,93 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
         torch_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     else:
         torch_dtype = _DTYPES[dtype]
+    if expert_cache_gb > 0 and experts != "mxfp4":
+        raise ValueError("--expert-cache-gb serves offloaded MXFP4 experts: add --experts mxfp4")
+    if experts == "mxfp4" and expert_cache_gb <= 0 and not kernels_wanted(kernels, dev):
+        raise ValueError(f"--experts {experts} needs the kernels (CUDA and triton)")
     config = AutoConfig.from_pretrained(directory)
-    log.info("loading target", path=str(directory), architecture=config.model_type, dtype=str(torch_dtype), device=str(dev))
+    native = native_mxfp4(config)
+    log.info("loading target", path=str(directory), architecture=config.model_type, dtype=str(torch_dtype), device=str(dev),
+             experts="mxfp4 (checkpoint)" if native else experts)
+    if experts == "mxfp4":
+        try:
+            direct = plan(directory, config, torch_dtype)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one line that names the checkpoint (pdflash.server.failure_reason)
+            raise ValueError(f"cannot load the checkpoint in {directory}: {type(e).__name__}: {e}") from e
+        if isinstance(direct, DirectLoad):
+            return load_direct(direct, directory, dev, kernels, expert_cache_gb, expert_prefetch)
+        log.info("experts quantized after a transformers load (not read layer by layer)", reason=direct)
+    kw = {}
+    if native:  # transformers dequantizes them (its MXFP4 kernels need the hub's `kernels` package and a GPU)
+        from transformers import Mxfp4Config
+
+        kw["quantization_config"] = Mxfp4Config(dequantize=True)
+        log.warning(f"--experts native on MXFP4 experts: transformers dequantizes every expert to {torch_dtype}; "
+                    "--experts mxfp4 keeps them as the checkpoint stores them")
     try:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, use_safetensors=True)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, use_safetensors=True, **kw)
     except Exception as e:  # noqa: BLE001 - one line that names the checkpoint (pdflash.server.failure_reason)
-        raise ValueError(f"cannot load the checkpoint in {directory}: {type(e).__name__}: {e}") from e
+        hint = "; its experts are MXFP4: use --experts mxfp4" if native else ""
+        raise ValueError(f"cannot load the checkpoint in {directory}: {type(e).__name__}: {e}{hint}") from e
     if experts == "mxfp4" and expert_cache_gb > 0:
         cache = offload_experts(model, dev, expert_cache_gb, expert_prefetch)  # before the model moves to the device
         target = wrap_model(model.to(dev), directory, kernels, "native", byte_map=cache.store.byte_map())
         target.expert_cache, target.experts_format = cache, "mxfp4"
         return target
-    if expert_cache_gb > 0:
-        raise ValueError("--expert-cache-gb serves offloaded MXFP4 experts: add --experts mxfp4")
     return wrap_model(model.to(dev), directory, kernels, experts)
+
+
+def load_direct(direct: DirectLoad, directory: pathlib.Path, device: torch.device, kernels: str, cache_gb: float,
+                prefetch: str = "union,layer") -> TargetModel:
+    """The model of a `verifier_svc.checkpoint.plan`: non-expert weights read by name, the experts read layer by layer
+    into a host MXFP4 store, then served offloaded through a device cache of `cache_gb` GiB (> 0) or copied to the
+    device whole for the kernels (0)."""
+    from kernels.installer import serve_offloaded_experts
+    from tqdm import tqdm
+
+    from verifier_svc.expert_cache import ExpertCache, min_slots
+    from verifier_svc.expert_store import GateLayout, HostExpertStore
+
+    t0 = time.perf_counter()
+    with tqdm(total=len(direct.rest), desc="reading weights (all but the experts)", unit="tensor", leave=False) as bar:
+        direct.load_rest(progress=bar.update)
+    t_rest = time.perf_counter()
+    first = next(iter(direct.forms.values()))
+    gate = GateLayout(first.row_mul, first.up_off, first.act, first.alpha, first.limit)
+    offload = cache_gb > 0
+    store = HostExpertStore(first.layout, direct.num_experts, gate, pin=offload and device.type == "cuda")
+    cache = None
+    if offload:  # sized (and refused when too small) before the experts are read
+        cache = ExpertCache(store, ExpertCache.slots_for(store, cache_gb), device, need=min_slots(store), prefetch=prefetch)
+    t_alloc = time.perf_counter()
+    as_is = all(f.kind == "mxfp4" for f in direct.forms.values())
+    source = "checkpoint MXFP4 bytes" if as_is else "quantized from the checkpoint"
+    desc = "reading MXFP4 experts" if as_is else "quantizing experts to MXFP4"
+    with tqdm(total=len(direct.forms), desc=f"{desc} (host store)", unit="layer", leave=False) as bar:
+        for layer, experts in direct.experts(quantize_on=device if device.type == "cuda" else None):
+            for e, parts in experts:
+                store.put_expert(layer, e, parts)
+            bar.update()
+    t_experts = time.perf_counter()
+    model, byte_map = direct.model, store.byte_map()
+    if offload:
+        serve_offloaded_experts(model, cache)
+        target = wrap_model(model.to(device), directory, kernels, "native", byte_map=byte_map)
+        target.expert_cache, target.experts_format = cache, "mxfp4"
+    else:  # resident: one copy of the arena on the device; the kernels read each layer's rows of it
+        arena = store.arena.to(device)
+        for layer, module in experts_modules(model).items():
+            module._pdflash_mxfp4 = store.layer_weights(layer, arena)
+        del store
+        target = wrap_model(model.to(device), directory, kernels, "mxfp4", byte_map=byte_map)
+    log.info("experts loaded", source=source, experts=sum(direct.num_experts.values()), layers=len(direct.forms),
+             store_bytes=sum(sum(v) for v in byte_map.values()), slice_bytes=first.layout.nbytes,
+             resident="offloaded" if offload else str(device), cache_slots=cache.num_slots if cache else None,
+             seconds_weights=round(t_rest - t0, 2), seconds_store_alloc=round(t_alloc - t_rest, 2),
+             seconds_experts=round(t_experts - t_alloc, 2), seconds=round(time.perf_counter() - t0, 2))
+    return target
 
 
 def offload_experts(model, device: torch.device, cache_gb: float, prefetch: str = "union,layer", time_copies: bool = False):

@@ -1,0 +1,399 @@
+"""Loading a MoE checkpoint for MXFP4 experts straight from its safetensors, one layer of experts at a time.
+
+transformers would materialize every routed expert in the model's dtype first: a gpt-oss checkpoint's native MXFP4
+experts are dequantized (without the `kernels` hub package, and always on a CPU), and a bf16 checkpoint's experts
+are all loaded before anything can quantize them. Here instead:
+
+- the model is built by transformers from its config with every *parameter* on the meta device (buffers, such as
+  the rotary frequencies, are computed as usual), so nothing of the experts is allocated;
+- every other parameter and persistent buffer is read from the safetensors by its name (the loader needs the
+  checkpoint's names to be the model's own; a checkpoint whose names transformers renames at load, such as
+  Mixtral's `block_sparse_moe.experts.N.w1`, is left to `from_pretrained`: `plan` says so and why);
+- the experts are read per layer into the host store (`verifier_svc.expert_store`): gpt-oss's `*_blocks`/`*_scales`
+  byte for byte (`kernels.mxfp4.from_gpt_oss` only reshapes them), float experts (fused `gate_up_proj`/`down_proj`,
+  or one `experts.N.{gate,up,down}_proj.weight` per expert) quantized with `kernels.mxfp4.quantize`.
+
+Peak host memory is the non-expert weights + the MXFP4 store + one expert's weights in flight; the mapped file
+pages of the layer being read also count in RSS until its file is closed (one layer of the checkpoint's experts).
+Measured on a 4-layer gpt-oss-20b-shaped checkpoint (CPU, bf16): 5.1 GiB peak RSS from bf16 experts, 3.4 GiB from
+native MXFP4, against 20.8 / 20.6 GiB for transformers' load followed by quantizing the loaded model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import pathlib
+import re
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from kernels import mxfp4
+from kernels.installer import _activation, experts_modules, num_experts_of
+from kernels.mxfp4 import ExpertLayout
+
+_MXFP4_PARTS = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+
+
+def native_mxfp4(config) -> bool:
+    """The config declares gpt-oss's MXFP4 experts (`quantization_config: {"quant_method": "mxfp4"}`)."""
+    q = getattr(config, "quantization_config", None)
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    return str(getattr(method, "value", method) or "").lower() == "mxfp4"
+
+
+class Tensors:
+    """Which safetensors file holds each tensor of a checkpoint directory (headers only; nothing is read)."""
+
+    def __init__(self, directory: str | pathlib.Path):
+        from safetensors import safe_open
+
+        self.directory = pathlib.Path(directory)
+        self.file: dict[str, pathlib.Path] = {}
+        self._meta: dict[str, tuple[tuple[int, ...], str]] = {}
+        for path in sorted(self.directory.glob("*.safetensors")):
+            with safe_open(str(path), "pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    self.file[key] = path
+                    self._meta[key] = (tuple(sl.get_shape()), sl.get_dtype())
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.file
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._meta[key][0]
+
+    def dtype(self, key: str) -> str:
+        """safetensors' name of the stored dtype: "BF16", "F32", "U8", ..."""
+        return self._meta[key][1]
+
+    @contextlib.contextmanager
+    def open(self, keys: list[str]):
+        """`read(key, index=None)`: a tensor, or its [index] along the first dimension (only those bytes are read),
+        from files that stay mapped until the block ends."""
+        from safetensors import safe_open
+
+        with contextlib.ExitStack() as stack:
+            handles = {path: stack.enter_context(safe_open(str(path), "pt")) for path in {self.file[k] for k in keys}}
+
+            def read(key: str, index: int | None = None) -> torch.Tensor:
+                h = handles[self.file[key]]
+                return h.get_tensor(key) if index is None else h.get_slice(key)[index]
+
+            yield read
+
+    def read(self, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors, one file opened (mapped) at a time and closed before the next."""
+        from safetensors import safe_open
+
+        by_file: dict[pathlib.Path, list[str]] = {}
+        for k in keys:
+            by_file.setdefault(self.file[k], []).append(k)
+        for path, ks in by_file.items():
+            with safe_open(str(path), "pt") as f:
+                for k in ks:
+                    yield k, f.get_tensor(k)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (allocated nowhere); buffers stay real."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _keep_fp32(model, dtype: torch.dtype) -> re.Pattern | None:
+    """transformers' keep-in-float32 rule at load (modules matched by name): fp16 for `_keep_in_fp32_modules`,
+    fp16/bf16 for `_keep_in_fp32_modules_strict`."""
+    pats: list[str] = []
+    if dtype == torch.float16:
+        pats += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    if dtype in (torch.float16, torch.bfloat16):
+        pats += list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if not pats:
+        return None
+    return re.compile("|".join(re.escape(p).replace(r"\*", r"[^.]*") for p in pats))
+
+
+# ---- the experts of one layer, as the checkpoint stores them ---------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ExpertsForm:
+    """How one experts module is read and what it becomes: the layout of its store slices and its gate."""
+
+    path: str  # the module's name, e.g. "model.layers.3.mlp.experts"
+    kind: str  # "mxfp4" (gpt-oss blocks/scales), "fused" (gate_up_proj/down_proj tensors), "per_expert"
+    num_experts: int
+    hidden: int
+    intermediate: int
+    has_bias: bool
+    transposed: bool  # fused float tensors stored [E, in, out] (gpt-oss's gate_up_proj [E, H, 2I])
+    row_mul: int
+    up_off: int
+    act: int
+    alpha: float
+    limit: float
+
+    @property
+    def layout(self) -> ExpertLayout:
+        return ExpertLayout(self.hidden, self.intermediate, self.has_bias)
+
+    def keys(self) -> list[str]:
+        p = self.path
+        if self.kind == "mxfp4":
+            ks = [f"{p}.{n}" for n in _MXFP4_PARTS]
+        elif self.kind == "fused":
+            ks = [f"{p}.gate_up_proj", f"{p}.down_proj"]
+        else:
+            ks = [f"{p}.{e}.{n}_proj.weight" for e in range(self.num_experts) for n in ("gate", "up", "down")]
+        if self.has_bias:
+            ks += [f"{p}.gate_up_proj_bias", f"{p}.down_proj_bias"]
+        return ks
+
+    def expected(self) -> dict[str, tuple[tuple[int, ...], str | None]]:
+        """key -> (shape, stored dtype or None for any float)."""
+        e, h, i, p = self.num_experts, self.hidden, self.intermediate, self.path
+        g = mxfp4.GROUP
+        if self.kind == "mxfp4":
+            out = {
+                f"{p}.gate_up_proj_blocks": ((e, 2 * i, h // g, 16), "U8"),
+                f"{p}.gate_up_proj_scales": ((e, 2 * i, h // g), "U8"),
+                f"{p}.down_proj_blocks": ((e, h, i // g, 16), "U8"),
+                f"{p}.down_proj_scales": ((e, h, i // g), "U8"),
+            }
+        elif self.kind == "fused":
+            out = {
+                f"{p}.gate_up_proj": ((e, h, 2 * i) if self.transposed else (e, 2 * i, h), None),
+                f"{p}.down_proj": ((e, i, h) if self.transposed else (e, h, i), None),
+            }
+        else:
+            out = {}
+            for x in range(e):
+                out[f"{p}.{x}.gate_proj.weight"] = ((i, h), None)
+                out[f"{p}.{x}.up_proj.weight"] = ((i, h), None)
+                out[f"{p}.{x}.down_proj.weight"] = ((h, i), None)
+        if self.has_bias:
+            out[f"{p}.gate_up_proj_bias"] = ((e, 2 * i), None)
+            out[f"{p}.down_proj_bias"] = ((e, h), None)
+        return out
+
+
+_FLOATS = ("F32", "BF16", "F16", "F64")
+
+
+def _check(tensors: Tensors, form: ExpertsForm) -> None:
+    """Every tensor of the layer is there with its shape and dtype, or one line that names the tensor."""
+    for key, (shape, dtype) in form.expected().items():
+        if key not in tensors:
+            partner = key.replace("_scales", "_blocks") if key.endswith("_scales") else key.replace("_blocks", "_scales")
+            why = f" (its {partner.rsplit('.', 1)[-1]} is there)" if partner != key and partner in tensors else ""
+            raise ValueError(f"the checkpoint in {tensors.directory} has no tensor {key}{why}")
+        got, stored = tensors.shape(key), tensors.dtype(key)
+        if got != shape or (dtype is not None and stored != dtype) or (dtype is None and stored not in _FLOATS):
+            want = dtype or "a float dtype"
+            raise ValueError(f"checkpoint tensor {key} is {stored} {list(got)}, expected {want} {list(shape)} "
+                             f"({form.num_experts} experts, hidden {form.hidden}, intermediate {form.intermediate})")
+
+
+def _why_not(module: nn.Module) -> str | None:
+    if not getattr(module, "has_gate", True):
+        return "up-only experts (no gate)"
+    if getattr(module, "has_post_expert_norm", False):
+        return "a norm after each expert"
+    if not isinstance(getattr(module, "gate_up_proj", None), torch.Tensor) or not isinstance(getattr(module, "down_proj", None), torch.Tensor):
+        return "no gate_up_proj/down_proj parameters"
+    return None
+
+
+def experts_form(tensors: Tensors, path: str, module: nn.Module, mxfp4_config: bool) -> ExpertsForm | str:
+    """How the checkpoint stores this experts module, or why it cannot be read here (then from_pretrained loads it).
+    The module's parameters give the shapes (they may be on the meta device)."""
+    why = _why_not(module)
+    if why:
+        return why
+    gu = module.gate_up_proj
+    transposed = bool(getattr(module, "is_transposed", False))
+    e = num_experts_of(module)
+    r1, h = (gu.shape[2], gu.shape[1]) if transposed else (gu.shape[1], gu.shape[2])
+    inter = r1 // 2
+    row_mul, up_off = (1, inter) if getattr(module, "is_concatenated", True) else (2, 1)
+    act, why = _activation(module, inter, row_mul, up_off)
+    if act < 0:
+        return why
+    has_bias = bool(getattr(module, "has_bias", False))
+    if mxfp4_config or f"{path}.gate_up_proj_blocks" in tensors:
+        kind = "mxfp4"
+    elif f"{path}.gate_up_proj" in tensors:
+        kind = "fused"
+    elif f"{path}.0.gate_proj.weight" in tensors and row_mul == 1 and not has_bias and not transposed:
+        kind = "per_expert"
+    else:
+        return f"no experts tensors under {path} in a form read here (fused gate_up_proj, experts.N.gate_proj, MXFP4 blocks)"
+    if h % mxfp4.GROUP or inter % mxfp4.GROUP:
+        return f"hidden {h} / intermediate {inter} not multiples of {mxfp4.GROUP} (MXFP4 groups)"
+    return ExpertsForm(path, kind, e, h, inter, has_bias, transposed, row_mul, up_off, act,
+                       float(getattr(module, "alpha", 1.702)), float(getattr(module, "limit", 7.0)))
+
+
+def read_experts(tensors: Tensors, form: ExpertsForm, quantize_on: torch.device | None = None) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """One layer's experts, one expert at a time, as the parts of its store slice (`ExpertLayout` section names): the
+    checkpoint's MXFP4 bytes (kind "mxfp4"), or its float weights quantized (on `quantize_on`: a CUDA device makes it
+    fast). Only one expert's weights are read from the mapped files at a time."""
+    _check(tensors, form)
+    p, e_count = form.path, form.num_experts
+    with tensors.open(form.keys()) as read:
+        b1 = read(f"{p}.gate_up_proj_bias").to(torch.bfloat16) if form.has_bias else None
+        b2 = read(f"{p}.down_proj_bias").to(torch.bfloat16) if form.has_bias else None
+        dev = quantize_on or torch.device("cpu")
+
+        def q(w: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+            try:
+                b, s = mxfp4.quantize(w.to(dev))
+            except ValueError as err:  # non-finite weights
+                raise ValueError(f"cannot quantize {key} to MXFP4: {err}") from err
+            return b.cpu(), s.cpu()
+
+        for e in range(e_count):
+            if form.kind == "mxfp4":
+                parts = {
+                    "w1_blocks": read(f"{p}.gate_up_proj_blocks", e).flatten(1),
+                    "w1_scales": read(f"{p}.gate_up_proj_scales", e),
+                    "w2_blocks": read(f"{p}.down_proj_blocks", e).flatten(1),
+                    "w2_scales": read(f"{p}.down_proj_scales", e),
+                }
+            else:
+                if form.kind == "fused":  # rows = output features (K-major)
+                    k1, k2 = f"{p}.gate_up_proj", f"{p}.down_proj"
+                    w1, w2 = read(k1, e), read(k2, e)
+                    if form.transposed:
+                        w1, w2 = w1.T, w2.T
+                else:
+                    k1, k2 = f"{p}.{e}.gate_proj.weight", f"{p}.{e}.down_proj.weight"
+                    w1 = torch.cat([read(k1), read(f"{p}.{e}.up_proj.weight")])
+                    w2 = read(k2)
+                (b1q, s1q), (b2q, s2q) = q(w1, k1), q(w2, k2)
+                parts = {"w1_blocks": b1q, "w1_scales": s1q, "w2_blocks": b2q, "w2_scales": s2q}
+            if form.has_bias:
+                parts["b1"], parts["b2"] = b1[e], b2[e]
+            yield e, parts
+
+
+# ---- the plan: model skeleton + what is read from where --------------------------------------------------------
+@dataclasses.dataclass
+class DirectLoad:
+    tensors: Tensors
+    model: nn.Module  # parameters on meta until `load_rest`; experts parameters zero-size
+    forms: dict[int, ExpertsForm]  # layer -> how its experts are stored
+    rest: dict[str, list[tuple[nn.Module, str]]]  # checkpoint key -> every (module, attribute) holding it
+    dtype: torch.dtype
+    native_mxfp4: bool
+
+    @property
+    def num_experts(self) -> dict[int, int]:
+        return {layer: f.num_experts for layer, f in self.forms.items()}
+
+    def load_rest(self, progress: Callable[[int], None] | None = None) -> None:
+        """Every non-expert parameter and persistent buffer from the safetensors, cast to the model's dtype."""
+        keep = _keep_fp32(self.model, self.dtype)
+        for key, t in self.tensors.read(list(self.rest)):
+            owners = self.rest[key]
+            module, attr = owners[0]
+            old = module._parameters.get(attr) if attr in module._parameters else module._buffers.get(attr)
+            if tuple(t.shape) != tuple(old.shape):
+                raise ValueError(f"checkpoint tensor {key} is {list(t.shape)}, the model expects {list(old.shape)}")
+            dtype = torch.float32 if keep is not None and keep.search(key) and t.is_floating_point() else (
+                old.dtype if t.is_floating_point() else t.dtype)
+            t = t.to(dtype)
+            if attr in module._parameters:
+                new = nn.Parameter(t, requires_grad=False)
+                for m, a in owners:  # tied weights: one tensor for every name
+                    m._parameters[a] = new
+            else:
+                for m, a in owners:
+                    m._buffers[a] = t
+            if progress is not None:
+                progress(1)
+        for name, p in list(self.model.named_parameters()) + list(self.model.named_buffers()):
+            if p.device.type == "meta":
+                raise ValueError(f"{name} was not loaded from the checkpoint in {self.tensors.directory}")
+
+    def experts(self, quantize_on: torch.device | None = None):
+        """(layer, iterator of (expert, parts)) for every MoE layer, read lazily (`read_experts`)."""
+        for layer, form in self.forms.items():
+            yield layer, read_experts(self.tensors, form, quantize_on)
+
+
+def plan(directory: str | pathlib.Path, config, dtype: torch.dtype) -> DirectLoad | str:
+    """A direct load of this checkpoint (model skeleton built, nothing read yet), or why it cannot be one.
+    For a native-MXFP4 checkpoint, a layer whose experts cannot be read raises (one line naming the tensor)."""
+    from transformers import AutoModelForCausalLM
+
+    native = native_mxfp4(config)
+    quant = getattr(config, "quantization_config", None)
+    if quant is not None and not native:  # fp8, gptq, ...: their non-expert weights need transformers' quantizer
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        return f"a {method} checkpoint (only MXFP4 or float experts are read directly)"
+    tensors = Tensors(directory)
+    cfg = copy.deepcopy(config)
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config  # the experts are ours: transformers builds plain float experts modules
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.config._name_or_path = str(directory)
+    modules = experts_modules(model)
+    if not modules:
+        return f"{type(model).__name__} has no experts modules"
+    path_of = {id(m): name for name, m in model.named_modules()}
+    forms: dict[int, ExpertsForm] = {}
+    for layer, module in modules.items():
+        form = experts_form(tensors, path_of[id(module)], module, native)
+        if isinstance(form, str):
+            if native:
+                raise ValueError(f"layer {layer}: experts the MXFP4 store cannot hold ({form})")
+            return form
+        forms[layer] = form
+    if len({(f.hidden, f.intermediate, f.has_bias, f.row_mul, f.up_off, f.act, f.alpha, f.limit) for f in forms.values()}) > 1:
+        return "experts of different shapes or gates in different layers"
+    for module in modules.values():  # no expert weight is ever allocated: the store holds them
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(torch.empty(p.shape[0], 0, dtype=p.dtype), requires_grad=False))
+    owners: list[tuple[str, nn.Module, str, torch.Tensor]] = []  # every name of every tensor still to load
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None and p.device.type == "meta":
+                owners.append((f"{mname}.{attr}" if mname else attr, module, attr, p))
+        for attr, b in module._buffers.items():
+            if b is not None and attr not in module._non_persistent_buffers_set:
+                owners.append((f"{mname}.{attr}" if mname else attr, module, attr, b))
+    key_of: dict[int, str] = {}  # id(tensor) -> the checkpoint key that loads it (tied weights share one)
+    for name, _, _, t in owners:
+        if name in tensors:
+            key_of.setdefault(id(t), name)
+    rest: dict[str, list[tuple[nn.Module, str]]] = {}
+    for name, module, attr, t in owners:
+        if id(t) in key_of:
+            rest.setdefault(key_of[id(t)], []).append((module, attr))
+        elif t.device.type == "meta":  # a parameter nothing in the checkpoint loads
+            if native:
+                raise ValueError(f"the checkpoint in {directory} has no tensor {name}")
+            return f"the checkpoint has no tensor named {name} (transformers renames its keys at load)"
+        # else: a persistent buffer the checkpoint does not carry keeps its computed value
+    gen = pathlib.Path(directory) / "generation_config.json"
+    if gen.exists():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(directory))
+    return DirectLoad(tensors, model, forms, rest, dtype, native)
