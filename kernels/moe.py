@@ -35,7 +35,8 @@ DECODE_SELECT = 0  # fp32, E2M1 magnitudes by selects; scale 2^(s-127) (scale by
 DECODE_F32_BITS = 1  # fp32, nibble bits placed into a float32 (code 1 = a subnormal), one fp32 multiply by 2^(s-1)
 DECODE_SCALED = 2  # tl.dot_scaled: Triton upcasts the packed weights itself (GPU only: not in Triton's interpreter)
 DECODE_BF16_BITS = 3  # bf16, nibble bits placed into a bf16 (code 1 = a subnormal), one bf16 multiply by 2^(s-1)
-# Decodes 1 and 3 multiply by 2^(s-1), a float only for scale bytes s <= 128 (groups whose |w| <= 12): exact up to there.
+# Decodes 1 and 3 multiply by 2^(s-1), a finite float only for scale bytes s <= 128 (groups with |w| <= 12): they are
+# exact up to there and read a larger scale byte as 128 (wrong values). Decode 0 is exact for scale bytes 1..254.
 FAST_DECODE_MAX_SCALE = 128
 
 # How the FP4 paths (decode 0, 1, 3) read the activations (MoeConfig.a_load)
@@ -63,8 +64,9 @@ class MoeConfig:
 
 
 def base_config(n: int, k: int, topk: int, fp4: bool) -> MoeConfig:
-    """Tile sizes from the static shape only (never from the token count or the routing): the config the H200 sweep
-    of 2026-12 chose, before the sweep winners (`FP4_DEFAULT`, `BF16_DEFAULT`, `SHAPE_OVERRIDES`) apply."""
+    """Tile sizes from the static shape only (never from the token count or the routing): what the first H200 sweep
+    (benchmarks/results/kernels_sweep_h200.txt) chose, before the sweep winners (`FP4_DEFAULT`, `BF16_DEFAULT`,
+    `SHAPE_OVERRIDES`) apply."""
     sms = runtime.sm_count()
     # Enough programs at one token (topk pairs) to keep every SM reading: smaller N tiles for narrow layers.
     # (not below 32: 16-wide tiles were slower in every case the H200 sweep timed)
@@ -78,15 +80,16 @@ def base_config(n: int, k: int, topk: int, fp4: bool) -> MoeConfig:
 
 
 # ==== THE ONE PLACE TO SET THE SWEEP'S WINNERS =====================================================================
-# `python benchmarks/kernels.py --sweep` times the variants of `SWEEP_VARIANTS` (below) on the decode shapes and
-# prints, at its end, a ready-made block for these three names. Fields given here are merged over `base_config`:
-#   FP4_DEFAULT / BF16_DEFAULT: for every GEMM of that weight format, e.g. FP4_DEFAULT = SWEEP_VARIANTS["join"];
-#   SHAPE_OVERRIDES[(n, k, fp4)]: for one GEMM shape, applied last (gemm1: n = I, k = H; gemm2: n = H, k = I),
-#     e.g. SHAPE_OVERRIDES[(768, 2048, True)] = dict(a_load=A_JOIN, swap_ab=True, block_n=64).
+# `python benchmarks/kernels.py --sweep` times the variants of `SWEEP_VARIANTS` / `SWEEP_VARIANTS_BF16` (below) on the
+# decode shapes and ends its output with a ready-made block for these three names. Fields are merged over base_config:
+#   FP4_DEFAULT / BF16_DEFAULT: for every GEMM of that weight format, e.g. FP4_DEFAULT = dict(SWEEP_VARIANTS["join_bf16"]);
+#   SHAPE_OVERRIDES[(gemm, n, k, fp4)]: for one GEMM of one shape, applied last (gemm 1: gate/up, n = I, k = H; gemm 2:
+#     down, n = H, k = I), e.g. SHAPE_OVERRIDES[(2, 2048, 768, True)] = dict(SWEEP_VARIANTS["join_bf16_swap64"]).
 # Keys are static shapes only (batch invariance); block_m must stay 16 (both GEMMs share the routing blocks).
+# Until an H200 sweep has chosen, these stay empty: base_config as measured on 2026-12-01.
 FP4_DEFAULT: dict = {}
 BF16_DEFAULT: dict = {}
-SHAPE_OVERRIDES: dict[tuple[int, int, bool], dict] = {}
+SHAPE_OVERRIDES: dict[tuple[int, int, int, bool], dict] = {}
 # ====================================================================================================================
 
 # Named variants (fields merged over base_config): what the sweep times and the tests check. FP4 weights:
@@ -124,11 +127,11 @@ def variant_config(n: int, k: int, topk: int, fp4: bool, fields: dict) -> MoeCon
     return c
 
 
-def default_config(n: int, k: int, topk: int, fp4: bool) -> MoeConfig:
-    """The config moe_forward uses for one GEMM (n output features, reduction length k): base_config, then the sweep
-    winners set above. From the static shape only (never from the token count or the routing)."""
+def default_config(n: int, k: int, topk: int, fp4: bool, gemm: int = 1) -> MoeConfig:
+    """The config moe_forward uses for one GEMM (`gemm` 1: gate/up, 2: down; n output features, reduction length k):
+    base_config, then the sweep winners set above. From the static shape only (never the token count or the routing)."""
     fields = dict(FP4_DEFAULT if fp4 else BF16_DEFAULT)
-    fields.update(SHAPE_OVERRIDES.get((n, k, fp4), {}))
+    fields.update(SHAPE_OVERRIDES.get((gemm, n, k, fp4), {}))
     return variant_config(n, k, topk, fp4, fields)
 
 
@@ -728,16 +731,23 @@ def _run(kernel, grid, args, kwargs, warmup: bool):
     return kernel[grid](*args, **kwargs)
 
 
-def _check(c: MoeConfig, fp4: bool) -> None:
+def _flags(c: MoeConfig, fp4: bool) -> dict:
+    """The kernels' constexprs of a config (fields a path does not read are normalized: no duplicate compiles)."""
+    if c.decode not in (DECODE_SELECT, DECODE_F32_BITS, DECODE_SCALED, DECODE_BF16_BITS) or c.a_load not in (A_GATHER, A_SPLIT, A_JOIN):
+        raise ValueError(f"unknown decode {c.decode} or a_load {c.a_load}")
+    if c.block_k < 32 or c.block_k & (c.block_k - 1) or c.block_m < 16 or c.block_n < 16:
+        raise ValueError(f"block_k must be a power of two >= 32 and block_m, block_n >= 16: {c}")
     if fp4 and c.decode == DECODE_SCALED and runtime.interpreting():
         raise ValueError("decode 2 (tl.dot_scaled) does not run under Triton's interpreter")
-    if c.block_k < 32 or c.block_k & (c.block_k - 1):
-        raise ValueError(f"block_k must be a power of two >= 32, got {c.block_k}")
+    decode = c.decode if fp4 else DECODE_SELECT
+    a_load = c.a_load if fp4 and decode != DECODE_SCALED else A_GATHER
+    return dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DECODE=decode, F32DOT=runtime.interpreting(),
+                A_LOAD=a_load, SWAP=c.swap_ab, RASTER=c.raster, PERSIST=c.persist > 0,
+                num_warps=c.num_warps, num_stages=c.num_stages)
 
 
 def launch_gemm1(x: torch.Tensor, r: Routing, w: ExpertWeights, h: torch.Tensor, c: MoeConfig, topk: int, warmup: bool = False):
     """h[block rows] = act(x[token of each pair] @ w1[slot]^T (+ b1)): the gate/up GEMM over all routing blocks."""
-    _check(c, w.fp4)
     inter, hdim = w.intermediate, x.shape[1]
     s1 = w.s1 if w.fp4 else w.w1
     b1 = w.b1 if w.b1 is not None else w.w1
@@ -745,24 +755,18 @@ def launch_gemm1(x: torch.Tensor, r: Routing, w: ExpertWeights, h: torch.Tensor,
             w.w1, w.w1.stride(0), w.w1.stride(1), s1, s1.stride(0), s1.stride(1), b1, b1.stride(0),
             r.num_pairs, float(w.alpha), float(w.limit))
     kwargs = dict(I=inter, K=hdim, UP_OFF=w.up_offset, ROW_MUL=w.row_mul, TOPK=topk, FP4=w.fp4, HAS_BIAS=w.b1 is not None, ACT=w.act,
-                  BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DECODE=c.decode, F32DOT=runtime.interpreting(),
-                  A_LOAD=c.a_load, SWAP=c.swap_ab, RASTER=c.raster, PERSIST=c.persist > 0,
-                  num_warps=c.num_warps, num_stages=c.num_stages)
+                  **_flags(c, w.fp4))
     return _run(_moe_gemm1, _grid(c, r.max_blocks, triton_cdiv(inter, c.block_n)), args, kwargs, warmup)
 
 
 def launch_gemm2(h: torch.Tensor, r: Routing, w: ExpertWeights, y: torch.Tensor, rw: torch.Tensor, c: MoeConfig, warmup: bool = False):
     """y[pair] = (h[block row] @ w2[slot]^T (+ b2)) * routing weight: the down GEMM over all routing blocks."""
-    _check(c, w.fp4)
     inter, hdim = w.intermediate, w.hidden
     s2 = w.s2 if w.fp4 else w.w2
     b2 = w.b2 if w.b2 is not None else w.w2
     args = (h, h.stride(0), y, y.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks, rw,
             w.w2, w.w2.stride(0), w.w2.stride(1), s2, s2.stride(0), s2.stride(1), b2, b2.stride(0), r.num_pairs)
-    kwargs = dict(N=hdim, K=inter, FP4=w.fp4, HAS_BIAS=w.b2 is not None,
-                  BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DECODE=c.decode, F32DOT=runtime.interpreting(),
-                  A_LOAD=c.a_load, SWAP=c.swap_ab, RASTER=c.raster, PERSIST=c.persist > 0,
-                  num_warps=c.num_warps, num_stages=c.num_stages)
+    kwargs = dict(N=hdim, K=inter, FP4=w.fp4, HAS_BIAS=w.b2 is not None, **_flags(c, w.fp4))
     return _run(_moe_gemm2, _grid(c, r.max_blocks, triton_cdiv(hdim, c.block_n)), args, kwargs, warmup)
 
 
@@ -784,9 +788,9 @@ def moe_forward(
     topk = topk_ids.shape[1]
     inter = w.intermediate
     if config is None:
-        config = default_config(inter, hdim, topk, w.fp4)
+        config = default_config(inter, hdim, topk, w.fp4, gemm=1)
     if config2 is None:
-        config2 = default_config(hdim, inter, topk, w.fp4)
+        config2 = default_config(hdim, inter, topk, w.fp4, gemm=2)
     bm = config.block_m
     if config2.block_m != bm:
         raise ValueError("both GEMMs share the routing blocks: block_m must match")

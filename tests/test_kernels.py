@@ -208,6 +208,30 @@ def test_moe_kernel_matches_reference(fp4, name, fields, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("fp4,name", [(False, None), (False, "swap64"), (True, "join_bf16_swap64"), (True, "join_bf16_persist")])
+def test_moe_kernel_slots_padding_and_interleaved_rows(fp4, name, monkeypatch):
+    from kernels import runtime
+    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward
+
+    monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
+    w = _experts(act=ACT_GPTOSS, bias=True, fp4=fp4)
+    x, ids, wts = _routing(5, 6, 2)
+    # the same experts stored gpt-oss style (gate/up rows interleaved) in shuffled slots
+    perm = torch.tensor([4, 0, 5, 2, 1, 3])  # slot s holds expert perm[s]
+    slot_of = torch.argsort(perm).to(torch.int32)
+    inter = w.intermediate
+    order = torch.stack([torch.arange(inter), torch.arange(inter) + inter], 1).reshape(-1)  # g0 u0 g1 u1 ...
+    s1 = None if not fp4 else w.s1[perm][:, order]
+    s2 = None if not fp4 else w.s2[perm]
+    wi = ExpertWeights(w.w1[perm][:, order], w.w2[perm], s1, s2, b1=w.b1[perm][:, order], b2=w.b2[perm], row_mul=2, up_off=1, act=ACT_GPTOSS)
+    c1, c2 = _variant_configs({} if name is None else (SWEEP_VARIANTS if fp4 else SWEEP_VARIANTS_BF16)[name])
+    out = moe_forward(x, ids, wts, wi, 6, slot_of_expert=slot_of, n_valid=torch.tensor([3]), config=c1, config2=c2)
+    ref = moe_reference(x, ids, wts, w, 6, n_valid=3)
+    assert (out[:3].float() - ref[:3].float()).abs().max() <= 0.02 * ref.float().abs().max() + 1e-3
+    assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+
+
+@needs_triton
 @pytest.mark.parametrize("name", ["join_bf16", "split_bf16", "join"])
 def test_moe_kernel_reduction_with_a_partial_last_k_step(name):
     """K = 96 with 64-wide K steps (as gpt-oss's K = 2880 with 128): the last step is half masked."""
@@ -267,15 +291,18 @@ def test_moe_kernel_rows_do_not_depend_on_other_rows(fp4, name, monkeypatch):
 
 
 def test_default_config_takes_the_sweep_winners(monkeypatch):
+    import dataclasses
+
     from kernels import moe
 
-    base = moe.base_config(768, 2048, 8, True)
-    assert moe.default_config(768, 2048, 8, True) == moe.variant_config(768, 2048, 8, True, moe.FP4_DEFAULT)
+    base1, base2 = moe.base_config(768, 2048, 8, True), moe.base_config(2048, 768, 8, True)
+    assert moe.default_config(768, 2048, 8, True, gemm=1) == moe.variant_config(768, 2048, 8, True, moe.FP4_DEFAULT)
     monkeypatch.setattr(moe, "FP4_DEFAULT", dict(a_load=moe.A_JOIN, decode=moe.DECODE_BF16_BITS))
-    monkeypatch.setattr(moe, "SHAPE_OVERRIDES", {(2048, 768, True): dict(swap_ab=True, block_n=64)})
-    c1, c2 = moe.default_config(768, 2048, 8, True), moe.default_config(2048, 768, 8, True)
-    assert (c1.a_load, c1.decode, c1.swap_ab, c1.block_n) == (moe.A_JOIN, moe.DECODE_BF16_BITS, False, base.block_n)
-    assert (c2.a_load, c2.decode, c2.swap_ab, c2.block_n) == (moe.A_JOIN, moe.DECODE_BF16_BITS, True, 64)
+    monkeypatch.setattr(moe, "SHAPE_OVERRIDES", {(2, 2048, 768, True): dict(swap_ab=True, block_n=64)})
+    fp4_default = dict(a_load=moe.A_JOIN, decode=moe.DECODE_BF16_BITS)
+    assert moe.default_config(768, 2048, 8, True, gemm=1) == dataclasses.replace(base1, **fp4_default)
+    assert moe.default_config(2048, 768, 8, True, gemm=2) == dataclasses.replace(base2, **fp4_default, swap_ab=True, block_n=64)
+    assert moe.default_config(2048, 768, 8, True, gemm=1) == dataclasses.replace(base2, **fp4_default)  # keyed by GEMM too
     assert moe.default_config(768, 2048, 8, False) == moe.base_config(768, 2048, 8, False)  # bf16: BF16_DEFAULT only
     for table in (moe.SWEEP_VARIANTS, moe.SWEEP_VARIANTS_BF16):  # every named variant is a valid config
         for fields in table.values():
