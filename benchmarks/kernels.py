@@ -1,13 +1,17 @@
 """kernels/ on the GPU: the grouped MoE kernel (MXFP4 and bf16) against transformers' default experts
 implementation (`grouped_mm`, bf16), and the batch-invariant dense matmul against cuBLAS.
 
-    python benchmarks/kernels.py [--out DIR] [--sweep]
+    python benchmarks/kernels.py [--out DIR] [--sweep [--skip-main] [--sweep-variants a,b] [--sweep-models m] [--sweep-jobs N]]
 
 Prints tables and writes kernels_h200.json / .md to --out (default benchmarks/results). `us` is GPU time: the
 whole call (routing, both GEMMs, the combine) captured in a CUDA graph and replayed back to back, as the
 verifier's graphed forwards run it; `eager_us` is the same call issued from Python (launch overhead included). `hbm_fraction` = weight
 bytes read / time / the measured device-copy rate (bytes read + written per second by a large device copy).
---sweep also times tile variants of the MXFP4 kernel on decode shapes (to choose default_config).
+--sweep first times the MoE GEMM variants (kernels.moe.SWEEP_VARIANTS for MXFP4, SWEEP_VARIANTS_BF16 for bf16) on
+the decode shapes (gpt-oss A=8/32, Qwen3 A=8/32/128, Mixtral A=8 in MXFP4, Qwen3 A=8 in bf16; 1, 4, 16 tokens per
+active expert): one line per (case, variant) with the whole call and each GEMM alone, then a summary that ends in
+a block to paste into kernels/moe.py (FP4_DEFAULT, BF16_DEFAULT, SHAPE_OVERRIDES). Written to --out as
+kernels_sweep_h200.txt and .json.
 """
 
 from __future__ import annotations
@@ -190,52 +194,206 @@ def invariance_check() -> dict:
     return {"bit_identical": bool(ok), "rows_checked": checked}
 
 
-def sweep() -> list[dict]:
-    from kernels.installer import expert_weights
-    from kernels.moe import MoeConfig, moe_forward
+SWEEP_CASES = (  # (model, weights, active experts): each at 1, 4 and 16 tokens per active expert
+    ("gpt-oss-20b", "mxfp4", (8, 32)),
+    ("qwen3-30b-a3b", "mxfp4", (8, 32, 128)),
+    ("mixtral-8x7b", "mxfp4", (8,)),
+    ("qwen3-30b-a3b", "bf16", (8,)),
+)
+SWEEP_TOKENS = (1, 4, 16)
 
-    rows = []
-    for model, active, tpe in (("qwen3-30b-a3b", 8, 1), ("gpt-oss-20b", 4, 1), ("qwen3-30b-a3b", 128, 16)):
+
+def _sweep_configs(model: str, fmt: str, names: list[str] | None) -> list[tuple[str, object, object]]:
+    """(variant name, gemm1 config, gemm2 config) of every named variant for one model, the current default first."""
+    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, default_config, variant_config
+
+    e, k, h, i = MODELS[model]
+    fp4 = fmt == "mxfp4"
+    out = [("default", default_config(i, h, k, fp4, gemm=1), default_config(h, i, k, fp4, gemm=2))]
+    for name, fields in (SWEEP_VARIANTS if fp4 else SWEEP_VARIANTS_BF16).items():
+        if names is None or name in names:
+            out.append((name, variant_config(i, h, k, fp4, fields), variant_config(h, i, k, fp4, fields)))
+    return out
+
+
+def _compile_all(jobs: list, workers: int) -> None:
+    """Compile every (weights, configs) of `jobs` without running them, `workers` compiles at a time (Triton's
+    AsyncCompileMode); failures are left for the timed call to report."""
+    from kernels.moe import moe_forward
+
+    def warm():
+        for x, ids, wts, w, e, c1, c2 in jobs:
+            try:
+                moe_forward(x, ids, wts, w, e, config=c1, config2=c2, warmup=True)
+            except Exception:  # noqa: BLE001 - reported when timed
+                pass
+
+    if workers > 1:
+        try:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from triton import AsyncCompileMode
+
+            with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
+                warm()
+            return
+        except ImportError:
+            pass
+    warm()
+
+
+def sweep(rate: float, names: list[str] | None = None, models: list[str] | None = None, workers: int = 8, log=print) -> list[dict]:
+    """Time the named GEMM variants (kernels.moe.SWEEP_VARIANTS / SWEEP_VARIANTS_BF16) on the decode shapes: the whole
+    call and each GEMM alone (CUDA graphs), against transformers' grouped_mm. One line per (case, variant)."""
+    import time
+
+    from kernels.installer import expert_weights
+    from kernels.moe import align_fused, launch_gemm1, launch_gemm2, moe_forward
+
+    rows, t0 = [], time.time()
+    for model in dict.fromkeys(m for m, _, _ in SWEEP_CASES):
+        if models is not None and model not in models:
+            continue
         e, k, h, i = MODELS[model]
         mod = hf_experts(model)
-        w = expert_weights(mod, "mxfp4")
-        x, ids, wts = routing(e, k, h, active, tpe)
-        for decode in (0, 1, 2):
-            for bn in (32, 64, 128):
-                for bm in (16, 64):
-                    for stages in (3, 4):
-                        for warps in (4,):
-                            c = MoeConfig(bm, bn, 128, warps, stages, decode)
-                            try:
-                                us = gpu_time_us(lambda: moe_forward(x, ids, wts, w, e, config=c, config2=c), reps=20)
-                            except Exception as ex:  # noqa: BLE001 - a config that does not compile is skipped
-                                print("skip", c, type(ex).__name__)
-                                continue
-                            rows.append(dict(model=model, active=active, tpe=tpe, **c.__dict__, us=round(us, 1)))
-                            print(f"sweep {model} A={active} T={tpe} {c} {us:.1f} us", flush=True)
-        del mod, w
+        cases = [(fmt, active, tpe) for m, fmt, acts in SWEEP_CASES if m == model for active in acts for tpe in SWEEP_TOKENS]
+        with torch.inference_mode():
+            inputs = {(a, t): routing(e, k, h, a, t) for _, a, t in cases}
+            hf_us = {key: gpu_time_us(lambda: mod(*val), reps=20) for key, val in inputs.items()}
+        weights = {fmt: expert_weights(mod, "native" if fmt == "bf16" else fmt) for fmt in dict.fromkeys(f for f, _, _ in cases)}
+        bias = (2 * i + h) * 2 if weights[cases[0][0]].b1 is not None else 0
+        per = {"mxfp4": 2 * i * h // 2 + 2 * i * h // 32 + h * i // 2 + h * i // 32 + bias, "bf16": 3 * h * i * 2 + bias}
+        configs = {fmt: _sweep_configs(model, fmt, names) for fmt in weights}
+        x1, ids1, w1 = inputs[(cases[0][1], 1)]
+        jobs = [(x1, ids1, w1, weights[fmt], e, c1, c2) for fmt, cl in configs.items() for _, c1, c2 in cl]
+        _compile_all(jobs, workers)
+        log(f"# {model}: {len(jobs)} configs compiled, {time.time() - t0:.0f} s since the sweep began", flush=True)
+        for fmt, active, tpe in cases:
+            w = weights[fmt]
+            x, ids, wts = inputs[(active, tpe)]
+            nbytes = active * per[fmt]
+            seen: dict = {}
+            for name, c1, c2 in configs[fmt]:
+                if (c1, c2) in seen:  # the same kernels as an earlier name (e.g. block_k 128 where it is the base)
+                    same = seen[(c1, c2)]
+                    log(f"sweep {model:14s} {fmt:5s} A={active:3d} T={tpe:2d} {name:22s} = {same['variant']}", flush=True)
+                    rows.append({**same, "variant": name, "same_as": same["variant"]})
+                    continue
+                try:
+                    with torch.inference_mode():
+                        us = gpu_time_us(lambda: moe_forward(x, ids, wts, w, e, config=c1, config2=c2), reps=20)
+                        r = align_fused(ids, e, c1.block_m)
+                        hbuf = torch.zeros((r.max_blocks * c1.block_m, i), dtype=torch.bfloat16, device=x.device)
+                        ybuf = torch.empty((r.num_pairs, h), dtype=torch.float32, device=x.device)
+                        rw = wts.reshape(-1).contiguous()
+                        g1 = gpu_time_us(lambda: launch_gemm1(x, r, w, hbuf, c1, k), reps=20)
+                        g2 = gpu_time_us(lambda: launch_gemm2(hbuf, r, w, ybuf, rw, c2), reps=20)
+                except Exception as ex:  # noqa: BLE001 - a config that does not compile or run is reported and skipped
+                    log(f"sweep {model:14s} {fmt:5s} A={active:3d} T={tpe:2d} {name:22s} FAILED {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+                    continue
+                t_hf = hf_us[(active, tpe)]
+                row = dict(model=model, weights=fmt, active=active, tpe=tpe, variant=name, config1=c1.__dict__, config2=c2.__dict__,
+                           us=round(us, 1), gemm1_us=round(g1, 1), gemm2_us=round(g2, 1), torch_bf16_us=round(t_hf, 1),
+                           speedup=round(t_hf / us, 2), weight_bytes=nbytes, hbm_fraction=round(nbytes / (us * 1e-6) / rate, 3))
+                rows.append(row)
+                seen[(c1, c2)] = row
+                log(f"sweep {model:14s} {fmt:5s} A={active:3d} T={tpe:2d} {name:22s} {us:8.1f} us (gemm1 {g1:7.1f}, gemm2 {g2:7.1f})"
+                    f"  x{t_hf / us:5.2f} vs grouped_mm  {row['hbm_fraction']:5.0%} of copy  | {_short(c1)} / {_short(c2)}", flush=True)
+        del mod, weights, inputs
         torch.cuda.empty_cache()
+    log(f"# sweep done in {time.time() - t0:.0f} s", flush=True)
     return rows
+
+
+def _short(c) -> str:
+    s = f"n{c.block_n} k{c.block_k} w{c.num_warps} s{c.num_stages} d{c.decode} a{c.a_load}"
+    return s + ("" if not c.swap_ab else " swap") + ("" if not c.raster else " raster") + ("" if not c.persist else f" persist{c.persist}")
+
+
+def sweep_summary(rows: list[dict]) -> list[str]:
+    """The winners, as a block to paste into kernels/moe.py: per weight format the variant with the least total time
+    over every case, and per GEMM shape the variant with the least summed time of that GEMM alone."""
+    out = ["", "# ---- sweep summary (sums over every case timed) ----"]
+    best_fmt = {}
+    for fmt in dict.fromkeys(r["weights"] for r in rows):
+        fr = [r for r in rows if r["weights"] == fmt]
+        cases = {(r["model"], r["active"], r["tpe"]) for r in fr}
+        tot: dict = {}
+        for r in fr:
+            tot.setdefault(r["variant"], {})[(r["model"], r["active"], r["tpe"])] = r["us"]
+        full = {v: sum(t.values()) for v, t in tot.items() if len(t) == len(cases)}  # timed on every case
+        for v, t in sorted(full.items(), key=lambda kv: kv[1]):
+            worst = min(r["speedup"] for r in fr if r["variant"] == v)
+            frac = min(r["hbm_fraction"] for r in fr if r["variant"] == v)
+            out.append(f"#   {fmt:5s} {v:22s} total {t:9.1f} us   worst speedup x{worst:5.2f}   worst copy fraction {frac:5.0%}")
+        named = {v: t for v, t in full.items() if v != "default"}
+        if named:
+            best_fmt[fmt] = min(named, key=named.get)
+    shapes: dict = {}
+    for r in rows:
+        if r["variant"] == "default":
+            continue
+        for g in (1, 2):
+            c = r[f"config{g}"]
+            key = (r["model"], r["weights"], g)
+            shapes.setdefault(key, {}).setdefault(r["variant"], [0.0, 0, c])
+            shapes[key][r["variant"]][0] += r[f"gemm{g}_us"]
+            shapes[key][r["variant"]][1] += 1
+    out.append("# per GEMM shape (gemm1: n = I, k = H; gemm2: n = H, k = I):")
+    overrides = []
+    for (model, fmt, g), vs in sorted(shapes.items()):
+        ncase = max(v[1] for v in vs.values())
+        full = {v: t for v, (t, n, _) in vs.items() if n == ncase}
+        win = min(full, key=full.get)
+        e, k, h, i = MODELS[model]
+        n_, k_ = (i, h) if g == 1 else (h, i)
+        base = best_fmt.get(fmt)
+        out.append(f"#   {model:14s} {fmt:5s} gemm{g} (n={n_}, k={k_}): {win} {full[win]:.1f} us" + (f" (format default {base}: {full[base]:.1f} us)" if base in full else ""))
+        if win != base:
+            overrides.append(f"    ({g}, {n_}, {k_}, {fmt == 'mxfp4'}): dict(SWEEP_VARIANTS{'' if fmt == 'mxfp4' else '_BF16'}[{win!r}]),  # {model}")
+    out.append("# ---- paste into kernels/moe.py (THE ONE PLACE TO SET THE SWEEP'S WINNERS) ----")
+    if "mxfp4" in best_fmt:
+        out.append(f"FP4_DEFAULT: dict = dict(SWEEP_VARIANTS[{best_fmt['mxfp4']!r}])")
+    if "bf16" in best_fmt:
+        out.append(f"BF16_DEFAULT: dict = dict(SWEEP_VARIANTS_BF16[{best_fmt['bf16']!r}])")
+    out.append("SHAPE_OVERRIDES: dict[tuple[int, int, int, bool], dict] = {")
+    out += overrides
+    out.append("}")
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time the MoE GEMM variants on the decode shapes first")
     ap.add_argument("--skip-main", action="store_true", help="only the sweep")
+    ap.add_argument("--sweep-variants", default=None, help="comma-separated variant names (default: all of kernels.moe.SWEEP_VARIANTS*)")
+    ap.add_argument("--sweep-models", default=None, help="comma-separated models (default: " + ",".join(MODELS) + ")")
+    ap.add_argument("--sweep-jobs", type=int, default=8, help="parallel compiles before the sweep times (1: one at a time)")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    if args.sweep:
-        result["sweep"] = sweep()
-        (out / "kernels_sweep_h200.json").write_text(json.dumps(result, indent=1))
-        if args.skip_main:
-            return
     rate = copy_rate()
     result["copy_rate_bytes_per_s"] = rate
     print(f"device copy: {rate / 1e12:.2f} TB/s (read + write)")
+    if args.sweep:
+        lines = []
+
+        def log(msg: str, flush: bool = True) -> None:
+            print(msg, flush=flush)
+            lines.append(msg)
+
+        split = (lambda v: None if v is None else [x.strip() for x in v.split(",") if x.strip()])
+        result["sweep"] = sweep(rate, split(args.sweep_variants), split(args.sweep_models), args.sweep_jobs, log)
+        for line in sweep_summary(result["sweep"]):
+            log(line)
+        (out / "kernels_sweep_h200.json").write_text(json.dumps(result, indent=1))
+        (out / "kernels_sweep_h200.txt").write_text("\n".join(lines) + "\n")
+        print(f"sweep written to {out / 'kernels_sweep_h200.txt'} and .json")
+        if args.skip_main:
+            return
     result["invariance"] = invariance_check()
     print("invariance:", result["invariance"])
     result["linear"] = bench_linear()

@@ -30,18 +30,43 @@ ACT_SILU = 0
 ACT_GPTOSS = 1  # clamp(gate, max=limit), clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1)
 
 
+# FP4 decodes (MoeConfig.decode)
+DECODE_SELECT = 0  # fp32, E2M1 magnitudes by selects; scale 2^(s-127) (scale byte 0 reads as 0)
+DECODE_F32_BITS = 1  # fp32, nibble bits placed into a float32 (code 1 = a subnormal), one fp32 multiply by 2^(s-1)
+DECODE_SCALED = 2  # tl.dot_scaled: Triton upcasts the packed weights itself (GPU only: not in Triton's interpreter)
+DECODE_BF16_BITS = 3  # bf16, nibble bits placed into a bf16 (code 1 = a subnormal), one bf16 multiply by 2^(s-1)
+# Decodes 1 and 3 multiply by 2^(s-1), a finite float only for scale bytes s <= 128 (groups with |w| <= 12): they are
+# exact up to there and read a larger scale byte as 128 (wrong values). Decode 0 is exact for scale bytes 1..254.
+FAST_DECODE_MAX_SCALE = 128
+
+# How the FP4 paths (decode 0, 1, 3) read the activations (MoeConfig.a_load)
+A_GATHER = 0  # two stride-2 gathers per K step (the even and the odd columns), one dot per decoded half
+A_SPLIT = 1  # one contiguous [BM, BK] load, split into even/odd columns in registers, one dot per decoded half
+A_JOIN = 2  # one contiguous [BM, BK] load; the decoded halves interleaved back into K order: one dot over BK
+
+
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
-    block_m: int = 16
+    """One GEMM's static launch choice. Every field is fixed by the layer's static shape (never by the token count or
+    the routing), so any config keeps the kernels batch-invariant; configs differ in their reduction order, so two
+    configs may differ in the last bits."""
+
+    block_m: int = 16  # routing block (pairs per m tile); both GEMMs of a layer share it
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
-    decode: int = 0  # FP4 decode: 0 = exact selects, 1 = subnormal bit placement, 2 = tl.dot_scaled (GPU only)
+    decode: int = DECODE_SELECT  # FP4 only: DECODE_*
+    a_load: int = A_GATHER  # FP4 decodes 0/1/3 only: A_*
+    swap_ab: bool = False  # the weight tile as the MMA's M side (acc^T = w @ a^T): wgmma-sized (M >= 64) at block_n >= 64
+    raster: int = 0  # 0: a 2-D grid (m blocks, n tiles); 1: a 1-D grid, the n tiles of one m block consecutive
+    persist: int = 0  # > 0: that many programs per SM, each walking tiles in raster-1 order (no empty programs)
 
 
-def default_config(n: int, k: int, topk: int, fp4: bool) -> MoeConfig:
-    """Tile sizes from the static shape only (never from the token count or the routing)."""
+def base_config(n: int, k: int, topk: int, fp4: bool) -> MoeConfig:
+    """Tile sizes from the static shape only (never from the token count or the routing): what the first H200 sweep
+    (benchmarks/results/kernels_sweep_h200.txt) chose, before the sweep winners (`FP4_DEFAULT`, `BF16_DEFAULT`,
+    `SHAPE_OVERRIDES`) apply."""
     sms = runtime.sm_count()
     # Enough programs at one token (topk pairs) to keep every SM reading: smaller N tiles for narrow layers.
     # (not below 32: 16-wide tiles were slower in every case the H200 sweep timed)
@@ -50,11 +75,72 @@ def default_config(n: int, k: int, topk: int, fp4: bool) -> MoeConfig:
         block_n //= 2
     block_k = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
     # FP4: decode 1 (bit placement) was the fastest variant on the H200 at decode shapes (benchmarks/kernels.py --sweep)
-    return MoeConfig(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4 if fp4 else 3, decode=1 if fp4 else 0)
+    return MoeConfig(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4 if fp4 else 3,
+                     decode=DECODE_F32_BITS if fp4 else DECODE_SELECT)
+
+
+# ==== THE ONE PLACE TO SET THE SWEEP'S WINNERS =====================================================================
+# `python benchmarks/kernels.py --sweep` times the variants of `SWEEP_VARIANTS` / `SWEEP_VARIANTS_BF16` (below) on the
+# decode shapes and ends its output with a ready-made block for these three names. Fields are merged over base_config:
+#   FP4_DEFAULT / BF16_DEFAULT: for every GEMM of that weight format, e.g. FP4_DEFAULT = dict(SWEEP_VARIANTS["join_bf16"]);
+#   SHAPE_OVERRIDES[(gemm, n, k, fp4)]: for one GEMM of one shape, applied last (gemm 1: gate/up, n = I, k = H; gemm 2:
+#     down, n = H, k = I), e.g. SHAPE_OVERRIDES[(2, 2048, 768, True)] = dict(SWEEP_VARIANTS["join_bf16_swap64"]).
+# Keys are static shapes only (batch invariance); block_m must stay 16 (both GEMMs share the routing blocks).
+# Until an H200 sweep has chosen, these stay empty: base_config as measured on 2026-12-01.
+FP4_DEFAULT: dict = {}
+BF16_DEFAULT: dict = {}
+SHAPE_OVERRIDES: dict[tuple[int, int, int, bool], dict] = {}
+# ====================================================================================================================
+
+# Named variants (fields merged over base_config): what the sweep times and the tests check. FP4 weights:
+SWEEP_VARIANTS: dict[str, dict] = {
+    "base": {},  # base_config as it is: decode 1 (fp32 bit placement), stride-2 activation gathers
+    "join": dict(a_load=A_JOIN),  # contiguous activations, one dot over BK (decode 1)
+    "split_bf16": dict(a_load=A_SPLIT, decode=DECODE_BF16_BITS),
+    "join_bf16": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS),
+    "join_bf16_k128": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, block_k=128),  # gpt-oss: K = 2880 (masked last step)
+    "join_bf16_k256": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, block_k=256),
+    "join_bf16_swap64": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, swap_ab=True, block_n=64),
+    "join_bf16_swap64_k256": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, swap_ab=True, block_n=64, block_k=256),
+    "join_bf16_swap128_w8": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, swap_ab=True, block_n=128, num_warps=8),
+    "join_bf16_raster": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, raster=1),
+    "join_bf16_persist": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, persist=4),
+    "scaled_swap64": dict(decode=DECODE_SCALED, swap_ab=True, block_n=64),  # GPU only (tl.dot_scaled)
+}
+# bf16 weights (the FP4-only fields do not apply):
+SWEEP_VARIANTS_BF16: dict[str, dict] = {
+    "base": {},
+    "k256": dict(block_k=256),
+    "swap64": dict(swap_ab=True, block_n=64),
+    "swap128_w8": dict(swap_ab=True, block_n=128, num_warps=8),
+    "raster": dict(raster=1),
+    "persist": dict(persist=4),
+}
+GPU_ONLY_VARIANTS = frozenset({"scaled_swap64"})
+
+
+def variant_config(n: int, k: int, topk: int, fp4: bool, fields: dict) -> MoeConfig:
+    """base_config with `fields` merged over it; block_k capped to the reduction length (>= 32)."""
+    c = dataclasses.replace(base_config(n, k, topk, fp4), **fields)
+    if c.block_k > max(32, triton_next_pow2(k)):
+        c = dataclasses.replace(c, block_k=max(32, triton_next_pow2(k)))
+    return c
+
+
+def default_config(n: int, k: int, topk: int, fp4: bool, gemm: int = 1) -> MoeConfig:
+    """The config moe_forward uses for one GEMM (`gemm` 1: gate/up, 2: down; n output features, reduction length k):
+    base_config, then the sweep winners set above. From the static shape only (never the token count or the routing)."""
+    fields = dict(FP4_DEFAULT if fp4 else BF16_DEFAULT)
+    fields.update(SHAPE_OVERRIDES.get((gemm, n, k, fp4), {}))
+    return variant_config(n, k, topk, fp4, fields)
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 # ---- routing: pairs sorted by expert, padded to blocks of BLOCK_M ----------------------------------------
@@ -150,33 +236,76 @@ def align(
 if triton is not None:
 
     @triton.jit
-    def _fp4_tiles(w_ptr, s_ptr, rows, row_ok, stride_wn, stride_sn, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr):
-        """Packed rows [BN, BK/2] -> (even-K, odd-K) bf16 tiles [BN, BK/2] (low nibble = even index), scaled.
-        One load of the packed bytes and one scale per 32 values."""
+    def _fp4_tiles(w_ptr, s_ptr, rows, row_ok, stride_wn, stride_sn, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DECODE: tl.constexpr, EMULATE: tl.constexpr, JOIN: tl.constexpr):
+        """Packed rows [BN, BK/2] -> (even-K, odd-K) bf16 tiles [BN, BK/2] (low nibble = even index), scaled, or (JOIN)
+        one [BN, BK] tile in K order (returned twice). One load of the packed bytes and one scale per 32 values.
+        Every decode gives exact bf16 values (an E2M1 value times a power of two; decodes 1 and 3 for scale bytes
+        <= FAST_DECODE_MAX_SCALE)."""
         BN: tl.constexpr = rows.shape[0]
         kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ok = row_ok[:, None] & (kh < K // 2)[None, :]
         p = tl.load(w_ptr + rows[:, None] * stride_wn + kh[None, :], mask=ok, other=0).to(tl.int32)
         kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         s = tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0).to(tl.int32)
-        if DECODE == 0:
-            # exact: E2M1 magnitude from its bits, code 1 (0.5) by a select; scale 2^(s-127) (s = 0 reads as 0)
-            scale = (s << 23).to(tl.float32, bitcast=True)
-            lo = p & 15
-            hi = p >> 4
-            ulo = lo & 7
-            uhi = hi & 7
-            mlo = tl.where(ulo < 2, ulo.to(tl.float32) * 0.5, ((ulo << 22) + (126 << 23)).to(tl.float32, bitcast=True))
-            mhi = tl.where(uhi < 2, uhi.to(tl.float32) * 0.5, ((uhi << 22) + (126 << 23)).to(tl.float32, bitcast=True))
-            vlo = tl.where(lo >= 8, -mlo, mlo)
-            vhi = tl.where(hi >= 8, -mhi, mhi)
+        if DECODE == 3:
+            # bf16 bits straight from the byte, both nibbles at once, in one 32-bit word (odd-K value << 16 | even-K
+            # value): each nibble's magnitude bits go under the bf16 exponent's two low bits + the top mantissa bit (code
+            # 1 becomes the bf16 subnormal 2^-127), its sign to bit 15 of its half. p * (2^6 + 2^18) places both
+            # magnitudes, p * (2^12 + 2^24) both signs (the shifted copies share no bits: no carries). Then one bf16x2
+            # multiply of the word by 2^(s-1) (a power of two: the products are exact, nothing rounds).
+            q = p.to(tl.uint32)
+            pair = ((q * 0x00040040) & 0x01C001C0) | ((q * 0x01001000) & 0x80008000)
+            e = (tl.minimum(s, 128) + 126).to(tl.uint32)  # 128: FAST_DECODE_MAX_SCALE
+            pair = _bf16x2_scale(pair, tl.reshape(tl.broadcast_to(e[:, :, None], (BN, BLOCK_K // 32, 16)), (BN, BLOCK_K // 2)), EMULATE)
+            wlo = pair.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            whi = (pair >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            if JOIN:
+                w = tl.reshape(tl.join(wlo, whi), (BN, BLOCK_K))
+                return w, w
+            else:
+                return wlo, whi
         else:
-            # E2M1 bits placed straight into a float32 (code 1 becomes the subnormal 2^-127), rescaled by 2^(s-1)
-            scale = (tl.minimum(s + 126, 254) << 23).to(tl.float32, bitcast=True)
-            vlo = (((p & 7) << 22) | ((p & 8) << 28)).to(tl.float32, bitcast=True)
-            vhi = (((p & 0x70) << 18) | ((p & 0x80) << 24)).to(tl.float32, bitcast=True)
-        sc = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BLOCK_K // 32, 16)), (BN, BLOCK_K // 2))
-        return (vlo * sc).to(tl.bfloat16), (vhi * sc).to(tl.bfloat16)  # exact: E2M1 values times powers of two
+            if DECODE == 0:
+                # exact: E2M1 magnitude from its bits, code 1 (0.5) by a select; scale 2^(s-127) (s = 0 reads as 0)
+                scale = (s << 23).to(tl.float32, bitcast=True)
+                lo = p & 15
+                hi = p >> 4
+                ulo = lo & 7
+                uhi = hi & 7
+                mlo = tl.where(ulo < 2, ulo.to(tl.float32) * 0.5, ((ulo << 22) + (126 << 23)).to(tl.float32, bitcast=True))
+                mhi = tl.where(uhi < 2, uhi.to(tl.float32) * 0.5, ((uhi << 22) + (126 << 23)).to(tl.float32, bitcast=True))
+                vlo = tl.where(lo >= 8, -mlo, mlo)
+                vhi = tl.where(hi >= 8, -mhi, mhi)
+            else:
+                # E2M1 bits placed straight into a float32 (code 1 becomes the subnormal 2^-127), rescaled by 2^(s-1)
+                scale = ((tl.minimum(s, 128) + 126) << 23).to(tl.float32, bitcast=True)  # 128: FAST_DECODE_MAX_SCALE
+                vlo = (((p & 7) << 22) | ((p & 8) << 28)).to(tl.float32, bitcast=True)
+                vhi = (((p & 0x70) << 18) | ((p & 0x80) << 24)).to(tl.float32, bitcast=True)
+            # exact: E2M1 values times powers of two
+            if JOIN:  # interleaved into K order first, then scaled: the MMA's (k, k+1) register pairs stay together
+                sc = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BLOCK_K // 32, 32)), (BN, BLOCK_K))
+                w = (tl.reshape(tl.join(vlo, vhi), (BN, BLOCK_K)) * sc).to(tl.bfloat16)
+                return w, w
+            else:
+                sc = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BLOCK_K // 32, 16)), (BN, BLOCK_K // 2))
+                return (vlo * sc).to(tl.bfloat16), (vhi * sc).to(tl.bfloat16)
+
+    @triton.jit
+    def _bf16x2_scale(pair, e, EMULATE: tl.constexpr):
+        """Two bf16 values in one 32-bit word (hi << 16 | lo) times 2^(e-127) each (e: a biased exponent, 1..254), as
+        one bf16x2 multiply (an fma with a -0 addend: x * y exactly, signs and subnormals kept). EMULATE: the same
+        products in fp32 (exact) for Triton's interpreter, which cannot run PTX."""
+        if EMULATE:
+            sc = (e << 23).to(tl.float32, bitcast=True)
+            lo = ((pair << 16).to(tl.float32, bitcast=True) * sc).to(tl.uint32, bitcast=True) >> 16
+            hi = ((pair & 0xFFFF0000).to(tl.float32, bitcast=True) * sc).to(tl.uint32, bitcast=True) & 0xFFFF0000
+            return hi | lo
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $1, $2, z; }",
+                "=r,r,r", [pair, (e << 7) | (e << 23)], dtype=tl.uint32, is_pure=True, pack=1,
+            )
 
     @triton.jit
     def _gemm_rows(
@@ -186,31 +315,60 @@ if triton is not None:
         rows0, rows1, n_ok,
         K: tl.constexpr,
         FP4: tl.constexpr, TWO: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
+        A_LOAD: tl.constexpr, SWAP: tl.constexpr,
     ):
-        """acc[BM, BN] += a[a_rows, :K] @ w[rows, :K]^T for one (TWO: two) weight row sets, K in fixed order."""
+        """acc += a[a_rows, :K] @ w[rows, :K]^T for one (TWO: two) weight row sets, K in fixed order. SWAP: the weight
+        tile is the MMA's M side, acc^T += w @ a^T (accumulators [BN, BM]).
+        (Written out dot by dot: every nested jit call costs milliseconds under Triton's interpreter.)"""
+        BM: tl.constexpr = a_rows.shape[0]
         for k0 in range(0, K, BLOCK_K):
-            if FP4 and DECODE < 2:
-                kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-                kh_ok = kh < K // 2
-                ke = 2 * kh
-                a_even = tl.load(a_ptr + a_rows[:, None] * stride_am + ke[None, :], mask=a_ok[:, None] & kh_ok[None, :], other=0.0)
-                a_odd = tl.load(a_ptr + a_rows[:, None] * stride_am + (ke + 1)[None, :], mask=a_ok[:, None] & kh_ok[None, :], other=0.0)
+            if FP4 and DECODE != 2:
+                if A_LOAD == 0:
+                    # two stride-2 gathers: the even and the odd K columns of the activations
+                    kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                    kh_ok = kh < K // 2
+                    ke = 2 * kh
+                    a0 = tl.load(a_ptr + a_rows[:, None] * stride_am + ke[None, :], mask=a_ok[:, None] & kh_ok[None, :], other=0.0)
+                    a1 = tl.load(a_ptr + a_rows[:, None] * stride_am + (ke + 1)[None, :], mask=a_ok[:, None] & kh_ok[None, :], other=0.0)
+                else:
+                    # one contiguous [BM, BK] tile
+                    kk = k0 + tl.arange(0, BLOCK_K)
+                    a0 = tl.load(a_ptr + a_rows[:, None] * stride_am + kk[None, :], mask=a_ok[:, None] & (kk < K)[None, :], other=0.0)
+                    a1 = a0
+                    if A_LOAD == 1:  # split into its even and odd columns in registers
+                        a0, a1 = tl.split(tl.reshape(a0, (BM, BLOCK_K // 2, 2)))
+                if F32DOT:  # Triton's interpreter: its bf16 dot is unreliable; the operands are exact in fp32
+                    a0 = a0.to(tl.float32)
+                    a1 = a1.to(tl.float32)
+                if SWAP:
+                    a0 = tl.trans(a0)
+                    a1 = tl.trans(a1)
+                # A_JOIN: the decoded halves come interleaved back into K order, one [BN, BK] tile (w0 = w1): one dot
+                w0, w1 = _fp4_tiles(w_ptr, s_ptr, rows0, n_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE, F32DOT, A_LOAD == 2)
                 if F32DOT:
-                    a_even = a_even.to(tl.float32)
-                    a_odd = a_odd.to(tl.float32)
-                w_lo, w_hi = _fp4_tiles(w_ptr, s_ptr, rows0, n_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE)
-                if F32DOT:
-                    w_lo = w_lo.to(tl.float32)
-                    w_hi = w_hi.to(tl.float32)
-                acc0 += tl.dot(a_even, tl.trans(w_lo))
-                acc0 += tl.dot(a_odd, tl.trans(w_hi))
+                    w0 = w0.to(tl.float32)
+                    w1 = w1.to(tl.float32)
+                if SWAP:
+                    acc0 += tl.dot(w0, a0)
+                    if A_LOAD != 2:
+                        acc0 += tl.dot(w1, a1)
+                else:
+                    acc0 += tl.dot(a0, tl.trans(w0))
+                    if A_LOAD != 2:
+                        acc0 += tl.dot(a1, tl.trans(w1))
                 if TWO:
-                    v_lo, v_hi = _fp4_tiles(w_ptr, s_ptr, rows1, n_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE)
+                    v0, v1 = _fp4_tiles(w_ptr, s_ptr, rows1, n_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE, F32DOT, A_LOAD == 2)
                     if F32DOT:
-                        v_lo = v_lo.to(tl.float32)
-                        v_hi = v_hi.to(tl.float32)
-                    acc1 += tl.dot(a_even, tl.trans(v_lo))
-                    acc1 += tl.dot(a_odd, tl.trans(v_hi))
+                        v0 = v0.to(tl.float32)
+                        v1 = v1.to(tl.float32)
+                    if SWAP:
+                        acc1 += tl.dot(v0, a0)
+                        if A_LOAD != 2:
+                            acc1 += tl.dot(v1, a1)
+                    else:
+                        acc1 += tl.dot(a0, tl.trans(v0))
+                        if A_LOAD != 2:
+                            acc1 += tl.dot(a1, tl.trans(v1))
             elif FP4:
                 # Triton's own MXFP4 path (GPU only): it upcasts the packed weights itself
                 kk = k0 + tl.arange(0, BLOCK_K)
@@ -220,11 +378,17 @@ if triton is not None:
                 kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
                 p0 = tl.load(w_ptr + rows0[:, None] * stride_wn + kh[None, :], mask=n_ok[:, None] & (kh < K // 2)[None, :], other=0)
                 s0 = tl.load(s_ptr + rows0[:, None] * stride_sn + kg[None, :], mask=n_ok[:, None] & (kg < K // 32)[None, :], other=0)
-                acc0 += tl.dot_scaled(a, None, "bf16", tl.trans(p0), s0, "e2m1")
+                if SWAP:
+                    acc0 += tl.dot_scaled(p0, s0, "e2m1", tl.trans(a), None, "bf16")
+                else:
+                    acc0 += tl.dot_scaled(a, None, "bf16", tl.trans(p0), s0, "e2m1")
                 if TWO:
                     p1 = tl.load(w_ptr + rows1[:, None] * stride_wn + kh[None, :], mask=n_ok[:, None] & (kh < K // 2)[None, :], other=0)
                     s1 = tl.load(s_ptr + rows1[:, None] * stride_sn + kg[None, :], mask=n_ok[:, None] & (kg < K // 32)[None, :], other=0)
-                    acc1 += tl.dot_scaled(a, None, "bf16", tl.trans(p1), s1, "e2m1")
+                    if SWAP:
+                        acc1 += tl.dot_scaled(p1, s1, "e2m1", tl.trans(a), None, "bf16")
+                    else:
+                        acc1 += tl.dot_scaled(a, None, "bf16", tl.trans(p1), s1, "e2m1")
             else:
                 kk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = kk < K
@@ -233,12 +397,18 @@ if triton is not None:
                 if F32DOT:
                     a = a.to(tl.float32)
                     w0 = w0.to(tl.float32)
-                acc0 += tl.dot(a, tl.trans(w0))
+                if SWAP:
+                    acc0 += tl.dot(w0, tl.trans(a))
+                else:
+                    acc0 += tl.dot(a, tl.trans(w0))
                 if TWO:
                     w1 = tl.load(w_ptr + rows1[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                     if F32DOT:
                         w1 = w1.to(tl.float32)
-                    acc1 += tl.dot(a, tl.trans(w1))
+                    if SWAP:
+                        acc1 += tl.dot(w1, tl.trans(a))
+                    else:
+                        acc1 += tl.dot(a, tl.trans(w1))
         return acc0, acc1
 
     @triton.jit
@@ -250,22 +420,16 @@ if triton is not None:
         return slot, rm, pairs, pairs < P
 
     @triton.jit
-    def _moe_gemm1(
-        x_ptr, stride_xm,
-        h_ptr, stride_hm,
-        sorted_pairs_ptr, block_slot_ptr, num_blocks_ptr,
-        w_ptr, stride_we, stride_wn,
-        s_ptr, stride_se, stride_sn,
-        b_ptr, stride_be,
+    def _gemm1_tile(
+        pid_m, pid_n,
+        x_ptr, stride_xm, h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr,
+        w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be,
         P, alpha, limit,
         I: tl.constexpr, K: tl.constexpr, UP_OFF: tl.constexpr, ROW_MUL: tl.constexpr,
         TOPK: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
+        A_LOAD: tl.constexpr, SWAP: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        if pid_m >= tl.load(num_blocks_ptr):
-            return
         slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
         tok = pairs // TOPK
         j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -274,12 +438,19 @@ if triton is not None:
         up_rows = j * ROW_MUL + UP_OFF
         w_base = w_ptr + slot * stride_we
         s_base = s_ptr + slot * stride_se
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP:  # the weight tile is the MMA's M side: accumulators [BN, BM]
+            acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_g, acc_u = _gemm_rows(
             acc_g, acc_u, x_ptr, tok, p_ok, stride_xm, w_base, s_base, stride_wn, stride_sn,
-            gate_rows, up_rows, j_ok, K, FP4, True, BLOCK_K, DECODE, F32DOT,
+            gate_rows, up_rows, j_ok, K, FP4, True, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
         )
+        if SWAP:
+            acc_g = tl.trans(acc_g)
+            acc_u = tl.trans(acc_u)
         # the weights' dtype is bf16 (or decoded to bf16): round the projections as a bf16 matmul would
         g = to_bf16(acc_g, F32DOT).to(tl.float32)
         u = to_bf16(acc_u, F32DOT).to(tl.float32)
@@ -296,7 +467,79 @@ if triton is not None:
             h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
         tl.store(h_ptr + rm[:, None] * stride_hm + j[None, :], to_bf16(h, F32DOT), mask=p_ok[:, None] & j_ok[None, :])
 
+    @triton.jit(do_not_specialize=["P"])
+    def _moe_gemm1(
+        x_ptr, stride_xm,
+        h_ptr, stride_hm,
+        sorted_pairs_ptr, block_slot_ptr, num_blocks_ptr,
+        w_ptr, stride_we, stride_wn,
+        s_ptr, stride_se, stride_sn,
+        b_ptr, stride_be,
+        P, alpha, limit,
+        I: tl.constexpr, K: tl.constexpr, UP_OFF: tl.constexpr, ROW_MUL: tl.constexpr,
+        TOPK: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
+        A_LOAD: tl.constexpr, SWAP: tl.constexpr, RASTER: tl.constexpr, PERSIST: tl.constexpr,
+    ):
+        N_TILES: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
+        nb = tl.load(num_blocks_ptr)
+        if PERSIST:  # a fixed number of programs, each walking tiles (n tiles of one block consecutively)
+            tile = tl.program_id(0)
+            while tile < nb * N_TILES:
+                _gemm1_tile(
+                    tile // N_TILES, tile % N_TILES,
+                    x_ptr, stride_xm, h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr,
+                    w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, alpha, limit,
+                    I, K, UP_OFF, ROW_MUL, TOPK, FP4, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
+                )
+                tile += tl.num_programs(0)
+        else:
+            if RASTER == 0:  # a 2-D grid (m blocks, n tiles)
+                pid_m = tl.program_id(0)
+                pid_n = tl.program_id(1)
+            else:  # a 1-D grid: consecutive programs walk the n tiles of one m block
+                pid_m = tl.program_id(0) // N_TILES
+                pid_n = tl.program_id(0) % N_TILES
+            if pid_m < nb:
+                _gemm1_tile(
+                    pid_m, pid_n,
+                    x_ptr, stride_xm, h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr,
+                    w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, alpha, limit,
+                    I, K, UP_OFF, ROW_MUL, TOPK, FP4, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
+                )
+
     @triton.jit
+    def _gemm2_tile(
+        pid_m, pid_n,
+        h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
+        w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be,
+        P,
+        N: tl.constexpr, K: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
+        A_LOAD: tl.constexpr, SWAP: tl.constexpr,
+    ):
+        slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc, _unused = _gemm_rows(
+            acc, acc, h_ptr, rm, p_ok, stride_hm, w_ptr + slot * stride_we, s_ptr + slot * stride_se,
+            stride_wn, stride_sn, n, n, n_ok, K, FP4, False, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
+        )
+        if SWAP:
+            acc = tl.trans(acc)
+        y = to_bf16(acc, F32DOT).to(tl.float32)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + slot * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+            y = to_bf16(y + b[None, :], F32DOT).to(tl.float32)
+        rw = tl.load(rw_ptr + pairs, mask=p_ok, other=0.0).to(tl.float32)
+        y = y * rw[:, None]
+        tl.store(y_ptr + pairs[:, None].to(tl.int64) * stride_ym + n[None, :], y, mask=p_ok[:, None] & n_ok[None, :])
+
+    @triton.jit(do_not_specialize=["P"])
     def _moe_gemm2(
         h_ptr, stride_hm,
         y_ptr, stride_ym,
@@ -308,26 +551,52 @@ if triton is not None:
         N: tl.constexpr, K: tl.constexpr,
         FP4: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
+        A_LOAD: tl.constexpr, SWAP: tl.constexpr, RASTER: tl.constexpr, PERSIST: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        if pid_m >= tl.load(num_blocks_ptr):
-            return
-        slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc, _unused = _gemm_rows(
-            acc, acc, h_ptr, rm, p_ok, stride_hm, w_ptr + slot * stride_we, s_ptr + slot * stride_se,
-            stride_wn, stride_sn, n, n, n_ok, K, FP4, False, BLOCK_K, DECODE, F32DOT,
-        )
-        y = to_bf16(acc, F32DOT).to(tl.float32)
-        if HAS_BIAS:
-            b = tl.load(b_ptr + slot * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
-            y = to_bf16(y + b[None, :], F32DOT).to(tl.float32)
-        rw = tl.load(rw_ptr + pairs, mask=p_ok, other=0.0).to(tl.float32)
-        y = y * rw[:, None]
-        tl.store(y_ptr + pairs[:, None].to(tl.int64) * stride_ym + n[None, :], y, mask=p_ok[:, None] & n_ok[None, :])
+        N_TILES: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+        nb = tl.load(num_blocks_ptr)
+        if PERSIST:
+            tile = tl.program_id(0)
+            while tile < nb * N_TILES:
+                _gemm2_tile(
+                    tile // N_TILES, tile % N_TILES,
+                    h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
+                    w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P,
+                    N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
+                )
+                tile += tl.num_programs(0)
+        else:
+            if RASTER == 0:  # a 2-D grid (m blocks, n tiles)
+                pid_m = tl.program_id(0)
+                pid_n = tl.program_id(1)
+            else:  # a 1-D grid: consecutive programs walk the n tiles of one m block
+                pid_m = tl.program_id(0) // N_TILES
+                pid_n = tl.program_id(0) % N_TILES
+            if pid_m < nb:
+                _gemm2_tile(
+                    pid_m, pid_n,
+                    h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
+                    w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P,
+                    N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
+                )
+
+    @triton.jit
+    def _fp4_decode_kernel(w_ptr, s_ptr, out_ptr, N, stride_wn, stride_sn, stride_on, K: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, EMULATE: tl.constexpr,
+                           JOIN: tl.constexpr):
+        """The GEMMs' weight decode alone: packed rows -> bf16 rows (tests hold every decode to mxfp4.dequantize)."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        k0 = tl.program_id(1) * BLOCK_K
+        w_lo, w_hi = _fp4_tiles(w_ptr, s_ptr, rows, row_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE, EMULATE, JOIN)
+        if JOIN:
+            kk = k0 + tl.arange(0, BLOCK_K)
+            tl.store(out_ptr + rows[:, None] * stride_on + kk[None, :], w_lo, mask=row_ok[:, None] & (kk < K)[None, :])
+        else:
+            ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            ok = row_ok[:, None] & (ke < K)[None, :]
+            tl.store(out_ptr + rows[:, None] * stride_on + ke[None, :], w_lo, mask=ok)
+            tl.store(out_ptr + rows[:, None] * stride_on + (ke + 1)[None, :], w_hi, mask=ok)
 
     @triton.jit
     def _moe_combine(y_ptr, valid_ptr, out_ptr, N: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
@@ -447,6 +716,60 @@ class ExpertWeights:
         return self.intermediate if self.up_off is None else self.up_off
 
 
+def _grid(c: MoeConfig, max_blocks: int, n_tiles: int) -> tuple[int, ...]:
+    if c.persist:
+        return (max(1, min(max_blocks * n_tiles, c.persist * runtime.sm_count())),)
+    if c.raster:
+        return (max_blocks * n_tiles,)
+    return (max_blocks, n_tiles)
+
+
+def _run(kernel, grid, args, kwargs, warmup: bool):
+    """Launch, or (warmup) only compile: inside `triton.AsyncCompileMode` the compiles of many configs overlap."""
+    if warmup:
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    return kernel[grid](*args, **kwargs)
+
+
+def _flags(c: MoeConfig, fp4: bool) -> dict:
+    """The kernels' constexprs of a config (fields a path does not read are normalized: no duplicate compiles)."""
+    if c.decode not in (DECODE_SELECT, DECODE_F32_BITS, DECODE_SCALED, DECODE_BF16_BITS) or c.a_load not in (A_GATHER, A_SPLIT, A_JOIN):
+        raise ValueError(f"unknown decode {c.decode} or a_load {c.a_load}")
+    if c.block_k < 32 or c.block_k & (c.block_k - 1) or c.block_m < 16 or c.block_n < 16:
+        raise ValueError(f"block_k must be a power of two >= 32 and block_m, block_n >= 16: {c}")
+    if fp4 and c.decode == DECODE_SCALED and runtime.interpreting():
+        raise ValueError("decode 2 (tl.dot_scaled) does not run under Triton's interpreter")
+    decode = c.decode if fp4 else DECODE_SELECT
+    a_load = c.a_load if fp4 and decode != DECODE_SCALED else A_GATHER
+    return dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DECODE=decode, F32DOT=runtime.interpreting(),
+                A_LOAD=a_load, SWAP=c.swap_ab, RASTER=c.raster, PERSIST=c.persist > 0,
+                num_warps=c.num_warps, num_stages=c.num_stages)
+
+
+def launch_gemm1(x: torch.Tensor, r: Routing, w: ExpertWeights, h: torch.Tensor, c: MoeConfig, topk: int, warmup: bool = False):
+    """h[block rows] = act(x[token of each pair] @ w1[slot]^T (+ b1)): the gate/up GEMM over all routing blocks."""
+    inter, hdim = w.intermediate, x.shape[1]
+    s1 = w.s1 if w.fp4 else w.w1
+    b1 = w.b1 if w.b1 is not None else w.w1
+    args = (x, x.stride(0), h, h.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks,
+            w.w1, w.w1.stride(0), w.w1.stride(1), s1, s1.stride(0), s1.stride(1), b1, b1.stride(0),
+            r.num_pairs, float(w.alpha), float(w.limit))
+    kwargs = dict(I=inter, K=hdim, UP_OFF=w.up_offset, ROW_MUL=w.row_mul, TOPK=topk, FP4=w.fp4, HAS_BIAS=w.b1 is not None, ACT=w.act,
+                  **_flags(c, w.fp4))
+    return _run(_moe_gemm1, _grid(c, r.max_blocks, triton_cdiv(inter, c.block_n)), args, kwargs, warmup)
+
+
+def launch_gemm2(h: torch.Tensor, r: Routing, w: ExpertWeights, y: torch.Tensor, rw: torch.Tensor, c: MoeConfig, warmup: bool = False):
+    """y[pair] = (h[block row] @ w2[slot]^T (+ b2)) * routing weight: the down GEMM over all routing blocks."""
+    inter, hdim = w.intermediate, w.hidden
+    s2 = w.s2 if w.fp4 else w.w2
+    b2 = w.b2 if w.b2 is not None else w.w2
+    args = (h, h.stride(0), y, y.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks, rw,
+            w.w2, w.w2.stride(0), w.w2.stride(1), s2, s2.stride(0), s2.stride(1), b2, b2.stride(0), r.num_pairs)
+    kwargs = dict(N=hdim, K=inter, FP4=w.fp4, HAS_BIAS=w.b2 is not None, **_flags(c, w.fp4))
+    return _run(_moe_gemm2, _grid(c, r.max_blocks, triton_cdiv(hdim, c.block_n)), args, kwargs, warmup)
+
+
 def moe_forward(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -457,15 +780,17 @@ def moe_forward(
     n_valid: torch.Tensor | None = None,
     config: MoeConfig | None = None,
     config2: MoeConfig | None = None,
-) -> torch.Tensor:
-    """x [T, H] bf16, topk_ids/weights [T, k] -> [T, H] in x's dtype. Triton on CUDA (or under TRITON_INTERPRET)."""
+    warmup: bool = False,
+) -> torch.Tensor | None:
+    """x [T, H] bf16, topk_ids/weights [T, k] -> [T, H] in x's dtype. Triton on CUDA (or under TRITON_INTERPRET).
+    `warmup`: compile both GEMMs' kernels for these configs without running them (returns None)."""
     t, hdim = x.shape
     topk = topk_ids.shape[1]
     inter = w.intermediate
     if config is None:
-        config = default_config(inter, hdim, topk, w.fp4)
+        config = default_config(inter, hdim, topk, w.fp4, gemm=1)
     if config2 is None:
-        config2 = default_config(hdim, inter, topk, w.fp4)
+        config2 = default_config(hdim, inter, topk, w.fp4, gemm=2)
     bm = config.block_m
     if config2.block_m != bm:
         raise ValueError("both GEMMs share the routing blocks: block_m must match")
@@ -474,31 +799,28 @@ def moe_forward(
     dev = x.device
     h = torch.empty((r.max_blocks * bm, inter), dtype=torch.bfloat16, device=dev)
     y = torch.empty((r.num_pairs, hdim), dtype=torch.float32, device=dev)
-    out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
     rw = topk_weights.reshape(-1).contiguous()
+    if warmup:
+        launch_gemm1(x, r, w, h, config, topk, warmup=True)
+        launch_gemm2(h, r, w, y, rw, config2, warmup=True)
+        return None
+    out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
+    launch_gemm1(x, r, w, h, config, topk)
+    launch_gemm2(h, r, w, y, rw, config2)
     f32dot = runtime.interpreting()
-    s1 = w.s1 if w.fp4 else w.w1
-    s2 = w.s2 if w.fp4 else w.w2
-    b1 = w.b1 if w.b1 is not None else w.w1
-    b2 = w.b2 if w.b2 is not None else w.w2
-    grid1 = (r.max_blocks, triton_cdiv(inter, config.block_n))
-    _moe_gemm1[grid1](
-        x, x.stride(0), h, h.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks,
-        w.w1, w.w1.stride(0), w.w1.stride(1), s1, s1.stride(0), s1.stride(1), b1, b1.stride(0),
-        r.num_pairs, float(w.alpha), float(w.limit),
-        I=inter, K=hdim, UP_OFF=w.up_offset, ROW_MUL=w.row_mul, TOPK=topk, FP4=w.fp4, HAS_BIAS=w.b1 is not None, ACT=w.act,
-        BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, DECODE=config.decode, F32DOT=f32dot,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    grid2 = (r.max_blocks, triton_cdiv(hdim, config2.block_n))
-    _moe_gemm2[grid2](
-        h, h.stride(0), y, y.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks, rw,
-        w.w2, w.w2.stride(0), w.w2.stride(1), s2, s2.stride(0), s2.stride(1), b2, b2.stride(0),
-        r.num_pairs, N=hdim, K=inter,
-        FP4=w.fp4, HAS_BIAS=w.b2 is not None,
-        BLOCK_M=bm, BLOCK_N=config2.block_n, BLOCK_K=config2.block_k, DECODE=config2.decode, F32DOT=f32dot,
-        num_warps=config2.num_warps, num_stages=config2.num_stages,
-    )
     block = min(1024, triton.next_power_of_2(hdim))
     _moe_combine[(t, triton_cdiv(hdim, block))](y, r.pair_valid, out, hdim, TOPK=topk, BLOCK=block, EMULATE=f32dot)
+    return out
+
+
+def decode_fp4(blocks: torch.Tensor, scales: torch.Tensor, decode: int, a_load: int = A_JOIN, block_k: int = 64) -> torch.Tensor:
+    """MXFP4 rows (blocks [N, K/2], scales [N, K/32]) -> bf16 [N, K] through the GEMMs' own weight decode (`decode`, and
+    the K-order join of A_JOIN or the even/odd halves otherwise): what the kernels multiply by. For tests."""
+    if decode == DECODE_SCALED:
+        raise ValueError("decode 2 (tl.dot_scaled) decodes inside the dot: there are no decoded weights to return")
+    n, k = blocks.shape[0], blocks.shape[1] * 2
+    out = torch.empty((n, k), dtype=torch.bfloat16, device=blocks.device)
+    grid = (triton_cdiv(n, 16), triton_cdiv(k, block_k))
+    _fp4_decode_kernel[grid](blocks, scales, out, n, blocks.stride(0), scales.stride(0), out.stride(0), K=k, BLOCK_N=16,
+                             BLOCK_K=block_k, DECODE=decode, EMULATE=runtime.interpreting(), JOIN=a_load == A_JOIN)
     return out

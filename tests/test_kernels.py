@@ -167,52 +167,146 @@ def test_fused_align_equals_torch_align(t, k, e, bm, nv, slots):
     assert int(a.num_blocks) == int(b.num_blocks) and torch.equal(a.pair_valid, b.pair_valid)
 
 
+# The GEMM variants (kernels.moe.SWEEP_VARIANTS*) on small shapes: tiles shrunk to the shapes (several K steps).
+_TEST_BASE = MoeConfig(block_m=16, block_n=32, block_k=32, num_stages=1, decode=1)
+
+
+def _variant_configs(fields: dict, k1: int = 64, k2: int = 32) -> tuple[MoeConfig, MoeConfig]:
+    import dataclasses
+
+    c = dataclasses.replace(_TEST_BASE, **fields)
+    return dataclasses.replace(c, block_k=min(c.block_k, k1)), dataclasses.replace(c, block_k=min(c.block_k, k2))
+
+
+def _cpu_variants(table: dict, fp4: bool) -> list:
+    from kernels.moe import GPU_ONLY_VARIANTS
+
+    return [pytest.param(fp4, name, table[name], id=f"{'fp4' if fp4 else 'bf16'}-{name}") for name in table if name not in GPU_ONLY_VARIANTS]
+
+
+def _all_cpu_variants() -> list:
+    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16
+
+    return _cpu_variants(SWEEP_VARIANTS, True) + _cpu_variants(SWEEP_VARIANTS_BF16, False)
+
+
 @needs_triton
-@pytest.mark.parametrize("fp4,decode", [(False, 0), (True, 0), (True, 1)])
-@pytest.mark.parametrize("act,bias", [(ACT_SILU, False), (ACT_GPTOSS, True)])
-def test_moe_kernel_matches_reference(fp4, decode, act, bias):
+@pytest.mark.parametrize("fp4,name,fields", [pytest.param(False, "select", {}, id="bf16-select"), pytest.param(True, "select", dict(decode=0), id="fp4-select")] + _all_cpu_variants())
+def test_moe_kernel_matches_reference(fp4, name, fields, monkeypatch):
+    from kernels import runtime
     from kernels.moe import moe_forward
 
+    monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)  # persistent variants: few programs, each looping
+    # every variant with both activations would double the time: the epilogue is shared, alternate them instead
+    act, bias = (ACT_GPTOSS, True) if sum(map(ord, name)) % 2 else (ACT_SILU, False)
     w = _experts(act=act, bias=bias, fp4=fp4)
     x, ids, wts = _routing(5, 6, 2)
-    cfg = MoeConfig(block_m=16, block_n=32, block_k=32, num_stages=1, decode=decode)
-    out = moe_forward(x, ids, wts, w, 6, config=cfg, config2=cfg)
+    c1, c2 = _variant_configs(fields)
+    out = moe_forward(x, ids, wts, w, 6, config=c1, config2=c2)
     ref = moe_reference(x, ids, wts, w, 6)
     assert (out.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max() + 1e-3
 
 
 @needs_triton
-def test_moe_kernel_slots_padding_and_interleaved_rows():
-    from kernels.moe import moe_forward
+@pytest.mark.parametrize("fp4,name", [(False, None), (False, "swap64"), (True, "join_bf16_swap64"), (True, "join_bf16_persist")])
+def test_moe_kernel_slots_padding_and_interleaved_rows(fp4, name, monkeypatch):
+    from kernels import runtime
+    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward
 
-    w = _experts(act=ACT_GPTOSS, bias=True)
+    monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
+    w = _experts(act=ACT_GPTOSS, bias=True, fp4=fp4)
     x, ids, wts = _routing(5, 6, 2)
     # the same experts stored gpt-oss style (gate/up rows interleaved) in shuffled slots
     perm = torch.tensor([4, 0, 5, 2, 1, 3])  # slot s holds expert perm[s]
     slot_of = torch.argsort(perm).to(torch.int32)
-    inter = w.w1.shape[1] // 2
+    inter = w.intermediate
     order = torch.stack([torch.arange(inter), torch.arange(inter) + inter], 1).reshape(-1)  # g0 u0 g1 u1 ...
-    wi = ExpertWeights(w.w1[perm][:, order], w.w2[perm], b1=w.b1[perm][:, order], b2=w.b2[perm], row_mul=2, up_off=1, act=ACT_GPTOSS)
-    cfg = MoeConfig(block_m=16, block_n=32, block_k=32, num_stages=1)
-    out = moe_forward(x, ids, wts, wi, 6, slot_of_expert=slot_of, n_valid=torch.tensor([3]), config=cfg, config2=cfg)
+    s1 = None if not fp4 else w.s1[perm][:, order]
+    s2 = None if not fp4 else w.s2[perm]
+    wi = ExpertWeights(w.w1[perm][:, order], w.w2[perm], s1, s2, b1=w.b1[perm][:, order], b2=w.b2[perm], row_mul=2, up_off=1, act=ACT_GPTOSS)
+    c1, c2 = _variant_configs({} if name is None else (SWEEP_VARIANTS if fp4 else SWEEP_VARIANTS_BF16)[name])
+    out = moe_forward(x, ids, wts, wi, 6, slot_of_expert=slot_of, n_valid=torch.tensor([3]), config=c1, config2=c2)
     ref = moe_reference(x, ids, wts, w, 6, n_valid=3)
     assert (out[:3].float() - ref[:3].float()).abs().max() <= 0.02 * ref.float().abs().max() + 1e-3
     assert torch.equal(out[3:], torch.zeros_like(out[3:]))
 
 
 @needs_triton
-def test_moe_kernel_rows_do_not_depend_on_other_rows():
-    from kernels.moe import moe_forward
+@pytest.mark.parametrize("name", ["join_bf16", "split_bf16", "join"])
+def test_moe_kernel_reduction_with_a_partial_last_k_step(name):
+    """K = 96 with 64-wide K steps (as gpt-oss's K = 2880 with 128): the last step is half masked."""
+    from kernels.moe import SWEEP_VARIANTS, moe_forward
 
-    w = _experts(fp4=True)
-    cfg = MoeConfig(block_m=16, block_n=32, block_k=32, num_stages=1)
+    g = torch.Generator().manual_seed(5)
+    w1, w2 = (torch.randn(4, 64, 96, generator=g) * 0.2).bfloat16(), (torch.randn(4, 96, 32, generator=g) * 0.2).bfloat16()
+    q = mxfp4.MXFP4Experts.quantize(w1, w2)
+    w = ExpertWeights(q.w1_blocks, q.w2_blocks, q.w1_scales, q.w2_scales)
+    x = torch.randn(6, 96, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)])
+    wts = torch.softmax(torch.randn(6, 2, generator=g), -1)
+    c1, c2 = _variant_configs({**SWEEP_VARIANTS[name], "block_k": 64}, k1=64, k2=32)
+    out = moe_forward(x, ids, wts, w, 4, config=c1, config2=c2)
+    ref = moe_reference(x, ids, wts, w, 4)
+    assert (out.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max() + 1e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("decode,a_load", [(0, 0), (0, 2), (1, 0), (1, 2), (3, 0), (3, 2)])
+def test_fp4_decodes_give_the_exact_bf16_weights(decode, a_load):
+    """Every byte value at every scale byte the fast decodes cover (0..128; decode 0 reads scale 0 as 0) decodes to
+    mxfp4.dequantize's bf16 value (bit for bit, but for decode 0's +0 where E2M1 code 8 means -0). Under the interpreter, fp32 -> bf16 casts flush subnormals (the GPU
+    keeps them): decodes 0/1 are checked there on values of at least 2^-126 (tests/test_kernels_gpu.py: all)."""
+    from kernels.moe import FAST_DECODE_MAX_SCALE, decode_fp4
+
+    n, k = 16, 512
+    blocks = torch.stack([torch.arange(256, dtype=torch.uint8).roll(17 * i) for i in range(n)])
+    scales = (torch.arange(n * k // 32) % (FAST_DECODE_MAX_SCALE + 1)).to(torch.uint8).reshape(n, k // 32)
+    ref = mxfp4.dequantize(blocks, scales, torch.bfloat16)
+    out = decode_fp4(blocks, scales, decode, a_load)
+    check = scales.repeat_interleave(32, 1) >= (1 if decode == 0 else 0)
+    if decode != 3 and runtime.interpreting():
+        check &= (ref == 0) | (ref.float().abs() >= 2.0**-126)
+    assert check.sum() > n * k // 2
+    assert torch.equal(out[check].float(), ref[check].float())  # exact bf16 values (== compares +0 and -0 equal)
+    if decode != 0:
+        assert torch.equal(out.view(torch.int16)[check], ref.view(torch.int16)[check])
+
+
+@needs_triton
+@pytest.mark.parametrize("fp4,name", [(True, "base"), (True, "join_bf16"), (True, "join_bf16_swap64"), (True, "join_bf16_persist"), (False, "swap64")])
+def test_moe_kernel_rows_do_not_depend_on_other_rows(fp4, name, monkeypatch):
+    from kernels import runtime
+    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward
+
+    monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
+    w = _experts(fp4=fp4)
+    c1, c2 = _variant_configs((SWEEP_VARIANTS if fp4 else SWEEP_VARIANTS_BF16)[name])
     x, ids, wts = _routing(20, 6, 2, seed=3)
-    alone = moe_forward(x[:1], ids[:1], wts[:1], w, 6, config=cfg, config2=cfg)
+    alone = moe_forward(x[:1], ids[:1], wts[:1], w, 6, config=c1, config2=c2)
     for t in (2, 7, 20):
         perm = torch.randperm(t, generator=torch.Generator().manual_seed(t))
         where = int((perm == 0).nonzero())
-        out = moe_forward(x[:t][perm], ids[:t][perm], wts[:t][perm], w, 6, config=cfg, config2=cfg)
+        out = moe_forward(x[:t][perm], ids[:t][perm], wts[:t][perm], w, 6, config=c1, config2=c2)
         assert torch.equal(out[where], alone[0])
+
+
+def test_default_config_takes_the_sweep_winners(monkeypatch):
+    import dataclasses
+
+    from kernels import moe
+
+    base1, base2 = moe.base_config(768, 2048, 8, True), moe.base_config(2048, 768, 8, True)
+    assert moe.default_config(768, 2048, 8, True, gemm=1) == moe.variant_config(768, 2048, 8, True, moe.FP4_DEFAULT)
+    monkeypatch.setattr(moe, "FP4_DEFAULT", dict(a_load=moe.A_JOIN, decode=moe.DECODE_BF16_BITS))
+    monkeypatch.setattr(moe, "SHAPE_OVERRIDES", {(2, 2048, 768, True): dict(swap_ab=True, block_n=64)})
+    fp4_default = dict(a_load=moe.A_JOIN, decode=moe.DECODE_BF16_BITS)
+    assert moe.default_config(768, 2048, 8, True, gemm=1) == dataclasses.replace(base1, **fp4_default)
+    assert moe.default_config(2048, 768, 8, True, gemm=2) == dataclasses.replace(base2, **fp4_default, swap_ab=True, block_n=64)
+    assert moe.default_config(2048, 768, 8, True, gemm=1) == dataclasses.replace(base2, **fp4_default)  # keyed by GEMM too
+    assert moe.default_config(768, 2048, 8, False) == moe.base_config(768, 2048, 8, False)  # bf16: BF16_DEFAULT only
+    for table in (moe.SWEEP_VARIANTS, moe.SWEEP_VARIANTS_BF16):  # every named variant is a valid config
+        for fields in table.values():
+            assert moe.variant_config(768, 2048, 8, True, fields).block_m == 16
 
 
 @needs_triton

@@ -67,12 +67,58 @@ def test_moe_matches_reference(model, fp4, t):
     ref = moe_reference(x, ids, wts, w, e)
     decodes = (0, 1) if fp4 else (0,)
     for decode in decodes:
-        c1 = default_config(w.intermediate, w.hidden, ids.shape[1], fp4)
-        c2 = default_config(w.hidden, w.intermediate, ids.shape[1], fp4)
+        c1 = default_config(w.intermediate, w.hidden, ids.shape[1], fp4, gemm=1)
+        c2 = default_config(w.hidden, w.intermediate, ids.shape[1], fp4, gemm=2)
         c1, c2 = (MoeConfig(**{**c.__dict__, "decode": decode}) for c in (c1, c2))
         out = moe_forward(x, ids, wts, w, e, config=c1, config2=c2)
         err = (out.float() - ref.float()).abs().max().item()
         assert err <= 0.02 * ref.float().abs().max().item() + 1e-4, (decode, err)
+
+
+def _variant_params() -> list:
+    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16
+
+    return [pytest.param(True, n, id=f"fp4-{n}") for n in SWEEP_VARIANTS] + [pytest.param(False, n, id=f"bf16-{n}") for n in SWEEP_VARIANTS_BF16]
+
+
+@pytest.mark.parametrize("fp4,name", _variant_params())
+@pytest.mark.parametrize("model", ["small", "qwen3-30b-a3b", "gpt-oss-20b"])
+def test_moe_variants_match_reference(model, fp4, name):
+    """Every GEMM variant the sweep times (kernels.moe.SWEEP_VARIANTS*), compiled, at 1 and 16 tokens."""
+    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward, variant_config
+    from kernels.reference import moe_reference
+
+    w = _weights(model, fp4)
+    e, k, h, i = SHAPES[model]
+    fields = (SWEEP_VARIANTS if fp4 else SWEEP_VARIANTS_BF16)[name]
+    c1, c2 = variant_config(i, h, k, fp4, fields), variant_config(h, i, k, fp4, fields)
+    for t in (1, 16):
+        x, ids, wts = _tokens(model, t, seed=t)
+        ref = moe_reference(x, ids, wts, w, e)
+        out = moe_forward(x, ids, wts, w, e, config=c1, config2=c2)
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err <= 0.02 * ref.float().abs().max().item() + 1e-4, (t, err)
+
+
+@pytest.mark.parametrize("decode,a_load", [(0, 0), (0, 2), (1, 0), (1, 2), (3, 0), (3, 2)])
+def test_fp4_decodes_give_the_exact_bf16_weights(decode, a_load):
+    """The GEMMs' weight decode on the GPU: every byte value at every scale byte a decode covers gives
+    mxfp4.dequantize's bf16 value bit for bit, subnormals included (decode 0: scales 1..254, +0 for -0;
+    decodes 1 and 3: 0..FAST_DECODE_MAX_SCALE)."""
+    from kernels import mxfp4
+    from kernels.moe import FAST_DECODE_MAX_SCALE, decode_fp4
+
+    top = 254 if decode == 0 else FAST_DECODE_MAX_SCALE
+    lo = 1 if decode == 0 else 0
+    n, k = 64, 512
+    blocks = torch.stack([torch.arange(256, dtype=torch.uint8).roll(37 * r) for r in range(n)]).to(DEV)
+    scales = (lo + torch.arange(n * k // 32) % (top - lo + 1)).to(torch.uint8).reshape(n, k // 32).to(DEV)
+    ref = mxfp4.dequantize(blocks, scales, torch.bfloat16)
+    for block_k in (64, 128, 256):
+        out = decode_fp4(blocks, scales, decode, a_load, block_k=block_k)
+        assert torch.equal(out.float(), ref.float()), block_k  # +0 == -0
+        if decode != 0:
+            assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), block_k
 
 
 @pytest.mark.parametrize("t", [1, 7, 64, 2048])
@@ -88,19 +134,24 @@ def test_fused_align_equals_torch_align(t):
 
 
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "gpt-oss-20b"])
-@pytest.mark.parametrize("fp4", [False, True])
-def test_moe_rows_are_bit_identical_whatever_the_other_rows(model, fp4):
-    from kernels.moe import moe_forward
+@pytest.mark.parametrize("fp4,variant", [(False, None), (True, None), (True, "join_bf16"), (True, "join_bf16_swap64"),
+                                         (True, "join_bf16_persist"), (True, "scaled_swap64"), (False, "swap64"), (False, "persist")])
+def test_moe_rows_are_bit_identical_whatever_the_other_rows(model, fp4, variant):
+    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward, variant_config
 
     w = _weights(model, fp4)
-    e = SHAPES[model][0]
+    e, k, h, i = SHAPES[model]
+    cfg = {}
+    if variant is not None:  # None: the default configs
+        fields = (SWEEP_VARIANTS if fp4 else SWEEP_VARIANTS_BF16)[variant]
+        cfg = dict(config=variant_config(i, h, k, fp4, fields), config2=variant_config(h, i, k, fp4, fields))
     x0, ids0, w0 = _tokens(model, 1, seed=99)
-    alone = moe_forward(x0, ids0, w0, w, e)
+    alone = moe_forward(x0, ids0, w0, w, e, **cfg)
     for t in (2, 3, 8, 16, 31, 64, 128, 256):
         x, ids, wts = _tokens(model, t, seed=t)
         where = t // 2
         x[where], ids[where], wts[where] = x0[0], ids0[0], w0[0]
-        out = moe_forward(x, ids, wts, w, e)
+        out = moe_forward(x, ids, wts, w, e, **cfg)
         assert torch.equal(out[where], alone[0]), t
 
 
