@@ -117,7 +117,7 @@ def expert_weights(module: nn.Module, experts_format: str = "native") -> ExpertW
         w1b, w1s = mxfp4.quantize(w1)
         w2b, w2s = mxfp4.quantize(w2)
         bias = (lambda b: None if b is None else b.data.to(torch.bfloat16))
-        return ExpertWeights(w1b, w2b, w1s, w2s, bias(b1), bias(b2), **kw)
+        return ExpertWeights(w1b, w2b, w1s, w2s, bias(b1), bias(b2), **kw, big_scales=mxfp4.big_scales(w1s, w2s))
     if experts_format != "native":
         raise ValueError(f"experts_format must be 'native' or 'mxfp4', got {experts_format!r}")
     return ExpertWeights(w1, w2, None, None, None if b1 is None else b1.data, None if b2 is None else b2.data, **kw)

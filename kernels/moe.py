@@ -698,6 +698,9 @@ class ExpertWeights:
     act: int = ACT_SILU
     alpha: float = 1.702
     limit: float = 7.0
+    # MXFP4 only: some scale byte is above 128 (a block with |w| > 12). The bit-placing decoders (1, 3) fold the
+    # scale into one power of two that cannot go that high, so these weights are decoded by exact selects (0).
+    big_scales: bool = False
 
     @property
     def fp4(self) -> bool:
@@ -791,6 +794,9 @@ def moe_forward(
         config = default_config(inter, hdim, topk, w.fp4, gemm=1)
     if config2 is None:
         config2 = default_config(hdim, inter, topk, w.fp4, gemm=2)
+    if w.fp4 and w.big_scales:
+        config, config2 = (dataclasses.replace(c, decode=DECODE_SELECT) if c.decode in (DECODE_F32_BITS, DECODE_BF16_BITS) else c
+                           for c in (config, config2))
     bm = config.block_m
     if config2.block_m != bm:
         raise ValueError("both GEMMs share the routing blocks: block_m must match")

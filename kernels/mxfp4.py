@@ -215,3 +215,9 @@ class MXFP4Experts:
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
         return dequantize(self.w1_blocks, self.w1_scales, dtype), dequantize(self.w2_blocks, self.w2_scales, dtype)
+
+
+def big_scales(*scales: torch.Tensor) -> bool:
+    """Whether any E8M0 scale byte is above 128 (2^1: a block whose largest |w| exceeds 12). The kernels' fast
+    decoders cannot represent those blocks' scale and fall back to exact selects (kernels.moe)."""
+    return any(bool((s > 128).any()) for s in scales)

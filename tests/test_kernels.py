@@ -208,6 +208,28 @@ def test_moe_kernel_matches_reference(fp4, name, fields, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("name", ["base", "join_bf16"])
+def test_fp4_weights_with_scales_above_two_are_decoded_exactly(name):
+    """A block with |w| > 12 needs a scale byte > 128, which the bit-placing decoders cannot fold into one power of
+    two: the weights say so (big_scales) and the kernel decodes them by exact selects, whatever the config asks."""
+    from kernels.moe import SWEEP_VARIANTS, moe_forward
+
+    w = _experts(fp4=True)
+    w1 = w.w1.clone()
+    s1 = w.s1.clone()
+    s1[0, 0, 0] = 140  # 2^13: that block's values are now up to 6 * 8192
+    big = ExpertWeights(w1, w.w2, s1, w.s2, act=w.act)
+    assert not big.big_scales and mxfp4.big_scales(s1)
+    big = ExpertWeights(w1, w.w2, s1, w.s2, act=w.act, big_scales=True)
+    x, ids, wts = _routing(5, 6, 2)
+    ids[:, 0] = 0  # every token uses expert 0, whose first gate row holds the big block
+    c1, c2 = _variant_configs(SWEEP_VARIANTS[name])
+    out = moe_forward(x * 1e-4, ids, wts, big, 6, config=c1, config2=c2).float()
+    ref = moe_reference(x * 1e-4, ids, wts, big, 6).float()
+    assert ref.abs().max() > 0 and (out - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3
+
+
+@needs_triton
 @pytest.mark.parametrize("fp4,name", [(False, None), (False, "swap64"), (True, "join_bf16_swap64"), (True, "join_bf16_persist")])
 def test_moe_kernel_slots_padding_and_interleaved_rows(fp4, name, monkeypatch):
     from kernels import runtime

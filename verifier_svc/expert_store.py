@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from kernels.installer import expert_weights, experts_modules, num_experts_of
-from kernels.mxfp4 import ExpertLayout
+from kernels.mxfp4 import ExpertLayout, big_scales
 from kernels.moe import ExpertWeights
 
 
@@ -38,6 +38,7 @@ class HostExpertStore:
             for e in range(n):
                 self._row[(layer, e)] = len(self._row)
         self.arena = torch.zeros(len(self._row), layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.big_scales = False  # some scale byte > 128 (kernels.mxfp4.big_scales): the kernels decode exactly
 
     @property
     def slice_bytes(self) -> int:
@@ -67,6 +68,7 @@ class HostExpertStore:
         views["w1_scales"][rows] = w.s1.cpu()
         views["w2_blocks"][rows] = w.w2.cpu()
         views["w2_scales"][rows] = w.s2.cpu()
+        self.big_scales = self.big_scales or big_scales(w.s1, w.s2)
         if self.layout.has_bias:
             views["b1"][rows] = w.b1.cpu()
             views["b2"][rows] = w.b2.cpu()
@@ -76,7 +78,8 @@ class HostExpertStore:
         v = self.layout.views(pool)
         g = self.gate
         return ExpertWeights(v["w1_blocks"], v["w2_blocks"], v["w1_scales"], v["w2_scales"], v.get("b1"), v.get("b2"),
-                             row_mul=g.row_mul, up_off=g.up_off, act=g.act, alpha=g.alpha, limit=g.limit)
+                             row_mul=g.row_mul, up_off=g.up_off, act=g.act, alpha=g.alpha, limit=g.limit,
+                             big_scales=self.big_scales)
 
     def put_expert(self, layer: int, expert: int, parts: dict[str, torch.Tensor]) -> None:
         """Pack one expert's parts (ExpertLayout's section names: w1_blocks, w1_scales, w2_blocks, w2_scales[, b1, b2])
@@ -87,6 +90,7 @@ class HostExpertStore:
                 got = "missing" if name not in parts else f"{parts[name].dtype} {list(parts[name].shape)}"
                 raise ValueError(f"layer {layer} expert {expert}: {name} is {got}, the store holds {v.dtype} {list(v.shape[1:])}")
             v[0].copy_(parts[name])
+        self.big_scales = self.big_scales or big_scales(parts["w1_scales"], parts["w2_scales"])
 
     def layer_weights(self, layer: int, arena: torch.Tensor | None = None) -> ExpertWeights:
         """One layer's experts (slot = expert id) over this arena's rows or a copy of it (e.g. on the device)."""
