@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from pdflash.errors import FailedPrecondition, FieldViolation, check
+from pdflash.logging import get_logger
 from pdflash.validation import sampling_violations
 from pdflash.types import DraftResult, ExpertUnion, FinishReason, SamplingParams, union_bytes
 from verifier_svc.model import TargetModel
@@ -24,6 +25,8 @@ from kernels.attention import PAGE
 from verifier_svc.kv import SequenceKV
 from verifier_svc.session import Session, SessionStore
 from verifier_svc.verify import accept_greedy, accept_sampled, target_probs
+
+log = get_logger("pdflash.verifier.engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +47,7 @@ class PagedKVOptions:
     mode: str = "auto"  # auto (with the kernels), on, off
     kv_cache_gb: float = 0.0  # 0 = a quarter of the device's free memory on CUDA, 0.25 GiB on a CPU
     graphs: bool = True
+    capture_at_load: bool = True  # capture every bucket's graph at load, not on its first use
 
     def enabled(self, target: TargetModel) -> bool:
         if self.mode == "off":
@@ -95,9 +99,9 @@ class VerifierCore:
         # The paged KV pool and the layer-by-layer forward (verifier_svc.runner) when the kernels are installed:
         # CUDA graphs replay it per block-size bucket. Otherwise transformers' DynamicCache and model forward.
         self.pool = self.runner = self.graphs = None
+        self.max_block_size = max_block_size
         if paged_kv is not None and paged_kv.enabled(target):
             self._init_paged(paged_kv)
-        self.max_block_size = max_block_size
         self.max_tokens_limit = max_tokens_limit
         # CPU threads for prefill forwards (0 = as verify forwards). A prompt is compute-bound and the
         # other services wait for it; a verify block is latency-bound and shares the machine with them.
@@ -120,6 +124,10 @@ class VerifierCore:
         # offloaded experts sync once per layer (which experts to fetch): one graph per stretch between them
         if opts.graphs and t.device.type == "cuda":
             self.graphs = GraphRunner(self.runner, (t.max_context + PAGE - 1) // PAGE, segmented=t.expert_cache is not None)
+            if opts.capture_at_load:  # the buckets of drafts without features (a drafter's feature layers: on first use)
+                t0 = time.perf_counter()
+                n = self.graphs.capture(max_rows=self.max_block_size)
+                log.info("cuda graphs captured", graphs=n, seconds=round(time.perf_counter() - t0, 2))
 
     @contextlib.contextmanager
     def _prefill_threads(self):

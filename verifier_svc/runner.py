@@ -191,6 +191,17 @@ class GraphRunner:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
+    def capture(self, feature_layers=(), max_rows: int | None = None) -> int:
+        """Capture every bucket up to `max_rows` now (at load) rather than on a bucket's first use, where the capture
+        would land inside somebody's verify. Returns the graphs captured."""
+        n = 0
+        for b in self.buckets:
+            key = (b, tuple(feature_layers))
+            if (max_rows is None or b <= max_rows) and key not in self._graphs:
+                self._graphs[key] = self._kind(self.runner, b, self.max_pages, tuple(feature_layers), self.scratch_page)
+                n += 1
+        return n
+
     def forward(self, tokens: list[int], start: int, seq: SequenceKV, feature_layers=()) -> tuple[ForwardOut, int]:
         """Returns the output (logits of the bucket's rows: the first len(tokens) are real) and the real row count."""
         n = len(tokens)
