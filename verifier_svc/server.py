@@ -71,9 +71,10 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         threads = await torch_thread.run(torch_thread.configure, verify_threads)
         target = await torch_thread.run(load_target, model_dir, resolve_device(cfg.device), cfg.dtype, cfg.kernels, cfg.experts,
                                         cfg.expert_cache_gb, cfg.expert_prefetch)
-        core = VerifierCore(target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size, cfg.max_tokens_limit,
-                            prefill_threads=prefill_threads,
-                            paged_kv=PagedKVOptions(cfg.paged_kv, cfg.kv_cache_gb, cfg.cuda_graphs))
+        # on the torch thread: on CUDA it captures the verify forward's graphs (seconds; health answers meanwhile)
+        core = await torch_thread.run(VerifierCore, target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size,
+                                      cfg.max_tokens_limit, prefill_threads=prefill_threads,
+                                      paged_kv=PagedKVOptions(cfg.paged_kv, cfg.kv_cache_gb, cfg.cuda_graphs))
         if cfg.verify_inline(target.device.type, threads):  # threads: the verify forwards' count in effect
             if target.device.type == "cpu":
                 torch.set_num_threads(threads)  # OpenMP's thread count is per thread: this one's, as the torch thread's
