@@ -137,3 +137,17 @@ def test_the_stack_serves_offloaded_experts_as_it_serves_them_cached(tiny, tmp_p
         finally:
             stack.stop()
     assert outs[0] == outs[1] and outs[0][0] == outs[0][1]
+
+
+def test_pdflash_up_passes_the_expert_options_to_the_verifier():
+    from pdflash.cli import _spec, build_parser
+    from pdflash.stack import Stack
+
+    s = _spec(build_parser().parse_args(["up", "--experts", "mxfp4", "--expert-cache-gb", "2", "--expert-prefetch", "layer"]))
+    assert s.verifier_args == ["--experts", "mxfp4", "--expert-cache-gb", "2", "--expert-prefetch", "layer"]
+    cmd = Stack(s)._cmd("verifier")
+    assert cmd[cmd.index("--expert-prefetch") + 1] == "layer"
+    assert _spec(build_parser().parse_args(["up"])).verifier_args == []
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["up", "--expert-prefetch", "everything"])
+    assert e.value.code == 2
