@@ -151,3 +151,32 @@ def test_pdflash_up_passes_the_expert_options_to_the_verifier():
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["up", "--expert-prefetch", "everything"])
     assert e.value.code == 2
+
+
+def test_a_projection_streamed_in_from_another_thread_mid_forward_changes_nothing(tiny):
+    """The servicer calls cache.arriving() the moment a Verify arrives, from its own thread, while another verify's
+    forward may be running: with a thread hammering the cache that way during every forward, the tokens stay the
+    same and the forwards' pinned slots are never taken."""
+    import random
+    import threading
+
+    ref, gb = _gpt_oss_reference(tiny)
+    core = _core(tiny, "gpt_oss", gb)
+    cache = core.target.expert_cache
+    n = cache.store.num_experts
+    assert cache.arriving({99: {0}, min(n): {-1, 10**6}}) == 0  # unknown layers and out-of-range experts are ignored
+    stop = threading.Event()
+    rng = random.Random(0)
+
+    def hammer():
+        while not stop.is_set():
+            cache.arriving({l: {rng.randrange(e) for _ in range(3)} for l, e in n.items()})
+
+    t = threading.Thread(target=hammer)
+    t.start()
+    try:
+        got = _run(core, list(range(3, 40)), _no_drafts)
+    finally:
+        stop.set()
+        t.join()
+    assert got == ref and cache.stats.prefetched > 0

@@ -10,7 +10,9 @@ host store (verifier_svc/expert_store.py) and read by the grouped MoE kernel thr
   cache streams in a window ahead of the forward instead of evicting itself; with `layer_ahead` the experts call
   also prefetches what the next layer's router picks for this layer's input. A prefetch only takes free slots and
   slots nobody is waiting for: it never evicts a pinned slot or a prefetched one not yet used; `wasted_bytes`
-  counts prefetched slices evicted before any forward used them;
+  counts prefetched slices evicted before any forward used them. `arriving(projection)` is called by the servicer
+  the moment a Verify arrives, from its own thread, while the verify before it may still run: it streams the first
+  window of the new projection at once (every method holds the cache's lock; a forward's pinned slots stay put);
 - on CUDA the copies run on two side streams, one for a forward's misses and one for prefetches, so a miss never
   queues behind a long prefetch. Each slot remembers the event after its copy (the compute stream waits for the
   newest copy per stream that a layer needs, not for the whole queue) and the event after the last kernel that
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 
 import torch
 
@@ -95,6 +98,7 @@ class ExpertCache:
         self._window = 0
         self.time_copies = time_copies and self._cuda
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._lock = threading.RLock()  # the forward's thread and the servicer's (arriving) share the cache
 
     @property
     def num_slots(self) -> int:
@@ -168,7 +172,7 @@ class ExpertCache:
         self.stats.bytes_moved += self.store.slice_bytes
         return slot
 
-    def lookup(self, layer: int, experts) -> torch.Tensor:
+    def _lookup_unlocked(self, layer: int, experts) -> torch.Tensor:
         """Make `experts` of `layer` resident and pinned; returns the layer's slot table (device int32 [E]), valid on
         the current stream once the copies the layer needs are done (the stream waits for them)."""
         experts = sorted(set(int(e) for e in experts))
@@ -203,7 +207,7 @@ class ExpertCache:
             self.tables[layer].copy_(self._host_tables[layer])
         return self.tables[layer]
 
-    def release(self) -> None:
+    def _release_unlocked(self) -> None:
         """Unpin everything; on CUDA the pinned slots remember the point of the compute stream after the kernels
         queued so far (a later copy into one of them waits for it)."""
         if self._cuda and self._pinned:
@@ -213,7 +217,7 @@ class ExpertCache:
                 self._used[slot] = ev
         self._pinned.clear()
 
-    def prefetch(self, union: dict[int, frozenset[int] | set[int]]) -> int:
+    def _prefetch_unlocked(self, union: dict[int, frozenset[int] | set[int]]) -> int:
         """Bring a projected union in, layer by layer in order, best effort (free slots and least recently used
         ones nobody waits for). Returns the slices copied."""
         moved = 0
@@ -231,24 +235,60 @@ class ExpertCache:
                 moved += 1
         return moved
 
-    def begin(self, projection: dict[int, frozenset[int] | set[int]]) -> int:
+    def _begin_unlocked(self, projection: dict[int, frozenset[int] | set[int]]) -> int:
         """A verify arrives with its projected union: prefetch the layers that fit in half the cache (the window),
         remember the rest for `advance`. Returns the slices copied."""
         self._projection = {l: frozenset(e) for l, e in projection.items() if l in self._host_tables and e}
         if not self._projection:
             self._window = 0
             return 0
-        per_layer = max(1.0, sum(len(e) for e in self._projection.values()) / len(self._projection))
-        self._window = max(1, int(self.num_slots / 2 / per_layer))
+        self._window = self._window_of(self._projection)
         layers = sorted(self._projection)
-        return self.prefetch({l: self._projection[l] for l in layers[: self._window]})
+        return self._prefetch_unlocked({l: self._projection[l] for l in layers[: self._window]})
 
-    def advance(self, layer: int) -> int:
+    def _advance_unlocked(self, layer: int) -> int:
         """Layer `layer`'s experts are running: prefetch the projection `window` layers further on."""
         if not self._projection:
             return 0
         ahead = layer + self._window
-        return self.prefetch({ahead: self._projection[ahead]}) if ahead in self._projection else 0
+        return self._prefetch_unlocked({ahead: self._projection[ahead]}) if ahead in self._projection else 0
+
+    def _window_of(self, projection: dict) -> int:
+        per_layer = max(1.0, sum(len(e) for e in projection.values()) / max(1, len(projection)))
+        return max(1, int(self.num_slots / 2 / per_layer))
+
+    # the public methods: one at a time across threads
+    def lookup(self, layer: int, experts) -> torch.Tensor:
+        with self._lock:
+            return self._lookup_unlocked(layer, experts)
+
+    def release(self) -> None:
+        with self._lock:
+            self._release_unlocked()
+
+    def prefetch(self, union) -> int:
+        with self._lock:
+            return self._prefetch_unlocked(union)
+
+    def begin(self, projection) -> int:
+        with self._lock:
+            return self._begin_unlocked(projection)
+
+    def advance(self, layer: int) -> int:
+        with self._lock:
+            return self._advance_unlocked(layer)
+
+    def arriving(self, projection: dict[int, frozenset[int] | set[int]]) -> int:
+        """A verify has arrived (the one before it may still be running): prefetch the first window of its projected
+        union now. Experts outside the model's range are ignored (the verify itself validates them)."""
+        with self._lock:
+            valid = {l: frozenset(e for e in es if 0 <= int(e) < self.store.num_experts[l])
+                     for l, es in projection.items() if l in self._host_tables}
+            valid = {l: es for l, es in valid.items() if es}
+            if not valid:
+                return 0
+            layers = sorted(valid)[: self._window_of(valid)]
+            return self._prefetch_unlocked({l: valid[l] for l in layers})
 
     def copy_ms(self) -> float:
         """GPU time of the copies issued since the last call (time_copies=True; waits for them)."""

@@ -190,6 +190,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             request.ticket_tokens or len(draft.tokens), request.ticket_expert_bytes or draft.expert_bytes,
             request.ticket_expires_at_unix, block_tokens=len(draft.tokens), block_bytes=draft.expert_bytes,
         )
+        cache = self.core.target.expert_cache
+        if cache is not None and cache.prefetch_union and draft.expert_union:
+            # stream the projection in now, while the verify before this one may still hold the device (the cache's
+            # lock is held by a forward only while it books a layer's experts: a short wait at most)
+            cache.arriving(draft.expert_union)
         out, queued = await self._run(self.core.verify, draft, request.return_features, inline=self.inline_verify)
         self._observe(out, t_start, prefill=False)
         log.debug("verify", request_id=request.request_id, session_id=draft.session_id, round=draft.round,
