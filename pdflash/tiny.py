@@ -99,13 +99,7 @@ def make_tiny_checkpoint(out_dir: str | pathlib.Path, arch: str = "qwen3_moe", s
     cfg = tiny_config(arch, vocab_size=len(tok), eos_id=tok.convert_tokens_to_ids(EOS), num_layers=num_layers)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.generation_config.eos_token_id = cfg.eos_token_id
-    model.generation_config.pad_token_id = cfg.eos_token_id
-    if mxfp4:
-        save_gpt_oss_mxfp4(model, out)
-    else:
-        model.save_pretrained(str(out), safe_serialization=True)
-    return out
+    return _save(model, out, mxfp4)
 
 
 def real_shape_config(arch: str, vocab_size: int = 4096, num_layers: int = 2, eos_id: int = 0):
@@ -148,8 +142,13 @@ def make_real_shape_checkpoint(out_dir: str | pathlib.Path, arch: str, num_layer
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.generation_config.eos_token_id = cfg.eos_token_id
-    model.generation_config.pad_token_id = cfg.eos_token_id
+    return _save(model, out, mxfp4)
+
+
+def _save(model, out: pathlib.Path, mxfp4: bool) -> pathlib.Path:
+    """Write a made model (its eos as the generation config's eos and pad) as safetensors, or in gpt-oss's MXFP4 form."""
+    model.generation_config.eos_token_id = model.config.eos_token_id
+    model.generation_config.pad_token_id = model.config.eos_token_id
     if mxfp4:
         save_gpt_oss_mxfp4(model, out)
     else:

@@ -128,7 +128,6 @@ def test_up_serves_a_model_of_ones_own(tiny, tmp_path, arch):
     assert not any(n in everything for n in NOISE), everything[-6000:]
 
 
-@pytest.mark.skipif(not (DEMO_DRAFTER / "config.json").exists(), reason="the embedded drafter is not shipped")
 def test_up_refuses_a_drafter_made_for_another_target_before_anything_starts(tiny, tmp_path):
     logs = tmp_path / "logs"
     up = Up(tmp_path, "--model", str(tiny.target("mixtral")), "--drafter", str(DEMO_DRAFTER), "--log-dir", str(logs))
