@@ -10,8 +10,8 @@ layers, 128 experts top-8), random bf16 weights built on the GPU, experts quanti
 In process (VerifierCore, no RPC: a checkpoint of these sizes is not written to disk here), one request at a time,
 greedy, 128-token prompts (a random 32-token phrase said four times), `--new-tokens` each. Rows per cache size:
 block 1 (no drafts); n-gram drafting at block 16; a replay drafter at block 16 that proposes the block-1
-continuation with every 3rd draft wrong (tau ~3, labelled as such). Verify forwards run eagerly (no CUDA graphs
-while experts are offloaded: each layer syncs once to learn its experts).
+continuation with every 3rd draft wrong (tau ~3, labelled as such). Verify forwards replay segmented CUDA graphs
+(verifier_svc/runner.py: one graph per layer, the experts kernels inside; each layer syncs once to learn its experts).
 
 Columns: output tok/s; expert bytes moved host->device per output token; the achieved H2D rate of the expert copies
 (their GPU time) as a fraction of a plain pinned copy of same-size slices; the fraction of copy time hidden under
@@ -120,11 +120,15 @@ def use_cache(core, fraction: float):
     total = sum(store.num_experts.values())
     core.target.expert_cache = None
     del old
+    if core.graphs is not None:
+        core.graphs.reset()  # the graphs read the old cache's pool
     torch.cuda.empty_cache()
     slots = max(min_slots(store), round(fraction * total))
     cache = ExpertCache(store, slots, DEVICE, need=min_slots(store), time_copies=True)
     serve_offloaded_experts(core.target.model, cache, drop_native=False)
     core.target.expert_cache = cache
+    if core.graphs is not None:
+        core.graphs.capture(max_rows=core.max_block_size)  # now, not inside the first measured verify
     return cache
 
 

@@ -168,48 +168,83 @@ def _experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index
     return moe_forward(hidden_states, top_k_index, top_k_weights, w, module._pdflash_num_experts, n_valid=valid)
 
 
+def routing_mask(module, cache, x, top_k_index, valid: int | None = None, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Device bool mask of the experts this layer routes to ([E]), followed with `cache.layer_ahead` by the experts the
+    next layer's router picks for this layer's input ([E] more). Rows >= `valid` (a host int: sliced off) or >=
+    `valid_rows` (a device tensor: masked, no sync, so a CUDA graph can capture it) are padding and count for nothing."""
+    n = module._pdflash_num_experts
+    nxt = getattr(module, "_pdflash_next_router", None) if cache.layer_ahead else None
+    width = 2 * n if nxt is not None else n
+    mask = torch.zeros(width + 1, dtype=torch.bool, device=x.device)  # the last entry: where padding rows point
+    ids, rows = top_k_index, x.reshape(-1, x.shape[-1])
+    if valid is not None:
+        ids, rows = ids[:valid], rows[:valid]
+    pad = None
+    if valid is None and valid_rows is not None:
+        pad = (torch.arange(ids.shape[0], device=ids.device) >= valid_rows)[:, None]
+        ids = ids.masked_fill(pad, width)
+    mask.index_fill_(0, ids.reshape(-1), True)  # (no host scalar copied in: capturable)
+    if nxt is not None:
+        guess = _predict_experts(rows, nxt) + n
+        mask.index_fill_(0, (guess if pad is None else guess.masked_fill(pad, width)).reshape(-1), True)
+    return mask[:width]
+
+
+def admit_layer(cache, layer: int, n: int, flags: list[bool]) -> tuple[torch.Tensor, list[int]]:
+    """The host side of one layer, given its routing mask read back: make the routed experts resident and pinned
+    (the current stream waits for their copies; the layer's slot table is refreshed on it). Returns the slot table
+    and the next layer's predicted experts (for `after_layer`)."""
+    mine = [e for e in range(n) if flags[e]]
+    guess = [e - n for e in range(n, len(flags)) if flags[e]]
+    return cache.lookup(layer, mine), guess
+
+
+def after_layer(cache, layer: int, guess: list[int]) -> None:
+    """Once the layer's kernels are queued: prefetch the next layer's predicted experts (needed soonest), then the
+    projection's window one layer further."""
+    if guess:
+        cache.prefetch({layer + 1: guess})
+    cache.advance(layer)
+
+
 def offloaded_experts(module, offload, x, top_k_index, top_k_weights, valid: int | None = None,
                       valid_rows: torch.Tensor | None = None):
     """Experts served from an expert cache (duck-typed: `lookup(layer, ids) -> slot table`, `release()`,
-    `prefetch(union)`, `advance(layer)`, `weights`, `layer_ahead`): the routed experts of this layer are made resident (one host
-    sync per layer: a mask of the routed experts read back), then the grouped kernel reads them through the slot
+    `prefetch(union)`, `advance(layer)`, `weights`, `layer_ahead`), eagerly: the routed experts of this layer are made
+    resident (one host sync per layer: `routing_mask` read back), then the grouped kernel reads them through the slot
     table (the torch reference without a usable Triton). With `layer_ahead`, the next layer's router applied to this
     layer's input picks the experts to prefetch for it (read in the same sync), so their copies run while this layer
     and the next one's attention compute. A prediction only moves bytes early; what a layer computes depends on its
     own routing alone. `valid` / `valid_rows`: the real rows as a host int and as the kernel's device tensor (both
-    None: the forward context's, else all rows)."""
+    None: the forward context's, else all rows). The segmented CUDA graphs (verifier_svc.runner) run the same steps
+    with the kernels inside their graphs."""
     cache, layer = offload
     if valid is None:
         ctx = _forward_ctx.get()
         if ctx is not None and ctx.valid_rows is not None:
             valid_rows = ctx.valid_rows
             valid = int(valid_rows)
-    ids = top_k_index if valid is None else top_k_index[:valid]
     n = module._pdflash_num_experts
-    nxt = getattr(module, "_pdflash_next_router", None) if cache.layer_ahead else None
-    mask = torch.zeros(2 * n if nxt is not None else n, dtype=torch.bool, device=x.device)
-    mask[ids.reshape(-1)] = True
-    if nxt is not None:
-        rows = x if valid is None else x[:valid]
-        mask[n + _predict_experts(rows, nxt).reshape(-1)] = True
-    flags = mask.tolist()  # the one host sync of the layer
-    mine = [e for e in range(n) if flags[e]]
-    guess = [e - n for e in range(n, len(flags)) if flags[e]]
-    table = cache.lookup(layer, mine)
+    flags = routing_mask(module, cache, x, top_k_index, valid=valid).tolist()  # the one host sync of the layer
+    table, guess = admit_layer(cache, layer, n, flags)
     try:
-        if x.device.type == "cuda" and runtime.triton is not None:
-            CALLS["experts"] += 1
-            out = moe_forward(x, top_k_index, top_k_weights, cache.weights, n, slot_of_expert=table, n_valid=valid_rows)
-        else:
-            from kernels.reference import moe_reference
-
-            out = moe_reference(x, top_k_index, top_k_weights, cache.weights, n, slot_of_expert=table, n_valid=valid).to(x.dtype)
+        out = offloaded_kernel(x, top_k_index, top_k_weights, cache, n, table, valid, valid_rows)
     finally:
         cache.release()
-    if guess:  # the next layer first: it is needed soonest
-        cache.prefetch({layer + 1: guess})
-    cache.advance(layer)
+    after_layer(cache, layer, guess)
     return out
+
+
+def offloaded_kernel(x, top_k_index, top_k_weights, cache, n: int, table: torch.Tensor, valid: int | None,
+                     valid_rows: torch.Tensor | None) -> torch.Tensor:
+    """The grouped kernel over the cache's slot pool through a layer's slot table (the torch reference without a
+    usable Triton). Pure device work: a CUDA graph can capture it."""
+    if x.device.type == "cuda" and runtime.triton is not None:
+        CALLS["experts"] += 1
+        return moe_forward(x, top_k_index, top_k_weights, cache.weights, n, slot_of_expert=table, n_valid=valid_rows)
+    from kernels.reference import moe_reference
+
+    return moe_reference(x, top_k_index, top_k_weights, cache.weights, n, slot_of_expert=table, n_valid=valid).to(x.dtype)
 
 
 def _predict_experts(x: torch.Tensor, router: nn.Module) -> torch.Tensor:

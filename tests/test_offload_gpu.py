@@ -61,5 +61,16 @@ def test_offloaded_equals_resident_mxfp4_for_every_prefetch_mode(checkpoint, mon
         assert st.bytes_moved == (st.misses + st.prefetched) * store.slice_bytes
         if "layer" in prefetch:
             assert st.prefetched > 0
+        if prefetch == "none":  # the experts move to another cache: the graphs (they read the old pool) are captured anew
+            from kernels.installer import serve_offloaded_experts
+            from verifier_svc.expert_cache import ExpertCache, min_slots
+
+            old = [g for g in core.graphs._graphs.values()]
+            moved = ExpertCache(cache.store, cache.num_slots + 2, "cuda", need=min_slots(cache.store), prefetch="union,layer")
+            serve_offloaded_experts(core.target.model, moved, drop_native=False)
+            core.target.expert_cache = moved
+            assert _run(core, prompts[1], _replay(refs[1], 3, vocab), width=16) == refs[1]
+            assert moved.stats.lookups > 0 and not any(g in old for g in core.graphs._graphs.values())
+            del moved, old
         del core, cache
         torch.cuda.empty_cache()

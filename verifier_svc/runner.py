@@ -121,29 +121,30 @@ class _Graph:
 
 
 class _SegmentedGraph(_Graph):
-    """The forward of a model whose experts are offloaded, as one CUDA graph per stretch between two experts calls
-    (embeddings + layer 0 up to its router; the rest of layer 0 + layer 1 up to its router; ...; the last layer's
-    rest + norm + LM head). Between the graphs the host runs each layer's experts eagerly: one sync to read the
-    routed experts, the cache's copies, the grouped kernel writing into a static buffer the next graph reads. The
-    graphs share one memory pool and replay in capture order (the rule for sharing a pool)."""
+    """The forward of a model whose experts are offloaded, as one CUDA graph per stretch between two layers' routing
+    decisions: graph 0 = embeddings + layer 0 up to its router + the mask of its routed (and, with layer-ahead
+    prefetch, next-layer predicted) experts; graph l + 1 = layer l's grouped experts kernels (reading the cache's slot
+    pool through layer l's slot table, a static device tensor) + the rest of layer l + layer l + 1 up to its mask; the
+    last graph ends with the norm and the LM head. Between two graphs the host does only what needs the host: one
+    sync to read the layer's mask, the cache's bookkeeping and copies (the stream waits for the copies the layer needs
+    and refreshes the slot table), and the prefetches. The graphs share one memory pool and replay in capture order
+    (the rule for sharing a pool). A graph is tied to the expert caches it was captured over (`caches`)."""
 
     def __init__(self, runner: ForwardRunner, bucket: int, max_pages: int, feature_layers: tuple[int, ...], scratch_page: int):
         dev = runner.pool.device
         self._static_inputs(runner, bucket, max_pages, scratch_page)
         args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers, False)
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.steps: list[tuple] = []  # (experts module, x, ids, weights, out buffer) per experts call
+        self.steps: list[tuple] = []  # (module, cache, layer, device mask) per experts call, in forward order
         self._pool = torch.cuda.graph_pool_handle()
-        self._bucket = bucket
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            runner.forward_tensors(*args)  # warm-up: Triton compiles, the allocator settles
+            runner.forward_tensors(*args)  # warm-up, eager: Triton compiles, the allocator settles, the cache fills
             self._begin()
             self.out = runner.forward_tensors(*args, segments=self)
             self._current.capture_end()
             self.graphs.append(self._current)
-            self._current.replay()
         torch.cuda.current_stream(dev).wait_stream(side)
 
     def _begin(self) -> None:
@@ -151,36 +152,43 @@ class _SegmentedGraph(_Graph):
         self._current.capture_begin(pool=self._pool)
 
     def split(self, module, offload, x, top_k_index, top_k_weights):
-        """Called by the experts forward during the capture: close the graph so far, run it (the experts need its
-        real outputs), run the experts, open the next graph, hand it the experts' output buffer."""
-        from kernels.installer import offloaded_experts
+        """Called by the experts forward during the capture: the layer's routing mask ends the graph so far; the next
+        graph starts with the experts kernels over the slot table the host will have refreshed before replaying it."""
+        from kernels.installer import offloaded_kernel, routing_mask
 
+        cache, layer = offload
+        mask = routing_mask(module, cache, x, top_k_index, valid_rows=self.valid)
         self._current.capture_end()
         self.graphs.append(self._current)
-        self._current.replay()
-        out = offloaded_experts(module, offload, x, top_k_index, top_k_weights, valid=self._bucket, valid_rows=self.valid)
-        buf = out.clone()
-        self.steps.append((module, x, top_k_index, top_k_weights, buf))
+        self.steps.append((module, cache, layer, mask))
         self._begin()
-        return buf
+        n = module._pdflash_num_experts
+        return offloaded_kernel(x, top_k_index, top_k_weights, cache, n, cache.tables[layer], None, self.valid)
+
+    def stale(self) -> bool:
+        """True once a layer's experts are served by another cache than the one captured (the graphs read its pool)."""
+        return any(module._pdflash_offload[0] is not cache for module, cache, _, _ in self.steps)
 
     def replay(self, n: int) -> None:
-        from kernels.installer import offloaded_experts
+        from kernels.installer import admit_layer, after_layer
 
-        with torch.inference_mode():  # the buffers were made under it
-            self._replay(n, offloaded_experts)
-
-    def _replay(self, n: int, offloaded_experts) -> None:
+        guess, held = None, None
         for i, graph in enumerate(self.graphs):
             graph.replay()
+            if held is not None:  # graph i ran the previous layer's kernels: its slots may move from here on
+                held.release()
+                held = None
             if i < len(self.steps):
-                module, x, ids, weights, buf = self.steps[i]  # the module's cache as of now (it may be swapped)
-                buf.copy_(offloaded_experts(module, module._pdflash_offload, x, ids, weights, valid=n, valid_rows=self.valid))
+                module, cache, layer, mask = self.steps[i]
+                flags = mask.tolist()  # the layer's one host sync
+                _, guess = admit_layer(cache, layer, module._pdflash_num_experts, flags)
+                held = cache
+                after_layer(cache, layer, guess)
 
 
 class GraphRunner:
     """Bucketed CUDA graphs of the verify forward; falls back to eager beyond the largest bucket. `segmented`:
-    offloaded experts run eagerly between per-layer graphs (_SegmentedGraph)."""
+    offloaded experts, one graph per layer with a host step between (_SegmentedGraph)."""
 
     def __init__(self, runner: ForwardRunner, max_pages: int, buckets=BUCKETS, segmented: bool = False):
         self.runner, self.max_pages, self.buckets = runner, max_pages, tuple(sorted(buckets))
@@ -202,6 +210,11 @@ class GraphRunner:
                 n += 1
         return n
 
+    def reset(self) -> None:
+        """Drop every graph (and what they hold: an offloaded model's graphs keep its old cache's pool alive)."""
+        self._graphs.clear()
+        torch.cuda.empty_cache()
+
     def forward(self, tokens: list[int], start: int, seq: SequenceKV, feature_layers=()) -> tuple[ForwardOut, int]:
         """Returns the output (logits of the bucket's rows: the first len(tokens) are real) and the real row count."""
         n = len(tokens)
@@ -210,6 +223,9 @@ class GraphRunner:
             return self.runner.forward(tokens, start, seq, feature_layers), n
         key = (b, tuple(feature_layers))
         g = self._graphs.get(key)
+        if g is not None and getattr(g, "stale", lambda: False)():  # the experts moved to another cache: capture anew
+            self.reset()
+            g = None
         if g is None:
             g = self._graphs[key] = self._kind(self.runner, b, self.max_pages, tuple(feature_layers), self.scratch_page)
         seq.reserve(start + b)  # the padding rows write their (ignored) keys past the real ones
