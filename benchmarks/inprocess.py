@@ -46,16 +46,25 @@ def ngram_propose(i: int, prompt: list[int], out: list[int], k: int, state: dict
     return list(d.propose(seq[-1], k))
 
 
-def core_run(core: VerifierCore, prompts, new_tokens: int, block: int, propose=ngram_propose) -> dict:
+def core_run(core: VerifierCore, prompts, new_tokens: int, block: int, propose=ngram_propose, on_prefill=None) -> dict:
     """Every prompt through prefill and verify rounds of at most `block` tokens, the width adapting as in the stack.
-    propose(prompt index, prompt, emitted tokens, k, per-request state) -> at most k drafts."""
+    propose(prompt index, prompt, emitted tokens, k, per-request state) -> at most k drafts. Besides the totals
+    (`wall_s`, `tokens`: prefills included), the decode alone: `decode_s` (the verify rounds' wall time),
+    `decode_tokens` (the tokens they emitted), `decode_cache` (their expert-cache counters summed, offloaded experts
+    only), and `prefill_s`. `on_prefill()` runs after each prefill, outside both clocks."""
     byte_map = core.target.byte_map
-    tokens = rounds = routed = 0
-    forward_ms = 0.0
+    tokens = rounds = routed = decode_tokens = 0
+    forward_ms = prefill_s = decode_s = 0.0
+    decode_cache = None
     outputs = []
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
+        ta = time.perf_counter()
         pre = core.prefill(PrefillInput("bench", tuple(p), SamplingParams(), new_tokens, ignore_eos=True))
+        prefill_s += time.perf_counter() - ta
+        if on_prefill is not None:
+            on_prefill()
+        tb = time.perf_counter()
         width = VerifyWidth(block)
         state: dict = {}
         out, anchor, union, rnd = list(pre.tokens), pre.tokens[-1], pre.routed_union, 0
@@ -66,17 +75,22 @@ def core_run(core: VerifierCore, prompts, new_tokens: int, block: int, propose=n
             res = core.verify(DraftResult(pre.session_id, rnd, (anchor, *drafts), union, union_bytes(union, byte_map)))
             width.observe(res.num_accepted)
             out += res.tokens
+            decode_tokens += len(res.tokens)
+            if res.expert_cache is not None:
+                decode_cache = res.expert_cache if decode_cache is None else decode_cache.plus(res.expert_cache)
             forward_ms += res.forward_ms
             routed += res.routed_bytes
             anchor, union = res.tokens[-1], res.routed_union
             if res.finished is not None:
                 break
+        decode_s += time.perf_counter() - tb
         rounds += rnd
         tokens += len(out)
         outputs.append(out)
     wall = time.perf_counter() - t0
     return dict(tok_per_s=tokens / wall, rounds=rounds, tokens=tokens, outputs=outputs, wall_s=wall,
-                forward_ms=forward_ms, routed_bytes=routed)
+                forward_ms=forward_ms, routed_bytes=routed, prefill_s=prefill_s, decode_s=decode_s,
+                decode_tokens=decode_tokens, decode_cache=decode_cache)
 
 
 def hf_run(model, prompts, new_tokens: int) -> dict:

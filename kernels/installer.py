@@ -156,6 +156,9 @@ def _experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index
     offload = getattr(module, "_pdflash_offload", None)
     if offload is not None:
         ctx = _forward_ctx.get()
+        if getattr(offload[0], "device_managed", False):  # every decision on the device: no split, no host step
+            return offload[0].forward_experts(module, offload[1], hidden_states, top_k_index, top_k_weights,
+                                              ctx.valid_rows if ctx is not None else None)
         if ctx is not None and ctx.segments is not None:
             return ctx.segments.split(module, offload, hidden_states, top_k_index, top_k_weights)
         return offloaded_experts(module, offload, hidden_states, top_k_index, top_k_weights)

@@ -20,26 +20,31 @@ pytestmark = pytest.mark.slow
 BIG = 1.0  # GiB: every expert of a tiny model fits
 
 
-def tiny_cache_gb(core) -> float:
-    """Room for 9 experts: one layer's 8 (the minimum) + 1, of the 16 of two layers: every forward evicts."""
-    return 9.5 * core.target.expert_cache.store.slice_bytes / 2**30
+MODES = ["device", "host"]  # who decides what the cache holds (verifier_svc.device_cache / expert_cache)
 
 
-def _core(tiny, arch, cache_gb, prefetch="union,layer"):
+def tiny_cache_gb(core, mode: str = "host") -> float:
+    """Of the 16 experts of two layers: every forward evicts. host: room for 9 (one layer's 8, the minimum, + 1);
+    device: 12 (the overflow range of 8 + a partition of 2 per layer)."""
+    return (9.5 if mode == "host" else 12.5) * core.target.expert_cache.store.slice_bytes / 2**30
+
+
+def _core(tiny, arch, cache_gb, prefetch="union,layer", mode="device"):
     from verifier_svc.engine import VerifierCore
     from verifier_svc.model import load_target
 
     return VerifierCore(load_target(tiny.target(arch), "cpu", "auto", experts="mxfp4", expert_cache_gb=cache_gb,
-                                    expert_prefetch=prefetch), max_block_size=8)
+                                    expert_prefetch=prefetch, expert_cache_mode=mode), max_block_size=8)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
-def test_offloaded_equals_every_expert_cached(tiny, arch):
+def test_offloaded_equals_every_expert_cached(tiny, arch, mode):
     import tests.test_gpu_verifier as drive
 
     drive.NEW = 24
-    full = _core(tiny, arch, BIG)
-    small = _core(tiny, arch, tiny_cache_gb(full))
+    full = _core(tiny, arch, BIG, mode=mode)
+    small = _core(tiny, arch, tiny_cache_gb(full, mode), mode=mode)
     cache = small.target.expert_cache
     assert cache.num_slots < sum(cache.store.num_experts.values()) < full.target.expert_cache.num_slots + 1
     assert small.target.byte_map == cache.store.byte_map() and small.target.experts_format == "mxfp4"
@@ -52,10 +57,11 @@ def test_offloaded_equals_every_expert_cached(tiny, arch):
     assert st.bytes_moved == (st.misses + st.prefetched) * cache.store.slice_bytes
 
 
-def test_prefetch_of_a_wrong_projection_changes_nothing(tiny):
+@pytest.mark.parametrize("mode", MODES)
+def test_prefetch_of_a_wrong_projection_changes_nothing(tiny, mode):
     from pdflash.types import DraftResult, union_bytes
 
-    core = _core(tiny, "qwen3_moe", tiny_cache_gb(_core(tiny, "qwen3_moe", BIG)))
+    core = _core(tiny, "qwen3_moe", tiny_cache_gb(_core(tiny, "qwen3_moe", BIG), mode), mode=mode)
     prompt = list(range(3, 30))
     want = _run(core, prompt, _no_drafts)
     s = Session(core, prompt, _no_drafts, 1, False)
@@ -70,19 +76,20 @@ def test_prefetch_of_a_wrong_projection_changes_nothing(tiny):
 
 
 @functools.cache
-def _gpt_oss_reference(tiny):
+def _gpt_oss_reference(tiny, mode: str = "host"):
     full = _core(tiny, "gpt_oss", BIG)
-    return _run(full, list(range(3, 40)), _no_drafts), tiny_cache_gb(full)
+    return _run(full, list(range(3, 40)), _no_drafts), tiny_cache_gb(full, mode)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("prefetch", ["none", "union", "layer", "union,layer"])
-def test_prefetch_modes_change_no_token_and_each_call_reports_its_own_counters(tiny, prefetch):
+def test_prefetch_modes_change_no_token_and_each_call_reports_its_own_counters(tiny, prefetch, mode):
     """Union prefetch, next-layer prediction (the next layer's router on this layer's input), both, neither: the
     same tokens. The counters each prefill/verify returns add up to the cache's totals."""
     from verifier_svc.expert_cache import CacheStats
 
-    ref, gb = _gpt_oss_reference(tiny)
-    core = _core(tiny, "gpt_oss", gb, prefetch)
+    ref, gb = _gpt_oss_reference(tiny, mode)
+    core = _core(tiny, "gpt_oss", gb, prefetch, mode)
     cache = core.target.expert_cache
     assert (cache.prefetch_union, cache.layer_ahead) == ("union" in prefetch, "layer" in prefetch)
     import tests.test_gpu_verifier as drive
@@ -161,7 +168,7 @@ def test_a_projection_streamed_in_from_another_thread_mid_forward_changes_nothin
     import threading
 
     ref, gb = _gpt_oss_reference(tiny)
-    core = _core(tiny, "gpt_oss", gb)
+    core = _core(tiny, "gpt_oss", gb, mode="host")  # (the device-side cache streams a projection inside the forward)
     cache = core.target.expert_cache
     n = cache.store.num_experts
     assert cache.arriving({99: {0}, min(n): {-1, 10**6}}) == 0  # unknown layers and out-of-range experts are ignored

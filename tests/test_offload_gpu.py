@@ -1,9 +1,9 @@
 """Offloaded MXFP4 experts on a CUDA GPU (skipped without one): real layer shapes in bf16 (gpt-oss-20b and
 Qwen3-30B-A3B, two layers, random weights), the experts in a pinned host store served through a device cache far
 smaller than the experts (every forward evicts) give greedy output token for token equal to the same MXFP4 experts
-all resident on the GPU, at block 1 and with drafts at block 16 (forwards replayed from segmented CUDA graphs), with
-every prefetch mode (the projected union,
-next-layer prediction, both, none). The reference is the resident-MXFP4 verifier on the same GPU, bf16, with the
+all resident on the GPU, at block 1 and with drafts at block 16, with every prefetch mode (the projected union,
+next-layer prediction, both, none), for the device-managed cache (every decision and copy inside one CUDA graph per
+forward: verifier_svc.device_cache) and the host-managed one (one graph per layer: verifier_svc.expert_cache). The reference is the resident-MXFP4 verifier on the same GPU, bf16, with the
 same kernels. Run on the GPU machine with `bash benchmarks/gpu.sh OUT tests`."""
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ def checkpoint(request, tmp_path_factory):
     return make_real_shape_checkpoint(tmp_path_factory.mktemp(request.param), request.param, device="cuda")
 
 
-def _core(d, cache_gb: float, prefetch: str = "union,layer"):
+def _core(d, cache_gb: float, prefetch: str = "union,layer", mode: str = "device"):
     from verifier_svc.engine import PagedKVOptions, VerifierCore
     from verifier_svc.model import load_target
 
-    target = load_target(d, "cuda", "auto", kernels="on", experts="mxfp4", expert_cache_gb=cache_gb, expert_prefetch=prefetch)
+    target = load_target(d, "cuda", "auto", kernels="on", experts="mxfp4", expert_cache_gb=cache_gb, expert_prefetch=prefetch,
+                         expert_cache_mode=mode)
     return VerifierCore(target, max_block_size=16, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2))
 
 
@@ -47,26 +48,27 @@ def test_offloaded_equals_resident_mxfp4_for_every_prefetch_mode(checkpoint, mon
     per_layer = max(store.num_experts.values())
     small_gb = (per_layer + 3) * store.slice_bytes / 2**30  # one layer's experts + 3: every forward evicts
     del probe
-    for prefetch in ("union,layer", "none", "union", "layer"):
-        core = _core(checkpoint, small_gb, prefetch)
-        assert core.graphs is not None  # segmented graphs: one per stretch between two experts calls
+    runs = [("union,layer", "device"), ("none", "device"), ("union", "device"), ("layer", "device"), ("union,layer", "host")]
+    for prefetch, mode in runs:
+        core = _core(checkpoint, small_gb if mode == "host" else small_gb + 2 * store.slice_bytes / 2**30, prefetch, mode)
+        assert core.graphs is not None and getattr(core.target.expert_cache, "device_managed", False) == (mode == "device")
         cache = core.target.expert_cache
         assert cache.num_slots < sum(store.num_experts.values())
         for i, (p, ref) in enumerate(zip(prompts, refs)):
             if i == 0 or prefetch in ("union,layer", "none"):
-                assert _run(core, p, _no_drafts) == ref, prefetch
-            assert _run(core, p, _replay(ref, 3, vocab), width=16) == ref, prefetch
+                assert _run(core, p, _no_drafts) == ref, (prefetch, mode)
+            assert _run(core, p, _replay(ref, 3, vocab), width=16) == ref, (prefetch, mode)
         st = cache.stats
         assert st.evictions > 0 and st.hits + st.misses == st.lookups
         assert st.bytes_moved == (st.misses + st.prefetched) * store.slice_bytes
         if "layer" in prefetch:
             assert st.prefetched > 0
-        if prefetch == "none":  # the experts move to another cache: the graphs (they read the old pool) are captured anew
+        if prefetch == "none":  # the experts move to another cache (of the other kind): the graphs are captured anew
             from kernels.installer import serve_offloaded_experts
-            from verifier_svc.expert_cache import ExpertCache, min_slots
+            from verifier_svc.expert_cache import new_cache
 
             old = [g for g in core.graphs._graphs.values()]
-            moved = ExpertCache(cache.store, cache.num_slots + 2, "cuda", need=min_slots(cache.store), prefetch="union,layer")
+            moved = new_cache(cache.store, 0, "cuda", "union,layer", "host", slots=cache.num_slots + 2)
             serve_offloaded_experts(core.target.model, moved, drop_native=False)
             core.target.expert_cache = moved
             assert _run(core, prompts[1], _replay(refs[1], 3, vocab), width=16) == refs[1]

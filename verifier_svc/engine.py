@@ -123,7 +123,7 @@ class VerifierCore:
         self.runner = ForwardRunner(t.model, t.seam, self.pool)
         # offloaded experts sync once per layer (which experts to fetch): one graph per stretch between them
         if opts.graphs and t.device.type == "cuda":
-            self.graphs = GraphRunner(self.runner, (t.max_context + PAGE - 1) // PAGE, segmented=t.expert_cache is not None)
+            self.graphs = GraphRunner(self.runner, (t.max_context + PAGE - 1) // PAGE)
             if opts.capture_at_load:  # the buckets of drafts without features (a drafter's feature layers: on first use)
                 t0 = time.perf_counter()
                 n = self.graphs.capture(max_rows=self.max_block_size)
@@ -211,6 +211,8 @@ class VerifierCore:
         union = rec.union(t.seam.num_experts)
         if t.device.type == "cuda":
             torch.cuda.synchronize(t.device)
+        if getattr(t.expert_cache, "device_managed", False):
+            t.expert_cache.collect()  # its counters live on the device until the forward is done
         return logits, feats, union, (time.perf_counter() - t0) * 1e3
 
     def _forward_paged(self, s: Session, ids: list[int], want_features: bool, last_logits_only: bool):
@@ -226,6 +228,8 @@ class VerifierCore:
         union = out.recorder.union(t.seam.num_experts, rows=rows)
         if t.device.type == "cuda":
             torch.cuda.synchronize(t.device)
+        if getattr(t.expert_cache, "device_managed", False):
+            t.expert_cache.collect()  # its counters live on the device until the forward is done
         return logits, feats, union, (time.perf_counter() - t0) * 1e3
 
     def _emit(self, s: Session, candidates: list[int]) -> list[int]:

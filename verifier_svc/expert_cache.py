@@ -64,15 +64,20 @@ def min_slots(store: HostExpertStore) -> int:
     return max(store.num_experts.values())
 
 
+def check_slots(store: HostExpertStore, num_slots: int, need: int) -> None:
+    """Refuse, at load, a cache too small for one layer's routed experts (a prompt may route to all of them)."""
+    if num_slots < need:
+        raise ValueError(
+            f"the expert cache holds {num_slots} experts ({num_slots * store.slice_bytes / 2**30:.4f} GiB), fewer than one "
+            f"layer's routed experts may need at once: at least {need} slots = {need * store.slice_bytes / 2**30:.4f} GiB "
+            f"({need * store.slice_bytes} bytes)"
+        )
+
+
 class ExpertCache:
     def __init__(self, store: HostExpertStore, num_slots: int, device: torch.device, need: int,
                  prefetch: str = "union,layer", time_copies: bool = False):
-        if num_slots < need:
-            raise ValueError(
-                f"the expert cache holds {num_slots} experts ({num_slots * store.slice_bytes / 2**30:.4f} GiB), fewer than one "
-                f"layer's routed experts may need at once: at least {need} slots = {need * store.slice_bytes / 2**30:.4f} GiB "
-                f"({need * store.slice_bytes} bytes)"
-            )
+        check_slots(store, num_slots, need)
         self.store, self.device = store, torch.device(device)
         kinds = {p.strip() for p in prefetch.split(",")}
         self.prefetch_union = "union" in kinds  # read by the verifier core when a verify arrives
@@ -298,3 +303,21 @@ class ExpertCache:
             total += start.elapsed_time(done)
         self._timed.clear()
         return total
+
+
+MODES = ("device", "host")
+
+
+def new_cache(store: HostExpertStore, gib: float, device, prefetch: str = "union,layer", mode: str = "device",
+              time_copies: bool = False, slots: int | None = None):
+    """The expert cache of a `gib` GiB budget (or exactly `slots` slots). mode "device": every decision on the device
+    (verifier_svc.device_cache; the forward is one CUDA graph); "host": decided on the host, one sync per layer
+    (ExpertCache above)."""
+    if mode not in MODES:
+        raise ValueError(f"--expert-cache-mode {mode!r}: choose device or host")
+    if mode == "device":
+        from verifier_svc.device_cache import DeviceExpertCache as kind
+    else:
+        kind = ExpertCache
+    n = kind.slots_for(store, gib) if slots is None else slots
+    return kind(store, n, device, need=min_slots(store), prefetch=prefetch, time_copies=time_copies)

@@ -88,11 +88,18 @@ class ForwardRunner:
         return self.forward_tensors(ids, pos, seq.table.unsqueeze(0), pages, offsets, None, tuple(feature_layers), last_only)
 
 
+def _served_by(model) -> list[tuple]:
+    from kernels.installer import experts_modules
+
+    return [(m, m._pdflash_offload[0]) for m in experts_modules(model).values() if getattr(m, "_pdflash_offload", None) is not None]
+
+
 class _Graph:
     def __init__(self, runner: ForwardRunner, bucket: int, max_pages: int, feature_layers: tuple[int, ...], scratch_page: int):
         dev = runner.pool.device
         self._static_inputs(runner, bucket, max_pages, scratch_page)
         args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers, False)
+        self._served = _served_by(runner.model)  # offloaded experts: the graph reads these caches' state
         # warm up on a side stream (Triton compiles, the allocator settles), then capture
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -119,6 +126,10 @@ class _Graph:
     def replay(self, n: int) -> None:
         self.graph.replay()
 
+    def stale(self) -> bool:
+        """True once an experts module is served by another cache than the one captured."""
+        return any(getattr(module, "_pdflash_offload", (None,))[0] is not cache for module, cache in self._served)
+
 
 class _SegmentedGraph(_Graph):
     """The forward of a model whose experts are offloaded, as one CUDA graph per stretch between two layers' routing
@@ -128,12 +139,13 @@ class _SegmentedGraph(_Graph):
     last graph ends with the norm and the LM head. Between two graphs the host does only what needs the host: one
     sync to read the layer's mask, the cache's bookkeeping and copies (the stream waits for the copies the layer needs
     and refreshes the slot table), and the prefetches. The graphs share one memory pool and replay in capture order
-    (the rule for sharing a pool). A graph is tied to the expert caches it was captured over (`caches`)."""
+    (the rule for sharing a pool). A graph is tied to the expert caches it was captured over (`stale`)."""
 
     def __init__(self, runner: ForwardRunner, bucket: int, max_pages: int, feature_layers: tuple[int, ...], scratch_page: int):
         dev = runner.pool.device
         self._static_inputs(runner, bucket, max_pages, scratch_page)
         args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers, False)
+        self._served = _served_by(runner.model)
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.steps: list[tuple] = []  # (module, cache, layer, device mask) per experts call, in forward order
         self._pool = torch.cuda.graph_pool_handle()
@@ -165,10 +177,6 @@ class _SegmentedGraph(_Graph):
         n = module._pdflash_num_experts
         return offloaded_kernel(x, top_k_index, top_k_weights, cache, n, cache.tables[layer], None, self.valid)
 
-    def stale(self) -> bool:
-        """True once a layer's experts are served by another cache than the one captured (the graphs read its pool)."""
-        return any(module._pdflash_offload[0] is not cache for module, cache, _, _ in self.steps)
-
     def replay(self, n: int) -> None:
         from kernels.installer import admit_layer, after_layer
 
@@ -187,12 +195,12 @@ class _SegmentedGraph(_Graph):
 
 
 class GraphRunner:
-    """Bucketed CUDA graphs of the verify forward; falls back to eager beyond the largest bucket. `segmented`:
-    offloaded experts, one graph per layer with a host step between (_SegmentedGraph)."""
+    """Bucketed CUDA graphs of the verify forward; falls back to eager beyond the largest bucket. Experts offloaded to
+    a host-managed cache need a host step per layer: one graph per layer then (_SegmentedGraph); a device-managed
+    cache (verifier_svc.device_cache) is captured whole like resident experts."""
 
-    def __init__(self, runner: ForwardRunner, max_pages: int, buckets=BUCKETS, segmented: bool = False):
+    def __init__(self, runner: ForwardRunner, max_pages: int, buckets=BUCKETS):
         self.runner, self.max_pages, self.buckets = runner, max_pages, tuple(sorted(buckets))
-        self._kind = _SegmentedGraph if segmented else _Graph
         self._graphs: dict[tuple[int, tuple[int, ...]], _Graph] = {}
         self.scratch_page = runner.pool.alloc(1)[0]  # where captures write; never handed to a session
 
@@ -206,9 +214,13 @@ class GraphRunner:
         for b in self.buckets:
             key = (b, tuple(feature_layers))
             if (max_rows is None or b <= max_rows) and key not in self._graphs:
-                self._graphs[key] = self._kind(self.runner, b, self.max_pages, tuple(feature_layers), self.scratch_page)
+                self._graphs[key] = self._kind(b, self.max_pages, tuple(feature_layers), self.scratch_page)
                 n += 1
         return n
+
+    def _kind(self, *args) -> _Graph:
+        host = any(not getattr(cache, "device_managed", False) for _, cache in _served_by(self.runner.model))
+        return (_SegmentedGraph if host else _Graph)(self.runner, *args)
 
     def reset(self) -> None:
         """Drop every graph (and what they hold: an offloaded model's graphs keep its old cache's pool alive)."""
@@ -223,11 +235,11 @@ class GraphRunner:
             return self.runner.forward(tokens, start, seq, feature_layers), n
         key = (b, tuple(feature_layers))
         g = self._graphs.get(key)
-        if g is not None and getattr(g, "stale", lambda: False)():  # the experts moved to another cache: capture anew
+        if g is not None and g.stale():  # the experts moved to another cache: capture anew
             self.reset()
             g = None
         if g is None:
-            g = self._graphs[key] = self._kind(self.runner, b, self.max_pages, tuple(feature_layers), self.scratch_page)
+            g = self._graphs[key] = self._kind(b, self.max_pages, tuple(feature_layers), self.scratch_page)
         seq.reserve(start + b)  # the padding rows write their (ignored) keys past the real ones
         pages, offsets = seq.slots(start, b)
         pad = tokens + [tokens[-1]] * (b - n)

@@ -1,0 +1,243 @@
+"""Device-side expert caching for offloaded experts: the decisions and the copies a CUDA graph can hold.
+
+One MoE layer's slots are a contiguous range of a slot pool (its *partition*: `base .. base + C - 1`), plus a
+shared *overflow* range of E slots (`scratch + e`) for the routed experts that find no evictable slot. Per layer the
+state is device tensors: `table[E]` (expert -> global slot, -1 when not resident), `owner[C]` (partition slot ->
+expert, -1 free), `last[C]` (the forward count of the slot's last use: LRU), `unused[C]` (brought by a prefetch and
+not used since).
+
+`admit` (one program, one launch) marks the experts a call needs (the routed ids of the real rows, or for a prefetch
+the predicted ids and/or a projection row), then gives each needed expert that is not resident an evictable slot:
+free slots first, then the least recently used, never a slot whose expert this call needs. It writes the kernel's
+slot table (`eff`: resident slot, new slot, or the overflow slot) and which experts `fill` must copy. `fill` copies
+those experts' slices from the host arena (pinned host memory, read by the kernel over PCIe: no copy engine, so the
+copies can sit in a CUDA graph whose routing decides them) into their slots. A prefetch admits only into evictable
+slots and never overflows. Per expert, `codes` collects what happened in this forward (bits below): the host
+decodes them into the cache's counters after the forward.
+
+`admit_reference` / `fill_reference` are the same logic in plain Python/torch: the CPU path, and the spec the Triton
+kernels are tested against (tests/test_offload_kernels.py, under Triton's interpreter on CPU machines).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import runtime
+
+triton, tl = runtime.triton, runtime.tl
+
+ROUTED = 1  # routed by a real row of this forward
+HIT = 2  # resident when its layer ran (a prefetch of this forward counts)
+MISS = 4  # routed, not resident: copied on demand (into a partition slot or the overflow)
+OVERFLOW = 8  # of those, no evictable slot: copied into the overflow slot, not kept
+PREFETCHED = 16  # copied by a prefetch into a partition slot
+PREFETCH_USED = 32  # routed, resident because of a prefetch not used before
+EVICTED = 64  # taking its slot evicted another expert
+WASTED = 128  # the evicted expert had been prefetched and never used
+BIG = 1 << 40  # LRU key of a slot this call needs (never evicted); forward counts stay far below
+
+
+def admit_reference(ids: torch.Tensor | None, valid: int | None, extra: torch.Tensor | None, table: torch.Tensor,
+                    owner: torch.Tensor, last: torch.Tensor, unused: torch.Tensor, codes: torch.Tensor,
+                    eff: torch.Tensor, fill: torch.Tensor, tick: int, base: int, scratch: int, prefetch: bool) -> None:
+    """One layer's admission, in place on the layer's state rows (CPU tensors). ids [rows, k] (rows >= valid
+    ignored) and/or extra [E] (nonzero = needed) say what this call needs."""
+    n, c = table.shape[0], owner.shape[0]
+    need_set = set()
+    if ids is not None:
+        rows = ids[: ids.shape[0] if valid is None else valid]
+        need_set.update(int(e) for e in rows.reshape(-1).tolist())
+    if extra is not None:
+        need_set.update(e for e, v in enumerate(extra.tolist()) if v)
+    tab, own, lst, unu = table.tolist(), owner.tolist(), last.tolist(), unused.tolist()
+    tab0 = list(tab)
+    cod = codes.tolist()
+    key = [(-1 if own[s] < 0 else BIG if own[s] in need_set else lst[s], s) for s in range(c)]
+    order = [s for k, s in sorted(key) if k < BIG]  # evictable, free first, then least recently used
+    out_eff, out_fill = [0] * n, [0] * n
+    rank = 0
+    for e in range(n):
+        code = cod[e]
+        if e not in need_set:
+            out_eff[e] = tab0[e] if tab0[e] >= 0 else scratch + e
+            continue
+        if not prefetch:
+            code |= ROUTED
+        if tab[e] >= 0:
+            out_eff[e] = tab[e]
+            if not prefetch:
+                code |= HIT
+                s = tab[e] - base
+                lst[s] = tick
+                if unu[s]:
+                    code |= PREFETCH_USED
+                    unu[s] = 0
+            cod[e] = code
+            continue
+        if rank < len(order):
+            s = order[rank]
+            old = own[s]
+            if old >= 0:
+                tab[old] = -1
+                code |= EVICTED | (WASTED if unu[s] else 0)
+            own[s], lst[s], unu[s] = e, tick, 1 if prefetch else 0
+            tab[e] = base + s
+            out_eff[e], out_fill[e] = base + s, 1
+            code |= PREFETCHED if prefetch else MISS
+        elif prefetch:
+            out_eff[e] = scratch + e
+        else:
+            out_eff[e], out_fill[e] = scratch + e, 1
+            code |= MISS | OVERFLOW
+        rank += 1
+        cod[e] = code
+    for t, v in ((table, tab), (owner, own), (last, lst), (unused, unu), (codes, cod), (eff, out_eff), (fill, out_fill)):
+        t.copy_(torch.tensor(v, dtype=t.dtype))
+
+
+def fill_reference(arena: torch.Tensor, pool: torch.Tensor, first_row: int, eff: torch.Tensor, fill: torch.Tensor) -> None:
+    for e in torch.nonzero(fill).reshape(-1).tolist():
+        pool[int(eff[e])].copy_(arena[first_row + e])
+
+
+if triton is not None:
+
+    _ROUTED = tl.constexpr(ROUTED)  # (a kernel reads module constants only as constexpr)
+    _HIT = tl.constexpr(HIT)
+    _MISS = tl.constexpr(MISS)
+    _OVERFLOW = tl.constexpr(OVERFLOW)
+    _PREFETCHED = tl.constexpr(PREFETCHED)
+    _PREFETCH_USED = tl.constexpr(PREFETCH_USED)
+    _EVICTED = tl.constexpr(EVICTED)
+    _WASTED = tl.constexpr(WASTED)
+    _BIG = tl.constexpr(BIG)
+
+    @triton.jit
+    def _admit_kernel(ids_ptr, n_ids, valid_ptr, extra_ptr, mark_ptr, table_ptr, owner_ptr, last_ptr, unused_ptr,
+                      codes_ptr, eff_ptr, fill_ptr, order_ptr, tick_ptr, E, C, base, scratch,
+                      TOPK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_VALID: tl.constexpr, HAS_EXTRA: tl.constexpr,
+                      PREFETCH: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, BI: tl.constexpr):
+        e = tl.arange(0, BE)
+        em = e < E
+        c = tl.arange(0, BC)
+        cm = c < C
+        tick = tl.load(tick_ptr)
+        # what this call needs: a mark per expert in a scratch row (duplicate ids store the same value)
+        tl.store(mark_ptr + e, tl.zeros((BE,), tl.int8), mask=em)
+        tl.debug_barrier()
+        if HAS_IDS:
+            nv = n_ids // TOPK
+            if HAS_VALID:
+                nv = tl.load(valid_ptr)
+            i = tl.arange(0, BI)
+            start = n_ids * 0
+            while start < n_ids:
+                offs = start + i
+                ok = (offs < n_ids) & (offs // TOPK < nv)
+                ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+                tl.store(mark_ptr + ids, tl.full((BI,), 1, tl.int8), mask=ok)
+                start += BI
+        if HAS_EXTRA:
+            x = tl.load(extra_ptr + e, mask=em, other=0)
+            tl.store(mark_ptr + e, tl.full((BE,), 1, tl.int8), mask=em & (x != 0))
+        tl.debug_barrier()
+        need = (tl.load(mark_ptr + e, mask=em, other=0) != 0) & em
+        tab = tl.load(table_ptr + e, mask=em, other=-1)
+        resident = tab >= 0
+        missing = need & (tab < 0)
+        # eviction order: free slots, then least recently used; slots whose expert this call needs never
+        own = tl.load(owner_ptr + c, mask=cm, other=-1)
+        own_needed = tl.load(mark_ptr + own, mask=cm & (own >= 0), other=0) != 0
+        lst = tl.load(last_ptr + c, mask=cm, other=0)
+        key = tl.where(own < 0, -1, lst)
+        key = tl.where(own_needed, _BIG, key)
+        key = tl.where(cm, key, _BIG + 1)
+        packed = tl.sort((key + 1) * BC + c)
+        n_evict = tl.sum(((packed // BC) - 1 < _BIG).to(tl.int32), axis=0)
+        tl.store(order_ptr + c, (packed % BC).to(tl.int32))
+        tl.debug_barrier()
+        rank = tl.cumsum(missing.to(tl.int32), axis=0) - 1
+        ok = missing & (rank < n_evict)
+        s = tl.load(order_ptr + rank, mask=ok, other=0)
+        old = tl.load(owner_ptr + s, mask=ok, other=-1)
+        was_unused = tl.load(unused_ptr + s, mask=ok, other=0) != 0
+        hit_s = tab - base
+        hit = need & resident
+        hit_unused = tl.load(unused_ptr + hit_s, mask=hit, other=0) != 0
+        tl.debug_barrier()  # every read of the old state above lands before the writes below
+        evicted = ok & (old >= 0)
+        tl.store(table_ptr + old, tl.full((BE,), -1, tl.int32), mask=evicted)
+        tl.store(owner_ptr + s, e, mask=ok)
+        tl.store(last_ptr + s, tl.zeros((BE,), tl.int64) + tick, mask=ok)
+        tl.store(unused_ptr + s, tl.full((BE,), 1 if PREFETCH else 0, tl.int8), mask=ok)
+        slot = base + s
+        tl.debug_barrier()  # (an evicted expert's -1 and a new expert's slot are different entries; ordered anyway)
+        tl.store(table_ptr + e, slot, mask=ok)
+        code = tl.load(codes_ptr + e, mask=em, other=0)
+        code = code | tl.where(evicted, _EVICTED, 0) | tl.where(evicted & was_unused, _WASTED, 0)
+        over = missing & (rank >= n_evict)
+        if PREFETCH:
+            code = code | tl.where(ok, _PREFETCHED, 0)
+            fl = ok
+        else:
+            tl.store(last_ptr + hit_s, tl.zeros((BE,), tl.int64) + tick, mask=hit)
+            tl.store(unused_ptr + hit_s, tl.zeros((BE,), tl.int8), mask=hit)
+            code = code | tl.where(need, _ROUTED, 0) | tl.where(hit, _HIT, 0) | tl.where(hit & hit_unused, _PREFETCH_USED, 0)
+            code = code | tl.where(missing, _MISS, 0) | tl.where(over, _OVERFLOW, 0)
+            fl = ok | over
+        eff = tl.where(ok, slot, tl.where(resident, tab, scratch + e))
+        tl.store(codes_ptr + e, code, mask=em)
+        tl.store(eff_ptr + e, eff.to(tl.int32), mask=em)
+        tl.store(fill_ptr + e, fl.to(tl.int8), mask=em)
+
+    @triton.jit
+    def _fill_kernel(src_ptr, dst_ptr, first_row, eff_ptr, fill_ptr, words, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        e = tl.program_id(0)
+        if tl.load(fill_ptr + e) != 0:
+            slot = tl.load(eff_ptr + e).to(tl.int64)
+            lo = tl.program_id(1).to(tl.int64) * CHUNK
+            src = src_ptr + (first_row + e).to(tl.int64) * words
+            dst = dst_ptr + slot * words
+            for off in range(0, CHUNK, BLOCK):
+                o = lo + off + tl.arange(0, BLOCK)
+                m = o < words
+                tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    p = lo
+    while p < n:
+        p *= 2
+    return p
+
+
+def admit(ids: torch.Tensor | None, valid: torch.Tensor | None, extra: torch.Tensor | None, mark: torch.Tensor,
+          table: torch.Tensor, owner: torch.Tensor, last: torch.Tensor, unused: torch.Tensor, codes: torch.Tensor,
+          eff: torch.Tensor, fill: torch.Tensor, order: torch.Tensor, tick: torch.Tensor, base: int, scratch: int,
+          prefetch: bool) -> None:
+    """The Triton admission (one program): same effect as admit_reference, on device tensors, no host sync.
+    ids [rows, k] int64 or None; valid: int32 [1] (real rows) or None (all); extra int8 [E] or None; mark int8 [E]
+    and order int32 [>= pow2(C)]: scratch rows; tick int64 [1]."""
+    n, c = table.shape[0], owner.shape[0]
+    topk = ids.shape[1] if ids is not None else 1
+    n_ids = ids.numel() if ids is not None else 0
+    dummy = table
+    _admit_kernel[(1,)](
+        ids if ids is not None else dummy, n_ids, valid if valid is not None else dummy,
+        extra if extra is not None else dummy, mark, table, owner, last, unused, codes, eff, fill, order, tick,
+        n, c, base, scratch, TOPK=topk, HAS_IDS=ids is not None, HAS_VALID=valid is not None,
+        HAS_EXTRA=extra is not None, PREFETCH=prefetch, BE=_pow2(n), BC=_pow2(c), BI=_pow2(min(max(n_ids, 1), 1024)),
+    )
+
+
+def fill(arena: torch.Tensor, pool: torch.Tensor, first_row: int, eff: torch.Tensor, flags: torch.Tensor,
+         chunk_words: int = 1 << 16) -> None:
+    """Copy the flagged experts' slices (arena rows first_row + e) into their slots (eff[e]): one launch over every
+    expert of the layer, the unflagged programs return at once. arena: pinned host memory (read over PCIe) or device
+    memory; both [rows, slice_bytes] uint8 with slice_bytes a multiple of 4."""
+    words = arena.shape[1] // 4
+    chunk = min(chunk_words, _pow2(words, 1024))
+    _fill_kernel[(flags.shape[0], triton.cdiv(words, chunk))](
+        arena.view(torch.int32), pool.view(torch.int32), first_row, eff, flags, words, CHUNK=chunk, BLOCK=min(chunk, 2048),
+    )

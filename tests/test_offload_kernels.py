@@ -1,0 +1,106 @@
+"""kernels/offload.py: the Triton admission and fill kernels against their Python reference (on CPU machines under
+Triton's interpreter, TRITON_INTERPRET=1 set by conftest.py; on a GPU for real), and the reference's own rules."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels import offload as ko
+from kernels import runtime
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(not runtime.triton_usable(DEV), reason="needs Triton (CUDA or TRITON_INTERPRET=1)")
+
+
+def _state(rng: random.Random, n: int, c: int, base: int, tick: int):
+    """A consistent layer state: some partition slots own distinct experts, the table points back at them."""
+    table = [-1] * n
+    owner = [-1] * c
+    for s in range(c):
+        if rng.random() < 0.7:
+            e = rng.randrange(n)
+            if table[e] < 0:
+                table[e], owner[s] = base + s, e
+    last = [rng.randrange(tick) if o >= 0 else 0 for o in owner]
+    unused = [int(o >= 0 and rng.random() < 0.3) for o in owner]
+    codes = [rng.choice([0, 0, ko.PREFETCHED]) for _ in range(n)]
+    return (torch.tensor(table, dtype=torch.int32), torch.tensor(owner, dtype=torch.int32),
+            torch.tensor(last, dtype=torch.int64), torch.tensor(unused, dtype=torch.int8), torch.tensor(codes, dtype=torch.int32))
+
+
+def _case(seed: int):
+    rng = random.Random(seed)
+    n = rng.choice([4, 8, 32, 128])
+    c = rng.choice([0, 1, 3, n // 2, n, n + 5]) if n > 1 else 1
+    c = max(c, 1)
+    rows, k = rng.choice([1, 2, 16, 32]), min(n, rng.choice([1, 2, 4, 8]))
+    ids = torch.stack([torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100 + r))[:k] for r in range(rows)])
+    valid = rng.randrange(1, rows + 1)
+    extra = torch.tensor([int(rng.random() < 0.2) for _ in range(n)], dtype=torch.int8) if rng.random() < 0.5 else None
+    prefetch = rng.random() < 0.4
+    if not prefetch and rng.random() < 0.5:
+        extra = None
+    base, tick = 3, 50
+    return n, c, ids, valid, extra, prefetch, base, tick, _state(rng, n, c, base, tick)
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", range(24))
+def test_admit_kernel_equals_reference(seed):
+    n, c, ids, valid, extra, prefetch, base, tick, state = _case(seed)
+    scratch = base + c + 7
+    ref = [t.clone() for t in state]
+    eff_r, fill_r = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int8)
+    ko.admit_reference(ids, valid, extra, *ref[:4], ref[4], eff_r, fill_r, tick, base, scratch, prefetch)
+    dev = [t.clone().to(DEV) for t in state]
+    eff, fl = torch.zeros(n, dtype=torch.int32, device=DEV), torch.zeros(n, dtype=torch.int8, device=DEV)
+    mark = torch.zeros(n, dtype=torch.int8, device=DEV)
+    order = torch.zeros(ko._pow2(c), dtype=torch.int32, device=DEV)
+    ko.admit(ids.to(DEV), torch.tensor([valid], dtype=torch.int32, device=DEV), None if extra is None else extra.to(DEV),
+             mark, *dev[:4], dev[4], eff, fl, order, torch.tensor([tick], device=DEV), base, scratch, prefetch)
+    for name, a, b in zip(("table", "owner", "last", "unused", "codes"), ref, dev):
+        assert torch.equal(a, b.cpu()), name
+    assert torch.equal(fill_r, fl.cpu())
+    needed = set(ids[:valid].reshape(-1).tolist()) | (set(torch.nonzero(extra).reshape(-1).tolist()) if extra is not None else set())
+    for e in needed:  # the slot table the experts kernel reads: equal wherever an expert is needed
+        assert int(eff_r[e]) == int(eff[e]), e
+
+
+def test_admit_reference_rules():
+    """Free slots first, then least recently used; a needed expert's slot is never taken; overflow beyond."""
+    n, base, scratch = 8, 10, 100
+    table = torch.full((n,), -1, dtype=torch.int32)
+    owner = torch.tensor([5, -1, 6], dtype=torch.int32)
+    table[5], table[6] = base + 0, base + 2
+    last = torch.tensor([3, 0, 1], dtype=torch.int64)
+    unused = torch.tensor([0, 0, 1], dtype=torch.int8)
+    codes = torch.zeros(n, dtype=torch.int32)
+    eff, fill = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int8)
+    ids = torch.tensor([[5, 1], [2, 3]])  # 5 resident (its slot kept); 1, 2, 3 missing: free slot 1, then slot 2 (LRU), then overflow
+    ko.admit_reference(ids, None, None, table, owner, last, unused, codes, eff, fill, 9, base, scratch, False)
+    assert owner.tolist() == [5, 1, 2] and int(table[6]) == -1
+    assert eff[5] == base + 0 and eff[1] == base + 1 and eff[2] == base + 2 and eff[3] == scratch + 3
+    assert fill.tolist() == [0, 1, 1, 1, 0, 0, 0, 0]
+    assert codes[5] == ko.ROUTED | ko.HIT and codes[1] == ko.ROUTED | ko.MISS
+    assert codes[2] == ko.ROUTED | ko.MISS | ko.EVICTED | ko.WASTED  # slot 2 held 6, prefetched and never used
+    assert codes[3] == ko.ROUTED | ko.MISS | ko.OVERFLOW
+    assert last.tolist() == [9, 9, 9]
+
+
+@needs_triton
+def test_fill_copies_only_flagged_slices():
+    rows, words = 6, 3000  # a slice not a multiple of the chunk
+    arena = torch.randint(0, 255, (rows, words * 4), dtype=torch.uint8)
+    if DEV == "cuda":
+        arena = arena.pin_memory()
+    pool = torch.zeros(5, words * 4, dtype=torch.uint8, device=DEV)
+    eff = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEV)
+    flags = torch.tensor([1, 0, 1], dtype=torch.int8, device=DEV)
+    ko.fill(arena, pool, 2, eff, flags, chunk_words=1024)
+    ref = torch.zeros(5, words * 4, dtype=torch.uint8)
+    ko.fill_reference(arena, ref, 2, eff.cpu(), flags.cpu())
+    assert torch.equal(pool.cpu(), ref)
+    assert torch.equal(ref[4], arena[2]) and torch.equal(ref[2], arena[4]) and not ref[0].any()

@@ -1,0 +1,195 @@
+"""The expert cache that decides on the device: offloaded experts inside one CUDA graph per verify forward.
+
+`verifier_svc.expert_cache.ExpertCache` decides on the host: each layer's forward stops once to read its routing back
+(one sync a layer, the forward cut into one graph per layer). This cache keeps its whole state in device tensors and
+makes every decision with `kernels.offload` (an admission kernel and a fill kernel that reads the pinned host store
+over PCIe), so the forward of an offloaded model needs no host step at all: it is captured whole, like a resident one.
+
+Layout: the slot pool is one partition of slots per MoE layer (sizes as even as the budget allows, never more than the
+layer's experts) plus an overflow range of E slots (E = the largest layer's experts) for routed experts beyond a
+partition's evictable slots (copied, used, not kept). Policy per layer: free slots first, then least recently used
+(by forward count), never a slot whose expert the same call needs.
+
+Per experts call (layer l, all on the device):
+1. admit + fill layer l's routed experts (its real rows only);
+2. fork to a side stream: the experts layer l + 1's router picks for this layer's input (`layer` prefetch) and the
+   verify's projected union for layer l + 1 (`union` prefetch) are admitted and filled there, while layer l's experts
+   and layer l + 1's attention compute; layer l + 1 joins it before its own admission;
+3. the grouped kernel over the pool through layer l's slot table.
+Each call ORs what happened to each expert into `codes`; the host decodes them after the forward (`collect`, called
+by the verifier core) into the same counters as the host-side cache (`CacheStats`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import offload as ko
+from verifier_svc.expert_cache import CacheStats, check_slots
+from verifier_svc.expert_store import HostExpertStore
+
+
+def partition(slots: int, num_experts: list[int]) -> list[int]:
+    """Slots per layer: `slots` spread as evenly as possible, a layer never given more than its experts."""
+    sizes = [0] * len(num_experts)
+    left = slots
+    while left > 0:
+        open_ = [i for i, n in enumerate(num_experts) if sizes[i] < n]
+        if not open_:
+            break
+        share = max(1, left // len(open_))
+        for i in open_:
+            add = min(share, num_experts[i] - sizes[i], left)
+            sizes[i] += add
+            left -= add
+            if left == 0:
+                break
+    return sizes
+
+
+class DeviceExpertCache:
+    device_managed = True  # read by the installer (the experts call) and the verifier core (one graph per forward)
+
+    def __init__(self, store: HostExpertStore, num_slots: int, device: torch.device, need: int,
+                 prefetch: str = "union,layer", time_copies: bool = False):
+        check_slots(store, num_slots, need)
+        self.store, self.device = store, torch.device(device)
+        kinds = {p.strip() for p in prefetch.split(",")}
+        self.prefetch_union, self.layer_ahead = "union" in kinds, "layer" in kinds
+        self.layers = list(store.num_experts)
+        self._index = {layer: i for i, layer in enumerate(self.layers)}
+        counts = [store.num_experts[layer] for layer in self.layers]
+        e_max = max(counts)
+        self.sizes = partition(num_slots - e_max, counts)
+        self.bases, pos = [], 0
+        for size in self.sizes:
+            self.bases.append(pos)
+            pos += size
+        self.overflow = pos  # overflow slot of expert e: overflow + e
+        self._rows = [store.row(layer, 0) for layer in self.layers]  # arena row of each layer's expert 0
+        dev, n_layers, c_max = self.device, len(self.layers), max(max(self.sizes), 1)
+        self.pool = torch.zeros(pos + e_max, store.slice_bytes, dtype=torch.uint8, device=dev)
+        self.weights = store.weights(self.pool)
+        self.table = torch.full((n_layers, e_max), -1, dtype=torch.int32, device=dev)
+        self.owner = torch.full((n_layers, c_max), -1, dtype=torch.int32, device=dev)
+        self.last = torch.zeros(n_layers, c_max, dtype=torch.int64, device=dev)
+        self.unused = torch.zeros(n_layers, c_max, dtype=torch.int8, device=dev)
+        self.codes = torch.zeros(n_layers, e_max, dtype=torch.int32, device=dev)
+        self.eff = torch.zeros(n_layers, e_max, dtype=torch.int32, device=dev)
+        self.fills = torch.zeros(2, n_layers, e_max, dtype=torch.int8, device=dev)  # [demand, prefetch] rows
+        self.marks = torch.zeros(2, n_layers, e_max, dtype=torch.int8, device=dev)
+        self.order = torch.zeros(2, n_layers, ko._pow2(c_max), dtype=torch.int32, device=dev)
+        self.effs = torch.zeros(n_layers, e_max, dtype=torch.int32, device=dev)  # a prefetch's slot table (unused)
+        self.proj = torch.zeros(n_layers, e_max, dtype=torch.int8, device=dev)
+        self._proj_host = torch.zeros(n_layers, e_max, dtype=torch.int8)
+        self.tick = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._cuda = dev.type == "cuda"
+        self._side = torch.cuda.Stream(dev) if self._cuda else None
+        self._joins: set[int] = set()  # layers whose prefetch runs on the side stream (joined at their call)
+        self._stats = CacheStats()
+        self.time_copies = False  # the copies run inside the forward's kernels: no separate copy timing
+
+    # ---- what callers read -----------------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self.pool.shape[0]
+
+    @property
+    def stats(self) -> CacheStats:
+        return self._stats
+
+    @classmethod
+    def slots_for(cls, store: HostExpertStore, gib: float) -> int:
+        """Slots a budget of `gib` GiB holds, never more than every expert plus the overflow range."""
+        return min(int(gib * 2**30 // store.slice_bytes), sum(store.num_experts.values()) + max(store.num_experts.values()))
+
+    def resident(self, layer: int, expert: int) -> bool:
+        return int(self.table[self._index[layer], expert]) >= 0
+
+    def copy_ms(self) -> float | None:
+        """None: the copies are inside the forward's kernels (benchmarks/offload.py times the fill kernel apart)."""
+        return None
+
+    # ---- the verifier core's calls around a forward -----------------------------------------------------------
+    def begin(self, projection: dict[int, frozenset[int] | set[int]]) -> int:
+        """The projected union of the verify about to run: each layer's part is prefetched while the layer before it
+        computes (with `union` prefetch). Returns the experts projected."""
+        self._proj_host.zero_()
+        n = 0
+        if self.prefetch_union:
+            for layer, experts in projection.items():
+                i = self._index.get(layer)
+                if i is None:
+                    continue
+                for e in experts:
+                    if 0 <= int(e) < self.store.num_experts[layer]:
+                        self._proj_host[i, int(e)] = 1
+                        n += 1
+        self.proj.copy_(self._proj_host)  # pageable: staged at once, ordered before the forward on this stream
+        return n
+
+    def arriving(self, projection) -> int:
+        """The servicer's early hint: nothing to do here (the projection streams inside the forward, a layer ahead)."""
+        return 0
+
+    def collect(self) -> CacheStats:
+        """After a forward (its stream done): decode the per-expert codes into the counters. Returns this forward's."""
+        codes = self.codes.cpu()
+        count = lambda bit: int(((codes & bit) != 0).sum())  # noqa: E731
+        misses, prefetched = count(ko.MISS), count(ko.PREFETCHED)
+        st = CacheStats(lookups=count(ko.ROUTED), hits=count(ko.HIT), misses=misses, evictions=count(ko.EVICTED),
+                        prefetched=prefetched, prefetch_used=count(ko.PREFETCH_USED),
+                        bytes_moved=(misses + prefetched) * self.store.slice_bytes,
+                        wasted_bytes=count(ko.WASTED) * self.store.slice_bytes)
+        self._stats = self._stats.plus(st)
+        self.codes.zero_()
+        return st
+
+    # ---- the experts call (kernels.installer) ----------------------------------------------------------------
+    def _admit(self, i: int, which: int, ids, valid_rows, valid: int | None, extra, prefetch: bool) -> None:
+        args = (self.table[i], self.owner[i, : self.sizes[i]], self.last[i, : self.sizes[i]], self.unused[i, : self.sizes[i]],
+                self.codes[i], self.effs[i] if prefetch else self.eff[i], self.fills[which, i])
+        n = self.store.num_experts[self.layers[i]]
+        args = tuple(a[:n] if k in (0, 4, 5, 6) else a for k, a in enumerate(args))
+        if self._cuda:
+            ko.admit(ids, valid_rows, extra, self.marks[which, i, :n], *args, self.order[which, i], self.tick,
+                     self.bases[i], self.overflow, prefetch)
+            ko.fill(self.store.arena, self.pool, self._rows[i], args[5], args[6])
+        else:
+            ko.admit_reference(ids, valid, extra, *args, int(self.tick), self.bases[i], self.overflow, prefetch)
+            ko.fill_reference(self.store.arena, self.pool, self._rows[i], args[5], args[6])
+
+    def forward_experts(self, module, layer: int, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                        valid_rows: torch.Tensor | None):
+        from kernels.installer import _predict_experts, offloaded_kernel
+
+        i = self._index[layer]
+        n = module._pdflash_num_experts
+        self.weights.big_scales = self.store.big_scales  # the store may have been filled after this cache was made
+        valid = None
+        if not self._cuda and valid_rows is not None:
+            valid = int(valid_rows)
+        if i == 0:  # a new forward
+            self.tick.add_(1)
+            self._joins.clear()
+        if self._cuda and i in self._joins:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        self._admit(i, 0, top_k_index, valid_rows, valid, None, prefetch=False)
+        nxt = getattr(module, "_pdflash_next_router", None) if self.layer_ahead else None
+        if i + 1 < len(self.layers) and (nxt is not None or self.prefetch_union):
+            if self._cuda:
+                self._side.wait_stream(torch.cuda.current_stream(self.device))
+                self._joins.add(i + 1)
+            with torch.cuda.stream(self._side) if self._cuda else _nullcontext():
+                guess = _predict_experts(x, nxt) if nxt is not None else None
+                extra = self.proj[i + 1, : self.store.num_experts[self.layers[i + 1]]] if self.prefetch_union else None
+                self._admit(i + 1, 1, guess, valid_rows, valid, extra, prefetch=True)
+        return offloaded_kernel(x, top_k_index, top_k_weights, self, n, self.eff[i, :n], valid, valid_rows)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
