@@ -16,8 +16,8 @@ Per experts call (layer l, all on the device):
    verify's projected union for layer l + 1 (`union` prefetch) are admitted and filled there, while layer l's experts
    and layer l + 1's attention compute; layer l + 1 joins it before its own admission;
 3. the grouped kernel over the pool through layer l's slot table.
-Each call ORs what happened to each expert into `codes`; the host decodes them after the forward (`collect`, called
-by the verifier core) into the same counters as the host-side cache (`CacheStats`).
+Each call ORs what happened to each expert into `codes` (zeroed when a forward starts); the host decodes them after
+the forward (`collect`, called by the verifier core) into the same counters as the host-side cache (`CacheStats`).
 """
 
 from __future__ import annotations
@@ -142,7 +142,6 @@ class DeviceExpertCache:
                         bytes_moved=(misses + prefetched) * self.store.slice_bytes,
                         wasted_bytes=count(ko.WASTED) * self.store.slice_bytes)
         self._stats = self._stats.plus(st)
-        self.codes.zero_()
         return st
 
     # ---- the experts call (kernels.installer) ----------------------------------------------------------------
@@ -169,8 +168,9 @@ class DeviceExpertCache:
         valid = None
         if not self._cuda and valid_rows is not None:
             valid = int(valid_rows)
-        if i == 0:  # a new forward
+        if i == 0:  # a new forward (a forward nobody collected, e.g. a graph's warm-up, is forgotten here)
             self.tick.add_(1)
+            self.codes.zero_()
             self._joins.clear()
         if self._cuda and i in self._joins:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
