@@ -155,6 +155,8 @@ def test_pdflash_up_passes_the_expert_options_to_the_verifier():
     cmd = Stack(s)._cmd("verifier")
     assert cmd[cmd.index("--expert-prefetch") + 1] == "layer"
     assert _spec(build_parser().parse_args(["up"])).verifier_args == []
+    mode = _spec(build_parser().parse_args(["up", "--experts", "mxfp4", "--expert-cache-gb", "1", "--expert-cache-mode", "host"]))
+    assert mode.verifier_args[-2:] == ["--expert-cache-mode", "host"]
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["up", "--expert-prefetch", "everything"])
     assert e.value.code == 2
