@@ -122,3 +122,15 @@ def stack(tiny, tmp_path_factory):
     s = start_stack(tiny.target("qwen3_moe"), tiny.drafter("qwen3_moe"), tmp_path_factory.mktemp("stack-logs"))
     yield s
     s.stop()
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist, never called
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n N` hands out whole modules (xdist's loadscope), not single tests: a module's tests share its
+    module-scoped stacks and models, which `--dist load` would start again in every worker that gets one of its tests
+    (on the GPU machine, real-shape models and their CUDA graphs). An explicit `--dist` is obeyed."""
+    if any(a == "--dist" or a.startswith("--dist=") or a == "-d" for a in config.invocation_params.args):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    return LoadScopeScheduling(config, log)
