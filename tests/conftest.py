@@ -30,6 +30,9 @@ _worker_cores()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if os.environ.get("PYTEST_PDFLASH_WORKER_CORES"):  # an xdist worker: torch's threads as its slice (if a plugin imported torch first)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+
 # Without CUDA, Triton kernels (kernels/) run under Triton's CPU interpreter; set before anything imports them.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
