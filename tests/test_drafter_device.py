@@ -157,11 +157,13 @@ def test_context_cache_grows_in_place_and_equals_concatenation():
 
 
 def test_model_info_says_where_the_dflash_drafter_runs_and_usage_counts_routed_bytes(stack):
+    """The shared stack's drafter runs where conftest pins it (cpu, float32; on a GPU host too); the drafter on CUDA
+    (`--device auto` there) is tests/test_drafter_gpu.py."""
     from pdflash.client import Client
+    from tests.conftest import DEVICE, DTYPE
 
     with Client(stack.drafter) as c:
         info = c.model_info()
-        want = ("cuda:0", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")  # the drafter's --device auto
-        assert (info.drafter_device, info.drafter_dtype) == want
+        assert (info.drafter_device, info.drafter_dtype) == (DEVICE, DTYPE)
         out = c.generate("def f(x):\n", max_tokens=6, drafter="none")
         assert out.usage.routed_expert_bytes > 0  # the verify forwards routed experts, counted by the byte map

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from kernels.installer import expert_weights, experts_modules
 from kernels.reference import moe_reference
+from tests.conftest import DEVICE, DTYPE
 from verifier_svc.expert_cache import ExpertCache, min_slots
 from verifier_svc.expert_store import HostExpertStore
 
@@ -17,7 +18,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
 def store(request, tiny):
-    model = AutoModelForCausalLM.from_pretrained(tiny.target(request.param), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny.target(request.param), dtype=getattr(torch, DTYPE)).to(DEVICE)
     s = HostExpertStore.from_model(model)
     s.model = model
     return s

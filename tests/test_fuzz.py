@@ -33,6 +33,7 @@ from pdflash.v1 import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
+from tests.conftest import DEVICE
 
 pytestmark = pytest.mark.slow
 
@@ -66,10 +67,11 @@ def model(stack) -> Model:
 
 @pytest.fixture(scope="module")
 def before(stack, tiny) -> list[int]:
-    """A normal request's tokens before any fuzzing; they equal transformers' greedy decoding."""
+    """A normal request's tokens before any fuzzing; they equal transformers' greedy decoding (the shared stack and
+    its reference: conftest.DEVICE/DTYPE, cpu float32)."""
     with Client(stack.drafter) as c:
         got = c.generate(PROMPT, max_tokens=MAX_TOKENS, drafter="hybrid").token_ids
-    assert tuple(got) == greedy_reference(str(tiny.target("qwen3_moe")), PROMPT, MAX_TOKENS)
+    assert tuple(got) == greedy_reference(str(tiny.target("qwen3_moe")), PROMPT, MAX_TOKENS, device=DEVICE)
     return got
 
 

@@ -25,7 +25,7 @@ def core(request, tmp_path_factory):
     from verifier_svc.model import load_target
 
     d = make_real_shape_checkpoint(tmp_path_factory.mktemp(request.param), request.param, device="cuda")
-    target = load_target(d, "cuda", "auto", kernels="on")
+    target = load_target(d, "cuda", "bfloat16", kernels="on")
     assert target.batch_invariant, target.kernels
     # as the server runs it on CUDA: the paged KV pool, verify forwards replayed from CUDA graphs
     c = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=4))

@@ -15,6 +15,7 @@ from torch import nn
 from pdflash.hf_compat import cache_kwarg, cache_kwargs
 from pdflash.tiny import ARCHITECTURES
 from pdflash.types import DraftResult, SamplingParams
+from tests.conftest import DEVICE, DTYPE
 from verifier_svc.engine import PrefillInput, VerifierCore
 from verifier_svc.model import load_target
 
@@ -32,7 +33,7 @@ def test_every_call_site_passes_the_cache_the_installed_way_without_warnings(tin
     from training.common import greedy_generate
     from training.eval_acceptance import run_loop
 
-    target = load_target(tiny.target(arch))
+    target = load_target(tiny.target(arch), DEVICE, DTYPE)
     params = inspect.signature(target.model.forward).parameters
     assert target.cache_arg in params
     assert target.cache_arg == ("cache" if "cache" in params else "past_key_values")
@@ -58,7 +59,7 @@ def test_benchmark_forward_cost_passes_the_cache_the_installed_way():
     from benchmarks.replay import forward_cost
     from pdflash.defaults import default_target_dir
 
-    model = AutoModelForCausalLM.from_pretrained(str(default_target_dir()), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(default_target_dir()), dtype=getattr(torch, DTYPE)).to(DEVICE).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cost = forward_cost(model, widths=(1, 2))

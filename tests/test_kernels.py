@@ -325,7 +325,8 @@ def test_default_config_takes_the_sweep_winners(monkeypatch):
     assert moe.default_config(768, 2048, 8, True, gemm=1) == dataclasses.replace(base1, **fp4_default)
     assert moe.default_config(2048, 768, 8, True, gemm=2) == dataclasses.replace(base2, **fp4_default, swap_ab=True, block_n=64)
     assert moe.default_config(2048, 768, 8, True, gemm=1) == dataclasses.replace(base2, **fp4_default)  # keyed by GEMM too
-    assert moe.default_config(768, 2048, 8, False) == moe.base_config(768, 2048, 8, False)  # bf16: BF16_DEFAULT only
+    # bf16: BF16_DEFAULT only (the patched overrides are FP4's)
+    assert moe.default_config(768, 2048, 8, False) == moe.variant_config(768, 2048, 8, False, moe.BF16_DEFAULT)
     for table in (moe.SWEEP_VARIANTS, moe.SWEEP_VARIANTS_BF16):  # every named variant is a valid config
         for fields in table.values():
             assert moe.variant_config(768, 2048, 8, True, fields).block_m == 16

@@ -23,6 +23,13 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "tests" / "test_readme_client_example.py"
 SERVING = {"torch", "transformers", "tokenizers", "safetensors", "numpy", "prometheus-client"}
+# What pip says when it cannot reach the package index at all
+OFFLINE = ("Failed to establish a new connection", "Temporary failure in name resolution", "Network is unreachable",
+           "No route to host", "Connection refused")
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def _names(requirements: list[str]) -> set[str]:
@@ -64,6 +71,8 @@ def test_light_install_in_a_fresh_venv(tmp_path):
     py, pdflash = venv / "bin" / "python", venv / "bin" / "pdflash"
     src = _source_copy(tmp_path / "src")
     pip = run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(src), "pytest"], timeout=600)
+    if pip.returncode != 0 and not _in_ci() and any(w in pip.stderr for w in OFFLINE):
+        pytest.skip("the package index is unreachable from this machine (the GPU machine has no network); CI has it")
     assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
 
     listed = run([str(py), "-m", "pip", "list", "--format=freeze"], check=True, timeout=120).stdout

@@ -1,5 +1,6 @@
 """A small, bounded load run (the full one with latency numbers is benchmarks/load.py): many concurrent
-streams, zero errors, every output equal to its greedy reference, nothing held afterwards."""
+streams, zero errors, every output equal to its greedy reference, nothing held afterwards. The stacks and their
+references: conftest.DEVICE/DTYPE (cpu, float32), on every host."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import pytest
 
 from benchmarks.load import greedy_reference, in_use, make_jobs, run_load, summarize
+from tests.conftest import DEVICE, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -15,7 +17,7 @@ pytestmark = pytest.mark.slow
 def test_concurrent_streams_are_exact_and_leave_nothing_behind(stack, tiny):
     model = str(tiny.target("qwen3_moe"))
     jobs = make_jobs(clients=8, requests=2, max_tokens=16, drafters=["ngram", "none", "hybrid", "dflash"])
-    references = {j: greedy_reference(model, j.prompt, j.max_tokens) for js in jobs for j in js}
+    references = {j: greedy_reference(model, j.prompt, j.max_tokens, device=DEVICE) for js in jobs for j in js}
     records, wall = asyncio.run(run_load(stack.drafter, jobs, request_timeout=120, time_limit=300))
     summary = summarize(records, wall, references)
     assert summary["requests"] == 16
@@ -38,13 +40,11 @@ def test_streams_contending_for_a_small_budget_never_wait_on_each_others_leases(
     """A budget of two blocks, eight streams: every lease is given back by its holder (none expires). A
     session must not hold a finished round's lease while it queues for its next round, or sessions would
     wait on each other until the leases expire."""
-    from conftest import start_stack
-
     model = str(tiny.target("qwen3_moe"))
     stack = start_stack(model, tiny.drafter("qwen3_moe"), tmp_path, scheduler_args=["--token-budget", "32", "--lease-s", "30"])
     try:
         jobs = make_jobs(clients=8, requests=2, max_tokens=24, drafters=["ngram", "none", "hybrid"])
-        references = {j: greedy_reference(model, j.prompt, j.max_tokens) for js in jobs for j in js}
+        references = {j: greedy_reference(model, j.prompt, j.max_tokens, device=DEVICE) for js in jobs for j in js}
         records, wall = asyncio.run(run_load(stack.drafter, jobs, request_timeout=60, time_limit=300))
         summary = summarize(records, wall, references)
         assert summary["errors"] == 0, summary["error_samples"]

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from kernels import mxfp4
 from kernels.installer import experts_modules
 from pdflash.tiny import make_tiny_checkpoint
+from tests.conftest import DEVICE, DTYPE
 
 BIG = 1.0  # GiB: every expert of the tiny model cached
 EXPERTS = "model.layers.{}.mlp.experts.{}"
@@ -35,7 +36,7 @@ def _tensors(d) -> dict[str, torch.Tensor]:
 def _load(d, cache_gb=BIG, **kw):
     from verifier_svc.model import load_target
 
-    return load_target(d, "cpu", "auto", experts="mxfp4", expert_cache_gb=cache_gb, **kw)
+    return load_target(d, DEVICE, DTYPE, experts="mxfp4", expert_cache_gb=cache_gb, **kw)
 
 
 def _core(target):
@@ -62,7 +63,7 @@ def test_experts_native_is_transformers_dequantization_of_the_checkpoint(native)
     """--experts native: transformers dequantizes (fp32 here), exactly the values the blocks/scales encode."""
     from verifier_svc.model import load_target
 
-    target = load_target(native, "cpu", "auto")
+    target = load_target(native, DEVICE, DTYPE)
     t = _tensors(native)
     for layer, m in experts_modules(target.model).items():
         for proj in ("gate_up_proj", "down_proj"):
@@ -98,7 +99,7 @@ def _greedy_reference(native, prompt: list[int], new: int) -> tuple[list[int], t
     and the logits of the prompt's last position."""
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    model = AutoModelForCausalLM.from_pretrained(native, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)).eval()
+    model = AutoModelForCausalLM.from_pretrained(native, dtype=getattr(torch, DTYPE), quantization_config=Mxfp4Config(dequantize=True)).to(DEVICE).eval()
     ids, first = list(prompt), None
     with torch.inference_mode():
         for _ in range(new):
@@ -168,7 +169,7 @@ def test_float_checkpoints_read_layer_by_layer_equal_transformers_loader(tiny):
 
     for arch in ("qwen3_moe", "gpt_oss"):
         target = _load(tiny.target(arch))
-        ref = AutoModelForCausalLM.from_pretrained(tiny.target(arch), dtype=torch.float32)
+        ref = AutoModelForCausalLM.from_pretrained(tiny.target(arch), dtype=getattr(torch, DTYPE)).to(DEVICE)
         want = HostExpertStore.from_model(ref)
         assert torch.equal(target.expert_cache.store.arena, want.arena), arch
         ours = dict(target.model.named_parameters()) | dict(target.model.named_buffers())
@@ -203,7 +204,7 @@ def test_resident_mxfp4_kernels_read_the_checkpoint_bytes(native):
         pytest.skip("needs triton (its CPU interpreter)")
     from verifier_svc.model import load_target
 
-    target = load_target(native, "cpu", "auto", kernels="on", experts="mxfp4")
+    target = load_target(native, DEVICE, DTYPE, kernels="on", experts="mxfp4")
     t = _tensors(native)
     assert target.experts_format == "mxfp4"
     for layer, module in experts_modules(target.model).items():

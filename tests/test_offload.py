@@ -13,7 +13,7 @@ import pytest
 
 from pdflash.client import Client
 from pdflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from tests.conftest import start_stack
+from tests.conftest import DEVICE, DTYPE, start_stack
 from tests.test_gpu_verifier import Session, _no_drafts, _replay, _run
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def _core(tiny, arch, cache_gb, prefetch="union,layer", mode="device"):
     from verifier_svc.engine import VerifierCore
     from verifier_svc.model import load_target
 
-    return VerifierCore(load_target(tiny.target(arch), "cpu", "auto", experts="mxfp4", expert_cache_gb=cache_gb,
+    return VerifierCore(load_target(tiny.target(arch), DEVICE, DTYPE, experts="mxfp4", expert_cache_gb=cache_gb,
                                     expert_prefetch=prefetch, expert_cache_mode=mode), max_block_size=8)
 
 
@@ -118,7 +118,7 @@ def test_a_cache_below_one_layer_fails_at_load_with_the_minimum(tiny):
     from verifier_svc.model import load_target
 
     with pytest.raises(ValueError, match=r"at least \d+ slots"):
-        load_target(tiny.target("qwen3_moe"), "cpu", "auto", experts="mxfp4", expert_cache_gb=1e-7)
+        load_target(tiny.target("qwen3_moe"), DEVICE, DTYPE, experts="mxfp4", expert_cache_gb=1e-7)
 
 
 def test_the_stack_serves_offloaded_experts_as_it_serves_them_cached(tiny, tmp_path):

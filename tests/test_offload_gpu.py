@@ -27,7 +27,7 @@ def _core(d, cache_gb: float, prefetch: str = "union,layer", mode: str = "device
     from verifier_svc.engine import PagedKVOptions, VerifierCore
     from verifier_svc.model import load_target
 
-    target = load_target(d, "cuda", "auto", kernels="on", experts="mxfp4", expert_cache_gb=cache_gb, expert_prefetch=prefetch,
+    target = load_target(d, "cuda", "bfloat16", kernels="on", experts="mxfp4", expert_cache_gb=cache_gb, expert_prefetch=prefetch,
                          expert_cache_mode=mode)
     return VerifierCore(target, max_block_size=16, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2))
 

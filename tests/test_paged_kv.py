@@ -11,6 +11,7 @@ import torch
 from kernels import runtime
 from kernels.attention import PAGE
 from pdflash.errors import ResourceExhausted
+from tests.conftest import DEVICE, DTYPE
 from verifier_svc.kv import KVPool, SequenceKV
 
 
@@ -66,7 +67,7 @@ def test_the_paged_kv_needs_the_kernels_and_says_so(tiny):
     from verifier_svc.engine import PagedKVOptions, VerifierCore
     from verifier_svc.model import load_target
 
-    target = load_target(tiny.target("qwen3_moe"), "cpu", "auto")  # --kernels off (a CPU default)
+    target = load_target(tiny.target("qwen3_moe"), DEVICE, DTYPE)  # --kernels off (a CPU default)
     assert VerifierCore(target, paged_kv=PagedKVOptions()).pool is None  # auto: transformers' DynamicCache
     with pytest.raises(ValueError, match="needs the batch-invariant kernels"):
         VerifierCore(target, paged_kv=PagedKVOptions(mode="on"))

@@ -13,6 +13,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from pdflash.client import Client
 from pdflash.types import SamplingParams
+from tests.conftest import DEVICE, DTYPE
 from verifier_svc.verify import accept_greedy, accept_sampled, target_probs
 
 
@@ -92,7 +93,7 @@ def test_stack_sampling_is_seeded_and_matches_target_distribution(stack, tiny):
     # exact target probabilities of every (t1, t2) from plain transformers
     model_dir = tiny.target("qwen3_moe")
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, DTYPE)).to(DEVICE).eval()
     ids = tok(prompt).input_ids
     s = SamplingParams(**sp)
     with torch.no_grad():

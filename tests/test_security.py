@@ -30,7 +30,7 @@ from pdflash.server import CHANNEL_OPTIONS
 from pdflash.tickets import TicketSigner
 from pdflash.tls import channel_credentials
 from pdflash.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from tests.conftest import start_stack
+from tests.conftest import DEVICE, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +152,8 @@ def health(target: str, creds=None) -> int:
 
 
 def test_generate_over_mtls_with_token_equals_greedy_reference(secure, pki, tiny):
-    want = greedy_reference(str(tiny.target("qwen3_moe")), PROMPT, 24)
+    """The secure stack (start_stack: cpu, float32) against transformers' greedy decoding there."""
+    want = greedy_reference(str(tiny.target("qwen3_moe")), PROMPT, 24, device=DEVICE)
     with Client(secure.drafter, token=TOKEN, tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key) as c:
         got = c.generate(PROMPT, max_tokens=24, drafter="ngram")
     assert tuple(got.token_ids) == want

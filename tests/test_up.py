@@ -1,5 +1,9 @@
 """`pdflash up` and `pdflash demo` as a new user runs them: a model of one's own, start-up failures in one
-line, supervision (a killed service comes back; repeated crashes stop the stack), the demo's terminal."""
+line, supervision (a killed service comes back; repeated crashes stop the stack), the demo's terminal.
+
+Every stack here runs on the CPU in float32 (`--device cpu --dtype float32 --drafter-dtype float32`, PLACEMENT), on a
+GPU host too, and the references are transformers' greedy decoding there (conftest.DEVICE/DTYPE); the stack on CUDA is
+tests/test_e2e_identity.py's cuda-bfloat16 and tests/test_drafter_gpu.py."""
 
 from __future__ import annotations
 
@@ -20,11 +24,13 @@ from pdflash.defaults import ASSETS, default_drafter_dir
 from pdflash.stack import free_ports
 from pdflash.tiny import ARCHITECTURES
 from pdflash.types import DrafterKind
+from tests.conftest import DEVICE, DTYPE
 
 PROMPT = "import os\n\ndef main():\n    "
 MAX_TOKENS = 16
 DEMO_DRAFTER = ASSETS / "drafter"  # made for the embedded target: hidden 256, the tiny targets have 64
 NOISE = ("Traceback", "Event loop is closed", "was never awaited")
+PLACEMENT = ("--device", DEVICE, "--dtype", DTYPE, "--drafter-dtype", DTYPE)  # `up` and `demo`: pinned, never auto
 
 
 class Up:
@@ -34,7 +40,7 @@ class Up:
         self.port, self.scheduler_port, self.verifier_port = free_ports(3)
         self.dir = tmp_path
         self.out, self.err = tmp_path / f"{command}.stdout", tmp_path / f"{command}.stderr"
-        argv = [sys.executable, "-m", "pdflash.cli", command, *args, "--port", str(self.port),
+        argv = [sys.executable, "-m", "pdflash.cli", command, *args, *PLACEMENT, "--port", str(self.port),
                 "--scheduler-port", str(self.scheduler_port), "--verifier-port", str(self.verifier_port)]
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
             # cwd: the test's directory, so nothing a run writes can land in the checkout; TMPDIR likewise.
@@ -115,7 +121,7 @@ def test_up_serves_a_model_of_ones_own(tiny, tmp_path, arch):
             info = c.model_info()
         assert info.architecture == arch
         assert set(info.drafters) == {DrafterKind.NONE, DrafterKind.NGRAM}
-        assert tuple(generate(up.target)) == greedy_reference(str(model), PROMPT, MAX_TOKENS)
+        assert tuple(generate(up.target)) == greedy_reference(str(model), PROMPT, MAX_TOKENS, device=DEVICE)
     finally:
         rc = up.stop()
     err = up.stderr()
@@ -162,7 +168,7 @@ def test_a_service_that_cannot_start_says_why_in_one_line(tiny, tmp_path):
     model = broken_copy(tiny.target("qwen3_moe"), tmp_path / "broken", "weights")
     reason = tmp_path / "verifier.reason"
     r = subprocess.run([sys.executable, "-m", "pdflash.cli", "serve-verifier", "--model", str(model), "--port", "0",
-                        "--metrics-port", "-1"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                        "--metrics-port", "-1", "--device", DEVICE, "--dtype", DTYPE], capture_output=True, text=True, timeout=300, cwd=tmp_path,
                        env={**os.environ, "PDFLASH_TERMINATION_LOG": str(reason)})
     assert r.returncode == 1
     assert not any(n in r.stderr for n in NOISE), r.stderr
@@ -273,7 +279,7 @@ def test_demo_keeps_service_logs_out_of_the_completion(tiny, tmp_path):
     model = tiny.target("qwen3_moe")
     demo = Up(tmp_path, "--model", str(model), "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), command="demo")
     assert demo.proc.wait(300) == 0, demo.stderr()
-    want = AutoTokenizer.from_pretrained(str(model)).decode(list(greedy_reference(str(model), PROMPT, MAX_TOKENS)),
+    want = AutoTokenizer.from_pretrained(str(model)).decode(list(greedy_reference(str(model), PROMPT, MAX_TOKENS, device=DEVICE)),
                                                             skip_special_tokens=True)
     assert demo.stdout() == PROMPT + want + "\n", "stdout: the prompt and the streamed completion, nothing else"
     err = demo.stderr().splitlines()

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from pdflash.errors import FailedPrecondition, InvalidArgument, NotFound
 from pdflash.tiny import ARCHITECTURES
 from pdflash.types import DraftResult, FinishReason, SamplingParams, union_bytes, union_of
+from tests.conftest import DEVICE, DTYPE
 from verifier_svc.engine import PrefillInput, VerifierCore
 from verifier_svc.model import load_target
 
@@ -21,11 +22,11 @@ PROMPT = (11, 52, 7, 300, 41, 99, 5, 17)
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
 def core(request, tiny):
-    return request.param, VerifierCore(load_target(tiny.target(request.param)), max_block_size=16)
+    return request.param, VerifierCore(load_target(tiny.target(request.param), DEVICE, DTYPE), max_block_size=16)
 
 
 def plain_greedy(model_dir, prompt, n, eos=True):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, DTYPE)).to(DEVICE).eval()
     kw = {} if eos else {"eos_token_id": None}
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=0, **kw)
@@ -115,7 +116,7 @@ def router_choices(model, prompt_and_block: list[list[int]]) -> dict[int, set[in
 
 def test_routed_union_and_exact_bytes(core, tiny):
     arch, c = core
-    ref = AutoModelForCausalLM.from_pretrained(tiny.target(arch), dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(tiny.target(arch), dtype=getattr(torch, DTYPE)).to(DEVICE).eval()
     seen, hooks = router_choices(ref, [])
     with torch.no_grad():
         ref(torch.tensor([list(PROMPT)]))
@@ -187,7 +188,7 @@ def test_validation(core):
 def test_sessions_expire_and_capacity(tiny):
     from pdflash.errors import ResourceExhausted
 
-    c = VerifierCore(load_target(tiny.target("qwen3_moe")), max_sessions=2, idle_ttl_s=60)
+    c = VerifierCore(load_target(tiny.target("qwen3_moe"), DEVICE, DTYPE), max_sessions=2, idle_ttl_s=60)
     s1 = c.prefill(PrefillInput("a", PROMPT, SamplingParams(), 8, ignore_eos=True)).session_id
     c.prefill(PrefillInput("b", PROMPT, SamplingParams(), 8, ignore_eos=True))
     with pytest.raises(ResourceExhausted):
@@ -200,7 +201,7 @@ def test_sessions_expire_and_capacity(tiny):
 
 
 def test_finished_session_refuses_verify(tiny):
-    c = VerifierCore(load_target(tiny.target("qwen3_moe")))
+    c = VerifierCore(load_target(tiny.target("qwen3_moe"), DEVICE, DTYPE))
     o = c.prefill(PrefillInput("a", PROMPT, SamplingParams(), 2, ignore_eos=True))
     v = c.verify(DraftResult(o.session_id, 1, (o.tokens[0],), {}, 0))
     assert v.finished == FinishReason.LENGTH
@@ -210,7 +211,7 @@ def test_finished_session_refuses_verify(tiny):
 
 def test_prefill_threads_change_nothing_but_the_prefill_threads(tiny):
     """A prefill on more CPU threads gives the same tokens, and verify forwards keep the thread count."""
-    target = load_target(tiny.target("qwen3_moe"))
+    target = load_target(tiny.target("qwen3_moe"), DEVICE, DTYPE)
     before = torch.get_num_threads()
     seen = []
     want = None
@@ -234,7 +235,7 @@ def test_prefill_threads_change_nothing_but_the_prefill_threads(tiny):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_prefill_runs_the_lm_head_on_the_last_position_only(tiny, arch):
     """A prompt needs only the next token's logits; verify blocks need every position's."""
-    target = load_target(tiny.target(arch))
+    target = load_target(tiny.target(arch), DEVICE, DTYPE)
     rows = []
     hook = target.model.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape[-2]))
     try:
@@ -244,7 +245,7 @@ def test_prefill_runs_the_lm_head_on_the_last_position_only(tiny, arch):
     finally:
         hook.remove()
     assert rows == [1, 4]
-    ref = AutoModelForCausalLM.from_pretrained(tiny.target(arch), dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(tiny.target(arch), dtype=getattr(torch, DTYPE)).to(DEVICE).eval()
     with torch.no_grad():
         assert o.tokens[0] == int(ref(torch.tensor([PROMPT])).logits[0, -1].argmax())
 

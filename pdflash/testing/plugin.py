@@ -14,6 +14,9 @@ def pytest_addoption(parser) -> None:
                     help="pdflash_stack serves this checkpoint (and --pdflash-drafter's DFlash drafter) instead of a "
                          "tiny random one")
     group.addoption("--pdflash-drafter", default="", metavar="DIR", help="DFlash drafter for --pdflash-model")
+    group.addoption("--pdflash-device", default="cpu", metavar="DEVICE",
+                    help="where pdflash_stack's verifier and DFlash drafter run: cpu (default, in float32, on any host), "
+                         "auto (cuda when available, in bfloat16), cuda, cuda:N")
 
 
 def pytest_configure(config) -> None:
@@ -43,9 +46,12 @@ class StackHandle:
     stack: object
 
 
-def start_stack(root: pathlib.Path, model: str = "", drafter: str = "", timeout: float = 300.0) -> StackHandle:
+def start_stack(root: pathlib.Path, model: str = "", drafter: str = "", timeout: float = 300.0,
+                device: str = "cpu") -> StackHandle:
     """The three services on free loopback ports, on `model` or else a tiny random qwen3_moe made under root
-    (with a tiny DFlash drafter, so every drafter kind is served, as by `pdflash up`). Logs in root/logs."""
+    (with a tiny DFlash drafter, so every drafter kind is served, as by `pdflash up`). Logs in root/logs.
+    device: the verifier's and the DFlash drafter's `--device`; on the CPU (the default, on any host, also one with a
+    GPU) they serve float32, elsewhere the services choose the dtype (`auto`: bfloat16 on CUDA)."""
     from pdflash.client import Client
     from pdflash.stack import Stack, StackSpec, free_ports
 
@@ -56,8 +62,10 @@ def start_stack(root: pathlib.Path, model: str = "", drafter: str = "", timeout:
         model = str(make_tiny_checkpoint(root / "target"))
         drafter = str(make_tiny_dflash(model, root / "drafter", num_layers=1, block_size=8))
     ports = free_ports(3)
+    placement = ["--device", device] + (["--dtype", "float32"] if device == "cpu" else [])
     spec = StackSpec(model=model, drafter=drafter, no_dflash=not drafter, drafter_port=ports[0], scheduler_port=ports[1],
-                     verifier_port=ports[2], metrics_ports=(-1, -1, -1), log_dir=str(root / "logs"), pin=False)
+                     verifier_port=ports[2], metrics_ports=(-1, -1, -1), log_dir=str(root / "logs"), pin=False,
+                     verifier_args=list(placement), drafter_args=list(placement))
     stack = Stack(spec).start()
     try:
         stack.wait_ready(timeout)
@@ -70,7 +78,8 @@ def start_stack(root: pathlib.Path, model: str = "", drafter: str = "", timeout:
 
 @pytest.fixture(scope="session")
 def pdflash_stack(request, tmp_path_factory):
-    """The real stack (scheduler, verifier, drafter processes) on free ports, CPU, shared by the session."""
+    """The real stack (scheduler, verifier, drafter processes) on free ports, shared by the session; on the CPU in
+    float32 unless `--pdflash-device` says otherwise (a GPU host too: `--device auto` would pick its GPU)."""
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -78,7 +87,7 @@ def pdflash_stack(request, tmp_path_factory):
         pytest.skip(f"pdflash_stack needs pdflash's serving dependencies ({e.name} is missing): "
                     "pip install 'pdflash[serve]' (with torch first: see pdflash's README)")
     handle = start_stack(tmp_path_factory.mktemp("pdflash-stack"), request.config.getoption("pdflash_model"),
-                         request.config.getoption("pdflash_drafter"))
+                         request.config.getoption("pdflash_drafter"), device=request.config.getoption("pdflash_device"))
     try:
         yield handle
     finally:
