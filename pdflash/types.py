@@ -68,4 +68,4 @@ def union_of(unions: Iterable[Mapping[int, Iterable[int]]]) -> ExpertUnion:
 
 def union_bytes(union: Mapping[int, Iterable[int]], byte_map: Mapping[int, list[int] | tuple[int, ...]]) -> int:
     """Exact stored bytes of a union, from a per-layer list of per-expert byte sizes."""
-    return sum(int(byte_map[layer][e]) for layer, ids in union.items() for e in ids)
+    return int(sum(sum(map(byte_map[layer].__getitem__, ids)) for layer, ids in union.items()))
