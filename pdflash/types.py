@@ -6,8 +6,9 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
 
-# Per MoE layer, the set of routed expert ids. Keys are decoder layer indices.
-ExpertUnion = dict[int, frozenset[int]]
+# Per MoE layer, the set of routed expert ids. Keys are decoder layer indices. A value, never changed once made: one
+# that came off the wire is a read-only mapping over its messages (pdflash.convert), a dict otherwise.
+ExpertUnion = Mapping[int, frozenset[int]]
 
 
 class FinishReason(enum.IntEnum):
