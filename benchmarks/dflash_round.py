@@ -82,6 +82,13 @@ def main() -> None:
             s.propose(7, k)  # warm-up
             row[f"propose{k}_ms_min"], row[f"propose{k}_ms_p50"] = _time(lambda: s.propose(7, k), args.repeats, sync)
         row["propose15_ops"], row["propose15_views"] = _ops(lambda: s.propose(7, 15))
+        if args.device.startswith("cuda"):  # host time: queueing propose's work, up to its one copy back (the drafts)
+            def issue():
+                embeds = torch.cat([f.head.embed[7:8], f.mask_rows[:15]])[None]
+                return (f.model.draft(embeds, s.cache)[0, 1:] @ f.head.lm_head.T).argmax(dim=-1)
+
+            row["propose15_host_ms_min"], row["propose15_host_ms_p50"] = _time(issue, args.repeats, lambda: None)
+            sync()
 
         def commit_and_back():  # a commit of 4 rows, its rows dropped again so that the context stays at ctx
             s.commit([1, 2, 3, 4], feats)
