@@ -7,15 +7,20 @@ normalized by `hidden_norm`. In every layer, K and V come from both the projecte
 no causal mask inside a block. See REFERENCE.md section 2.
 
 Inference keeps a per-layer cache of context K/V (`ContextKV`): each round appends the rows of newly
-committed tokens, then one forward over the block `[anchor, MASK x (B-1)]` gives B-1 drafts.
-Training uses the same forward with an explicit attention mask over many blocks at once.
+committed tokens, then one forward over the block `[anchor, MASK x (B-1)]` gives B-1 drafts (`draft`).
+The block's own K/V rows are written into the cache's spare rows past the committed ones, so attention reads
+one view of context + block (no copy of the whole context per layer and round); the next commit overwrites
+them, so nothing of a proposal outlives it. Rotary cos/sin come from a table (`RopeTable`) sliced per call.
+Training uses the same layers with an explicit attention mask over many blocks at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +31,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
     Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
-    apply_rotary_pos_emb,
+    rotate_half,
 )
 
 WEIGHTS_NAME = "model.safetensors"
@@ -65,7 +70,8 @@ class ContextKV:
     """Per-layer K/V of the projected context rows (already rotated), [B, Hkv, T, D] each. Grows as tokens commit.
 
     The rows live in per-layer buffers that double when full: a commit writes only its own rows (no copy of the
-    whole context, no allocation of a bigger tensor every round, which on a GPU can mean a device malloc)."""
+    whole context, no allocation of a bigger tensor every round, which on a GPU can mean a device malloc). A
+    proposal's block rows go to the spare rows after the committed ones (`with_block`) and are never committed."""
 
     MIN_CAPACITY = 256
 
@@ -91,6 +97,19 @@ class ContextKV:
         return [self.layer(i)[1] for i in range(len(self._v))]
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        n, t = self._write(layer, k, v)
+        self._used[layer] = n + t
+
+    def with_block(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's context K and V followed by a block's rows k, v (views of its buffers), without committing them.
+
+        The block's rows go to the spare rows past the committed ones: the attention of a proposal reads context and
+        block in one view, and no copy of the context is made. The next `append` or `with_block` overwrites them."""
+        n, t = self._write(layer, k, v)
+        return self._k[layer][:, :, : n + t], self._v[layer][:, :, : n + t]
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
+        """k, v into layer's rows n..n+t-1 (n = its committed rows), the buffers grown first when they are full."""
         n, t = self._used[layer], k.shape[2]
         buf = self._k[layer]
         if buf is None or n + t > buf.shape[2]:
@@ -99,7 +118,7 @@ class ContextKV:
             self._v[layer] = self._grown(self._v[layer], v, n, cap)
         self._k[layer][:, :, n : n + t] = k
         self._v[layer][:, :, n : n + t] = v
-        self._used[layer] = n + t
+        return n, t
 
     @staticmethod
     def _grown(old: torch.Tensor | None, like: torch.Tensor, n: int, cap: int) -> torch.Tensor:
@@ -108,6 +127,48 @@ class ContextKV:
         if old is not None:
             new[:, :, :n] = old[:, :, :n]
         return new
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated at its positions: transformers' apply_rotary_pos_emb for one tensor, the same ops in the same order
+    (cos and sin already [B, 1, T, D]: unsqueezed once per forward, not per layer and tensor)."""
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class RopeTable:
+    """Rotary cos/sin of positions 0..n-1, computed once and grown by doubling: a forward slices rows instead of
+    computing them (on a GPU ~8 launches per forward). The same numbers as `Qwen3RotaryEmbedding` at those
+    positions (elementwise: a position's row does not depend on the others); rope types whose frequencies depend on
+    the length (dynamic, longrope) are not tabled (`fixed` is False: call the embedding itself)."""
+
+    MIN_POSITIONS = 256
+
+    def __init__(self, rotary: Qwen3RotaryEmbedding):
+        self.rotary = rotary
+        self.fixed = "dynamic" not in rotary.rope_type and rotary.rope_type != "longrope"
+        self._rows: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, like: torch.Tensor, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, 1, n, D] of positions start..start+n-1, in like's dtype on like's device."""
+        key = (like.dtype, like.device)
+        rows = self._rows.get(key)
+        if rows is None or rows[0].shape[2] < start + n:
+            size = max(start + n, self.MIN_POSITIONS, 2 * (0 if rows is None else rows[0].shape[2]))
+            cos, sin = self.rotary(like, torch.arange(size, device=like.device)[None])
+            rows = self._rows[key] = (cos[:, None], sin[:, None])
+        return rows[0][:, :, start : start + n], rows[1][:, :, start : start + n]
+
+
+# join(k, v) -> (K, V): what a block's rows attend to besides themselves (context before them, or nothing)
+Join = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _alone(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return k, v
+
+
+def _after(ctx_k: torch.Tensor, ctx_v: torch.Tensor) -> Join:
+    return lambda k, v: (torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2))
 
 
 class DFlashAttention(nn.Module):
@@ -125,30 +186,18 @@ class DFlashAttention(nn.Module):
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (rotated) and V of rows x, [B, Hkv, T, D] each; cos, sin [B, 1, T, D]."""
         b, t, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        k, _ = apply_rotary_pos_emb(k, k, cos, sin)
-        return k, v
+        return _rotate(k, cos, sin), v
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        ctx_k: torch.Tensor | None,
-        ctx_v: torch.Tensor | None,
-        attn_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, join: Join, attn_mask: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
-        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
-        k, v = self.kv(x, cos, sin)
-        if ctx_k is not None:
-            k = torch.cat([ctx_k, k], dim=2)
-            v = torch.cat([ctx_v, v], dim=2)
+        k, v = join(*self.kv(x, cos, sin))
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, enable_gqa=self.num_heads != self.num_kv_heads
+            _rotate(q, cos, sin), k, v, attn_mask=attn_mask, enable_gqa=self.num_heads != self.num_kv_heads
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -161,8 +210,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, attn_mask):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, attn_mask)
+    def forward(self, x, cos, sin, join: Join, attn_mask):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, join, attn_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -179,6 +228,7 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList([DFlashLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self._table: RopeTable | None = None
 
     # ---- context -------------------------------------------------------------------------
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
@@ -186,19 +236,37 @@ class DFlashDraftModel(nn.Module):
         return self.hidden_norm(self.fc(features))
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary_emb(x, positions)
+        """cos, sin [B, 1, T, D] of positions [B, T]."""
+        cos, sin = self.rotary_emb(x, positions)
+        return cos[:, None], sin[:, None]
+
+    def _rope_from(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, 1, T, D] of positions start..start+T-1 (x [1, T, H]), from the table when it applies."""
+        if self._table is None or self._table.rotary is not self.rotary_emb:  # load_dflash replaces the embedding
+            self._table = RopeTable(self.rotary_emb)
+        if not self._table.fixed:
+            return self._rope(x, torch.arange(start, start + x.shape[1], device=x.device)[None])
+        return self._table(x, start, x.shape[1])
 
     @torch.no_grad()
-    def extend_context(self, cache: ContextKV, features: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append K/V of new context rows (features [B, T, N*H] at absolute positions [B, T])."""
+    def extend_context(self, cache: ContextKV, features: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Append K/V of new context rows: features [B, T, N*H] at absolute positions [B, T] (default: the
+        cache's next T positions, B = 1)."""
         ctx = self.project_context(features.to(self.fc.weight.dtype))
-        cos, sin = self._rope(ctx, positions)
+        cos, sin = self._rope(ctx, positions) if positions is not None else self._rope_from(ctx, cache.length)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(ctx, cos, sin)
             cache.append(i, k, v)
         cache.length += features.shape[1]
 
     # ---- block ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def draft(self, block_embeds: torch.Tensor, cache: ContextKV) -> torch.Tensor:
+        """Hidden states (after the final norm) of the block rows [1, T, H] at positions L..L+T-1 (L = the cache's
+        committed length), every row seeing all cached context: `forward(block, arange(L, L+T), cache=cache)`."""
+        cos, sin = self._rope_from(block_embeds, cache.length)
+        return self._layers(block_embeds, cos, sin, cache, None, None)
+
     def forward(
         self,
         block_embeds: torch.Tensor,
@@ -214,18 +282,21 @@ class DFlashDraftModel(nn.Module):
         `context_positions` + `attn_mask` (training: [B, 1, Q, C + Q] boolean, True = may attend).
         """
         cos, sin = self._rope(block_embeds, block_positions)
+        ctx = None
         if context is not None:
             ctx = self.project_context(context.to(self.fc.weight.dtype))
-            ccos, csin = self._rope(ctx, context_positions)
-        h = block_embeds
+            ctx = (ctx, *self._rope(ctx, context_positions))
+        return self._layers(block_embeds, cos, sin, cache, ctx, attn_mask)
+
+    def _layers(self, h, cos, sin, cache: ContextKV | None, ctx: tuple | None, attn_mask) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
             if cache is not None:
-                ck, cv = cache.layer(i)
-            elif context is not None:
-                ck, cv = layer.self_attn.kv(ctx, ccos, csin)
+                join = functools.partial(cache.with_block, i)
+            elif ctx is not None:
+                join = _after(*layer.self_attn.kv(*ctx))
             else:
-                ck = cv = None
-            h = layer(h, cos, sin, ck, cv, attn_mask)
+                join = _alone
+            h = layer(h, cos, sin, join, attn_mask)
         return self.norm(h)
 
     # ---- checkpoint (z-lab layout) -------------------------------------------------------------

@@ -36,7 +36,7 @@ from drafter_svc.width import VerifyWidth
 from pdflash import torch_thread
 from pdflash.errors import DeadlineExceeded
 from pdflash.logging import get_logger
-from pdflash.types import DraftResult, FinishReason, SamplingParams, union_bytes
+from pdflash.types import DraftResult, FinishReason, SamplingParams
 
 log = get_logger("pdflash.drafter.loop")
 
@@ -164,6 +164,7 @@ class _Ahead:
 
     round: int
     union: object  # the ExpertUnion it was admitted with; the round's block must carry it
+    union_bytes: int  # its stored bytes (the verifier's count)
     task: asyncio.Task
     released: tuple[str, ...] = ()  # tickets of finished rounds this call gives back
 
@@ -234,7 +235,6 @@ async def run_request(
     drafter_factory,
     verifier,
     scheduler,
-    byte_map: dict[int, list[int]],
     deadline: Deadline,
     abort: asyncio.Event | None = None,
     admit_ahead: bool = True,
@@ -276,11 +276,14 @@ async def run_request(
         usage.completion_tokens = 1
         anchor = pre.first_token
         union = pre.routed_union  # best projection for round 1: what the prompt routed
+        # Its stored bytes as the verifier counted them (with the byte map it gave us; it checks them on each Verify):
+        # the drafter never reads a union, it sends it on (pdflash.convert keeps it as the messages it came in).
+        union_b = pre.routed_bytes
         if finished is None and admit_ahead and req.max_tokens - 1 >= 1:
             # Round 1's admission, ahead: it travels while the first token streams and the drafter reads the prompt.
             reserve = min(1 + width.drafts(), req.max_tokens - 1)
-            first = DraftResult(session_id, 1, (), union, union_bytes(union, byte_map))
-            ahead = _Ahead(1, union, asyncio.ensure_future(_admit(
+            first = DraftResult(session_id, 1, (), union, union_b)
+            ahead = _Ahead(1, union, union_b, asyncio.ensure_future(_admit(
                 scheduler, req.request_id, first, deadline.remaining(), reserve_tokens=reserve)))
         yield Tokens([pre.first_token], 0)
         if finished is not None:
@@ -313,10 +316,10 @@ async def run_request(
                 ticket = await ahead.take(len(tokens), releases, scheduler)
                 taken, ahead = ahead, None  # only now: a cancel while waiting must still drop it
             if ticket is not None:
-                draft = DraftResult(session_id, rnd, tokens, taken.union, union_bytes(taken.union, byte_map))
+                draft = DraftResult(session_id, rnd, tokens, taken.union, taken.union_bytes)
                 usage.rounds_admitted_ahead += 1
             else:
-                draft = DraftResult(session_id, rnd, tokens, union, union_bytes(union, byte_map))
+                draft = DraftResult(session_id, rnd, tokens, union, union_b)
                 # Finished rounds' tickets ride on this Admit: never hold a lease while waiting for the next
                 # (sessions holding budget while queueing for more would starve each other until expiry).
                 carried = tuple(to_release)
@@ -344,10 +347,10 @@ async def run_request(
                 # This round emits at least one token: the next one has at most remaining - 1 to go.
                 if admit_ahead and remaining - 1 >= 1:
                     reserve = min(1 + width.bound_after(len(drafts)), remaining - 1)  # the next block can't be wider
-                    nxt = DraftResult(session_id, rnd + 1, (), union, union_bytes(union, byte_map))
+                    nxt = DraftResult(session_id, rnd + 1, (), union, union_b)
                     timeout = deadline.remaining()  # may raise: before the tickets move from to_release
                     carried = tuple(to_release)
-                    ahead = _Ahead(rnd + 1, union, asyncio.ensure_future(_admit(
+                    ahead = _Ahead(rnd + 1, union, union_b, asyncio.ensure_future(_admit(
                         scheduler, req.request_id, nxt, timeout, reserve_tokens=reserve, release=carried)), carried)
                     to_release.clear()
                 if behind is not None:  # the previous round's tokens, while this round verifies
@@ -387,6 +390,7 @@ async def run_request(
                     drafter.commit(committed, res.features)
                 anchor = res.tokens[-1]
                 union = res.routed_union
+                union_b = res.routed_bytes
             ev = Tokens(res.tokens, rnd, len(drafts), res.num_accepted)
             if stream_behind and not heavy and finished is None:
                 behind = ev  # streamed once the next round's Verify is on its way

@@ -92,7 +92,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             detok = IncrementalDetokenizer(self.door.tokenizer, req.prompt)
             log.info("generate", prompt_tokens=len(req.prompt), max_tokens=req.max_tokens, drafter=kind.name.lower(), block_size=req.block_size)
             gen = run_request(
-                req, self.door.factories[kind], self.door.verifier, self.door.scheduler, self.door.target.byte_map,
+                req, self.door.factories[kind], self.door.verifier, self.door.scheduler,
                 Deadline(context.time_remaining()), abort, admit_ahead=self.door.cfg.admit_ahead,
                 verify_stream=self.door.cfg.verify_stream,
             )

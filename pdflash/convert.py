@@ -6,6 +6,7 @@ server shares) converts sampling parameters here and must import without numpy (
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -18,15 +19,51 @@ if TYPE_CHECKING:
 _DTYPE_NAMES = ("float32", "float16")
 
 
+# A union goes through these several times a round in each service (hundreds to thousands of ids for a real
+# model). A union that came off the wire stays its messages until something reads it (the scheduler only keeps
+# it, the drafter only sends it on) and is sent on as those messages (copied in C), not converted again; the
+# conversions do no Python work per id beyond what sorted() / frozenset() do in C.
+class _Received(Mapping):
+    """An ExpertUnion (layer -> frozenset of expert ids) as LayerExperts messages, parsed on first read. A value:
+    nothing changes one once made."""
+
+    __slots__ = ("messages", "_union")
+
+    def __init__(self, messages: list[common_pb2.LayerExperts]):
+        self.messages = messages
+        self._union: dict[int, frozenset[int]] | None = None
+
+    def _parsed(self) -> dict[int, frozenset[int]]:
+        if self._union is None:
+            out: dict[int, frozenset[int]] = {}
+            for le in self.messages:
+                ids = frozenset(le.expert_ids)
+                out[le.layer] = out[le.layer] | ids if le.layer in out else ids  # a layer listed twice: both
+            self._union = dict(sorted(out.items()))
+        return self._union
+
+    def __getitem__(self, layer: int) -> frozenset[int]:
+        return self._parsed()[layer]
+
+    def __iter__(self):
+        return iter(self._parsed())
+
+    def __len__(self) -> int:
+        return len(self._parsed())
+
+    def __repr__(self) -> str:
+        return repr(self._parsed())
+
+
 def union_to_pb(union: Mapping[int, frozenset[int] | set[int]]) -> list[common_pb2.LayerExperts]:
-    return [common_pb2.LayerExperts(layer=int(l), expert_ids=sorted(int(e) for e in ids)) for l, ids in sorted(union.items())]
+    if isinstance(union, _Received):
+        return list(union.messages)
+    return [common_pb2.LayerExperts(layer=int(l), expert_ids=sorted(ids)) for l, ids in sorted(union.items())]
 
 
 def union_from_pb(layers) -> ExpertUnion:
-    out: dict[int, set[int]] = {}
-    for le in layers:
-        out.setdefault(int(le.layer), set()).update(int(e) for e in le.expert_ids)
-    return {l: frozenset(ids) for l, ids in sorted(out.items())}
+    """The union of LayerExperts messages (a read-only mapping, parsed when first read)."""
+    return _Received(list(layers))
 
 
 def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
@@ -73,17 +110,19 @@ def array_to_pb(a: np.ndarray | None) -> common_pb2.Tensor | None:
         return None
     a = np.ascontiguousarray(a)
     name = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}[a.dtype]
-    return common_pb2.Tensor(shape=list(a.shape), dtype=name, data=a.astype(a.dtype.newbyteorder("<")).tobytes())
+    # one copy (tobytes); astype copies only on a big-endian host
+    return common_pb2.Tensor(shape=list(a.shape), dtype=name, data=a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
 
 
 def array_from_pb(pb: common_pb2.Tensor) -> np.ndarray:
+    """A writeable array of its own (one copy of the payload: torch.from_numpy needs a writeable array)."""
     import numpy as np
 
     if pb.dtype not in _DTYPE_NAMES:
         raise ValueError(f"unsupported tensor dtype {pb.dtype!r}")
     dt = np.dtype(pb.dtype).newbyteorder("<")
-    shape = tuple(int(s) for s in pb.shape)
+    shape = tuple(pb.shape)
     arr = np.frombuffer(pb.data, dtype=dt)
-    if arr.size != int(np.prod(shape, dtype=np.int64)):
-        raise ValueError(f"tensor data has {arr.size} elements, shape {shape} needs {int(np.prod(shape))}")
+    if arr.size != math.prod(shape):
+        raise ValueError(f"tensor data has {arr.size} elements, shape {shape} needs {math.prod(shape)}")
     return arr.reshape(shape).astype(dt.newbyteorder("="))

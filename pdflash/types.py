@@ -6,8 +6,9 @@ import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
 
-# Per MoE layer, the set of routed expert ids. Keys are decoder layer indices.
-ExpertUnion = dict[int, frozenset[int]]
+# Per MoE layer, the set of routed expert ids. Keys are decoder layer indices. A value, never changed once made: one
+# that came off the wire is a read-only mapping over its messages (pdflash.convert), a dict otherwise.
+ExpertUnion = Mapping[int, frozenset[int]]
 
 
 class FinishReason(enum.IntEnum):
@@ -68,4 +69,4 @@ def union_of(unions: Iterable[Mapping[int, Iterable[int]]]) -> ExpertUnion:
 
 def union_bytes(union: Mapping[int, Iterable[int]], byte_map: Mapping[int, list[int] | tuple[int, ...]]) -> int:
     """Exact stored bytes of a union, from a per-layer list of per-expert byte sizes."""
-    return sum(int(byte_map[layer][e]) for layer, ids in union.items() for e in ids)
+    return int(sum(sum(map(byte_map[layer].__getitem__, ids)) for layer, ids in union.items()))

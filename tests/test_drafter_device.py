@@ -156,6 +156,47 @@ def test_context_cache_grows_in_place_and_equals_concatenation():
     assert ContextKV(1).layer(0) == (None, None)
 
 
+def test_a_proposals_block_rows_sit_past_the_context_and_never_outlive_it():
+    """with_block: the view is context + block (as if concatenated), nothing is committed, and the next rows
+    (a commit, or another proposal) overwrite the block's; a block that does not fit grows the buffers first."""
+    from drafter_svc.dflash_model import ContextKV
+
+    g = torch.Generator().manual_seed(1)
+    cache = ContextKV(1)
+    ctx_k, ctx_v = torch.randn(1, 2, 5, 4, generator=g), torch.randn(1, 2, 5, 4, generator=g)
+    cache.append(0, ctx_k, ctx_v)
+    for t in (3, 1, ContextKV.MIN_CAPACITY):  # the last one does not fit: the buffers grow, the context comes along
+        bk, bv = torch.randn(1, 2, t, 4, generator=g), torch.randn(1, 2, t, 4, generator=g)
+        k, v = cache.with_block(0, bk, bv)
+        assert torch.equal(k, torch.cat([ctx_k, bk], 2)) and torch.equal(v, torch.cat([ctx_v, bv], 2))
+        assert torch.equal(cache.layer(0)[0], ctx_k) and torch.equal(cache.layer(0)[1], ctx_v)
+    more_k, more_v = torch.randn(1, 2, 2, 4, generator=g), torch.randn(1, 2, 2, 4, generator=g)
+    cache.append(0, more_k, more_v)
+    assert torch.equal(cache.layer(0)[0], torch.cat([ctx_k, more_k], 2))
+    assert torch.equal(cache.layer(0)[1], torch.cat([ctx_v, more_v], 2))
+    empty = ContextKV(1)  # nothing committed yet: the block attends to itself alone
+    assert torch.equal(empty.with_block(0, more_k, more_v)[0], more_k) and empty.layer(0)[0].shape[2] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_rows_equal_the_rotary_embedding_at_any_offset(dtype):
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from drafter_svc.dflash_model import RopeTable
+
+    rotary = Qwen3RotaryEmbedding(Qwen3Config(hidden_size=64, num_attention_heads=2, head_dim=32,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+    table = RopeTable(rotary)
+    assert table.fixed
+    x = torch.zeros(1, 1, 64, dtype=dtype)
+    for start, n in [(0, 1), (3, 16), (250, 16), (255, 2), (700, 9), (1, RopeTable.MIN_POSITIONS * 5)]:  # grows twice
+        cos, sin = table(x, start, n)
+        want_cos, want_sin = rotary(x, torch.arange(start, start + n)[None])
+        assert cos.dtype == dtype and cos.shape == (1, 1, n, 32)
+        assert torch.equal(cos[:, 0], want_cos) and torch.equal(sin[:, 0], want_sin)
+
+
 def test_model_info_says_where_the_dflash_drafter_runs_and_usage_counts_routed_bytes(stack):
     """The shared stack's drafter runs where conftest pins it (cpu, float32; on a GPU host too); the drafter on CUDA
     (`--device auto` there) is tests/test_drafter_gpu.py."""

@@ -201,6 +201,35 @@ def test_cached_drafting_equals_from_scratch(dflash):
         torch.testing.assert_close(cached_hidden, want_hidden, rtol=1e-5, atol=1e-5)
 
 
+def test_proposals_leave_nothing_behind_after_partial_acceptance(dflash):
+    """Each proposal writes its block's K/V past the committed context; after a partial acceptance the commit
+    overwrites them. Round after round the proposal equals, bit for bit, that of a fresh session given the same
+    commits (one that never proposed before), and the drafts equal the from-scratch recompute over all features."""
+    rng = np.random.default_rng(5)
+    prompt = features(rng, 6, dflash)
+    chunks = []  # the commits so far: (tokens, features)
+    busy = dflash.new_session()
+    busy.start(list(range(6)), prompt)
+    model, head, mask = dflash.model, dflash.head, dflash.spec.mask_token_id
+    for anchor, k, accepted in [(10, BLOCK - 1, 2), (11, 3, 0), (12, BLOCK - 1, BLOCK - 1), (13, 1, 1), (14, 5, 3)]:
+        fresh = dflash.new_session()
+        fresh.start(list(range(6)), prompt)
+        for tokens, f in chunks:
+            fresh.commit(tokens, f)
+        ids = torch.tensor([anchor] + [mask] * k)
+        with torch.no_grad():
+            want = model.draft(head.embed[ids][None], fresh.cache)
+            assert torch.equal(model.draft(head.embed[ids][None], busy.cache), want)
+            # the module's forward over the cache (the training-time code path) agrees bit for bit
+            assert torch.equal(model(head.embed[ids][None], torch.arange(busy.length, busy.length + k + 1)[None], cache=busy.cache), want)
+        got = busy.propose(anchor, k)
+        all_feats = np.concatenate([prompt, *(f for _, f in chunks)])
+        assert got == fresh.propose(anchor, k) == reference_drafts(dflash, all_feats, anchor, k)[0]
+        chunks.append(([anchor] + got[:accepted], features(rng, accepted + 1, dflash)))  # the anchor + accepted drafts
+        busy.commit(*chunks[-1])
+        assert busy.length == 6 + sum(len(t) for t, _ in chunks)
+
+
 def test_positions_follow_committed_length(dflash):
     """Context rows at 0..T-1 then T.., the block at L..L+k: shifting any of them changes the drafts."""
     rng = np.random.default_rng(1)

@@ -21,6 +21,7 @@ from grpc_status import rpc_status
 
 from benchmarks.load import in_use
 from pdflash.client import Client
+from pdflash.types import union_bytes
 from pdflash.v1 import verifier_pb2, verifier_pb2_grpc
 from tests.conftest import start_stack
 
@@ -163,7 +164,7 @@ def test_every_hop_gets_the_remaining_time():
 
     async def main():
         req = Request("r", (1, 2, 3), 10, SamplingParams(), (), True, 1)
-        async for _ in run_request(req, make_factory("none", ""), Verifier(), Scheduler(), {}, Deadline(5.0)):
+        async for _ in run_request(req, make_factory("none", ""), Verifier(), Scheduler(), Deadline(5.0)):
             pass
 
     asyncio.run(main())
@@ -207,6 +208,9 @@ class AheadScheduler:
         return self.held.pop(ticket_id, None) is not None
 
 
+BYTE_MAP = {0: [10 * (e + 1) for e in range(64)]}  # the verifier's: its answers count a union's bytes with it
+
+
 def _ahead_loop(scheduler, max_tokens=12, cancel_after=None, admit_ahead=True):
     """Run the round loop over a verifier double that routes a different union every round."""
     from drafter_svc.clients import PrefillOut, VerifyOut
@@ -218,24 +222,23 @@ def _ahead_loop(scheduler, max_tokens=12, cancel_after=None, admit_ahead=True):
 
     class Verifier:
         async def prefill(self, *args):
-            return PrefillOut("s", 7, None, None, {0: frozenset({0})}, 0, 0.0)
+            return PrefillOut("s", 7, None, None, {0: frozenset({0})}, BYTE_MAP[0][0], 0.0)
 
         async def verify(self, request_id, draft, ticket, return_features, timeout):
             verified.append((draft, ticket))
             await asyncio.sleep(0.005)
             emitted = [7] * 2
             done = FinishReason.LENGTH if sum(len(d.tokens) for d, _ in verified) >= max_tokens else None
-            return VerifyOut(emitted, 1, done, None, {0: frozenset({draft.round})}, 0, 0.0, 0.0)
+            return VerifyOut(emitted, 1, done, None, {0: frozenset({draft.round})}, BYTE_MAP[0][draft.round], 0.0, 0.0)
 
         async def end(self, session_id):
             return True
 
-    byte_map = {0: [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]}
     events = []
 
     async def main():
         req = Request("r", (1, 7, 7), max_tokens, SamplingParams(), (), True, 4)
-        gen = run_request(req, make_factory("ngram", ""), Verifier(), scheduler, byte_map, Deadline(5.0), admit_ahead=admit_ahead)
+        gen = run_request(req, make_factory("ngram", ""), Verifier(), scheduler, Deadline(5.0), admit_ahead=admit_ahead)
         async for ev in gen:
             events.append(ev)
             if cancel_after is not None and len(events) > cancel_after:
@@ -261,6 +264,7 @@ def test_admission_ahead_reserves_the_next_round_and_gives_back_what_it_did_not_
         # Admitted ahead with the projection known then (prefill's for rounds 1-2, then routed by round i-1),
         # carried by the block.
         assert draft.expert_union == {0: frozenset({i - 1 if i > 1 else 0})}
+        assert draft.expert_bytes == union_bytes(draft.expert_union, BYTE_MAP)  # the verifier's count, carried along
     assert sched.held == {}  # the last round's ahead reservation was released before Finished
     # Each verified round's ticket rode on a later ahead Admit (one scheduler call per round), but the last ones.
     assert len(sched.released_on_admit) >= len(verified) - 2

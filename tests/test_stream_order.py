@@ -81,7 +81,7 @@ def _run(rounds: int, fail_send: int = 0, abort_after: int = 0, stream_behind: b
 
     async def main():
         req = Request("r", (7,) * 8, 1000, SamplingParams(), (), True, 8)
-        async for ev in run_request(req, make_factory("ngram", ""), Verifier(stream), Scheduler(log), {0: [1]},
+        async for ev in run_request(req, make_factory("ngram", ""), Verifier(stream), Scheduler(log),
                                     Deadline(5.0), abort, stream_behind=stream_behind):
             if isinstance(ev, Tokens):
                 log.append(f"tokens {ev.token_ids}")

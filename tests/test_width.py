@@ -94,7 +94,7 @@ def _loop(accepts: list[int], block: int, fixed_width: bool = False):
     async def main():
         # A prompt of one repeated token: the n-gram drafter always has a full-length match to copy.
         req = Request("r", (7,) * 8, max_tokens, SamplingParams(), (), True, block, fixed_width)
-        async for ev in run_request(req, make_factory("ngram", ""), Verifier(), Scheduler(), {0: [1]}, Deadline(5.0)):
+        async for ev in run_request(req, make_factory("ngram", ""), Verifier(), Scheduler(), Deadline(5.0)):
             if isinstance(ev, Finished):
                 return
 
@@ -152,7 +152,7 @@ def test_a_rounds_tokens_reach_the_client_even_when_the_next_round_fails():
     async def main():
         req = Request("r", (7,) * 8, 50, SamplingParams(), (), True, 8)
         with pytest.raises(Unavailable):
-            async for ev in run_request(req, make_factory("ngram", ""), Verifier(), Scheduler(), {0: [1]}, Deadline(5.0)):
+            async for ev in run_request(req, make_factory("ngram", ""), Verifier(), Scheduler(), Deadline(5.0)):
                 if isinstance(ev, Tokens):
                     got.extend(ev.token_ids)
 

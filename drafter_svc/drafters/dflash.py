@@ -211,9 +211,7 @@ class DFlashDrafter(Drafter):
             # Pinned (torch's caching host allocator keeps the block until the copy is done): the copy does not wait.
             rows = rows.pin_memory()
         rows = rows.to(self._f.device, non_blocking=True).to(self._f.dtype)[None]
-        start = self.cache.length
-        positions = torch.arange(start, start + n, device=self._f.device)[None]
-        self._f.model.extend_context(self.cache, rows, positions)
+        self._f.model.extend_context(self.cache, rows)  # at the cache's next positions
 
     @torch.no_grad()
     def propose(self, anchor: int, k: int) -> list[int]:
@@ -226,9 +224,7 @@ class DFlashDrafter(Drafter):
         if not 0 <= anchor < head.vocab_size:
             raise ValueError(f"anchor token {anchor} is outside the target vocabulary ({head.vocab_size} tokens)")
         embeds = torch.cat([head.embed[anchor : anchor + 1], self._f.mask_rows[:k]])[None]  # [anchor, MASK x k]
-        start = self.cache.length
-        positions = torch.arange(start, start + k + 1, device=self._f.device)[None]
-        hidden = self._f.model(embeds, positions, cache=self.cache)
+        hidden = self._f.model.draft(embeds, self.cache)  # at positions L..L+k
         logits = hidden[0, 1:] @ head.lm_head.T
         return logits.argmax(dim=-1).tolist()  # the round's one device->host copy
 
