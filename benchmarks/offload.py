@@ -112,7 +112,7 @@ def offloaded_core(model, name: str):
 
 def use_cache(core, fraction: float):
     """A fresh cache holding `fraction` of the experts (at least one layer's), the modules routed through it."""
-    from kernels.installer import serve_offloaded_experts
+    from kernels.installer import experts_modules
     from verifier_svc.expert_cache import ExpertCache, min_slots
 
     old = core.target.expert_cache
@@ -123,7 +123,8 @@ def use_cache(core, fraction: float):
     torch.cuda.empty_cache()
     slots = max(min_slots(store), round(fraction * total))
     cache = ExpertCache(store, slots, DEVICE, need=min_slots(store), time_copies=True)
-    serve_offloaded_experts(core.target.model, cache, drop_native=False)
+    for layer, module in experts_modules(core.target.model).items():  # a rebind: serving the model anew would reset
+        module._pdflash_offload = (cache, layer)  # its experts implementation, dropping the seam's route capture
     core.target.expert_cache = cache
     return cache
 
