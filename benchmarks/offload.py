@@ -134,7 +134,7 @@ def offloaded_core(model, name: str):
 def use_cache(core, fraction: float, mode: str):
     """A fresh cache (`mode`: device- or host-managed) holding `fraction` of the experts (at least one layer's), the
     modules routed through it."""
-    from kernels.installer import serve_offloaded_experts
+    from kernels.installer import experts_modules
     from verifier_svc.expert_cache import min_slots, new_cache
 
     old = core.target.expert_cache
@@ -149,7 +149,8 @@ def use_cache(core, fraction: float, mode: str):
     if mode == "device":  # + its overflow range (one layer's experts) beyond the fraction
         slots = round(fraction * total) + min_slots(store)
     cache = new_cache(store, 0, DEVICE, "union,layer", mode, time_copies=True, slots=slots)
-    serve_offloaded_experts(core.target.model, cache, drop_native=False)
+    for layer, module in experts_modules(core.target.model).items():  # a rebind: serving the model anew would reset
+        module._pdflash_offload = (cache, layer)  # its experts implementation, dropping the seam's route capture
     core.target.expert_cache = cache
     if core.graphs is not None:
         core.graphs.capture(max_rows=core.max_block_size)  # now, not inside the first measured verify

@@ -47,6 +47,9 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--expert-cache-mode", default="device", choices=["device", "host"],
                    help="offloaded experts: the cache decides on the device inside the forward's CUDA graph, or on the "
                         "host with one stop per layer")
+    v.add_argument("--expert-eviction", default="lru", choices=["lru", "cyclic"],
+                   help="offloaded experts, which cached expert a miss replaces: the least recently used, or cyclic (experts "
+                        "not routed at their layer's latest lookup first, then those of the layer needed last in the forward)")
     d = p.add_argument_group("drafter", "where the DFlash drafter runs (serve-drafter's --device and --dtype)")
     d.add_argument("--drafter-device", default=None,
                    help="torch device of the DFlash drafter: auto, cpu, cuda, cuda:N (default: the verifier's --device; "
@@ -158,7 +161,7 @@ def _verifier_args(args) -> list[str]:
     """The verifier options `pdflash up` passes through (only those changed from their defaults)."""
     out = []
     for flag, default in (("device", "auto"), ("dtype", "auto"), ("kernels", "auto"), ("experts", "native"), ("expert_cache_gb", 0.0),
-                          ("expert_prefetch", "union,layer"), ("expert_cache_mode", "device")):
+                          ("expert_prefetch", "union,layer"), ("expert_cache_mode", "device"), ("expert_eviction", "lru")):
         value = getattr(args, flag, default)
         if value != default:
             out += [f"--{flag.replace('_', '-')}", str(value)]

@@ -126,3 +126,56 @@ def test_experts_read_through_the_cache_equal_the_resident_store(store):
             cache.release()
             assert torch.equal(got, want), (layer, step)
         assert cache.stats.evictions > 0 or n <= cache.num_slots
+
+
+def _three_layer_store() -> HostExpertStore:
+    from kernels.mxfp4 import ExpertLayout
+    from verifier_svc.expert_store import GateLayout
+
+    return HostExpertStore(ExpertLayout(64, 64, False), {0: 4, 1: 4, 2: 4}, GateLayout(1, 64, 0, 1.0, 7.0))
+
+
+def test_cyclic_eviction_spares_the_layers_ahead_and_evicts_cold_slots_first():
+    """A forward visits layers 0, 1, 2 in turn: when every slot is expected, LRU evicts layer 0's expert (used longest
+    ago, needed next), cyclic the one of the layer just run before (needed last); a layer's lookup turns its experts
+    it did not route cold, and a cold slot goes before any expected one. Pins and unused prefetches are spared."""
+    def drive(eviction):
+        store = _three_layer_store()
+        cache = ExpertCache(store, 4, CPU, need=2, eviction=eviction)
+        for layer, experts in ((0, [0]), (1, [0]), (2, [0]), (0, [0]), (1, [0, 1]), (2, [0, 1])):
+            cache.lookup(layer, experts)
+            cache.release()
+        return cache
+
+    lru, cyc = drive("lru"), drive("cyclic")
+    assert not lru.resident(0, 0) and lru.resident(1, 0)
+    assert cyc.resident(0, 0) and not cyc.resident(1, 0) and cyc.resident(1, 1) and cyc.resident(2, 1)
+    cyc.lookup(0, [2])  # (0, 0) not routed: cold, evicted before any expected slot
+    assert not cyc.resident(0, 0) and all(cyc.resident(l, e) for l, e in ((0, 2), (1, 1), (2, 0), (2, 1)))
+    cyc.release()
+    assert cyc.prefetch({1: {2, 3}}) == 2  # layer 0 just ran: its expert goes first, then layer 2's (the one before)
+    assert cyc.resident(1, 2) and cyc.resident(1, 3) and not cyc.resident(0, 2) and not cyc.resident(2, 0)
+    assert cyc.prefetch({0: {0, 1, 3}}) == 2  # takes (2, 1) and (1, 1), never the unused prefetches (1, 2), (1, 3)
+    assert cyc.resident(1, 2) and cyc.resident(1, 3) and cyc.prefetch({2: {3}}) == 0
+    st = cyc.stats
+    assert st.hits + st.misses == st.lookups == 9 and (st.hits, st.misses) == (3, 6)
+    assert st.evictions == 1 + 1 + 2 + 2 and st.prefetched == 4 and st.wasted_bytes == 0
+    assert st.bytes_moved == (st.misses + st.prefetched) * cyc.store.slice_bytes
+    table = cyc.tables[1]
+    for e in (2, 3):  # the slot tables follow the evictions
+        assert torch.equal(cyc.pool[int(table[e])], cyc.store.slice(1, e))
+    assert int(cyc.tables[2][0]) == int(cyc.tables[0][2]) == -1
+    with pytest.raises(ValueError, match="eviction"):
+        ExpertCache(_three_layer_store(), 4, CPU, need=1, eviction="mru")
+
+
+def test_cyclic_eviction_never_takes_a_pinned_slot_and_fails_like_lru_when_all_are():
+    store = _three_layer_store()
+    cache = ExpertCache(store, 3, CPU, need=3, eviction="cyclic")
+    cache.lookup(0, [0, 1, 2])
+    with pytest.raises(RuntimeError, match="pinned"):
+        cache.lookup(1, [0])
+    cache.release()
+    cache.lookup(1, [0, 1])  # evicts two of layer 0's (the only ones), keeps the pinned ones of this layer
+    cache.lookup(1, [2])
+    assert cache.resident(1, 0) and cache.resident(1, 1) and cache.resident(1, 2)

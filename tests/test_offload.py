@@ -29,12 +29,13 @@ def tiny_cache_gb(core, mode: str = "host") -> float:
     return (9.5 if mode == "host" else 12.5) * core.target.expert_cache.store.slice_bytes / 2**30
 
 
-def _core(tiny, arch, cache_gb, prefetch="union,layer", mode="device"):
+def _core(tiny, arch, cache_gb, prefetch="union,layer", mode="device", eviction="lru"):
     from verifier_svc.engine import VerifierCore
     from verifier_svc.model import load_target
 
     return VerifierCore(load_target(tiny.target(arch), DEVICE, DTYPE, experts="mxfp4", expert_cache_gb=cache_gb,
-                                    expert_prefetch=prefetch, expert_cache_mode=mode), max_block_size=8)
+                                    expert_prefetch=prefetch, expert_cache_mode=mode, expert_eviction=eviction),
+                        max_block_size=8)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -114,6 +115,27 @@ def test_prefetch_modes_change_no_token_and_each_call_reports_its_own_counters(t
         assert total.prefetched > 0 and total.prefetch_used > 0 and total.coverage > 0
 
 
+@pytest.mark.parametrize("prefetch", ["none", "union,layer"])
+def test_cyclic_eviction_changes_no_token_and_its_counters_add_up(tiny, prefetch):
+    """--expert-eviction cyclic with a cache that evicts every forward: block 1 and drafted blocks give the tokens of
+    every expert cached; each verify's counters add up."""
+    ref, gb = _gpt_oss_reference(tiny)
+    core = _core(tiny, "gpt_oss", gb, prefetch, eviction="cyclic")
+    cache = core.target.expert_cache
+    assert cache.eviction == "cyclic"
+    calls = []
+    verify = core.verify
+    core.verify = lambda *a, **k: calls.append(verify(*a, **k)) or calls[-1]
+    assert _run(core, list(range(3, 40)), _no_drafts) == ref
+    assert _run(core, list(range(3, 40)), _replay(ref, 3, core.target.vocab_size), width=8) == ref
+    st = cache.stats
+    assert st.evictions > 0 and st.hits + st.misses == st.lookups
+    assert st.bytes_moved == (st.misses + st.prefetched) * cache.store.slice_bytes
+    for r in (c.expert_cache for c in calls):
+        assert r.hits + r.misses == r.lookups > 0
+        assert r.bytes_moved == (r.misses + r.prefetched) * cache.store.slice_bytes
+
+
 def test_a_cache_below_one_layer_fails_at_load_with_the_minimum(tiny):
     from verifier_svc.model import load_target
 
@@ -150,16 +172,26 @@ def test_pdflash_up_passes_the_expert_options_to_the_verifier():
     from pdflash.cli import _spec, build_parser
     from pdflash.stack import Stack
 
-    s = _spec(build_parser().parse_args(["up", "--experts", "mxfp4", "--expert-cache-gb", "2", "--expert-prefetch", "layer"]))
-    assert s.verifier_args == ["--experts", "mxfp4", "--expert-cache-gb", "2", "--expert-prefetch", "layer"]
+    from pdflash.config import ConfigError
+    from verifier_svc.config import VerifierConfig
+
+    s = _spec(build_parser().parse_args(["up", "--experts", "mxfp4", "--expert-cache-gb", "2", "--expert-prefetch", "layer",
+                                         "--expert-eviction", "cyclic"]))
+    assert s.verifier_args == ["--experts", "mxfp4", "--expert-cache-gb", "2", "--expert-prefetch", "layer", "--expert-eviction", "cyclic"]
     cmd = Stack(s)._cmd("verifier")
-    assert cmd[cmd.index("--expert-prefetch") + 1] == "layer"
+    assert cmd[cmd.index("--expert-prefetch") + 1] == "layer" and cmd[cmd.index("--expert-eviction") + 1] == "cyclic"
     assert _spec(build_parser().parse_args(["up"])).verifier_args == []
     mode = _spec(build_parser().parse_args(["up", "--experts", "mxfp4", "--expert-cache-gb", "1", "--expert-cache-mode", "host"]))
     assert mode.verifier_args[-2:] == ["--expert-cache-mode", "host"]
-    with pytest.raises(SystemExit) as e:
-        build_parser().parse_args(["up", "--expert-prefetch", "everything"])
-    assert e.value.code == 2
+    for bad in (["--expert-prefetch", "everything"], ["--expert-eviction", "mru"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["up", *bad])
+        assert e.value.code == 2
+    assert VerifierConfig().expert_eviction == "lru"
+    with pytest.raises(ConfigError, match="--expert-eviction 'mru'"):
+        VerifierConfig(expert_eviction="mru").validate()
+    with pytest.raises(ConfigError, match="host"):  # a host-cache policy asked of the device-managed cache
+        VerifierConfig(experts="mxfp4", expert_cache_gb=1.0, expert_eviction="cyclic").validate()
 
 
 def test_a_projection_streamed_in_from_another_thread_mid_forward_changes_nothing(tiny):

@@ -22,6 +22,7 @@ class VerifierConfig(ServerOptions):
     expert_cache_gb: float = option(0.0, "offload the MXFP4 experts to a host store and serve them from a device cache of this many GiB (fractions allowed; 0 = every expert resident)")
     expert_prefetch: str = option("union,layer", "offloaded experts, what streams in ahead of need: union (a verify's projected union when it arrives), layer (at each layer, the experts the next layer's router picks for this layer's input), union,layer, or none")
     expert_cache_mode: str = option("device", "offloaded experts, who decides what the cache holds: device (every decision and copy inside the forward's CUDA graph, no host step) or host (the forward stops at every layer for the host's cache)")
+    expert_eviction: str = option("lru", "offloaded experts with --expert-cache-mode host, which cached expert a miss replaces: lru (least recently used) or cyclic (experts not routed at their layer's latest lookup first, then those of the layer whose turn in the forward comes last; benchmarks/cache_policy.py)")
     torch_threads: int = option(0, "CPU threads for torch (0 = automatic: all cores, or all but one with --colocated)")
     prefill_threads: int = option(0, "CPU threads for prefill forwards (0 = as the verify forwards)")
     colocated: bool = option(False, "the drafter and scheduler share this machine: the verifier's forwards leave them a core (pdflash up and compose set it)")
@@ -84,6 +85,10 @@ class VerifierConfig(ServerOptions):
             raise ConfigError(f"--expert-prefetch {self.expert_prefetch!r}: union, layer, union,layer or none")
         if self.expert_cache_mode not in ("device", "host"):
             raise ConfigError(f"--expert-cache-mode {self.expert_cache_mode!r}: choose device or host")
+        if self.expert_eviction not in ("lru", "cyclic"):
+            raise ConfigError(f"--expert-eviction {self.expert_eviction!r}: choose lru or cyclic")
+        if self.expert_eviction != "lru" and self.expert_cache_mode == "device":
+            raise ConfigError(f"--expert-eviction {self.expert_eviction} is a policy of --expert-cache-mode host (the device-managed cache evicts LRU within each layer's slots)")
         if self.expert_cache_gb > 0 and self.experts != "mxfp4":
             raise ConfigError("--expert-cache-gb serves offloaded MXFP4 experts: add --experts mxfp4")
         if self.inline_verify not in ("auto", "on", "off"):

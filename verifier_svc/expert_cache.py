@@ -3,7 +3,8 @@ host store (verifier_svc/expert_store.py) and read by the grouped MoE kernel thr
 
 - allocated once (`slots x slice bytes`), no allocator calls afterwards;
 - `lookup(layer, experts)` makes every listed expert resident and pins it until `release()` (the end of the
-  layer's kernel, see below), counting hits and misses; a miss evicts the least recently used unpinned slot;
+  layer's kernel, see below), counting hits and misses; a miss evicts an unpinned slot chosen by the eviction
+  policy (`eviction`, below);
 - `prefetch(union)` brings experts in ahead of need without pinning. `begin(projection)` (a verify arrives with
   its projected union) prefetches the projection of the first layers that fit in half the cache, and
   `advance(layer)` (each layer's experts call) tops it up one layer further, so a projection larger than the
@@ -17,6 +18,16 @@ host store (verifier_svc/expert_store.py) and read by the grouped MoE kernel thr
   queues behind a long prefetch. Each slot remembers the event after its copy (the compute stream waits for the
   newest copy per stream that a layer needs, not for the whole queue) and the event after the last kernel that
   read it (a copy into an evicted slot waits for that one only). `copy_ms()` sums the copies' GPU time.
+
+Eviction (`eviction`, measured in benchmarks/cache_policy.py):
+- `lru`: the least recently used slot.
+- `cyclic`: a forward visits the MoE layers in order, so the experts of the layer that just ran are needed again
+  only in the next forward, and LRU evicts exactly the ones needed soonest (those of the layers ahead, used one
+  forward ago) once the cache is smaller than what a forward routes. A slot is *expected* while its expert was
+  routed at its layer's latest lookup, or prefetched since; a layer's lookup turns its expected slots that it did
+  not route into *cold* ones. A miss evicts a cold slot first (the earliest turned cold), else an expected slot of
+  the layer whose next lookup is furthest away in the layer cycle (the layer just looked up first, then the ones
+  before it). Victim choice is O(1) amortised plus, once nothing is cold, a walk over the layers (not the slots).
 """
 
 from __future__ import annotations
@@ -58,6 +69,9 @@ class CacheStats:
         return dataclasses.asdict(self)
 
 
+EVICTIONS = ("lru", "cyclic")
+
+
 def min_slots(store: HostExpertStore) -> int:
     """Slots one layer of one forward can need at once: every expert of the largest layer (a prompt may route to
     all of them)."""
@@ -76,9 +90,11 @@ def check_slots(store: HostExpertStore, num_slots: int, need: int) -> None:
 
 class ExpertCache:
     def __init__(self, store: HostExpertStore, num_slots: int, device: torch.device, need: int,
-                 prefetch: str = "union,layer", time_copies: bool = False):
+                 prefetch: str = "union,layer", time_copies: bool = False, eviction: str = "lru"):
         check_slots(store, num_slots, need)
-        self.store, self.device = store, torch.device(device)
+        if eviction not in EVICTIONS:
+            raise ValueError(f"eviction {eviction!r}: one of {', '.join(EVICTIONS)}")
+        self.store, self.device, self.eviction = store, torch.device(device), eviction
         kinds = {p.strip() for p in prefetch.split(",")}
         self.prefetch_union = "union" in kinds  # read by the verifier core when a verify arrives
         self.layer_ahead = "layer" in kinds  # read by the experts forward (kernels.installer): predict layer l+1 at layer l
@@ -89,6 +105,13 @@ class ExpertCache:
         self._owner: list[tuple[int, int] | None] = [None] * num_slots
         self._slot: dict[tuple[int, int], int] = {}
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # slot -> None, least recent first
+        self._cyclic = eviction == "cyclic"
+        # cyclic: cold slots (eviction order), each layer's expected slots, the layer order and the last layer looked up
+        self._cold: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._expected: dict[int, dict[int, None]] = {layer: {} for layer in store.num_experts}
+        self._layers = sorted(store.num_experts)
+        self._index = {layer: i for i, layer in enumerate(self._layers)}
+        self._cursor = 0
         self._free = list(range(num_slots - 1, -1, -1))
         self._pinned: set[int] = set()
         self._unused_prefetch: set[int] = set()
@@ -118,11 +141,38 @@ class ExpertCache:
         return (layer, expert) in self._slot
 
     def _victim(self, prefetch: bool) -> int | None:
-        """The least recently used slot a fetch may take (a prefetch spares unused prefetched slots too)."""
+        """The slot a fetch may take (never a pinned one; a prefetch spares unused prefetched slots too)."""
+        if self._cyclic:
+            return self._cyclic_victim(prefetch)
         for slot in self._lru:  # least recently used first
             if slot not in self._pinned and not (prefetch and slot in self._unused_prefetch):
                 return slot
         return None
+
+    def _cyclic_victim(self, prefetch: bool) -> int | None:
+        for slot in self._cold:  # earliest turned cold first
+            if slot not in self._pinned and not (prefetch and slot in self._unused_prefetch):
+                return slot
+        n = len(self._layers)
+        for i in range(n):  # the layer just looked up is needed again last, then the ones before it
+            for slot in self._expected[self._layers[(self._cursor - i) % n]]:
+                if slot not in self._pinned and not (prefetch and slot in self._unused_prefetch):
+                    return slot
+        return None
+
+    def _routed(self, layer: int, experts: list[int]) -> None:
+        """cyclic: `layer` routes `experts`: its other expected slots turn cold, its resident routed ones expected."""
+        expected = self._expected[layer]
+        routed = set(experts)
+        for slot in [s for s in expected if self._owner[s][1] not in routed]:
+            del expected[slot]
+            self._cold[slot] = None
+        for e in experts:
+            slot = self._slot.get((layer, e))
+            if slot is not None and slot not in expected:
+                self._cold.pop(slot, None)
+                expected[slot] = None
+        self._cursor = self._index[layer]
 
     def _take_slot(self, prefetch: bool = False) -> int | None:
         if self._free:
@@ -135,7 +185,13 @@ class ExpertCache:
         key = self._owner[slot]
         del self._slot[key]
         self._host_tables[key[0]][key[1]] = -1
-        self._lru.pop(slot)
+        if self._cyclic:
+            if slot in self._cold:
+                del self._cold[slot]
+            else:
+                del self._expected[key[0]][slot]
+        else:
+            self._lru.pop(slot)
         self.stats.evictions += 1
         if slot in self._unused_prefetch:
             self._unused_prefetch.discard(slot)
@@ -173,7 +229,10 @@ class ExpertCache:
         self._owner[slot] = (layer, expert)
         self._slot[(layer, expert)] = slot
         self._host_tables[layer][expert] = slot
-        self._lru[slot] = None
+        if self._cyclic:
+            self._expected[layer][slot] = None  # a miss is routed now, a prefetch is expected at its layer
+        else:
+            self._lru[slot] = None
         self.stats.bytes_moved += self.store.slice_bytes
         return slot
 
@@ -182,6 +241,8 @@ class ExpertCache:
         the current stream once the copies the layer needs are done (the stream waits for them)."""
         experts = sorted(set(int(e) for e in experts))
         self.weights.big_scales = self.store.big_scales  # the store may have been filled after this cache was made
+        if self._cyclic:
+            self._routed(layer, experts)
         for e in experts:  # pin the resident ones first: a miss below must not evict them
             slot = self._slot.get((layer, e))
             if slot is not None:
@@ -192,7 +253,8 @@ class ExpertCache:
             slot = self._slot.get((layer, e))
             if slot is not None:
                 self.stats.hits += 1
-                self._lru.move_to_end(slot)
+                if not self._cyclic:
+                    self._lru.move_to_end(slot)
                 if slot in self._unused_prefetch:
                     self._unused_prefetch.discard(slot)
                     self.stats.prefetch_used += 1
@@ -309,15 +371,19 @@ MODES = ("device", "host")
 
 
 def new_cache(store: HostExpertStore, gib: float, device, prefetch: str = "union,layer", mode: str = "device",
-              time_copies: bool = False, slots: int | None = None):
+              time_copies: bool = False, slots: int | None = None, eviction: str = "lru"):
     """The expert cache of a `gib` GiB budget (or exactly `slots` slots). mode "device": every decision on the device
     (verifier_svc.device_cache; the forward is one CUDA graph); "host": decided on the host, one sync per layer
     (ExpertCache above)."""
     if mode not in MODES:
         raise ValueError(f"--expert-cache-mode {mode!r}: choose device or host")
     if mode == "device":
-        from verifier_svc.device_cache import DeviceExpertCache as kind
-    else:
-        kind = ExpertCache
-    n = kind.slots_for(store, gib) if slots is None else slots
-    return kind(store, n, device, need=min_slots(store), prefetch=prefetch, time_copies=time_copies)
+        from verifier_svc.device_cache import DeviceExpertCache
+
+        if eviction != "lru":
+            raise ValueError(f"eviction {eviction!r} is a policy of the host-managed cache (the device-managed one evicts "
+                             "LRU within each layer's slots): use --expert-cache-mode host")
+        n = DeviceExpertCache.slots_for(store, gib) if slots is None else slots
+        return DeviceExpertCache(store, n, device, need=min_slots(store), prefetch=prefetch, time_copies=time_copies)
+    n = ExpertCache.slots_for(store, gib) if slots is None else slots
+    return ExpertCache(store, n, device, need=min_slots(store), prefetch=prefetch, time_copies=time_copies, eviction=eviction)

@@ -113,10 +113,11 @@ def install_kernels(model, experts_format: str) -> dict:
 
 def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str = "auto", kernels: str = "off",
                 experts: str = "native", expert_cache_gb: float = 0.0, expert_prefetch: str = "union,layer",
-                expert_cache_mode: str = "device") -> TargetModel:
+                expert_cache_mode: str = "device", expert_eviction: str = "lru") -> TargetModel:
     """expert_cache_gb > 0 (with experts="mxfp4"): the routed experts live in a host MXFP4 store and a device cache
     of that size serves them (they never reach the device whole); 0 = every expert resident. expert_prefetch: what
-    the cache fetches ahead of need, expert_cache_mode: who decides what it holds (verifier_svc.config).
+    the cache fetches ahead of need, expert_cache_mode: who decides what it holds, expert_eviction: which cached
+    expert a miss replaces (host mode; verifier_svc.config).
 
     experts="mxfp4" reads the experts from the safetensors one layer at a time (`verifier_svc.checkpoint`): a
     gpt-oss checkpoint's native MXFP4 blocks/scales byte for byte, float experts quantized; no expert is ever held in
@@ -147,7 +148,8 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
         except Exception as e:  # noqa: BLE001 - one line that names the checkpoint (pdflash.server.failure_reason)
             raise ValueError(f"cannot load the checkpoint in {directory}: {type(e).__name__}: {e}") from e
         if isinstance(direct, DirectLoad):
-            return load_direct(direct, directory, dev, kernels, expert_cache_gb, expert_prefetch, expert_cache_mode)
+            return load_direct(direct, directory, dev, kernels, expert_cache_gb, expert_prefetch, expert_cache_mode,
+                               expert_eviction)
         log.info("experts quantized after a transformers load (not read layer by layer)", reason=direct)
     kw = {}
     if native:  # transformers dequantizes them (its MXFP4 kernels need the hub's `kernels` package and a GPU)
@@ -162,7 +164,8 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
         hint = "; its experts are MXFP4: use --experts mxfp4" if native else ""
         raise ValueError(f"cannot load the checkpoint in {directory}: {type(e).__name__}: {e}{hint}") from e
     if experts == "mxfp4" and expert_cache_gb > 0:
-        cache = offload_experts(model, dev, expert_cache_gb, expert_prefetch, mode=expert_cache_mode)  # before the model moves to the device
+        cache = offload_experts(model, dev, expert_cache_gb, expert_prefetch, mode=expert_cache_mode,
+                                eviction=expert_eviction)  # before the model moves to the device
         target = wrap_model(model.to(dev), directory, kernels, "native", byte_map=cache.store.byte_map())
         target.expert_cache, target.experts_format = cache, "mxfp4"
         return target
@@ -170,7 +173,7 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
 
 
 def load_direct(direct: DirectLoad, directory: pathlib.Path, device: torch.device, kernels: str, cache_gb: float,
-                prefetch: str = "union,layer", mode: str = "device") -> TargetModel:
+                prefetch: str = "union,layer", mode: str = "device", eviction: str = "lru") -> TargetModel:
     """The model of a `verifier_svc.checkpoint.plan`: non-expert weights read by name, the experts read layer by layer
     into a host MXFP4 store, then served offloaded through a device cache of `cache_gb` GiB (> 0) or copied to the
     device whole for the kernels (0)."""
@@ -190,7 +193,7 @@ def load_direct(direct: DirectLoad, directory: pathlib.Path, device: torch.devic
     store = HostExpertStore(first.layout, direct.num_experts, gate, pin=offload and device.type == "cuda")
     cache = None
     if offload:  # sized (and refused when too small) before the experts are read
-        cache = new_cache(store, cache_gb, device, prefetch, mode)
+        cache = new_cache(store, cache_gb, device, prefetch, mode, eviction=eviction)
     t_alloc = time.perf_counter()
     as_is = all(f.kind == "mxfp4" for f in direct.forms.values())
     source = "checkpoint MXFP4 bytes" if as_is else "quantized from the checkpoint"
@@ -221,7 +224,7 @@ def load_direct(direct: DirectLoad, directory: pathlib.Path, device: torch.devic
 
 
 def offload_experts(model, device: torch.device, cache_gb: float, prefetch: str = "union,layer", time_copies: bool = False,
-                    mode: str = "device"):
+                    mode: str = "device", eviction: str = "lru"):
     """Quantize the routed experts into a host store (pinned for a GPU), route the model's experts through a device
     cache of `cache_gb` GiB, and drop the experts' original weights."""
     from kernels.installer import serve_offloaded_experts
@@ -234,7 +237,7 @@ def offload_experts(model, device: torch.device, cache_gb: float, prefetch: str 
     layers = len(experts_modules(model))
     with tqdm(total=layers, desc="quantizing experts to MXFP4 (host store)", unit="layer", leave=False) as bar:
         store = HostExpertStore.from_model(model, pin=device.type == "cuda", progress=lambda _layer: bar.update())
-    cache = new_cache(store, cache_gb, device, prefetch, mode, time_copies=time_copies)
+    cache = new_cache(store, cache_gb, device, prefetch, mode, time_copies=time_copies, eviction=eviction)
     serve_offloaded_experts(model, cache)
     log.info("experts offloaded", experts=sum(store.num_experts.values()), store_bytes=store.total_bytes,
              slice_bytes=store.slice_bytes, cache_slots=cache.num_slots, cache_bytes=cache.pool.numel(),
