@@ -120,7 +120,7 @@ def test_cyclic_eviction_changes_no_token_and_its_counters_add_up(tiny, prefetch
     """--expert-eviction cyclic with a cache that evicts every forward: block 1 and drafted blocks give the tokens of
     every expert cached; each verify's counters add up."""
     ref, gb = _gpt_oss_reference(tiny)
-    core = _core(tiny, "gpt_oss", gb, prefetch, eviction="cyclic")
+    core = _core(tiny, "gpt_oss", gb, prefetch, mode="host", eviction="cyclic")
     cache = core.target.expert_cache
     assert cache.eviction == "cyclic"
     calls = []
