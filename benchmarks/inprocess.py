@@ -46,12 +46,14 @@ def ngram_propose(i: int, prompt: list[int], out: list[int], k: int, state: dict
     return list(d.propose(seq[-1], k))
 
 
-def core_run(core: VerifierCore, prompts, new_tokens: int, block: int, propose=ngram_propose, on_prefill=None) -> dict:
+def core_run(core: VerifierCore, prompts, new_tokens: int, block: int, propose=ngram_propose, on_prefill=None,
+             cost_aware: bool = True) -> dict:
     """Every prompt through prefill and verify rounds of at most `block` tokens, the width adapting as in the stack.
     propose(prompt index, prompt, emitted tokens, k, per-request state) -> at most k drafts. Besides the totals
     (`wall_s`, `tokens`: prefills included), the decode alone: `decode_s` (the verify rounds' wall time),
     `decode_tokens` (the tokens they emitted), `decode_cache` (their expert-cache counters summed, offloaded experts
-    only), and `prefill_s`. `on_prefill()` runs after each prefill, outside both clocks."""
+    only), and `prefill_s`. `on_prefill()` runs after each prefill, outside both clocks. `cost_aware`: the width's cost
+cap for offloaded experts (drafter_svc.width), as the stack applies it."""
     byte_map = core.target.byte_map
     tokens = rounds = routed = decode_tokens = 0
     forward_ms = prefill_s = decode_s = 0.0
@@ -65,15 +67,16 @@ def core_run(core: VerifierCore, prompts, new_tokens: int, block: int, propose=n
         if on_prefill is not None:
             on_prefill()
         tb = time.perf_counter()
-        width = VerifyWidth(block)
+        width = VerifyWidth(block, cost_aware=cost_aware)
         state: dict = {}
         out, anchor, union, rnd = list(pre.tokens), pre.tokens[-1], pre.routed_union, 0
         while pre.finished is None:
             rnd += 1
             k = max(0, min(width.drafts(), new_tokens - len(out) - 1))
+            tr = time.perf_counter()
             drafts = propose(i, p, out, k, state) if k else []
             res = core.verify(DraftResult(pre.session_id, rnd, (anchor, *drafts), union, union_bytes(union, byte_map)))
-            width.observe(res.num_accepted)
+            width.observe(res.num_accepted, len(drafts), (time.perf_counter() - tr) * 1e3, res.expert_cache is not None)
             out += res.tokens
             decode_tokens += len(res.tokens)
             if res.expert_cache is not None:

@@ -131,7 +131,7 @@ def offloaded_core(model, name: str):
     return VerifierCore(target, max_block_size=16, max_tokens_limit=4096, paged_kv=PagedKVOptions(kv_cache_gb=4))
 
 
-def use_cache(core, fraction: float, mode: str):
+def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer"):
     """A fresh cache (`mode`: device- or host-managed) holding `fraction` of the experts (at least one layer's), the
     modules routed through it."""
     from kernels.installer import experts_modules
@@ -148,7 +148,7 @@ def use_cache(core, fraction: float, mode: str):
     slots = max(min_slots(store), round(fraction * total))
     if mode == "device":  # + its overflow range (one layer's experts) beyond the fraction
         slots = round(fraction * total) + min_slots(store)
-    cache = new_cache(store, 0, DEVICE, "union,layer", mode, time_copies=True, slots=slots)
+    cache = new_cache(store, 0, DEVICE, prefetch, mode, time_copies=True, slots=slots)
     for layer, module in experts_modules(core.target.model).items():  # a rebind: serving the model anew would reset
         module._pdflash_offload = (cache, layer)  # its experts implementation, dropping the seam's route capture
     core.target.expert_cache = cache
@@ -157,13 +157,13 @@ def use_cache(core, fraction: float, mode: str):
     return cache
 
 
-def measure(core, prompts, new: int, block: int, propose) -> dict:
+def measure(core, prompts, new: int, block: int, propose, cost_aware: bool = True) -> dict:
     """The decode alone: the prefills' time, copies and counters are left out (a 128-token prompt routes to most
     experts of every layer, so its prefill streams most of the model; `ttft_ms` reports it)."""
     cache = core.target.expert_cache
     cache.copy_ms()  # forget earlier copies
     sync()
-    r = core_run(core, prompts, new, block, propose, on_prefill=cache.copy_ms)  # (after each prefill: forget its copies)
+    r = core_run(core, prompts, new, block, propose, on_prefill=cache.copy_ms, cost_aware=cost_aware)  # (after each prefill: forget its copies)
     r["stats"], r["copy_ms"] = r["decode_cache"], cache.copy_ms()
     return r
 
@@ -223,15 +223,19 @@ def write(args, meta: dict, rows: list[dict]) -> None:
           "Pinned H2D rate per model: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in meta["pinned_h2d_bytes_per_s"].items())
           + "; the device-managed cache's fill kernel (PCIe reads of pinned memory): "
           + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in meta.get("fill_kernel_bytes_per_s", {}).items())
-          + ". Device rows: copy time = bytes / the fill kernel's rate (its copies run inside the forward's kernels).", "",
-          "| model | system | cache | block | drafter | tok/s | TTFT ms | tau | expert MB/token | H2D of pinned | hidden | hit rate | coverage | wasted MB | PCIe bound tok/s | of bound | byte-bound | identical |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          + ". Device rows: copy time = bytes / the fill kernel's rate (its copies run inside the forward's kernels). "
+          "Each cache is warmed by one short request before its rows (kernels compiled; the TTFT column is a warm server's). "
+          "prefetch: what streams ahead (union: the verify's projected union; layer: layer l + 1's router on layer l's input). "
+          "width: the drafted rows' width rule (cost: the growth rule capped by the round-time line, as the stack does for "
+          "offloaded experts; growth: the growth rule alone).", "",
+          "| model | system | cache | prefetch | block | drafter | width | tok/s | TTFT ms | tau | expert MB/token | H2D of pinned | hidden | hit rate | coverage | wasted MB | PCIe bound tok/s | of bound | byte-bound | identical |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["system"] != "OURS":
-            md.append(f"| {r['model']} | {r['system']} | CPU | 1 | none | {r['output_tokens_per_second']} | | | | | | | | | | | | ({r['note']}) |")
+            md.append(f"| {r['model']} | {r['system']} | CPU | | 1 | none | | {r['output_tokens_per_second']} | | | | | | | | | | | | ({r['note']}) |")
             continue
         f = lambda v, scale=1.0, nd=2: "" if v is None else round(v * scale, nd)  # noqa: E731
-        md.append(f"| {r['model']} | OURS {r.get('mode', 'host')} | {int(r['cache_fraction'] * 100)}% | {r['block']} | {r['drafter']} | {r['output_tokens_per_second']} | "
+        md.append(f"| {r['model']} | OURS {r.get('mode', 'host')} | {int(r['cache_fraction'] * 100)}% | {r.get('prefetch', '')} | {r['block']} | {r['drafter']} | {r.get('width', '') if r['block'] > 1 else ''} | {r['output_tokens_per_second']} | "
                   f"{r.get('ttft_ms', '')} | {r['tau']} | {f(r['expert_bytes_per_token'], 1e-6, 1)} | {f(r['h2d_fraction_of_pinned'])} | {f(r['hidden_fraction'])} | "
                   f"{f(r['cache_hit_rate'])} | {f(r['prefetch_coverage'])} | {f(r['wasted_bytes'], 1e-6, 1)} | {f(r['bound_tokens_per_second'], 1, 1)} | "
                   f"{f(r['fraction_of_bound'])} | {r['byte_bound']} | {r['identical']} |")
@@ -251,6 +255,11 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=["device", "host"], choices=["device", "host"],
                     help="who decides what the expert cache holds (verifier_svc.device_cache / expert_cache)")
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (smoke runs)")
+    ap.add_argument("--prefetch", nargs="+", default=["union,layer"],
+                    help="prefetch kinds to compare at each cache size below 100%% (each a comma list: union, layer, or none)")
+    ap.add_argument("--widths", nargs="+", default=["cost"], choices=["cost", "growth"],
+                    help="the drafted rows' width rule: cost (the growth rule capped by round time, what the stack does "
+                         "for offloaded experts) and/or growth (the growth rule alone)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the logic (no copy timing, no PEER)")
     args = ap.parse_args(argv)
     global DEVICE
@@ -281,22 +290,27 @@ def main(argv=None) -> int:
         prompts = prompts_for(args.prompts, core.target.vocab_size)
         core_run(core, prompts[:1], 4, 4)  # compile the kernels
         reference = None
-        for mode, fraction in [(m, f) for m in args.modes for f in caches]:
+        runs = [(m, f, pf) for m in args.modes for f in caches for pf in (["union,layer"] if f == 1.0 else args.prefetch)]
+        for mode, fraction, prefetch in runs:
             if fraction == 1.0:
                 compute = {}
-            cache = use_cache(core, fraction, mode)
-            if fraction == 1.0:  # warm: every expert resident, no copies in the timed runs
-                core_run(core, prompts, 4, 1)
-            modes = [("none", 1, none_propose), ("ngram", 16, ngram_propose), ("replay tau~3", 16, None)]
-            for drafter, block, propose in modes:
+            cache = use_cache(core, fraction, mode, "" if prefetch == "none" else prefetch)
+            # warm: every kernel of this cache compiled and (at 100%) every expert resident before the timed runs
+            core_run(core, prompts if fraction == 1.0 else prompts[:1], 4, 1)
+            modes = [("none", 1, none_propose, "growth")]
+            modes += [(d, 16, pr, w) for w in args.widths for d, pr in (("ngram", ngram_propose), ("replay tau~3", None))]
+            for drafter, block, propose, wrule in modes:
+                if fraction == 1.0 and (drafter, wrule) in compute:
+                    continue
                 if propose is None:
                     propose = replay(reference["outputs"], every=3)
-                r = measure(core, prompts, args.new_tokens, block, propose)
+                r = measure(core, prompts, args.new_tokens, block, propose, cost_aware=wrule == "cost")
                 if reference is None:
                     reference = r
                 st, toks, wall = r["stats"], r["decode_tokens"], r["decode_s"]
                 if fraction == 1.0:
                     compute[drafter] = r
+                    compute[(drafter, wrule)] = r
                 base = compute[drafter]
                 copy_s = r["copy_ms"] * 1e-3 if r["copy_ms"] is not None else st.bytes_moved / frate  # device: inside kernels
                 needed = (st.misses + st.prefetch_used) * store.slice_bytes  # the non-resident union bytes
@@ -304,7 +318,7 @@ def main(argv=None) -> int:
                 exposed_s = max(0.0, (r["forward_ms"] - base["forward_ms"]) * 1e-3)
                 row = {
                     "model": name, "cache_fraction": fraction, "cache_slots": cache.num_slots, "block": block,
-                    "drafter": drafter, "system": "OURS", "mode": mode,
+                    "drafter": drafter, "system": "OURS", "mode": mode, "prefetch": prefetch, "width": wrule,
                     "output_tokens_per_second": round(toks / wall, 2),
                     "ttft_ms": round(1e3 * r["prefill_s"] / len(prompts), 1),
                     "tau": round(toks / r["rounds"], 2),

@@ -52,6 +52,7 @@ class VerifyOut:
     routed_bytes: int
     server_ms: float
     forward_ms: float
+    offloaded: bool = False  # the verifier streamed offloaded experts for this verify (it reported their cache)
 
 
 @dataclasses.dataclass
@@ -172,6 +173,7 @@ def _verify_out(r: verifier_pb2.VerifyResult) -> VerifyOut:
         routed_bytes=r.routed_bytes,
         server_ms=r.timings.total_ms,
         forward_ms=r.timings.forward_ms,
+        offloaded=r.HasField("expert_cache"),
     )
 
 

@@ -301,7 +301,7 @@ async def run_request(
             rnd += 1
             remaining = req.max_tokens - usage.completion_tokens  # a verify emits at most drafts + 1
             k = max(0, min(width.drafts(), remaining - 1))
-            t0 = time.perf_counter()
+            t0 = t_round = time.perf_counter()
             if k <= 0:
                 drafts = []
             elif heavy:  # a model forward: keep the event loop free for other streams and health
@@ -379,7 +379,7 @@ async def run_request(
             for i in range(res.num_accepted):
                 usage.accepted_per_position[i] += 1
             usage.completion_tokens += len(res.tokens)
-            width.observe(res.num_accepted)
+            width.observe(res.num_accepted, len(drafts), (t2 - t_round) * 1e3, res.offloaded)
             finished = res.finished
             verifier_done = finished is not None
             if finished is None:

@@ -13,14 +13,50 @@ An offline replay over greedy reference outputs (`python benchmarks/replay.py`; 
 than a fixed 32-token block on held-out stdlib prompts and 13% on this project's own source; for DFlash
 the rule alone saves 4-7%. Lossless either way: the width only decides how many drafts are proposed,
 never which tokens are accepted.
+
+Offloaded experts change the price of width: a verify of n tokens must bring the union of the experts
+those n tokens route, and with little locality between tokens that union (and the copy time) grows
+almost linearly in n (gpt-oss-20b shapes, a 10% cache, H200: block 1 33 tok/s, a tau-3 block of 16
+23 tok/s). So once the verifier says its experts are offloaded (`observe(..., offloaded=True)`), the
+growth rule's width is capped by the width that maximizes expected tokens per unit of round time:
+E(k) / T(k + 1), with E(k) = 1 + a + ... + a^k for a per-draft acceptance rate a (decayed counts of
+this session's rounds) and T(n) a least-squares line of the session's recent round times over their
+verified tokens. Where the line is flat (resident weights: a verify is launch-bound; a full block priced
+under 1.25x one token) there is no cap and nothing changes. Every `PROBE_EVERY`-th round asks for one draft more than the cap, so a
+cap of 0 still learns the acceptance rate and the slope.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 GROWTH = 3
 FLOOR = 3
+COST_WINDOW = 32  # rounds the time line is fitted over
+COST_MIN_ROUNDS = 6  # rounds (at >= 2 widths) before the cap applies
+PROBE_EVERY = 8
+DECAY = 0.9  # per round, of the acceptance counts: the rate follows the text
+MATERIAL = 1.25  # the cap applies only where a full block's round is priced at >= 1.25x a one-token round
+PRIOR = (1.0, 1.0)  # (accepted, rejected) pseudo-counts: a = 0.5 before any evidence
+
+
+def expected_tokens(rate: float, drafts: int) -> float:
+    """Tokens a round emits on average with `drafts` drafts each accepted with probability `rate` (until the
+    first rejection), plus the verify's own token."""
+    return sum(rate**i for i in range(drafts + 1))
+
+
+def best_drafts(rate: float, intercept: float, slope: float, max_drafts: int) -> int:
+    """argmax over k in 0..max_drafts of expected_tokens(rate, k) / T(k + 1), T(n) = max(intercept, 0) + slope * n
+    (a fitted line's negative intercept read as no fixed cost; the smallest k on ties)."""
+    best, best_k = -1.0, 0
+    for k in range(max_drafts + 1):
+        t = max(max(intercept, 0.0) + slope * (k + 1), 1e-9)
+        v = expected_tokens(rate, k) / t
+        if v > best * (1 + 1e-9):
+            best, best_k = v, k
+    return best_k
 
 
 @dataclasses.dataclass
@@ -31,7 +67,12 @@ class VerifyWidth:
     adaptive: bool = True
     growth: int = GROWTH
     floor: int = FLOOR
+    cost_aware: bool = True  # cap the width by round time once the verifier reports offloaded experts
     _next: int | None = None
+    _times: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=COST_WINDOW))
+    _accepted: float = 0.0
+    _rejected: float = 0.0
+    _priced_rounds: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -47,11 +88,56 @@ class VerifyWidth:
         """Drafts to propose this round (before the caller's own caps, such as tokens left)."""
         if not self.adaptive or self._next is None:
             return self.max_drafts
-        return self._next
+        cap = self.cost_cap()
+        if cap is None:
+            return self._next
+        if self._priced_rounds % PROBE_EVERY == PROBE_EVERY - 1:
+            cap += 1  # a probe: the rate and the slope keep being measured past the cap
+        return min(self._next, cap)
 
-    def observe(self, accepted: int) -> None:
-        """The round's accepted drafts (its emitted tokens are accepted + 1)."""
+    def observe(self, accepted: int, proposed: int | None = None, round_ms: float | None = None,
+                offloaded: bool = False) -> None:
+        """The round's accepted drafts (its emitted tokens are accepted + 1); with `proposed` (the drafts it
+        verified) the acceptance rate, and with `round_ms` of a round whose verifier streamed offloaded experts
+        (`offloaded`) the time line the cost cap uses."""
         self._next = min(self.max_drafts, max(self.floor, self.growth * (accepted + 1)))
+        if proposed is None:
+            return
+        self._accepted = self._accepted * DECAY + accepted
+        self._rejected = self._rejected * DECAY + (1 if accepted < proposed else 0)
+        if self.cost_aware and offloaded and round_ms is not None and round_ms > 0:
+            self._times.append((proposed + 1, float(round_ms)))
+            self._priced_rounds += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """The per-draft acceptance rate of recent rounds (decayed counts, with a prior of one each way)."""
+        a, r = self._accepted + PRIOR[0], self._rejected + PRIOR[1]
+        return min(a / (a + r), 0.99)
+
+    def time_line(self) -> tuple[float, float] | None:
+        """(intercept ms, slope ms per verified token) of recent priced rounds, or None before there are enough
+        rounds at two widths or more."""
+        pts = list(self._times)
+        if len(pts) < COST_MIN_ROUNDS or len({n for n, _ in pts}) < 2:
+            return None
+        mn = sum(n for n, _ in pts) / len(pts)
+        mt = sum(t for _, t in pts) / len(pts)
+        var = sum((n - mn) ** 2 for n, _ in pts)
+        slope = sum((n - mn) * (t - mt) for n, t in pts) / var
+        return mt - slope * mn, slope
+
+    def cost_cap(self) -> int | None:
+        """The width that maximizes expected tokens per ms of round (None: no priced line yet, or a flat one)."""
+        if not self.cost_aware:
+            return None
+        line = self.time_line()
+        if line is None or line[1] <= 0:
+            return None
+        a, b = line
+        if a + b * (self.max_drafts + 1) < MATERIAL * (a + b):
+            return None  # the whole block costs little more than one token: width is (nearly) free
+        return best_drafts(self.acceptance_rate, a, b, self.max_drafts)
 
     def bound_after(self, proposed: int) -> int:
         """The most drafts the round after one proposing `proposed` can ask for (it cannot accept more)."""

@@ -158,3 +158,61 @@ def test_a_rounds_tokens_reach_the_client_even_when_the_next_round_fails():
 
     asyncio.run(main())
     assert got == [7, 101, 102]  # the first token, then both verified rounds
+
+
+# ---- the cost cap (offloaded experts: a verify's time grows with its width) -------------------------------
+
+from drafter_svc.width import PROBE_EVERY, best_drafts, expected_tokens  # noqa: E402
+
+
+def test_expected_tokens_and_best_drafts():
+    assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 2) == 1.75
+    assert best_drafts(0.99, 10.0, 0.0, 15) == 15  # free width, near-certain drafts: the whole block
+    assert best_drafts(0.5, 1.0, 100.0, 15) == 0  # every token costs 100x the round: no drafts
+    # gpt-oss shapes, 10% cache: ~30 ms for one token, ~12 ms per extra token, a tau ~3 drafter
+    assert best_drafts(2 / 3, 18.0, 12.0, 15) in (1, 2)
+
+
+def _priced(width: VerifyWidth, rounds: int, accept_of, ms_of, offloaded=True) -> list[int]:
+    asked = []
+    for _ in range(rounds):
+        k = width.drafts()
+        asked.append(k)
+        acc = accept_of(k)
+        width.observe(acc, k, ms_of(k + 1), offloaded)
+    return asked
+
+
+def test_byte_bound_rounds_cap_the_width_but_probe_past_it():
+    w = VerifyWidth(16)
+    # accepts 2 then rejects (tau ~3); a round costs 18 ms + 12 ms per verified token
+    asked = _priced(w, 64, lambda k: min(k, 2), lambda n: 18.0 + 12.0 * n)
+    cap = w.cost_cap()
+    assert cap is not None and cap <= 3
+    tail = asked[-2 * PROBE_EVERY:]
+    assert max(tail) <= cap + 1 and tail.count(cap + 1) >= 1  # capped, with one probe past the cap every few rounds
+    assert w.bound_after(asked[-1]) >= w.drafts()
+
+
+def test_flat_rounds_and_resident_experts_keep_the_growth_rule():
+    flat, resident = VerifyWidth(16), VerifyWidth(16)
+    a = _priced(flat, 40, lambda k: k, lambda n: 10.0 + 0.05 * n)  # every draft accepted, width nearly free
+    b = _priced(resident, 40, lambda k: min(k, 2), lambda n: 18.0 + 12.0 * n, offloaded=False)
+    assert flat.cost_cap() is None and a[-1] == 15
+    assert resident.cost_cap() is None and b[-1] == 9  # growth x (2 + 1): as without prices
+    off = VerifyWidth(16, cost_aware=False)
+    _priced(off, 40, lambda k: min(k, 2), lambda n: 18.0 + 12.0 * n)
+    assert off.cost_cap() is None and off.drafts() == 9
+
+
+@given(block=st.integers(1, 32), rounds=st.lists(st.tuples(st.integers(0, 31), st.integers(0, 31),
+                                                            st.floats(0.1, 500.0), st.booleans()), max_size=40))
+def test_priced_width_stays_in_the_block_and_within_the_bound(block, rounds):
+    w = VerifyWidth(block)
+    for asked, acc, ms, offloaded in rounds:
+        proposed = min(asked, w.drafts())
+        accepted = min(acc, proposed)
+        bound = w.bound_after(proposed)
+        w.observe(accepted, proposed, ms, offloaded)
+        assert 0 <= w.drafts() <= block - 1
+        assert w.drafts() <= bound
