@@ -12,9 +12,9 @@ partition's evictable slots (copied, used, not kept). Policy per layer: free slo
 
 Per experts call (layer l, all on the device):
 1. admit + fill layer l's routed experts (its real rows only);
-2. fork to a side stream: the experts layer l + 1's router picks for this layer's input (`layer` prefetch) and the
-   verify's projected union for layer l + 1 (`union` prefetch) are admitted and filled there, while layer l's experts
-   and layer l + 1's attention compute; layer l + 1 joins it before its own admission;
+2. fork to a side stream: the experts layer l + 1's router picks for this layer's input (`layer` prefetch), or where
+   there is no such guess the verify's projected union for layer l + 1 (`union` prefetch), are admitted and filled
+   there, while layer l's experts and layer l + 1's attention compute; layer l + 1 joins it before its own admission;
 3. the grouped kernel over the pool through layer l's slot table.
 Each call ORs what happened to each expert into `codes` (zeroed when a forward starts); the host decodes them after
 the forward (`collect`, called by the verifier core) into the same counters as the host-side cache (`CacheStats`).
@@ -182,7 +182,13 @@ class DeviceExpertCache:
                 self._joins.add(i + 1)
             with torch.cuda.stream(self._side) if self._cuda else _nullcontext():
                 guess = _predict_experts(x, nxt) if nxt is not None else None
-                extra = self.proj[i + 1, : self.store.num_experts[self.layers[i + 1]]] if self.prefetch_union else None
+                # The projection only where no router guess exists: a projected union (the previous verify's) marks
+                # its experts needed, and in a small partition they are the ones resident, so with the guess it left
+                # the guess no slot at all (nothing was prefetched); the guess, from this verify's own rows, is the
+                # better of the two.
+                extra = None
+                if self.prefetch_union and guess is None:
+                    extra = self.proj[i + 1, : self.store.num_experts[self.layers[i + 1]]]
                 self._admit(i + 1, 1, guess, valid_rows, valid, extra, prefetch=True)
         return offloaded_kernel(x, top_k_index, top_k_weights, self, n, self.eff[i, :n], valid, valid_rows)
 
