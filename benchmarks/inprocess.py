@@ -26,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from drafter_svc.drafters.ngram import NgramDrafter  # noqa: E402
-from drafter_svc.width import VerifyWidth  # noqa: E402
+from drafter_svc.width import RoundCost, VerifyWidth  # noqa: E402
 from pdflash.defaults import default_target_dir  # noqa: E402
 from pdflash.types import DraftResult, SamplingParams, union_bytes  # noqa: E402
 from verifier_svc.engine import PrefillInput, VerifierCore  # noqa: E402
@@ -59,6 +59,7 @@ cap for offloaded experts (drafter_svc.width), as the stack applies it."""
     forward_ms = prefill_s = decode_s = 0.0
     decode_cache = None
     outputs = []
+    cost = RoundCost()  # shared by the run's requests, as the stack shares one per drafter kind
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         ta = time.perf_counter()
@@ -67,7 +68,7 @@ cap for offloaded experts (drafter_svc.width), as the stack applies it."""
         if on_prefill is not None:
             on_prefill()
         tb = time.perf_counter()
-        width = VerifyWidth(block, cost_aware=cost_aware)
+        width = VerifyWidth(block, cost_aware=cost_aware, cost=cost)
         state: dict = {}
         out, anchor, union, rnd = list(pre.tokens), pre.tokens[-1], pre.routed_union, 0
         while pre.finished is None:

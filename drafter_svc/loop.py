@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 
 import structlog
 
-from drafter_svc.width import VerifyWidth
+from drafter_svc.width import RoundCost, VerifyWidth
 from pdflash import torch_thread
 from pdflash.errors import DeadlineExceeded
 from pdflash.logging import get_logger
@@ -240,10 +240,11 @@ async def run_request(
     admit_ahead: bool = True,
     verify_stream: bool = True,
     stream_behind: bool = True,
+    round_cost: RoundCost | None = None,
 ) -> AsyncIterator[Tokens | Finished]:
     usage = Usage(prompt_tokens=len(req.prompt))
     drafter = drafter_factory.new_session()
-    width = VerifyWidth(req.block_size, adaptive=not req.fixed_width)
+    width = VerifyWidth(req.block_size, adaptive=not req.fixed_width, cost=round_cost)
     heavy = bool(drafter_factory.feature_layer_ids)
     releases: list[asyncio.Future] = []
     session_id = ""

@@ -22,6 +22,7 @@ from drafter_svc.clients import SchedulerClient, TargetInfo, VerifierClient
 from drafter_svc.config import DrafterConfig
 from drafter_svc.loop import Deadline, Finished, Tokens, run_request
 from drafter_svc.tokens import IncrementalDetokenizer
+from drafter_svc.width import RoundCost
 
 log = get_logger("pdflash.drafter")
 
@@ -50,6 +51,11 @@ class FrontDoor:
             drafters={k: getattr(f, "max_block_size", None) for k, f in self.factories.items()},
             default_drafter=self.default_kind, fixed_width=cfg.fixed_width,
         )
+
+    @functools.cached_property
+    def round_costs(self) -> dict[DrafterKind, RoundCost]:
+        """Per drafter kind, the round-time line its sessions share (drafter_svc.width: the verify width's cost cap)."""
+        return {k: RoundCost() for k in self.factories}
 
     def dflash_placement(self) -> tuple[str, str]:
         """(device, dtype) of the DFlash drafter, e.g. ("cuda:0", "bfloat16"); empty strings without one."""
@@ -94,7 +100,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             gen = run_request(
                 req, self.door.factories[kind], self.door.verifier, self.door.scheduler,
                 Deadline(context.time_remaining()), abort, admit_ahead=self.door.cfg.admit_ahead,
-                verify_stream=self.door.cfg.verify_stream,
+                verify_stream=self.door.cfg.verify_stream, round_cost=self.door.round_costs[kind],
             )
             async for ev in gen:
                 if isinstance(ev, Tokens):

@@ -59,6 +59,33 @@ def best_drafts(rate: float, intercept: float, slope: float, max_drafts: int) ->
     return best_k
 
 
+class RoundCost:
+    """Recent (verified tokens, round ms) of priced rounds and their least-squares line. One per drafter kind per
+    process, shared by its sessions (the price of width is the verifier's, not a session's): a new request's first
+    round is capped by what earlier requests measured."""
+
+    def __init__(self, window: int = COST_WINDOW):
+        self._times: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+
+    def add(self, tokens: int, round_ms: float) -> None:
+        self._times.append((int(tokens), float(round_ms)))
+
+    def __len__(self) -> int:
+        return len(self._times)
+
+    def line(self) -> tuple[float, float] | None:
+        """(intercept ms, slope ms per verified token), or None before there are enough rounds at two widths or
+        more."""
+        pts = list(self._times)
+        if len(pts) < COST_MIN_ROUNDS or len({n for n, _ in pts}) < 2:
+            return None
+        mn = sum(n for n, _ in pts) / len(pts)
+        mt = sum(t for _, t in pts) / len(pts)
+        var = sum((n - mn) ** 2 for n, _ in pts)
+        slope = sum((n - mn) * (t - mt) for n, t in pts) / var
+        return mt - slope * mn, slope
+
+
 @dataclasses.dataclass
 class VerifyWidth:
     """Per-session controller. `drafts()` before a round, `observe()` after it."""
@@ -68,8 +95,8 @@ class VerifyWidth:
     growth: int = GROWTH
     floor: int = FLOOR
     cost_aware: bool = True  # cap the width by round time once the verifier reports offloaded experts
+    cost: RoundCost | None = None  # shared with other sessions (default: this session's own)
     _next: int | None = None
-    _times: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=COST_WINDOW))
     _accepted: float = 0.0
     _rejected: float = 0.0
     _priced_rounds: int = 0
@@ -79,6 +106,8 @@ class VerifyWidth:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.growth < 1 or self.floor < 1:
             raise ValueError(f"growth and floor must be >= 1, got {self.growth}, {self.floor}")
+        if self.cost is None:
+            self.cost = RoundCost()
 
     @property
     def max_drafts(self) -> int:
@@ -86,14 +115,15 @@ class VerifyWidth:
 
     def drafts(self) -> int:
         """Drafts to propose this round (before the caller's own caps, such as tokens left)."""
-        if not self.adaptive or self._next is None:
+        if not self.adaptive:
             return self.max_drafts
+        grown = self.max_drafts if self._next is None else self._next  # round 1: the whole block
         cap = self.cost_cap()
         if cap is None:
-            return self._next
+            return grown
         if self._priced_rounds % PROBE_EVERY == PROBE_EVERY - 1:
             cap += 1  # a probe: the rate and the slope keep being measured past the cap
-        return min(self._next, cap)
+        return min(grown, cap)
 
     def observe(self, accepted: int, proposed: int | None = None, round_ms: float | None = None,
                 offloaded: bool = False) -> None:
@@ -106,7 +136,7 @@ class VerifyWidth:
         self._accepted = self._accepted * DECAY + accepted
         self._rejected = self._rejected * DECAY + (1 if accepted < proposed else 0)
         if self.cost_aware and offloaded and round_ms is not None and round_ms > 0:
-            self._times.append((proposed + 1, float(round_ms)))
+            self.cost.add(proposed + 1, round_ms)
             self._priced_rounds += 1
 
     @property
@@ -116,16 +146,8 @@ class VerifyWidth:
         return min(a / (a + r), 0.99)
 
     def time_line(self) -> tuple[float, float] | None:
-        """(intercept ms, slope ms per verified token) of recent priced rounds, or None before there are enough
-        rounds at two widths or more."""
-        pts = list(self._times)
-        if len(pts) < COST_MIN_ROUNDS or len({n for n, _ in pts}) < 2:
-            return None
-        mn = sum(n for n, _ in pts) / len(pts)
-        mt = sum(t for _, t in pts) / len(pts)
-        var = sum((n - mn) ** 2 for n, _ in pts)
-        slope = sum((n - mn) * (t - mt) for n, t in pts) / var
-        return mt - slope * mn, slope
+        """The shared round-time line (RoundCost.line)."""
+        return self.cost.line()
 
     def cost_cap(self) -> int | None:
         """The width that maximizes expected tokens per ms of round (None: no priced line yet, or a flat one)."""

@@ -216,3 +216,14 @@ def test_priced_width_stays_in_the_block_and_within_the_bound(block, rounds):
         w.observe(accepted, proposed, ms, offloaded)
         assert 0 <= w.drafts() <= block - 1
         assert w.drafts() <= bound
+
+
+def test_sessions_share_the_round_cost_so_a_new_request_starts_capped():
+    from drafter_svc.width import RoundCost
+
+    shared = RoundCost()
+    first = VerifyWidth(16, cost=shared)
+    _priced(first, 24, lambda k: min(k, 2), lambda n: 18.0 + 12.0 * n)
+    second = VerifyWidth(16, cost=shared)
+    assert second.drafts() <= 3  # round 1 already capped (alone it would draft the whole block)
+    assert VerifyWidth(16).drafts() == 15
