@@ -35,8 +35,12 @@ DECODE_SELECT = 0  # fp32, E2M1 magnitudes by selects; scale 2^(s-127) (scale by
 DECODE_F32_BITS = 1  # fp32, nibble bits placed into a float32 (code 1 = a subnormal), one fp32 multiply by 2^(s-1)
 DECODE_SCALED = 2  # tl.dot_scaled: Triton upcasts the packed weights itself (GPU only: not in Triton's interpreter)
 DECODE_BF16_BITS = 3  # bf16, nibble bits placed into a bf16 (code 1 = a subnormal), one bf16 multiply by 2^(s-1)
-# Decodes 1 and 3 multiply by 2^(s-1), a finite float only for scale bytes s <= 128 (groups with |w| <= 12): they are
+DECODE_WORD = 4  # decode 3 on 32-bit words: 8 values per load element and 4 bf16x2 multiplies (weights in K order)
+# Decodes 1, 3 and 4 multiply by 2^(s-1), a finite float only for scale bytes s <= 128 (groups with |w| <= 12): they are
 # exact up to there and read a larger scale byte as 128 (wrong values). Decode 0 is exact for scale bytes 1..254.
+# Decode 4 reads the packed rows as 32-bit words: row strides (bytes) and base addresses must be multiples of 4, else
+# the launch uses decode 3 (`_word_ok`; a static property of the weight tensors, never of the tokens).
+FAST_DECODES = (1, 3, 4)
 FAST_DECODE_MAX_SCALE = 128
 
 # How the FP4 paths (decode 0, 1, 3) read the activations (MoeConfig.a_load)
@@ -94,6 +98,14 @@ SWEEP_VARIANTS: dict[str, dict] = {
     "join_bf16_raster": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, raster=1),
     "join_bf16_persist": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, persist=4),
     "scaled_swap64": dict(decode=DECODE_SCALED, swap_ab=True, block_n=64),  # GPU only (tl.dot_scaled)
+    # 32-bit word loads, 8 values per element, one PTX block per word (decode 4; always in K order, as A_JOIN)
+    "word": dict(a_load=A_JOIN, decode=DECODE_WORD),
+    "word_k128": dict(a_load=A_JOIN, decode=DECODE_WORD, block_k=128),
+    "word_k256": dict(a_load=A_JOIN, decode=DECODE_WORD, block_k=256),
+    "word_raster": dict(a_load=A_JOIN, decode=DECODE_WORD, raster=1),
+    "word_k256_raster": dict(a_load=A_JOIN, decode=DECODE_WORD, block_k=256, raster=1),
+    "word_swap64_k256": dict(a_load=A_JOIN, decode=DECODE_WORD, swap_ab=True, block_n=64, block_k=256),
+    "word_n64_k256_w8": dict(a_load=A_JOIN, decode=DECODE_WORD, block_n=64, block_k=256, num_warps=8),
 }
 # bf16 weights (the FP4-only fields do not apply):
 SWEEP_VARIANTS_BF16: dict[str, dict] = {
@@ -249,6 +261,9 @@ if triton is not None:
         Every decode gives exact bf16 values (an E2M1 value times a power of two; decodes 1 and 3 for scale bytes
         <= FAST_DECODE_MAX_SCALE)."""
         BN: tl.constexpr = rows.shape[0]
+        if DECODE == 4:
+            w = _fp4_words(w_ptr, s_ptr, rows, row_ok, stride_wn, stride_sn, k0, K, BLOCK_K, EMULATE)
+            return w, w
         kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ok = row_ok[:, None] & (kh < K // 2)[None, :]
         p = tl.load(w_ptr + rows[:, None] * stride_wn + kh[None, :], mask=ok, other=0).to(tl.int32)
@@ -296,6 +311,61 @@ if triton is not None:
             else:
                 sc = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BLOCK_K // 32, 16)), (BN, BLOCK_K // 2))
                 return (vlo * sc).to(tl.bfloat16), (vhi * sc).to(tl.bfloat16)
+
+    @triton.jit
+    def _fp4_words(w_ptr, s_ptr, rows, row_ok, stride_wn, stride_sn, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EMULATE: tl.constexpr):
+        """Decode 4: packed rows read as 32-bit words (8 values, value j of the word in nibble j) -> one [BN, BK] bf16
+        tile in K order. Per word: 4 bf16x2 pairs (nibble j, nibble j + 4), each from two shifts and two masks
+        (magnitude bits under the bf16 exponent's two low bits + the top mantissa bit, sign to bit 15 of its half)
+        and one bf16x2 multiply by 2^(s-1); the 8 halves come out as separate bf16 values, joined back in K order.
+        Exact like decode 3 (scale bytes <= FAST_DECODE_MAX_SCALE); the launcher checks the 4-byte alignment."""
+        BN: tl.constexpr = rows.shape[0]
+        BW: tl.constexpr = BLOCK_K // 8
+        kw = k0 // 8 + tl.arange(0, BW)
+        words = w_ptr.to(tl.pointer_type(tl.uint32))
+        q = tl.load(words + rows[:, None] * (stride_wn // 4) + kw[None, :], mask=row_ok[:, None] & (kw < K // 8)[None, :], other=0)
+        kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s = tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0).to(tl.int32)
+        e = (tl.minimum(s, 128) + 126).to(tl.uint32)  # 2^(s-1) as a biased exponent; 128: FAST_DECODE_MAX_SCALE
+        e = tl.reshape(tl.broadcast_to(e[:, :, None], (BN, BLOCK_K // 32, 4)), (BN, BW))  # 4 words per scale group
+        if EMULATE:  # Triton's interpreter cannot run PTX: the same pair words, scaled by decode 3's exact emulation
+            p0 = _bf16x2_scale(((q << 6) & 0x01C001C0) | ((q << 12) & 0x80008000), e, True)
+            p1 = _bf16x2_scale(((q << 2) & 0x01C001C0) | ((q << 8) & 0x80008000), e, True)
+            p2 = _bf16x2_scale(((q >> 2) & 0x01C001C0) | ((q << 4) & 0x80008000), e, True)
+            p3 = _bf16x2_scale(((q >> 6) & 0x01C001C0) | (q & 0x80008000), e, True)
+            v0 = p0.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v4 = (p0 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v1 = p1.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v5 = (p1 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v2 = p2.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v6 = (p2 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v3 = p3.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v7 = (p3 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            # pair j = (nibble j, nibble j + 4): magnitudes to bits 6-8 / 22-24, signs to bits 15 / 31 of one word
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                """{
+                .reg .b32 m, g, p, z, c;
+                mov.b32 z, 0x80008000;
+                shl.b32 c, $9, 16;
+                or.b32 c, c, $9;
+                shl.b32 c, c, 7;
+                shl.b32 m, $8, 6; and.b32 m, m, 0x01C001C0; shl.b32 g, $8, 12; and.b32 g, g, 0x80008000;
+                or.b32 p, m, g; fma.rn.bf16x2 p, p, c, z; mov.b32 {$0, $4}, p;
+                shl.b32 m, $8, 2; and.b32 m, m, 0x01C001C0; shl.b32 g, $8, 8; and.b32 g, g, 0x80008000;
+                or.b32 p, m, g; fma.rn.bf16x2 p, p, c, z; mov.b32 {$1, $5}, p;
+                shr.b32 m, $8, 2; and.b32 m, m, 0x01C001C0; shl.b32 g, $8, 4; and.b32 g, g, 0x80008000;
+                or.b32 p, m, g; fma.rn.bf16x2 p, p, c, z; mov.b32 {$2, $6}, p;
+                shr.b32 m, $8, 6; and.b32 m, m, 0x01C001C0; and.b32 g, $8, 0x80008000;
+                or.b32 p, m, g; fma.rn.bf16x2 p, p, c, z; mov.b32 {$3, $7}, p;
+                }""",
+                "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [q, e],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
+            )
+        # join puts its operands on a new LAST dimension: the innermost join picks the highest bit of the K offset
+        w = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+        return tl.reshape(w, (BN, BLOCK_K))
 
     @triton.jit
     def _bf16x2_scale(pair, e, EMULATE: tl.constexpr):
@@ -725,6 +795,12 @@ class ExpertWeights:
         return self.intermediate if self.up_off is None else self.up_off
 
 
+def _word_ok(blocks: torch.Tensor) -> bool:
+    """Packed rows readable as 32-bit words (decode 4): 4-byte aligned base, row and slot strides, contiguous rows."""
+    return (blocks.data_ptr() % 4 == 0 and blocks.stride(-1) == 1 and blocks.shape[-1] % 4 == 0
+            and all(st % 4 == 0 for st in blocks.stride()[:-1]))
+
+
 def _grid(c: MoeConfig, max_blocks: int, n_tiles: int) -> tuple[int, ...]:
     if c.persist:
         return (max(1, min(max_blocks * n_tiles, c.persist * runtime.sm_count())),)
@@ -742,7 +818,7 @@ def _run(kernel, grid, args, kwargs, warmup: bool):
 
 def _flags(c: MoeConfig, fp4: bool) -> dict:
     """The kernels' constexprs of a config (fields a path does not read are normalized: no duplicate compiles)."""
-    if c.decode not in (DECODE_SELECT, DECODE_F32_BITS, DECODE_SCALED, DECODE_BF16_BITS) or c.a_load not in (A_GATHER, A_SPLIT, A_JOIN):
+    if c.decode not in (DECODE_SELECT, DECODE_F32_BITS, DECODE_SCALED, DECODE_BF16_BITS, DECODE_WORD) or c.a_load not in (A_GATHER, A_SPLIT, A_JOIN):
         raise ValueError(f"unknown decode {c.decode} or a_load {c.a_load}")
     if c.block_k < 32 or c.block_k & (c.block_k - 1) or c.block_m < 16 or c.block_n < 16:
         raise ValueError(f"block_k must be a power of two >= 32 and block_m, block_n >= 16: {c}")
@@ -750,6 +826,8 @@ def _flags(c: MoeConfig, fp4: bool) -> dict:
         raise ValueError("decode 2 (tl.dot_scaled) does not run under Triton's interpreter")
     decode = c.decode if fp4 else DECODE_SELECT
     a_load = c.a_load if fp4 and decode != DECODE_SCALED else A_GATHER
+    if decode == DECODE_WORD:
+        a_load = A_JOIN  # decode 4 always gives the tile in K order
     return dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DECODE=decode, F32DOT=runtime.interpreting(),
                 A_LOAD=a_load, SWAP=c.swap_ab, RASTER=c.raster, PERSIST=c.persist > 0,
                 num_warps=c.num_warps, num_stages=c.num_stages)
@@ -801,8 +879,11 @@ def moe_forward(
     if config2 is None:
         config2 = default_config(hdim, inter, topk, w.fp4, gemm=2)
     if w.fp4 and w.big_scales:
-        config, config2 = (dataclasses.replace(c, decode=DECODE_SELECT) if c.decode in (DECODE_F32_BITS, DECODE_BF16_BITS) else c
+        config, config2 = (dataclasses.replace(c, decode=DECODE_SELECT) if c.decode in FAST_DECODES else c
                            for c in (config, config2))
+    if w.fp4:  # decode 4 reads 32-bit words: weights not 4-byte aligned get decode 3 (static: the tensors, not the tokens)
+        config, config2 = (dataclasses.replace(c, decode=DECODE_BF16_BITS) if c.decode == DECODE_WORD and not _word_ok(b) else c
+                           for c, b in ((config, w.w1), (config2, w.w2)))
     bm = config.block_m
     if config2.block_m != bm:
         raise ValueError("both GEMMs share the routing blocks: block_m must match")
@@ -830,6 +911,10 @@ def decode_fp4(blocks: torch.Tensor, scales: torch.Tensor, decode: int, a_load: 
     the K-order join of A_JOIN or the even/odd halves otherwise): what the kernels multiply by. For tests."""
     if decode == DECODE_SCALED:
         raise ValueError("decode 2 (tl.dot_scaled) decodes inside the dot: there are no decoded weights to return")
+    if decode == DECODE_WORD:
+        if not _word_ok(blocks):
+            raise ValueError("decode 4 reads 32-bit words: the packed rows must be 4-byte aligned")
+        a_load = A_JOIN
     n, k = blocks.shape[0], blocks.shape[1] * 2
     out = torch.empty((n, k), dtype=torch.bfloat16, device=blocks.device)
     grid = (triton_cdiv(n, 16), triton_cdiv(k, block_k))

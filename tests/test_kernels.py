@@ -208,6 +208,48 @@ def test_moe_kernel_matches_reference(fp4, name, fields, monkeypatch):
 
 
 @needs_triton
+def test_word_decode_gives_the_exact_bf16_weights():
+    """Decode 4 (32-bit word loads, 8 values a word) gives mxfp4.dequantize's bf16 bits at every byte value and every
+    scale byte it covers (0..FAST_DECODE_MAX_SCALE), subnormals included, at every K tile (the interpreter runs its
+    emulated branch: the same pair words; tests/test_kernels_gpu.py checks the PTX branch)."""
+    from kernels.moe import DECODE_WORD, FAST_DECODE_MAX_SCALE, decode_fp4
+
+    n, k = 16, 256
+    blocks = torch.stack([torch.arange(256, dtype=torch.uint8).roll(37 * r)[: k // 2] for r in range(n)])
+    scales = (torch.arange(n * k // 32) % (FAST_DECODE_MAX_SCALE + 1)).to(torch.uint8).reshape(n, k // 32)
+    ref = mxfp4.dequantize(blocks, scales, torch.bfloat16)
+    for block_k in (32, 128, 256):
+        out = decode_fp4(blocks, scales, DECODE_WORD, block_k=block_k)
+        assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), block_k
+    arena = torch.zeros(blocks.numel() + 1, dtype=torch.uint8)
+    arena[1:] = blocks.reshape(-1)
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        decode_fp4(arena[1:].view(blocks.shape), scales, DECODE_WORD)
+
+
+@needs_triton
+def test_word_decode_falls_back_on_unaligned_weights():
+    """Packed rows that are not 4-byte aligned (an odd offset into a byte arena) run decode 3 instead of decode 4, with
+    the same result: the choice depends on the weight tensors only, never on the tokens."""
+    import dataclasses
+
+    from kernels.moe import SWEEP_VARIANTS, moe_forward
+
+    w = _experts(fp4=True)
+    arena = torch.zeros(w.w1.numel() + 1, dtype=torch.uint8)
+    arena[1:] = w.w1.reshape(-1)
+    odd = dataclasses.replace(w, w1=arena[1:].view(w.w1.shape))
+    assert odd.w1.data_ptr() % 4 != 0
+    x, ids, wts = _routing(5, 6, 2)
+    c1, c2 = _variant_configs(SWEEP_VARIANTS["word"])
+    out = moe_forward(x, ids, wts, odd, 6, config=c1, config2=c2)
+    same = moe_forward(x, ids, wts, w, 6, config=c1, config2=c2)
+    c3, c4 = _variant_configs(SWEEP_VARIANTS["join_bf16"])
+    assert torch.equal(out, moe_forward(x, ids, wts, w, 6, config=c3, config2=c4))
+    assert (same.float() - out.float()).abs().max() <= 0.02 * out.float().abs().max() + 1e-3
+
+
+@needs_triton
 @pytest.mark.parametrize("name", ["base", "join_bf16"])
 def test_fp4_weights_with_scales_above_two_are_decoded_exactly(name):
     """A block with |w| > 12 needs a scale byte > 128, which the bit-placing decoders cannot fold into one power of
