@@ -47,6 +47,8 @@ FAST_DECODE_MAX_SCALE = 128
 A_GATHER = 0  # two stride-2 gathers per K step (the even and the odd columns), one dot per decoded half
 A_SPLIT = 1  # one contiguous [BM, BK] load, split into even/odd columns in registers, one dot per decoded half
 A_JOIN = 2  # one contiguous [BM, BK] load; the decoded halves interleaved back into K order: one dot over BK
+A_SPLIT_GS = 3  # A_SPLIT, and each weight's scale byte loaded per element (no reshape between the loads and the dots:
+#                 an elementwise decode chain that Triton can move into the MMA operand's register layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,14 @@ SWEEP_VARIANTS: dict[str, dict] = {
     "join_bf16_swap64_k256": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, swap_ab=True, block_n=64, block_k=256),
     "join_bf16_swap128_w8": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, swap_ab=True, block_n=128, num_warps=8),
     "join_bf16_raster": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, raster=1),
+    # per-element scale loads: loads -> elementwise decode -> dot, with nothing between that pins a register layout
+    "gs_bf16": dict(a_load=A_SPLIT_GS, decode=DECODE_BF16_BITS),
+    "gs_bf16_k128": dict(a_load=A_SPLIT_GS, decode=DECODE_BF16_BITS, block_k=128),
+    "gs_bf16_raster": dict(a_load=A_SPLIT_GS, decode=DECODE_BF16_BITS, raster=1),
+    "gs_bf16_swap64": dict(a_load=A_SPLIT_GS, decode=DECODE_BF16_BITS, swap_ab=True, block_n=64),
+    "gs_bf16_swap64_k128": dict(a_load=A_SPLIT_GS, decode=DECODE_BF16_BITS, swap_ab=True, block_n=64, block_k=128),
+    "gs_bf16_swap64_k256": dict(a_load=A_SPLIT_GS, decode=DECODE_BF16_BITS, swap_ab=True, block_n=64, block_k=256),
+    "gs_f32_swap64_k128": dict(a_load=A_SPLIT_GS, decode=DECODE_F32_BITS, swap_ab=True, block_n=64, block_k=128),
     "join_bf16_persist": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, persist=4),
     "scaled_swap64": dict(decode=DECODE_SCALED, swap_ab=True, block_n=64),  # GPU only (tl.dot_scaled)
     # 32-bit word loads, 8 values per element, one PTX block per word (decode 4; always in K order, as A_JOIN)
@@ -255,20 +265,24 @@ if triton is not None:
 
     @triton.jit
     def _fp4_tiles(w_ptr, s_ptr, rows, row_ok, stride_wn, stride_sn, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DECODE: tl.constexpr, EMULATE: tl.constexpr, JOIN: tl.constexpr):
+                   DECODE: tl.constexpr, EMULATE: tl.constexpr, A_LOAD: tl.constexpr):
         """Packed rows [BN, BK/2] -> (even-K, odd-K) bf16 tiles [BN, BK/2] (low nibble = even index), scaled, or (JOIN)
         one [BN, BK] tile in K order (returned twice). One load of the packed bytes and one scale per 32 values.
         Every decode gives exact bf16 values (an E2M1 value times a power of two; decodes 1 and 3 for scale bytes
         <= FAST_DECODE_MAX_SCALE)."""
         BN: tl.constexpr = rows.shape[0]
+        JOIN: tl.constexpr = A_LOAD == 2
         if DECODE == 4:
             w = _fp4_words(w_ptr, s_ptr, rows, row_ok, stride_wn, stride_sn, k0, K, BLOCK_K, EMULATE)
             return w, w
         kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ok = row_ok[:, None] & (kh < K // 2)[None, :]
         p = tl.load(w_ptr + rows[:, None] * stride_wn + kh[None, :], mask=ok, other=0).to(tl.int32)
-        kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        s = tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0).to(tl.int32)
+        if A_LOAD == 3:  # one scale byte per packed byte (16 bytes share one): every step after the loads is elementwise
+            s = tl.load(s_ptr + rows[:, None] * stride_sn + (kh // 16)[None, :], mask=ok, other=0).to(tl.int32)
+        else:
+            kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            s = tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0).to(tl.int32)
         if DECODE == 3:
             # bf16 bits straight from the byte, both nibbles at once, in one 32-bit word (odd-K value << 16 | even-K
             # value): each nibble's magnitude bits go under the bf16 exponent's two low bits + the top mantissa bit (code
@@ -278,7 +292,9 @@ if triton is not None:
             q = p.to(tl.uint32)
             pair = ((q * 0x00040040) & 0x01C001C0) | ((q * 0x01001000) & 0x80008000)
             e = (tl.minimum(s, 128) + 126).to(tl.uint32)  # 128: FAST_DECODE_MAX_SCALE
-            pair = _bf16x2_scale(pair, tl.reshape(tl.broadcast_to(e[:, :, None], (BN, BLOCK_K // 32, 16)), (BN, BLOCK_K // 2)), EMULATE)
+            if A_LOAD != 3:
+                e = tl.reshape(tl.broadcast_to(e[:, :, None], (BN, BLOCK_K // 32, 16)), (BN, BLOCK_K // 2))
+            pair = _bf16x2_scale(pair, e, EMULATE)
             wlo = pair.to(tl.uint16).to(tl.bfloat16, bitcast=True)
             whi = (pair >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
             if JOIN:
@@ -309,7 +325,9 @@ if triton is not None:
                 w = (tl.reshape(tl.join(vlo, vhi), (BN, BLOCK_K)) * sc).to(tl.bfloat16)
                 return w, w
             else:
-                sc = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BLOCK_K // 32, 16)), (BN, BLOCK_K // 2))
+                sc = scale
+                if A_LOAD != 3:
+                    sc = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BLOCK_K // 32, 16)), (BN, BLOCK_K // 2))
                 return (vlo * sc).to(tl.bfloat16), (vhi * sc).to(tl.bfloat16)
 
     @triton.jit
@@ -411,7 +429,7 @@ if triton is not None:
                     kk = k0 + tl.arange(0, BLOCK_K)
                     a0 = tl.load(a_ptr + a_rows[:, None] * stride_am + kk[None, :], mask=a_ok[:, None] & (kk < K)[None, :], other=0.0)
                     a1 = a0
-                    if A_LOAD == 1:  # split into its even and odd columns in registers
+                    if A_LOAD == 1 or A_LOAD == 3:  # split into its even and odd columns in registers
                         a0, a1 = tl.split(tl.reshape(a0, (BM, BLOCK_K // 2, 2)))
                 if F32DOT:  # Triton's interpreter: its bf16 dot is unreliable; the operands are exact in fp32
                     a0 = a0.to(tl.float32)
@@ -420,7 +438,7 @@ if triton is not None:
                     a0 = tl.trans(a0)
                     a1 = tl.trans(a1)
                 # A_JOIN: the decoded halves come interleaved back into K order, one [BN, BK] tile (w0 = w1): one dot
-                w0, w1 = _fp4_tiles(w_ptr, s_ptr, rows0, n_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE, F32DOT, A_LOAD == 2)
+                w0, w1 = _fp4_tiles(w_ptr, s_ptr, rows0, n_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE, F32DOT, A_LOAD)
                 if F32DOT:
                     w0 = w0.to(tl.float32)
                     w1 = w1.to(tl.float32)
@@ -433,7 +451,7 @@ if triton is not None:
                     if A_LOAD != 2:
                         acc0 += tl.dot(a1, tl.trans(w1))
                 if TWO:
-                    v0, v1 = _fp4_tiles(w_ptr, s_ptr, rows1, n_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE, F32DOT, A_LOAD == 2)
+                    v0, v1 = _fp4_tiles(w_ptr, s_ptr, rows1, n_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE, F32DOT, A_LOAD)
                     if F32DOT:
                         v0 = v0.to(tl.float32)
                         v1 = v1.to(tl.float32)
@@ -659,13 +677,13 @@ if triton is not None:
     @triton.jit
     def _fp4_decode_kernel(w_ptr, s_ptr, out_ptr, N, stride_wn, stride_sn, stride_on, K: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, EMULATE: tl.constexpr,
-                           JOIN: tl.constexpr):
+                           A_LOAD: tl.constexpr):
         """The GEMMs' weight decode alone: packed rows -> bf16 rows (tests hold every decode to mxfp4.dequantize)."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         k0 = tl.program_id(1) * BLOCK_K
-        w_lo, w_hi = _fp4_tiles(w_ptr, s_ptr, rows, row_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE, EMULATE, JOIN)
-        if JOIN:
+        w_lo, w_hi = _fp4_tiles(w_ptr, s_ptr, rows, row_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE, EMULATE, A_LOAD)
+        if A_LOAD == 2 or DECODE == 4:
             kk = k0 + tl.arange(0, BLOCK_K)
             tl.store(out_ptr + rows[:, None] * stride_on + kk[None, :], w_lo, mask=row_ok[:, None] & (kk < K)[None, :])
         else:
@@ -818,7 +836,7 @@ def _run(kernel, grid, args, kwargs, warmup: bool):
 
 def _flags(c: MoeConfig, fp4: bool) -> dict:
     """The kernels' constexprs of a config (fields a path does not read are normalized: no duplicate compiles)."""
-    if c.decode not in (DECODE_SELECT, DECODE_F32_BITS, DECODE_SCALED, DECODE_BF16_BITS, DECODE_WORD) or c.a_load not in (A_GATHER, A_SPLIT, A_JOIN):
+    if c.decode not in (DECODE_SELECT, DECODE_F32_BITS, DECODE_SCALED, DECODE_BF16_BITS, DECODE_WORD) or c.a_load not in (A_GATHER, A_SPLIT, A_JOIN, A_SPLIT_GS):
         raise ValueError(f"unknown decode {c.decode} or a_load {c.a_load}")
     if c.block_k < 32 or c.block_k & (c.block_k - 1) or c.block_m < 16 or c.block_n < 16:
         raise ValueError(f"block_k must be a power of two >= 32 and block_m, block_n >= 16: {c}")
@@ -919,5 +937,5 @@ def decode_fp4(blocks: torch.Tensor, scales: torch.Tensor, decode: int, a_load: 
     out = torch.empty((n, k), dtype=torch.bfloat16, device=blocks.device)
     grid = (triton_cdiv(n, 16), triton_cdiv(k, block_k))
     _fp4_decode_kernel[grid](blocks, scales, out, n, blocks.stride(0), scales.stride(0), out.stride(0), K=k, BLOCK_N=16,
-                             BLOCK_K=block_k, DECODE=decode, EMULATE=runtime.interpreting(), JOIN=a_load == A_JOIN)
+                             BLOCK_K=block_k, DECODE=decode, EMULATE=runtime.interpreting(), A_LOAD=a_load)
     return out
