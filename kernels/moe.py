@@ -47,8 +47,6 @@ FAST_DECODE_MAX_SCALE = 128
 A_GATHER = 0  # two stride-2 gathers per K step (the even and the odd columns), one dot per decoded half
 A_SPLIT = 1  # one contiguous [BM, BK] load, split into even/odd columns in registers, one dot per decoded half
 A_JOIN = 2  # one contiguous [BM, BK] load; the decoded halves interleaved back into K order: one dot over BK
-A_SPLIT_GS = 3  # A_SPLIT, and each weight's scale byte loaded per element (no reshape between the loads and the dots:
-#                 an elementwise decode chain that Triton can move into the MMA operand's register layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,24 +96,14 @@ SWEEP_VARIANTS: dict[str, dict] = {
     "join_bf16_swap64_k256": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, swap_ab=True, block_n=64, block_k=256),
     "join_bf16_swap128_w8": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, swap_ab=True, block_n=128, num_warps=8),
     "join_bf16_raster": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, raster=1),
-    # per-element scale loads: loads -> elementwise decode -> dot, with nothing between that pins a register layout
-    "gs_bf16": dict(a_load=A_SPLIT_GS, decode=DECODE_BF16_BITS),
-    "gs_bf16_k128": dict(a_load=A_SPLIT_GS, decode=DECODE_BF16_BITS, block_k=128),
-    "gs_bf16_raster": dict(a_load=A_SPLIT_GS, decode=DECODE_BF16_BITS, raster=1),
-    "gs_bf16_swap64": dict(a_load=A_SPLIT_GS, decode=DECODE_BF16_BITS, swap_ab=True, block_n=64),
-    "gs_bf16_swap64_k128": dict(a_load=A_SPLIT_GS, decode=DECODE_BF16_BITS, swap_ab=True, block_n=64, block_k=128),
-    "gs_bf16_swap64_k256": dict(a_load=A_SPLIT_GS, decode=DECODE_BF16_BITS, swap_ab=True, block_n=64, block_k=256),
-    "gs_f32_swap64_k128": dict(a_load=A_SPLIT_GS, decode=DECODE_F32_BITS, swap_ab=True, block_n=64, block_k=128),
     "join_bf16_persist": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, persist=4),
     "scaled_swap64": dict(decode=DECODE_SCALED, swap_ab=True, block_n=64),  # GPU only (tl.dot_scaled)
-    # 32-bit word loads, 8 values per element, one PTX block per word (decode 4; always in K order, as A_JOIN)
+    # 32-bit word loads, 8 values per element, one PTX block per word (decode 4; always in K order, as A_JOIN). Exact, and
+    # within 5% of join_bf16 on the H200 (benchmarks/results/kernels_sweep_word_h200.txt): the decode's instruction
+    # count is not what holds the FP4 GEMMs at 10-40% of the copy rate.
     "word": dict(a_load=A_JOIN, decode=DECODE_WORD),
-    "word_k128": dict(a_load=A_JOIN, decode=DECODE_WORD, block_k=128),
-    "word_k256": dict(a_load=A_JOIN, decode=DECODE_WORD, block_k=256),
-    "word_raster": dict(a_load=A_JOIN, decode=DECODE_WORD, raster=1),
     "word_k256_raster": dict(a_load=A_JOIN, decode=DECODE_WORD, block_k=256, raster=1),
     "word_swap64_k256": dict(a_load=A_JOIN, decode=DECODE_WORD, swap_ab=True, block_n=64, block_k=256),
-    "word_n64_k256_w8": dict(a_load=A_JOIN, decode=DECODE_WORD, block_n=64, block_k=256, num_warps=8),
 }
 # bf16 weights (the FP4-only fields do not apply):
 SWEEP_VARIANTS_BF16: dict[str, dict] = {
@@ -278,11 +266,8 @@ if triton is not None:
         kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ok = row_ok[:, None] & (kh < K // 2)[None, :]
         p = tl.load(w_ptr + rows[:, None] * stride_wn + kh[None, :], mask=ok, other=0).to(tl.int32)
-        if A_LOAD == 3:  # one scale byte per packed byte (16 bytes share one): every step after the loads is elementwise
-            s = tl.load(s_ptr + rows[:, None] * stride_sn + (kh // 16)[None, :], mask=ok, other=0).to(tl.int32)
-        else:
-            kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            s = tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0).to(tl.int32)
+        kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s = tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0).to(tl.int32)
         if DECODE == 3:
             # bf16 bits straight from the byte, both nibbles at once, in one 32-bit word (odd-K value << 16 | even-K
             # value): each nibble's magnitude bits go under the bf16 exponent's two low bits + the top mantissa bit (code
@@ -292,9 +277,7 @@ if triton is not None:
             q = p.to(tl.uint32)
             pair = ((q * 0x00040040) & 0x01C001C0) | ((q * 0x01001000) & 0x80008000)
             e = (tl.minimum(s, 128) + 126).to(tl.uint32)  # 128: FAST_DECODE_MAX_SCALE
-            if A_LOAD != 3:
-                e = tl.reshape(tl.broadcast_to(e[:, :, None], (BN, BLOCK_K // 32, 16)), (BN, BLOCK_K // 2))
-            pair = _bf16x2_scale(pair, e, EMULATE)
+            pair = _bf16x2_scale(pair, tl.reshape(tl.broadcast_to(e[:, :, None], (BN, BLOCK_K // 32, 16)), (BN, BLOCK_K // 2)), EMULATE)
             wlo = pair.to(tl.uint16).to(tl.bfloat16, bitcast=True)
             whi = (pair >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
             if JOIN:
@@ -325,9 +308,7 @@ if triton is not None:
                 w = (tl.reshape(tl.join(vlo, vhi), (BN, BLOCK_K)) * sc).to(tl.bfloat16)
                 return w, w
             else:
-                sc = scale
-                if A_LOAD != 3:
-                    sc = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BLOCK_K // 32, 16)), (BN, BLOCK_K // 2))
+                sc = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BLOCK_K // 32, 16)), (BN, BLOCK_K // 2))
                 return (vlo * sc).to(tl.bfloat16), (vhi * sc).to(tl.bfloat16)
 
     @triton.jit
@@ -429,7 +410,7 @@ if triton is not None:
                     kk = k0 + tl.arange(0, BLOCK_K)
                     a0 = tl.load(a_ptr + a_rows[:, None] * stride_am + kk[None, :], mask=a_ok[:, None] & (kk < K)[None, :], other=0.0)
                     a1 = a0
-                    if A_LOAD == 1 or A_LOAD == 3:  # split into its even and odd columns in registers
+                    if A_LOAD == 1:  # split into its even and odd columns in registers
                         a0, a1 = tl.split(tl.reshape(a0, (BM, BLOCK_K // 2, 2)))
                 if F32DOT:  # Triton's interpreter: its bf16 dot is unreliable; the operands are exact in fp32
                     a0 = a0.to(tl.float32)
@@ -836,7 +817,7 @@ def _run(kernel, grid, args, kwargs, warmup: bool):
 
 def _flags(c: MoeConfig, fp4: bool) -> dict:
     """The kernels' constexprs of a config (fields a path does not read are normalized: no duplicate compiles)."""
-    if c.decode not in (DECODE_SELECT, DECODE_F32_BITS, DECODE_SCALED, DECODE_BF16_BITS, DECODE_WORD) or c.a_load not in (A_GATHER, A_SPLIT, A_JOIN, A_SPLIT_GS):
+    if c.decode not in (DECODE_SELECT, DECODE_F32_BITS, DECODE_SCALED, DECODE_BF16_BITS, DECODE_WORD) or c.a_load not in (A_GATHER, A_SPLIT, A_JOIN):
         raise ValueError(f"unknown decode {c.decode} or a_load {c.a_load}")
     if c.block_k < 32 or c.block_k & (c.block_k - 1) or c.block_m < 16 or c.block_n < 16:
         raise ValueError(f"block_k must be a power of two >= 32 and block_m, block_n >= 16: {c}")
