@@ -14,7 +14,7 @@ replayed at any position:
 - Buckets: a proposal's block (anchor + k drafts, k+1 = 2 .. block_size rows) is padded to the next of
   `propose_buckets` (4, 8, 16 for a 16-row drafter; the drafter's block size is always one), a commit's rows to the next
   of `COMMIT_BUCKETS` (4 .. 32; a longer commit, e.g. a prompt, goes in chunks of 32). Padding rows of a commit go to
-  the spare rows, never to rows past L: the committed context is exactly the real rows.
+  the spare rows, never into the context's rows: the committed context is exactly the real rows.
 
 Sessions share the buffer: it holds one session's context at a time (`resident`); a session that is not resident keeps
 its rows in its own store (`GraphedContext.store`, grown by doubling up to its length, as the eager `ContextKV` does).
@@ -22,7 +22,7 @@ A forward for another session first saves the resident's rows into its store and
 each, only when the session changes: a lone request never copies). A session whose context would pass `capacity` leaves
 the graphs for good: its rows move into a `ContextKV` and it runs the eager path (correctness first; nothing is
 re-captured). Memory: the working buffer is `layers * 2 * Hkv * (capacity + SPARE) * D` elements of the model's dtype
-(demo drafter at the default 2048 rows: 5 MiB; a 5-layer drafter with 8 KV heads of 128 in bf16: 42 MiB), plus the
+(bf16 at the default 2048 rows: the demo drafter 5 MiB, a 5-layer drafter with 8 KV heads of 128 41 MiB), plus the
 graphs' private pool (a forward's activations at the largest bucket, the LM head's logits the largest of them) and each
 session's store (its own context only).
 
@@ -59,7 +59,10 @@ def propose_buckets(block_size: int) -> tuple[int, ...]:
 
 
 def _bucket(buckets: tuple[int, ...], n: int) -> int:
-    return next(b for b in buckets if b >= n)
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} rows: wider than the largest bucket ({buckets[-1]})")
 
 
 def graphs_unsupported(model: DFlashDraftModel) -> str:
@@ -153,6 +156,8 @@ class DFlashGraphs:
         """Make ctx resident: save the resident's rows into its store, load ctx's (only when the session changes)."""
         if self.resident is ctx:
             return
+        if ctx.closed:
+            raise RuntimeError("the DFlash session was closed")
         old = self.resident
         if old is not None and not old.closed and old.length:
             if old.store is None or old.store.shape[3] < old.length:
@@ -244,8 +249,10 @@ class DFlashGraphs:
 
     # ---- capture (CUDA only) ----------------------------------------------------------------
     def _capture_all(self) -> None:
-        """One graph per (kind, bucket), all in one private memory pool (replays never overlap: one thread, one
-        stream). Capture writes into the working buffer; no session is resident yet."""
+        """One graph per (kind, bucket), all in one private memory pool: a graph's intermediates may reuse memory that
+        another's freed, which is safe because replays never overlap (one thread, one stream), every persistent tensor
+        (buffer, inputs) is allocated outside the pool, and a proposal's drafts are read before the next replay.
+        Capture writes into the working buffer; no session is resident yet."""
         pool = torch.cuda.graph_pool_handle()
         with torch.cuda.device(self.device), torch.no_grad():
             side = torch.cuda.Stream()
