@@ -22,9 +22,9 @@ A forward for another session first saves the resident's rows into its store and
 each, only when the session changes: a lone request never copies). A session whose context would pass `capacity` leaves
 the graphs for good: its rows move into a `ContextKV` and it runs the eager path (correctness first; nothing is
 re-captured). Memory: the working buffer is `layers * 2 * Hkv * (capacity + SPARE) * D` elements of the model's dtype
-(bf16 at the default 2048 rows: the demo drafter 5 MiB, a 5-layer drafter with 8 KV heads of 128 41 MiB), plus the
-graphs' private pool (a forward's activations at the largest bucket, the LM head's logits the largest of them) and each
-session's store (its own context only).
+(bf16 at the default 2048 rows: the demo drafter 5 MiB, a 5-layer drafter with 8 KV heads of 128 41 MiB), plus each
+graph's private pool (its forward's activations, the LM head's logits the largest of them: 15 x vocab in bf16 for a
+16-row proposal) and each session's store (its own context only).
 
 Without capture (`capture=False`, or a CPU device) the same static-buffer code runs eagerly: that is how the CPU tests
 check the math against the eager drafter. Capture and replay run only on CUDA.
@@ -249,11 +249,9 @@ class DFlashGraphs:
 
     # ---- capture (CUDA only) ----------------------------------------------------------------
     def _capture_all(self) -> None:
-        """One graph per (kind, bucket), all in one private memory pool: a graph's intermediates may reuse memory that
-        another's freed, which is safe because replays never overlap (one thread, one stream), every persistent tensor
-        (buffer, inputs) is allocated outside the pool, and a proposal's drafts are read before the next replay.
-        Capture writes into the working buffer; no session is resident yet."""
-        pool = torch.cuda.graph_pool_handle()
+        """One graph per (kind, bucket), each in its own private memory pool (they replay in any order, so they do not
+        share one: torch's rule for a shared pool is replay in capture order). Capture writes into the working buffer;
+        no session is resident yet."""
         with torch.cuda.device(self.device), torch.no_grad():
             side = torch.cuda.Stream()
             for kind, buckets in (("propose", self.propose_buckets), ("commit", self.commit_buckets)):
@@ -266,7 +264,7 @@ class DFlashGraphs:
                             fn()
                     torch.cuda.current_stream().wait_stream(side)
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
+                    with torch.cuda.graph(graph):
                         out = fn()
                     self._graphs[(kind, t)] = (graph, out)
             torch.cuda.synchronize()
