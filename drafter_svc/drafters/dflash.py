@@ -216,6 +216,7 @@ class DFlashDrafter(Drafter):
         self._f = factory
         self.cache: ContextKV | None = None  # the eager path's context
         self.graphed: GraphedContext | None = None  # the graphed path's (one of the two, after start)
+        self._graphs: DFlashGraphs | None = None  # the graphs `graphed` belongs to (the factory's when it started)
 
     @property
     def max_drafts(self) -> int:
@@ -232,7 +233,7 @@ class DFlashDrafter(Drafter):
         self.close()
         graphs = self._f.graphs
         if graphs is not None and len(prompt_ids) <= graphs.capacity:
-            self.graphed = graphs.new_context()
+            self._graphs, self.graphed = graphs, graphs.new_context()
         else:
             self.cache = ContextKV(len(self._f.model.layers))
         self._extend(len(prompt_ids), features)
@@ -256,7 +257,7 @@ class DFlashDrafter(Drafter):
         # Pinned on CUDA (torch's caching host allocator keeps the block until the copy is done): the copy does not wait.
         rows = host_rows(arr, self._f.device)
         if self.graphed is not None:
-            graphs = self._f.graphs
+            graphs = self._graphs
             if graphs.fits(self.graphed, n):
                 graphs.extend(self.graphed, rows)
                 return
@@ -278,7 +279,7 @@ class DFlashDrafter(Drafter):
             raise ValueError(f"anchor token {anchor} is outside the target vocabulary ({head.vocab_size} tokens)")
         graphed = self.graphed
         if graphed is not None:
-            return self._f.graphs.propose(graphed, anchor, k)
+            return self._graphs.propose(graphed, anchor, k)
         embeds = torch.cat([head.embed[anchor : anchor + 1], self._f.mask_rows[:k]])[None]  # [anchor, MASK x k]
         hidden = self._f.model.draft(embeds, self.cache)  # at positions L..L+k
         logits = hidden[0, 1:] @ head.lm_head.T
@@ -286,7 +287,7 @@ class DFlashDrafter(Drafter):
 
     def close(self) -> None:
         if self.graphed is not None:
-            self._f.graphs.release(self.graphed)
+            self._graphs.release(self.graphed)
         self.cache = self.graphed = None
 
 
