@@ -8,6 +8,11 @@ Features are random (the cost does not depend on them); proposals of 3 and 15 dr
 and the demo's widest), commits of 4 rows. Times: the minimum and the median of --repeats calls (a shared host is
 noisy: the minimum is the cost, the median what a round saw). --tree DIR imports drafter_svc from another checkout
 (e.g. `git worktree add /tmp/old HEAD~3`), to compare two versions with the same script.
+
+The plain columns are the eager drafter's; the graph_* columns the same calls through drafter_svc/dflash_graphs.py:
+on CUDA replayed from the graphs captured at load, on the CPU the same static-buffer code run uncaptured (meta
+graph_mode says which; a context past --graph-capacity runs eagerly there too: graphed false). A tree without the
+graphs gets no graph_* columns.
 """
 
 from __future__ import annotations
@@ -51,6 +56,51 @@ def _time(fn, repeats: int, sync) -> tuple[float, float]:
     return round(min(ts), 3), round(statistics.median(ts), 3)
 
 
+def _graph_factory(make_factory, target, drafter, where: dict, cuda: bool, capacity: int):
+    """The drafter whose sessions run the graphed path: captured at load on CUDA, the static path uncaptured elsewhere."""
+    from drafter_svc.dflash_graphs import DEFAULT_CAPACITY, DFlashGraphs
+
+    capacity = capacity or DEFAULT_CAPACITY
+    if cuda:
+        return make_factory("dflash", target, drafter, graph_capacity=capacity, **where)
+    g = make_factory("dflash", target, drafter, **where)
+    g.use_graphs(DFlashGraphs(g.model, g.head.embed, g.head.lm_head, capacity=capacity, capture=False))
+    return g
+
+
+def _graph_row(g, ctx: int, prompt, feats, repeats: int, sync, cuda: bool) -> dict:
+    """graph_* columns: the same calls as the eager row's, through the graphs."""
+    s = g.new_session()
+    s.start(list(range(ctx)), prompt)
+    row = {"graphed": s.graphed is not None}
+    for k in (3, 15):
+        s.propose(7, k)  # warm-up
+        row[f"graph_propose{k}_ms_min"], row[f"graph_propose{k}_ms_p50"] = _time(lambda: s.propose(7, k), repeats, sync)
+    row["graph_propose15_ops"], row["graph_propose15_views"] = _ops(lambda: s.propose(7, 15))
+    if cuda and s.graphed is not None:  # host time: the inputs' copy and the replay's launch, up to the copy back
+        graphs = g.graphs
+
+        def issue():
+            graphs._set_meta(s.length, 16, 7)
+            return graphs._run("propose", 16)
+
+        row["graph_propose15_host_ms_min"], row["graph_propose15_host_ms_p50"] = _time(issue, repeats, lambda: None)
+        sync()
+
+    def commit_and_back():
+        s.commit([1, 2, 3, 4], feats)
+        if s.graphed is not None:
+            s.graphed.length -= 4
+        else:
+            s.cache.length -= 4
+            s.cache._used = [u - 4 for u in s.cache._used]
+
+    row["graph_commit4_ms_min"], row["graph_commit4_ms_p50"] = _time(commit_and_back, repeats, sync)
+    row["graph_commit4_ops"], row["graph_commit4_views"] = _ops(commit_and_back)
+    s.close()
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -59,6 +109,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (the drafter's default: 1)")
     ap.add_argument("--tree", default=str(ROOT), help="the checkout whose drafter_svc is measured")
+    ap.add_argument("--graph-capacity", type=int, default=0, help="context rows of the graphs' buffer (0 = the default)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     sys.path.insert(0, str(pathlib.Path(args.tree).resolve()))
@@ -69,14 +120,22 @@ def main() -> None:
     from pdflash.defaults import default_drafter_dir, default_target_dir
 
     torch.set_num_threads(args.threads)
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    f = make_factory("dflash", default_target_dir(), default_drafter_dir(), device=args.device, dtype=args.dtype)
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    where = dict(device=args.device, dtype=args.dtype)
+    try:  # the eager drafter (on CUDA the factory would capture graphs by default)
+        f = make_factory("dflash", default_target_dir(), default_drafter_dir(), cuda_graphs=False, **where)
+    except ValueError:  # a tree from before the graphs
+        f, g = make_factory("dflash", default_target_dir(), default_drafter_dir(), **where), None
+    else:
+        g = _graph_factory(make_factory, default_target_dir(), default_drafter_dir(), where, cuda, args.graph_capacity)
     rng = np.random.default_rng(0)
     rows = []
     for ctx in args.contexts:
-        s = f.new_session()
-        s.start(list(range(ctx)), rng.standard_normal((ctx, f.feature_dim)).astype(np.float32))
+        prompt = rng.standard_normal((ctx, f.feature_dim)).astype(np.float32)
         feats = rng.standard_normal((4, f.feature_dim)).astype(np.float32)
+        s = f.new_session()
+        s.start(list(range(ctx)), prompt)
         row = {"context": ctx}
         for k in (3, 15):
             s.propose(7, k)  # warm-up
@@ -97,10 +156,14 @@ def main() -> None:
 
         row["commit4_ms_min"], row["commit4_ms_p50"] = _time(commit_and_back, args.repeats, sync)
         row["commit4_ops"], row["commit4_views"] = _ops(commit_and_back)
+        if g is not None:
+            row.update(_graph_row(g, ctx, prompt, feats, args.repeats, sync, cuda))
         rows.append(row)
         print(json.dumps(row), flush=True)
+    mode = None if g is None else "cuda graphs" if g.graphs.captured else "static path, uncaptured"
     out = {"meta": {"tree": args.tree, "device": args.device, "dtype": args.dtype, "threads": args.threads,
-                    "torch": torch.__version__, "machine": platform.machine(), "repeats": args.repeats}, "rows": rows}
+                    "torch": torch.__version__, "machine": platform.machine(), "repeats": args.repeats,
+                    "graph_mode": mode, "graph_capacity": None if g is None else g.graphs.capacity}, "rows": rows}
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 

@@ -49,6 +49,7 @@ class DrafterConfig(ServerOptions):
     ngram_min_match: int = option(3, "hybrid: use the n-gram proposal when at least this many tokens match")
     device: str = option("auto", "torch device of the DFlash drafter (dflash, hybrid): auto (cuda when available), cpu, cuda, cuda:N; n-gram drafting runs on the host either way")
     dtype: str = option("auto", "dtype of the DFlash drafter and the target's embedding and LM head it borrows: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    drafter_cuda_graphs: bool = option(True, "on CUDA, replay the DFlash drafter's forwards from CUDA graphs captured at load (a session whose context outgrows them goes on eagerly); off = eager forwards, warmed up by one eager round at load")
     torch_threads: int = option(1, "CPU threads for the drafter's torch work (0 = torch's default, all cores); on a CPU host keep the cores for the verifier")
     upstream_wait_s: float = option(120.0, "at start, how long to wait for the scheduler and verifier to be ready")
     metrics_port: int = option(9101, "Prometheus /metrics HTTP port (0 = any free port, -1 = off)")

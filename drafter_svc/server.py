@@ -70,7 +70,8 @@ def build_factories(cfg: DrafterConfig, model_dir: str) -> tuple[dict[DrafterKin
         DrafterKind.NGRAM: make_factory("ngram", model_dir, max_n=3),
     }
     if drafter_dir:
-        dflash = make_factory("dflash", model_dir, drafter_dir, device=cfg.torch_device(), dtype=cfg.torch_dtype())
+        dflash = make_factory("dflash", model_dir, drafter_dir, device=cfg.torch_device(), dtype=cfg.torch_dtype(),
+                              cuda_graphs=cfg.drafter_cuda_graphs)
         factories[DrafterKind.DFLASH] = dflash
         from drafter_svc.drafters.hybrid import HybridFactory
 

@@ -50,12 +50,15 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--expert-eviction", default="lru", choices=["lru", "cyclic"],
                    help="offloaded experts, which cached expert a miss replaces: the least recently used, or cyclic (experts "
                         "not routed at their layer's latest lookup first, then those of the layer needed last in the forward)")
-    d = p.add_argument_group("drafter", "where the DFlash drafter runs (serve-drafter's --device and --dtype)")
+    d = p.add_argument_group("drafter", "where and how the DFlash drafter runs (serve-drafter's --device, --dtype and "
+                                        "--no-drafter-cuda-graphs)")
     d.add_argument("--drafter-device", default=None,
                    help="torch device of the DFlash drafter: auto, cpu, cuda, cuda:N (default: the verifier's --device; "
                         "on a one-GPU host both processes share the GPU)")
     d.add_argument("--drafter-dtype", default="auto", choices=DTYPES,
                    help="auto = bfloat16 on CUDA, float32 on CPU")
+    d.add_argument("--no-drafter-graphs", action="store_true",
+                   help="on CUDA, run the DFlash drafter's forwards eagerly instead of replaying them from CUDA graphs")
     g = p.add_argument_group(
         "TLS and secrets",
         "TLS on every hop: each service serves --tls-cert/--tls-key; --tls-ca is the CA that signed them. "
@@ -169,10 +172,11 @@ def _verifier_args(args) -> list[str]:
 
 
 def _drafter_args(args) -> list[str]:
-    """The drafter's --device (default: the verifier's) and --dtype, when not auto."""
+    """The drafter's --device (default: the verifier's) and --dtype, when not auto; its CUDA graphs, when off."""
     device = args.drafter_device or args.device
     return (["--device", device] if device != "auto" else []) + (
-        ["--dtype", args.drafter_dtype] if args.drafter_dtype != "auto" else [])
+        ["--dtype", args.drafter_dtype] if args.drafter_dtype != "auto" else []) + (
+        ["--no-drafter-cuda-graphs"] if getattr(args, "no_drafter_graphs", False) else [])
 
 
 def _say(command: str):

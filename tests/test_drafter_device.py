@@ -112,6 +112,46 @@ def test_pdflash_up_passes_the_drafter_device_and_dtype():
     assert e.value.code == 2
 
 
+def test_drafter_cuda_graphs_option_flag_env_and_pdflash_up():
+    """On by default; --no-drafter-cuda-graphs or PDFLASH_DRAFTER_CUDA_GRAPHS=0 (not the verifier's PDFLASH_CUDA_GRAPHS)
+    turn it off; `pdflash up --no-drafter-graphs` passes the flag to the drafter alone."""
+    from drafter_svc.config import DrafterConfig
+    from pdflash.cli import _spec, build_parser
+    from pdflash.stack import Stack
+
+    assert _drafter_config([]).drafter_cuda_graphs is True
+    assert _drafter_config(["--no-drafter-cuda-graphs"]).drafter_cuda_graphs is False
+    env = {"PDFLASH_DRAFTER_CUDA_GRAPHS": "0"}
+    assert from_sources(DrafterConfig, parse(DrafterConfig, []), env=env).drafter_cuda_graphs is False
+    assert from_sources(DrafterConfig, parse(DrafterConfig, []), env={"PDFLASH_CUDA_GRAPHS": "0"}).drafter_cuda_graphs
+
+    s = _spec(build_parser().parse_args(["up", "--no-drafter-graphs", "--drafter-device", "cpu"]))
+    assert s.drafter_args == ["--device", "cpu", "--no-drafter-cuda-graphs"]
+    assert "--no-drafter-cuda-graphs" in Stack(s)._cmd("drafter")
+    assert not any("graphs" in a for a in Stack(s)._cmd("verifier"))
+    assert _spec(build_parser().parse_args(["up"])).drafter_args == []
+    assert _spec(build_parser().parse_args(["demo", "--no-drafter-graphs"])).drafter_args == ["--no-drafter-cuda-graphs"]
+
+
+@pytest.mark.parametrize("argv, graphs", [([], True), (["--no-drafter-cuda-graphs"], False)])
+def test_build_factories_passes_the_graphs_option(monkeypatch, tiny, argv, graphs):
+    import drafter_svc.server as server
+    from drafter_svc.drafters import make_factory
+
+    seen = {}
+
+    def spy(kind, *args, **opts):
+        if kind == "dflash":
+            seen.update(opts)
+        return make_factory(kind, *args, **opts)
+
+    monkeypatch.setattr(server, "make_factory", spy)
+    target, drafter = tiny.target("qwen3_moe"), tiny.drafter("qwen3_moe")
+    cfg = _drafter_config(["--model", str(target), "--drafter", str(drafter), "--device", "cpu", *argv])
+    server.build_factories(cfg, str(target))
+    assert seen["cuda_graphs"] is graphs
+
+
 def test_the_drafter_config_reaches_the_dflash_drafter(tiny):
     from drafter_svc.server import build_factories
     from drafter_svc.servicer import FrontDoor

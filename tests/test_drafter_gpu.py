@@ -1,9 +1,11 @@
 """The DFlash drafter on a CUDA GPU (skipped without one), with the embedded demo pair (trained, so drafts are accepted):
-- in process, bf16 on CUDA: it drafts what the target goes on to say (tau > 1), a commit does not wait for the device and
-  a proposal waits once (its drafts' one device->host copy);
+- in process, bf16 on CUDA, from CUDA graphs and eagerly: it drafts what the target goes on to say (tau > 1), a commit
+  does not wait for the device and a proposal waits once (its drafts' one device->host copy);
+- the graphs (drafter_svc/dflash_graphs.py) replay what the same static-buffer code computes uncaptured (the context rows
+  close in bf16, the drafts equal), across the capacity fallback, and draft as well as the eager path;
 - through the stack, drafter and verifier on the same GPU: every drafter's greedy output equals the stack's block-1
   output, which equals the verifier's own block-1 decoding in process (`benchmarks.load.greedy_reference` on CUDA: bf16,
-  the batch-invariant kernels), with tau > 1 for DFlash and hybrid.
+  the batch-invariant kernels), with tau > 1 for DFlash and hybrid; with the drafter's graphs off the output is the same.
 
 Run on the GPU machine with `bash benchmarks/gpu.sh OUT tests` (TEST_FILES=tests/test_drafter_gpu.py for this file alone)."""
 
@@ -49,27 +51,41 @@ def _sync_warnings(fn, *args):
     return out, sum("synchronizing" in str(w.message) for w in caught)
 
 
-def test_dflash_drafts_on_cuda_in_bf16_with_one_copy_back_per_round(demo):
+@pytest.fixture(scope="module")
+def sequences(demo):
+    """Two prompts' greedy continuations by the demo target on CUDA in bf16, and the features of every position: outputs
+    of the drafter's target layers, as the verifier sends them (float32)."""
     from transformers import AutoModelForCausalLM
 
-    from drafter_svc.drafters import make_factory
-
     target_dir, drafter_dir = demo
-    f = make_factory("dflash", target_dir, drafter_dir, device="cuda", dtype="bfloat16")
-    assert f.head.embed.is_cuda and f.model.fc.weight.is_cuda
-    assert f.model.fc.weight.dtype == f.head.lm_head.dtype == torch.bfloat16
-    assert f.model.rotary_emb.inv_freq.dtype == torch.float32
+    layers = json.loads((drafter_dir / "config.json").read_text())["dflash_config"]["target_layer_ids"]
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).cuda().eval()
-    emitted = drafts_total = rounds = 0
-    syncs_commit, syncs_propose = [], []
+    out = []
     for prompt in _prompts(2):
         with torch.no_grad():
             seq = target.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW, min_new_tokens=NEW,
                                   do_sample=False)[0]
             hidden = target(seq[None], output_hidden_states=True).hidden_states
-        # features of every position: outputs of the drafter's target layers, as the verifier sends them (float32)
-        feats = torch.cat([hidden[i + 1][0] for i in f.feature_layer_ids], -1).float().cpu().numpy()
-        seq = seq.tolist()
+        feats = torch.cat([hidden[i + 1][0] for i in layers], -1).float().cpu().numpy()
+        out.append((prompt, seq.tolist(), feats))
+    del target
+    torch.cuda.empty_cache()
+    return out
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_dflash_drafts_on_cuda_in_bf16_with_one_copy_back_per_round(demo, sequences, graphs):
+    from drafter_svc.drafters import make_factory
+
+    target_dir, drafter_dir = demo
+    f = make_factory("dflash", target_dir, drafter_dir, device="cuda", dtype="bfloat16", cuda_graphs=graphs)
+    assert (f.graphs is not None) == graphs and (not graphs or f.graphs.captured)
+    assert f.head.embed.is_cuda and f.model.fc.weight.is_cuda
+    assert f.model.fc.weight.dtype == f.head.lm_head.dtype == torch.bfloat16
+    assert f.model.rotary_emb.inv_freq.dtype == torch.float32
+    emitted = drafts_total = rounds = 0
+    syncs_commit, syncs_propose = [], []
+    for prompt, seq, feats in sequences:
         s = f.new_session()
         s.start(prompt, feats[: len(prompt)])
         pos = len(prompt)  # the anchor's position: the target's token there is emitted, not yet committed
@@ -86,12 +102,85 @@ def test_dflash_drafts_on_cuda_in_bf16_with_one_copy_back_per_round(demo):
             rounds += 1
             emitted += accepted + 1
             drafts_total += len(drafts)
+        assert (s.graphed is not None) == graphs  # 128 + 96 rows: within the default capacity
     tau = emitted / rounds
     assert tau > 1.5, f"tau {tau:.2f}: the drafts on the GPU are not what the target says"
     # The first round of a session may warm things up; from the second on: a proposal copies its drafts back once
     # (one wait for the device), a commit sends its feature rows without waiting.
     assert max(syncs_propose[1:]) <= 1, syncs_propose
     assert max(syncs_commit[1:]) == 0, syncs_commit
+
+
+WIDTHS = (15, 3, 7, 11, 1, 15, 5, 15, 2, 9)  # drafts per round, cycled: every propose bucket, padded or not
+CAPACITY = 160  # the demo's 128-token prompts pass it after ~32 generated tokens: the fallback runs too
+
+
+class _Rounds:
+    """One session following the target's greedy sequence: propose, accept what matches, commit anchor + accepted."""
+
+    def __init__(self, factory, prompt, seq, feats):
+        self.s, self.seq, self.feats = factory.new_session(), seq, feats
+        self.s.start(prompt, feats[: len(prompt)])
+        self.pos, self.rounds, self.emitted = len(prompt), 0, 0
+
+    @property
+    def done(self) -> bool:
+        return self.pos >= len(self.seq) - 1
+
+    def propose(self) -> list[int]:
+        return self.s.propose(self.seq[self.pos], min(WIDTHS[self.rounds % len(WIDTHS)], len(self.seq) - self.pos - 1))
+
+    def commit(self, drafts: list[int]) -> None:
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == self.seq[self.pos + 1 + accepted]:
+            accepted += 1
+        n = accepted + 1
+        self.s.commit(self.seq[self.pos : self.pos + n], np.ascontiguousarray(self.feats[self.pos : self.pos + n]))
+        self.pos, self.rounds, self.emitted = self.pos + n, self.rounds + 1, self.emitted + n
+
+
+def test_graph_replay_equals_the_static_path_uncaptured(demo, sequences):
+    """Captured graphs against the same static-buffer code run eagerly on the same GPU, fed the same commits: the context
+    rows agree within bf16 tolerances and the drafts are the same tokens (near-ties apart), before and after the capacity fallback; two
+    sessions take turns in the working buffer. The graphed drafts earn what the eager drafter's earn (bf16 near-ties
+    apart, the static path's masked attention sums in another order)."""
+    from drafter_svc.dflash_graphs import DFlashGraphs
+    from drafter_svc.drafters import make_factory
+
+    target_dir, drafter_dir = demo
+    graphed = make_factory("dflash", target_dir, drafter_dir, device="cuda", dtype="bfloat16", graph_capacity=CAPACITY)
+    uncaptured = make_factory("dflash", target_dir, drafter_dir, device="cuda", dtype="bfloat16", cuda_graphs=False)
+    uncaptured.use_graphs(DFlashGraphs(uncaptured.model, uncaptured.head.embed, uncaptured.head.lm_head,
+                                       capacity=CAPACITY, capture=False))
+    eager = make_factory("dflash", target_dir, drafter_dir, device="cuda", dtype="bfloat16", cuda_graphs=False)
+    assert graphed.graphs.captured and not uncaptured.graphs.captured and eager.graphs is None
+    sessions = [tuple(_Rounds(f, *x) for f in (graphed, uncaptured, eager)) for x in sequences]
+    differ = compared = 0
+    replay_differs = []
+    while not all(g.done for g, _, _ in sessions):
+        for g, u, e in sessions:  # interleaved: the two sessions take turns in each working buffer
+            if g.done:
+                continue
+            dg, du, de = g.propose(), u.propose(), e.propose()
+            if dg != du:
+                replay_differs.append(f"round {g.rounds} at {g.pos}: graph {dg}, uncaptured {du}")
+            differ += dg != de
+            compared += 1
+            if g.s.graphed is not None:
+                length = g.s.length
+                torch.testing.assert_close(graphed.graphs.kv[:, :, :, :length], uncaptured.graphs.kv[:, :, :, :length],
+                                           rtol=1.6e-2, atol=1e-2)
+            g.commit(dg)
+            u.commit(dg)  # the same commits: a draft that differed must not steer the two apart
+            e.commit(de)
+    # The same kernels on the same inputs: the same drafts (a rare flip allowed, should capture pick another cuBLAS
+    # algorithm than the eager call does and land on a bf16 near-tie).
+    assert len(replay_differs) <= compared // 50, replay_differs
+    for g, u, _ in sessions:
+        assert g.s.graphed is None and u.s.graphed is None, "the sessions should have passed the capacity"
+    tau_g = sum(g.emitted for g, _, _ in sessions) / sum(g.rounds for g, _, _ in sessions)
+    tau_e = sum(e.emitted for _, _, e in sessions) / sum(e.rounds for _, _, e in sessions)
+    assert tau_g > 1.5 and abs(tau_g - tau_e) <= 0.15 * tau_e, (tau_g, tau_e, f"{differ}/{compared} rounds differ")
 
 
 def test_stack_with_drafter_and_verifier_on_cuda_equals_block_one(demo, tmp_path):
@@ -118,3 +207,33 @@ def test_stack_with_drafter_and_verifier_on_cuda_equals_block_one(demo, tmp_path
             assert np.mean(taus[mode]) > 1.5, taus
     finally:
         stack.stop()
+
+
+def test_stack_output_is_the_same_with_the_drafters_graphs_off(demo, tmp_path):
+    """The same requests through a stack whose drafter runs eagerly (`--no-drafter-cuda-graphs`, what `pdflash up
+    --no-drafter-graphs` passes) and through one that replays its graphs: the same greedy tokens, equal to block 1."""
+    from pdflash.client import Client
+    from tests.conftest import start_stack
+
+    target_dir, drafter_dir = demo
+    outputs = {}
+    for graphs in (False, True):
+        extra = [] if graphs else ["--no-drafter-cuda-graphs"]
+        stack = start_stack(target_dir, drafter_dir, tmp_path / f"graphs-{graphs}", device="cuda", dtype="bfloat16",
+                            drafter_args=extra)
+        try:
+            with Client(stack.drafter) as c:
+                for prompt in _prompts(2):
+                    key = tuple(prompt)
+                    outputs.setdefault(key, {})["block1", graphs] = c.generate(prompt, max_tokens=NEW, drafter="none",
+                                                                               timeout=300).token_ids
+                    for kind in ("dflash", "hybrid"):
+                        got = c.generate(prompt, max_tokens=NEW, drafter=kind, block_size=16, timeout=300)
+                        outputs[key][kind, graphs] = got.token_ids
+        finally:
+            stack.stop()
+    for key, out in outputs.items():
+        block1 = out["block1", True]
+        assert out["block1", False] == block1
+        for kind in ("dflash", "hybrid"):
+            assert out[kind, False] == out[kind, True] == block1, kind

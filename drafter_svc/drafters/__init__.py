@@ -3,8 +3,8 @@
 `make_factory(kind, target_dir, drafter_dir, **opts)` builds the factory for a kind:
   none    proposes nothing (block of 1)              opts: -
   ngram   prompt lookup with n-gram backoff          opts: min_n, max_n, max_block_size, weak_drafts
-  dflash  DFlash block drafter                       opts: dtype, device
-  hybrid  n-gram on a long match, DFlash otherwise   opts: dtype, device, min_match, max_n
+  dflash  DFlash block drafter                       opts: dtype, device, cuda_graphs, graph_capacity
+  hybrid  n-gram on a long match, DFlash otherwise   opts: the dflash ones, min_match, max_n
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ KINDS = ("none", "ngram", "dflash", "hybrid")
 _OPTIONS = {
     "none": set(),
     "ngram": {"min_n", "max_n", "max_block_size", "weak_drafts"},
-    "dflash": {"dtype", "device"},
-    "hybrid": {"dtype", "device", "min_match", "max_n"},
+    "dflash": {"dtype", "device", "cuda_graphs", "graph_capacity"},
+    "hybrid": {"dtype", "device", "cuda_graphs", "graph_capacity", "min_match", "max_n"},
 }
 
 

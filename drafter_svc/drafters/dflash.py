@@ -10,6 +10,11 @@ argmax(lm_head(hidden)) of the k mask rows. See REFERENCE.md section 2.
 On a GPU a round moves data between host and device twice: a commit's feature rows go to the device in one
 copy (from pinned memory, without waiting), and a proposal's drafts come back in one copy (the only sync of
 the round). The block's input rows are built on the device (the anchor's embedding row, the mask row).
+
+On CUDA the factory captures the forwards as CUDA graphs at load (`drafter_svc/dflash_graphs.py`; `cuda_graphs=False`
+keeps them eager): a session runs from the graphs while its context fits their capacity, then eagerly. With the
+graphs off it runs one eager round at load instead, so the first request does not pay the device's first-use costs.
+On the CPU the path is the eager one.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from transformers import Qwen3Config
 from pdflash.logging import get_logger
 
 from drafter_svc.compat import mismatch, read_config
+from drafter_svc.dflash_graphs import DEFAULT_CAPACITY, DFlashGraphs, GraphedContext, graphs_unsupported, host_rows
 from drafter_svc.dflash_model import (
     ContextKV,
     DFlashDraftModel,
@@ -149,6 +155,8 @@ class DFlashFactory(DrafterFactory):
         drafter_dir: str | pathlib.Path,
         dtype: torch.dtype | str = torch.float32,
         device: str | torch.device = "cpu",
+        cuda_graphs: bool = True,
+        graph_capacity: int = DEFAULT_CAPACITY,
     ):
         dtype = _as_dtype(dtype)
         device = torch.device(device)
@@ -165,6 +173,37 @@ class DFlashFactory(DrafterFactory):
         self.device = device
         # The block's mask rows, one view of the mask token's embedding row (no copy, no host->device traffic).
         self.mask_rows = self.head.embed[self.spec.mask_token_id].expand(self.max_block_size, -1)
+        #: The graphed forwards sessions run from (None: every session runs eagerly).
+        self.graphs: DFlashGraphs | None = None
+        if device.type == "cuda":
+            why = "turned off" if not cuda_graphs else graphs_unsupported(self.model)
+            if why:
+                log.info("dflash_cuda_graphs_off", reason=why)
+                self.warm_up()
+            else:
+                self.use_graphs(DFlashGraphs(self.model, self.head.embed, self.head.lm_head, capacity=graph_capacity))
+
+    def use_graphs(self, graphs: DFlashGraphs | None) -> None:
+        """Sessions started from now on run from `graphs` (None: eagerly); on CUDA the factory does this at load."""
+        self.graphs = graphs
+        if graphs is not None:
+            log.info("dflash_cuda_graphs", captured=graphs.captured, capacity=graphs.capacity,
+                     propose_buckets=list(graphs.propose_buckets), commit_buckets=list(graphs.commit_buckets),
+                     buffer_mib=round(graphs.memory_bytes() / 2**20, 1))
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """One eager round (start, the widest proposal, a commit, a proposal): the device's first-use costs (kernel
+        loading, cuBLAS handles, the caching allocator's first blocks) are paid at load, not by the first request."""
+        s = DFlashDrafter(self)
+        zeros = np.zeros((8, self.feature_dim), np.float32)
+        s.start([0] * 8, zeros)
+        s.propose(0, s.max_drafts)
+        s.commit([0] * 4, zeros[:4])
+        s.propose(0, 3)
+        s.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def new_session(self) -> DFlashDrafter:
         return DFlashDrafter(self)
@@ -175,7 +214,9 @@ class DFlashDrafter(Drafter):
 
     def __init__(self, factory: DFlashFactory):
         self._f = factory
-        self.cache: ContextKV | None = None
+        self.cache: ContextKV | None = None  # the eager path's context
+        self.graphed: GraphedContext | None = None  # the graphed path's (one of the two, after start)
+        self._graphs: DFlashGraphs | None = None  # the graphs `graphed` belongs to (the factory's when it started)
 
     @property
     def max_drafts(self) -> int:
@@ -184,14 +225,21 @@ class DFlashDrafter(Drafter):
     @property
     def length(self) -> int:
         """Committed tokens whose features are in the context cache."""
+        if self.graphed is not None:
+            return self.graphed.length
         return 0 if self.cache is None else self.cache.length
 
     def start(self, prompt_ids: list[int], features: np.ndarray | None = None) -> None:
-        self.cache = ContextKV(len(self._f.model.layers))
+        self.close()
+        graphs = self._f.graphs
+        if graphs is not None and len(prompt_ids) <= graphs.capacity:
+            self._graphs, self.graphed = graphs, graphs.new_context()
+        else:
+            self.cache = ContextKV(len(self._f.model.layers))
         self._extend(len(prompt_ids), features)
 
     def commit(self, tokens: list[int], features: np.ndarray | None = None) -> None:
-        if self.cache is None:
+        if self.cache is None and self.graphed is None:
             raise RuntimeError("DFlashDrafter.commit before start")
         self._extend(len(tokens), features)
 
@@ -206,16 +254,22 @@ class DFlashDrafter(Drafter):
                 f"DFlash features have shape {arr.shape}, expected ({n}, {self._f.feature_dim}) "
                 f"({n} tokens x {len(self._f.feature_layer_ids)} layers x hidden {self._f.head.hidden_size})"
             )
-        rows = torch.from_numpy(arr) if arr.flags.writeable else torch.tensor(arr)
-        if self._f.device.type == "cuda":
-            # Pinned (torch's caching host allocator keeps the block until the copy is done): the copy does not wait.
-            rows = rows.pin_memory()
+        # Pinned on CUDA (torch's caching host allocator keeps the block until the copy is done): the copy does not wait.
+        rows = host_rows(arr, self._f.device)
+        if self.graphed is not None:
+            graphs = self._graphs
+            if graphs.fits(self.graphed, n):
+                graphs.extend(self.graphed, rows)
+                return
+            # Past the graphs' capacity: this session goes on eagerly, its rows moved into a ContextKV.
+            log.debug("dflash_session_leaves_graphs", length=self.graphed.length, rows=n, capacity=graphs.capacity)
+            self.cache, self.graphed = graphs.to_context_kv(self.graphed), None
         rows = rows.to(self._f.device, non_blocking=True).to(self._f.dtype)[None]
         self._f.model.extend_context(self.cache, rows)  # at the cache's next positions
 
     @torch.no_grad()
     def propose(self, anchor: int, k: int) -> list[int]:
-        if self.cache is None:
+        if self.cache is None and self.graphed is None:
             raise RuntimeError("DFlashDrafter.propose before start")
         k = min(k, self.max_drafts)
         if k <= 0:
@@ -223,13 +277,18 @@ class DFlashDrafter(Drafter):
         head = self._f.head
         if not 0 <= anchor < head.vocab_size:
             raise ValueError(f"anchor token {anchor} is outside the target vocabulary ({head.vocab_size} tokens)")
+        graphed = self.graphed
+        if graphed is not None:
+            return self._graphs.propose(graphed, anchor, k)
         embeds = torch.cat([head.embed[anchor : anchor + 1], self._f.mask_rows[:k]])[None]  # [anchor, MASK x k]
         hidden = self._f.model.draft(embeds, self.cache)  # at positions L..L+k
         logits = hidden[0, 1:] @ head.lm_head.T
         return logits.argmax(dim=-1).tolist()  # the round's one device->host copy
 
     def close(self) -> None:
-        self.cache = None
+        if self.graphed is not None:
+            self._graphs.release(self.graphed)
+        self.cache = self.graphed = None
 
 
 def make_tiny_dflash(
