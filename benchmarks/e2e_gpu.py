@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         family, _, layers = parse_target(name, args.layers)
         names.append(name if family == "demo" else f"{family}-{layers}l")
     # `timeout` (benchmarks/gpu.sh) sends SIGTERM: unwind, so that what was measured is written
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = pathlib.Path(args.out)
@@ -467,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             save()
     finally:
         save()
+        signal.signal(signal.SIGTERM, previous)  # (main called in process, e.g. by a test)
     print(markdown(result))
     if result["not_identical"]:
         print(f"IDENTITY CHECK FAILED: not equal to block 1: {', '.join(result['not_identical'])}", file=sys.stderr)
