@@ -6,6 +6,7 @@
 #   suite: the whole test suite, 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
 #          cores, tests/conftest.py), into OUT/gpu_suite.txt. Not part of `all`: run it on its own.
 #   tests: the GPU test files alone (TEST_FILES), serially.
+#   e2e:   benchmarks/e2e_gpu.py with E2E_ARGS (e.g. E2E_ARGS="--targets gptoss-24l"), cut at E2E_S seconds (540).
 # .whl/py312 (not in git) holds cp312 wheels of what the image (python 3.12, torch, triton, transformers, pytest,
 # hypothesis, numpy, scipy, ...) lacks; it is made on a CPU machine with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -41,8 +42,9 @@ if has sweep; then
   # the MoE GEMM variants on the decode shapes (~4 minutes with compiles); also kernels_sweep_h200.txt/.json in OUT
   timeout ${SWEEP_S:-330} python3 benchmarks/kernels.py --out "$OUT" --sweep --skip-main 2>&1 | tee "$OUT/sweep.txt" | tail -40
 fi
-if has e2e; then
-  timeout ${E2E_S:-200} python3 benchmarks/e2e_gpu.py --out "$OUT" 2>&1 | tee "$OUT/e2e.txt" | tail -20
+if has e2e; then  # the verify loop in process: demo, qwen3-8l, gptoss-24l (MXFP4 resident) by default (~4-5 min: run it alone)
+  timeout ${E2E_S:-540} python3 benchmarks/e2e_gpu.py --out "$OUT" ${E2E_ARGS:-} > "$OUT/e2e.txt" 2>&1
+  rc=$?; tail -40 "$OUT/e2e.txt"; echo "e2e: exit $rc" | tee -a "$OUT/e2e.txt"
 fi
 if has stack; then  # the stack through gRPC, verifier and drafter on the GPU (~5 min: run it on its own)
   timeout ${STACK_S:-540} python3 benchmarks/e2e_stack_gpu.py --out "$OUT" ${STACK_ARGS:-} > "$OUT/e2e_stack.txt" 2>&1

@@ -46,10 +46,31 @@ def ngram_propose(i: int, prompt: list[int], out: list[int], k: int, state: dict
     return list(d.propose(seq[-1], k))
 
 
+def drafter_propose(factory) -> "callable":
+    """A drafter kind of the stack (`drafter_svc.drafters`: its factory) as core_run's `propose`: one session per
+    request, started on the prompt and the prefill's feature rows, given what each verify committed (anchor + accepted
+    drafts, with their feature rows) before it proposes again, as the stack's round loop drives it
+    (drafter_svc/loop.py). core_run asks the verifier for the factory's feature layers."""
+
+    def propose(i: int, prompt: list[int], out: list[int], k: int, state: dict) -> list[int]:
+        d = state.get("drafter")
+        if d is None:
+            d = state["drafter"] = factory.new_session()
+            d.start(list(prompt), state["prefill"].features)
+        for tokens, feats in state.pop("commits", ()):
+            d.commit(tokens, feats)
+        return list(d.propose(out[-1], k))
+
+    propose.feature_layer_ids = tuple(factory.feature_layer_ids)
+    return propose
+
+
 def core_run(core: VerifierCore, prompts, new_tokens: int, block: int, propose=ngram_propose, on_prefill=None,
              cost_aware: bool = True) -> dict:
     """Every prompt through prefill and verify rounds of at most `block` tokens, the width adapting as in the stack.
-    propose(prompt index, prompt, emitted tokens, k, per-request state) -> at most k drafts. Besides the totals
+    propose(prompt index, prompt, emitted tokens, k, per-request state) -> at most k drafts; a propose with
+    `feature_layer_ids` (`drafter_propose`) gets the prefill as state["prefill"] and each verify's committed tokens
+    with their feature rows in state["commits"]; state["drafter"], if any, is closed after the request. Besides the totals
     (`wall_s`, `tokens`: prefills included), the decode alone: `decode_s` (the verify rounds' wall time),
     `decode_tokens` (the tokens they emitted), `decode_cache` (their expert-cache counters summed, offloaded experts
     only), and `prefill_s`. `on_prefill()` runs after each prefill, outside both clocks. `cost_aware`: the width's cost
@@ -61,16 +82,19 @@ cap for offloaded experts (drafter_svc.width), as the stack applies it."""
     outputs = []
     cost = RoundCost()  # shared by the run's requests, as the stack shares one per drafter kind
     t0 = time.perf_counter()
+    layers = tuple(getattr(propose, "feature_layer_ids", ()))
     for i, p in enumerate(prompts):
         ta = time.perf_counter()
-        pre = core.prefill(PrefillInput("bench", tuple(p), SamplingParams(), new_tokens, ignore_eos=True))
+        pre = core.prefill(PrefillInput("bench", tuple(p), SamplingParams(), new_tokens, ignore_eos=True,
+                                        feature_layer_ids=layers))
         prefill_s += time.perf_counter() - ta
         if on_prefill is not None:
             on_prefill()
         tb = time.perf_counter()
         width = VerifyWidth(block, cost_aware=cost_aware, cost=cost)
-        state: dict = {}
+        state: dict = {"prefill": pre}
         out, anchor, union, rnd = list(pre.tokens), pre.tokens[-1], pre.routed_union, 0
+        committed = pre.committed
         while pre.finished is None:
             rnd += 1
             k = max(0, min(width.drafts(), new_tokens - len(out) - 1))
@@ -78,6 +102,9 @@ cap for offloaded experts (drafter_svc.width), as the stack applies it."""
             drafts = propose(i, p, out, k, state) if k else []
             res = core.verify(DraftResult(pre.session_id, rnd, (anchor, *drafts), union, union_bytes(union, byte_map)))
             width.observe(res.num_accepted, len(drafts), (time.perf_counter() - tr) * 1e3, res.expert_cache is not None)
+            if layers:  # what entered the target's KV (anchor + accepted drafts) and its feature rows
+                state.setdefault("commits", []).append(([anchor, *drafts][: res.committed - committed], res.features))
+            committed = res.committed
             out += res.tokens
             decode_tokens += len(res.tokens)
             if res.expert_cache is not None:
@@ -88,6 +115,8 @@ cap for offloaded experts (drafter_svc.width), as the stack applies it."""
             if res.finished is not None:
                 break
         decode_s += time.perf_counter() - tb
+        if state.get("drafter") is not None:
+            state["drafter"].close()
         rounds += rnd
         tokens += len(out)
         outputs.append(out)

@@ -462,14 +462,25 @@ def _drop_native(module: nn.Module, w: ExpertWeights) -> None:
     module.register_buffer("pdflash_w2_scales", w.s2)
 
 
+def set_float_experts(module: nn.Module, w: ExpertWeights, dtype: torch.dtype, biases: bool = False) -> None:
+    """Give an experts module float weights of `dtype` dequantized from MXFP4 ExpertWeights, in the module's own layout
+    (contiguous, transposed where the module stores [E, in, out]); `biases`: its biases become w's (the bf16 the
+    kernels read) cast to `dtype`. Its own forward then computes with exactly the weights the MXFP4 kernels read."""
+    w1, w2 = mxfp4.dequantize(w.w1, w.s1, dtype), mxfp4.dequantize(w.w2, w.s2, dtype)
+    if module.is_transposed:
+        w1, w2 = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+    module.gate_up_proj = nn.Parameter(w1, requires_grad=False)
+    module.down_proj = nn.Parameter(w2, requires_grad=False)
+    if biases:
+        for name, b in (("gate_up_proj_bias", w.b1), ("down_proj_bias", w.b2)):
+            if b is not None and isinstance(getattr(module, name, None), torch.Tensor):
+                setattr(module, name, nn.Parameter(b.to(dtype), requires_grad=False))
+
+
 def _forget(module: nn.Module) -> None:
     w = module.__dict__.pop("_pdflash_weights", None)
-    if w is not None and w.fp4:  # give the module bf16 weights back (dequantized: MXFP4 is lossy)
-        w1, w2 = mxfp4.dequantize(w.w1, w.s1), mxfp4.dequantize(w.w2, w.s2)
-        if module.is_transposed:
-            w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
-        module.gate_up_proj = nn.Parameter(w1, requires_grad=False)
-        module.down_proj = nn.Parameter(w2, requires_grad=False)
+    if w is not None and w.fp4:  # give the module float weights back (dequantized: MXFP4 is lossy)
+        set_float_experts(module, w, module.gate_up_proj.dtype)
         for name in ("pdflash_w1_blocks", "pdflash_w1_scales", "pdflash_w2_blocks", "pdflash_w2_scales"):
             module._buffers.pop(name, None)
 

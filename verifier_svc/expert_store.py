@@ -31,13 +31,16 @@ class GateLayout:
 
 
 class HostExpertStore:
-    def __init__(self, layout: ExpertLayout, num_experts: dict[int, int], gate: GateLayout, pin: bool = False):
+    def __init__(self, layout: ExpertLayout, num_experts: dict[int, int], gate: GateLayout, pin: bool = False,
+                 device: torch.device | str = "cpu"):
+        """`device`: where the arena lies: the host (pinned with `pin`, for a GPU's cache to copy from), or a GPU itself
+        (every expert resident there: `verifier_svc.model.resident_experts` then uses it as it is)."""
         self.layout, self.num_experts, self.gate = layout, dict(sorted(num_experts.items())), gate
         self._row: dict[tuple[int, int], int] = {}
         for layer, n in self.num_experts.items():
             for e in range(n):
                 self._row[(layer, e)] = len(self._row)
-        self.arena = torch.zeros(len(self._row), layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.arena = torch.zeros(len(self._row), layout.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
         self.big_scales = False  # some scale byte > 128 (kernels.mxfp4.big_scales): the kernels decode exactly
 
     @property
@@ -64,14 +67,15 @@ class HostExpertStore:
         views = self.layout.views(self.arena)
         first = self._row[(layer, 0)]
         rows = slice(first, first + self.num_experts[layer])
-        views["w1_blocks"][rows] = w.w1.cpu()
-        views["w1_scales"][rows] = w.s1.cpu()
-        views["w2_blocks"][rows] = w.w2.cpu()
-        views["w2_scales"][rows] = w.s2.cpu()
+        dev = self.arena.device
+        views["w1_blocks"][rows] = w.w1.to(dev)
+        views["w1_scales"][rows] = w.s1.to(dev)
+        views["w2_blocks"][rows] = w.w2.to(dev)
+        views["w2_scales"][rows] = w.s2.to(dev)
         self.big_scales = self.big_scales or big_scales(w.s1, w.s2)
         if self.layout.has_bias:
-            views["b1"][rows] = w.b1.cpu()
-            views["b2"][rows] = w.b2.cpu()
+            views["b1"][rows] = w.b1.to(dev)
+            views["b2"][rows] = w.b2.to(dev)
 
     def weights(self, pool: torch.Tensor) -> ExpertWeights:
         """ExpertWeights over a slot pool [slots, slice_bytes] (a GPU slot pool, or this arena itself)."""
@@ -99,8 +103,10 @@ class HostExpertStore:
         return self.weights(arena[first : first + self.num_experts[layer]])
 
     @classmethod
-    def from_model(cls, model, pin: bool = False, progress=None) -> "HostExpertStore":
-        """Quantize every experts module of a loaded transformers model into a new store."""
+    def from_model(cls, model, pin: bool = False, progress=None, device: torch.device | str = "cpu") -> "HostExpertStore":
+        """Quantize every experts module of a loaded transformers model into a new store (its arena on `device`).
+        Experts already quantized on their module (`_pdflash_mxfp4`, `verifier_svc.model.quantize_experts`) are taken
+        as they are (`kernels.installer.expert_weights`)."""
         modules = experts_modules(model)
         if not modules:
             raise ValueError(f"{type(model).__name__} has no experts modules")
@@ -112,7 +118,7 @@ class HostExpertStore:
             if store is None:
                 layout = ExpertLayout(w.hidden, w.intermediate, w.b1 is not None)
                 gate = GateLayout(w.row_mul, w.up_offset, w.act, w.alpha, w.limit)
-                store = cls(layout, {l: num_experts_of(m) for l, m in modules.items()}, gate, pin=pin)
+                store = cls(layout, {l: num_experts_of(m) for l, m in modules.items()}, gate, pin=pin, device=device)
             store.put(layer, w)
             if progress is not None:
                 progress(layer)

@@ -166,9 +166,7 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
     if experts == "mxfp4" and expert_cache_gb > 0:
         cache = offload_experts(model, dev, expert_cache_gb, expert_prefetch, mode=expert_cache_mode,
                                 eviction=expert_eviction)  # before the model moves to the device
-        target = wrap_model(model.to(dev), directory, kernels, "native", byte_map=cache.store.byte_map())
-        target.expert_cache, target.experts_format = cache, "mxfp4"
-        return target
+        return wrap_offloaded(model.to(dev), directory, kernels, cache)
     return wrap_model(model.to(dev), directory, kernels, experts)
 
 
@@ -207,12 +205,9 @@ def load_direct(direct: DirectLoad, directory: pathlib.Path, device: torch.devic
     model, byte_map = direct.model, store.byte_map()
     if offload:
         serve_offloaded_experts(model, cache)
-        target = wrap_model(model.to(device), directory, kernels, "native", byte_map=byte_map)
-        target.expert_cache, target.experts_format = cache, "mxfp4"
+        target = wrap_offloaded(model.to(device), directory, kernels, cache)
     else:  # resident: one copy of the arena on the device; the kernels read each layer's rows of it
-        arena = store.arena.to(device)
-        for layer, module in experts_modules(model).items():
-            module._pdflash_mxfp4 = store.layer_weights(layer, arena)
+        resident_experts(model, store, device)
         del store
         target = wrap_model(model.to(device), directory, kernels, "mxfp4", byte_map=byte_map)
     log.info("experts loaded", source=source, experts=sum(direct.num_experts.values()), layers=len(direct.forms),
@@ -243,6 +238,65 @@ def offload_experts(model, device: torch.device, cache_gb: float, prefetch: str 
              slice_bytes=store.slice_bytes, cache_slots=cache.num_slots, cache_bytes=cache.pool.numel(),
              seconds=round(time.perf_counter() - t0, 2))
     return cache
+
+
+def resident_experts(model, store, device: torch.device) -> None:
+    """Every expert of a `HostExpertStore` resident on `device` in one arena (the store's own when it lies there
+    already), each experts module given its layer's rows of it: `wrap_model(..., experts="mxfp4")` then installs them
+    for the grouped MXFP4 kernel as they are (`kernels.installer.expert_weights` reads `_pdflash_mxfp4`)."""
+    arena = store.arena if store.arena.device == torch.device(device) else store.arena.to(device)
+    for layer, module in experts_modules(model).items():
+        module._pdflash_mxfp4 = store.layer_weights(layer, arena)
+
+
+def wrap_offloaded(model, directory: pathlib.Path, kernels: str, cache) -> TargetModel:
+    """wrap_model for a model whose experts an expert cache serves (`serve_offloaded_experts` done): the byte map is
+    the store's slices."""
+    target = wrap_model(model, directory, kernels, "native", byte_map=cache.store.byte_map())
+    target.expert_cache, target.experts_format = cache, "mxfp4"
+    return target
+
+
+def quantize_experts(model) -> int:
+    """Quantize a loaded model's routed experts to MXFP4 where they lie, as the store and the installer quantize them
+    (`kernels.installer.expert_weights`), and keep them on each experts module (`_pdflash_mxfp4`, which both MXFP4
+    serving paths then take as they are); the module's own float weights become their dequantization, its biases the
+    bf16 the kernels read, in the model's dtype. So transformers' own forward of the model computes with exactly the
+    weights an MXFP4 verifier of it reads (benchmarks' baselines on the same model). Returns the MXFP4 bytes held."""
+    from kernels.installer import expert_weights, set_float_experts
+
+    total = 0
+    for layer, module in experts_modules(model).items():
+        dtype = module.gate_up_proj.dtype
+        w = expert_weights(module, "mxfp4")
+        if isinstance(w, str):
+            raise ValueError(f"layer {layer}: experts MXFP4 cannot hold ({w})")
+        set_float_experts(module, w, dtype, biases=True)
+        module._pdflash_mxfp4 = w
+        total += sum(t.numel() * t.element_size() for t in (w.w1, w.s1, w.w2, w.s2, w.b1, w.b2) if t is not None)
+    return total
+
+
+def serve_mxfp4(model, directory: pathlib.Path, kernels: str = "auto") -> TargetModel:
+    """A loaded model (on its device) served with its routed experts in MXFP4, every expert resident, through the paths
+    a checkpoint's `--experts mxfp4` takes: the experts quantized into a `HostExpertStore` (`from_model`; those a
+    `quantize_experts` call quantized already are taken as they are), then
+    - with the kernels (CUDA): the store's arena built on the device and read there by the grouped MXFP4 kernel
+      (`resident_experts`, as `load_target(..., experts="mxfp4")` without a cache serves);
+    - without them (a CPU verifier): an expert cache holding every expert, no prefetch, served through the torch
+      reference (`offload_experts`, as `--expert-cache-gb` serves on a CPU).
+    The byte map is the store's slices either way."""
+    from verifier_svc.expert_store import HostExpertStore
+
+    dev = next(model.parameters()).device
+    if kernels_wanted(kernels, dev):
+        store = HostExpertStore.from_model(model, device=dev)
+        resident_experts(model, store, dev)
+        return wrap_model(model, directory, kernels, "mxfp4", byte_map=store.byte_map())
+    cache = offload_experts(model, dev, 1e9, prefetch="")  # 1e9 GiB: a slot for every expert
+    for module in experts_modules(model).values():
+        module.__dict__.pop("_pdflash_mxfp4", None)  # the store holds them now
+    return wrap_offloaded(model, directory, kernels, cache)
 
 
 def wrap_model(model, directory: pathlib.Path, kernels: str = "off", experts: str = "native", byte_map: dict | None = None) -> TargetModel:
