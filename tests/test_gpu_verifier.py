@@ -167,15 +167,16 @@ def test_warmup_leaves_a_clean_verifier_whose_first_request_equals_its_second(co
     torch.cuda.empty_cache()
 
     def offloaded(gb: float):
-        target = load_target(t.directory, "cuda", "bfloat16", kernels="on", experts="mxfp4", expert_cache_gb=gb)
-        return VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2))
+        return load_target(t.directory, "cuda", "bfloat16", kernels="on", experts="mxfp4", expert_cache_gb=gb)
 
     probe = offloaded(100.0)
-    store = probe.target.expert_cache.store
+    store = probe.expert_cache.store
     per_layer = max(store.num_experts.values())
     del probe
     torch.cuda.empty_cache()
-    off = offloaded((2 * per_layer + 3) * store.slice_bytes / 2**30)  # the overflow range + partitions: every forward evicts
+    # the overflow range (one layer's experts) + partitions of about half a layer each: every forward evicts
+    off = VerifierCore(offloaded((2 * per_layer + 3) * store.slice_bytes / 2**30), max_block_size=32, max_tokens_limit=1024,
+                       paged_kv=PagedKVOptions(kv_cache_gb=2))
     cache = off.target.expert_cache
     assert getattr(cache, "device_managed", False) and off.graphs is not None
     free = off.pool.free_pages
