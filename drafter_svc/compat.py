@@ -22,6 +22,16 @@ def read_config(directory: str | pathlib.Path, what: str = "") -> dict:
     return {**cfg, **text} if isinstance(text, dict) else cfg
 
 
+def target_layers(drafter_dir: str | pathlib.Path) -> tuple[int, ...]:
+    """The target layers whose outputs a DFlash drafter reads (its Prefill's feature_layer_ids, in that order), from
+    its config.json; () when the directory holds no readable DFlash drafter."""
+    try:
+        dflash = read_config(drafter_dir).get("dflash_config") or {}
+        return tuple(int(i) for i in dflash.get("target_layer_ids", ()))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return ()
+
+
 def mismatch(drafter_dir, target_dir, *, drafter_hidden: int, target_layer_ids: list[int], mask_token_id: int,
              block_size: int, target_hidden: int, target_layers: int, target_vocab: int) -> str | None:
     """Why the drafter cannot condition on / decode through the target (None: it fits)."""

@@ -50,6 +50,11 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--expert-eviction", default="lru", choices=["lru", "cyclic"],
                    help="offloaded experts, which cached expert a miss replaces: the least recently used, or cyclic (experts "
                         "not routed at their layer's latest lookup first, then those of the layer needed last in the forward)")
+    v.add_argument("--warmup", default="auto", nargs="?", const="on", choices=["auto", "on", "off"],
+                   help="before the verifier serves, run a prefill and a verify per CUDA-graph bucket (with and without the "
+                        "DFlash drafter's feature layers) and release them, so the first request pays no first-use costs: "
+                        "auto = on CUDA; --warmup alone = on")
+    v.add_argument("--no-warmup", dest="warmup", action="store_const", const="off", help="as --warmup off")
     d = p.add_argument_group("drafter", "where and how the DFlash drafter runs (serve-drafter's --device, --dtype and "
                                         "--no-drafter-cuda-graphs)")
     d.add_argument("--drafter-device", default=None,
@@ -164,7 +169,8 @@ def _verifier_args(args) -> list[str]:
     """The verifier options `pdflash up` passes through (only those changed from their defaults)."""
     out = []
     for flag, default in (("device", "auto"), ("dtype", "auto"), ("kernels", "auto"), ("experts", "native"), ("expert_cache_gb", 0.0),
-                          ("expert_prefetch", "union,layer"), ("expert_cache_mode", "device"), ("expert_eviction", "lru")):
+                          ("expert_prefetch", "union,layer"), ("expert_cache_mode", "device"), ("expert_eviction", "lru"),
+                          ("warmup", "auto")):
         value = getattr(args, flag, default)
         if value != default:
             out += [f"--{flag.replace('_', '-')}", str(value)]

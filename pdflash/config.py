@@ -25,8 +25,24 @@ class ConfigError(ValueError):
 
 
 def option(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field documented for --help."""
+    """A dataclass field documented for --help. switch=True: a str option auto|on|off that also takes --NAME alone
+    (on) and --no-NAME (off), and reads booleans as on/off (a YAML `off` is the boolean false)."""
     return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+SWITCH = ("auto", "on", "off")
+
+
+def switch_value(value: Any) -> str:
+    """A switch option's value as auto, on or off; anything else is returned as text for validate() to name."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    s = str(value).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return "on"
+    if s in ("0", "false", "no", "off"):
+        return "off"
+    return s or "auto"  # an empty variable (compose's unset ${X:-}) is no choice
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -133,6 +149,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag_name(f.name), dest=f.name, default=None, action="store_const", const=True, help=help_text)
             parser.add_argument("--no-" + flag_name(f.name)[2:], dest=f.name, action="store_const", const=False,
                                 help=argparse.SUPPRESS)
+        elif f.metadata.get("switch"):
+            no = "--no-" + flag_name(f.name)[2:]
+            help_text = f"{f.metadata.get('help', '')}; {flag_name(f.name)} alone = on, {no} = off [env {env_name(f.name)}; default {f.default!r}]"
+            parser.add_argument(flag_name(f.name), dest=f.name, default=None, nargs="?", const="on", metavar="|".join(SWITCH),
+                                help=help_text)
+            parser.add_argument(no, dest=f.name, action="store_const", const="off", help=argparse.SUPPRESS)
         else:
             parser.add_argument(flag_name(f.name), dest=f.name, default=None, help=help_text, metavar=f.name.upper())
 
@@ -163,7 +185,7 @@ def from_sources(cls: type[T], args: argparse.Namespace | None = None, env: dict
         if value is None and f.name in file_values:
             value = file_values[f.name]
         if value is not None:
-            kwargs[f.name] = _parse(value, hints[f.name], f.name)
+            kwargs[f.name] = _parse(switch_value(value) if f.metadata.get("switch") else value, hints[f.name], f.name)
     cfg = cls(**kwargs)
     validate = getattr(cfg, "validate", None)
     if validate is not None:

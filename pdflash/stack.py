@@ -208,6 +208,11 @@ class Stack:
             if s.model:
                 cmd += ["--model", s.model]
             cmd += ["--colocated"]  # the three share this machine (VerifierConfig.thread_counts)
+            if s.no_dflash or s.drafter:  # the drafter's feature layers, which the verifier's warm-up cannot know
+                from drafter_svc.compat import target_layers
+
+                layers = () if s.no_dflash else target_layers(s.drafter)
+                cmd += ["--warmup-feature-layers", ",".join(map(str, layers)) or "none"]
             return cmd + s.verifier_args
         cmd = base + [
             "serve-drafter", "--host", s.drafter_host, "--port", str(s.drafter_port),

@@ -136,3 +136,61 @@ def test_interleaved_sessions_equal_their_solo_runs(core):
                 s.step()
     for i, s in enumerate(sessions):
         assert s.out == solo[i], i
+
+
+def test_warmup_leaves_a_clean_verifier_whose_first_request_equals_its_second(core):
+    """--warmup (verifier_svc/warmup.py) on CUDA: every bucket's graph with the feature layers is captured, no session is
+    left, every KV page is back; the first request after it equals the second and the eager reference. With offloaded
+    experts (the device-managed cache) the counters read zero after it and the first request's counters are its own."""
+    import functools
+
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
+    from verifier_svc.expert_cache import CacheStats
+    from verifier_svc.model import load_target
+    from verifier_svc.runner import BUCKETS
+    from verifier_svc.warmup import block_sizes, warm
+
+    t = core.target
+    layers = (0, t.num_layers - 1)
+    prompt = _prompts(t.vocab_size, 1)[0]
+    want = _run(core.eager, prompt, _no_drafts)
+    fresh = VerifierCore(t, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2))
+    free = fresh.pool.free_pages
+    report = warm(fresh, layers)
+    assert report.verifies == 2 * len(block_sizes(32)) and fresh.warmup_seconds == report.seconds > 0
+    assert len(fresh.sessions) == 0 and fresh.pool.free_pages == free
+    assert {(b, layers) for b in BUCKETS} | {(b, ()) for b in BUCKETS} <= set(fresh.graphs._graphs)
+    drafts = _replay(want, 4, t.vocab_size)
+    assert _run(fresh, prompt, drafts, width=16) == _run(fresh, prompt, drafts, width=16) == want
+    assert len(fresh.sessions) == 0 and fresh.pool.free_pages == free
+    del fresh
+    torch.cuda.empty_cache()
+
+    def offloaded(gb: float):
+        return load_target(t.directory, "cuda", "bfloat16", kernels="on", experts="mxfp4", expert_cache_gb=gb)
+
+    probe = offloaded(100.0)
+    store = probe.expert_cache.store
+    per_layer = max(store.num_experts.values())
+    del probe
+    torch.cuda.empty_cache()
+    # the overflow range (one layer's experts) + partitions of about half a layer each: every forward evicts
+    off = VerifierCore(offloaded((2 * per_layer + 3) * store.slice_bytes / 2**30), max_block_size=32, max_tokens_limit=1024,
+                       paged_kv=PagedKVOptions(kv_cache_gb=2))
+    cache = off.target.expert_cache
+    assert getattr(cache, "device_managed", False) and off.graphs is not None
+    free = off.pool.free_pages
+    report = warm(off, layers)
+    assert report.expert_cache.lookups > 0 and report.expert_cache.bytes_moved > 0
+    assert cache.stats == CacheStats() and int(cache.unused.sum()) == 0 and int(cache.codes.abs().sum()) == 0
+    assert len(off.sessions) == 0 and off.pool.free_pages == free
+    calls = []
+    for name in ("prefill", "verify"):
+        step = getattr(off, name)
+        setattr(off, name, lambda *a, _step=step, **k: calls.append(_step(*a, **k)) or calls[-1])
+    first = _run(off, prompt, _no_drafts)
+    assert cache.stats == functools.reduce(CacheStats.plus, [c.expert_cache for c in calls])
+    assert _run(off, prompt, _no_drafts) == first
+    assert len(off.sessions) == 0 and off.pool.free_pages == free
+    del off, cache
+    torch.cuda.empty_cache()

@@ -27,6 +27,8 @@ class VerifierConfig(ServerOptions):
     prefill_threads: int = option(0, "CPU threads for prefill forwards (0 = as the verify forwards)")
     colocated: bool = option(False, "the drafter and scheduler share this machine: the verifier's forwards leave them a core (pdflash up and compose set it)")
     inline_verify: str = option("auto", "run verify forwards on the server's event-loop thread: auto (when they run on a CPU with one thread), on, off; saves two thread hand-offs per round, blocks the loop for the forward")
+    warmup: str = option("auto", "before health turns SERVING, run a short prefill and one verify per CUDA-graph bucket (with and without the drafter's feature layers) so the first request pays no first-use costs (Triton compiles, graph captures, expert-cache fills), then give back what it used: auto (on CUDA), on, off", switch=True)
+    warmup_feature_layers: str = option("auto", "target layers whose outputs the warm-up asks for, as a DFlash drafter's Prefill does: auto (the layers the default DFlash drafter of --model reads: the embedded drafter's for the embedded target, none for any other), none, or a comma list such as 1,3,5 (in the drafter's order)")
     max_sessions: int = option(64, "sessions held at once; beyond it Prefill answers RESOURCE_EXHAUSTED")
     session_ttl_s: float = option(120.0, "an idle session is ended after this many seconds")
     max_block_size: int = option(32, "largest verify block (anchor + drafts)")
@@ -62,6 +64,30 @@ class VerifierConfig(ServerOptions):
             return False
         return device_type == "cpu" and verify_threads == 1
 
+    def warmup_wanted(self, device_type: str) -> bool:
+        """Whether the verifier warms up before serving (verifier_svc.warmup). auto: on CUDA, where a first request
+        paid ~2 s of first uses (Triton JIT, graph captures, expert-cache fills; ~200 ms warm, gpt-oss on the H200);
+        off on a CPU, whose forwards have no such costs worth the start-up time (and the CPU tests stay fast)."""
+        if self.warmup == "auto":
+            return device_type == "cuda"
+        return self.warmup == "on"
+
+    def warmup_layer_ids(self) -> tuple[int, ...] | None:
+        """--warmup-feature-layers as layer ids in the given order (() = none); None = auto, resolved once the model is
+        known (verifier_svc.warmup.feature_layers)."""
+        text = self.warmup_feature_layers.strip().lower()
+        if text in ("auto", ""):
+            return None
+        if text == "none":
+            return ()
+        try:
+            ids = tuple(int(p) for p in text.replace(" ", "").split(","))
+        except ValueError:
+            ids = ()
+        if not ids or min(ids) < 0:
+            raise ConfigError(f"--warmup-feature-layers {self.warmup_feature_layers!r}: auto, none or layer ids such as 1,3,5")
+        return ids
+
     def validate(self) -> None:
         self.validate_server()
         if self.model and not (pathlib.Path(self.model) / "config.json").exists():
@@ -91,6 +117,9 @@ class VerifierConfig(ServerOptions):
             raise ConfigError(f"--expert-eviction {self.expert_eviction} is a policy of --expert-cache-mode host (the device-managed cache evicts LRU within each layer's slots)")
         if self.expert_cache_gb > 0 and self.experts != "mxfp4":
             raise ConfigError("--expert-cache-gb serves offloaded MXFP4 experts: add --experts mxfp4")
+        if self.warmup not in ("auto", "on", "off"):
+            raise ConfigError(f"--warmup {self.warmup!r}: choose auto, on or off")
+        self.warmup_layer_ids()
         if self.inline_verify not in ("auto", "on", "off"):
             raise ConfigError(f"--inline-verify {self.inline_verify!r}: choose auto, on or off")
         if self.torch_threads < 0:

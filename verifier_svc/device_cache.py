@@ -144,6 +144,16 @@ class DeviceExpertCache:
         self._stats = self._stats.plus(st)
         return st
 
+    def reset_stats(self) -> None:
+        """Zero the counters and the per-expert codes, forget which slots were prefetched and not yet used and the last
+        projection; what is resident stays resident (as `ExpertCache.reset_stats`: after the warm-up, the first
+        request's counters are its own). In place: the captured graphs read these tensors."""
+        self._stats = CacheStats()
+        self.codes.zero_()
+        self.unused.zero_()
+        self._proj_host.zero_()
+        self.proj.zero_()
+
     # ---- the experts call (kernels.installer) ----------------------------------------------------------------
     def _admit(self, i: int, which: int, ids, valid_rows, valid: int | None, extra, prefetch: bool) -> None:
         args = (self.table[i], self.owner[i, : self.sizes[i]], self.last[i, : self.sizes[i]], self.unused[i, : self.sizes[i]],

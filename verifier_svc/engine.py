@@ -109,6 +109,7 @@ class VerifierCore:
         # transformers' CausalLMs take logits_to_keep: a prompt's LM head on its last position only (for a
         # 128-token prompt of the demo target, 12.4 -> 10.9 ms at 2 threads).
         self._keeps_logits = "logits_to_keep" in inspect.signature(target.model.forward).parameters
+        self.warmup_seconds = 0.0  # what the warm-up at load took (verifier_svc.warmup); 0 = none ran
 
     def _init_paged(self, opts: "PagedKVOptions") -> None:
         from verifier_svc.kv import KVPool

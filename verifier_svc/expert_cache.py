@@ -357,6 +357,16 @@ class ExpertCache:
             layers = sorted(valid)[: self._window_of(valid)]
             return self._prefetch_unlocked({l: valid[l] for l in layers})
 
+    def reset_stats(self) -> None:
+        """Zero the counters and forget which slices were prefetched and not yet used, and the last projection; what is
+        resident stays resident. After the warm-up (verifier_svc.warmup) the first request's counters are its own: a
+        slice the warm-up brought in is an ordinary resident one, neither a prefetch hit nor waste when evicted."""
+        with self._lock:
+            self.stats = CacheStats()
+            self._unused_prefetch.clear()
+            self._projection, self._window = {}, 0
+            self._timed.clear()
+
     def copy_ms(self) -> float:
         """GPU time of the copies issued since the last call (time_copies=True; waits for them)."""
         total = 0.0

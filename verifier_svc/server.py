@@ -16,6 +16,7 @@ from pdflash.server import ServiceHost, run_service, serve_until_signal, stop_on
 from pdflash.tickets import TicketSigner
 from pdflash.tls import server_credentials
 from pdflash.v1 import verifier_pb2, verifier_pb2_grpc
+from verifier_svc import warmup
 from verifier_svc.config import VerifierConfig
 from verifier_svc.engine import PagedKVOptions, VerifierCore
 from verifier_svc.model import load_target
@@ -79,6 +80,8 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
             if target.device.type == "cpu":
                 torch.set_num_threads(threads)  # OpenMP's thread count is per thread: this one's, as the torch thread's
             servicer.inline_verify = True
+        if cfg.warmup_wanted(target.device.type):  # first uses paid now, while health still answers NOT_SERVING
+            await torch_thread.run(warmup.warm, core, warmup.feature_layers(cfg.warmup_layer_ids(), cfg.model))
     except BaseException:
         await stop_on_failure(host, metrics_server and metrics_server.close)
         raise
@@ -101,6 +104,7 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         prefill_threads=prefill_threads or threads,
         colocated=cfg.colocated,
         inline_verify=servicer.inline_verify,
+        warmup_seconds=round(core.warmup_seconds, 2),
     )
     return RunningVerifier(host, core, port, asyncio.create_task(_sweep(core)), metrics_server)
 

@@ -127,6 +127,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             batch_invariant=t.batch_invariant,
             kernels=json.dumps(t.kernels, sort_keys=True) if t.kernels else "",
             experts_format=t.experts_format,
+            warmup_seconds=self.core.warmup_seconds,
         )
 
     async def Prefill(self, request, context):

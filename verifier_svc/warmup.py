@@ -1,0 +1,125 @@
+"""Warm a loaded verifier before it serves, so the first request pays no first-use costs.
+
+Measured on the H200 (gpt-oss shapes, offloaded experts): a fresh verifier's first request took ~2.0 s to its first
+token, a warm one ~200 ms. The first uses: Triton compiles (and autotunes) a kernel at its first launch, the CUDA graph
+of a block-size bucket with the drafter's feature layers is captured on its first verify (those without features are
+captured at load), cuBLAS and the caching allocator set up, the expert cache fills.
+
+`warm(core, feature_layers)` runs what requests run: a prefill of a short prompt, then one verify per bucket the graph
+runner replays (verifier_svc.runner.BUCKETS up to --max-block-size), each carrying the previous call's routed union as
+its projection, without features and again with the drafter's feature layers. Then it gives everything back: its
+sessions end (their KV pages return to the pool), the expert cache's counters are zeroed (its contents stay: they
+are the warm part), so the first request's counters are its own. It calls the core, not the servicer: the metrics
+never see it. verifier_svc/server.py runs it before health turns SERVING.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from pdflash.logging import get_logger
+from pdflash.types import DraftResult, SamplingParams
+from verifier_svc.engine import PrefillInput, VerifierCore
+from verifier_svc.runner import BUCKETS
+
+log = get_logger("pdflash.verifier.warmup")
+
+# Two prompt lengths: Triton specializes a kernel on whether an integer argument is a multiple of 16.
+PROMPT_LENGTHS = (16, 13)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    seconds: float
+    prefills: int
+    verifies: int
+    feature_layers: tuple[int, ...]
+    expert_cache: object | None  # the warm-up's own CacheStats (offloaded experts), before the counters were zeroed
+
+
+def feature_layers(layer_ids: tuple[int, ...] | None, model: str) -> tuple[int, ...]:
+    """--warmup-feature-layers resolved (VerifierConfig.warmup_layer_ids; None = auto): auto is the layers the default
+    DFlash drafter of `model` (empty = the embedded demo target) reads, () when it has none."""
+    if layer_ids is not None:
+        return layer_ids
+    from drafter_svc.compat import target_layers
+    from pdflash.defaults import default_drafter_for
+
+    drafter, _ = default_drafter_for(model)
+    return target_layers(drafter) if drafter is not None else ()
+
+
+def block_sizes(max_block_size: int) -> list[int]:
+    """One verify block per bucket a verify can land in (a block wider than the last bucket it fits runs in the next)."""
+    return sorted({min(b, max_block_size) for b in BUCKETS})
+
+
+class _Request:
+    """One warm-up session driven as the drafter's loop drives one (anchor + drafts, the last routed union projected)."""
+
+    def __init__(self, core: VerifierCore, prompt: tuple[int, ...], layers: tuple[int, ...]):
+        self.core = core
+        out = core.prefill(PrefillInput("warmup", prompt, SamplingParams(), core.max_tokens_limit, ignore_eos=True,
+                                        feature_layer_ids=layers))
+        self.prompt, self.sid, self.round, self.committed = prompt, out.session_id, 0, out.committed
+        self._next(out)
+
+    def _next(self, out) -> None:
+        self.anchor = out.tokens[-1] if out.tokens else None
+        self.union, self.bytes, self.finished = out.routed_union, out.routed_bytes, out.finished is not None
+
+    def fits(self, n: int) -> bool:
+        """A block of n tokens (its bucket's rows written) fits in the context and the session still runs."""
+        rows = next((b for b in BUCKETS if b >= n), n)
+        return not self.finished and self.committed + rows <= self.core.target.max_context
+
+    def verify(self, n: int) -> None:
+        cache = self.core.target.expert_cache
+        if cache is not None and cache.prefetch_union and self.union:
+            cache.arriving(self.union)  # as the servicer does when a Verify arrives
+        self.round += 1
+        drafts = tuple(self.prompt[i % len(self.prompt)] for i in range(n - 1))
+        out = self.core.verify(DraftResult(self.sid, self.round, (self.anchor, *drafts), self.union, self.bytes))
+        self.committed = out.committed
+        self._next(out)
+
+    def end(self) -> None:
+        self.core.end(self.sid)  # a no-op once the core ended it (finished)
+
+
+def warm(core: VerifierCore, feature_layers: tuple[int, ...] = ()) -> WarmupReport:
+    """Run the warm-up on a loaded core nobody else uses yet (the server runs it before it serves), then release what
+    it held. Sets core.warmup_seconds."""
+    t = core.target
+    bad = [i for i in feature_layers if not 0 <= i < t.num_layers]
+    if bad:
+        raise ValueError(f"--warmup-feature-layers {','.join(map(str, feature_layers))}: layers {bad} are not layers "
+                         f"of {t.name} (0..{t.num_layers - 1})")
+    t0 = time.perf_counter()
+    cache = t.expert_cache
+    lengths = [max(1, min(n, t.max_context // 4)) for n in PROMPT_LENGTHS]
+    prefills = verifies = 0
+    held: list[_Request] = []
+    try:
+        for layers in dict.fromkeys([(), tuple(feature_layers)]):  # without features, then with the drafter's
+            req = None
+            for n in block_sizes(core.max_block_size):
+                if req is None or not req.fits(n):
+                    prompt = tuple(3 + i % (t.vocab_size - 3) for i in range(lengths[prefills % len(lengths)]))
+                    req = _Request(core, prompt, layers)
+                    held.append(req)
+                    prefills += 1
+                if req.fits(n):
+                    req.verify(n)
+                    verifies += 1
+    finally:
+        for req in held:
+            req.end()
+    spent = dataclasses.replace(cache.stats) if cache is not None else None
+    if cache is not None:
+        cache.reset_stats()
+    core.warmup_seconds = time.perf_counter() - t0
+    log.info("warm-up done", seconds=round(core.warmup_seconds, 2), prefills=prefills, verifies=verifies,
+             feature_layers=list(feature_layers), expert_bytes_moved=spent.bytes_moved if spent is not None else 0)
+    return WarmupReport(core.warmup_seconds, prefills, verifies, tuple(feature_layers), spent)
