@@ -194,3 +194,47 @@ def test_warmup_leaves_a_clean_verifier_whose_first_request_equals_its_second(co
     assert len(off.sessions) == 0 and off.pool.free_pages == free
     del off, cache
     torch.cuda.empty_cache()
+
+
+def test_sampled_verify_on_cuda_follows_the_target_distribution(core):
+    """Sampled verification on CUDA (the session's generator on the GPU): with a drafted block after each sampled
+    first token, the (first, second) token pairs follow the target's own probabilities (bf16, the same kernels),
+    chi-square over the pairs; a seed reproduces. The reference probabilities come from the target's forward on the
+    same GPU in the same dtype."""
+    from scipy.stats import chisquare
+
+    from pdflash.types import DraftResult, SamplingParams, union_bytes
+    from verifier_svc.engine import PrefillInput
+    from verifier_svc.verify import target_probs
+
+    t = core.target
+    prompt = _prompts(t.vocab_size, 1)[0][:24]
+    sp = dict(temperature=1.0, top_k=3)
+    with torch.no_grad():
+        def probs(ids):
+            return target_probs(t.model(torch.tensor([ids], device="cuda")).logits[0, -1:].float(), SamplingParams(**sp))[0]
+
+        p1 = probs(prompt)
+        table, draft_after = {}, {}
+        for a in torch.nonzero(p1).flatten().tolist():
+            p2 = probs(prompt + [a])
+            draft_after[a] = int(p2.argmax())  # the drafted token: accepted with probability p2(draft)
+            for b in torch.nonzero(p2).flatten().tolist():
+                table[(a, b)] = float(p1[a] * p2[b])
+
+    def sample(seed: int) -> tuple[int, ...]:
+        pre = core.prefill(PrefillInput("s", tuple(prompt), SamplingParams(seed=seed, **sp), 2, ignore_eos=True))
+        a = pre.tokens[-1]
+        res = core.verify(DraftResult(pre.session_id, 1, (a, draft_after.get(a, 0), 0), pre.routed_union,
+                                      union_bytes(pre.routed_union, t.byte_map)))
+        assert res.finished is not None and len(core.sessions) == 0
+        return (a, res.tokens[0])
+
+    assert sample(7) == sample(7)
+    n = 300
+    pairs = [sample(1000 + i) for i in range(n)]
+    assert set(pairs) <= set(table), "sampled a pair the target gives zero probability"
+    keys = sorted(table)
+    observed = [sum(1 for p in pairs if p == k) for k in keys]
+    expected = [table[k] * n for k in keys]
+    assert chisquare(observed, [e * n / sum(expected) for e in expected]).pvalue > 1e-3

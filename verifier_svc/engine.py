@@ -261,7 +261,7 @@ class VerifierCore:
             stop.update(t.eos_token_ids)
         gen = None
         if not req.sampling.greedy:
-            gen = torch.Generator()
+            gen = torch.Generator(device=t.device)  # on the logits' device: multinomial refuses another device's generator
             gen.manual_seed(req.sampling.seed if req.sampling.seed is not None else int(torch.seed()))
         cache = kv = None
         if self.pool is not None:

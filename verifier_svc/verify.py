@@ -45,12 +45,13 @@ def accept_greedy(drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
 
 
 def accept_sampled(drafts: list[int], probs: torch.Tensor, generator: torch.Generator) -> tuple[int, int]:
-    """probs [len(drafts) + 1, V] from `target_probs`. Returns (accepted drafts, next token)."""
+    """probs [len(drafts) + 1, V] from `target_probs`. Returns (accepted drafts, next token). `generator` lives on
+    probs' device (torch.multinomial on CUDA probabilities refuses a CPU generator)."""
     n = 0
     for i, d in enumerate(drafts):
         p = probs[i]
         p_d = float(p[d])
-        u = float(torch.rand((), generator=generator))
+        u = float(torch.rand((), generator=generator, device=generator.device))
         if u < p_d:
             n += 1
             continue
