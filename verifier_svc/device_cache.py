@@ -14,7 +14,9 @@ Per experts call (layer l, all on the device):
 1. admit + fill layer l's routed experts (its real rows only);
 2. fork to a side stream: the experts layer l + 1's router picks for this layer's input (`layer` prefetch), or where
    there is no such guess the verify's projected union for layer l + 1 (`union` prefetch), are admitted and filled
-   there, while layer l's experts and layer l + 1's attention compute; layer l + 1 joins it before its own admission;
+   there, while layer l's experts and layer l + 1's attention compute; layer l + 1 joins it before its own admission.
+   The guess runs while it pays: `verifier_svc.guess_gate` measures its precision after each forward and turns it off
+   (but for probes) through `guess_on`, a device flag the captured forwards read (off: the guess's rows count as none);
 3. the grouped kernel over the pool through layer l's slot table.
 Each call ORs what happened to each expert into `codes` (zeroed when a forward starts); the host decodes them after
 the forward (`collect`, called by the verifier core) into the same counters as the host-side cache (`CacheStats`).
@@ -27,6 +29,7 @@ import torch
 from kernels import offload as ko
 from verifier_svc.expert_cache import CacheStats, check_slots
 from verifier_svc.expert_store import HostExpertStore
+from verifier_svc.guess_gate import GuessGate
 
 
 def partition(slots: int, num_experts: list[int]) -> list[int]:
@@ -88,6 +91,8 @@ class DeviceExpertCache:
         self._joins: set[int] = set()  # layers whose prefetch runs on the side stream (joined at their call)
         self._stats = CacheStats()
         self.time_copies = False  # the copies run inside the forward's kernels: no separate copy timing
+        self.gate = GuessGate()  # whether the next-layer guess pays (measured); its decision is `guess_on`
+        self.guess_on = torch.ones(1, dtype=torch.int32, device=dev)
 
     # ---- what callers read -----------------------------------------------------------------------------------
     @property
@@ -142,6 +147,10 @@ class DeviceExpertCache:
                         bytes_moved=(misses + prefetched) * self.store.slice_bytes,
                         wasted_bytes=count(ko.WASTED) * self.store.slice_bytes)
         self._stats = self._stats.plus(st)
+        if self.layer_ahead:  # this forward ran the guess if the flag was on: judge it, set the flag for the next one
+            was = self.gate.on
+            if self.gate.observe(was, st.prefetched, st.prefetch_used) != was:
+                self.guess_on.fill_(int(self.gate.on))
         return st
 
     def reset_stats(self) -> None:
@@ -153,6 +162,8 @@ class DeviceExpertCache:
         self.unused.zero_()
         self._proj_host.zero_()
         self.proj.zero_()
+        self.gate.reset()
+        self.guess_on.fill_(1)
 
     # ---- the experts call (kernels.installer) ----------------------------------------------------------------
     def _admit(self, i: int, which: int, ids, valid_rows, valid: int | None, extra, prefetch: bool) -> None:
@@ -192,6 +203,12 @@ class DeviceExpertCache:
                 self._joins.add(i + 1)
             with torch.cuda.stream(self._side) if self._cuda else _nullcontext():
                 guess = _predict_experts(x, nxt) if nxt is not None else None
+                g_rows, g_valid = valid_rows, valid
+                if guess is not None:  # the gate: off, the guess's rows count as none (a device flag: graph-safe)
+                    if self._cuda:
+                        g_rows = (valid_rows if valid_rows is not None else guess.shape[0]) * self.guess_on
+                    else:
+                        g_valid = (guess.shape[0] if valid is None else valid) if self.gate.on else 0
                 # The projection only where no router guess exists: a projected union (the previous verify's) marks
                 # its experts needed, and in a small partition they are the ones resident, so with the guess it left
                 # the guess no slot at all (nothing was prefetched); the guess, from this verify's own rows, is the
@@ -199,7 +216,7 @@ class DeviceExpertCache:
                 extra = None
                 if self.prefetch_union and guess is None:
                     extra = self.proj[i + 1, : self.store.num_experts[self.layers[i + 1]]]
-                self._admit(i + 1, 1, guess, valid_rows, valid, extra, prefetch=True)
+                self._admit(i + 1, 1, guess, g_rows, g_valid, extra, prefetch=True)
         return offloaded_kernel(x, top_k_index, top_k_weights, self, n, self.eff[i, :n], valid, valid_rows)
 
 
