@@ -1,74 +1,74 @@
 """The next-layer guess's gate (verifier_svc/guess_gate.py): pure policy, then the device-managed cache on the CPU
-turning a guess that never pays off, without a token changing."""
+switching its guess off through the device flag its forwards read, without a token changing."""
 
 from __future__ import annotations
-
-import pytest
 
 from verifier_svc.guess_gate import GuessGate
 
 
-def test_a_precise_guess_stays_on():
-    g = GuessGate(min_prefetches=10)
-    for _ in range(50):
-        assert g.observe(True, 8, 7) is True
-    assert not g.losing and g.precision == pytest.approx(7 / 8)
-
-
-def test_an_imprecise_guess_turns_off_but_for_probes_and_comes_back_when_it_pays():
-    g = GuessGate(min_prefetches=10, probe_every=4)
-    decisions = [g.observe(True, 8, 2) for _ in range(3)]
-    assert decisions[0] is True  # too few prefetches measured to judge
-    assert g.losing and decisions[-1] is False
+def _serve(g: GuessGate, ms_on: float, ms_off: float, forwards: int) -> list[bool]:
     ran = []
-    for _ in range(12):  # off: only every 4th forward runs the guess (a probe), still imprecise
+    for _ in range(forwards):
         on = g.on
         ran.append(on)
-        g.observe(on, 8 if on else 0, 2 if on else 0)
-    assert ran.count(True) == 3 and g.losing
-    for _ in range(40):  # the routing became predictable: the probes see it and the guess comes back
-        on = g.on
-        g.observe(on, 8 if on else 0, 8 if on else 0)
-    assert g.on and not g.losing
+        g.observe(on, ms_on if on else ms_off, prefetched=8 if on else 0, used=6 if on else 0)
+    return ran
 
 
-def test_forwards_without_the_guess_do_not_count_and_reset_forgets():
-    g = GuessGate(min_prefetches=10)
-    for _ in range(5):
-        g.observe(True, 8, 1)
-    before = (g.prefetched, g.used)
-    g.observe(False, 8, 1)  # projection prefetches of a forward that ran no guess: not the guess's record
-    assert (g.prefetched, g.used) == pytest.approx(before)
+def test_a_guess_that_saves_time_keeps_serving_and_the_other_arm_is_only_probed():
+    g = GuessGate(probe_every=6)
+    ran = _serve(g, ms_on=10.0, ms_off=14.0, forwards=60)
+    assert g.prefer_on and not g.losing
+    assert ran.count(False) == 9  # one probe of the other arm in 6 forwards (the 6th, 12th, ...)
+    assert abs(g.precision - 0.75) < 1e-9
+
+
+def test_a_guess_that_costs_time_is_switched_off_and_comes_back_when_it_pays():
+    g = GuessGate(probe_every=6)
+    ran = _serve(g, ms_on=14.0, ms_off=10.0, forwards=30)
+    assert g.losing and ran[-12:].count(True) == 2  # off, but for probes
+    _serve(g, ms_on=6.0, ms_off=10.0, forwards=40)  # the routing became predictable
+    assert g.prefer_on
+
+
+def test_within_the_margin_the_serving_arm_stays_and_prefills_are_not_judged():
+    g = GuessGate(probe_every=3, margin=0.05)
+    _serve(g, ms_on=10.0, ms_off=9.8, forwards=30)
+    assert g.prefer_on
+    before = list(g._arms[True])
+    assert g.observe(True, None, prefetched=100, used=0) == g.on  # a prefill: counts for precision only
+    assert list(g._arms[True]) == list(before)
     g.reset()
-    assert g.on and not g.losing and g.precision is None
+    assert g.on and g.prefer_on and g.precision is None and g.mean_ms(True) is None
 
 
-def test_the_device_cache_turns_off_a_guess_that_never_pays_and_no_token_changes(tiny, monkeypatch):
-    """Every guess shifted to experts the next layer does not pick: the cache measures it, switches the guess off
-    (its device flag: the rows count as none) and the forwards after stop prefetching; tokens equal a cache with no
-    prefetch at all."""
-    import kernels.installer as inst
+def test_the_device_cache_switches_its_guess_off_through_the_device_flag_and_no_token_changes(tiny):
+    """A guess that costs twice its forwards' time (synthetic timings fed to the real gate): the cache turns it off, its
+    device flag reads 0, the forwards after prefetch nothing but on probes (1 in 4), and the tokens equal a cache without
+    prefetch."""
     from tests.test_gpu_verifier import _no_drafts, _run
     from tests.test_offload import _core, tiny_cache_gb
 
-    full = _core(tiny, "qwen3_moe", 1.0)
-    gb = tiny_cache_gb(full, "device")
-    want = _run(_core(tiny, "qwen3_moe", gb, prefetch="none"), list(range(3, 40)), _no_drafts)
-    real = inst._predict_experts
-
-    def wrong(x, router):  # the experts the router ranks last: the next layer never routes them (top-2 of 8)
-        return real(-x, router)
-
-    monkeypatch.setattr(inst, "_predict_experts", wrong)
+    gb = tiny_cache_gb(_core(tiny, "qwen3_moe", 1.0), "device")
+    prompt = list(range(3, 40))
+    want = _run(_core(tiny, "qwen3_moe", gb, prefetch="none"), prompt, _no_drafts)
     core = _core(tiny, "qwen3_moe", gb, prefetch="layer")
     cache = core.target.expert_cache
-    cache.gate = GuessGate(min_prefetches=4, probe_every=1000)
+    cache.judge_guess, cache.gate = True, GuessGate(probe_every=4)
+    collect = cache.collect
+
+    def timed(ms=None, tokens=0):  # the guess's forwards take twice as long
+        ran = bool(int(cache.guess_on))
+        return collect(None if ms is None else (2.0 if ran else 1.0) * tokens, tokens)
+
+    cache.collect = timed
     calls = []
     verify = core.verify
     core.verify = lambda *a, **k: calls.append(verify(*a, **k)) or calls[-1]
-    assert _run(core, list(range(3, 40)), _no_drafts) == want
-    assert cache.gate.losing and not cache.gate.on and int(cache.guess_on) == 0
-    assert calls[0].expert_cache.prefetched > 0 or cache.stats.prefetched > 0  # it guessed before it judged
-    assert all(c.expert_cache.prefetched == 0 for c in calls[-5:])  # and stopped once it had
+    assert _run(core, prompt, _no_drafts) == want
+    assert cache.gate.losing and int(cache.guess_on) == 0
+    assert sum(c.expert_cache.prefetched for c in calls[:3]) > 0  # it guessed while it measured
+    late = [c.expert_cache.prefetched for c in calls[-12:]]
+    assert late.count(0) >= 8 and sum(1 for p in late if p > 0) <= 3  # and stopped once it knew, but for probes
     cache.reset_stats()
     assert cache.gate.on and int(cache.guess_on) == 1

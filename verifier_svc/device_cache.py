@@ -15,8 +15,8 @@ Per experts call (layer l, all on the device):
 2. fork to a side stream: the experts layer l + 1's router picks for this layer's input (`layer` prefetch), or where
    there is no such guess the verify's projected union for layer l + 1 (`union` prefetch), are admitted and filled
    there, while layer l's experts and layer l + 1's attention compute; layer l + 1 joins it before its own admission.
-   The guess runs while it pays: `verifier_svc.guess_gate` measures its precision after each forward and turns it off
-   (but for probes) through `guess_on`, a device flag the captured forwards read (off: the guess's rows count as none);
+   The guess runs while it pays: `verifier_svc.guess_gate` compares forwards with and without it (ms per token) and
+   sets `guess_on`, a device flag the captured forwards read (off: the guess's rows count as none);
 3. the grouped kernel over the pool through layer l's slot table.
 Each call ORs what happened to each expert into `codes` (zeroed when a forward starts); the host decodes them after
 the forward (`collect`, called by the verifier core) into the same counters as the host-side cache (`CacheStats`).
@@ -92,6 +92,7 @@ class DeviceExpertCache:
         self._stats = CacheStats()
         self.time_copies = False  # the copies run inside the forward's kernels: no separate copy timing
         self.gate = GuessGate()  # whether the next-layer guess pays (measured); its decision is `guess_on`
+        self.judge_guess = self._cuda  # on a CPU the "copies" are host memcpys: their times say nothing about PCIe
         self.guess_on = torch.ones(1, dtype=torch.int32, device=dev)
 
     # ---- what callers read -----------------------------------------------------------------------------------
@@ -137,8 +138,9 @@ class DeviceExpertCache:
         """The servicer's early hint: nothing to do here (the projection streams inside the forward, a layer ahead)."""
         return 0
 
-    def collect(self) -> CacheStats:
-        """After a forward (its stream done): decode the per-expert codes into the counters. Returns this forward's."""
+    def collect(self, ms: float | None = None, tokens: int = 0) -> CacheStats:
+        """After a forward (its stream done): decode the per-expert codes into the counters. Returns this forward's.
+        `ms` and `tokens`: the forward's wall time and rows, for the guess's gate (None: not judged, e.g. a prefill)."""
         codes = self.codes.cpu()
         count = lambda bit: int(((codes & bit) != 0).sum())  # noqa: E731
         misses, prefetched = count(ko.MISS), count(ko.PREFETCHED)
@@ -147,9 +149,10 @@ class DeviceExpertCache:
                         bytes_moved=(misses + prefetched) * self.store.slice_bytes,
                         wasted_bytes=count(ko.WASTED) * self.store.slice_bytes)
         self._stats = self._stats.plus(st)
-        if self.layer_ahead:  # this forward ran the guess if the flag was on: judge it, set the flag for the next one
+        if self.layer_ahead and self.judge_guess:  # this forward ran the guess if the flag was on: judge it, set the flag
             was = self.gate.on
-            if self.gate.observe(was, st.prefetched, st.prefetch_used) != was:
+            per_token = ms / tokens if ms is not None and tokens > 0 else None
+            if self.gate.observe(was, per_token, st.prefetched, st.prefetch_used) != was:
                 self.guess_on.fill_(int(self.gate.on))
         return st
 

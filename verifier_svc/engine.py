@@ -212,9 +212,10 @@ class VerifierCore:
         union = rec.union(t.seam.num_experts)
         if t.device.type == "cuda":
             torch.cuda.synchronize(t.device)
-        if getattr(t.expert_cache, "device_managed", False):
-            t.expert_cache.collect()  # its counters live on the device until the forward is done
-        return logits, feats, union, (time.perf_counter() - t0) * 1e3
+        ms = (time.perf_counter() - t0) * 1e3
+        if getattr(t.expert_cache, "device_managed", False):  # its counters live on the device until the forward is done
+            t.expert_cache.collect(None if last_logits_only else ms, len(ids))
+        return logits, feats, union, ms
 
     def _forward_paged(self, s: Session, ids: list[int], want_features: bool, last_logits_only: bool):
         t = self.target
@@ -229,9 +230,10 @@ class VerifierCore:
         union = out.recorder.union(t.seam.num_experts, rows=rows)
         if t.device.type == "cuda":
             torch.cuda.synchronize(t.device)
-        if getattr(t.expert_cache, "device_managed", False):
-            t.expert_cache.collect()  # its counters live on the device until the forward is done
-        return logits, feats, union, (time.perf_counter() - t0) * 1e3
+        ms = (time.perf_counter() - t0) * 1e3
+        if getattr(t.expert_cache, "device_managed", False):  # its counters live on the device until the forward is done
+            t.expert_cache.collect(None if last_logits_only else ms, len(ids))
+        return logits, feats, union, ms
 
     def _emit(self, s: Session, candidates: list[int]) -> list[int]:
         emitted: list[int] = []

@@ -2,13 +2,14 @@
 
 The `layer` prefetch applies layer l + 1's router to layer l's input and streams the experts it picks while layer l
 computes. A right guess hides a copy under compute; a wrong one moves a whole expert slice over PCIe for nothing and
-may evict a resident expert that was needed. Which wins depends on the model: on the H200 with random weights
-(gpt-oss-20b shapes, benchmarks/results/offload_h200.md) about half the guesses were used and every prefetching row
-was slower than no prefetch (10% cache: 32.1 vs 34.5 tok/s at block 1; 25%: 36.5 vs 41.9); trained routers are
-reported to be far more predictable from the previous layer's input. So the cache measures the guess instead of
-assuming it: each forward with the guess on reports how many experts it prefetched and how many of those its forward
-then used; a decayed precision (used / prefetched) below `MIN_PRECISION` turns the guess off, and every `PROBE_EVERY`-th
-forward it runs again to re-measure (so a model whose routing becomes predictable gets it back).
+may evict a resident expert that was needed. Which wins depends on the model and the cache size: on the H200 with
+random weights (gpt-oss-20b shapes, benchmarks/results/offload_h200.md) about half the guesses were used and every
+prefetching row was slower than no prefetch (10% cache: 32.1 vs 34.5 tok/s at block 1; 25%: 36.5 vs 41.9, where the
+guesses were mostly right but their slots evicted experts that were needed); trained routers are reported to be far
+more predictable from the previous layer's input. So the cache measures instead of assuming: two arms, guess on and
+guess off, each a decayed mean of its forwards' milliseconds per token; the cheaper arm (by `MARGIN`) serves, and
+every `PROBE_EVERY`-th forward runs the other one to keep its mean current. Prefills (eager, hundreds of rows) are not
+judged. The precision of the guess (used / prefetched) is kept for reporting.
 
 Pure policy: no tensors. `DeviceExpertCache` applies the decision through a device flag that its captured forwards
 read (the guess's rows are masked to none), so no graph is captured anew when it flips.
@@ -18,45 +19,65 @@ from __future__ import annotations
 
 import dataclasses
 
-MIN_PRECISION = 0.75  # used / prefetched below this: the guess's wasted copies cost more than its hidden ones save
-MIN_PREFETCHES = 64  # decayed prefetches before the first decision
-PROBE_EVERY = 16  # forwards: while off, one forward in this many runs the guess to re-measure
-DECAY = 0.9  # per measured forward
+MARGIN = 0.05  # the other arm must be this much cheaper to take over
+PROBE_EVERY = 6  # forwards: one in this many runs the arm not serving
+MIN_SAMPLES = 2  # forwards an arm needs before it can be preferred
+DECAY = 0.8  # per sample, of an arm's mean
 
 
 @dataclasses.dataclass
 class GuessGate:
-    min_precision: float = MIN_PRECISION
-    min_prefetches: float = MIN_PREFETCHES
+    margin: float = MARGIN
     probe_every: int = PROBE_EVERY
+    min_samples: int = MIN_SAMPLES
     decay: float = DECAY
-    prefetched: float = 0.0  # decayed counts over the forwards that ran the guess
-    used: float = 0.0
     on: bool = True  # the decision for the next forward
-    losing: bool = False  # the measured precision is below the bar (the guess runs only as a probe)
+    prefer_on: bool = True  # the arm serving (the other runs as a probe)
+    prefetched: float = 0.0  # decayed prefetch counts of the forwards that ran the guess (precision, for reporting)
+    used: float = 0.0
+    _arms: dict = dataclasses.field(default_factory=lambda: {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]})  # sum, weight, n
     _since_probe: int = 0
 
     @property
     def precision(self) -> float | None:
         return self.used / self.prefetched if self.prefetched > 0 else None
 
-    def observe(self, guessed: bool, prefetched: int, used: int) -> bool:
-        """After a forward: `guessed` whether it ran the guess, with its prefetch counts. Returns whether the next
-        forward runs it."""
+    def mean_ms(self, on: bool) -> float | None:
+        s, w, _ = self._arms[on]
+        return s / w if w > 0 else None
+
+    @property
+    def losing(self) -> bool:
+        """The guess is not the serving arm (it runs only as a probe)."""
+        return not self.prefer_on
+
+    def observe(self, guessed: bool, ms_per_token: float | None = None, prefetched: int = 0, used: int = 0) -> bool:
+        """After a forward: `guessed` whether it ran the guess, its time per token (None: not judged, e.g. a prefill)
+        and its prefetch counts. Returns whether the next forward runs the guess."""
         if guessed and prefetched > 0:
-            self.prefetched = self.prefetched * self.decay + prefetched
-            self.used = self.used * self.decay + min(used, prefetched)
-        p = self.precision
-        self.losing = p is not None and self.prefetched >= self.min_prefetches and p < self.min_precision
-        if self.losing:
-            self._since_probe += 1
-            self.on = self._since_probe % self.probe_every == 0  # a probe now and then
-        else:
+            self.prefetched = self.prefetched * 0.9 + prefetched
+            self.used = self.used * 0.9 + min(used, prefetched)
+        if ms_per_token is None:
+            return self.on
+        arm = self._arms[guessed]
+        arm[0] = arm[0] * self.decay + ms_per_token
+        arm[1] = arm[1] * self.decay + 1.0
+        arm[2] += 1
+        m_on, m_off = self.mean_ms(True), self.mean_ms(False)
+        if self._arms[True][2] >= self.min_samples and self._arms[False][2] >= self.min_samples:
+            if self.prefer_on and m_off < m_on * (1 - self.margin):
+                self.prefer_on = False
+            elif not self.prefer_on and m_on < m_off * (1 - self.margin):
+                self.prefer_on = True
+        self._since_probe += 1
+        if self._since_probe >= self.probe_every:
             self._since_probe = 0
-            self.on = True
+            self.on = not self.prefer_on
+        else:
+            self.on = self.prefer_on
         return self.on
 
     def reset(self) -> None:
         """Forget the measurements (after a warm-up's dummy requests)."""
-        self.prefetched = self.used = 0.0
-        self.on, self.losing, self._since_probe = True, False, 0
+        fresh = GuessGate(self.margin, self.probe_every, self.min_samples, self.decay)
+        self.__dict__.update(fresh.__dict__)
