@@ -111,9 +111,9 @@ cap for offloaded experts (drafter_svc.width), as the stack applies it."""
                 decode_cache = res.expert_cache if decode_cache is None else decode_cache.plus(res.expert_cache)
             forward_ms += res.forward_ms
             routed += res.routed_bytes
-            anchor, union = res.tokens[-1], res.routed_union
-            if res.finished is not None:
+            if res.finished is not None or not res.tokens:  # done (a session at its context limit may emit nothing)
                 break
+            anchor, union = res.tokens[-1], res.routed_union
         decode_s += time.perf_counter() - tb
         if state.get("drafter") is not None:
             state["drafter"].close()
