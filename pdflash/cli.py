@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from pdflash.config import ConfigError
+from pdflash.config import SWITCH, ConfigError, switch_value
 from pdflash.devices import DTYPES
 
 EPILOG = """Every option is also an environment variable PDFLASH_<OPTION> (e.g. PDFLASH_PORT) and a key of
@@ -42,18 +42,20 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                    help="with --experts mxfp4: keep the experts in host memory and serve them from a device cache of this "
                         "many GiB (0 = every expert resident)")
     v.add_argument("--expert-prefetch", default="union,layer", choices=["union,layer", "union", "layer", "none"],
+                   metavar="{union,layer|union|layer|none}",
                    help="offloaded experts, what streams in ahead of need: a verify's projected union, the next layer's "
-                        "experts predicted by its router, both, or none")
+                        "experts predicted by its router, both (union,layer: the default), or none")
     v.add_argument("--expert-cache-mode", default="device", choices=["device", "host"],
                    help="offloaded experts: the cache decides on the device inside the forward's CUDA graph, or on the "
                         "host with one stop per layer")
     v.add_argument("--expert-eviction", default="lru", choices=["lru", "cyclic"],
                    help="offloaded experts, which cached expert a miss replaces: the least recently used, or cyclic (experts "
                         "not routed at their layer's latest lookup first, then those of the layer needed last in the forward)")
-    v.add_argument("--warmup", default="auto", nargs="?", const="on", choices=["auto", "on", "off"],
-                   help="before the verifier serves, run a prefill and a verify per CUDA-graph bucket (with and without the "
-                        "DFlash drafter's feature layers) and release them, so the first request pays no first-use costs: "
-                        "auto = on CUDA; --warmup alone = on")
+    v.add_argument("--warmup", default="auto", nargs="?", const="on", type=switch_value, choices=list(SWITCH),
+                   help="before the verifier serves, run short prefills and a verify per CUDA-graph bucket (with and "
+                        "without the DFlash drafter's feature layers) and release them, so the first request pays no "
+                        "first-use costs: auto (the default) = on CUDA, off on a CPU; --warmup alone = on; also reads "
+                        "true/false/1/0")
     v.add_argument("--no-warmup", dest="warmup", action="store_const", const="off", help="as --warmup off")
     d = p.add_argument_group("drafter", "where and how the DFlash drafter runs (serve-drafter's --device, --dtype and "
                                         "--no-drafter-cuda-graphs)")
@@ -431,15 +433,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream a completion from a running stack")
     p.add_argument("prompt")
     p.add_argument("--target", default="127.0.0.1:50051", help="drafter address")
-    p.add_argument("--max-tokens", type=_number, default=64)
-    p.add_argument("--temperature", type=_number, default=0.0)
-    p.add_argument("--top-p", type=_number, default=1.0)
-    p.add_argument("--top-k", type=_number, default=0)
-    p.add_argument("--seed", type=_number, default=None)
-    p.add_argument("--drafter", default="unspecified", choices=["unspecified", "none", "ngram", "dflash", "hybrid"])
+    p.add_argument("--max-tokens", type=_number, default=64,
+                   help="most tokens to generate, up to the server's limit (0 = the server's default; default 64)")
+    p.add_argument("--temperature", type=_number, default=0.0,
+                   help="0 = greedy (the default), else sample at this temperature, in (0, 100]")
+    p.add_argument("--top-p", type=_number, default=1.0, help="sampling: nucleus mass, in (0, 1] (0 or 1 = off; default 1)")
+    p.add_argument("--top-k", type=_number, default=0, help="sampling: only the k likeliest tokens (0 = off, the default)")
+    p.add_argument("--seed", type=_number, default=None,
+                   help="sampling: seed in [0, 2^64 - 1], the same seed gives the same text (default: none)")
+    p.add_argument("--drafter", default="unspecified", choices=["unspecified", "none", "ngram", "dflash", "hybrid"],
+                   help="who drafts the blocks (default unspecified = the server's: hybrid when it has a DFlash drafter, "
+                        "else ngram; none = plain decoding)")
     p.add_argument("--block-size", type=_number, default=0, help="widest verify block (0 = the server's default)")
     p.add_argument("--fixed-width", action="store_true", help="draft the whole block every round (default: the width adapts)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token, to --max-tokens")
     p.add_argument("--timeout", type=_number, default=300.0, help="seconds")
     p.add_argument("--stats", action="store_true", help="print usage statistics to stderr")
     p.add_argument("--token", default=os.environ.get("PDFLASH_AUTH_TOKEN", ""),

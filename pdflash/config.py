@@ -146,6 +146,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         if tp is bool:
             # Not BooleanOptionalAction: it reads any flag starting with "--no-" as False, so an option
             # named no_x (flag --no-x) could never be turned on.
+            if f.default is True:  # on by default: the --no- form is the flag that does something, so say it
+                help_text = (f"{f.metadata.get('help', '')}; --no-{flag_name(f.name)[2:]} = off "
+                             f"[env {env_name(f.name)}; default {f.default!r}]")
             parser.add_argument(flag_name(f.name), dest=f.name, default=None, action="store_const", const=True, help=help_text)
             parser.add_argument("--no-" + flag_name(f.name)[2:], dest=f.name, action="store_const", const=False,
                                 help=argparse.SUPPRESS)

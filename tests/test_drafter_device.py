@@ -133,6 +133,22 @@ def test_drafter_cuda_graphs_option_flag_env_and_pdflash_up():
     assert _spec(build_parser().parse_args(["demo", "--no-drafter-graphs"])).drafter_args == ["--no-drafter-cuda-graphs"]
 
 
+def test_help_names_the_no_form_of_options_that_are_on_by_default(capsys, monkeypatch):
+    """README tells `serve-drafter --no-drafter-cuda-graphs`; --help listed only --drafter-cuda-graphs (on by default, so
+    a no-op), hiding the flag that does something. Every option on by default says its --no- form."""
+    from pdflash.cli import build_parser
+
+    monkeypatch.setenv("COLUMNS", "1000")  # no line wrapping inside a flag's name
+    for command, flags in (("serve-drafter", ("--no-drafter-cuda-graphs", "--no-admit-ahead", "--no-verify-stream")),
+                           ("serve-verifier", ("--no-cuda-graphs",))):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        text = capsys.readouterr().out
+        for flag in flags:
+            assert f"{flag} = off" in text, (command, flag)
+    assert _drafter_config(["--no-admit-ahead"]).admit_ahead is False
+
+
 @pytest.mark.parametrize("argv, graphs", [([], True), (["--no-drafter-cuda-graphs"], False)])
 def test_build_factories_passes_the_graphs_option(monkeypatch, tiny, argv, graphs):
     import drafter_svc.server as server

@@ -193,6 +193,23 @@ def test_warmup_option_auto_on_off_flags_env_and_file(tmp_path):
         parse([], {"PDFLASH_WARMUP": "maybe"})
 
 
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_up_and_demo_read_the_warmup_switch_as_serve_verifier_does(command):
+    """README: switches such as --warmup also read true/false/1/0; `pdflash up --warmup true` was refused by argparse
+    while `serve-verifier --warmup true` took it. Whatever `up` reads, it passes on as auto/on/off."""
+    from pdflash.cli import _verifier_args, build_parser
+
+    p = build_parser()
+    for argv, want in (([], "auto"), (["--warmup"], "on"), (["--no-warmup"], "off"), (["--warmup", "true"], "on"),
+                       (["--warmup", "1"], "on"), (["--warmup", "False"], "off"), (["--warmup", "0"], "off"),
+                       (["--warmup", "ON"], "on"), (["--warmup", "auto"], "auto")):
+        args = p.parse_args([command, *argv])
+        assert args.warmup == want, argv
+        assert _verifier_args(args) == ([] if want == "auto" else ["--warmup", want]), argv
+    with pytest.raises(SystemExit):
+        p.parse_args([command, "--warmup", "sometimes"])
+
 def test_warmup_feature_layers_option():
     assert parse([]).warmup_layer_ids() is None  # auto
     assert parse(["--warmup-feature-layers", "none"]).warmup_layer_ids() == ()
