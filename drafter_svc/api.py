@@ -103,15 +103,17 @@ def parse_generate(request, request_id: str, limits: Limits, tokenize: Callable[
     v.extend(sampling_violations(sampling))
     kind = DrafterKind(request.drafter) if request.drafter in DrafterKind._value2member_map_ else None
     if kind is None:
-        v.append(FieldViolation("drafter", f"unknown drafter kind {request.drafter}"))
+        v.append(FieldViolation("drafter", f"unknown drafter kind {request.drafter}; choose one of "
+                                           f"{', '.join(k.name.lower() for k in DrafterKind)}"))
     elif kind == DrafterKind.UNSPECIFIED:
         kind = limits.default_drafter
     block = request.block_size or limits.block_size
     if block > limits.max_block_size:
         v.append(FieldViolation("block_size", f"must be <= {limits.max_block_size}, got {block}"))
     if kind is not None and kind != DrafterKind.UNSPECIFIED and kind not in limits.drafters:
-        avail = ", ".join(k.name for k in limits.drafters)
-        v.append(FieldViolation("drafter", f"{kind.name} is not available on this server (no DFlash drafter loaded); available: {avail}"))
+        avail = ", ".join(k.name.lower() for k in limits.drafters)  # as the CLI, the client and the README name them
+        v.append(FieldViolation("drafter", f"{kind.name.lower()} is not available on this server (no DFlash drafter loaded); "
+                                           f"available: {avail}"))
     check(v, "invalid Generate request")
     if kind == DrafterKind.NONE or block == 1:
         kind, block = DrafterKind.NONE, 1

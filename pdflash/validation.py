@@ -67,7 +67,7 @@ def temperature_violation(t: float, field: str = "sampling.temperature", shown: 
 
 def top_p_violation(p: float, field: str = "sampling.top_p", shown: str | None = None) -> FieldViolation | None:
     if math.isnan(p) or not 0.0 < p <= 1.0:
-        return FieldViolation(field, f"must be in (0, 1] (0 means off), got {shown or p}")
+        return FieldViolation(field, f"must be 0 (off) or in (0, 1], got {shown or p}")
     return None
 
 

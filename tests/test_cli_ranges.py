@@ -33,7 +33,7 @@ CASES = {
     "--timeout": (["-1", "0", "1e99", "nan", "inf", "-inf", "x"], ["0.5"]),
 }
 RANGES = {  # what the one line must say about the option's range
-    "--max-tokens": "[0, 4294967295]", "--temperature": "(0, 100]", "--top-p": "(0, 1]", "--top-k": "[0, 2147483647]",
+    "--max-tokens": "[0, 4294967295]", "--temperature": "0 (greedy) or in (0, 100]", "--top-p": "0 (off) or in (0, 1]", "--top-k": "[0, 2147483647]",
     "--seed": "[0, 18446744073709551615]", "--block-size": "[0, 4294967295]", "--timeout": "(0, 1000000000]",
 }
 

@@ -106,9 +106,20 @@ def test_model_info_reports_the_limits_it_checks(pdflash_stub):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert details(e.value)["violations"] == [
         ("max_tokens", "must be <= 100, got 101"),
-        ("drafter", "DFLASH is not available on this server (no DFlash drafter loaded); available: NONE, NGRAM"),
+        ("drafter", "dflash is not available on this server (no DFlash drafter loaded); available: none, ngram"),
     ]
 
+
+
+def test_an_unknown_drafter_kind_on_the_wire_lists_the_kinds(pdflash_stub):
+    """A drafter number no enum value has (grpcurl '"drafter": 17'): the violation names the kinds to choose from,
+    lower-case as `pdflash generate --drafter` and the README write them."""
+    request = drafter_pb2.GenerateRequest(prompt="x", max_tokens=4, drafter=17)
+    with pytest.raises(grpc.RpcError) as e:
+        list(pdflash_stub.client.stream(request, timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert details(e.value)["violations"] == [
+        ("drafter", "unknown drafter kind 17; choose one of unspecified, none, ngram, dflash, hybrid")]
 
 def test_a_tokenizer_file_tokenizes_as_the_model_does(tiny):
     from transformers import AutoTokenizer
