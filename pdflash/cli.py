@@ -118,6 +118,9 @@ def _check_seconds(args, *names: str) -> None:
            {n: "--" + n.replace("_", "-") for n in names})
 
 
+_OFFLOAD_OPTIONS = (("expert_prefetch", "union,layer"), ("expert_cache_mode", "device"), ("expert_eviction", "lru"))
+
+
 def _check_stack_args(args) -> None:
     """What `up` and `demo` check before anything starts: numbers in range, the model and drafter directories
     exist, and a named drafter fits the target."""
@@ -136,6 +139,21 @@ def _check_stack_args(args) -> None:
         raise UsageError([f"--expert-cache-gb: must be a number of GiB >= 0 (0 = every expert resident), got {gb}"])
     if gb > 0 and getattr(args, "experts", "native") != "mxfp4":
         raise UsageError(["--expert-cache-gb serves offloaded MXFP4 experts: add --experts mxfp4"])
+    # Offloading options without an expert cache, or a host-cache policy with the device cache: the verifier would
+    # ignore the first and refuse the second once started; say so before anything starts. The verifier also reads
+    # PDFLASH_<OPTION> for what `up` leaves at its default, so those count.
+    def effective(name: str, default):
+        value = getattr(args, name)
+        return os.environ.get(f"PDFLASH_{name.upper()}", "").strip() or default if value == default else value
+
+    offloaded = gb > 0 or effective("expert_cache_gb", 0.0) not in (0.0, "0", "0.0")
+    changed = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n, default in _OFFLOAD_OPTIONS if getattr(args, n) != default]
+    if changed and not offloaded:
+        raise UsageError([f"{', '.join(changed)}: only for offloaded experts; add --experts mxfp4 --expert-cache-gb GiB"])
+    eviction, mode = effective("expert_eviction", "lru"), effective("expert_cache_mode", "device")
+    if args.expert_eviction != "lru" and mode != "host":
+        raise UsageError([f"--expert-eviction {eviction} is a policy of --expert-cache-mode host (the device-managed "
+                          "cache evicts LRU within each layer's slots): add --expert-cache-mode host"])
     check_device(args.device, "--device")
     if args.drafter_device is not None:
         check_device(args.drafter_device, "--drafter-device")

@@ -197,6 +197,36 @@ def test_pdflash_up_passes_the_expert_options_to_the_verifier():
         VerifierConfig(experts="mxfp4", expert_cache_gb=1.0, expert_eviction="cyclic").validate()
 
 
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_up_refuses_offload_options_that_cannot_apply_before_anything_starts(command, capsys, monkeypatch):
+    """--expert-prefetch / --expert-cache-mode / --expert-eviction without an expert cache were ignored silently, and
+    README's `--expert-eviction cyclic` line (no --expert-cache-mode host) started the stack only for the verifier to
+    refuse it: one line and exit code 2 before anything starts. The verifier's own PDFLASH_ variables count."""
+    from pdflash import cli
+
+    for name in ("PDFLASH_EXPERT_CACHE_GB", "PDFLASH_EXPERT_CACHE_MODE", "PDFLASH_EXPERT_EVICTION"):
+        monkeypatch.delenv(name, raising=False)
+    cases = (
+        (["--expert-prefetch", "layer"], "--expert-prefetch layer: only for offloaded experts; add --experts mxfp4 --expert-cache-gb"),
+        (["--expert-cache-mode", "host", "--expert-eviction", "cyclic"],
+         "--expert-cache-mode host, --expert-eviction cyclic: only for offloaded experts"),
+        (["--experts", "mxfp4", "--expert-cache-gb", "1", "--expert-eviction", "cyclic"],
+         "--expert-eviction cyclic is a policy of --expert-cache-mode host"),
+    )
+    for argv, words in cases:
+        assert cli.main([command, "--model", "/nonexistent", *argv]) == 2, argv
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"pdflash {command}: ") and words in err[0], err
+    # the README's line, and the same through the verifier's environment, pass these checks (then no model there)
+    assert cli.main([command, "--model", "/nonexistent", "--experts", "mxfp4", "--expert-cache-gb", "4",
+                     "--expert-cache-mode", "host", "--expert-eviction", "cyclic"]) == 2
+    assert "--model '/nonexistent': no config.json" in capsys.readouterr().err
+    monkeypatch.setenv("PDFLASH_EXPERT_CACHE_GB", "4")
+    monkeypatch.setenv("PDFLASH_EXPERT_CACHE_MODE", "host")
+    assert cli.main([command, "--model", "/nonexistent", "--expert-eviction", "cyclic"]) == 2
+    assert "--model '/nonexistent': no config.json" in capsys.readouterr().err
+
 def test_a_projection_streamed_in_from_another_thread_mid_forward_changes_nothing(tiny):
     """The servicer calls cache.arriving() the moment a Verify arrives, from its own thread, while another verify's
     forward may be running: with a thread hammering the cache that way during every forward, the tokens stay the
