@@ -3,7 +3,7 @@
 The `layer` prefetch applies layer l + 1's router to layer l's input and streams the experts it picks while layer l
 computes. A right guess hides a copy under compute; a wrong one moves a whole expert slice over PCIe for nothing and
 may evict a resident expert that was needed. Which wins depends on the model and the cache size: on the H200 with
-random weights (gpt-oss-20b shapes, benchmarks/results/offload_h200.md) about half the guesses were used and every
+random weights (gpt-oss-20b shapes, benchmarks/results/offload_prefetch_h200.md) about half the guesses were used and every
 prefetching row was slower than no prefetch (10% cache: 32.1 vs 34.5 tok/s at block 1; 25%: 36.5 vs 41.9, where the
 guesses were mostly right but their slots evicted experts that were needed); trained routers are reported to be far
 more predictable from the previous layer's input. So the cache measures instead of assuming: two arms, guess on and
