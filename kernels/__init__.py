@@ -4,6 +4,7 @@ Pure functions on tensors (no gRPC, no model code):
 - `kernels.mxfp4`: the MXFP4 format (quantize / dequantize, gpt-oss layout, one expert's arena layout);
 - `kernels.moe`: grouped MoE experts (all routed pairs of a layer, bf16 or MXFP4 weights, slot table);
 - `kernels.linear`, `kernels.reduce`, `kernels.attention`: batch-invariant matmul, row reductions, attention;
+- `kernels.fused`: RMSNorm, rotary (q and k) and MoE routing, one launch each (a decode step's small ops);
 - `kernels.dispatch`: the torch dispatch mode that routes a model's matmuls and reductions to them;
 - `kernels.installer`: puts all of it under a loaded transformers model (`install(model) -> Installation`);
 - `kernels.reference`: torch references (any device), the tests' oracle and the CPU path.
@@ -14,7 +15,7 @@ from kernels.runtime import triton_usable
 __all__ = ["install", "triton_usable"]
 
 
-def install(model, experts_format: str = "native", probe: bool = True):
+def install(model, experts_format: str = "native", probe: bool = True, fuse: bool = True):
     from kernels.installer import install as _install
 
-    return _install(model, experts_format=experts_format, probe=probe)
+    return _install(model, experts_format=experts_format, probe=probe, fuse=fuse)

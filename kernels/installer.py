@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from kernels import attention as attn_kernels
-from kernels import mxfp4, runtime
+from kernels import fused, mxfp4, runtime
 from kernels.dispatch import InvariantMode, Recorder
 from kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights, moe_forward
 from pdflash.hf_compat import cache_kwarg
@@ -124,7 +124,7 @@ def expert_weights(module: nn.Module, experts_format: str = "native") -> ExpertW
 
 
 # ---- the functions registered with transformers ----------------------------------------------------------
-CALLS = {"experts": 0, "attention": 0}  # kernel calls, counted by the install probe
+CALLS = {"experts": 0, "attention": 0, "fused": 0}  # kernel calls, counted by the install probe
 
 
 @dataclasses.dataclass
@@ -336,6 +336,229 @@ def _register() -> None:
     AttentionInterface.register(ATTN_IMPL, _attention_forward)
 
 
+# ---- fused per-row steps (kernels.fused): RMSNorm modules, the rotary function, routers -------------------
+def _eps_of(module: nn.Module) -> float | None:
+    for attr in ("variance_epsilon", "eps"):
+        v = getattr(module, attr, None)
+        if isinstance(v, float):
+            return v
+    return None
+
+
+def norm_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> module for every RMSNorm-like module: a class named *RMSNorm with a 1-D weight and an epsilon."""
+    out = {}
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if type(m).__name__.endswith("RMSNorm") and isinstance(w, torch.Tensor) and w.dim() == 1 and _eps_of(m) is not None:
+            out[name] = m
+    return out
+
+
+def rms_norm_variant(module: nn.Module) -> bool | None:
+    """Which formula the module computes, told by exact agreement on a probe (plain torch ops, as the module runs them):
+    True `weight * y.to(x.dtype)`, False `(weight * y).to(x.dtype)` (y = x * rsqrt(mean(x^2) + eps) in float32), None
+    neither (e.g. Gemma's 1 + weight): the module then keeps its own ops."""
+    w, eps = module.weight, _eps_of(module)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, w.shape[0], generator=g) * 3).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        try:
+            got = type(module).forward(module, x)
+        except Exception:  # noqa: BLE001 - a module that cannot take a plain [rows, D] input is not ours
+            return None
+        xf = x.to(torch.float32)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        for cast_first, ref in ((True, w * y.to(x.dtype)), (False, (w * y).to(x.dtype))):
+            if isinstance(got, torch.Tensor) and got.dtype == ref.dtype and torch.equal(got, ref):
+                return cast_first
+    return None
+
+
+def _fused_norm_forward(module: nn.Module, cast_first: bool, hidden_states: torch.Tensor) -> torch.Tensor:
+    if hidden_states.dtype not in fused._ROUNDED or not runtime.triton_usable(hidden_states.device):
+        return type(module).forward(module, hidden_states)
+    CALLS["fused"] += 1
+    return fused.rms_norm(hidden_states, module.weight, _eps_of(module), cast_first)
+
+
+_ROTARY_PATCHES: dict[str, list] = {}  # modeling module name -> [original function, installations using it, contiguous]
+
+
+def _rotary_probe(model: nn.Module, orig) -> tuple[bool | None, str]:
+    """(contiguous, "") when the fused rotary equals `orig` bit for bit on the model's own cos/sin tables (contiguous:
+    whether orig's results are, e.g. built by torch.cat), else (None, why not)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    inner = getattr(model, "model", None)
+    rot = getattr(inner, "rotary_emb", None)
+    attn = next((m for m in model.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "scaling")), None)
+    if rot is None or attn is None:
+        return None, "no rotary_emb / attention module found"
+    p = next(model.parameters())
+    hd = int(getattr(attn, "head_dim", 0) or getattr(cfg, "head_dim", 0) or cfg.hidden_size // cfg.num_attention_heads)
+    hq, hk = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 3, hq, hd, generator=g).to(device=p.device, dtype=p.dtype).transpose(1, 2)  # as the modules lay it
+    k = torch.randn(1, 3, hk, hd, generator=g).to(device=p.device, dtype=p.dtype).transpose(1, 2)
+    pos = torch.tensor([[0, 5, 77]], device=p.device)
+    try:
+        with torch.no_grad():
+            cos, sin = rot(q.transpose(1, 2), pos)
+            if not fused.rotary_supported(q, k, cos, sin):
+                return None, f"cos/sin {tuple(cos.shape)} {cos.dtype}: a layout the fused rotary does not take"
+            want = orig(q, k, cos, sin)
+            contiguous = all(w.is_contiguous() for w in want)
+            got = fused.rotary(q, k, cos, sin, contiguous)
+    except Exception as e:  # noqa: BLE001 - any failure means "not ours"
+        return None, f"probe failed: {e}"
+    if not all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(want, got)):
+        return None, "a different formula (the probe's results differ)"
+    return contiguous, ""
+
+
+_ROTARY_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("pdflash_fused_rotary", default=False)
+
+
+def _patch_rotary(model: nn.Module) -> tuple[str, object | None]:
+    """Route the modeling module's `apply_rotary_pos_emb` through kernels.fused.rotary when an attention module of
+    this model calls it (its forward is wrapped to say so); any other caller (another model of the architecture in
+    the process, installed op by op or not at all) gets the original. -> (report, undo)."""
+    import sys
+
+    attns = [m for m in model.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "scaling")]
+    if not attns:
+        return "no attention module found", None
+    modname = type(attns[0]).__module__
+    mod = sys.modules.get(modname)
+    current = getattr(mod, "apply_rotary_pos_emb", None)
+    if current is None:
+        return f"{modname} has no apply_rotary_pos_emb", None
+    entry = _ROTARY_PATCHES.get(modname)
+    orig = entry[0] if entry else current
+    contiguous, why = _rotary_probe(model, orig)
+    if contiguous is None:
+        return f"transformers ({why})", None
+    if entry is None:
+        @functools.wraps(orig)
+        def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+            unsqueeze = kwargs.get("unsqueeze_dim", args[0] if args else 1)
+            if (_ROTARY_ON.get() and len(args) + len(kwargs) <= 1 and set(kwargs) <= {"unsqueeze_dim"}
+                    and runtime.triton_usable(q.device) and fused.rotary_supported(q, k, cos, sin, unsqueeze)):
+                CALLS["fused"] += 1
+                return fused.rotary(q, k, cos, sin, entry[2])
+            return orig(q, k, cos, sin, *args, **kwargs)
+
+        entry = _ROTARY_PATCHES[modname] = [orig, 0, contiguous]
+        mod.apply_rotary_pos_emb = apply_rotary_pos_emb
+    entry[1] += 1
+    for m in attns:
+        m.forward = _with_fused_rotary(m.forward)
+
+    def undo():
+        for m in attns:
+            m.__dict__.pop("forward", None)
+        entry[1] -= 1
+        if entry[1] == 0:
+            mod.apply_rotary_pos_emb = entry[0]
+            _ROTARY_PATCHES.pop(modname, None)
+
+    return "triton (q and k in one launch)", undo
+
+
+def _with_fused_rotary(forward):
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        token = _ROTARY_ON.set(True)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _ROTARY_ON.reset(token)
+
+    return wrapped
+
+
+def _route_reference(logits: torch.Tensor, k: int, softmax_first: bool, norm: bool, dtype: torch.dtype):
+    if softmax_first:
+        v, i = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
+        if norm:
+            v = v / v.sum(dim=-1, keepdim=True)
+        return v.to(dtype), i
+    v, i = torch.topk(logits, k, dim=-1)
+    return torch.softmax(v, dim=1, dtype=v.dtype).to(dtype), i
+
+
+def route_variant(router: nn.Module) -> tuple[bool, bool, torch.dtype] | None:
+    """(softmax_first, norm, score dtype) of a router whose forward returns (logits, scores, ids), told by agreement
+    with one of kernels.fused.route's formulas on a probe (plain torch; the same expert ids, scores within bf16
+    rounding: the formulas differ by far more), or None."""
+    w, b = router.weight, getattr(router, "bias", None)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        try:
+            out = type(router).forward(router, x)
+        except Exception:  # noqa: BLE001
+            return None
+        if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+            return None
+        logits = torch.nn.functional.linear(x, w, b if isinstance(b, torch.Tensor) else None)
+        if not torch.equal(out[0], logits):
+            return None
+        for softmax_first, norm in ((True, True), (True, False), (False, False)):
+            v, i = _route_reference(logits, int(router.top_k), softmax_first, norm, out[1].dtype)
+            if v.dtype == out[1].dtype and torch.equal(i, out[2]) and torch.allclose(v.float(), out[1].float(), rtol=1e-2, atol=1e-4):
+                return softmax_first, norm, out[1].dtype
+    return None
+
+
+def _fused_router_forward(router: nn.Module, variant: tuple, hidden_states: torch.Tensor):
+    if not runtime.triton_usable(hidden_states.device):
+        return type(router).forward(router, hidden_states)
+    w, b = router.weight, getattr(router, "bias", None)
+    x = hidden_states.reshape(-1, w.shape[1])
+    logits = torch.nn.functional.linear(x, w, b if isinstance(b, torch.Tensor) else None)
+    CALLS["fused"] += 1
+    scores, ids = fused.route(logits, int(router.top_k), *variant)
+    return logits, scores, ids
+
+
+def install_fused(model: nn.Module) -> tuple[dict[str, str], list]:
+    """Put kernels.fused under the model's RMSNorms, rotary function and routers, each after its probe.
+    -> (report: part -> how it runs, undo callables)."""
+    report, undo = {}, []
+    norms = norm_modules(model)
+    done, skipped = 0, []
+    for name, m in norms.items():
+        variant = rms_norm_variant(m)
+        if variant is None:
+            skipped.append(type(m).__name__)
+            continue
+        m.forward = functools.partial(_fused_norm_forward, m, variant)
+        undo.append(lambda m=m: m.__dict__.pop("forward", None))
+        done += 1
+    if norms:
+        report["rms_norm"] = (f"triton ({done} of {len(norms)} modules)" if done else "transformers") + (
+            f"; not fused: {', '.join(sorted(set(skipped)))} (an unrecognised formula)" if skipped else "")
+    how, u = _patch_rotary(model)
+    report["rotary"] = how
+    if u is not None:
+        undo.append(u)
+    found = routers(model)
+    fused_routers, skipped = 0, set()
+    for r in found.values():
+        variant = route_variant(r)
+        if variant is None:
+            skipped.add(type(r).__name__)
+            continue
+        r.forward = functools.partial(_fused_router_forward, r, variant)
+        undo.append(lambda r=r: r.__dict__.pop("forward", None))
+        fused_routers += 1
+    if found:
+        report["router"] = (f"triton ({fused_routers} of {len(found)} routers)" if fused_routers else "transformers") + (
+            f"; not fused: {', '.join(sorted(skipped))} (an unrecognised formula)" if skipped else "")
+    return report, undo
+
+
 # ---- install / uninstall ---------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Installation:
@@ -346,6 +569,7 @@ class Installation:
     uncovered: dict[str, int]  # risky aten ops the probe forward still ran on torch's kernels
     experts_format: str
     _undo: list = dataclasses.field(default_factory=list, repr=False)
+    fused: dict[str, str] = dataclasses.field(default_factory=dict)  # rms_norm / rotary / router -> how it runs
 
     @property
     def exact(self) -> bool:
@@ -365,6 +589,7 @@ class Installation:
             "attention": self.attention,
             "dense": self.dense,
             "uncovered_ops": dict(self.uncovered),
+            "fused": dict(self.fused),
         }
 
     def uninstall(self) -> None:
@@ -385,8 +610,9 @@ def _set_attn_impl(model: nn.Module, name: str) -> str:
     return prev
 
 
-def install(model: nn.Module, experts_format: str = "native", probe: bool = True) -> Installation:
-    """Install the kernels under `model` (on CUDA; on CPU only under TRITON_INTERPRET, for tests)."""
+def install(model: nn.Module, experts_format: str = "native", probe: bool = True, fuse: bool = True) -> Installation:
+    """Install the kernels under `model` (on CUDA; on CPU only under TRITON_INTERPRET, for tests). `fuse`: also the
+    fused RMSNorm / rotary / routing kernels (kernels.fused; off only to compare against the op-by-op path)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -434,12 +660,14 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
         with InvariantMode():
             return orig_forward(*args, **kwargs)
 
+    fused_report, fused_undo = install_fused(model) if fuse else ({}, [])
+    undo.extend(fused_undo)
     model.forward = forward
     undo.append(lambda: model.__dict__.pop("forward", None))
     for module in experts_modules(model).values():
         undo.append(lambda module=module: _forget(module))
 
-    inst = Installation(model, report, f"triton ({ATTN_IMPL}, absolute-position KV chunks)", "triton (linear/matmul/mm/addmm/bmm, sum/mean, softmax)", {}, experts_format, undo)
+    inst = Installation(model, report, f"triton ({ATTN_IMPL}, absolute-position KV chunks)", "triton (linear/matmul/mm/addmm/bmm, sum/mean, softmax)", {}, experts_format, undo, fused_report)
     if probe:
         before = dict(CALLS)
         inst.uncovered = probe_uncovered(model, orig_forward)

@@ -190,6 +190,85 @@ def test_reductions_rows_are_invariant(d):
         assert torch.equal(softmax(x[:r], -1, dtype=torch.float32), sm[:r])
 
 
+@pytest.mark.parametrize("d", [64, 128, 2048, 2880, 4096])
+@pytest.mark.parametrize("cast_first", [True, False])
+def test_fused_rms_norm_matches_the_op_by_op_path_and_rows_are_invariant(d, cast_first):
+    """One launch for what transformers' RMSNorm runs as 8; rsqrt is Triton's, not torch's, so a value may be one
+    bf16 step apart from the op-by-op path (how often is printed); rows are bit-identical whatever the others."""
+    from kernels import fused
+    from kernels.dispatch import InvariantMode
+
+    g = torch.Generator(device=DEV).manual_seed(d)
+    x = (torch.randn(256, d, generator=g, device=DEV) * 3).bfloat16()
+    w = torch.randn(d, generator=g, device=DEV).bfloat16()
+    with InvariantMode():
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        ref = w * y.to(x.dtype) if cast_first else (w * y).to(x.dtype)
+    out = fused.rms_norm(x, w, 1e-6, cast_first)
+    diff = (out.float() - ref.float()).abs()
+    print(f"d={d}: {(diff > 0).float().mean().item():.4%} of values differ from the op-by-op path")
+    assert diff.max() <= 0.02 * ref.float().abs().max()
+    for r in (1, 3, 17, 100):
+        assert torch.equal(fused.rms_norm(x[:r], w, 1e-6, cast_first), out[:r])
+    assert torch.equal(fused.rms_norm(x[200:201], w, 1e-6, cast_first), out[200:201])
+
+
+@pytest.mark.parametrize("hq,hk,d,half", [(32, 4, 128, False), (64, 8, 64, True), (32, 8, 128, False)])
+def test_fused_rotary_equals_the_op_by_op_path(hq, hk, d, half):
+    """q and k in one launch, bit-identical to torch's elementwise formula (products and sums rounded alike)."""
+    from kernels import fused
+
+    g = torch.Generator(device=DEV).manual_seed(d)
+    t = 32
+    q = torch.randn(1, t, hq, d, generator=g, device=DEV).bfloat16().transpose(1, 2)
+    k = torch.randn(1, t, hk, d, generator=g, device=DEV).bfloat16().transpose(1, 2)
+    ang = torch.rand(1, t, d // 2, generator=g, device=DEV) * 100
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    if half:
+        def ref(x):
+            x1, x2 = torch.chunk(x, 2, dim=-1)
+            c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+            return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        tc, ts = cos, sin
+    else:
+        tc, ts = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+
+        def ref(x):
+            h = x.shape[-1] // 2
+            return x * tc.unsqueeze(1) + torch.cat((-x[..., h:], x[..., :h]), -1) * ts.unsqueeze(1)
+    oq, ok = fused.rotary(q, k, tc, ts, contiguous=half)
+    assert torch.equal(oq, ref(q)) and torch.equal(ok, ref(k))
+    one_q, one_k = fused.rotary(q[:, :, 7:8], k[:, :, 7:8], tc[:, 7:8], ts[:, 7:8], contiguous=half)
+    assert torch.equal(one_q, oq[:, :, 7:8]) and torch.equal(one_k, ok[:, :, 7:8])
+
+
+@pytest.mark.parametrize("e,k,softmax_first,norm,dtype", [(128, 8, True, True, torch.bfloat16), (32, 4, False, False, torch.bfloat16),
+                                                          (8, 2, True, True, torch.float32)])
+def test_fused_route_equals_the_op_by_op_path(e, k, softmax_first, norm, dtype):
+    """Qwen3-MoE, gpt-oss and Mixtral routing in one launch: the same experts and bit-identical scores (distinct
+    logits: torch.topk's order among tied values is its own), rows invariant."""
+    from kernels import fused
+    from kernels.dispatch import InvariantMode
+
+    g = torch.Generator(device=DEV).manual_seed(e)
+    logits = torch.stack([(torch.randperm(e, generator=g, device=DEV) - e / 2) / 16 for _ in range(256)]).bfloat16()
+    with InvariantMode():
+        if softmax_first:
+            v, i = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), k, dim=-1)
+            if norm:
+                v /= v.sum(dim=-1, keepdim=True)
+            v = v.to(dtype)
+        else:
+            v, i = torch.topk(logits, k, dim=-1)
+            v = torch.softmax(v, dim=1, dtype=v.dtype)
+    fv, fi = fused.route(logits, k, softmax_first, norm, dtype)
+    assert torch.equal(fi, i) and torch.equal(fv, v)
+    for r in (1, 5, 33):
+        rv, ri = fused.route(logits[:r], k, softmax_first, norm, dtype)
+        assert torch.equal(rv, fv[:r]) and torch.equal(ri, fi[:r])
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(32, 4, 128), (64, 8, 64)])
 @pytest.mark.parametrize("window,sinks", [(None, False), (128, True)])
 def test_attention_matches_reference_and_queries_are_invariant(hq, hkv, d, window, sinks):
@@ -245,6 +324,7 @@ def test_installed_model_logits_are_identical_in_blocks(arch, fmt):
         stock = model(input_ids=ids[:, :64]).logits.float()
     inst = kernels.install(model, experts_format=fmt)
     assert inst.exact, inst.summary()
+    assert all(v.startswith("triton") and "not fused" not in v for v in inst.fused.values()) and len(inst.fused) == 3, inst.fused
     kw = cache_kwarg(model)
     with torch.inference_mode():
         full = model(input_ids=ids).logits

@@ -1,0 +1,205 @@
+"""Fused batch-invariant kernels for a decoder layer's small per-row steps: RMSNorm, rotary embedding, MoE routing.
+
+Run op by op, each of these is a chain of tiny kernels (an RMSNorm: cast, square, mean, add, rsqrt, multiply, cast,
+multiply = 8 launches; rotary: 5 per tensor; softmax-top-k routing: 6). In a CUDA-graphed decode forward, where a
+launch costs ~2 us whatever it does, those chains are most of a layer's time. Here each is one launch, one program
+per row, with the rounding points of the transformers formula it replaces:
+
+- `rms_norm`: x -> float32, mean of squares (the same chunked order as `kernels.reduce.row_sum`), + eps, rsqrt,
+  then either `weight * y.to(x.dtype)` (Llama, Qwen3, Mixtral: `CAST_FIRST`) or `(weight * y).to(x.dtype)` (gpt-oss).
+- `rotary`: `x * cos + rotate_half(x) * sin` for q and k in one launch, each product rounded to the result dtype
+  before the sum, as torch's elementwise ops round (also gpt-oss's half-width table: `first*cos - second*sin`,
+  `second*cos + first*sin`, the same arithmetic).
+- `route`: a router's logits -> (scores, expert ids): softmax (float32) -> top-k -> optional renormalisation
+  (Qwen3-MoE, Mixtral), or top-k of the logits -> softmax over them (gpt-oss). Ties go to the lower expert id.
+
+A row's result never depends on the other rows (no reduction across rows, fixed chunks per row), so these keep the
+forward batch-invariant. `kernels.installer` puts them under a model after a probe has shown which formula each
+module computes (`rms_norm_variant`, `rotary_matches`, `route_variant`); a module that matches none keeps its own
+ops (which `kernels.dispatch` already makes invariant), and the install report says so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import runtime
+
+triton, tl = runtime.triton, runtime.tl
+
+CHUNK = 2048  # as kernels.reduce: elements of a row per step
+_ROUNDED = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}  # the ROUND code of a result dtype
+
+
+def _block(d: int) -> int:
+    return min(CHUNK, triton.next_power_of_2(max(d, 1)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round(x, ROUND: tl.constexpr, EMULATE: tl.constexpr):
+        """float32 -> the value a torch op with a ROUND-typed result stores (0 float32, 1 bf16, 2 fp16), as float32."""
+        if ROUND == 1:
+            x = runtime.to_bf16(x, EMULATE).to(tl.float32)
+        elif ROUND == 2:
+            x = x.to(tl.float16).to(tl.float32)
+        return x
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D: tl.constexpr, eps, scale, CAST_FIRST: tl.constexpr,
+                         XROUND: tl.constexpr, OROUND: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c in range(0, D, BLOCK):  # the order of kernels.reduce._row_sum over x.float().pow(2)
+            cols = c + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+            acc += x * x
+        var = tl.sum(acc, axis=0) * scale
+        inv = tl.math.rsqrt(var + eps)
+        for c in range(0, D, BLOCK):
+            cols = c + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+            y = x * inv
+            if CAST_FIRST:
+                y = _round(y, XROUND, EMULATE)
+            y = _round(w * y, OROUND, EMULATE)
+            tl.store(out_ptr + r * D + cols, y.to(out_ptr.dtype.element_ty), mask=cols < D)
+
+    @triton.jit
+    def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
+                       sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t, sc_b, sc_t,
+                       HQ, HK, T, D: tl.constexpr, HALF_TABLE: tl.constexpr, ROUND: tl.constexpr,
+                       BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+        """One program per (batch, head, position) row of q, then of k."""
+        pid = tl.program_id(0)
+        nq = HQ * T
+        b = pid // (nq + HK * T)
+        j = pid % (nq + HK * T)
+        is_q = j < nq
+        j = tl.where(is_q, j, j - nq)
+        h = j // T
+        t = j % T
+        half: tl.constexpr = D // 2
+        i = tl.arange(0, BLOCK)
+        ok = i < D
+        partner = tl.where(i < half, i + half, i - half)
+        sign = tl.where(i < half, -1.0, 1.0)
+        ci = i % half if HALF_TABLE else i
+        c = tl.load(cos_ptr + b * sc_b + t * sc_t + ci, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + b * sc_b + t * sc_t + ci, mask=ok, other=0.0).to(tl.float32)
+        if is_q:
+            src = q_ptr + b * sq_b + h * sq_h + t * sq_t
+            dst = qo_ptr + b * sqo_b + h * sqo_h + t * sqo_t
+        else:
+            src = k_ptr + b * sk_b + h * sk_h + t * sk_t
+            dst = ko_ptr + b * sko_b + h * sko_h + t * sko_t
+        x = tl.load(src + i, mask=ok, other=0.0).to(tl.float32)
+        p = tl.load(src + partner, mask=ok, other=0.0).to(tl.float32)
+        y = _round(_round(x * c, ROUND, EMULATE) + _round(sign * p * s, ROUND, EMULATE), ROUND, EMULATE)
+        tl.store(dst + i, y.to(qo_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _route_kernel(logits_ptr, scores_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
+                      NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK_E)
+        ok = e < E
+        x = tl.load(logits_ptr + r * E + e, mask=ok, other=-float("inf")).to(tl.float32)
+        if SOFTMAX_FIRST:  # kernels.reduce._row_softmax's steps over one chunk
+            mx = tl.max(tl.where(ok, x, -float("inf")), axis=0)
+            ex = tl.where(ok, tl.exp(x - mx), 0.0)
+            total = tl.sum(ex, axis=0)
+            x = tl.where(ok, tl.exp(x - mx) / total, -float("inf"))
+        kk = tl.arange(0, BLOCK_K)
+        vals = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+        for j in range(K):  # top-k, largest first, ties to the lower id
+            v = tl.max(x, axis=0)
+            pick = tl.min(tl.where(x == v, e, BLOCK_E), axis=0)
+            vals = tl.where(kk == j, v, vals)
+            ids = tl.where(kk == j, pick.to(tl.int64), ids)
+            x = tl.where(e == pick, -float("inf"), x)
+        kok = kk < K
+        if SOFTMAX_FIRST:
+            if NORM:  # /= sum (kernels.reduce._row_sum's order over K values)
+                vals = vals / tl.sum(tl.where(kok, vals, 0.0), axis=0)
+        else:  # softmax over the top-k logits
+            mx = tl.max(tl.where(kok, vals, -float("inf")), axis=0)
+            ex = tl.where(kok, tl.exp(vals - mx), 0.0)
+            total = tl.sum(ex, axis=0)
+            vals = tl.exp(vals - mx) / total
+        tl.store(scores_ptr + r * K + kk, runtime.to_out(vals, scores_ptr, EMULATE), mask=kok)
+        tl.store(ids_ptr + r * K + kk, ids, mask=kok)
+
+
+# ---- the Python entry points ------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool) -> torch.Tensor:
+    """RMSNorm over the last dimension of x, as transformers' RMSNorm modules compute it (see the module doc)."""
+    d = x.shape[-1]
+    xc = x.contiguous()
+    rows = xc.numel() // d if d else 0
+    out_dtype = torch.promote_types(weight.dtype, x.dtype) if cast_first else x.dtype
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if rows:
+        oround = _ROUNDED[torch.promote_types(weight.dtype, x.dtype)] if cast_first else _ROUNDED[out_dtype]
+        _rms_norm_kernel[(rows,)](xc, weight, out, D=d, eps=float(eps), scale=1.0 / d, CAST_FIRST=cast_first,
+                                  XROUND=_ROUNDED[x.dtype], OROUND=oround, BLOCK=_block(d), EMULATE=runtime.interpreting(),
+                                  enable_fp_fusion=False)  # x * x rounded before it is summed, as torch's pow
+    return out
+
+
+def _like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An output laid out like x (torch's elementwise ops keep a dense permuted layout, as empty_like does), of `dtype`."""
+    return torch.empty_like(x, dtype=dtype)
+
+
+def rotary_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> bool:
+    """The layout `rotary` takes: q/k [B, H, T, D] (any strides, D unit-stride), cos/sin [B or 1, T, D or D/2] with
+    unit last stride and equal strides, unsqueeze_dim 1, and a result dtype it rounds to."""
+    if unsqueeze_dim != 1 or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
+        return False
+    b, _, t, d = q.shape
+    if k.shape[0] != b or k.shape[2] != t or k.shape[3] != d or d % 2 or q.stride(-1) != 1 or k.stride(-1) != 1:
+        return False
+    if cos.shape[0] not in (1, b) or cos.shape[1] != t or cos.shape[2] not in (d, d // 2):
+        return False
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1 or q.dtype != k.dtype or cos.dtype != sin.dtype:
+        return False
+    return torch.promote_types(q.dtype, cos.dtype) in _ROUNDED and q.device == cos.device
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q * cos + rotate_half(q) * sin, the same for k): q [B, HQ, T, D], k [B, HK, T, D], cos/sin [B or 1, T, D or D/2]
+    (a half-width table is gpt-oss's form). One launch for both. The results are laid out like q and k (as torch's
+    elementwise ops lay them), or `contiguous` (as a formula ending in torch.cat does)."""
+    b, hq, t, d = q.shape
+    hk = k.shape[1]
+    dtype = torch.promote_types(q.dtype, cos.dtype)
+    if contiguous:
+        qo = torch.empty(q.shape, dtype=dtype, device=q.device)
+        ko = torch.empty(k.shape, dtype=dtype, device=k.device)
+    else:
+        qo, ko = _like(q, dtype), _like(k, dtype)
+    if b * t:
+        sc_b = cos.stride(0) if cos.shape[0] > 1 else 0
+        _rotary_kernel[(b * (hq + hk) * t,)](
+            q, k, cos, sin, qo, ko, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2), sc_b, cos.stride(1),
+            hq, hk, t, D=d, HALF_TABLE=cos.shape[-1] != d, ROUND=_ROUNDED[dtype], BLOCK=triton.next_power_of_2(d),
+            EMULATE=runtime.interpreting(), enable_fp_fusion=False)  # each product rounded before the sum, as torch's
+    return qo, ko
+
+
+def route(logits: torch.Tensor, top_k: int, softmax_first: bool, norm: bool, score_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (scores [T, k] of score_dtype, expert ids [T, k] int64), largest first."""
+    t, e = logits.shape
+    lc = logits.contiguous()
+    scores = torch.empty((t, top_k), dtype=score_dtype, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    if t:
+        _route_kernel[(t,)](lc, scores, ids, E=e, K=top_k, SOFTMAX_FIRST=softmax_first, NORM=norm,
+                            BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
+                            EMULATE=runtime.interpreting(), enable_fp_fusion=False)
+    return scores, ids

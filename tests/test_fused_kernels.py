@@ -1,0 +1,222 @@
+"""kernels/fused.py (RMSNorm, rotary, routing in one launch each) and their installation, on the CPU under Triton's
+interpreter (TRITON_INTERPRET=1, set by conftest.py). Each fused kernel must give, bit for bit, what the op-by-op
+path gives (transformers' formula with kernels.dispatch's invariant reductions), and a row's result must not depend
+on the other rows. The GPU versions are in tests/test_kernels_gpu.py."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from kernels import fused, runtime
+from kernels.dispatch import InvariantMode
+
+needs_triton = pytest.mark.skipif(not runtime.triton_usable("cpu"), reason="needs triton (interpreted on CPU)")
+G = torch.Generator().manual_seed(0)
+
+
+def _norm_op_by_op(x, w, eps, cast_first):
+    with InvariantMode():  # the mean through kernels.reduce.row_sum, as an installed model runs it
+        xf = x.to(torch.float32)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return w * y.to(x.dtype) if cast_first else (w * y).to(x.dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("cast_first", [True, False])
+@pytest.mark.parametrize("dtype,wdtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("d", [64, 3000])  # one chunk; two chunks with a ragged tail
+def test_rms_norm_equals_the_op_by_op_path(cast_first, dtype, wdtype, d):
+    x = (torch.randn(5, 2, d, generator=G) * 3).to(dtype)
+    w = torch.randn(d, generator=G).to(wdtype)
+    want = _norm_op_by_op(x, w, 1e-6, cast_first)
+    got = fused.rms_norm(x, w, 1e-6, cast_first)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+    assert torch.equal(fused.rms_norm(x[:1, :1], w, 1e-6, cast_first), got[:1, :1])  # rows independent
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+@needs_triton
+@pytest.mark.parametrize("half_table", [False, True])
+@pytest.mark.parametrize("cos_dtype", [torch.bfloat16, torch.float32])
+def test_rotary_equals_the_formula(half_table, cos_dtype):
+    b, hq, hk, t, d = 2, 4, 2, 3, 16
+    q = torch.randn(b, t, hq, d, generator=G).bfloat16().transpose(1, 2)  # the attention modules' permuted layout
+    k = torch.randn(b, t, hk, d, generator=G).bfloat16().transpose(1, 2)
+    ang = torch.randn(b, t, d // 2, generator=G)
+    cos, sin = ang.cos().to(cos_dtype), ang.sin().to(cos_dtype)
+    if half_table:  # gpt-oss: first*cos - second*sin, second*cos + first*sin, then cat
+        def ref(x):
+            c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+            x1, x2 = torch.chunk(x, 2, dim=-1)
+            return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        tc, ts = cos, sin
+    else:  # Llama / Qwen3 / Mixtral: x * cos + rotate_half(x) * sin over a duplicated table
+        tc, ts = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+
+        def ref(x):
+            return x * tc.unsqueeze(1) + _rotate_half(x) * ts.unsqueeze(1)
+    assert fused.rotary_supported(q, k, tc, ts)
+    gq, gk = fused.rotary(q, k, tc, ts, contiguous=half_table)
+    for got, x in ((gq, q), (gk, k)):
+        want = ref(x)
+        assert got.dtype == want.dtype and got.stride() == want.stride()
+        assert torch.equal(got, want)
+    one_q, _ = fused.rotary(q[:1, :, 1:2], k[:1, :, 1:2], tc[:1, 1:2], ts[:1, 1:2], contiguous=half_table)
+    assert torch.equal(one_q, gq[:1, :, 1:2])  # one position alone: the same bits
+
+
+@needs_triton
+def test_rotary_refuses_layouts_it_does_not_take():
+    q, k = torch.randn(1, 4, 3, 16).bfloat16(), torch.randn(1, 2, 3, 16).bfloat16()
+    cos = torch.randn(1, 3, 16).bfloat16()
+    assert fused.rotary_supported(q, k, cos, cos)
+    assert not fused.rotary_supported(q, k, cos, cos, unsqueeze_dim=2)
+    assert not fused.rotary_supported(q, k, torch.randn(1, 3, 12).bfloat16(), torch.randn(1, 3, 12).bfloat16())
+    assert not fused.rotary_supported(q, k.float(), cos, cos)
+    assert not fused.rotary_supported(q[..., ::2], k[..., ::2], cos[..., :8], cos[..., :8])
+
+
+def _route_op_by_op(logits, k, softmax_first, norm, dtype):
+    with InvariantMode():
+        if softmax_first:
+            v, i = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), k, dim=-1)
+            if norm:
+                v /= v.sum(dim=-1, keepdim=True)
+            return v.to(dtype), i
+        v, i = torch.topk(logits, k, dim=-1)
+        return torch.softmax(v, dim=1, dtype=v.dtype), i
+
+
+@needs_triton
+@pytest.mark.parametrize("softmax_first,norm,dtype", [(True, True, torch.bfloat16), (True, True, torch.float32),
+                                                      (True, False, torch.bfloat16), (False, False, torch.bfloat16)])
+@pytest.mark.parametrize("e,k", [(128, 8), (32, 4), (8, 2)])
+def test_route_equals_the_op_by_op_path(softmax_first, norm, dtype, e, k):
+    # distinct logits (exact in bf16): torch.topk orders tied values as it likes, the fused kernel by expert id
+    logits = torch.stack([(torch.randperm(e, generator=G) - e / 2) / 16 for _ in range(6)]).bfloat16()
+    want_v, want_i = _route_op_by_op(logits, k, softmax_first, norm, dtype)
+    v, i = fused.route(logits, k, softmax_first, norm, dtype)
+    assert torch.equal(i, want_i)
+    assert v.dtype == want_v.dtype and torch.equal(v, want_v)
+    v1, i1 = fused.route(logits[2:3], k, softmax_first, norm, dtype)
+    assert torch.equal(v1, v[2:3]) and torch.equal(i1, i[2:3])
+
+
+@needs_triton
+def test_route_with_tied_logits_is_a_top_k_in_expert_order():
+    logits = torch.randn(16, 128, generator=G).bfloat16()  # bf16 logits: ties are common
+    v, i = fused.route(logits, 8, True, False, torch.float32)
+    with InvariantMode():
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    assert torch.equal(torch.gather(probs, 1, i), v)
+    assert torch.equal(v, torch.topk(probs, 8, dim=-1).values)  # the same values (which of tied experts: may differ)
+    tied = v[:, 1:] == v[:, :-1]
+    assert tied.any() and bool((i[:, 1:] > i[:, :-1])[tied].all())
+
+
+@needs_triton
+def test_route_breaks_ties_to_the_lower_expert():
+    logits = torch.zeros(1, 8).bfloat16()
+    logits[0, 5] = 1.0
+    _, ids = fused.route(logits, 3, True, True, torch.bfloat16)
+    assert ids.tolist() == [[5, 0, 1]]
+
+
+# ---- the installation --------------------------------------------------------------------------------------
+def _tiny(arch):
+    from transformers import AutoModelForCausalLM
+
+    from pdflash.tiny import tiny_config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(arch, 512, 0, num_layers=1), dtype=torch.bfloat16).eval()
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "mixtral"])
+def test_installed_fused_kernels_give_the_op_by_op_logits(arch):
+    """Every RMSNorm, the rotary function and every router run fused, and the logits equal those of the same model
+    with the kernels installed op by op (fuse=False), bit for bit; uninstalling puts transformers' code back."""
+    import kernels
+    from kernels import installer
+
+    model = _tiny(arch)
+    other = copy.deepcopy(model)
+    modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    original_rotary = modeling.apply_rotary_pos_emb
+    inst = kernels.install(model, probe=False)  # (the probe's forwards: slow under the interpreter, tested elsewhere)
+    ref = kernels.install(other, probe=False, fuse=False)
+    try:
+        report = inst.summary()["fused"]
+        n_norms = len(installer.norm_modules(model))
+        assert report["rms_norm"] == f"triton ({n_norms} of {n_norms} modules)", report
+        assert report["rotary"].startswith("triton"), report
+        assert report["router"] == "triton (1 of 1 routers)", report
+        assert ref.summary()["fused"] == {}
+        ids = torch.randint(2, 500, (1, 5), generator=torch.Generator().manual_seed(1))
+        before = installer.CALLS["fused"]
+        with torch.inference_mode():
+            a, b = model(ids).logits, other(ids).logits
+        assert installer.CALLS["fused"] - before == n_norms + 1 + 1  # norms, rotary per layer, routers
+        assert torch.equal(a, b)
+    finally:
+        inst.uninstall()
+        ref.uninstall()
+    assert modeling.apply_rotary_pos_emb is original_rotary
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+@needs_triton
+def test_the_patched_rotary_runs_transformers_code_outside_an_installed_forward():
+    """A second model of the same architecture in the process (a reference, not installed) keeps transformers' own
+    rotary while the patch is in place."""
+    import kernels
+    from kernels import installer
+
+    model, plain = _tiny("qwen3_moe"), _tiny("qwen3_moe")
+    inst = kernels.install(model, probe=False)
+    try:
+        before = installer.CALLS["fused"]
+        with torch.inference_mode():
+            plain(torch.tensor([[3, 4, 5]]))
+        assert installer.CALLS["fused"] == before
+    finally:
+        inst.uninstall()
+
+
+class _GemmaLikeRMSNorm(nn.Module):  # (1 + weight): a formula the fused kernel does not compute
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(d))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * (1 + self.weight.float())).to(x.dtype)
+
+
+@needs_triton
+def test_an_unrecognised_norm_keeps_its_own_ops_and_is_reported():
+    import kernels
+
+    model = _tiny("qwen3_moe")
+    d = model.config.hidden_size
+    model.model.norm = _GemmaLikeRMSNorm(d).to(torch.bfloat16)
+    inst = kernels.install(model, probe=False)
+    try:
+        report = inst.summary()["fused"]["rms_norm"]
+        assert "not fused: _GemmaLikeRMSNorm (an unrecognised formula)" in report, report
+        assert "forward" not in model.model.norm.__dict__
+        assert inst.attention.startswith("triton") and inst.dense.startswith("triton")  # its ops: invariant reductions
+    finally:
+        inst.uninstall()
