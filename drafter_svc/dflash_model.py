@@ -12,6 +12,16 @@ The block's own K/V rows are written into the cache's spare rows past the commit
 one view of context + block (no copy of the whole context per layer and round); the next commit overwrites
 them, so nothing of a proposal outlives it. Rotary cos/sin come from a table (`RopeTable`) sliced per call.
 Training uses the same layers with an explicit attention mask over many blocks at once.
+
+Inference fuses the weights in memory at load (`DFlashDraftModel.fuse`, `load_dflash(fuse=True)`, the default): on a GPU
+every aten op is a kernel launch of ~2 us for tiny work, so the fused forward is written to dispatch few of them (see
+`DFlashLayer.fused`): q/k/v one matmul (`qkv_proj`), MLP gate/up one matmul (`gate_up_proj`), RMSNorm as `F.rms_norm`
+(one kernel on CUDA), q and k normalized and rotated together and written back into the projection's output, rotary
+cos/sin gathered once per forward from a table of (cos, signed sin) pairs (no rotate_half negation), the residual adds
+folded into the o_proj and down_proj matmuls (`addmm_`), and a layer's new K and V rows written in one copy (the
+context cache keeps a row's K and V side by side). The checkpoint layout does not change: `state_dict` (so `save`)
+gives the original names and `load_state_dict` takes them. The unfused module (as constructed, what training uses)
+runs the original Qwen3 ops; the two agree to float rounding (tests/test_dflash_fused.py).
 """
 
 from __future__ import annotations
@@ -67,66 +77,82 @@ def default_target_layers(num_target_layers: int, n: int) -> list[int]:
 
 
 class ContextKV:
-    """Per-layer K/V of the projected context rows (already rotated), [B, Hkv, T, D] each. Grows as tokens commit.
+    """Per-layer K/V of the projected context rows (K already rotated), [B, Hkv, T, D] each. Grows as tokens commit.
 
     The rows live in per-layer buffers that double when full: a commit writes only its own rows (no copy of the
-    whole context, no allocation of a bigger tensor every round, which on a GPU can mean a device malloc). A
-    proposal's block rows go to the spare rows after the committed ones (`with_block`) and are never committed."""
+    whole context, no allocation of a bigger tensor every round, which on a GPU can mean a device malloc). A buffer
+    holds a row's K and V side by side, [B, capacity, 2, Hkv, D], so the fused model writes a layer's new rows in one
+    copy (`append_rows`, `with_block_rows`); K and V are strided views of it. A proposal's block rows go to the spare
+    rows after the committed ones (`with_block`) and are never committed."""
 
     MIN_CAPACITY = 256
 
     def __init__(self, num_layers: int):
-        self._k: list[torch.Tensor | None] = [None] * num_layers
-        self._v: list[torch.Tensor | None] = [None] * num_layers
+        self._rows: list[torch.Tensor | None] = [None] * num_layers
         self._used = [0] * num_layers
         self.length = 0
 
+    @staticmethod
+    def _views(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [B, Hkv, T, D] of rows [B, T, 2, Hkv, D] (views)."""
+        return rows[:, :, 0].transpose(1, 2), rows[:, :, 1].transpose(1, 2)
+
     def layer(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Layer i's context K and V (views of its buffers), or (None, None) before anything was committed."""
-        if self._k[i] is None:
+        """Layer i's context K and V (views of its buffer), or (None, None) before anything was committed."""
+        if self._rows[i] is None:
             return None, None
-        n = self._used[i]
-        return self._k[i][:, :, :n], self._v[i][:, :, :n]
+        return self._views(self._rows[i][:, : self._used[i]])
 
     @property
     def k(self) -> list[torch.Tensor | None]:
-        return [self.layer(i)[0] for i in range(len(self._k))]
+        return [self.layer(i)[0] for i in range(len(self._rows))]
 
     @property
     def v(self) -> list[torch.Tensor | None]:
-        return [self.layer(i)[1] for i in range(len(self._v))]
+        return [self.layer(i)[1] for i in range(len(self._rows))]
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        n, t = self._write(layer, k, v)
+        """Commit K and V rows [B, Hkv, t, D]."""
+        n, t = self._write(layer, k.shape[2], k.shape[0], k.shape[1], k.shape[3], k, v)
+        self._used[layer] = n + t
+
+    def append_rows(self, layer: int, rows: torch.Tensor) -> None:
+        """Commit rows [B, t, 2, Hkv, D] (each row's K then V) in one copy."""
+        b, t, _, h, d = rows.shape
+        n, t = self._write(layer, t, b, h, d, rows)
         self._used[layer] = n + t
 
     def with_block(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's context K and V followed by a block's rows k, v (views of its buffers), without committing them.
+        """Layer i's context K and V followed by a block's rows k, v (views of its buffer), without committing them.
 
         The block's rows go to the spare rows past the committed ones: the attention of a proposal reads context and
         block in one view, and no copy of the context is made. The next `append` or `with_block` overwrites them."""
-        n, t = self._write(layer, k, v)
-        return self._k[layer][:, :, : n + t], self._v[layer][:, :, : n + t]
+        n, t = self._write(layer, k.shape[2], k.shape[0], k.shape[1], k.shape[3], k, v)
+        return self._views(self._rows[layer][:, : n + t])
 
-    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int]:
-        """k, v into layer's rows n..n+t-1 (n = its committed rows), the buffers grown first when they are full."""
-        n, t = self._used[layer], k.shape[2]
-        buf = self._k[layer]
-        if buf is None or n + t > buf.shape[2]:
-            cap = max(n + t, 2 * (0 if buf is None else buf.shape[2]), self.MIN_CAPACITY)
-            self._k[layer] = self._grown(buf, k, n, cap)
-            self._v[layer] = self._grown(self._v[layer], v, n, cap)
-        self._k[layer][:, :, n : n + t] = k
-        self._v[layer][:, :, n : n + t] = v
+    def with_block_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`with_block` for rows [B, t, 2, Hkv, D], written in one copy."""
+        b, t, _, h, d = rows.shape
+        n, t = self._write(layer, t, b, h, d, rows)
+        return self._views(self._rows[layer][:, : n + t])
+
+    def _write(self, layer: int, t: int, b: int, h: int, d: int, rows_or_k: torch.Tensor,
+               v: torch.Tensor | None = None) -> tuple[int, int]:
+        """Rows (or k and v) into layer's rows n..n+t-1 (n = its committed rows), the buffer grown first when full."""
+        n = self._used[layer]
+        buf = self._rows[layer]
+        if buf is None or n + t > buf.shape[1]:
+            cap = max(n + t, 2 * (0 if buf is None else buf.shape[1]), self.MIN_CAPACITY)
+            new = rows_or_k.new_empty(b, cap, 2, h, d)
+            if buf is not None:
+                new[:, :n] = buf[:, :n]
+            buf = self._rows[layer] = new
+        if v is None:
+            buf[:, n : n + t] = rows_or_k
+        else:
+            buf[:, n : n + t, 0] = rows_or_k.transpose(1, 2)
+            buf[:, n : n + t, 1] = v.transpose(1, 2)
         return n, t
-
-    @staticmethod
-    def _grown(old: torch.Tensor | None, like: torch.Tensor, n: int, cap: int) -> torch.Tensor:
-        b, h, _, d = like.shape
-        new = like.new_empty(b, h, cap, d)
-        if old is not None:
-            new[:, :, :n] = old[:, :, :n]
-        return new
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -135,11 +161,28 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x * cos) + (rotate_half(x) * sin)
 
 
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: rotate_half(x) * sin == swap_halves(x) * signed sin, elementwise exactly."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def _rotate_into(out: torch.Tensor, x: torch.Tensor, rope: torch.Tensor) -> None:
+    """out = x rotated (the fused path: 3 kernels, no negation): x * cos + swap_halves(x) * signed sin, the last two as
+    one addcmul written straight into out. x, out [B, T, heads, D]; rope [B or 1, T, 2, D] = (cos, signed sin) pairs."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    torch.addcmul(x * rope[:, :, 0:1], swapped, rope[:, :, 1:2], out=out)
+
+
 class RopeTable:
     """Rotary cos/sin of positions 0..n-1, computed once and grown by doubling: a forward slices rows instead of
     computing them (on a GPU ~8 launches per forward). The same numbers as `Qwen3RotaryEmbedding` at those
     positions (elementwise: a position's row does not depend on the others); rope types whose frequencies depend on
-    the length (dynamic, longrope) are not tabled (`fixed` is False: call the embedding itself)."""
+    the length (dynamic, longrope) are not tabled (`fixed` is False: call the embedding itself).
+
+    `pairs` gives the fused path's layout: [1, n, 2, D], a position's cos and signed sin side by side (one gather per
+    forward fetches both)."""
 
     MIN_POSITIONS = 256
 
@@ -147,20 +190,42 @@ class RopeTable:
         self.rotary = rotary
         self.fixed = "dynamic" not in rotary.rope_type and rotary.rope_type != "longrope"
         self._rows: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pairs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def _positions(self, like: torch.Tensor, have: int, need: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos, sin [1, size, D] of positions 0..size-1 (size >= need, doubling) when a table of `have` rows is short."""
+        if have >= need:
+            return None
+        return self.rotary(like, torch.arange(max(need, self.MIN_POSITIONS, 2 * have), device=like.device)[None])
 
     def __call__(self, like: torch.Tensor, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [1, 1, n, D] of positions start..start+n-1, in like's dtype on like's device."""
         key = (like.dtype, like.device)
         rows = self._rows.get(key)
-        if rows is None or rows[0].shape[2] < start + n:
-            size = max(start + n, self.MIN_POSITIONS, 2 * (0 if rows is None else rows[0].shape[2]))
-            cos, sin = self.rotary(like, torch.arange(size, device=like.device)[None])
-            rows = self._rows[key] = (cos[:, None], sin[:, None])
+        grown = self._positions(like, 0 if rows is None else rows[0].shape[2], start + n)
+        if grown is not None:
+            rows = self._rows[key] = (grown[0][:, None], grown[1][:, None])
         return rows[0][:, :, start : start + n], rows[1][:, :, start : start + n]
+
+    def pairs(self, like: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """(cos, signed sin) [1, n, 2, D] of positions start..start+n-1, in like's dtype on like's device."""
+        key = (like.dtype, like.device)
+        rows = self._pairs.get(key)
+        grown = self._positions(like, 0 if rows is None else rows.shape[1], start + n)
+        if grown is not None:
+            rows = self._pairs[key] = rope_pairs(*grown)
+        return rows[:, start : start + n]
+
+
+def rope_pairs(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[B, T, 2, D] (cos, signed sin) of a rotary embedding's cos, sin [B, T, D]."""
+    return torch.stack([cos, _signed_sin(sin)], dim=2)
 
 
 # join(k, v) -> (K, V): what a block's rows attend to besides themselves (context before them, or nothing)
 Join = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# The fused path's join: sink(rows [B, t, 2, Hkv, D]) -> (K, V) [B, Hkv, S, D], the rows stored wherever the sink keeps them
+Sink = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _alone(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,6 +234,93 @@ def _alone(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def _after(ctx_k: torch.Tensor, ctx_v: torch.Tensor) -> Join:
     return lambda k, v: (torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2))
+
+
+def _rows_alone(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return ContextKV._views(rows)
+
+
+def _rows_after(ctx_rows: torch.Tensor) -> Sink:
+    return lambda rows: ContextKV._views(torch.cat([ctx_rows, rows], dim=1))
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of queries q [B, T, Hq, D] over keys, values [B, Hkv, S, D] (grouped heads: query head h reads key
+    head h // (Hq / Hkv)); mask None, or boolean / additive [B or 1, 1, T or 1, S]. Returns [B, T, Hq * D].
+
+    A mask that is the same for every query row (the graphs' proposals) with grouped heads: each key head's query
+    heads are folded into its rows ([B, Hkv, g * T, D], one copy) so that scaled_dot_product_attention sees equal head
+    counts. On CUDA a mask with `enable_gqa` has no fused kernel in torch <= 2.11 (flash takes no mask, the
+    memory-efficient kernel wants equal head counts): it would run the math fallback, ~10-15 kernels a call; folded it
+    runs the memory-efficient kernel, one."""
+    b, t, hq, d = q.shape
+    hkv = keys.shape[1]
+    if hq != hkv and mask is not None and mask.shape[-2] == 1:
+        g = hq // hkv
+        folded = q.unflatten(2, (hkv, g)).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)
+        return out.unflatten(2, (g, t)).permute(0, 3, 1, 2, 4).reshape(b, t, hq * d)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=hq != hkv)
+    return out.transpose(1, 2).reshape(b, t, hq * d)
+
+
+def _linear_residual(x: torch.Tensor, linear: nn.Linear, residual: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """residual + linear(x) as one matmul (gemm with beta = 1); in place in residual when inplace (out of place, CUDA's
+    addmm first copies the residual into its output: one more kernel)."""
+    r2 = residual.view(-1, residual.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
+    out = r2.addmm_(x2, linear.weight.t()) if inplace else torch.addmm(r2, x2, linear.weight.t())
+    if linear.bias is not None:
+        out.add_(linear.bias)
+    return out.view(residual.shape)
+
+
+def _norm(x: torch.Tensor, module: Qwen3RMSNorm) -> torch.Tensor:
+    """module(x) as torch's fused RMSNorm (`aten::_fused_rms_norm`: one kernel on CUDA, the same composite ops as
+    Qwen3RMSNorm on the CPU; in bf16 the weight multiplies before the cast back, not after: float rounding)."""
+    return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
+
+
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One nn.Linear whose output is the parts' outputs side by side (weights concatenated, no random init)."""
+    w = torch.cat([p.weight for p in parts])
+    out = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device="meta")
+    out.weight = nn.Parameter(w, requires_grad=parts[0].weight.requires_grad)
+    if out.bias is not None:
+        out.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=parts[0].bias.requires_grad)
+    return out
+
+
+def _split_on_save(fused: str, parts: list[tuple[str, int]]):
+    """A state_dict post-hook writing the fused linear `fused` as its parts (name, rows), in the original layout."""
+
+    def hook(module, state_dict, prefix, local_metadata):
+        for kind in ("weight", "bias"):
+            key = f"{prefix}{fused}.{kind}"
+            if key not in state_dict:
+                continue
+            for (name, _), piece in zip(parts, state_dict.pop(key).split([n for _, n in parts])):
+                state_dict[f"{prefix}{name}.{kind}"] = piece
+
+    return hook
+
+
+def _join_on_load(fused: str, parts: list[tuple[str, int]]):
+    """A load_state_dict pre-hook taking the original layout's parts into the fused linear `fused`."""
+
+    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{kind}" for name, _ in parts]
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{fused}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys])
+
+    return hook
+
+
+def _refresh_qk_norm_weight(module: DFlashAttention, incompatible_keys) -> None:
+    """After a load into a fused attention: its derived q/k norm weight follows the loaded norm weights."""
+    with torch.no_grad():
+        module.qk_norm_weight.copy_(module._qk_norm_weight())
 
 
 class DFlashAttention(nn.Module):
@@ -184,7 +336,9 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.fused = False
 
+    # ---- unfused (as constructed; training) ----------------------------------------------------
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (rotated) and V of rows x, [B, Hkv, T, D] each; cos, sin [B, 1, T, D]."""
         b, t, _ = x.shape
@@ -201,18 +355,98 @@ class DFlashAttention(nn.Module):
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
+    # ---- fused (inference) --------------------------------------------------------------------
+    def _parts(self) -> list[tuple[str, int]]:
+        d = self.head_dim
+        return [("q_proj", self.num_heads * d), ("k_proj", self.num_kv_heads * d), ("v_proj", self.num_kv_heads * d)]
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """q/k/v projections -> one `qkv_proj` (rows q | k | v); the q and k norm weights as one [Hq + Hkv, D] buffer."""
+        if self.fused:
+            return
+        self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+        self.register_buffer("qk_norm_weight", self._qk_norm_weight(), persistent=False)
+        self.register_state_dict_post_hook(_split_on_save("qkv_proj", self._parts()))
+        self.register_load_state_dict_pre_hook(_join_on_load("qkv_proj", self._parts()))
+        self.register_load_state_dict_post_hook(_refresh_qk_norm_weight)
+        self.fused = True
+
+    def _qk_norm_weight(self) -> torch.Tensor:
+        d = self.head_dim
+        return torch.cat([self.q_norm.weight.expand(self.num_heads, d), self.k_norm.weight.expand(self.num_kv_heads, d)])
+
+    def kv_rows(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """Fused: the K (normalized, rotated) and V rows of context rows x [B, T, H], as [B, T, 2, Hkv, D] (a view of one
+        matmul's output, K rotated in place in it); rope [B or 1, T, 2, D]. 1 matmul, the k norm, 3 rotary kernels."""
+        hkv, d = self.num_kv_heads, self.head_dim
+        w = self.qkv_proj
+        lo = self.num_heads * d
+        kv = F.linear(x, w.weight[lo:], None if w.bias is None else w.bias[lo:])
+        k = kv[..., : hkv * d].unflatten(-1, (hkv, d))
+        _rotate_into(k, F.rms_norm(k, (d,), self.k_norm.weight, self.k_norm.variance_epsilon), rope)
+        return kv.unflatten(-1, (2, hkv, d))
+
+    def fused_forward(self, x: torch.Tensor, rope: torch.Tensor, sink: Sink, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """Fused: the attention's output before o_proj, [B, T, Hq * D], of normalized rows x [B, T, H]. One matmul gives
+        q | k | v; q and k are normalized together (one norm over [B, T, Hq + Hkv, D], one multiply by their weights) and
+        rotated together into the matmul's output; sink takes the rows' K | V (one copy) and gives what they attend to."""
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        qk = qkv[..., : (hq + hkv) * d].unflatten(-1, (hq + hkv, d))
+        normed = F.rms_norm(qk, (d,), None, self.q_norm.variance_epsilon) * self.qk_norm_weight
+        _rotate_into(qk, normed, rope)
+        keys, values = sink(qkv[..., hq * d :].unflatten(-1, (2, hkv, d)))
+        return attend(qkv[..., : hq * d].unflatten(-1, (hq, d)), keys, values, attn_mask)
+
+
+class DFlashMLP(Qwen3MLP):
+    """Qwen3's MLP (same weights, same unfused forward) with a fused inference form: gate and up one matmul."""
+
+    fused = False
+
+    def _parts(self) -> list[tuple[str, int]]:
+        return [("gate_proj", self.intermediate_size), ("up_proj", self.intermediate_size)]
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        if self.fused:
+            return
+        self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+        self.register_state_dict_post_hook(_split_on_save("gate_up_proj", self._parts()))
+        self.register_load_state_dict_pre_hook(_join_on_load("gate_up_proj", self._parts()))
+        self.fused = True
+
+    def fused_forward(self, x: torch.Tensor, residual: torch.Tensor, inplace: bool) -> torch.Tensor:
+        """residual + mlp(x): gate | up one matmul, the activation, the product, down_proj with the residual add."""
+        gate_up = self.gate_up_proj(x)
+        i = self.intermediate_size
+        return _linear_residual(self.act_fn(gate_up[..., :i]) * gate_up[..., i:], self.down_proj, residual, inplace)
+
 
 class DFlashLayer(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.self_attn = DFlashAttention(config)
-        self.mlp = Qwen3MLP(config)
+        self.mlp = DFlashMLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, x, cos, sin, join: Join, attn_mask):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, join, attn_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def fused(self, x: torch.Tensor, rope: torch.Tensor, sink: Sink, attn_mask: torch.Tensor | None,
+              inplace: bool = True) -> torch.Tensor:
+        """The layer on fused weights (self_attn and mlp fused), x [B, T, H] contiguous. inplace: x may be overwritten
+        (it becomes the output: the residual adds accumulate into it); otherwise the first add is out of place.
+        Kernels on CUDA: 2 norms, 4 matmuls (2 with the residual add), the q/k norm and its weight, 3 rotary, the K/V
+        copy (the sink's), attention (+ 2 copies when the heads are folded), the activation and its product."""
+        attn = self.self_attn.fused_forward(_norm(x, self.input_layernorm), rope, sink, attn_mask)
+        h = _linear_residual(attn, self.self_attn.o_proj, x, inplace)
+        return self.mlp.fused_forward(_norm(h, self.post_attention_layernorm), h, True)
 
 
 class DFlashDraftModel(nn.Module):
@@ -229,10 +463,23 @@ class DFlashDraftModel(nn.Module):
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self._table: RopeTable | None = None
+        self.fused = False
+
+    @torch.no_grad()
+    def fuse(self) -> DFlashDraftModel:
+        """Fuse the weights for inference, in place (see the module's docstring); idempotent. The state dict keeps the
+        original layout both ways. A fused model is for inference: its fused forward writes into its own tensors."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        self.fused = True
+        return self
 
     # ---- context -------------------------------------------------------------------------
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """[B, T, N*H] target features -> [B, T, H] fused context rows."""
+        if self.fused:
+            return _norm(self.fc(features), self.hidden_norm)
         return self.hidden_norm(self.fc(features))
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,23 +487,43 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self.rotary_emb(x, positions)
         return cos[:, None], sin[:, None]
 
-    def _rope_from(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [1, 1, T, D] of positions start..start+T-1 (x [1, T, H]), from the table when it applies."""
+    def _rope_pairs(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(cos, signed sin) [B, T, 2, D] of positions [B, T] (the fused path's layout)."""
+        return rope_pairs(*self.rotary_emb(x, positions))
+
+    def _table_for(self) -> RopeTable:
         if self._table is None or self._table.rotary is not self.rotary_emb:  # load_dflash replaces the embedding
             self._table = RopeTable(self.rotary_emb)
-        if not self._table.fixed:
+        return self._table
+
+    def _rope_from(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, 1, T, D] of positions start..start+T-1 (x [1, T, H]), from the table when it applies."""
+        table = self._table_for()
+        if not table.fixed:
             return self._rope(x, torch.arange(start, start + x.shape[1], device=x.device)[None])
-        return self._table(x, start, x.shape[1])
+        return table(x, start, x.shape[1])
+
+    def _pairs_from(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """(cos, signed sin) [1, T, 2, D] of positions start..start+T-1, from the table when it applies."""
+        table = self._table_for()
+        if not table.fixed:
+            return self._rope_pairs(x, torch.arange(start, start + x.shape[1], device=x.device)[None])
+        return table.pairs(x, start, x.shape[1])
 
     @torch.no_grad()
     def extend_context(self, cache: ContextKV, features: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Append K/V of new context rows: features [B, T, N*H] at absolute positions [B, T] (default: the
         cache's next T positions, B = 1)."""
         ctx = self.project_context(features.to(self.fc.weight.dtype))
-        cos, sin = self._rope(ctx, positions) if positions is not None else self._rope_from(ctx, cache.length)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.kv(ctx, cos, sin)
-            cache.append(i, k, v)
+        if self.fused:
+            rope = self._rope_pairs(ctx, positions) if positions is not None else self._pairs_from(ctx, cache.length)
+            for i, layer in enumerate(self.layers):
+                cache.append_rows(i, layer.self_attn.kv_rows(ctx, rope))
+        else:
+            cos, sin = self._rope(ctx, positions) if positions is not None else self._rope_from(ctx, cache.length)
+            for i, layer in enumerate(self.layers):
+                k, v = layer.self_attn.kv(ctx, cos, sin)
+                cache.append(i, k, v)
         cache.length += features.shape[1]
 
     # ---- block ---------------------------------------------------------------------------
@@ -264,6 +531,8 @@ class DFlashDraftModel(nn.Module):
     def draft(self, block_embeds: torch.Tensor, cache: ContextKV) -> torch.Tensor:
         """Hidden states (after the final norm) of the block rows [1, T, H] at positions L..L+T-1 (L = the cache's
         committed length), every row seeing all cached context: `forward(block, arange(L, L+T), cache=cache)`."""
+        if self.fused:
+            return self._fused_layers(block_embeds, self._pairs_from(block_embeds, cache.length), cache, None, None)
         cos, sin = self._rope_from(block_embeds, cache.length)
         return self._layers(block_embeds, cos, sin, cache, None, None)
 
@@ -281,10 +550,15 @@ class DFlashDraftModel(nn.Module):
         Either `cache` (inference: every block row sees all cached context) or `context` +
         `context_positions` + `attn_mask` (training: [B, 1, Q, C + Q] boolean, True = may attend).
         """
-        cos, sin = self._rope(block_embeds, block_positions)
         ctx = None
         if context is not None:
             ctx = self.project_context(context.to(self.fc.weight.dtype))
+        if self.fused:
+            if ctx is not None:
+                ctx = (ctx, self._rope_pairs(ctx, context_positions))
+            return self._fused_layers(block_embeds, self._rope_pairs(block_embeds, block_positions), cache, ctx, attn_mask)
+        cos, sin = self._rope(block_embeds, block_positions)
+        if ctx is not None:
             ctx = (ctx, *self._rope(ctx, context_positions))
         return self._layers(block_embeds, cos, sin, cache, ctx, attn_mask)
 
@@ -298,6 +572,18 @@ class DFlashDraftModel(nn.Module):
                 join = _alone
             h = layer(h, cos, sin, join, attn_mask)
         return self.norm(h)
+
+    def _fused_layers(self, h, rope, cache: ContextKV | None, ctx: tuple | None, attn_mask) -> torch.Tensor:
+        """The fused layers and final norm; h (the caller's) is not written: the first residual add is out of place."""
+        for i, layer in enumerate(self.layers):
+            if cache is not None:
+                sink = functools.partial(cache.with_block_rows, i)
+            elif ctx is not None:
+                sink = _rows_after(layer.self_attn.kv_rows(*ctx))
+            else:
+                sink = _rows_alone
+            h = layer.fused(h.contiguous(), rope, sink, attn_mask, inplace=i > 0)
+        return _norm(h, self.norm)
 
     # ---- checkpoint (z-lab layout) -------------------------------------------------------------
     def config_dict(self) -> dict:
@@ -316,6 +602,7 @@ class DFlashDraftModel(nn.Module):
         return d
 
     def save(self, directory: str | pathlib.Path) -> None:
+        """config.json + model.safetensors in the z-lab layout (a fused model writes its weights unfused)."""
         directory = pathlib.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "config.json").write_text(json.dumps(self.config_dict(), indent=2, sort_keys=True))
@@ -323,7 +610,10 @@ class DFlashDraftModel(nn.Module):
         save_file(state, str(directory / WEIGHTS_NAME))
 
 
-def load_dflash(directory: str | pathlib.Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DFlashDraftModel:
+def load_dflash(directory: str | pathlib.Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                fuse: bool = True) -> DFlashDraftModel:
+    """A drafter checkpoint (z-lab layout) on device in dtype, in eval mode; fused for inference unless fuse=False
+    (`DFlashDraftModel.fuse`: the forward dispatches far fewer kernels; the state dict keeps the checkpoint's layout)."""
     directory = pathlib.Path(directory)
     cfg = json.loads((directory / "config.json").read_text())
     spec = spec_from_config(cfg)
@@ -343,4 +633,4 @@ def load_dflash(directory: str | pathlib.Path, dtype: torch.dtype = torch.float3
     # The rotary frequencies stay float32 whatever the weights' dtype, as in training (fp32 weights, bf16 autocast) and in
     # the target: cast to bf16 they would put a position's angle off by radians a few hundred tokens in.
     model.rotary_emb = Qwen3RotaryEmbedding(model.config).to(device)
-    return model
+    return model.fuse() if fuse else model
