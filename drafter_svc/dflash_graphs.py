@@ -1,15 +1,16 @@
 """The DFlash drafter's forwards replayed from CUDA graphs: a proposal and a commit cost a few launches of host time.
 
-Eagerly a proposal dispatches ~440 aten ops and a commit ~160 (3.4-3.8 ms and 1.2-2.2 ms of host time on the H200 for
-tens of microseconds of GPU work). Here each forward runs over static buffers, so it can be captured once at load and
+Eagerly (before the model was fused) a proposal dispatched ~440 aten ops and a commit ~160 (3.4-3.8 ms and 1.2-2.2 ms
+of host time on the H200 for tens of microseconds of GPU work). Here each forward runs over static buffers, so it can be captured once at load and
 replayed at any position:
 
 - One working buffer of context K/V rows, `[layers, rows, 2 (K, V), Hkv, D]` (a row's K and V side by side: a layer's
-  new rows go in with one `index_copy_`; `kv` is its `[layers, 2, Hkv, rows, D]` view), rows = `capacity` context rows
-  followed by `SPARE` rows for a forward's own block (a proposal's block rows, a commit's padding rows). Attention reads
-  the whole buffer under a key mask: rows `0 .. L-1` (the committed context) and the block's real rows; everything else
-  (rows past L, padding rows) is masked out, so the buffer's size changes nothing but float summation order. The mask
-  is additive, built once per proposal (3 kernels), not per layer.
+  new rows go in with one `index_copy_`, a commit's rows of every layer with one; `kv` is its `[layers, 2, Hkv, rows,
+  D]` view), rows = `capacity` context rows followed by `SPARE` rows for a forward's own block (a proposal's block rows,
+  a commit's padding rows), rounded up to a multiple of 16 (the memory-efficient attention kernel's mask alignment).
+  Attention reads the whole buffer under a key mask: rows `0 .. L-1` (the committed context) and the block's real
+  rows; everything else (rows past L, padding rows) is masked out, so the buffer's size changes nothing but float
+  summation order. The mask is additive, built once per proposal (3 kernels), not per layer.
 - Inputs in static device tensors: `meta` = (L, n real rows, then per row of the widest bucket: its position, the
   buffer row it writes, its token id), one host->device copy per forward, computed on the host; a commit's feature rows,
   one more. Rotary (cos, signed sin) pairs are gathered from a table of every position the buffer can hold, one gather
@@ -26,7 +27,7 @@ its rows in its own store (`GraphedContext.store`, grown by doubling up to its l
 A forward for another session first saves the resident's rows into its store and loads the new one's (one strided copy
 each, only when the session changes: a lone request never copies). A session whose context would pass `capacity` leaves
 the graphs for good: its rows move into a `ContextKV` and it runs the eager path (correctness first; nothing is
-re-captured). Memory: the working buffer is `layers * 2 * Hkv * (capacity + SPARE) * D` elements of the model's dtype
+re-captured). Memory: the working buffer is `layers * 2 * Hkv * rows * D` elements of the model's dtype
 (bf16 at the default 2048 rows: the demo drafter 5 MiB, a 5-layer drafter with 8 KV heads of 128 41 MiB), plus each
 graph's private pool (its forward's activations, the LM head's logits the largest of them: 15 x vocab in bf16 for a
 16-row proposal) and each session's store (its own context only).
@@ -116,7 +117,9 @@ class DFlashGraphs:
         self.propose_buckets = propose_buckets(model.spec.block_size)
         self.commit_buckets = COMMIT_BUCKETS
         attn = model.layers[0].self_attn
-        rows = capacity + SPARE
+        # Context rows, spare rows, and up to 15 more (masked like padding) so that the key count is a multiple of 16: the
+        # memory-efficient attention kernel would pad an unaligned mask on every call (a copy per layer).
+        rows = -(-(capacity + SPARE) // 16) * 16
         dev = self.device
         #: The rows: [layers, rows, 2, Hkv, D]; `kv` is the same memory as [layers, 2, Hkv, rows, D].
         self.kv_rows = torch.zeros(len(model.layers), rows, 2, attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=dev)
@@ -158,9 +161,8 @@ class DFlashGraphs:
         """ctx's rows as an eager `ContextKV` (a session leaving the graphs); ctx is released."""
         src = self.kv if self.resident is ctx else ctx.store
         cache = ContextKV(len(self.model.layers))
-        if ctx.length:
-            for i in range(len(self.model.layers)):
-                cache.append(i, src[i, 0, :, : ctx.length][None], src[i, 1, :, : ctx.length][None])
+        if ctx.length:  # src is a [layers, 2, Hkv, rows, D] view of rows [layers, rows, 2, Hkv, D]: one copy
+            cache.append_all(src.permute(0, 3, 1, 2, 4)[:, None, : ctx.length])
         cache.length = ctx.length
         if self.resident is ctx:
             self.resident = None
@@ -247,7 +249,8 @@ class DFlashGraphs:
         limit = torch.where(self._spare, self.meta[1], self.meta[0])
         mask = torch.where(self._order < limit, self._zero, self._ninf)[None, None, None]  # [1, 1, 1, rows], every query row alike
         for i, layer in enumerate(self.model.layers):
-            h = layer.fused(h, rope, functools.partial(self._write, i, slots), mask)  # h is ours: updated in place
+            sink = functools.partial(self._write, i, slots)
+            h = layer.fused(h, self.model._fused_attention(i), rope, sink, mask)  # h is ours: updated in place
         h = _norm(h, self.model.norm)
         return (h[0, 1:] @ self.lm_head.T).argmax(dim=-1)
 
@@ -255,8 +258,7 @@ class DFlashGraphs:
         """The K/V of features[:n] into rows L..L+n-1; padding rows (n..t-1) into spare rows."""
         rope, slots, _ = self._inputs(t)
         ctx = self.model.project_context(self.features[:t].to(self.dtype)[None])
-        for i, layer in enumerate(self.model.layers):
-            self._write(i, slots, layer.self_attn.kv_rows(ctx, rope))
+        self.kv_rows.index_copy_(1, slots, self.model.kv_rows(ctx, rope)[:, 0])  # every layer's rows, one copy
         return None
 
     def _write(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,16 +79,17 @@ def default_target_layers(num_target_layers: int, n: int) -> list[int]:
 class ContextKV:
     """Per-layer K/V of the projected context rows (K already rotated), [B, Hkv, T, D] each. Grows as tokens commit.
 
-    The rows live in per-layer buffers that double when full: a commit writes only its own rows (no copy of the
-    whole context, no allocation of a bigger tensor every round, which on a GPU can mean a device malloc). A buffer
-    holds a row's K and V side by side, [B, capacity, 2, Hkv, D], so the fused model writes a layer's new rows in one
-    copy (`append_rows`, `with_block_rows`); K and V are strided views of it. A proposal's block rows go to the spare
-    rows after the committed ones (`with_block`) and are never committed."""
+    The rows live in one buffer for all layers that doubles when full: a commit writes only its own rows (no copy of
+    the whole context, no allocation of a bigger tensor every round, which on a GPU can mean a device malloc). The
+    buffer is [layers, B, capacity, 2, Hkv, D], a row's K and V side by side: the fused model writes a commit's rows of
+    every layer in one copy (`append_all`) and a proposal's block rows of a layer in one (`with_block_rows`); K and V
+    are strided views of it. A proposal's block rows go to the spare rows after the committed ones (`with_block`) and
+    are never committed."""
 
     MIN_CAPACITY = 256
 
     def __init__(self, num_layers: int):
-        self._rows: list[torch.Tensor | None] = [None] * num_layers
+        self._buf: torch.Tensor | None = None
         self._used = [0] * num_layers
         self.length = 0
 
@@ -98,61 +99,68 @@ class ContextKV:
         return rows[:, :, 0].transpose(1, 2), rows[:, :, 1].transpose(1, 2)
 
     def layer(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Layer i's context K and V (views of its buffer), or (None, None) before anything was committed."""
-        if self._rows[i] is None:
+        """Layer i's context K and V (views of the buffer), or (None, None) before anything was written."""
+        if self._buf is None:
             return None, None
-        return self._views(self._rows[i][:, : self._used[i]])
+        return self._views(self._buf[i, :, : self._used[i]])
 
     @property
     def k(self) -> list[torch.Tensor | None]:
-        return [self.layer(i)[0] for i in range(len(self._rows))]
+        return [self.layer(i)[0] for i in range(len(self._used))]
 
     @property
     def v(self) -> list[torch.Tensor | None]:
-        return [self.layer(i)[1] for i in range(len(self._rows))]
+        return [self.layer(i)[1] for i in range(len(self._used))]
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Commit K and V rows [B, Hkv, t, D]."""
-        n, t = self._write(layer, k.shape[2], k.shape[0], k.shape[1], k.shape[3], k, v)
-        self._used[layer] = n + t
+        """Commit layer's K and V rows [B, Hkv, t, D]."""
+        n = self._used[layer]
+        rows = self._rows(layer, n, k.shape[2], k)
+        rows[:, :, 0] = k.transpose(1, 2)
+        rows[:, :, 1] = v.transpose(1, 2)
+        self._used[layer] = n + k.shape[2]
 
-    def append_rows(self, layer: int, rows: torch.Tensor) -> None:
-        """Commit rows [B, t, 2, Hkv, D] (each row's K then V) in one copy."""
-        b, t, _, h, d = rows.shape
-        n, t = self._write(layer, t, b, h, d, rows)
-        self._used[layer] = n + t
+    def append_all(self, rows: torch.Tensor) -> None:
+        """Commit every layer's rows [layers, B, t, 2, Hkv, D] (each row's K then V) in one copy."""
+        n, t = self._used[0], rows.shape[2]
+        assert all(u == n for u in self._used), "append_all after layers were appended unevenly"
+        self._rows(None, n, t, rows).copy_(rows)
+        self._used = [n + t] * len(self._used)
 
     def with_block(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's context K and V followed by a block's rows k, v (views of its buffer), without committing them.
 
         The block's rows go to the spare rows past the committed ones: the attention of a proposal reads context and
         block in one view, and no copy of the context is made. The next `append` or `with_block` overwrites them."""
-        n, t = self._write(layer, k.shape[2], k.shape[0], k.shape[1], k.shape[3], k, v)
-        return self._views(self._rows[layer][:, : n + t])
+        n, t = self._used[layer], k.shape[2]
+        rows = self._rows(layer, n, t, k)
+        rows[:, :, 0] = k.transpose(1, 2)
+        rows[:, :, 1] = v.transpose(1, 2)
+        return self._views(self._buf[layer, :, : n + t])
 
     def with_block_rows(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`with_block` for rows [B, t, 2, Hkv, D], written in one copy."""
-        b, t, _, h, d = rows.shape
-        n, t = self._write(layer, t, b, h, d, rows)
-        return self._views(self._rows[layer][:, : n + t])
+        """`with_block` for rows [B, t, 2, Hkv, D] (K | V), written in one copy."""
+        n, t = self._used[layer], rows.shape[1]
+        self._rows(layer, n, t, rows).copy_(rows)
+        return self._views(self._buf[layer, :, : n + t])
 
-    def _write(self, layer: int, t: int, b: int, h: int, d: int, rows_or_k: torch.Tensor,
-               v: torch.Tensor | None = None) -> tuple[int, int]:
-        """Rows (or k and v) into layer's rows n..n+t-1 (n = its committed rows), the buffer grown first when full."""
-        n = self._used[layer]
-        buf = self._rows[layer]
-        if buf is None or n + t > buf.shape[1]:
-            cap = max(n + t, 2 * (0 if buf is None else buf.shape[1]), self.MIN_CAPACITY)
-            new = rows_or_k.new_empty(b, cap, 2, h, d)
-            if buf is not None:
-                new[:, :n] = buf[:, :n]
-            buf = self._rows[layer] = new
-        if v is None:
-            buf[:, n : n + t] = rows_or_k
+    def _rows(self, layer: int | None, n: int, t: int, like: torch.Tensor) -> torch.Tensor:
+        """The buffer's rows n..n+t-1 of layer (of every layer when None), [(layers,) B, t, 2, Hkv, D], the buffer grown
+        first when they do not fit (the rows written so far come along). like: rows [.., B, t, 2, Hkv, D] or K [B, Hkv,
+        t, D] (the buffer's sizes, dtype and device)."""
+        if like.dim() == 4:
+            b, h, _, d = like.shape
         else:
-            buf[:, n : n + t, 0] = rows_or_k.transpose(1, 2)
-            buf[:, n : n + t, 1] = v.transpose(1, 2)
-        return n, t
+            b, h, d = like.shape[-5], like.shape[-2], like.shape[-1]
+        buf = self._buf
+        if buf is None or n + t > buf.shape[2]:
+            cap = max(n + t, 2 * (0 if buf is None else buf.shape[2]), self.MIN_CAPACITY)
+            new = like.new_empty(len(self._used), b, cap, 2, h, d)
+            if buf is not None:
+                used = max(self._used)
+                new[:, :, :used] = buf[:, :, :used]
+            buf = self._buf = new
+        return buf[:, :, n : n + t] if layer is None else buf[layer, :, n : n + t]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -244,23 +252,36 @@ def _rows_after(ctx_rows: torch.Tensor) -> Sink:
     return lambda rows: ContextKV._views(torch.cat([ctx_rows, rows], dim=1))
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention of queries q [B, T, Hq, D] over keys, values [B, Hkv, S, D] (grouped heads: query head h reads key
-    head h // (Hq / Hkv)); mask None, or boolean / additive [B or 1, 1, T or 1, S]. Returns [B, T, Hq * D].
+def interleaved_heads(num_heads: int, num_kv_heads: int) -> list[int]:
+    """The fused model's query head order: its head h is the checkpoint's head (h % Hkv) * g + h // Hkv (g = Hq / Hkv).
 
-    A mask that is the same for every query row (the graphs' proposals) with grouped heads: each key head's query
-    heads are folded into its rows ([B, Hkv, g * T, D], one copy) so that scaled_dot_product_attention sees equal head
-    counts. On CUDA a mask with `enable_gqa` has no fused kernel in torch <= 2.11 (flash takes no mask, the
-    memory-efficient kernel wants equal head counts): it would run the math fallback, ~10-15 kernels a call; folded it
-    runs the memory-efficient kernel, one."""
+    In the checkpoint, query heads kvh * g .. kvh * g + g - 1 read key head kvh (grouped, as repeat_interleave has it).
+    Interleaved, head h reads key head h % Hkv, and the query rows of one key head, (token, j) for j < g, sit at a
+    constant stride in the projection's output ([B, T, g, Hkv, D]): folding them into that key head's rows
+    ([B, Hkv, T * g, D]) is a view, and the attention's output comes back as [B, T, Hq * D] in the same order (a view
+    too, as flash / memory-efficient / the CPU kernel lay it out). o_proj's input columns follow the same order."""
+    g = num_heads // num_kv_heads
+    return [(h % num_kv_heads) * g + h // num_kv_heads for h in range(num_heads)]
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of queries q [B, T, Hq, D] (heads interleaved: head h reads key head h % Hkv) over keys, values
+    [B, Hkv, S, D]; mask None, or boolean / additive [B or 1, 1, T or 1, S]. Returns [B, T, Hq * D] (same head order).
+
+    Each key head's g = Hq / Hkv query heads are folded into its rows, [B, Hkv, T * g, D], a view (see
+    `interleaved_heads`): scaled_dot_product_attention sees equal head counts, no `enable_gqa`. That matters on CUDA:
+    with a mask and `enable_gqa`, torch <= 2.11 has no fused kernel (flash takes no mask, the memory-efficient kernel
+    wants equal head counts) and runs the math fallback, ~10-15 kernels a call; folded, the graphs' masked proposals run
+    the memory-efficient kernel and the eager drafts flash, one kernel each. A mask per query row is repeated for the
+    folded rows (a copy; only the training-style forward passes one)."""
     b, t, hq, d = q.shape
     hkv = keys.shape[1]
-    if hq != hkv and mask is not None and mask.shape[-2] == 1:
-        g = hq // hkv
-        folded = q.unflatten(2, (hkv, g)).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
-        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)
-        return out.unflatten(2, (g, t)).permute(0, 3, 1, 2, 4).reshape(b, t, hq * d)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=hq != hkv)
+    g = hq // hkv
+    # [B, Hkv, T * g, D], row (t, j): a view of q laid out [B, T, Hq, D] (one copy when q is a slice of q | k | v)
+    folded = q.contiguous().unflatten(2, (g, hkv)).permute(0, 3, 1, 2, 4).flatten(2, 3)
+    if mask is not None and g > 1 and mask.shape[-2] != 1:
+        mask = mask.unsqueeze(-2).expand(*mask.shape[:-1], g, mask.shape[-1]).flatten(-3, -2)
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)
     return out.transpose(1, 2).reshape(b, t, hq * d)
 
 
@@ -276,54 +297,66 @@ def _linear_residual(x: torch.Tensor, linear: nn.Linear, residual: torch.Tensor,
 
 
 def _norm(x: torch.Tensor, module: Qwen3RMSNorm) -> torch.Tensor:
-    """module(x) as torch's fused RMSNorm (`aten::_fused_rms_norm`: one kernel on CUDA, the same composite ops as
-    Qwen3RMSNorm on the CPU; in bf16 the weight multiplies before the cast back, not after: float rounding)."""
+    """module(x) as torch's fused RMSNorm (`aten::_fused_rms_norm`: one kernel on CUDA for a contiguous input, the
+    same composite ops as Qwen3RMSNorm on the CPU; in bf16 the weight multiplies before the cast back: float rounding)."""
     return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
 
 
-def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
-    """One nn.Linear whose output is the parts' outputs side by side (weights concatenated, no random init)."""
-    w = torch.cat([p.weight for p in parts])
-    out = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device="meta")
-    out.weight = nn.Parameter(w, requires_grad=parts[0].weight.requires_grad)
-    if out.bias is not None:
-        out.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=parts[0].bias.requires_grad)
-    return out
+def _permute_heads(w: torch.Tensor, perm: list[int], head_dim: int, dim: int) -> torch.Tensor:
+    """w with its heads (blocks of head_dim along dim) reordered: the result's head h is w's head perm[h]."""
+    heads = w.unflatten(dim, (len(perm), head_dim))
+    return heads.index_select(dim, torch.tensor(perm, device=w.device)).flatten(dim, dim + 1)
 
 
-def _split_on_save(fused: str, parts: list[tuple[str, int]]):
-    """A state_dict post-hook writing the fused linear `fused` as its parts (name, rows), in the original layout."""
-
-    def hook(module, state_dict, prefix, local_metadata):
-        for kind in ("weight", "bias"):
-            key = f"{prefix}{fused}.{kind}"
-            if key not in state_dict:
-                continue
-            for (name, _), piece in zip(parts, state_dict.pop(key).split([n for _, n in parts])):
-                state_dict[f"{prefix}{name}.{kind}"] = piece
-
-    return hook
+def _inverse(perm: list[int]) -> list[int]:
+    inv = [0] * len(perm)
+    for new, old in enumerate(perm):
+        inv[old] = new
+    return inv
 
 
-def _join_on_load(fused: str, parts: list[tuple[str, int]]):
-    """A load_state_dict pre-hook taking the original layout's parts into the fused linear `fused`."""
+def _unfuse_state(model: DFlashDraftModel, state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict post-hook of a fused model: the checkpoint's layout (q/k/v_proj per layer, heads in their order)."""
+    a = model.layers[0].self_attn
+    hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+    inv = _inverse(interleaved_heads(hq, hkv))
+    for kind in ("weight", "bias"):
+        stacked = state_dict.pop(f"{prefix}qkv_{kind}", None)
+        if stacked is None:
+            continue
+        for i, w in enumerate(stacked):
+            q, k, v = w.split([hq * d, hkv * d, hkv * d])
+            at = f"{prefix}layers.{i}.self_attn."
+            state_dict[at + f"q_proj.{kind}"] = _permute_heads(q, inv, d, dim=0)
+            state_dict[at + f"k_proj.{kind}"], state_dict[at + f"v_proj.{kind}"] = k, v
+    for i in range(len(model.layers)):
+        key = f"{prefix}layers.{i}.self_attn.o_proj.weight"
+        state_dict[key] = _permute_heads(state_dict[key], inv, d, dim=1)
 
-    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        for kind in ("weight", "bias"):
-            keys = [f"{prefix}{name}.{kind}" for name, _ in parts]
-            if all(k in state_dict for k in keys):
-                state_dict[f"{prefix}{fused}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys])
 
-    return hook
-
-
-def _refresh_qk_norm_weight(module: DFlashAttention, incompatible_keys) -> None:
-    """After a load into a fused attention: its derived q/k norm weight follows the loaded norm weights."""
-    with torch.no_grad():
-        module.qk_norm_weight.copy_(module._qk_norm_weight())
+def _fuse_state(model: DFlashDraftModel, state_dict: dict, prefix: str, local_metadata, strict, missing_keys,
+                unexpected_keys, error_msgs) -> None:
+    """load_state_dict pre-hook of a fused model: a checkpoint-layout state into the fused parameters."""
+    a = model.layers[0].self_attn
+    perm, d = interleaved_heads(a.num_heads, a.num_kv_heads), a.head_dim
+    n = len(model.layers)
+    for kind in ("weight", "bias"):
+        names = [[f"{prefix}layers.{i}.self_attn.{p}_proj.{kind}" for p in "qkv"] for i in range(n)]
+        if all(k in state_dict for layer in names for k in layer):
+            state_dict[f"{prefix}qkv_{kind}"] = torch.stack([
+                torch.cat([_permute_heads(state_dict.pop(q), perm, d, dim=0), state_dict.pop(k), state_dict.pop(v)])
+                for q, k, v in names
+            ])
+    for i in range(n):
+        key = f"{prefix}layers.{i}.self_attn.o_proj.weight"
+        if key in state_dict:
+            state_dict[key] = _permute_heads(state_dict[key], perm, d, dim=1)
 
 
 class DFlashAttention(nn.Module):
+    """Attention of one layer. Fused (`DFlashDraftModel.fuse`), q/k/v_proj move into the model's stacked `qkv_weight`
+    (query heads interleaved) and o_proj's input columns follow the interleaved order."""
+
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -336,17 +369,16 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.fused = False
 
-    # ---- unfused (as constructed; training) ----------------------------------------------------
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (rotated) and V of rows x, [B, Hkv, T, D] each; cos, sin [B, 1, T, D]."""
+        """K (rotated) and V of rows x, [B, Hkv, T, D] each; cos, sin [B, 1, T, D]. (Unfused.)"""
         b, t, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return _rotate(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, join: Join, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """(Unfused.)"""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
         k, v = join(*self.kv(x, cos, sin))
@@ -355,50 +387,27 @@ class DFlashAttention(nn.Module):
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
-    # ---- fused (inference) --------------------------------------------------------------------
-    def _parts(self) -> list[tuple[str, int]]:
-        d = self.head_dim
-        return [("q_proj", self.num_heads * d), ("k_proj", self.num_kv_heads * d), ("v_proj", self.num_kv_heads * d)]
-
-    @torch.no_grad()
-    def fuse(self) -> None:
-        """q/k/v projections -> one `qkv_proj` (rows q | k | v); the q and k norm weights as one [Hq + Hkv, D] buffer."""
-        if self.fused:
-            return
-        self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
-        self.register_buffer("qk_norm_weight", self._qk_norm_weight(), persistent=False)
-        self.register_state_dict_post_hook(_split_on_save("qkv_proj", self._parts()))
-        self.register_load_state_dict_pre_hook(_join_on_load("qkv_proj", self._parts()))
-        self.register_load_state_dict_post_hook(_refresh_qk_norm_weight)
-        self.fused = True
-
-    def _qk_norm_weight(self) -> torch.Tensor:
-        d = self.head_dim
-        return torch.cat([self.q_norm.weight.expand(self.num_heads, d), self.k_norm.weight.expand(self.num_kv_heads, d)])
-
-    def kv_rows(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """Fused: the K (normalized, rotated) and V rows of context rows x [B, T, H], as [B, T, 2, Hkv, D] (a view of one
-        matmul's output, K rotated in place in it); rope [B or 1, T, 2, D]. 1 matmul, the k norm, 3 rotary kernels."""
-        hkv, d = self.num_kv_heads, self.head_dim
-        w = self.qkv_proj
-        lo = self.num_heads * d
-        kv = F.linear(x, w.weight[lo:], None if w.bias is None else w.bias[lo:])
-        k = kv[..., : hkv * d].unflatten(-1, (hkv, d))
-        _rotate_into(k, F.rms_norm(k, (d,), self.k_norm.weight, self.k_norm.variance_epsilon), rope)
-        return kv.unflatten(-1, (2, hkv, d))
-
-    def fused_forward(self, x: torch.Tensor, rope: torch.Tensor, sink: Sink, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """Fused: the attention's output before o_proj, [B, T, Hq * D], of normalized rows x [B, T, H]. One matmul gives
-        q | k | v; q and k are normalized together (one norm over [B, T, Hq + Hkv, D], one multiply by their weights) and
-        rotated together into the matmul's output; sink takes the rows' K | V (one copy) and gives what they attend to."""
+    def fused_forward(self, x: torch.Tensor, w: FusedAttention, rope: torch.Tensor, sink: Sink,
+                      attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """The attention's output before o_proj, [B, T, Hq * D] (heads interleaved), of normalized rows x [B, T, H], on
+        the layer's fused weights w. One matmul gives q | k | v; q and k are normalized together (one norm over
+        [B, T, Hq + Hkv, D], one multiply by their weights) and rotated together back into the matmul's output; sink
+        takes the rows' K | V (one copy) and gives what they attend to."""
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = F.linear(x, w.weight, w.bias)
         qk = qkv[..., : (hq + hkv) * d].unflatten(-1, (hq + hkv, d))
-        normed = F.rms_norm(qk, (d,), None, self.q_norm.variance_epsilon) * self.qk_norm_weight
-        _rotate_into(qk, normed, rope)
+        _rotate_into(qk, F.rms_norm(qk, (d,), None, self.q_norm.variance_epsilon) * w.qk_norm_weight, rope)
         keys, values = sink(qkv[..., hq * d :].unflatten(-1, (2, hkv, d)))
         return attend(qkv[..., : hq * d].unflatten(-1, (hq, d)), keys, values, attn_mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedAttention:
+    """One layer's slices of the model's stacked fused attention weights (views)."""
+
+    weight: torch.Tensor  # [(Hq + 2 Hkv) D, H]: q (interleaved heads) | k | v
+    bias: torch.Tensor | None
+    qk_norm_weight: torch.Tensor  # [Hq + Hkv, D]: q_norm's weight for each query head, then k_norm's for each key head
 
 
 class DFlashMLP(Qwen3MLP):
@@ -406,17 +415,16 @@ class DFlashMLP(Qwen3MLP):
 
     fused = False
 
-    def _parts(self) -> list[tuple[str, int]]:
-        return [("gate_proj", self.intermediate_size), ("up_proj", self.intermediate_size)]
-
     @torch.no_grad()
     def fuse(self) -> None:
         if self.fused:
             return
-        self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up_proj = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        self.gate_up_proj.weight = nn.Parameter(w)
         del self.gate_proj, self.up_proj
-        self.register_state_dict_post_hook(_split_on_save("gate_up_proj", self._parts()))
-        self.register_load_state_dict_pre_hook(_join_on_load("gate_up_proj", self._parts()))
+        self.register_state_dict_post_hook(_split_gate_up)
+        self.register_load_state_dict_pre_hook(_join_gate_up)
         self.fused = True
 
     def fused_forward(self, x: torch.Tensor, residual: torch.Tensor, inplace: bool) -> torch.Tensor:
@@ -424,6 +432,17 @@ class DFlashMLP(Qwen3MLP):
         gate_up = self.gate_up_proj(x)
         i = self.intermediate_size
         return _linear_residual(self.act_fn(gate_up[..., :i]) * gate_up[..., i:], self.down_proj, residual, inplace)
+
+
+def _split_gate_up(module, state_dict, prefix, local_metadata) -> None:
+    gate, up = state_dict.pop(prefix + "gate_up_proj.weight").chunk(2)
+    state_dict[prefix + "gate_proj.weight"], state_dict[prefix + "up_proj.weight"] = gate, up
+
+
+def _join_gate_up(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+    keys = (prefix + "gate_proj.weight", prefix + "up_proj.weight")
+    if all(k in state_dict for k in keys):
+        state_dict[prefix + "gate_up_proj.weight"] = torch.cat([state_dict.pop(k) for k in keys])
 
 
 class DFlashLayer(nn.Module):
@@ -438,13 +457,13 @@ class DFlashLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, join, attn_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def fused(self, x: torch.Tensor, rope: torch.Tensor, sink: Sink, attn_mask: torch.Tensor | None,
-              inplace: bool = True) -> torch.Tensor:
-        """The layer on fused weights (self_attn and mlp fused), x [B, T, H] contiguous. inplace: x may be overwritten
-        (it becomes the output: the residual adds accumulate into it); otherwise the first add is out of place.
-        Kernels on CUDA: 2 norms, 4 matmuls (2 with the residual add), the q/k norm and its weight, 3 rotary, the K/V
-        copy (the sink's), attention (+ 2 copies when the heads are folded), the activation and its product."""
-        attn = self.self_attn.fused_forward(_norm(x, self.input_layernorm), rope, sink, attn_mask)
+    def fused(self, x: torch.Tensor, w: FusedAttention, rope: torch.Tensor, sink: Sink,
+              attn_mask: torch.Tensor | None, inplace: bool = True) -> torch.Tensor:
+        """The layer on fused weights, x [B, T, H] contiguous; inplace: x may be overwritten (it becomes the output, the
+        residual adds accumulate into it), else the first add is out of place. Kernels on CUDA: 2 norms, 4 matmuls (2
+        with the residual add), the q/k norm (+ a copy: its input is strided) and its weights, 3 rotary, the K/V copy
+        (the sink's), attention, the activation and its product: 16."""
+        attn = self.self_attn.fused_forward(_norm(x, self.input_layernorm), w, rope, sink, attn_mask)
         h = _linear_residual(attn, self.self_attn.o_proj, x, inplace)
         return self.mlp.fused_forward(_norm(h, self.post_attention_layernorm), h, True)
 
@@ -465,15 +484,66 @@ class DFlashDraftModel(nn.Module):
         self._table: RopeTable | None = None
         self.fused = False
 
+    # ---- fusion (inference) ------------------------------------------------------------------
     @torch.no_grad()
     def fuse(self) -> DFlashDraftModel:
-        """Fuse the weights for inference, in place (see the module's docstring); idempotent. The state dict keeps the
-        original layout both ways. A fused model is for inference: its fused forward writes into its own tensors."""
+        """Fuse the weights for inference, in place; idempotent. Every layer's q | k | v projection becomes one slice of
+        `qkv_weight` [layers, (Hq + 2 Hkv) D, H] (query heads interleaved, `interleaved_heads`; o_proj's columns
+        permuted alike), so one batched matmul gives every layer's K | V rows of a commit; the q/k norm weights become
+        `qk_norm_weight` [layers, Hq + Hkv, D] and `k_norm_weight` [layers, 1, 1, 1, D] (derived, refreshed after a
+        load); each MLP's gate | up one matmul. `state_dict` (so `save`) and `load_state_dict` keep the checkpoint's
+        layout. A fused model is for inference: its forward writes into its own activations."""
+        if self.fused:
+            return self
+        a = self.layers[0].self_attn
+        perm = interleaved_heads(a.num_heads, a.num_kv_heads)
+        self.qkv_weight = nn.Parameter(torch.stack([self._fused_qkv(layer.self_attn, "weight", perm) for layer in self.layers]))
+        bias = a.q_proj.bias is not None
+        self.qkv_bias = nn.Parameter(torch.stack([self._fused_qkv(layer.self_attn, "bias", perm) for layer in self.layers])) if bias else None
         for layer in self.layers:
-            layer.self_attn.fuse()
+            attn = layer.self_attn
+            attn.o_proj.weight = nn.Parameter(_permute_heads(attn.o_proj.weight, perm, attn.head_dim, dim=1))
+            del attn.q_proj, attn.k_proj, attn.v_proj
             layer.mlp.fuse()
+        self.register_buffer("qk_norm_weight", torch.empty(0), persistent=False)
+        self.register_buffer("k_norm_weight", torch.empty(0), persistent=False)
+        self._refresh_norm_weights()
+        self.register_state_dict_post_hook(_unfuse_state)
+        self.register_load_state_dict_pre_hook(_fuse_state)
+        self.register_load_state_dict_post_hook(lambda module, keys: module._refresh_norm_weights())
         self.fused = True
         return self
+
+    @staticmethod
+    def _fused_qkv(attn: DFlashAttention, kind: str, perm: list[int]) -> torch.Tensor:
+        q = _permute_heads(getattr(attn.q_proj, kind), perm, attn.head_dim, dim=0)
+        return torch.cat([q, getattr(attn.k_proj, kind), getattr(attn.v_proj, kind)])
+
+    @torch.no_grad()
+    def _refresh_norm_weights(self) -> None:
+        a = self.layers[0].self_attn
+        hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        self.qk_norm_weight = torch.stack([
+            torch.cat([layer.self_attn.q_norm.weight.expand(hq, d), layer.self_attn.k_norm.weight.expand(hkv, d)])
+            for layer in self.layers
+        ])
+        self.k_norm_weight = torch.stack([layer.self_attn.k_norm.weight for layer in self.layers])[:, None, None, None]
+
+    def _fused_attention(self, i: int) -> FusedAttention:
+        return FusedAttention(self.qkv_weight[i], None if self.qkv_bias is None else self.qkv_bias[i], self.qk_norm_weight[i])
+
+    def kv_rows(self, ctx: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """Fused: every layer's K (normalized, rotated) | V rows of context rows ctx [B, T, H], [layers, B, T, 2, Hkv, D]:
+        one batched matmul over the layers' K | V weights, one norm (+ its copy) and one multiply by the layers' k norm
+        weights, 3 rotary kernels, K rotated in place in the matmul's output; rope [B or 1, T, 2, D]."""
+        a = self.layers[0].self_attn
+        hkv, d, lo = a.num_kv_heads, a.head_dim, a.num_heads * a.head_dim
+        kv = torch.matmul(ctx[None], self.qkv_weight[:, lo:].transpose(1, 2)[:, None])  # [layers, B, T, 2 Hkv D]
+        if self.qkv_bias is not None:
+            kv += self.qkv_bias[:, None, None, lo:]
+        k = kv[..., : hkv * d].unflatten(-1, (hkv, d))
+        _rotate_into(k, F.rms_norm(k, (d,), None, a.k_norm.variance_epsilon) * self.k_norm_weight, rope)
+        return kv.unflatten(-1, (2, hkv, d))
 
     # ---- context -------------------------------------------------------------------------
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
@@ -517,8 +587,7 @@ class DFlashDraftModel(nn.Module):
         ctx = self.project_context(features.to(self.fc.weight.dtype))
         if self.fused:
             rope = self._rope_pairs(ctx, positions) if positions is not None else self._pairs_from(ctx, cache.length)
-            for i, layer in enumerate(self.layers):
-                cache.append_rows(i, layer.self_attn.kv_rows(ctx, rope))
+            cache.append_all(self.kv_rows(ctx, rope))
         else:
             cos, sin = self._rope(ctx, positions) if positions is not None else self._rope_from(ctx, cache.length)
             for i, layer in enumerate(self.layers):
@@ -555,7 +624,7 @@ class DFlashDraftModel(nn.Module):
             ctx = self.project_context(context.to(self.fc.weight.dtype))
         if self.fused:
             if ctx is not None:
-                ctx = (ctx, self._rope_pairs(ctx, context_positions))
+                ctx = self.kv_rows(ctx, self._rope_pairs(ctx, context_positions))
             return self._fused_layers(block_embeds, self._rope_pairs(block_embeds, block_positions), cache, ctx, attn_mask)
         cos, sin = self._rope(block_embeds, block_positions)
         if ctx is not None:
@@ -573,16 +642,17 @@ class DFlashDraftModel(nn.Module):
             h = layer(h, cos, sin, join, attn_mask)
         return self.norm(h)
 
-    def _fused_layers(self, h, rope, cache: ContextKV | None, ctx: tuple | None, attn_mask) -> torch.Tensor:
-        """The fused layers and final norm; h (the caller's) is not written: the first residual add is out of place."""
+    def _fused_layers(self, h, rope, cache: ContextKV | None, ctx_rows: torch.Tensor | None, attn_mask) -> torch.Tensor:
+        """The fused layers and the final norm; h (the caller's) is not written: the first residual add is out of place.
+        ctx_rows: every layer's context K | V rows (`kv_rows`), when the block attends to them rather than a cache."""
         for i, layer in enumerate(self.layers):
             if cache is not None:
                 sink = functools.partial(cache.with_block_rows, i)
-            elif ctx is not None:
-                sink = _rows_after(layer.self_attn.kv_rows(*ctx))
+            elif ctx_rows is not None:
+                sink = _rows_after(ctx_rows[i])
             else:
                 sink = _rows_alone
-            h = layer.fused(h.contiguous(), rope, sink, attn_mask, inplace=i > 0)
+            h = layer.fused(h.contiguous(), self._fused_attention(i), rope, sink, attn_mask, inplace=i > 0)
         return _norm(h, self.norm)
 
     # ---- checkpoint (z-lab layout) -------------------------------------------------------------
