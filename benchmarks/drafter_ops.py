@@ -17,17 +17,18 @@ kernel each. Counted on the demo drafter (pdflash/assets/demo/drafter, 5 layers)
 
 Two kernel columns. `kernels` is what the CPU dispatches. `cuda` corrects it where torch runs one kernel on CUDA for
 what it decomposes on the CPU: `F.rms_norm` dispatches `aten::_fused_rms_norm`, which has a CUDA kernel
-(`_fused_rms_norm_cuda`, native_functions.yaml; pytorch#153666, torch >= 2.8) and on the CPU a composite of 5-9 ops;
-it is counted as 1 (2 when its input is not contiguous: the kernel reads a contiguous copy). Scaled dot-product
-attention is one op on either device, and one kernel on CUDA when a fused backend takes it (flash, memory-efficient,
-cuDNN); a boolean mask adds its conversion to an additive one (3 ops, counted on both devices alike). Caveat: with a
-mask AND grouped-query heads (`enable_gqa`), torch <= 2.11 has no fused CUDA backend (flash takes no mask; the
+(`_fused_rms_norm_cuda` in native_functions.yaml, from pytorch#153666, torch >= 2.8; it reuses the layer-norm kernel:
+one launch for a contiguous row-aligned input) and on the CPU a composite of 5-8 ops; it is counted as 1, or 2 when
+its input is not contiguous (the kernel reads a contiguous copy). Everything else is one kernel per op on either
+device, as far as this count goes (a cuBLAS call may launch two; scaled dot-product attention is one fused kernel
+when flash, memory-efficient or cuDNN takes it). Caveat for the `before` figures: with a mask AND grouped-query heads
+(`enable_gqa`), as the graphs' proposals had, torch <= 2.11 has no fused CUDA backend (flash takes no mask, the
 memory-efficient kernel wants equal head counts) and runs the math fallback, ~10-15 kernels per call that neither
-column sees: the graphs' proposals did that before this count was first cut (see `attention` in
-drafter_svc/dflash_model.py).
+column counts; the fused drafter folds the grouped heads instead (drafter_svc/dflash_model.py `attend`).
 
---tree DIR measures another checkout's drafter_svc (e.g. `git worktree add /tmp/base <commit>`) and --label names the
-result; each run merges its label into benchmarks/results/drafter_ops_cpu.json, and the table shows every label there.
+--tree DIR measures another checkout's drafter_svc (e.g. `git archive <commit> drafter_svc pdflash | tar -x -C DIR`)
+and --label names the result; each run merges its label into benchmarks/results/drafter_ops_cpu.json, and the table
+shows every label there. `before` is 3705aaa (the unfused drafter), `after` this checkout.
 """
 
 from __future__ import annotations
@@ -161,7 +162,10 @@ def measure(dtype_name: str, context: int) -> dict:
         graphs._forward("propose", t)  # warm-up (the rope table, first-use work)
         out["static"]["propose"][str(t)] = count(lambda: graphs._forward("propose", t))
     for t in graphs.commit_buckets:
-        graphs._set_meta(context, t, 0)  # writes rows L..L+t-1; the length does not move, the rows are rewritten alike
+        try:  # t real rows at L..L+t-1 (the length does not move: each count rewrites the same rows)
+            graphs._set_meta(context, t, 0, kind="commit")
+        except TypeError:  # a tree from before the fusion: (L, n, anchor), the rows computed on the device
+            graphs._set_meta(context, t, 0)
         graphs.features[:t].copy_(torch.from_numpy(rng.standard_normal((t, f.feature_dim)).astype(np.float32)))
         out["static"]["commit"][str(t)] = count(lambda: graphs._forward("commit", t))
 

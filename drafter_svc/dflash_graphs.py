@@ -191,7 +191,7 @@ class DFlashGraphs:
         """k drafts after anchor at positions L..L+k (L = ctx's length); nothing of ctx changes. k+1 <= block size."""
         t = _bucket(self.propose_buckets, k + 1)
         self._enter(ctx)
-        self._set_meta("propose", ctx.length, k + 1, anchor)
+        self._set_meta(ctx.length, k + 1, anchor)
         drafts = self._run("propose", t)
         return drafts[:k].tolist()  # the round's one device->host copy
 
@@ -207,11 +207,11 @@ class DFlashGraphs:
             chunk = rows[start : start + top]
             n = chunk.shape[0]
             self.features[:n].copy_(chunk, non_blocking=True)
-            self._set_meta("commit", ctx.length, n)
+            self._set_meta(ctx.length, n, kind="commit")
             self._run("commit", _bucket(self.commit_buckets, n))
             ctx.length += n
 
-    def _set_meta(self, kind: str, length: int, n: int, anchor: int = 0) -> None:
+    def _set_meta(self, length: int, n: int, anchor: int = 0, kind: str = "propose") -> None:
         """meta = [L, n | positions L + j | buffer rows written | token ids], j = 0 .. SPARE-1 (a forward reads its
         bucket's first t of each): a proposal writes its block to the spare rows, its ids are [anchor, MASK ...]; a
         commit's real rows go to rows L.., its padding rows to the spare rows."""
@@ -276,7 +276,7 @@ class DFlashGraphs:
             side = torch.cuda.Stream()
             for kind, buckets in (("propose", self.propose_buckets), ("commit", self.commit_buckets)):
                 for t in buckets:
-                    self._set_meta(kind, 0, t)  # any valid input: rows 0..t-1
+                    self._set_meta(0, t, kind=kind)  # any valid input: rows 0..t-1
                     fn = functools.partial(self._forward, kind, t)
                     side.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(side):
