@@ -14,14 +14,16 @@ them, so nothing of a proposal outlives it. Rotary cos/sin come from a table (`R
 Training uses the same layers with an explicit attention mask over many blocks at once.
 
 Inference fuses the weights in memory at load (`DFlashDraftModel.fuse`, `load_dflash(fuse=True)`, the default): on a GPU
-every aten op is a kernel launch of ~2 us for tiny work, so the fused forward is written to dispatch few of them (see
-`DFlashLayer.fused`): q/k/v one matmul (`qkv_proj`), MLP gate/up one matmul (`gate_up_proj`), RMSNorm as `F.rms_norm`
-(one kernel on CUDA), q and k normalized and rotated together and written back into the projection's output, rotary
-cos/sin gathered once per forward from a table of (cos, signed sin) pairs (no rotate_half negation), the residual adds
-folded into the o_proj and down_proj matmuls (`addmm_`), and a layer's new K and V rows written in one copy (the
-context cache keeps a row's K and V side by side). The checkpoint layout does not change: `state_dict` (so `save`)
-gives the original names and `load_state_dict` takes them. The unfused module (as constructed, what training uses)
-runs the original Qwen3 ops; the two agree to float rounding (tests/test_dflash_fused.py).
+every aten op is a kernel launch of ~2 us for tiny work, so the fused forward is written to dispatch few of them
+(benchmarks/drafter_ops.py counts them; `DFlashLayer.fused` lists a layer's): every layer's q | k | v one slice of a
+stacked `qkv_weight` (one matmul per layer in a proposal, one batched matmul for all layers' K | V in a commit), MLP
+gate/up one matmul, RMSNorm as `F.rms_norm` (one kernel on CUDA), q and k normalized and rotated together and written
+back into the projection's output, rotary (cos, signed sin) pairs gathered once per forward (no rotate_half
+negation), the residual adds inside the o_proj and down_proj matmuls (`addmm_`), a row's K and V side by side in the
+caches (a layer's new rows one copy), and query heads interleaved (`interleaved_heads`) so that attention folds each key
+head's query heads into its rows and never runs with `enable_gqa`. The checkpoint layout does not change: `state_dict`
+(so `save`) gives the original names and head order, `load_state_dict` takes them. The unfused module (as constructed,
+what training uses) runs the original Qwen3 ops; the two agree to float rounding (tests/test_dflash_fused.py).
 """
 
 from __future__ import annotations
@@ -256,10 +258,11 @@ def interleaved_heads(num_heads: int, num_kv_heads: int) -> list[int]:
     """The fused model's query head order: its head h is the checkpoint's head (h % Hkv) * g + h // Hkv (g = Hq / Hkv).
 
     In the checkpoint, query heads kvh * g .. kvh * g + g - 1 read key head kvh (grouped, as repeat_interleave has it).
-    Interleaved, head h reads key head h % Hkv, and the query rows of one key head, (token, j) for j < g, sit at a
-    constant stride in the projection's output ([B, T, g, Hkv, D]): folding them into that key head's rows
-    ([B, Hkv, T * g, D]) is a view, and the attention's output comes back as [B, T, Hq * D] in the same order (a view
-    too, as flash / memory-efficient / the CPU kernel lay it out). o_proj's input columns follow the same order."""
+    Interleaved, head h reads key head h % Hkv, and in a contiguous q [B, T, Hq, D] = [B, T, g, Hkv, D] the query rows
+    of one key head, (token, j) for j < g, sit at one constant stride: folding them into that key head's rows
+    ([B, Hkv, T * g, D]) is a view (after the one copy that takes q out of the q | k | v projection), and the
+    attention's output comes back as [B, T, Hq * D] in the same order without a copy (flash, memory-efficient and the
+    CPU kernel return [B, rows, heads, D] memory). o_proj's input columns follow the same order."""
     g = num_heads // num_kv_heads
     return [(h % num_kv_heads) * g + h // num_kv_heads for h in range(num_heads)]
 
@@ -268,8 +271,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     """Attention of queries q [B, T, Hq, D] (heads interleaved: head h reads key head h % Hkv) over keys, values
     [B, Hkv, S, D]; mask None, or boolean / additive [B or 1, 1, T or 1, S]. Returns [B, T, Hq * D] (same head order).
 
-    Each key head's g = Hq / Hkv query heads are folded into its rows, [B, Hkv, T * g, D], a view (see
-    `interleaved_heads`): scaled_dot_product_attention sees equal head counts, no `enable_gqa`. That matters on CUDA:
+    Each key head's g = Hq / Hkv query heads are folded into its rows, [B, Hkv, T * g, D] (see `interleaved_heads`: a
+    view of q made contiguous): scaled_dot_product_attention sees equal head counts, no `enable_gqa`. That matters on CUDA:
     with a mask and `enable_gqa`, torch <= 2.11 has no fused kernel (flash takes no mask, the memory-efficient kernel
     wants equal head counts) and runs the math fallback, ~10-15 kernels a call; folded, the graphs' masked proposals run
     the memory-efficient kernel and the eager drafts flash, one kernel each. A mask per query row is repeated for the
@@ -351,6 +354,11 @@ def _fuse_state(model: DFlashDraftModel, state_dict: dict, prefix: str, local_me
         key = f"{prefix}layers.{i}.self_attn.o_proj.weight"
         if key in state_dict:
             state_dict[key] = _permute_heads(state_dict[key], perm, d, dim=1)
+
+
+def _refresh_after_load(model: DFlashDraftModel, incompatible_keys) -> None:
+    """load_state_dict post-hook of a fused model: the derived q/k norm weights follow the loaded norm weights."""
+    model._refresh_norm_weights()
 
 
 class DFlashAttention(nn.Module):
@@ -510,7 +518,7 @@ class DFlashDraftModel(nn.Module):
         self._refresh_norm_weights()
         self.register_state_dict_post_hook(_unfuse_state)
         self.register_load_state_dict_pre_hook(_fuse_state)
-        self.register_load_state_dict_post_hook(lambda module, keys: module._refresh_norm_weights())
+        self.register_load_state_dict_post_hook(_refresh_after_load)
         self.fused = True
         return self
 
