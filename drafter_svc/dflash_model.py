@@ -470,7 +470,7 @@ class DFlashLayer(nn.Module):
         """The layer on fused weights, x [B, T, H] contiguous; inplace: x may be overwritten (it becomes the output, the
         residual adds accumulate into it), else the first add is out of place. Kernels on CUDA: 2 norms, 4 matmuls (2
         with the residual add), the q/k norm (+ a copy: its input is strided) and its weights, 3 rotary, the K/V copy
-        (the sink's), attention, the activation and its product: 16."""
+        (the sink's), q's copy before the fold, attention, the activation and its product: 17."""
         attn = self.self_attn.fused_forward(_norm(x, self.input_layernorm), w, rope, sink, attn_mask)
         h = _linear_residual(attn, self.self_attn.o_proj, x, inplace)
         return self.mlp.fused_forward(_norm(h, self.post_attention_layernorm), h, True)
