@@ -341,8 +341,8 @@ class VerifierCore:
         want = return_features and bool(s.feature_layer_ids)
         cache = t.expert_cache
         before = dataclasses.replace(cache.stats) if cache is not None else None
-        if cache is not None and cache.prefetch_union:
-            cache.begin(draft.expert_union)  # the projected union streams in a window ahead of its layers
+        if cache is not None:  # (begin/collect bracket every forward: arrivals wait for a running one)
+            cache.begin(draft.expert_union if cache.prefetch_union else {})  # the projection streams in ahead of its layers
         logits, feats, union, fwd_ms = self._forward(s, block, want)
         t0 = time.perf_counter()
         n_acc, nxt = self._pick(s, block[1:], logits)
