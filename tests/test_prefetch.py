@@ -237,14 +237,19 @@ def test_admission_never_waits_for_an_unreachable_verifier_or_one_without_a_cach
     resident.stub.EndSession(verifier_pb2.EndSessionRequest(session_id=pre.session_id), timeout=10)
 
 
-def test_scheduler_options_and_pdflash_up_wire_the_verifier():
-    from pdflash.config import ConfigError
+def test_options_and_pdflash_up_wire_the_verifier():
+    from pdflash.config import ConfigError, from_sources
     from pdflash.stack import Stack, StackSpec
     from scheduler_svc.config import SchedulerConfig
+    from verifier_svc.config import VerifierConfig
 
     assert SchedulerConfig().verifier == ""
+    assert from_sources(SchedulerConfig, env={"PDFLASH_VERIFIER": "verifier:50053"}).verifier == "verifier:50053"
     with pytest.raises(ConfigError, match="--verifier 'verifier': expected host:port"):
         SchedulerConfig(verifier="verifier").validate()
+    assert VerifierConfig().expert_arrival_share == 0.5
+    with pytest.raises(ConfigError, match=r"--expert-arrival-share 1.5: must be in \[0, 1\]"):
+        VerifierConfig(expert_arrival_share=1.5).validate()
     cmd = Stack(StackSpec(scheduler_port=7001, verifier_port=7002))._cmd("scheduler")
     assert cmd[cmd.index("--verifier") + 1] == "127.0.0.1:7002"
     off = Stack(StackSpec(scheduler_args=["--verifier", ""]))._cmd("scheduler")
