@@ -156,6 +156,10 @@ class SchedulerMetrics(_Metrics):
         self.admitted_ahead = self._counter(
             "admitted_ahead", "Admissions ahead of drafting (next round reserved while the current one verifies).", ("outcome",)
         )
+        self.prefetch_hints = self._counter(
+            "prefetch_hints", "Prefetch hints sent to the verifier for admitted demands, by outcome (queued, no_expert_cache, "
+            "disabled, stale, failed, dropped).", ("outcome",)
+        )
 
 
 class VerifierMetrics(_Metrics):
@@ -171,6 +175,10 @@ class VerifierMetrics(_Metrics):
         self.expert_cache_prefetch_used = self._counter("expert_cache_prefetch_used", "Prefetched experts a forward used before eviction.")
         self.expert_cache_wasted_bytes = self._counter("expert_cache_wasted_bytes", "Prefetched expert bytes evicted unused.")
         self.sessions_alive = self._gauge("sessions_alive", "Verifier sessions (KV caches) currently held.")
+        self.prefetch_requests = self._counter(
+            "prefetch_requests", "Prefetch hints answered, by outcome (queued, no_expert_cache, disabled, stale).", ("outcome",)
+        )
+        self.prefetch_experts_queued = self._counter("prefetch_experts_queued", "Experts queued by Prefetch hints (at most this many copied).")
 
 
 @dataclasses.dataclass

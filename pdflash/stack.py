@@ -170,7 +170,7 @@ class Stack:
         if not (s.tls_key and s.tls_ca):
             raise ValueError("StackSpec: tls_cert needs tls_key and tls_ca (the CA that signed the services' certificates)")
         args = ["--tls-cert", s.tls_cert, "--tls-key", s.tls_key] + (["--tls-ca", s.tls_ca] if s.tls_mutual else [])
-        if name == "drafter":
+        if name in ("drafter", "scheduler"):  # the drafter calls the other two; the scheduler the verifier (hints)
             args += ["--upstream-tls-ca", s.tls_ca]
             if s.client_cert:
                 args += ["--upstream-tls-cert", s.client_cert, "--upstream-tls-key", s.client_key]
@@ -201,6 +201,7 @@ class Stack:
         base = [sys.executable, "-m", "pdflash.cli"]
         if name == "scheduler":
             return base + ["serve-scheduler", "--port", str(s.scheduler_port), "--metrics-port", str(s.metrics_ports[1]),
+                           "--verifier", self.verifier,  # prefetch hints for admitted demands
                            *self._tls_args(name), *self._pin_args(), *s.scheduler_args]
         if name == "verifier":
             cmd = base + ["serve-verifier", "--port", str(s.verifier_port), "--metrics-port", str(s.metrics_ports[2]),

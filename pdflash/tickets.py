@@ -57,17 +57,19 @@ class TicketSigner:
         expires_at_unix: float,
         block_tokens: int | None = None,
         block_bytes: int | None = None,
+        call: str = "Verify",
     ) -> None:
         """Raise PermissionDenied unless the ticket is present, correctly signed for the demand it was
         admitted for (`tokens`, `expert_bytes`), unexpired, and the block fits in that demand.
 
         `block_tokens` / `block_bytes`: the block actually verified when the ticket was admitted ahead
-        for up to `tokens` (None = the same as the ticket's). Does nothing when no secret is set.
+        for up to `tokens` (None = the same as the ticket's). `call`: the RPC that needs it, for the message. Does nothing
+        when no secret is set.
         """
         if not self._key:
             return
         if not ticket_id:
-            raise PermissionDenied("Verify needs an admission ticket (ticket_id, ticket_signature, ticket_expires_at_unix) "
+            raise PermissionDenied(f"{call} needs an admission ticket (ticket_id, ticket_signature, ticket_expires_at_unix) "
                                    "from the scheduler's Admit")
         if not signature:
             raise PermissionDenied(f"ticket {ticket_id!r} is not signed: the scheduler must run with the same "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pdflash.config import ConfigError, ServerOptions, option
+from pdflash.tls import check_client_options
 
 
 @dataclasses.dataclass
@@ -19,6 +20,10 @@ class SchedulerConfig(ServerOptions):
     max_bypass: int = option(8, "times newer demands may be seated past a blocked one before admission waits for it (0 = strict order)")
     metrics_port: int = option(9102, "Prometheus /metrics HTTP port (0 = any free port, -1 = off)")
     ticket_secret: str = option("", "HMAC-SHA256 key for ticket signatures (the verifier's --ticket-secret must match); empty = tickets are not signed", secret=True)
+    verifier: str = option("", "verifier address host:port: after admitting a demand, send the verifier a Prefetch hint with its projected expert union, so offloaded experts start streaming before the Verify arrives (best effort, never delays admission); empty = no hints (pdflash up sets it)")
+    upstream_tls_ca: str = option("", "PEM CA that signed the verifier's certificate: send the hints over TLS")
+    upstream_tls_cert: str = option("", "PEM client certificate for the verifier (when it requires mutual TLS)")
+    upstream_tls_key: str = option("", "PEM private key of --upstream-tls-cert")
 
     def validate(self) -> None:
         self.validate_server()
@@ -37,3 +42,6 @@ class SchedulerConfig(ServerOptions):
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
         if self.max_bypass < 0:
             raise ConfigError(f"--max-bypass {self.max_bypass}: must be >= 0 (0 = strict order)")
+        if self.verifier and ":" not in self.verifier:
+            raise ConfigError(f"--verifier {self.verifier!r}: expected host:port (or empty: no prefetch hints)")
+        check_client_options(self.upstream_tls_ca, self.upstream_tls_cert, self.upstream_tls_key, "upstream_tls")

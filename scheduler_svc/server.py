@@ -14,10 +14,11 @@ from pdflash import config as cfgmod
 from pdflash import logging as plogging
 from pdflash.metrics import SchedulerMetrics, start_metrics_server_logged
 from pdflash.server import ServiceHost, run_service, serve_until_signal
-from pdflash.tls import server_credentials
+from pdflash.tls import channel_credentials, server_credentials
 from pdflash.v1 import scheduler_pb2_grpc
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import SchedulerCore
+from scheduler_svc.hints import PrefetchHints
 from scheduler_svc.servicer import SERVICE_NAME, SchedulerServicer
 
 log = plogging.get_logger("pdflash.scheduler")
@@ -30,6 +31,7 @@ class RunningScheduler:
     core: SchedulerCore
     port: int
     metrics_server: object | None = None
+    hints: PrefetchHints | None = None
 
     @property
     def address(self) -> str:
@@ -41,6 +43,8 @@ class RunningScheduler:
         self.core.close()
         await self.host.stop(self.cfg.grace_s if grace is None else grace)
         await self.core.stop()
+        if self.hints is not None:
+            await self.hints.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None
@@ -54,8 +58,12 @@ async def start(cfg: SchedulerConfig) -> RunningScheduler:
     metrics.budget_bytes_in_use.set_function(lambda: core.stats().bytes_in_use)
     metrics.queue_length.set_function(lambda: core.stats().waiting)
     metrics_server = start_metrics_server_logged(cfg.metrics_port, cfg.host, metrics, log)
+    hints = None
+    if cfg.verifier:
+        hints = PrefetchHints(cfg.verifier, channel_credentials(cfg.upstream_tls_ca, cfg.upstream_tls_cert, cfg.upstream_tls_key),
+                              metrics=metrics)
     host = ServiceHost([SERVICE_NAME])
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(core), host.server)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(core, hints), host.server)
     port = host.add_port(f"{cfg.host}:{cfg.port}", server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca))
     await core.start()
     await host.start()
@@ -68,8 +76,9 @@ async def start(cfg: SchedulerConfig) -> RunningScheduler:
         lease_s=cfg.lease_s,
         tls="mutual" if cfg.tls_ca else "on" if cfg.tls_cert else "off",
         tickets="signed" if cfg.ticket_secret else "unsigned",
+        prefetch_hints=cfg.verifier or "off",
     )
-    return RunningScheduler(cfg=cfg, host=host, core=core, port=port, metrics_server=metrics_server)
+    return RunningScheduler(cfg=cfg, host=host, core=core, port=port, metrics_server=metrics_server, hints=hints)
 
 
 async def serve(cfg: SchedulerConfig, stop_event: asyncio.Event | None = None) -> None:
@@ -87,6 +96,8 @@ async def serve(cfg: SchedulerConfig, stop_event: asyncio.Event | None = None) -
     finally:
         closer.cancel()
         await running.core.stop()
+        if running.hints is not None:
+            await running.hints.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -107,8 +107,9 @@ def _ticket_id(ticket_id: str) -> str:
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, core: SchedulerCore):
+    def __init__(self, core: SchedulerCore, hints=None):
         self.core = core
+        self.hints = hints  # scheduler_svc.hints.PrefetchHints (--verifier) or None: no prefetch hints
 
     async def Admit(self, request: scheduler_pb2.AdmitRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.Ticket:
         try:
@@ -128,6 +129,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if left is not None and left <= 0:  # the caller has given up: the ticket would be lost on the way
                 self.core.release(ticket.ticket_id)
                 raise DeadlineExceeded("admitted only after the call's deadline; the ticket was released")
+            if self.hints is not None:  # the verifier may start streaming the demand's experts (sent apart, never awaited)
+                self.hints.admitted(demand, ticket)
             return ticket_to_pb(ticket)
         except PdflashError as e:
             err = e

@@ -179,3 +179,89 @@ def test_cyclic_eviction_never_takes_a_pinned_slot_and_fails_like_lru_when_all_a
     cache.lookup(1, [0, 1])  # evicts two of layer 0's (the only ones), keeps the pinned ones of this layer
     cache.lookup(1, [2])
     assert cache.resident(1, 0) and cache.resident(1, 1) and cache.resident(1, 2)
+
+
+# ---- the device-managed cache's arrivals (verifier_svc/device_cache.py `arriving`), on the CPU references ----------
+
+def _device_cache(partition: int = 4, share: float = 0.5, prefetch: str = "union"):
+    """Three layers of 4 experts, `partition` slots each (+ the overflow range of 4); the arena's slices distinct."""
+    from verifier_svc.device_cache import DeviceExpertCache
+
+    store = _three_layer_store()
+    g = torch.Generator().manual_seed(0)
+    store.arena.copy_(torch.randint(0, 100, store.arena.shape, generator=g, dtype=torch.uint8))
+    cache = DeviceExpertCache(store, 4 + 3 * partition, CPU, need=4, prefetch=prefetch, arrival_share=share)
+    assert cache.sizes == [partition] * 3
+    return cache
+
+
+def _forward(cache, routed: dict[int, list[int]]) -> None:
+    """One forward as the verifier core brackets it: begin, each layer's experts call (its rows route `routed[layer]`,
+    one expert a row), collect."""
+    from types import SimpleNamespace
+
+    cache.begin({})
+    for layer in cache.layers:
+        ids = torch.tensor([[e] for e in routed.get(layer, [0])])
+        x = torch.zeros(ids.shape[0], cache.store.layout.hidden)
+        cache.forward_experts(SimpleNamespace(_pdflash_num_experts=4), layer, x, ids, torch.ones(ids.shape), None)
+    cache.collect()
+
+
+def test_device_arrival_makes_the_next_forwards_lookups_hits_counted_as_prefetch():
+    cache = _device_cache()
+    # 2 slots of each layer's 4 at most (share 0.5), 6 in all; unknown layers and out-of-range ids ignored
+    assert cache.arriving({0: {1, 2, 3}, 1: {0}, 2: {0, 1, 9}, 7: {0}}) == 2 + 1 + 2
+    for layer, e in ((0, 1), (0, 2), (1, 0), (2, 0), (2, 1)):
+        assert cache.resident(layer, e)
+        assert torch.equal(cache.pool[int(cache.table[layer, e])], cache.store.slice(layer, e))
+    assert not cache.resident(0, 3)  # beyond layer 0's share
+    assert cache.stats.prefetched == 0  # counted with the next forward
+    _forward(cache, {0: [1, 2], 1: [0], 2: [3]})
+    st = cache.stats
+    assert (st.lookups, st.hits, st.misses) == (4, 3, 1)
+    assert (st.prefetched, st.prefetch_used, st.evictions, st.wasted_bytes) == (5, 3, 0, 0)
+    assert st.bytes_moved == (st.misses + st.prefetched) * cache.store.slice_bytes and st.coverage == 3 / 4
+    _forward(cache, {0: [1], 1: [0], 2: [1]})  # (2, 1): a prefetch used a forward later still counts once
+    assert cache.stats.prefetch_used == 4 and cache.stats.hits == 6
+
+
+def test_device_arrival_never_evicts_an_unused_prefetch():
+    cache = _device_cache(partition=2, share=1.0)
+    assert cache.arriving({0: {0, 1}}) == 2
+    cache.arriving({0: {2, 3}})  # both slots hold prefetches nobody used yet: nothing taken
+    assert cache.resident(0, 0) and cache.resident(0, 1) and not cache.resident(0, 2) and not cache.resident(0, 3)
+    _forward(cache, {0: [0], 1: [0], 2: [0]})  # uses (0, 0); (0, 1) stays an unused prefetch
+    cache.arriving({0: {2, 3}})  # may take (0, 0)'s slot only
+    assert cache.resident(0, 1) and cache.resident(0, 2) and not cache.resident(0, 0) and not cache.resident(0, 3)
+    _forward(cache, {0: [1], 1: [0], 2: [0]})
+    st = cache.stats
+    assert (st.prefetched, st.prefetch_used, st.evictions, st.wasted_bytes) == (3, 2, 1, 0)
+    assert st.bytes_moved == (st.misses + st.prefetched) * cache.store.slice_bytes
+
+
+def test_device_arrival_during_a_forward_waits_for_it_and_its_counters_join_the_next():
+    cache = _device_cache()
+    cache.begin({})  # a forward runs (from another thread in the server): the arrival is kept
+    assert cache.arriving({0: {3}, 1: {3}}) == 2
+    assert not cache.resident(0, 3) and not cache.resident(1, 3)
+    for layer in cache.layers:
+        from types import SimpleNamespace
+
+        ids = torch.tensor([[0]])
+        cache.forward_experts(SimpleNamespace(_pdflash_num_experts=4), layer, torch.zeros(1, 64), ids, torch.ones(1, 1), None)
+    cache.collect()  # the forward is done: the kept arrival runs now
+    assert cache.resident(0, 3) and cache.resident(1, 3) and cache.stats.prefetched == 0
+    _forward(cache, {0: [3], 1: [3], 2: [0]})
+    st = cache.stats
+    assert (st.prefetched, st.prefetch_used) == (2, 2) and st.hits + st.misses == st.lookups == 6
+    cache.arriving({2: {2}})
+    cache.reset_stats()  # forgets the arrival's counters (the warm-up's), keeps what is resident
+    _forward(cache, {})
+    assert cache.stats.prefetched == 0 and cache.resident(2, 2)
+
+
+def test_device_arrival_is_off_without_union_prefetch_or_share():
+    assert _device_cache(prefetch="layer").arriving({0: {1}}) == 0
+    off = _device_cache(share=0.0)
+    assert off.arriving({0: {1}}) == 0 and not off.resident(0, 1)

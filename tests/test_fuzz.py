@@ -419,7 +419,8 @@ METHODS = {
         ("Renew", scheduler_pb2.RenewRequest), ("GetStats", scheduler_pb2.StatsRequest))],
     "verifier": [(f"/pdflash.v1.Verifier/{m}", t, False) for m, t in (
         ("GetModelInfo", verifier_pb2.VerifierModelInfoRequest), ("Prefill", verifier_pb2.PrefillRequest),
-        ("Verify", verifier_pb2.VerifyRequest), ("EndSession", verifier_pb2.EndSessionRequest))]
+        ("Verify", verifier_pb2.VerifyRequest), ("EndSession", verifier_pb2.EndSessionRequest),
+        ("Prefetch", verifier_pb2.PrefetchRequest))]
     + [("/pdflash.v1.Verifier/VerifyStream", verifier_pb2.VerifyRequest, "bidi")],
 }
 ALL_METHODS = [(svc, *m) for svc, ms in METHODS.items() for m in ms]

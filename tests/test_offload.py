@@ -227,15 +227,17 @@ def test_up_refuses_offload_options_that_cannot_apply_before_anything_starts(com
     assert cli.main([command, "--model", "/nonexistent", "--expert-eviction", "cyclic"]) == 2
     assert "--model '/nonexistent': no config.json" in capsys.readouterr().err
 
-def test_a_projection_streamed_in_from_another_thread_mid_forward_changes_nothing(tiny):
-    """The servicer calls cache.arriving() the moment a Verify arrives, from its own thread, while another verify's
-    forward may be running: with a thread hammering the cache that way during every forward, the tokens stay the
-    same and the forwards' pinned slots are never taken."""
+@pytest.mark.parametrize("mode", MODES)
+def test_a_projection_streamed_in_from_another_thread_mid_forward_changes_nothing(tiny, mode):
+    """The servicer calls cache.arriving() the moment a Verify arrives (and for the scheduler's Prefetch hints), from
+    its own thread, while another verify's forward may be running: with a thread hammering the cache that way during
+    every forward, the tokens stay the same and the forwards' pinned slots are never taken (host mode: the lock;
+    device mode: an arrival during a forward waits for its collect())."""
     import random
     import threading
 
-    ref, gb = _gpt_oss_reference(tiny)
-    core = _core(tiny, "gpt_oss", gb, mode="host")  # (the device-side cache streams a projection inside the forward)
+    ref, gb = _gpt_oss_reference(tiny, mode)
+    core = _core(tiny, "gpt_oss", gb, mode=mode)
     cache = core.target.expert_cache
     n = cache.store.num_experts
     assert cache.arriving({99: {0}, min(n): {-1, 10**6}}) == 0  # unknown layers and out-of-range experts are ignored

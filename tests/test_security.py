@@ -158,6 +158,11 @@ def test_generate_over_mtls_with_token_equals_greedy_reference(secure, pki, tiny
         got = c.generate(PROMPT, max_tokens=24, drafter="ngram")
     assert tuple(got.token_ids) == want
     assert got.usage.rounds >= 1  # admitted by the scheduler, verified with a signed ticket
+    # the scheduler's Prefetch hints reach the verifier over mTLS with their signed tickets: it answers (no expert cache)
+    from tests.test_services import scrape
+
+    text = scrape(secure.spec.metrics_ports[1])
+    assert 'pdflash_prefetch_hints_total{outcome="no_expert_cache"}' in text and 'outcome="failed"' not in text
 
 
 @pytest.mark.parametrize("name", ["drafter", "scheduler", "verifier"])

@@ -20,9 +20,24 @@ Per experts call (layer l, all on the device):
 3. the grouped kernel over the pool through layer l's slot table.
 Each call ORs what happened to each expert into `codes` (zeroed when a forward starts); the host decodes them after
 the forward (`collect`, called by the verifier core) into the same counters as the host-side cache (`CacheStats`).
+
+Arrivals (`arriving`, from the servicer's thread: a Verify has arrived, or the scheduler hinted an admitted demand with
+the `Prefetch` RPC): the projected union's first layers are admitted and filled as prefetches (the same
+`kernels.offload` admission and fill, on the CPU their references) on the cache's copy stream, before the forward that
+needs them starts. The state the forward's kernels read and write is not split between forwards and arrivals, so an
+arrival never runs while a forward is between `begin()` and `collect()` (the verifier core's brackets around every
+forward): then it is kept and issued by `collect()` on the forward's thread, right after that forward (on CUDA: ordered
+after it, and the next forward's `begin()` makes the compute stream wait for the copy stream). So an arrival never
+touches a slot a running forward uses. Bounded: at most `arrival_share` of each layer's slots and of all partition slots
+(the window: the first projected layers that fit), only slots nobody is waiting for (never one prefetched and not used
+yet), and at most the projected experts not resident. Its codes collect in their own rows (`arr_codes`) and join the
+counters at the next `collect()` as prefetches (bytes moved, evictions, waste; a forward's hit on one counts as
+`prefetch_used`). One lock (`_lock`) orders arrivals against `begin`, `collect` and `reset_stats`.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -54,7 +69,7 @@ class DeviceExpertCache:
     device_managed = True  # read by the installer (the experts call) and the verifier core (one graph per forward)
 
     def __init__(self, store: HostExpertStore, num_slots: int, device: torch.device, need: int,
-                 prefetch: str = "union,layer", time_copies: bool = False):
+                 prefetch: str = "union,layer", time_copies: bool = False, arrival_share: float = 0.5):
         check_slots(store, num_slots, need)
         self.store, self.device = store, torch.device(device)
         kinds = {p.strip() for p in prefetch.split(",")}
@@ -94,6 +109,20 @@ class DeviceExpertCache:
         self.gate = GuessGate()  # whether the next-layer guess pays (measured); its decision is `guess_on`
         self.judge_guess = self._cuda  # on a CPU the "copies" are host memcpys: their times say nothing about PCIe
         self.guess_on = torch.ones(1, dtype=torch.int32, device=dev)
+        # arrivals (see the module's docstring): their own scratch and code rows, their own copy stream
+        self.arrival_share = arrival_share  # most of each layer's slots (and of all partition slots) one arrival takes
+        self.arr_proj = torch.zeros(n_layers, e_max, dtype=torch.int8, device=dev)
+        self._arr_host = torch.zeros(n_layers, e_max, dtype=torch.int8)
+        self.arr_codes = torch.zeros(n_layers, e_max, dtype=torch.int32, device=dev)
+        self.arr_eff = torch.zeros(n_layers, e_max, dtype=torch.int32, device=dev)
+        self.arr_fill = torch.zeros(n_layers, e_max, dtype=torch.int8, device=dev)
+        self.arr_marks = torch.zeros(n_layers, e_max, dtype=torch.int8, device=dev)
+        self.arr_order = torch.zeros(n_layers, ko._pow2(c_max), dtype=torch.int32, device=dev)
+        self._copy = torch.cuda.Stream(dev) if self._cuda else None
+        self._lock = threading.Lock()
+        self._in_flight = False  # a forward runs between begin() and collect(): arrivals wait for it
+        self._pending: dict[int, set[int]] = {}  # arrivals kept while a forward ran (layer -> experts), merged
+        self._issued = False  # arrival work on the copy stream the next forward has not waited for yet
 
     # ---- what callers read -----------------------------------------------------------------------------------
     @property
@@ -119,54 +148,145 @@ class DeviceExpertCache:
     # ---- the verifier core's calls around a forward -----------------------------------------------------------
     def begin(self, projection: dict[int, frozenset[int] | set[int]]) -> int:
         """The projected union of the verify about to run: each layer's part is prefetched while the layer before it
-        computes (with `union` prefetch). Returns the experts projected."""
-        self._proj_host.zero_()
-        n = 0
-        if self.prefetch_union:
-            for layer, experts in projection.items():
-                i = self._index.get(layer)
-                if i is None:
-                    continue
-                for e in experts:
-                    if 0 <= int(e) < self.store.num_experts[layer]:
-                        self._proj_host[i, int(e)] = 1
-                        n += 1
-        self.proj.copy_(self._proj_host)  # pageable: staged at once, ordered before the forward on this stream
-        return n
+        computes (with `union` prefetch). Returns the experts projected. A forward is running from here until its
+        `collect()`: arrivals meanwhile wait for it; the ones issued before run first (on CUDA this stream waits for
+        the copy stream)."""
+        with self._lock:
+            self._in_flight = True
+            if self._issued:
+                torch.cuda.current_stream(self.device).wait_stream(self._copy)
+                self._issued = False
+            self._proj_host.zero_()
+            n = 0
+            if self.prefetch_union:
+                for layer, experts in projection.items():
+                    i = self._index.get(layer)
+                    if i is None:
+                        continue
+                    for e in experts:
+                        if 0 <= int(e) < self.store.num_experts[layer]:
+                            self._proj_host[i, int(e)] = 1
+                            n += 1
+            self.proj.copy_(self._proj_host)  # pageable: staged at once, ordered before the forward on this stream
+            return n
 
     def arriving(self, projection) -> int:
-        """The servicer's early hint: nothing to do here (the projection streams inside the forward, a layer ahead)."""
-        return 0
+        """A verify's projected union, before its forward (a Verify arrived, or the scheduler hinted an admitted
+        demand): admit and fill the window of its first layers now as prefetches, or right after the running forward
+        when one runs (see the module's docstring). Unknown layers and out-of-range experts are ignored (the verify
+        validates its own union). Returns the experts queued: at most that many slices are copied (those already
+        resident are not). Nothing without `union` prefetch or with `arrival_share` 0."""
+        with self._lock:
+            plan = self._plan(projection)
+            if not plan:
+                return 0
+            if self._in_flight:
+                for i, experts, _cap in plan:
+                    self._pending.setdefault(i, set()).update(experts)
+                return sum(cap for _i, _e, cap in plan)
+            return self._issue(plan)
+
+    def _plan(self, projection, by_index: bool = False) -> list[tuple[int, list[int], int]]:
+        """(layer index, projected experts, most slots to take) for the first projected layers that fit in
+        `arrival_share` of the partition slots; each layer at most `arrival_share` of its own."""
+        if not self.prefetch_union or self.arrival_share <= 0:
+            return []
+        budget = int(self.arrival_share * sum(self.sizes))
+        plan, used = [], 0
+        for i, layer in enumerate(self.layers):
+            experts = projection.get(i if by_index else layer)
+            if not experts or self.sizes[i] == 0:
+                continue
+            n = self.store.num_experts[layer]
+            valid = sorted({int(e) for e in experts if 0 <= int(e) < n})
+            if used >= budget:
+                break
+            cap = min(len(valid), int(self.arrival_share * self.sizes[i]), budget - used)
+            if cap <= 0:
+                continue  # nothing valid, or a partition too small for any share of it
+            plan.append((i, valid, cap))
+            used += cap
+        return plan
+
+    def _issue(self, plan: list[tuple[int, list[int], int]]) -> int:
+        """Admit and fill a plan's experts as prefetches (lock held, no forward running). Per layer: the projected
+        experts not resident, at most `cap` of them (in id order), into evictable slots; the resident projected ones and
+        those prefetched and not used yet are marked needed, so this admission never evicts them."""
+        self._arr_host.zero_()
+        for i, experts, _cap in plan:
+            self._arr_host[i, experts] = 1
+        if self._cuda:
+            self._copy.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy) if self._cuda else _nullcontext():
+            self.arr_proj.copy_(self._arr_host, non_blocking=self._cuda)  # pageable: staged at once
+            for i, _experts, cap in plan:
+                n, c = self.store.num_experts[self.layers[i]], self.sizes[i]
+                projected = self.arr_proj[i, :n] != 0
+                missing = projected & (self.table[i, :n] < 0)
+                take = missing & (torch.cumsum(missing.to(torch.int32), 0) <= cap)
+                owner = self.owner[i, :c]
+                spare = torch.zeros(n + 1, dtype=torch.int8, device=self.device)  # experts of unused prefetched slots
+                spare.index_fill_(0, torch.where((self.unused[i, :c] != 0) & (owner >= 0), owner, n).long(), 1)
+                need = (take | (projected & ~missing) | (spare[:n] != 0)).to(torch.int8)
+                args = (self.table[i, :n], owner, self.last[i, :c], self.unused[i, :c], self.arr_codes[i, :n],
+                        self.arr_eff[i, :n], self.arr_fill[i, :n])
+                if self._cuda:
+                    ko.admit(None, None, need, self.arr_marks[i, :n], *args, self.arr_order[i], self.tick, self.bases[i],
+                             self.overflow, True)
+                    ko.fill(self.store.arena, self.pool, self._rows[i], args[5], args[6])
+                else:
+                    ko.admit_reference(None, None, need, *args, int(self.tick), self.bases[i], self.overflow, True)
+                    ko.fill_reference(self.store.arena, self.pool, self._rows[i], args[5], args[6])
+        self._issued = self._cuda
+        return sum(cap for _i, _e, cap in plan)
 
     def collect(self, ms: float | None = None, tokens: int = 0) -> CacheStats:
         """After a forward (its stream done): decode the per-expert codes into the counters. Returns this forward's.
-        `ms` and `tokens`: the forward's wall time and rows, for the guess's gate (None: not judged, e.g. a prefill)."""
-        codes = self.codes.cpu()
+        `ms` and `tokens`: the forward's wall time and rows, for the guess's gate (None: not judged, e.g. a prefill).
+        The arrivals issued before this forward count with it (as prefetches); those kept while it ran are issued now."""
+        st = self._decode(self.codes.cpu())
+        with self._lock:
+            arrivals = self._decode(self.arr_codes.cpu())  # done: the forward waited for them, and it is done
+            self.arr_codes.zero_()
+            self._stats = self._stats.plus(st).plus(arrivals)
+            if self.layer_ahead and self.judge_guess:  # this forward ran the guess if the flag was on: judge it, set the flag
+                was = self.gate.on
+                per_token = ms / tokens if ms is not None and tokens > 0 else None
+                if self.gate.observe(was, per_token, st.prefetched, st.prefetch_used) != was:
+                    self.guess_on.fill_(int(self.gate.on))
+            self._in_flight = False
+            if self._pending:
+                plan, self._pending = self._plan(self._pending, by_index=True), {}
+                if plan:
+                    self._issue(plan)
+        return st.plus(arrivals)
+
+    def _decode(self, codes: torch.Tensor) -> CacheStats:
         count = lambda bit: int(((codes & bit) != 0).sum())  # noqa: E731
         misses, prefetched = count(ko.MISS), count(ko.PREFETCHED)
-        st = CacheStats(lookups=count(ko.ROUTED), hits=count(ko.HIT), misses=misses, evictions=count(ko.EVICTED),
-                        prefetched=prefetched, prefetch_used=count(ko.PREFETCH_USED),
-                        bytes_moved=(misses + prefetched) * self.store.slice_bytes,
-                        wasted_bytes=count(ko.WASTED) * self.store.slice_bytes)
-        self._stats = self._stats.plus(st)
-        if self.layer_ahead and self.judge_guess:  # this forward ran the guess if the flag was on: judge it, set the flag
-            was = self.gate.on
-            per_token = ms / tokens if ms is not None and tokens > 0 else None
-            if self.gate.observe(was, per_token, st.prefetched, st.prefetch_used) != was:
-                self.guess_on.fill_(int(self.gate.on))
-        return st
+        return CacheStats(lookups=count(ko.ROUTED), hits=count(ko.HIT), misses=misses, evictions=count(ko.EVICTED),
+                          prefetched=prefetched, prefetch_used=count(ko.PREFETCH_USED),
+                          bytes_moved=(misses + prefetched) * self.store.slice_bytes,
+                          wasted_bytes=count(ko.WASTED) * self.store.slice_bytes)
 
     def reset_stats(self) -> None:
         """Zero the counters and the per-expert codes, forget which slots were prefetched and not yet used and the last
         projection; what is resident stays resident (as `ExpertCache.reset_stats`: after the warm-up, the first
-        request's counters are its own). In place: the captured graphs read these tensors."""
-        self._stats = CacheStats()
-        self.codes.zero_()
-        self.unused.zero_()
-        self._proj_host.zero_()
-        self.proj.zero_()
-        self.gate.reset()
-        self.guess_on.fill_(1)
+        request's counters are its own). In place: the captured graphs read these tensors. Arrivals not counted yet
+        are forgotten (and one kept for later is dropped)."""
+        with self._lock:
+            if self._issued:  # zeroed after the arrivals' kernels, not under them
+                torch.cuda.current_stream(self.device).wait_stream(self._copy)
+                self._issued = False
+            self._stats = CacheStats()
+            self.codes.zero_()
+            self.unused.zero_()
+            self._proj_host.zero_()
+            self.proj.zero_()
+            self.arr_codes.zero_()
+            self._pending = {}
+            self.gate.reset()
+            self.guess_on.fill_(1)
 
     # ---- the experts call (kernels.installer) ----------------------------------------------------------------
     def _admit(self, i: int, which: int, ids, valid_rows, valid: int | None, extra, prefetch: bool) -> None:
@@ -193,6 +313,9 @@ class DeviceExpertCache:
         if not self._cuda and valid_rows is not None:
             valid = int(valid_rows)
         if i == 0:  # a new forward (a forward nobody collected, e.g. a graph's warm-up, is forgotten here)
+            if not self._in_flight:  # a forward without begin(): arrivals wait for collect() all the same
+                with self._lock:
+                    self._in_flight = True
             self.tick.add_(1)
             self.codes.zero_()
             self._joins.clear()

@@ -179,11 +179,7 @@ class VerifierCore:
                 v.append(FieldViolation("draft.tokens", f"block of {len(d.tokens)} exceeds max_block_size {self.max_block_size}"))
             self._check_ids("draft.tokens", d.tokens, v)
         bm = self.target.byte_map
-        for layer, ids in d.expert_union.items():
-            if layer not in bm:
-                v.append(FieldViolation("draft.expert_union", f"layer {layer} is not an MoE layer of this model"))
-            elif any(not 0 <= e < len(bm[layer]) for e in ids):
-                v.append(FieldViolation("draft.expert_union", f"layer {layer}: expert ids must be < {len(bm[layer])}"))
+        v.extend(self.union_violations("draft.expert_union", d.expert_union))
         if not v and d.expert_bytes != union_bytes(d.expert_union, bm):
             v.append(
                 FieldViolation(
@@ -192,6 +188,18 @@ class VerifierCore:
                 )
             )
         check(v, "invalid Verify request")
+
+    def union_violations(self, field: str, union) -> list[FieldViolation]:
+        """A projected union's layers must be MoE layers of this model and its expert ids in range."""
+        v: list[FieldViolation] = []
+        bm = self.target.byte_map
+        for layer, ids in union.items():
+            if layer not in bm:
+                v.append(FieldViolation(field, f"layer {layer} is not an MoE layer of this model (its MoE layers: "
+                                               f"{_ranges(sorted(bm))})"))
+            elif any(not 0 <= e < len(bm[layer]) for e in ids):
+                v.append(FieldViolation(field, f"layer {layer}: expert ids must be < {len(bm[layer])}"))
+        return v
 
     # ---- the model --------------------------------------------------------------------------------
     def _forward(self, s: Session, ids: list[int], want_features: bool, last_logits_only: bool = False):
@@ -341,8 +349,8 @@ class VerifierCore:
         want = return_features and bool(s.feature_layer_ids)
         cache = t.expert_cache
         before = dataclasses.replace(cache.stats) if cache is not None else None
-        if cache is not None and cache.prefetch_union:
-            cache.begin(draft.expert_union)  # the projected union streams in a window ahead of its layers
+        if cache is not None:  # (begin/collect bracket every forward: arrivals wait for a running one)
+            cache.begin(draft.expert_union if cache.prefetch_union else {})  # the projection streams in ahead of its layers
         logits, feats, union, fwd_ms = self._forward(s, block, want)
         t0 = time.perf_counter()
         n_acc, nxt = self._pick(s, block[1:], logits)
@@ -373,3 +381,14 @@ class VerifierCore:
     def end(self, session_id: str) -> bool:
         return self.sessions.end(session_id)
 
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ", ".join(out) or "none"

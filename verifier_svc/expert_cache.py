@@ -90,7 +90,7 @@ def check_slots(store: HostExpertStore, num_slots: int, need: int) -> None:
 
 class ExpertCache:
     def __init__(self, store: HostExpertStore, num_slots: int, device: torch.device, need: int,
-                 prefetch: str = "union,layer", time_copies: bool = False, eviction: str = "lru"):
+                 prefetch: str = "union,layer", time_copies: bool = False, eviction: str = "lru", arrival_share: float = 0.5):
         check_slots(store, num_slots, need)
         if eviction not in EVICTIONS:
             raise ValueError(f"eviction {eviction!r}: one of {', '.join(EVICTIONS)}")
@@ -127,6 +127,7 @@ class ExpertCache:
         self.time_copies = time_copies and self._cuda
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._lock = threading.RLock()  # the forward's thread and the servicer's (arriving) share the cache
+        self.arrival_share = arrival_share  # an arrival's window: the projected layers that fit in this share of the slots
 
     @property
     def num_slots(self) -> int:
@@ -320,9 +321,9 @@ class ExpertCache:
         ahead = layer + self._window
         return self._prefetch_unlocked({ahead: self._projection[ahead]}) if ahead in self._projection else 0
 
-    def _window_of(self, projection: dict) -> int:
+    def _window_of(self, projection: dict, share: float = 0.5) -> int:
         per_layer = max(1.0, sum(len(e) for e in projection.values()) / max(1, len(projection)))
-        return max(1, int(self.num_slots / 2 / per_layer))
+        return max(1, int(self.num_slots * share / per_layer))
 
     # the public methods: one at a time across threads
     def lookup(self, layer: int, experts) -> torch.Tensor:
@@ -346,15 +347,19 @@ class ExpertCache:
             return self._advance_unlocked(layer)
 
     def arriving(self, projection: dict[int, frozenset[int] | set[int]]) -> int:
-        """A verify has arrived (the one before it may still be running): prefetch the first window of its projected
-        union now. Experts outside the model's range are ignored (the verify itself validates them)."""
+        """A verify has arrived (the one before it may still be running), or the scheduler hinted an admitted demand
+        (the Prefetch RPC): prefetch the first window of its projected union now (the layers that fit in
+        `arrival_share` of the slots; 0 = none). Experts outside the model's range are ignored (the verify itself
+        validates them). Returns the slices copied."""
         with self._lock:
-            valid = {l: frozenset(e for e in es if 0 <= int(e) < self.store.num_experts[l])
+            if self.arrival_share <= 0:
+                return 0
+            valid = {l: frozenset(int(e) for e in es if 0 <= int(e) < self.store.num_experts[l])
                      for l, es in projection.items() if l in self._host_tables}
             valid = {l: es for l, es in valid.items() if es}
             if not valid:
                 return 0
-            layers = sorted(valid)[: self._window_of(valid)]
+            layers = sorted(valid)[: self._window_of(valid, self.arrival_share)]
             return self._prefetch_unlocked({l: valid[l] for l in layers})
 
     def reset_stats(self) -> None:

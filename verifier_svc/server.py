@@ -72,6 +72,8 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         threads = await torch_thread.run(torch_thread.configure, verify_threads)
         target = await torch_thread.run(load_target, model_dir, resolve_device(cfg.device), cfg.dtype, cfg.kernels, cfg.experts,
                                         cfg.expert_cache_gb, cfg.expert_prefetch, cfg.expert_cache_mode, cfg.expert_eviction)
+        if target.expert_cache is not None:
+            target.expert_cache.arrival_share = cfg.expert_arrival_share
         # on the torch thread: on CUDA it captures the verify forward's graphs (seconds; health answers meanwhile)
         core = await torch_thread.run(VerifierCore, target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size,
                                       cfg.max_tokens_limit, prefill_threads=prefill_threads,

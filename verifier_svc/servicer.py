@@ -12,7 +12,7 @@ from pdflash import convert, torch_thread
 from pdflash.errors import DeadlineExceeded, FieldViolation, PdflashError, ResourceExhausted, Unavailable, abort_with, check
 from pdflash.logging import get_logger
 from pdflash.tickets import TicketSigner
-from pdflash.types import FinishReason
+from pdflash.types import FinishReason, union_bytes
 from pdflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from pdflash.validation import id_violations
 from verifier_svc.engine import PrefillInput, StepOutput, VerifierCore
@@ -20,6 +20,14 @@ from verifier_svc.engine import PrefillInput, StepOutput, VerifierCore
 log = get_logger("pdflash.verifier")
 
 MAX_LIST_ITEMS = 1024  # stop ids, feature layers: far more than any model needs
+MAX_UNION_LAYERS = 4096  # LayerExperts entries of a Prefetch hint (as the scheduler bounds a demand's)
+
+_OUTCOME_NAMES = {
+    verifier_pb2.PREFETCH_OUTCOME_QUEUED: "queued",
+    verifier_pb2.PREFETCH_OUTCOME_NO_EXPERT_CACHE: "no_expert_cache",
+    verifier_pb2.PREFETCH_OUTCOME_DISABLED: "disabled",
+    verifier_pb2.PREFETCH_OUTCOME_STALE: "stale",
+}
 
 
 def _finish_pb(f: FinishReason | None) -> int:
@@ -240,6 +248,50 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             for sid in unfinished:
                 if self.core.end(sid):
                     log.info("session ended with its verify stream", session_id=sid)
+
+    async def Prefetch(self, request, context):
+        await self._ready(context)
+        try:
+            out = self._prefetch(request)
+        except PdflashError as e:
+            await abort_with(context, e)
+        if self.metrics is not None:
+            self.metrics.prefetch_requests.labels(_OUTCOME_NAMES[out.outcome]).inc()
+            self.metrics.prefetch_experts_queued.inc(out.experts_queued)
+        log.debug("prefetch", request_id=request.request_id, session_id=request.session_id, round=request.round,
+                  outcome=_OUTCOME_NAMES[out.outcome], experts_queued=out.experts_queued)
+        return out
+
+    def _prefetch(self, request) -> verifier_pb2.PrefetchResponse:
+        """A hint: the projected union of a verify still to come streams in as that Verify's would on arrival
+        (cache.arriving, on this thread: the cache orders it against a running forward)."""
+        v = id_violations({"request_id": request.request_id, "session_id": request.session_id, "ticket_id": request.ticket_id})
+        if not request.session_id:
+            v.append(FieldViolation("session_id", "required: the session id Prefill returned"))
+        if request.round < 1:
+            v.append(FieldViolation("round", "must be >= 1: the round the demand was admitted for (rounds are 1-based)"))
+        if len(request.expert_union) > MAX_UNION_LAYERS:
+            v.append(FieldViolation("expert_union", f"{len(request.expert_union)} entries; at most {MAX_UNION_LAYERS}"))
+        check(v, "invalid Prefetch request")
+        union = convert.union_from_pb(request.expert_union)
+        core = self.core
+        check(core.union_violations("expert_union", union), "invalid Prefetch request")
+        nbytes = union_bytes(union, core.target.byte_map)
+        # Before the session lookup, as for Verify: without a ticket a caller learns nothing about sessions.
+        self.signer.require(time.time(), request.ticket_signature, request.ticket_id, request.session_id, request.round,
+                            request.ticket_tokens, request.ticket_expert_bytes, request.ticket_expires_at_unix,
+                            block_bytes=nbytes, call="Prefetch")
+        s = core.sessions.peek(request.session_id)
+        cache = core.target.expert_cache
+        if cache is None:
+            return verifier_pb2.PrefetchResponse(outcome=verifier_pb2.PREFETCH_OUTCOME_NO_EXPERT_CACHE)
+        if not cache.prefetch_union or cache.arrival_share <= 0:
+            return verifier_pb2.PrefetchResponse(outcome=verifier_pb2.PREFETCH_OUTCOME_DISABLED)
+        if request.round <= s.round:
+            return verifier_pb2.PrefetchResponse(outcome=verifier_pb2.PREFETCH_OUTCOME_STALE)
+        n = cache.arriving(union) if union else 0
+        return verifier_pb2.PrefetchResponse(outcome=verifier_pb2.PREFETCH_OUTCOME_QUEUED, experts_queued=n,
+                                             bytes_queued=n * cache.store.slice_bytes)
 
     async def EndSession(self, request, context):
         await self._ready(context)

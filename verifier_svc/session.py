@@ -74,6 +74,13 @@ class SessionStore:
         s.touch()
         return s
 
+    def peek(self, session_id: str) -> Session:
+        """As get, without counting as a use (a hint about a session does not keep it alive)."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise NotFound(f"unknown or expired session {session_id!r}; start a new one with Prefill")
+        return s
+
     def end(self, session_id: str) -> bool:
         s = self._sessions.pop(session_id, None)
         if s is not None:

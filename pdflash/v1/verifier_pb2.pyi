@@ -1,11 +1,25 @@
 from pdflash.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefetchOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREFETCH_OUTCOME_UNSPECIFIED: _ClassVar[PrefetchOutcome]
+    PREFETCH_OUTCOME_QUEUED: _ClassVar[PrefetchOutcome]
+    PREFETCH_OUTCOME_NO_EXPERT_CACHE: _ClassVar[PrefetchOutcome]
+    PREFETCH_OUTCOME_DISABLED: _ClassVar[PrefetchOutcome]
+    PREFETCH_OUTCOME_STALE: _ClassVar[PrefetchOutcome]
+PREFETCH_OUTCOME_UNSPECIFIED: PrefetchOutcome
+PREFETCH_OUTCOME_QUEUED: PrefetchOutcome
+PREFETCH_OUTCOME_NO_EXPERT_CACHE: PrefetchOutcome
+PREFETCH_OUTCOME_DISABLED: PrefetchOutcome
+PREFETCH_OUTCOME_STALE: PrefetchOutcome
 
 class VerifierModelInfoRequest(_message.Message):
     __slots__ = ()
@@ -184,3 +198,35 @@ class EndSessionResponse(_message.Message):
     ENDED_FIELD_NUMBER: _ClassVar[int]
     ended: bool
     def __init__(self, ended: _Optional[bool] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("request_id", "session_id", "round", "expert_union", "ticket_id", "ticket_signature", "ticket_expires_at_unix", "ticket_tokens", "ticket_expert_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_UNION_FIELD_NUMBER: _ClassVar[int]
+    TICKET_ID_FIELD_NUMBER: _ClassVar[int]
+    TICKET_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    TICKET_EXPIRES_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TICKET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TICKET_EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    session_id: str
+    round: int
+    expert_union: _containers.RepeatedCompositeFieldContainer[_common_pb2.LayerExperts]
+    ticket_id: str
+    ticket_signature: str
+    ticket_expires_at_unix: float
+    ticket_tokens: int
+    ticket_expert_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., round: _Optional[int] = ..., expert_union: _Optional[_Iterable[_Union[_common_pb2.LayerExperts, _Mapping]]] = ..., ticket_id: _Optional[str] = ..., ticket_signature: _Optional[str] = ..., ticket_expires_at_unix: _Optional[float] = ..., ticket_tokens: _Optional[int] = ..., ticket_expert_bytes: _Optional[int] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("outcome", "experts_queued", "bytes_queued")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    outcome: PrefetchOutcome
+    experts_queued: int
+    bytes_queued: int
+    def __init__(self, outcome: _Optional[_Union[PrefetchOutcome, str]] = ..., experts_queued: _Optional[int] = ..., bytes_queued: _Optional[int] = ...) -> None: ...

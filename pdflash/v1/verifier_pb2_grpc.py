@@ -59,6 +59,11 @@ class VerifierStub:
                 request_serializer=pdflash_dot_v1_dot_verifier__pb2.EndSessionRequest.SerializeToString,
                 response_deserializer=pdflash_dot_v1_dot_verifier__pb2.EndSessionResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/pdflash.v1.Verifier/Prefetch',
+                request_serializer=pdflash_dot_v1_dot_verifier__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=pdflash_dot_v1_dot_verifier__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -101,6 +106,17 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """A hint that a verify is coming (the scheduler sends one for each demand it admits): its projected
+        union's first layers start streaming into the expert cache now, before the Verify arrives, as a
+        Verify's own union does when it arrives. Best effort and idempotent (experts resident or on their
+        way cost nothing again); output never depends on it. With a --ticket-secret it needs the demand's
+        admission ticket, as Verify does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +144,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.EndSession,
                     request_deserializer=pdflash_dot_v1_dot_verifier__pb2.EndSessionRequest.FromString,
                     response_serializer=pdflash_dot_v1_dot_verifier__pb2.EndSessionResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=pdflash_dot_v1_dot_verifier__pb2.PrefetchRequest.FromString,
+                    response_serializer=pdflash_dot_v1_dot_verifier__pb2.PrefetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +286,33 @@ class Verifier:
             '/pdflash.v1.Verifier/EndSession',
             pdflash_dot_v1_dot_verifier__pb2.EndSessionRequest.SerializeToString,
             pdflash_dot_v1_dot_verifier__pb2.EndSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdflash.v1.Verifier/Prefetch',
+            pdflash_dot_v1_dot_verifier__pb2.PrefetchRequest.SerializeToString,
+            pdflash_dot_v1_dot_verifier__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,
