@@ -237,3 +237,20 @@ def test_stack_output_is_the_same_with_the_drafters_graphs_off(demo, tmp_path):
         assert out["block1", False] == block1
         for kind in ("dflash", "hybrid"):
             assert out[kind, False] == out[kind, True] == block1, kind
+
+
+def test_a_capture_that_fails_leaves_an_eager_drafter(demo, monkeypatch):
+    """A CUDA-graph capture that raises at load costs speed, not the service: the factory logs it and drafts eagerly."""
+    import drafter_svc.drafters.dflash as dflash
+    from drafter_svc.drafters import make_factory
+
+    def broken(*a, **k):
+        raise RuntimeError("capture failed (test)")
+
+    monkeypatch.setattr(dflash, "DFlashGraphs", broken)
+    target_dir, drafter_dir = demo
+    f = make_factory("dflash", target_dir, drafter_dir, device="cuda", dtype="bfloat16", cuda_graphs=True)
+    assert f.graphs is None
+    s = f.new_session()
+    s.start([1, 2, 3, 4], np.zeros((4, f.feature_dim), np.float32))
+    assert len(s.propose(5, 7)) == 7

@@ -181,7 +181,15 @@ class DFlashFactory(DrafterFactory):
                 log.info("dflash_cuda_graphs_off", reason=why)
                 self.warm_up()
             else:
-                self.use_graphs(DFlashGraphs(self.model, self.head.embed, self.head.lm_head, capacity=graph_capacity))
+                try:
+                    graphs = DFlashGraphs(self.model, self.head.embed, self.head.lm_head, capacity=graph_capacity)
+                except Exception as e:  # noqa: BLE001 - a capture that fails costs speed, never the service
+                    log.warning("dflash_cuda_graphs_failed", error=f"{type(e).__name__}: {e}",
+                                hint="drafting runs eagerly; --no-drafter-cuda-graphs silences this")
+                    torch.cuda.synchronize(device)
+                    self.warm_up()
+                else:
+                    self.use_graphs(graphs)
 
     def use_graphs(self, graphs: DFlashGraphs | None) -> None:
         """Sessions started from now on run from `graphs` (None: eagerly); on CUDA the factory does this at load."""
