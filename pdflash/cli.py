@@ -51,6 +51,10 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--expert-eviction", default="lru", choices=["lru", "cyclic"],
                    help="offloaded experts, which cached expert a miss replaces: the least recently used, or cyclic (experts "
                         "not routed at their layer's latest lookup first, then those of the layer needed last in the forward)")
+    v.add_argument("--expert-arrival-share", type=_number, default=0.5, metavar="SHARE",
+                   help="offloaded experts with union prefetch: the most of the cache's slots a Verify's projected union "
+                        "(or the scheduler's hint for an admitted demand) may take before its forward, 0-1 (0 = nothing "
+                        "ahead of the forward)")
     v.add_argument("--warmup", default="auto", nargs="?", const="on", type=switch_value, choices=list(SWITCH),
                    help="before the verifier serves, run short prefills and a verify per CUDA-graph bucket (with and "
                         "without the DFlash drafter's feature layers) and release them, so the first request pays no "
@@ -118,7 +122,8 @@ def _check_seconds(args, *names: str) -> None:
            {n: "--" + n.replace("_", "-") for n in names})
 
 
-_OFFLOAD_OPTIONS = (("expert_prefetch", "union,layer"), ("expert_cache_mode", "device"), ("expert_eviction", "lru"))
+_OFFLOAD_OPTIONS = (("expert_prefetch", "union,layer"), ("expert_cache_mode", "device"), ("expert_eviction", "lru"),
+                    ("expert_arrival_share", 0.5))
 
 
 def _check_stack_args(args) -> None:
@@ -137,6 +142,9 @@ def _check_stack_args(args) -> None:
     gb = getattr(args, "expert_cache_gb", 0.0)
     if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0.0 <= gb < float("inf"):
         raise UsageError([f"--expert-cache-gb: must be a number of GiB >= 0 (0 = every expert resident), got {gb}"])
+    share = getattr(args, "expert_arrival_share", 0.5)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+        raise UsageError([f"--expert-arrival-share: must be a share of the cache's slots in [0, 1] (0 = off), got {share}"])
     if gb > 0 and getattr(args, "experts", "native") != "mxfp4":
         raise UsageError(["--expert-cache-gb serves offloaded MXFP4 experts: add --experts mxfp4"])
     # Offloading options without an expert cache, or a host-cache policy with the device cache: the verifier would
@@ -190,7 +198,7 @@ def _verifier_args(args) -> list[str]:
     out = []
     for flag, default in (("device", "auto"), ("dtype", "auto"), ("kernels", "auto"), ("experts", "native"), ("expert_cache_gb", 0.0),
                           ("expert_prefetch", "union,layer"), ("expert_cache_mode", "device"), ("expert_eviction", "lru"),
-                          ("warmup", "auto")):
+                          ("expert_arrival_share", 0.5), ("warmup", "auto")):
         value = getattr(args, flag, default)
         if value != default:
             out += [f"--{flag.replace('_', '-')}", str(value)]

@@ -195,6 +195,16 @@ def test_pdflash_up_passes_the_expert_options_to_the_verifier():
         VerifierConfig(expert_eviction="mru").validate()
     with pytest.raises(ConfigError, match="host"):  # a host-cache policy asked of the device-managed cache
         VerifierConfig(experts="mxfp4", expert_cache_gb=1.0, expert_eviction="cyclic").validate()
+    share = _spec(build_parser().parse_args(["up", "--experts", "mxfp4", "--expert-cache-gb", "1", "--expert-arrival-share", "0"]))
+    assert share.verifier_args[-2:] == ["--expert-arrival-share", "0"]
+
+
+@pytest.mark.parametrize("value,why", [("1.5", "in [0, 1]"), ("nan", "in [0, 1]"), ("half", "in [0, 1]")])
+def test_up_refuses_an_arrival_share_out_of_range(value, why, capsys):
+    from pdflash import cli
+
+    assert cli.main(["up", "--experts", "mxfp4", "--expert-cache-gb", "1", "--expert-arrival-share", value]) == 2
+    assert why in capsys.readouterr().err
 
 
 
