@@ -78,3 +78,45 @@ def test_offloaded_equals_resident_mxfp4_for_every_prefetch_mode(checkpoint, mon
             del moved, old
         del core, cache
         torch.cuda.empty_cache()
+
+
+def test_arrivals_from_another_thread_change_no_token_on_the_device_cache(checkpoint):
+    """The servicer's arriving() (a Verify arriving, or the scheduler's Prefetch hint) from its own thread while
+    verifies run: the device-managed cache holds what arrives during a forward and issues it after; the tokens equal
+    the resident-MXFP4 reference and the arrivals are counted as prefetches."""
+    import random
+    import threading
+
+    resident = _core(checkpoint, 0.0)
+    vocab = resident.target.vocab_size
+    prompt = _prompts(vocab, 1)[0]
+    ref = _run(resident, prompt, _no_drafts)
+    del resident
+    torch.cuda.empty_cache()
+    probe = _core(checkpoint, 100.0)
+    store = probe.target.expert_cache.store
+    per_layer = max(store.num_experts.values())
+    del probe
+    core = _core(checkpoint, (2 * per_layer + 3) * store.slice_bytes / 2**30, "union", "device")
+    cache = core.target.expert_cache
+    layers = sorted(store.num_experts)
+    stop = threading.Event()
+    sent = []
+
+    def hammer():
+        rng = random.Random(0)
+        while not stop.is_set():
+            union = {l: set(rng.sample(range(store.num_experts[l]), 4)) for l in layers[:2]}
+            sent.append(cache.arriving(union))
+            stop.wait(0.0005)
+
+    t = threading.Thread(target=hammer, daemon=True)
+    t.start()
+    try:
+        assert _run(core, prompt, _no_drafts) == ref
+        assert _run(core, prompt, _replay(ref, 3, vocab), width=16) == ref
+    finally:
+        stop.set()
+        t.join(timeout=30)
+    st = cache.stats
+    assert sent and st.hits + st.misses == st.lookups and st.prefetched > 0
