@@ -29,6 +29,9 @@ triton, tl = runtime.triton, runtime.tl
 
 CHUNK = 2048  # as kernels.reduce: elements of a row per step
 _ROUNDED = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}  # the ROUND code of a result dtype
+# every launch: no contraction of a product into a sum (fma), so each product is rounded before it is added, as
+# torch's op-by-op kernels round (tests/test_fused_kernels.py checks the PTX)
+LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
 
 
 def _block(d: int) -> int:
@@ -81,12 +84,15 @@ if triton is not None:
         j = tl.where(is_q, j, j - nq)
         h = j // T
         t = j % T
-        half: tl.constexpr = D // 2
+        half = D // 2
         i = tl.arange(0, BLOCK)
         ok = i < D
         partner = tl.where(i < half, i + half, i - half)
         sign = tl.where(i < half, -1.0, 1.0)
-        ci = i % half if HALF_TABLE else i
+        if HALF_TABLE:
+            ci = i % half
+        else:
+            ci = i
         c = tl.load(cos_ptr + b * sc_b + t * sc_t + ci, mask=ok, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + b * sc_b + t * sc_t + ci, mask=ok, other=0.0).to(tl.float32)
         if is_q:
@@ -146,7 +152,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool
         oround = _ROUNDED[torch.promote_types(weight.dtype, x.dtype)] if cast_first else _ROUNDED[out_dtype]
         _rms_norm_kernel[(rows,)](xc, weight, out, D=d, eps=float(eps), scale=1.0 / d, CAST_FIRST=cast_first,
                                   XROUND=_ROUNDED[x.dtype], OROUND=oround, BLOCK=_block(d), EMULATE=runtime.interpreting(),
-                                  enable_fp_fusion=False)  # x * x rounded before it is summed, as torch's pow
+                                  **LAUNCH_OPTIONS)
     return out
 
 
@@ -188,7 +194,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
             q, k, cos, sin, qo, ko, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2), sc_b, cos.stride(1),
             hq, hk, t, D=d, HALF_TABLE=cos.shape[-1] != d, ROUND=_ROUNDED[dtype], BLOCK=triton.next_power_of_2(d),
-            EMULATE=runtime.interpreting(), enable_fp_fusion=False)  # each product rounded before the sum, as torch's
+            EMULATE=runtime.interpreting(), **LAUNCH_OPTIONS)
     return qo, ko
 
 
@@ -201,5 +207,5 @@ def route(logits: torch.Tensor, top_k: int, softmax_first: bool, norm: bool, sco
     if t:
         _route_kernel[(t,)](lc, scores, ids, E=e, K=top_k, SOFTMAX_FIRST=softmax_first, NORM=norm,
                             BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
-                            EMULATE=runtime.interpreting(), enable_fp_fusion=False)
+                            EMULATE=runtime.interpreting(), **LAUNCH_OPTIONS)
     return scores, ids

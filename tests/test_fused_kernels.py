@@ -220,3 +220,47 @@ def test_an_unrecognised_norm_keeps_its_own_ops_and_is_reported():
         assert inst.attention.startswith("triton") and inst.dense.startswith("triton")  # its ops: invariant reductions
     finally:
         inst.uninstall()
+
+
+_COMPILE = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import fused
+
+def ptx(fn, types, const):
+    sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(fused.LAUNCH_OPTIONS))
+    assert k.asm["cubin"], fn
+    return k.asm["ptx"]
+
+bf = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", eps="fp32", scale="fp32")
+for d, cast in ((2048, True), (2880, False), (128, True)):
+    p = ptx(fused._rms_norm_kernel, bf, dict(D=d, CAST_FIRST=cast, XROUND=1, OROUND=1, BLOCK=min(2048, triton.next_power_of_2(d)), EMULATE=False))
+    assert "fma." not in p, "x * x contracted into the sum"
+rt = dict(q_ptr="*bf16", k_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", qo_ptr="*bf16", ko_ptr="*bf16")
+for d, half, rnd in ((128, False, 1), (64, True, 1), (128, False, 0)):
+    c = dict(cos_ptr="*fp32", sin_ptr="*fp32", qo_ptr="*fp32", ko_ptr="*fp32") if rnd == 0 else {}
+    p = ptx(fused._rotary_kernel, {**rt, **c}, dict(D=d, HALF_TABLE=half, ROUND=rnd, BLOCK=d, EMULATE=False))
+    assert "fma." not in p, "a product contracted into the sum"
+for e, k, sf, norm, st in ((128, 8, True, True, "*bf16"), (32, 4, False, False, "*bf16"), (8, 2, True, True, "*fp32")):
+    ptx(fused._route_kernel, dict(logits_ptr="*bf16", scores_ptr=st, ids_ptr="*i64"),
+        dict(E=e, K=k, SOFTMAX_FIRST=sf, NORM=norm, BLOCK_E=e, BLOCK_K=k, EMULATE=False))
+print("compiled")
+'''
+
+
+def test_fused_kernels_compile_for_an_h200_without_contracting_products_into_sums():
+    """The interpreter runs the kernels' logic; this compiles them for sm_90 with Triton and the ptxas it ships (no GPU
+    needed) at the real models' shapes, and checks the PTX keeps each product rounded before its sum (no fma: torch's
+    op-by-op path rounds there too)."""
+    import os
+    import pathlib
+    import subprocess
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=root, env={**env, "PYTHONPATH": str(root)},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
