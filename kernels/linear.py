@@ -1,15 +1,24 @@
 """Batch-invariant dense matmul: out[M, N] = a[M, K] @ b[K, N] (+ bias), each row independent of M.
 
-Tiles, K order and the split of K (a fixed number of K ranges, summed in order by a second launch) are
-chosen from (N, K) and the device alone, never from M: a row of the output is bit-identical whether it is
-computed alone or with up to thousands of other rows (cuBLAS picks its algorithm by M, which is what
-makes a 1-token and a 16-token forward disagree in the last bits).
+Tiles, K order and the split of K (a fixed number of K ranges, summed in order) are chosen from (N, K) and
+the device alone, never from M: a row of the output is bit-identical whether it is computed alone or with up
+to thousands of other rows (cuBLAS picks its algorithm by M, which is what makes a 1-token and a 16-token
+forward disagree in the last bits).
+
+The K ranges' partial sums are added by a second launch (`_split_reduce`), or, with `ONE_LAUNCH`
+(PDFLASH_LINEAR_ONE_LAUNCH=1), in the same launch by whichever program of an output tile finishes last: each
+program stores its partial, counts itself in on the tile's counter (an atomic used as a semaphore, never for
+the sum), and the last one adds the partials in split order 0..S-1 exactly as `_split_reduce` does (the same
+bits), then sets the counter back to zero. That saves a launch per linear (a decode forward's graph is
+launch-bound); the counters are one device buffer of regions handed out in turn, so kernels on two streams at
+once (the expert cache's side stream) use different ones. Off by default until measured on a GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 
@@ -17,6 +26,10 @@ from kernels import runtime
 
 triton, tl = runtime.triton, runtime.tl
 to_out = runtime.to_out if triton is not None else None
+
+ONE_LAUNCH = os.environ.get("PDFLASH_LINEAR_ONE_LAUNCH", "0") == "1"
+COUNTER_REGIONS = 64  # calls in flight at once never share a region: they would have to be 64 calls apart
+COUNTERS_PER_REGION = 16384  # output tiles a one-launch call may have (more: the two-launch path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +66,11 @@ if triton is not None:
     def _linear_kernel(
         a_ptr, stride_am, stride_ak,
         b_ptr, stride_bk, stride_bn,
-        bias_ptr, out_ptr, stride_om, ws_ptr,
+        bias_ptr, out_ptr, stride_om, ws_ptr, cnt_ptr,
         M,
         N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, F32DOT: tl.constexpr,
+        FIXUP: tl.constexpr = False,
     ):
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -83,6 +97,21 @@ if triton is not None:
         else:
             ws = ws_ptr + pid_s.to(tl.int64) * M * N
             tl.store(ws + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+            if FIXUP:  # the tile's last program adds the partials in split order (as _split_reduce)
+                tl.debug_barrier()  # every thread's partial stored before the count is released
+                tile = pid_m * tl.num_programs(0) + pid_n
+                arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLIT - 1:
+                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for s in range(SPLIT):
+                        part = ws_ptr + (s * M).to(tl.int64) * N
+                        total += tl.load(part + rm[:, None] * N + rn[None, :], mask=m_ok[:, None] & n_ok[None, :],
+                                         other=0.0, cache_modifier=".cg")  # (from L2: other SMs wrote them)
+                    if HAS_BIAS:
+                        total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], to_out(total, out_ptr, F32DOT),
+                             mask=m_ok[:, None] & n_ok[None, :])
+                    tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
     @triton.jit
     def _split_reduce(ws_ptr, bias_ptr, out_ptr, stride_om, M, N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
@@ -113,13 +142,34 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, o
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(m, cfg.block_m))
     bias_arg = bias if bias is not None else out
+    counters = _counters(a.device, grid[0] * grid[2]) if cfg.split > 1 and ONE_LAUNCH else None
     _linear_kernel[grid](
-        a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), bias_arg, out, out.stride(0), ws, m,
+        a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), bias_arg, out, out.stride(0), ws,
+        counters if counters is not None else ws, m,
         N=n, K=k, K_PER_SPLIT=cfg.k_per_split, SPLIT=cfg.split, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
-        F32DOT=runtime.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        F32DOT=runtime.interpreting(), FIXUP=counters is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if cfg.split > 1:
+    if cfg.split > 1 and counters is None:
         block = min(1024, triton.next_power_of_2(n))
         _split_reduce[(m, triton.cdiv(n, block))](ws, bias_arg, out, out.stride(0), m, N=n, SPLIT=cfg.split, HAS_BIAS=bias is not None, BLOCK=block, EMULATE=runtime.interpreting())
     return out
+
+
+_COUNTERS: dict = {}  # device -> [zeroed int32 buffer of COUNTER_REGIONS regions, the next region to hand out]
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The next region of the device's tile counters (all zero between launches), or None (two launches) when the
+    call has more tiles than a region or the buffer would have to be made inside a CUDA-graph capture."""
+    if tiles > COUNTERS_PER_REGION:
+        return None
+    key = (device.type, device.index)
+    entry = _COUNTERS.get(key)
+    if entry is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        entry = _COUNTERS[key] = [torch.zeros(COUNTER_REGIONS, COUNTERS_PER_REGION, dtype=torch.int32, device=device), 0]
+    buf, i = entry
+    entry[1] = (i + 1) % COUNTER_REGIONS
+    return buf[i]

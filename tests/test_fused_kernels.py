@@ -246,6 +246,12 @@ for d, half, rnd in ((128, False, 1), (64, True, 1), (128, False, 0)):
 for e, k, sf, norm, st in ((128, 8, True, True, "*bf16"), (32, 4, False, False, "*bf16"), (8, 2, True, True, "*fp32")):
     ptx(fused._route_kernel, dict(logits_ptr="*bf16", scores_ptr=st, ids_ptr="*i64"),
         dict(E=e, K=k, SOFTMAX_FIRST=sf, NORM=norm, BLOCK_E=e, BLOCK_K=k, EMULATE=False))
+from kernels import linear
+const = dict(N=512, K=2048, K_PER_SPLIT=256, SPLIT=8, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, PRECISION="tf32",
+             F32DOT=False, FIXUP=True)
+p = ptx(linear._linear_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32",
+                                    cnt_ptr="*i32"), const)
+assert "atom.global.gpu.acq_rel.add" in p and "ld.global.cg" in p, "the one-launch linear's semaphore or L2 reads"
 print("compiled")
 '''
 
@@ -253,7 +259,8 @@ print("compiled")
 def test_fused_kernels_compile_for_an_h200_without_contracting_products_into_sums():
     """The interpreter runs the kernels' logic; this compiles them for sm_90 with Triton and the ptxas it ships (no GPU
     needed) at the real models' shapes, and checks the PTX keeps each product rounded before its sum (no fma: torch's
-    op-by-op path rounds there too)."""
+    op-by-op path rounds there too); also the one-launch linear (kernels.linear ONE_LAUNCH): its tile semaphore is a
+    gpu-scope acq_rel atomic and the partials are read from L2."""
     import os
     import pathlib
     import subprocess

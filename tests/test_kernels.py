@@ -394,6 +394,24 @@ def test_linear_reduce_softmax_kernels():
 
 
 @needs_triton
+@pytest.mark.parametrize("m,n,k", [(1, 512, 2048), (3, 300, 700), (70, 130, 1024)])
+def test_linear_in_one_launch_gives_the_two_launch_bits(m, n, k, monkeypatch):
+    """PDFLASH_LINEAR_ONE_LAUNCH: the last program of a tile adds the K splits' partials in split order, as the second
+    launch does: the same bits, and every tile counter back at zero afterwards (the next launch's precondition)."""
+    from kernels import linear
+
+    g = torch.Generator().manual_seed(m + n)
+    a, w, b = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    assert linear.linear_config(n, k).split > 1
+    monkeypatch.setattr(linear, "ONE_LAUNCH", False)
+    two = [linear.matmul(a, w.t(), b), linear.matmul(a, w.t())]
+    monkeypatch.setattr(linear, "ONE_LAUNCH", True)
+    one = [linear.matmul(a, w.t(), b), linear.matmul(a, w.t())]
+    assert all(torch.equal(x, y) for x, y in zip(one, two))
+    assert int(linear._COUNTERS[("cpu", None)][0].abs().sum()) == 0
+
+
+@needs_triton
 @pytest.mark.parametrize("window,sinks", [(None, False), (7, True)])
 def test_attention_kernel(window, sinks):
     from kernels.attention import attention

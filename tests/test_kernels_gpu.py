@@ -175,6 +175,36 @@ def test_linear_matches_cublas_and_rows_are_invariant(n, k):
     assert torch.equal(matmul(a[200:201], w.t(), b), full[200:201])
 
 
+@pytest.mark.parametrize("n,k", LINEAR_SHAPES)
+def test_linear_in_one_launch_gives_the_two_launch_bits_also_replayed_in_a_graph(n, k, monkeypatch):
+    """PDFLASH_LINEAR_ONE_LAUNCH (the tile's last program adds the partials, an atomic counter as its semaphore):
+    bit-identical to the two-launch path for 1..256 rows, in a CUDA graph replayed many times, with the counters
+    back at zero after every launch."""
+    from kernels import linear
+
+    g = torch.Generator(device=DEV).manual_seed(n + k)
+    a = torch.randn(256, k, generator=g, device=DEV).bfloat16()
+    w = (torch.randn(n, k, generator=g, device=DEV) * k**-0.5).bfloat16()
+    b = torch.randn(n, generator=g, device=DEV).bfloat16()
+    monkeypatch.setattr(linear, "ONE_LAUNCH", False)
+    two = {m: linear.matmul(a[:m], w.t(), b) for m in (1, 3, 16, 64, 256)}
+    monkeypatch.setattr(linear, "ONE_LAUNCH", True)
+    for m, ref in two.items():
+        for _ in range(3):
+            assert torch.equal(linear.matmul(a[:m], w.t(), b), ref), m
+    x = a[:16].clone()
+    linear.matmul(x, w.t(), b)  # warm (compiled) before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear.matmul(x, w.t(), b)
+    for i in range(20):
+        x.copy_(a[i : i + 16])
+        graph.replay()
+        assert torch.equal(out, two[256][i : i + 16]), i
+    torch.cuda.synchronize()
+    assert int(linear._COUNTERS[("cuda", a.device.index)][0].abs().sum()) == 0
+
+
 @pytest.mark.parametrize("d", [8, 128, 2048, 2880, 151936])
 def test_reductions_rows_are_invariant(d):
     from kernels.reduce import row_sum, softmax
