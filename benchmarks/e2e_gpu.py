@@ -196,6 +196,12 @@ def build(name: str, args, device: torch.device, dtype: torch.dtype) -> Target:
     return Target(name, family, model, pathlib.Path(f"/tmp/pdflash-e2e-gpu/{name}"), prompts, new, None, info)
 
 
+def linear_one_launch() -> bool:
+    from kernels import linear
+
+    return linear.ONE_LAUNCH
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -387,7 +393,8 @@ def markdown(result: dict) -> str:
     m = result["meta"]
     lines = [
         f"# The verify loop in process on `{m['device']}` (`{m['command']}`)", "",
-        f"{m['device_name']}, torch {m['torch']}; greedy, `ignore_eos`; byte time at the measured copy rate "
+        f"{m['device_name']}, torch {m['torch']}; linear split-K in one launch: {m.get('linear_one_launch', False)}; greedy, "
+        "`ignore_eos`; byte time at the measured copy rate "
         f"{m['copy_rate_bytes_per_s'] / 1e12:.2f} TB/s (read + write); {m['seconds']} s in all; {m['date']}.", "",
         "byte time: every dense weight but an untied input embedding, as the verifier holds it, plus the round's routed "
         "experts at their stored bytes (the verifier's byte map: MXFP4 slices for gptoss); KV cache and activations not "
@@ -432,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gb", type=float, default=8.0, help="the paged KV pool on CUDA")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' rows")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--tag", default="", help="appended to the output files' names (an A/B run next to the default one)")
     args = ap.parse_args(argv)
     if min(args.blocks) < 2:
         raise SystemExit("--blocks: widths of 2 or more (block 1 always runs)")
@@ -445,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "e2e_gpu_h200" if device.type == "cuda" else "e2e_gpu_cpu"
+    stem = ("e2e_gpu_h200" if device.type == "cuda" else "e2e_gpu_cpu") + (f"_{args.tag}" if args.tag else "")
     t_start = time.perf_counter()
     rate = copy_rate_bytes(device)
     result: dict = {"meta": {}, "targets": {}, "rows": [], "not_identical": []}
@@ -455,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d"), "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU",
             "torch": torch.__version__, "copy_rate_bytes_per_s": rate, "blocks": args.blocks, "tiny": args.tiny,
+            "linear_one_launch": linear_one_launch(),
             "seconds": round(time.perf_counter() - t_start),
             "command": "python benchmarks/e2e_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         }
