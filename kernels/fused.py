@@ -50,19 +50,26 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D: tl.constexpr, eps, scale, CAST_FIRST: tl.constexpr,
-                         XROUND: tl.constexpr, OROUND: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, sum_ptr, D: tl.constexpr, eps, scale, CAST_FIRST: tl.constexpr,
+                         XROUND: tl.constexpr, OROUND: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr,
+                         HAS_RES: tl.constexpr = False):
+        """out = RMSNorm(x), or with HAS_RES: sum = x + res (rounded to x's dtype, stored) and out = RMSNorm(sum)."""
         r = tl.program_id(0).to(tl.int64)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for c in range(0, D, BLOCK):  # the order of kernels.reduce._row_sum over x.float().pow(2)
             cols = c + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+            if HAS_RES:
+                x = _round(x + tl.load(res_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32), XROUND, EMULATE)
+                tl.store(sum_ptr + r * D + cols, x.to(sum_ptr.dtype.element_ty), mask=cols < D)
             acc += x * x
         var = tl.sum(acc, axis=0) * scale
         inv = tl.math.rsqrt(var + eps)
         for c in range(0, D, BLOCK):
             cols = c + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+            if HAS_RES:  # recomputed, not read back (another thread of the program may have stored it)
+                x = _round(x + tl.load(res_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32), XROUND, EMULATE)
             w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
             y = x * inv
             if CAST_FIRST:
@@ -143,17 +150,33 @@ if triton is not None:
 # ---- the Python entry points ------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool) -> torch.Tensor:
     """RMSNorm over the last dimension of x, as transformers' RMSNorm modules compute it (see the module doc)."""
+    return _rms_norm(x, None, weight, eps, cast_first)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, RMSNorm(s)) with s = x + residual in x's dtype: a pre-norm decoder's residual add and the next norm in one
+    launch, the same bits as the add and `rms_norm` one after the other."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} != x {tuple(x.shape)} {x.dtype}")
+    out, total = _rms_norm(x, residual, weight, eps, cast_first)
+    return total, out
+
+
+def _rms_norm(x, residual, weight, eps, cast_first):
     d = x.shape[-1]
     xc = x.contiguous()
+    rc = residual.contiguous() if residual is not None else None
     rows = xc.numel() // d if d else 0
     out_dtype = torch.promote_types(weight.dtype, x.dtype) if cast_first else x.dtype
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     if rows:
         oround = _ROUNDED[torch.promote_types(weight.dtype, x.dtype)] if cast_first else _ROUNDED[out_dtype]
-        _rms_norm_kernel[(rows,)](xc, weight, out, D=d, eps=float(eps), scale=1.0 / d, CAST_FIRST=cast_first,
-                                  XROUND=_ROUNDED[x.dtype], OROUND=oround, BLOCK=_block(d), EMULATE=runtime.interpreting(),
+        _rms_norm_kernel[(rows,)](xc, weight, out, rc if rc is not None else xc, total if total is not None else out,
+                                  D=d, eps=float(eps), scale=1.0 / d, CAST_FIRST=cast_first, XROUND=_ROUNDED[x.dtype],
+                                  OROUND=oround, BLOCK=_block(d), EMULATE=runtime.interpreting(), HAS_RES=rc is not None,
                                   **LAUNCH_OPTIONS)
-    return out
+    return out, total
 
 
 def _like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -40,6 +40,21 @@ def test_rms_norm_equals_the_op_by_op_path(cast_first, dtype, wdtype, d):
     assert torch.equal(fused.rms_norm(x[:1, :1], w, 1e-6, cast_first), got[:1, :1])  # rows independent
 
 
+@needs_triton
+@pytest.mark.parametrize("cast_first", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_rms_norm_equals_the_add_then_the_norm(cast_first, dtype):
+    x = (torch.randn(4, 3000, generator=G) * 3).to(dtype)
+    res = (torch.randn(4, 3000, generator=G) * 3).to(dtype)
+    w = torch.randn(3000, generator=G).to(dtype)
+    total, y = fused.add_rms_norm(x, res, w, 1e-5, cast_first)
+    assert torch.equal(total, x + res)
+    assert torch.equal(y, fused.rms_norm(x + res, w, 1e-5, cast_first))
+    assert torch.equal(y, _norm_op_by_op(x + res, w, 1e-5, cast_first))
+    with pytest.raises(ValueError, match="residual"):
+        fused.add_rms_norm(x, res.float() if dtype != torch.float32 else res.bfloat16(), w, 1e-5, cast_first)
+
+
 def _rotate_half(x):
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
@@ -234,9 +249,10 @@ def ptx(fn, types, const):
     assert k.asm["cubin"], fn
     return k.asm["ptx"]
 
-bf = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", eps="fp32", scale="fp32")
-for d, cast in ((2048, True), (2880, False), (128, True)):
-    p = ptx(fused._rms_norm_kernel, bf, dict(D=d, CAST_FIRST=cast, XROUND=1, OROUND=1, BLOCK=min(2048, triton.next_power_of_2(d)), EMULATE=False))
+bf = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_ptr="*bf16", sum_ptr="*bf16", eps="fp32", scale="fp32")
+for d, cast, res in ((2048, True, False), (2880, False, False), (128, True, False), (2048, True, True)):
+    p = ptx(fused._rms_norm_kernel, bf, dict(D=d, CAST_FIRST=cast, XROUND=1, OROUND=1, BLOCK=min(2048, triton.next_power_of_2(d)),
+                                             EMULATE=False, HAS_RES=res))
     assert "fma." not in p, "x * x contracted into the sum"
 rt = dict(q_ptr="*bf16", k_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", qo_ptr="*bf16", ko_ptr="*bf16")
 for d, half, rnd in ((128, False, 1), (64, True, 1), (128, False, 0)):
