@@ -382,6 +382,14 @@ def _fused_norm_forward(module: nn.Module, cast_first: bool, hidden_states: torc
     return fused.rms_norm(hidden_states, module.weight, _eps_of(module), cast_first)
 
 
+def fused_norm_variant(module: nn.Module) -> bool | None:
+    """The `cast_first` variant of an RMSNorm module the installer fused, None if it did not fuse it."""
+    fwd = module.__dict__.get("forward")
+    if isinstance(fwd, functools.partial) and fwd.func is _fused_norm_forward:
+        return fwd.args[1]
+    return None
+
+
 _ROTARY_PATCHES: dict[str, list] = {}  # modeling module name -> [original function, installations using it, contiguous]
 
 

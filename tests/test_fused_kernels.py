@@ -287,3 +287,80 @@ def test_fused_kernels_compile_for_an_h200_without_contracting_products_into_sum
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=root, env={**env, "PYTHONPATH": str(root)},
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+# ---- the pre-norm chain (verifier_svc/prenorm.py) ----------------------------------------------------------------
+def _chain_kwargs(model, kw_name):
+    def make(h, pos, cache):
+        return dict(attention_mask=None, position_ids=pos, use_cache=True,
+                    position_embeddings=model.model.rotary_emb(h, pos), **{kw_name: cache})
+    return make
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "mixtral"])
+def test_prenorm_chain_gives_the_layers_bits(arch):
+    """Each residual add fused into the next norm: the final normed rows and every layer's output equal running the
+    layers as they are, then the final norm."""
+    import kernels
+    from pdflash.hf_compat import cache_kwarg
+    from verifier_svc.prenorm import PreNormChain, _ProbeCache
+
+    from transformers import AutoModelForCausalLM
+
+    from pdflash.tiny import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, 512, 0, num_layers=2), dtype=torch.bfloat16).eval()
+    inst = kernels.install(model, probe=False)
+    try:
+        layers, kw = model.model.layers, cache_kwarg(model.model.layers[0])
+        make = _chain_kwargs(model, kw)
+        with torch.inference_mode(), InvariantMode():
+            chain = PreNormChain.probe(model, layers, model.model.norm, make)
+            assert isinstance(chain, PreNormChain), chain
+            h = torch.randn(1, 4, model.config.hidden_size, generator=G).bfloat16()
+            pos = torch.arange(5, 9).unsqueeze(0)
+            x, feats = chain.run(h, {k: v for k, v in make(h, pos, _ProbeCache()).items()}, (0, 1))
+            ref, outs = h, []
+            for layer in layers:
+                ref = layer(ref, **make(ref, pos, _ProbeCache()))
+                ref = ref[0] if isinstance(ref, tuple) else ref
+                outs.append(ref)
+            ref = model.model.norm(ref)
+        assert torch.equal(x, ref)
+        assert [i for i, _ in feats] == [0, 1] and all(torch.equal(f, o) for (_, f), o in zip(feats, outs))
+    finally:
+        inst.uninstall()
+
+
+@needs_triton
+def test_prenorm_chain_refuses_a_layer_with_another_dataflow():
+    """A layer that norms the attention's output before the add (a sandwich norm) is not the chain's pattern."""
+    import kernels
+    from pdflash.hf_compat import cache_kwarg
+    from verifier_svc.prenorm import PreNormChain
+
+    model = _tiny("qwen3_moe")
+    layer = model.model.layers[0]
+    cls, kw = type(layer), cache_kwarg(layer)
+
+    class Sandwich(cls):
+        def forward(self, hidden_states, **kwargs):
+            r = hidden_states
+            a, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+            h = r + self.post_attention_layernorm(a)
+            return h + self.mlp(self.post_attention_layernorm(h))
+
+    layer.__class__ = Sandwich
+    inst = kernels.install(model, probe=False)
+    try:
+        with torch.inference_mode(), InvariantMode():
+            why = PreNormChain.probe(model, model.model.layers, model.model.norm, _chain_kwargs(model, kw))
+        assert isinstance(why, str) and "calls" in why, why
+        model.model.norm.__dict__.pop("forward")  # the final norm left unfused: refused before any probe forward
+        with torch.inference_mode(), InvariantMode():
+            why = PreNormChain.probe(model, model.model.layers, model.model.norm, _chain_kwargs(model, kw))
+        assert why == "the final norm does not run on the fused RMSNorm"
+    finally:
+        inst.uninstall()
