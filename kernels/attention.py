@@ -201,3 +201,62 @@ def paged_attention(
     if k_pool.shape[2] != PAGE:
         raise ValueError(f"KV pages must hold {PAGE} positions, got {k_pool.shape[2]}")
     return _launch(q, k_pool, v_pool, positions, scaling, sliding_window, sinks, None, page_table, 0)
+
+
+# ---- the paged KV write: a block's K and V rows into the layer's two page pools, one launch -------------------------
+if triton is not None:
+
+    @triton.jit
+    def _kv_write_kernel(
+        k_ptr, skh, skt, v_ptr, svh, svt,
+        kp_ptr, kps_p, kps_h, kps_s, vp_ptr, vps_p, vps_h, vps_s,
+        pages_ptr, offs_ptr,
+        D: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        page = tl.load(pages_ptr + t).to(tl.int64)
+        off = tl.load(offs_ptr + t).to(tl.int64)
+        dd = tl.arange(0, BLOCK_D)
+        ok = dd < D
+        t = t.to(tl.int64)
+        k = tl.load(k_ptr + h * skh + t * skt + dd, mask=ok)  # same element type in and out: the bits as they are
+        v = tl.load(v_ptr + h * svh + t * svt + dd, mask=ok)
+        tl.store(kp_ptr + page * kps_p + h * kps_h + off * kps_s + dd, k, mask=ok)
+        tl.store(vp_ptr + page * vps_p + h * vps_h + off * vps_s + dd, v, mask=ok)
+
+
+def paged_write_reference(k_pool, v_pool, key, value, pages, offsets) -> None:
+    """The torch path (two index_put_ launches): key/value [Hkv, T, D] -> pool[pages[t], :, offsets[t]]."""
+    k_pool[pages, :, offsets] = key.transpose(0, 1).to(k_pool.dtype)
+    v_pool[pages, :, offsets] = value.transpose(0, 1).to(v_pool.dtype)
+
+
+def paged_write(k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                pages: torch.Tensor, offsets: torch.Tensor) -> None:
+    """Write a block's keys and values into a layer's page pools: key/value [Hkv, T, D] (any strides), pools [pages,
+    Hkv, PAGE, D]; row t goes to page `pages[t]` at offset `offsets[t]` (pages/offsets [T] integer, on the device).
+    One Triton launch for both pools (exact copies: the same bits as `paged_write_reference`); the torch path where
+    Triton is not usable. Rows must go to distinct slots (a block's positions are distinct)."""
+    if not runtime.triton_usable(key.device):
+        return paged_write_reference(k_pool, v_pool, key, value, pages, offsets)
+    if key.dtype != k_pool.dtype:
+        key = key.to(k_pool.dtype)  # torch rounds as the reference path's cast does; the kernel then copies
+    if value.dtype != v_pool.dtype:
+        value = value.to(v_pool.dtype)
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
+        return paged_write_reference(k_pool, v_pool, key, value, pages, offsets)
+    hkv, t, d = key.shape
+    if t == 0:
+        return None
+    _kv_write_kernel[(t, hkv)](
+        key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
+        k_pool, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool, v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        pages, offsets, D=d, BLOCK_D=triton.next_power_of_2(d),
+    )
+    return None

@@ -121,7 +121,8 @@ class VerifierCore:
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         pages = KVPool.pages_for(kv_heads, head_dim, t.num_layers, t.dtype, int(opts.budget_bytes(t.device)))
         self.pool = KVPool(t.num_layers, kv_heads, head_dim, pages, t.dtype, t.device)
-        self.runner = ForwardRunner(t.model, t.seam, self.pool)
+        # every position a session can reach: SequenceKV(pool, t.max_context) reserves whole pages up to this bound
+        self.runner = ForwardRunner(t.model, t.seam, self.pool, max_positions=(t.max_context + PAGE - 1) // PAGE * PAGE)
         # offloaded experts sync once per layer (which experts to fetch): one graph per stretch between them
         if opts.graphs and t.device.type == "cuda":
             self.graphs = GraphRunner(self.runner, (t.max_context + PAGE - 1) // PAGE)

@@ -18,6 +18,7 @@ import dataclasses
 
 import torch
 
+from kernels.attention import paged_write
 from kernels.dispatch import InvariantMode
 from kernels.installer import ForwardContext, forward_context
 from pdflash.hf_compat import cache_kwarg
@@ -25,18 +26,61 @@ from verifier_svc.kv import SequenceKV
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 
+#: transformers RoPE types whose cos/sin depend on the position alone (`modeling_rope_utils.ROPE_INIT_FUNCTIONS`; the
+#: `dynamic_rope_update` decorator rewrites inv_freq per call for "dynamic*" and "longrope", which keep the module)
+STATIC_ROPE = ("default", "linear", "yarn", "llama3", "proportional")
+
+
+def static_rope(module) -> str | None:
+    """Why `module` (a model's `rotary_emb`) cannot be tabled, or None when its cos/sin are a function of the position
+    alone: a transformers rotary module of a static RoPE type, called as (x, position_ids)."""
+    rope_type = getattr(module, "rope_type", None)
+    if not isinstance(rope_type, str):
+        return f"rope_type {rope_type!r} (per layer type, or not a transformers rotary module)"
+    if rope_type not in STATIC_ROPE:
+        return f"rope_type {rope_type!r} changes with the sequence length"
+    if not isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+        return "no inv_freq buffer"
+    return None
+
+
+class RotaryTable:
+    """cos/sin of positions [0, positions), computed once by the model's own rotary module (every element is a function
+    of its position alone: inv_freq * p, cos/sin, the scaling, the cast), and gathered by position in the forward: one
+    `index_select` kernel instead of the module's ~9 (positions' cast, the product, cat, cos, sin, two scalings, two
+    casts), capturable in a CUDA graph, no host sync. Bit-identical to calling the module (tests/test_runner_launches.py).
+    Positions must be < `positions` (the verifier's sequences reserve pages up to that bound: verifier_svc.kv)."""
+
+    CHUNK = 4096  # positions per module call while building (bounds the fp32 temporaries)
+
+    def __init__(self, module, positions: int, dtype: torch.dtype, device: torch.device, hidden: int):
+        self.positions = positions
+        parts = []
+        with torch.inference_mode(), InvariantMode():  # as the forward calls it
+            x = torch.zeros(1, 1, hidden, dtype=dtype, device=device)  # the module reads x's dtype and device
+            for s in range(0, positions, self.CHUNK):
+                n = min(self.CHUNK, positions - s)
+                pos = torch.arange(s, s + n, device=device).unsqueeze(0)
+                cos, sin = module(x.expand(1, n, hidden), pos)
+                parts.append(torch.stack((cos[0], sin[0])))  # [2, n, D]
+            self.table = torch.cat(parts, dim=1)  # [2, positions, D]: cos, sin
+
+    def __call__(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [B, T] -> (cos, sin), each [B, T, D] contiguous, as the module returns them."""
+        g = self.table.index_select(1, pos.reshape(-1)).view(2, *pos.shape, self.table.shape[-1])
+        return g[0], g[1]
+
 
 class PagedLayerCache:
     """What transformers' attention modules call `cache.update(k, v, layer_idx)` on: writes the block's keys and
-    values at their slots and returns the layer's pools."""
+    values at their slots (`kernels.attention.paged_write`: one launch for both pools) and returns the layer's pools."""
 
     def __init__(self, pool, pages: torch.Tensor, offsets: torch.Tensor):
         self.pool, self.pages, self.offsets = pool, pages, offsets
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         kp, vp = self.pool.k[layer_idx], self.pool.v[layer_idx]
-        kp[self.pages, :, self.offsets] = key[0].transpose(0, 1).to(kp.dtype)
-        vp[self.pages, :, self.offsets] = value[0].transpose(0, 1).to(vp.dtype)
+        paged_write(kp, vp, key[0], value[0], self.pages, self.offsets)  # one launch for K and V (Triton)
         return kp, vp
 
 
@@ -48,15 +92,25 @@ class ForwardOut:
 
 
 class ForwardRunner:
-    def __init__(self, model, seam, pool):
+    """`max_positions`: the positions a forward can see (the verifier's context, a whole number of pages); with it a
+    static RoPE's cos/sin are a table gathered by position (`RotaryTable`; `self.rotary` says which path runs)."""
+
+    def __init__(self, model, seam, pool, max_positions: int | None = None):
         self.model, self.seam, self.pool = model, seam, pool
         self.inner = model.model
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.layer_kw = cache_kwarg(self.inner.layers[0])
+        self.rope: RotaryTable | None = None
+        why = "no max_positions" if max_positions is None else static_rope(self.inner.rotary_emb)
+        if why is None:
+            with torch.inference_mode():  # the dtype the embeddings hand the rotary module
+                h = self.inner.embed_tokens(torch.zeros(1, 1, dtype=torch.long, device=pool.device))
+            self.rope = RotaryTable(self.inner.rotary_emb, int(max_positions), h.dtype, pool.device, h.shape[-1])
+        self.rotary = f"table ({max_positions} positions)" if self.rope is not None else f"module per forward ({why})"
 
     def _layers(self, ids: torch.Tensor, pos: torch.Tensor, cache: PagedLayerCache, feature_layers: tuple[int, ...]):
         h = self.inner.embed_tokens(ids)
-        pe = self.inner.rotary_emb(h, pos)
+        pe = self.rope(pos) if self.rope is not None else self.inner.rotary_emb(h, pos)
         feats = []
         for i, layer in enumerate(self.inner.layers[: self.num_layers]):
             out = layer(h, attention_mask=None, position_ids=pos, use_cache=True, position_embeddings=pe, **{self.layer_kw: cache})
@@ -81,6 +135,8 @@ class ForwardRunner:
     def forward(self, tokens: list[int], start: int, seq: SequenceKV, feature_layers=(), last_only: bool = False) -> ForwardOut:
         """Eager: `tokens` at positions start .. start + len - 1 of the session's sequence."""
         dev = self.pool.device
+        if self.rope is not None and start + len(tokens) > self.rope.positions:
+            raise ValueError(f"positions up to {start + len(tokens) - 1} exceed the runner's {self.rope.positions}")
         seq.reserve(start + len(tokens))
         pages, offsets = seq.slots(start, len(tokens))
         ids = torch.tensor([tokens], dtype=torch.long, device=dev)
