@@ -157,9 +157,16 @@ def count_forward(runner, call) -> dict:
     with LaunchCounter() as c:
         marks: list[dict] = []
         handles = []
-        for layer in layers:
-            handles.append(layer.register_forward_pre_hook(lambda m, a: marks.append(c.snapshot())))
-            handles.append(layer.register_forward_hook(lambda m, a, o: marks.append(c.snapshot())))
+        chained = getattr(runner, "chain", None) is not None
+        if chained:  # verifier_svc.prenorm: a layer runs from its attention to the next one's (its input norm is fused
+            # into the previous layer's residual add), the last one to the LM head (its add + the final norm included)
+            for layer in layers:
+                handles.append(layer.self_attn.register_forward_pre_hook(lambda m, a: marks.append(c.snapshot())))
+            handles.append(runner.model.lm_head.register_forward_pre_hook(lambda m, a: marks.append(c.snapshot())))
+        else:
+            for layer in layers:
+                handles.append(layer.register_forward_pre_hook(lambda m, a: marks.append(c.snapshot())))
+                handles.append(layer.register_forward_hook(lambda m, a, o: marks.append(c.snapshot())))
         orig = runner.forward_tensors
 
         def forward_tensors(ids, *args, **kwargs):
@@ -167,7 +174,10 @@ def count_forward(runner, call) -> dict:
             start, syncs = c.snapshot(), sum(c.syncs.values())
             out = orig(ids, *args, **kwargs)
             whole = _diff(c.snapshot(), start)
-            per_layer = [_diff(marks[2 * i + 1], marks[2 * i]) for i in range(len(marks) // 2)]
+            if chained:
+                per_layer = [_diff(marks[i + 1], marks[i]) for i in range(len(marks) - 1)]
+            else:
+                per_layer = [_diff(marks[2 * i + 1], marks[2 * i]) for i in range(len(marks) // 2)]
             whole["syncs"] = sum(c.syncs.values()) - syncs
             whole["layers"] = per_layer
             whole["outside"] = whole["launches"] - sum(x["launches"] for x in per_layer)

@@ -152,7 +152,23 @@ def forward_context(ctx: ForwardContext):
         _forward_ctx.reset(token)
 
 
+_STUB_EXPERTS: contextvars.ContextVar[bool] = contextvars.ContextVar("pdflash_stub_experts", default=False)
+
+
+@contextlib.contextmanager
+def experts_stubbed():
+    """Inside: every experts module served by the installed kernels returns zeros and touches nothing (no expert
+    cache lookup, copy or counter): for probes of a layer's dataflow (verifier_svc.prenorm), not for serving."""
+    token = _STUB_EXPERTS.set(True)
+    try:
+        yield
+    finally:
+        _STUB_EXPERTS.reset(token)
+
+
 def _experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args, **kwargs):
+    if _STUB_EXPERTS.get():
+        return torch.zeros_like(hidden_states)
     offload = getattr(module, "_pdflash_offload", None)
     if offload is not None:
         ctx = _forward_ctx.get()

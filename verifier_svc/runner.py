@@ -23,6 +23,7 @@ from kernels.dispatch import InvariantMode
 from kernels.installer import ForwardContext, forward_context
 from pdflash.hf_compat import cache_kwarg
 from verifier_svc.kv import SequenceKV
+from verifier_svc.prenorm import PreNormChain
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 
@@ -107,17 +108,39 @@ class ForwardRunner:
                 h = self.inner.embed_tokens(torch.zeros(1, 1, dtype=torch.long, device=pool.device))
             self.rope = RotaryTable(self.inner.rotary_emb, int(max_positions), h.dtype, pool.device, h.shape[-1])
         self.rotary = f"table ({max_positions} positions)" if self.rope is not None else f"module per forward ({why})"
+        self.chain = self._probe_chain()
+        self.prenorm = ("residual adds fused into the next norm" if isinstance(self.chain, PreNormChain)
+                        else f"layers as they are ({self.chain})")
+        if not isinstance(self.chain, PreNormChain):
+            self.chain = None
+
+    def _layer_kwargs(self, h: torch.Tensor, pos: torch.Tensor, cache) -> dict:
+        """What a decoder layer (and, in the chain, its attention) gets besides its input."""
+        pe = self.rope(pos) if self.rope is not None else self.inner.rotary_emb(h, pos)
+        return dict(attention_mask=None, position_ids=pos, use_cache=True, position_embeddings=pe, **{self.layer_kw: cache})
+
+    def _probe_chain(self) -> "PreNormChain | str":
+        """verifier_svc.prenorm's chain if one real layer's forward shows its dataflow (the experts stubbed out: the
+        probe touches no expert cache), else why not."""
+        from kernels.installer import experts_stubbed
+
+        layers = self.inner.layers[: self.num_layers]
+        with torch.inference_mode(), InvariantMode(), experts_stubbed():
+            return PreNormChain.probe(self.model, layers, self.inner.norm, self._layer_kwargs)
 
     def _layers(self, ids: torch.Tensor, pos: torch.Tensor, cache: PagedLayerCache, feature_layers: tuple[int, ...]):
         h = self.inner.embed_tokens(ids)
-        pe = self.rope(pos) if self.rope is not None else self.inner.rotary_emb(h, pos)
-        feats = []
-        for i, layer in enumerate(self.inner.layers[: self.num_layers]):
-            out = layer(h, attention_mask=None, position_ids=pos, use_cache=True, position_embeddings=pe, **{self.layer_kw: cache})
-            h = out[0] if isinstance(out, tuple) else out
-            if i in feature_layers:
-                feats.append((i, h))
-        h = self.inner.norm(h)
+        kwargs = self._layer_kwargs(h, pos, cache)
+        if self.chain is not None:
+            h, feats = self.chain.run(h, kwargs, feature_layers)
+        else:
+            feats = []
+            for i, layer in enumerate(self.inner.layers[: self.num_layers]):
+                out = layer(h, **kwargs)
+                h = out[0] if isinstance(out, tuple) else out
+                if i in feature_layers:
+                    feats.append((i, h))
+            h = self.inner.norm(h)
         f = torch.cat([x for _, x in sorted(feats, key=lambda p: feature_layers.index(p[0]))], dim=-1)[0].float() if feats else None
         return h, f
 
