@@ -546,40 +546,35 @@ def _fused_router_forward(router: nn.Module, variant: tuple, hidden_states: torc
     return logits, scores, ids
 
 
+def _fuse_each(modules: list, variant_of, forward, unit: str, undo: list) -> str:
+    """Give each module `forward` bound to its probed variant (modules without one keep their own); -> the report line."""
+    done, skipped = 0, set()
+    for m in modules:
+        variant = variant_of(m)
+        if variant is None:
+            skipped.add(type(m).__name__)
+            continue
+        m.forward = functools.partial(forward, m, variant)
+        undo.append(lambda m=m: m.__dict__.pop("forward", None))
+        done += 1
+    return (f"triton ({done} of {len(modules)} {unit})" if done else "transformers") + (
+        f"; not fused: {', '.join(sorted(skipped))} (an unrecognised formula)" if skipped else "")
+
+
 def install_fused(model: nn.Module) -> tuple[dict[str, str], list]:
     """Put kernels.fused under the model's RMSNorms, rotary function and routers, each after its probe.
     -> (report: part -> how it runs, undo callables)."""
     report, undo = {}, []
-    norms = norm_modules(model)
-    done, skipped = 0, []
-    for name, m in norms.items():
-        variant = rms_norm_variant(m)
-        if variant is None:
-            skipped.append(type(m).__name__)
-            continue
-        m.forward = functools.partial(_fused_norm_forward, m, variant)
-        undo.append(lambda m=m: m.__dict__.pop("forward", None))
-        done += 1
+    norms = list(norm_modules(model).values())
     if norms:
-        report["rms_norm"] = (f"triton ({done} of {len(norms)} modules)" if done else "transformers") + (
-            f"; not fused: {', '.join(sorted(set(skipped)))} (an unrecognised formula)" if skipped else "")
+        report["rms_norm"] = _fuse_each(norms, rms_norm_variant, _fused_norm_forward, "modules", undo)
     how, u = _patch_rotary(model)
     report["rotary"] = how
     if u is not None:
         undo.append(u)
-    found = routers(model)
-    fused_routers, skipped = 0, set()
-    for r in found.values():
-        variant = route_variant(r)
-        if variant is None:
-            skipped.add(type(r).__name__)
-            continue
-        r.forward = functools.partial(_fused_router_forward, r, variant)
-        undo.append(lambda r=r: r.__dict__.pop("forward", None))
-        fused_routers += 1
+    found = list(routers(model).values())
     if found:
-        report["router"] = (f"triton ({fused_routers} of {len(found)} routers)" if fused_routers else "transformers") + (
-            f"; not fused: {', '.join(sorted(skipped))} (an unrecognised formula)" if skipped else "")
+        report["router"] = _fuse_each(found, route_variant, _fused_router_forward, "routers", undo)
     return report, undo
 
 

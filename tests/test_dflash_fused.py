@@ -39,21 +39,7 @@ MAX_KERNELS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def demo():
-    from pdflash.defaults import default_drafter_dir, default_target_dir
-
-    drafter = default_drafter_dir()
-    assert drafter is not None, "the embedded demo drafter (pdflash/assets/demo/drafter) is missing from this checkout"
-    return pathlib.Path(default_target_dir()), pathlib.Path(drafter)
+from tests.test_dflash_graphs import demo, one_thread  # noqa: E402,F401 - the same fixtures (one torch thread, the demo pair)
 
 
 @pytest.fixture(scope="module")
