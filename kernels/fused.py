@@ -24,18 +24,14 @@ from __future__ import annotations
 import torch
 
 from kernels import runtime
+from kernels.reduce import _block  # the chunk a row reduction steps by: RMSNorm's mean must add as row_sum does
 
 triton, tl = runtime.triton, runtime.tl
 
-CHUNK = 2048  # as kernels.reduce: elements of a row per step
 _ROUNDED = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}  # the ROUND code of a result dtype
 # every launch: no contraction of a product into a sum (fma), so each product is rounded before it is added, as
 # torch's op-by-op kernels round (tests/test_fused_kernels.py checks the PTX)
 LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
-
-
-def _block(d: int) -> int:
-    return min(CHUNK, triton.next_power_of_2(max(d, 1)))
 
 
 if triton is not None:

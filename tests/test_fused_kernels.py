@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import fused, runtime
+from kernels import fused
 from kernels.dispatch import InvariantMode
 
-needs_triton = pytest.mark.skipif(not runtime.triton_usable("cpu"), reason="needs triton (interpreted on CPU)")
+from tests.conftest import needs_triton  # noqa: E402
 G = torch.Generator().manual_seed(0)
 
 
@@ -364,3 +364,41 @@ def test_prenorm_chain_refuses_a_layer_with_another_dataflow():
         assert why == "the final norm does not run on the fused RMSNorm"
     finally:
         inst.uninstall()
+
+
+@needs_triton
+def test_stubbed_experts_return_zeros_and_touch_nothing():
+    """kernels.installer.experts_stubbed (the pre-norm chain's probe): the experts module answers zeros without running
+    a kernel (CALLS unchanged), and outside the context the kernels run again."""
+    import kernels
+    from kernels import installer
+
+    model = _tiny("qwen3_moe")
+    inst = kernels.install(model, probe=False)
+    try:
+        experts = model.model.layers[0].mlp.experts
+        x = torch.randn(3, model.config.hidden_size, generator=G).bfloat16()
+        ids = torch.tensor([[0, 1], [2, 3], [1, 4]])[:, : model.config.num_experts_per_tok]
+        w = torch.full(ids.shape, 0.5).bfloat16()
+        before = installer.CALLS["experts"]
+        with torch.inference_mode():
+            with installer.experts_stubbed():
+                assert torch.equal(experts(x, ids, w), torch.zeros_like(x))
+            assert installer.CALLS["experts"] == before
+            assert not torch.equal(experts(x, ids, w), torch.zeros_like(x))
+        assert installer.CALLS["experts"] == before + 1
+    finally:
+        inst.uninstall()
+
+
+def test_forward_profile_runs_on_the_cpu(tmp_path):
+    """benchmarks/forward_profile.py's CPU smoke run (tiny shapes; no CUDA kernels, so aten ops by CPU time): both
+    blocks profiled, files written."""
+    import json
+
+    from benchmarks.forward_profile import main
+
+    assert main(["--device", "cpu", "--tiny", "--targets", "qwen3-2l", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "forward_profile_cpu.json").read_text())["targets"]["qwen3-2l"]["blocks"]
+    assert set(r) == {"1", "16"} and all(b["kernels"] and b["forward_ms"] > 0 for b in r.values())
+    assert "## qwen3-2l" in (tmp_path / "forward_profile_cpu.md").read_text()

@@ -12,7 +12,7 @@ from kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights, MoeConfig, align
 from kernels.reference import attention_reference, moe_reference
 
 LUT = torch.tensor(mxfp4.E2M1_VALUES)
-needs_triton = pytest.mark.skipif(not runtime.triton_usable("cpu"), reason="needs triton (interpreted on CPU)")
+from tests.conftest import needs_triton  # noqa: E402
 
 
 # ---- MXFP4 --------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from kernels.attention import PAGE, paged_write, paged_write_reference
 from verifier_svc.kv import KVPool, SequenceKV
 from verifier_svc.runner import ForwardRunner, RotaryTable, static_rope
 
-needs_triton = pytest.mark.skipif(not runtime.triton_usable("cpu"), reason="needs triton (interpreted on CPU)")
+from tests.conftest import needs_triton  # noqa: E402
 G = torch.Generator().manual_seed(0)
 
 #: launches of a block-1 verify forward of the 2-layer tiny qwen3_moe (bf16), as reached by the table, the one-launch

@@ -15,9 +15,8 @@ import grpc
 import pytest
 import yaml
 
-from kernels import runtime
 from pdflash.config import ConfigError, add_arguments, from_sources
-from tests.conftest import DEVICE, DTYPE, ROOT
+from tests.conftest import DEVICE, DTYPE, ROOT, needs_triton
 from verifier_svc.config import VerifierConfig
 
 NEW = 24  # tokens a request generates
@@ -120,7 +119,7 @@ def test_warmup_with_offloaded_experts_zeroes_the_cache_counters_and_keeps_it_wa
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not runtime.triton_usable("cpu"), reason="needs triton (interpreted on CPU)")
+@needs_triton
 def test_warmup_on_the_paged_kv_pool_returns_every_page(tiny):
     """The paged KV pool and the layer-by-layer forward (the CUDA path's, here under Triton's interpreter: slow, so
     blocks of 1 and 2 and a few tokens)."""
