@@ -75,7 +75,7 @@ if triton is not None:
 
     @triton.jit
     def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
-                       sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t, sc_b, sc_t,
+                       sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t, sc_b, sc_t, sc_d,
                        HQ, HK, T, D: tl.constexpr, HALF_TABLE: tl.constexpr, ROUND: tl.constexpr,
                        BLOCK: tl.constexpr, EMULATE: tl.constexpr):
         """One program per (batch, head, position) row of q, then of k."""
@@ -96,8 +96,8 @@ if triton is not None:
             ci = i % half
         else:
             ci = i
-        c = tl.load(cos_ptr + b * sc_b + t * sc_t + ci, mask=ok, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + b * sc_b + t * sc_t + ci, mask=ok, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + b * sc_b + t * sc_t + ci * sc_d, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + b * sc_b + t * sc_t + ci * sc_d, mask=ok, other=0.0).to(tl.float32)
         if is_q:
             src = q_ptr + b * sq_b + h * sq_h + t * sq_t
             dst = qo_ptr + b * sqo_b + h * sqo_h + t * sqo_t
@@ -182,7 +182,8 @@ def _like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def rotary_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> bool:
     """The layout `rotary` takes: q/k [B, H, T, D] (any strides, D unit-stride), cos/sin [B or 1, T, D or D/2] with
-    unit last stride and equal strides, unsqueeze_dim 1, and a result dtype it rounds to."""
+    any strides (equal for the two: transformers builds gpt-oss's by a transpose, its last stride T), unsqueeze_dim 1,
+    and a result dtype it rounds to."""
     if unsqueeze_dim != 1 or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
         return False
     b, _, t, d = q.shape
@@ -190,7 +191,7 @@ def rotary_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
         return False
     if cos.shape[0] not in (1, b) or cos.shape[1] != t or cos.shape[2] not in (d, d // 2):
         return False
-    if cos.stride() != sin.stride() or cos.stride(-1) != 1 or q.dtype != k.dtype or cos.dtype != sin.dtype:
+    if cos.stride() != sin.stride() or q.dtype != k.dtype or cos.dtype != sin.dtype:
         return False
     return torch.promote_types(q.dtype, cos.dtype) in _ROUNDED and q.device == cos.device
 
@@ -211,7 +212,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         sc_b = cos.stride(0) if cos.shape[0] > 1 else 0
         _rotary_kernel[(b * (hq + hk) * t,)](
             q, k, cos, sin, qo, ko, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2), sc_b, cos.stride(1),
+            qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2), sc_b, cos.stride(1), cos.stride(2),
             hq, hk, t, D=d, HALF_TABLE=cos.shape[-1] != d, ROUND=_ROUNDED[dtype], BLOCK=triton.next_power_of_2(d),
             EMULATE=runtime.interpreting(), **LAUNCH_OPTIONS)
     return qo, ko

@@ -88,6 +88,12 @@ def test_rotary_equals_the_formula(half_table, cos_dtype):
         assert torch.equal(got, want)
     one_q, _ = fused.rotary(q[:1, :, 1:2], k[:1, :, 1:2], tc[:1, 1:2], ts[:1, 1:2], contiguous=half_table)
     assert torch.equal(one_q, gq[:1, :, 1:2])  # one position alone: the same bits
+    # the table as transformers <= 5.17 builds it ((inv_freq @ positions).transpose(1, 2): last stride T), same bits
+    tct, tst = tc.transpose(1, 2).contiguous().transpose(1, 2), ts.transpose(1, 2).contiguous().transpose(1, 2)
+    assert tct.stride(-1) == t and torch.equal(tct, tc)
+    assert fused.rotary_supported(q, k, tct, tst)
+    sq, sk = fused.rotary(q, k, tct, tst, contiguous=half_table)
+    assert torch.equal(sq, gq) and torch.equal(sk, gk)
 
 
 @needs_triton
