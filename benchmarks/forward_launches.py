@@ -148,6 +148,13 @@ def _diff(after: dict, before: dict) -> dict:
     return out
 
 
+class _Undo:
+    """A hook handle for a patch: remove() puts back what was there."""
+
+    def __init__(self, undo):
+        self.remove = undo
+
+
 def count_forward(runner, call) -> dict:
     """Run `call()` (one or more `runner.forward_tensors` calls) and return, per forward_tensors call, its launches:
     {"launches", "triton", "aten", "syncs", "layers": [per decoder layer {"launches", "triton", "aten"}], "outside",
@@ -160,8 +167,16 @@ def count_forward(runner, call) -> dict:
         chained = getattr(runner, "chain", None) is not None
         if chained:  # verifier_svc.prenorm: a layer runs from its attention to the next one's (its input norm is fused
             # into the previous layer's residual add), the last one to the LM head (its add + the final norm included)
-            for layer in layers:
-                handles.append(layer.self_attn.register_forward_pre_hook(lambda m, a: marks.append(c.snapshot())))
+            fused = list(runner.chain.attn)  # verifier_svc.fused_attention: the module is not called, its step is
+            for i, layer in enumerate(layers):
+                if fused[i] is None:
+                    handles.append(layer.self_attn.register_forward_pre_hook(lambda m, a: marks.append(c.snapshot())))
+                else:
+                    def marked(x, kw, _f=fused[i]):
+                        marks.append(c.snapshot())
+                        return _f(x, kw)
+                    runner.chain.attn[i] = marked
+                    handles.append(_Undo(lambda i=i: runner.chain.attn.__setitem__(i, fused[i])))
             handles.append(runner.model.lm_head.register_forward_pre_hook(lambda m, a: marks.append(c.snapshot())))
         else:
             for layer in layers:

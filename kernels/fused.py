@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import runtime
+from kernels import linear, runtime
 from kernels.reduce import _block  # the chunk a row reduction steps by: RMSNorm's mean must add as row_sum does
 
 triton, tl = runtime.triton, runtime.tl
@@ -46,15 +46,31 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _load_x(x_ptr, bias_ptr, r, cols, M, D: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                XROUND: tl.constexpr, EMULATE: tl.constexpr):
+        """Row r of x, or with SPLIT > 0 the row of a linear's output from its K partials (kernels.linear.partials at
+        x_ptr, + bias, rounded as the linear stores it)."""
+        if SPLIT == 0:
+            x = tl.load(x_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+        else:
+            x = linear.sum_partials(x_ptr, r, cols, cols < D, M, D, SPLIT)
+            if HAS_BIAS:
+                x += tl.load(bias_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+            x = _round(x, XROUND, EMULATE)
+        return x
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, sum_ptr, D: tl.constexpr, eps, scale, CAST_FIRST: tl.constexpr,
                          XROUND: tl.constexpr, OROUND: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr,
-                         HAS_RES: tl.constexpr = False):
-        """out = RMSNorm(x), or with HAS_RES: sum = x + res (rounded to x's dtype, stored) and out = RMSNorm(sum)."""
+                         HAS_RES: tl.constexpr = False, bias_ptr=None, M=0, SPLIT: tl.constexpr = 0,
+                         HAS_BIAS: tl.constexpr = False):
+        """out = RMSNorm(x), or with HAS_RES: sum = x + res (rounded to x's dtype, stored) and out = RMSNorm(sum). x: a
+        tensor, or with SPLIT > 0 a linear's K partials (_load_x)."""
         r = tl.program_id(0).to(tl.int64)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for c in range(0, D, BLOCK):  # the order of kernels.reduce._row_sum over x.float().pow(2)
             cols = c + tl.arange(0, BLOCK)
-            x = tl.load(x_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+            x = _load_x(x_ptr, bias_ptr, r, cols, M, D, SPLIT, HAS_BIAS, XROUND, EMULATE)
             if HAS_RES:
                 x = _round(x + tl.load(res_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32), XROUND, EMULATE)
                 tl.store(sum_ptr + r * D + cols, x.to(sum_ptr.dtype.element_ty), mask=cols < D)
@@ -63,7 +79,7 @@ if triton is not None:
         inv = tl.math.rsqrt(var + eps)
         for c in range(0, D, BLOCK):
             cols = c + tl.arange(0, BLOCK)
-            x = tl.load(x_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+            x = _load_x(x_ptr, bias_ptr, r, cols, M, D, SPLIT, HAS_BIAS, XROUND, EMULATE)
             if HAS_RES:  # recomputed, not read back (another thread of the program may have stored it)
                 x = _round(x + tl.load(res_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32), XROUND, EMULATE)
             w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
@@ -111,11 +127,20 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(logits_ptr, scores_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
-                      NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+                      NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
+                      ws_ptr=None, bias_ptr=None, M=0, SPLIT: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False,
+                      XROUND: tl.constexpr = 0):
+        """One row of logits -> its top-k; with SPLIT > 0 the logits are first made from the router linear's K
+        partials (ws_ptr, + bias, rounded as the linear stores them) and stored to logits_ptr."""
         r = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
         ok = e < E
-        x = tl.load(logits_ptr + r * E + e, mask=ok, other=-float("inf")).to(tl.float32)
+        if SPLIT == 0:
+            x = tl.load(logits_ptr + r * E + e, mask=ok, other=-float("inf")).to(tl.float32)
+        else:
+            x = _load_x(ws_ptr, bias_ptr, r, e, M, E, SPLIT, HAS_BIAS, XROUND, EMULATE)
+            tl.store(logits_ptr + r * E + e, x.to(logits_ptr.dtype.element_ty), mask=ok)
+            x = tl.where(ok, x, -float("inf"))
         if SOFTMAX_FIRST:  # kernels.reduce._row_softmax's steps over one chunk
             mx = tl.max(tl.where(ok, x, -float("inf")), axis=0)
             ex = tl.where(ok, tl.exp(x - mx), 0.0)
@@ -158,11 +183,27 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return total, out
 
 
-def _rms_norm(x, residual, weight, eps, cast_first):
+def add_rms_norm_partials(ws: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float, cast_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm` whose x is a linear's output given as its K partials (kernels.linear.partials: ws [S, rows, D],
+    and the linear's bias): the linear's split-K sum, its bias and rounding (to residual's dtype, as the linear stores
+    its output) done here, the same bits as `matmul` then `add_rms_norm`, one launch fewer."""
+    if ws.shape[1:] != (residual.numel() // residual.shape[-1], residual.shape[-1]) or ws.dtype != torch.float32:
+        raise ValueError(f"add_rms_norm_partials: partials {tuple(ws.shape)} {ws.dtype} for rows of {tuple(residual.shape)}")
+    out, total = _rms_norm(residual, residual, weight, eps, cast_first, partials=(ws, bias))
+    return total, out
+
+
+def _rms_norm(x, residual, weight, eps, cast_first, partials=None):
     d = x.shape[-1]
     xc = x.contiguous()
     rc = residual.contiguous() if residual is not None else None
     rows = xc.numel() // d if d else 0
+    extra = {}
+    if partials is not None:  # x is a linear's K partials (its shape and dtype: the residual's)
+        ws, bias = partials
+        xc = ws
+        extra = dict(bias_ptr=bias if bias is not None else ws, M=rows, SPLIT=ws.shape[0], HAS_BIAS=bias is not None)
     out_dtype = torch.promote_types(weight.dtype, x.dtype) if cast_first else x.dtype
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
@@ -171,7 +212,7 @@ def _rms_norm(x, residual, weight, eps, cast_first):
         _rms_norm_kernel[(rows,)](xc, weight, out, rc if rc is not None else xc, total if total is not None else out,
                                   D=d, eps=float(eps), scale=1.0 / d, CAST_FIRST=cast_first, XROUND=_ROUNDED[x.dtype],
                                   OROUND=oround, BLOCK=_block(d), EMULATE=runtime.interpreting(), HAS_RES=rc is not None,
-                                  **LAUNCH_OPTIONS)
+                                  **extra, **LAUNCH_OPTIONS)
     return out, total
 
 
@@ -216,6 +257,22 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
             hq, hk, t, D=d, HALF_TABLE=cos.shape[-1] != d, ROUND=_ROUNDED[dtype], BLOCK=triton.next_power_of_2(d),
             EMULATE=runtime.interpreting(), **LAUNCH_OPTIONS)
     return qo, ko
+
+
+def route_partials(ws: torch.Tensor, bias: torch.Tensor | None, logits_dtype: torch.dtype, top_k: int, softmax_first: bool,
+                   norm: bool, score_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`route` of a router linear's output given as its K partials (kernels.linear.partials: ws [S, T, E], and the
+    linear's bias): -> (logits [T, E] of logits_dtype, the bits `matmul` stores; scores; ids), one launch."""
+    _, t, e = ws.shape
+    logits = torch.empty((t, e), dtype=logits_dtype, device=ws.device)
+    scores = torch.empty((t, top_k), dtype=score_dtype, device=ws.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=ws.device)
+    if t:
+        _route_kernel[(t,)](logits, scores, ids, E=e, K=top_k, SOFTMAX_FIRST=softmax_first, NORM=norm,
+                            BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
+                            EMULATE=runtime.interpreting(), ws_ptr=ws, bias_ptr=bias if bias is not None else ws, M=t,
+                            SPLIT=ws.shape[0], HAS_BIAS=bias is not None, XROUND=_ROUNDED[logits_dtype], **LAUNCH_OPTIONS)
+    return logits, scores, ids
 
 
 def route(logits: torch.Tensor, top_k: int, softmax_first: bool, norm: bool, score_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,7 +70,7 @@ if triton is not None:
         M,
         N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, F32DOT: tl.constexpr,
-        FIXUP: tl.constexpr = False,
+        FIXUP: tl.constexpr = False, PARTIALS: tl.constexpr = False,
     ):
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -90,7 +90,7 @@ if triton is not None:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc += tl.dot(a, b, input_precision=PRECISION)
-        if SPLIT == 1:
+        if SPLIT == 1 and not PARTIALS:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], to_out(acc, out_ptr, F32DOT), mask=m_ok[:, None] & n_ok[None, :])
@@ -126,12 +126,77 @@ if triton is not None:
         tl.store(out_ptr + m.to(tl.int64) * stride_om + cols, to_out(acc, out_ptr, EMULATE), mask=ok)
 
 
+def partials(a: torch.Tensor, b: torch.Tensor, cfg: LinearConfig | None = None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] as its K ranges' float32 partial sums [cfg.split, M, N], unsummed and without a bias: for
+    a kernel that consumes the linear's output to add them itself (`sum_partials`: the bits `matmul` would store, one
+    launch fewer). `cfg`: the tiles and split (linear_config(N, K) by default; a merged projection passes its parts')."""
+    m, k = _check(a, b)
+    n = b.shape[1]
+    cfg = cfg or linear_config(n, k, a.element_size())
+    ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=a.device)
+    if m == 0 or n == 0:
+        return ws
+    if k == 0:
+        return ws.zero_()
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(m, cfg.block_m))
+    _linear_kernel[grid](
+        a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), ws, ws, ws.stride(1), ws, ws, m,
+        N=n, K=k, K_PER_SPLIT=cfg.k_per_split, SPLIT=cfg.split, HAS_BIAS=False,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        F32DOT=runtime.interpreting(), PARTIALS=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return ws
+
+
+if triton is not None:
+
+    @triton.jit
+    def sum_partials(ws_ptr, row, cols, mask, M, N, SPLIT: tl.constexpr):
+        """A linear's output values at (row, cols) from `partials`' buffer, before its bias and rounding: summed in
+        split order from zero as `_split_reduce` adds them (one split: the partial itself, as the one-split kernel
+        stores its accumulator), so bias + rounding after it gives `matmul`'s bits."""
+        if SPLIT == 1:
+            acc = tl.load(ws_ptr + row * N + cols, mask=mask, other=0.0)
+        else:
+            acc = tl.zeros(cols.shape, dtype=tl.float32)
+            for s in range(SPLIT):
+                acc += tl.load(ws_ptr + (s * M + row).to(tl.int64) * N + cols, mask=mask, other=0.0)
+        return acc
+
+
+@dataclasses.dataclass
+class Partials:
+    """A linear's output not yet summed: its K partials [S, M, N] (`partials`) and its bias, for a consumer kernel that
+    adds them (kernels.fused.add_rms_norm_partials); `value()` is the output as `matmul` would have stored it."""
+
+    ws: torch.Tensor
+    bias: torch.Tensor | None
+    shape: tuple
+    dtype: torch.dtype
+
+    def value(self) -> torch.Tensor:
+        s, m, n = self.ws.shape
+        out = torch.empty((m, n), dtype=self.dtype, device=self.ws.device)
+        if m and n:
+            block = min(1024, triton.next_power_of_2(n))
+            bias = self.bias if self.bias is not None else out
+            _split_reduce[(m, triton.cdiv(n, block))](self.ws, bias, out, out.stride(0), m, N=n, SPLIT=s,
+                                                      HAS_BIAS=self.bias is not None, BLOCK=block,
+                                                      EMULATE=runtime.interpreting())
+        return out.view(self.shape)
+
+
+def _check(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
+    m, k = a.shape
+    if k != b.shape[0]:
+        raise ValueError(f"matmul shapes {tuple(a.shape)} @ {tuple(b.shape)} do not match")
+    return m, k
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """a [M, K] @ b [K, N] (+ bias [N]) -> [M, N]; any strides (b is usually a weight's transposed view)."""
-    m, k = a.shape
-    k2, n = b.shape
-    if k != k2:
-        raise ValueError(f"matmul shapes {tuple(a.shape)} @ {tuple(b.shape)} do not match")
+    m, k = _check(a, b)
+    n = b.shape[1]
     out = torch.empty((m, n), dtype=out_dtype or a.dtype, device=a.device)
     if m == 0 or n == 0:
         return out

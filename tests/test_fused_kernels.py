@@ -256,24 +256,39 @@ def ptx(fn, types, const):
     return k.asm["ptx"]
 
 bf = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_ptr="*bf16", sum_ptr="*bf16", eps="fp32", scale="fp32")
-for d, cast, res in ((2048, True, False), (2880, False, False), (128, True, False), (2048, True, True)):
-    p = ptx(fused._rms_norm_kernel, bf, dict(D=d, CAST_FIRST=cast, XROUND=1, OROUND=1, BLOCK=min(2048, triton.next_power_of_2(d)),
-                                             EMULATE=False, HAS_RES=res))
+for d, cast, res, split in ((2048, True, False, 0), (2880, False, False, 0), (128, True, False, 0), (2048, True, True, 0),
+                           (2048, True, True, 8), (2880, False, True, 1)):  # split: x from a linear's partials
+    types = {**bf, "x_ptr": "*fp32", "bias_ptr": "*bf16", "M": "i32"} if split else {**bf, "M": "i32"}
+    p = ptx(fused._rms_norm_kernel, types, dict(D=d, CAST_FIRST=cast, XROUND=1, OROUND=1, BLOCK=min(2048, triton.next_power_of_2(d)),
+                                                EMULATE=False, HAS_RES=res, SPLIT=split, HAS_BIAS=split == 1,
+                                                **({} if split else dict(bias_ptr=None))))
     assert "fma." not in p, "x * x contracted into the sum"
+from kernels import qkv
+qt = dict(ws_ptr="*fp32", bias_ptr="*bf16", qn_ptr="*bf16", kn_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", q_ptr="*bf16",
+          kp_ptr="*bf16", vp_ptr="*bf16", pages_ptr="*i64", offs_ptr="*i64", q_eps="fp32", k_eps="fp32", scale="fp32")
+for hq, hk, d, split, bias, norm, half in ((32, 4, 128, 8, False, True, False), (64, 8, 64, 8, True, False, True)):
+    p = ptx(qkv._qkv_rope_kernel, qt, dict(HQ=hq, HK=hk, D=d, SPLIT=split, HAS_BIAS=bias, NORM=norm, CAST_FIRST=True,
+                                           XROUND=1, NROUND=1, ROUND=1, HALF_TABLE=half, BLOCK=d, EMULATE=False))
+    assert "fma." not in p, "a product contracted into a sum (norm or rotary)"
 rt = dict(q_ptr="*bf16", k_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", qo_ptr="*bf16", ko_ptr="*bf16")
 for d, half, rnd in ((128, False, 1), (64, True, 1), (128, False, 0)):
     c = dict(cos_ptr="*fp32", sin_ptr="*fp32", qo_ptr="*fp32", ko_ptr="*fp32") if rnd == 0 else {}
     p = ptx(fused._rotary_kernel, {**rt, **c}, dict(D=d, HALF_TABLE=half, ROUND=rnd, BLOCK=d, EMULATE=False))
     assert "fma." not in p, "a product contracted into the sum"
 for e, k, sf, norm, st in ((128, 8, True, True, "*bf16"), (32, 4, False, False, "*bf16"), (8, 2, True, True, "*fp32")):
-    ptx(fused._route_kernel, dict(logits_ptr="*bf16", scores_ptr=st, ids_ptr="*i64"),
-        dict(E=e, K=k, SOFTMAX_FIRST=sf, NORM=norm, BLOCK_E=e, BLOCK_K=k, EMULATE=False))
+    for split in (0, 8):
+        extra = dict(ws_ptr="*fp32", bias_ptr="*bf16") if split else {}
+        ptx(fused._route_kernel, dict(logits_ptr="*bf16", scores_ptr=st, ids_ptr="*i64", **extra),
+            dict(E=e, K=k, SOFTMAX_FIRST=sf, NORM=norm, BLOCK_E=e, BLOCK_K=k, EMULATE=False, SPLIT=split,
+                 HAS_BIAS=False, XROUND=1, **({} if split else dict(ws_ptr=None, bias_ptr=None))))
 from kernels import linear
 const = dict(N=512, K=2048, K_PER_SPLIT=256, SPLIT=8, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, PRECISION="tf32",
-             F32DOT=False, FIXUP=True)
+             F32DOT=False, FIXUP=True, PARTIALS=False)
 p = ptx(linear._linear_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32",
                                     cnt_ptr="*i32"), const)
 assert "atom.global.gpu.acq_rel.add" in p and "ld.global.cg" in p, "the one-launch linear's semaphore or L2 reads"
+ptx(linear._linear_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", bias_ptr="*fp32", out_ptr="*fp32", ws_ptr="*fp32",
+                                cnt_ptr="*fp32"), {**const, "SPLIT": 1, "HAS_BIAS": False, "FIXUP": False, "PARTIALS": True})
 print("compiled")
 '''
 

@@ -123,7 +123,8 @@ class VerifierCore:
         self.pool = KVPool(t.num_layers, kv_heads, head_dim, pages, t.dtype, t.device)
         # every position a session can reach: SequenceKV(pool, t.max_context) reserves whole pages up to this bound
         self.runner = ForwardRunner(t.model, t.seam, self.pool, max_positions=(t.max_context + PAGE - 1) // PAGE * PAGE)
-        log.info("paged forward", rotary=self.runner.rotary, layers=self.runner.prenorm, kv_pages=pages)
+        log.info("paged forward", rotary=self.runner.rotary, layers=self.runner.prenorm, attention=self.runner.attention,
+                 kv_pages=pages)
         # offloaded experts sync once per layer (which experts to fetch): one graph per stretch between them
         if opts.graphs and t.device.type == "cuda":
             self.graphs = GraphRunner(self.runner, (t.max_context + PAGE - 1) // PAGE)

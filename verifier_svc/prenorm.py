@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import fused
+from kernels import fused, linear
 from kernels.installer import _eps_of, fused_norm_variant
 
 _PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -43,14 +43,17 @@ def _first(out):
 def _norm(module: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual, its norm) in one launch, or (x, norm(x)) without a residual."""
     cast_first, eps = fused_norm_variant(module), _eps_of(module)
+    if isinstance(x, linear.Partials):  # a fused attention's output projection, not yet summed
+        return fused.add_rms_norm_partials(x.ws, x.bias, residual, module.weight, eps, cast_first)
     if residual is None:
         return x, fused.rms_norm(x, module.weight, eps, cast_first)
     return fused.add_rms_norm(x, residual, module.weight, eps, cast_first)
 
 
-def _step(layer: nn.Module, h: torch.Tensor, x: torch.Tensor, kwargs: dict, after: nn.Module):
-    """One layer from h (its input) and x = its input norm: -> (the layer's output, `after`'s norm of it)."""
-    a = _first(layer.self_attn(hidden_states=x, **kwargs))
+def _step(layer: nn.Module, h: torch.Tensor, x: torch.Tensor, kwargs: dict, after: nn.Module, attn=None):
+    """One layer from h (its input) and x = its input norm: -> (the layer's output, `after`'s norm of it). `attn`:
+    the layer's attention in a fused form (verifier_svc.fused_attention), else the module runs."""
+    a = attn(x, kwargs) if attn is not None else _first(layer.self_attn(hidden_states=x, **kwargs))
     h, x = _norm(layer.post_attention_layernorm, a, h)
     m = _first(layer.mlp(x))
     return _norm(after, m, h)
@@ -85,6 +88,7 @@ class PreNormChain:
     def __init__(self, layers, final_norm: nn.Module):
         self.layers = list(layers)
         self.final_norm = final_norm
+        self.attn: list = [None] * len(self.layers)  # per layer: a probed fused attention (set by the runner) or None
 
     @classmethod
     def probe(cls, model: nn.Module, layers, final_norm: nn.Module, layer_kwargs) -> "PreNormChain | str":
@@ -129,7 +133,7 @@ class PreNormChain:
         h, x = _norm(self.layers[0].input_layernorm, h, None)
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.final_norm
-            h, x = _step(layer, h, x, kwargs, nxt)
+            h, x = _step(layer, h, x, kwargs, nxt, self.attn[i])
             if i in feature_layers:
                 feats.append((i, h))
         return x, feats

@@ -113,6 +113,7 @@ class ForwardRunner:
                         else f"layers as they are ({self.chain})")
         if not isinstance(self.chain, PreNormChain):
             self.chain = None
+        self.attention = self._fuse_attention() if self.chain is not None else "the modules (no layer chain)"
 
     def _layer_kwargs(self, h: torch.Tensor, pos: torch.Tensor, cache) -> dict:
         """What a decoder layer (and, in the chain, its attention) gets besides its input."""
@@ -127,6 +128,27 @@ class ForwardRunner:
         layers = self.inner.layers[: self.num_layers]
         with torch.inference_mode(), InvariantMode(), experts_stubbed():
             return PreNormChain.probe(self.model, layers, self.inner.norm, self._layer_kwargs)
+
+    def _fuse_attention(self) -> str:
+        """Give the chain each layer's fused attention (verifier_svc.fused_attention) when the first layer of each kind
+        (module class, sliding window) passes the probe on the pool; -> what runs, for the log."""
+        from verifier_svc import fused_attention as fa
+
+        cfg = self.model.config.get_text_config()
+        built, probed = [], {}
+        for layer in self.chain.layers:
+            f = fa.FusedAttention.build(layer.self_attn, cfg, self.layer_kw)
+            if isinstance(f, str):
+                return f"the modules ({f})"
+            key = (type(layer.self_attn), f.sliding_window)
+            if key not in probed:
+                with torch.inference_mode(), InvariantMode():
+                    probed[key] = fa.probe(f, self.pool, self._layer_kwargs, PagedLayerCache)
+            if probed[key] is not None:
+                return f"the modules ({probed[key]})"
+            built.append(f)
+        self.chain.attn = built
+        return "fused q/k/v projection, norms, rotary and KV write (2 launches)"
 
     def _layers(self, ids: torch.Tensor, pos: torch.Tensor, cache: PagedLayerCache, feature_layers: tuple[int, ...]):
         h = self.inner.embed_tokens(ids)

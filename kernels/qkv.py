@@ -1,0 +1,157 @@
+"""An attention block's input side in two launches: the merged q/k/v projection, then one epilogue kernel.
+
+transformers' attention modules (Qwen3-MoE, gpt-oss, Llama-like) compute, on the layer's normed input x,
+
+    q = q_norm?(q_proj(x)), k = k_norm?(k_proj(x)), v = v_proj(x)     (each [T, heads, D]; the norms per head)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin);  cache.update(k, v)
+
+which on the batch-invariant kernels is 3 projections of 2 launches each (the split-K partials, their sum), 2 norms,
+the rotary and the paged KV write: 10 launches, most of them tiny. Here:
+
+1. `kernels.linear.partials` of x against the three weights stacked (their rows one tensor, `merged_weight`), with
+   the tiles and K split the separate projections use (`merge_config`: only projections whose configs agree are
+   merged, so every output column is the same sum in the same order);
+2. `qkv_rope_write`: one program per (token, head) of q, k and v adds the K partials in split order and the bias
+   (the bits the projection would store), applies the per-head RMSNorm (`kernels.fused._rms_norm_kernel`'s
+   arithmetic), the rotary (`kernels.fused._rotary_kernel`'s), and stores q, and k and v into the layer's page pools
+   at the block's slots.
+
+Every value is rounded where the op-by-op path rounds it; `verifier_svc.attention` uses this only after a probe got
+the module's own output and pool contents bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import linear, runtime
+from kernels.fused import _ROUNDED, LAUNCH_OPTIONS, _round
+from kernels.reduce import _block
+
+triton, tl = runtime.triton, runtime.tl
+
+
+def merge_config(n_parts: list[int], k: int, esize: int) -> linear.LinearConfig | None:
+    """The config every part's own projection uses, when they all use the same (else None: merging would change a
+    column's K split, hence its bits)."""
+    cfgs = {linear.linear_config(n, k, esize) for n in n_parts}
+    return cfgs.pop() if len(cfgs) == 1 else None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _value(ws_ptr, bias_ptr, t, cols, ok, M, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+               XROUND: tl.constexpr, EMULATE: tl.constexpr):
+        """The projection's stored value at (t, cols): partials summed, + bias, rounded to the activations' dtype."""
+        x = linear.sum_partials(ws_ptr, t, cols, ok, M, N, SPLIT)
+        if HAS_BIAS:
+            x += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        return _round(x, XROUND, EMULATE)
+
+    @triton.jit
+    def _head_norm(x, p, w_ptr, i, ip, ok, eps, scale, BLOCK: tl.constexpr, CAST_FIRST: tl.constexpr,
+                   XROUND: tl.constexpr, OROUND: tl.constexpr, EMULATE: tl.constexpr):
+        """RMSNorm of one head's row x (and of its partner elements p, by the same row scale), as _rms_norm_kernel."""
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        acc += x * x
+        var = tl.sum(acc, axis=0) * scale
+        inv = tl.math.rsqrt(var + eps)
+        y = x * inv
+        yp = p * inv
+        if CAST_FIRST:
+            y = _round(y, XROUND, EMULATE)
+            yp = _round(yp, XROUND, EMULATE)
+        w = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + ip, mask=ok, other=0.0).to(tl.float32)
+        return _round(w * y, OROUND, EMULATE), _round(wp * yp, OROUND, EMULATE)
+
+    @triton.jit
+    def _qkv_rope_kernel(ws_ptr, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, kp_ptr, vp_ptr, pages_ptr, offs_ptr,
+                         kps_p, kps_h, kps_s, vps_p, vps_h, vps_s, sc_t, sc_d, M, q_eps, k_eps, scale,
+                         HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, CAST_FIRST: tl.constexpr, XROUND: tl.constexpr,
+                         NROUND: tl.constexpr, ROUND: tl.constexpr, HALF_TABLE: tl.constexpr, BLOCK: tl.constexpr,
+                         EMULATE: tl.constexpr):
+        pid = tl.program_id(0)
+        t = pid // (HQ + 2 * HK)
+        j = pid % (HQ + 2 * HK)
+        N = (HQ + 2 * HK) * D
+        half = D // 2
+        i = tl.arange(0, BLOCK)
+        ok = i < D
+        x = _value(ws_ptr, bias_ptr, t, j * D + i, ok, M, N, SPLIT, HAS_BIAS, XROUND, EMULATE)
+        page = tl.load(pages_ptr + t).to(tl.int64)
+        off = tl.load(offs_ptr + t).to(tl.int64)
+        if j < HQ + HK:  # q or k: norm, rotary
+            ip = tl.where(i < half, i + half, i - half)
+            p = _value(ws_ptr, bias_ptr, t, j * D + ip, ok, M, N, SPLIT, HAS_BIAS, XROUND, EMULATE)
+            if NORM:
+                if j < HQ:
+                    x, p = _head_norm(x, p, qn_ptr, i, ip, ok, q_eps, scale, BLOCK, CAST_FIRST, XROUND, NROUND, EMULATE)
+                else:
+                    x, p = _head_norm(x, p, kn_ptr, i, ip, ok, k_eps, scale, BLOCK, CAST_FIRST, XROUND, NROUND, EMULATE)
+            sign = tl.where(i < half, -1.0, 1.0)
+            if HALF_TABLE:
+                ci = i % half
+            else:
+                ci = i
+            c = tl.load(cos_ptr + t * sc_t + ci * sc_d, mask=ok, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + t * sc_t + ci * sc_d, mask=ok, other=0.0).to(tl.float32)
+            y = _round(_round(x * c, ROUND, EMULATE) + _round(sign * p * s, ROUND, EMULATE), ROUND, EMULATE)
+            if j < HQ:
+                tl.store(q_ptr + (t * HQ + j).to(tl.int64) * D + i, y.to(q_ptr.dtype.element_ty), mask=ok)
+            else:
+                h = (j - HQ).to(tl.int64)
+                tl.store(kp_ptr + page * kps_p + h * kps_h + off * kps_s + i, y.to(kp_ptr.dtype.element_ty), mask=ok)
+        else:  # v: the projection's value as it is
+            h = (j - HQ - HK).to(tl.int64)
+            tl.store(vp_ptr + page * vps_p + h * vps_h + off * vps_s + i, x.to(vp_ptr.dtype.element_ty), mask=ok)
+
+
+def out_dtypes(x: torch.dtype, norm_w: torch.dtype | None, cast_first: bool, cos: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(the per-head norm's result dtype, the rotary's) as transformers' ops promote them."""
+    n = (torch.promote_types(norm_w, x) if cast_first else x) if norm_w is not None else x
+    return n, torch.promote_types(n, cos)
+
+
+def merged_weight(modules: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The projections' weights as one [sum of out, in] tensor (and biases as one [sum of out], or None), and each
+    module's weight (bias) made a view of its rows: no second copy of the weights is kept."""
+    w = torch.cat([m.weight.detach() for m in modules], dim=0)
+    biases = [getattr(m, "bias", None) for m in modules]
+    b = torch.cat([x.detach() for x in biases], dim=0) if all(isinstance(x, torch.Tensor) for x in biases) else None
+    row = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight.data = w[row : row + n]
+        if b is not None:
+            m.bias.data = b[row : row + n]
+        row += n
+    return w, b
+
+
+def qkv_rope_write(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: linear.LinearConfig,
+                   hq: int, hk: int, d: int, norms: tuple | None, cos: torch.Tensor, sin: torch.Tensor,
+                   k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [T, hidden] (the normed input), w [(hq + 2 hk) d, hidden] (`merged_weight`), norms (q_norm weight, k_norm
+    weight, q eps, k eps, cast_first) or None, cos/sin [1, T, d or d/2] (any strides), pools [pages, hk, PAGE, d] ->
+    q [1, hq, T, d] (a view of [1, T, hq, d], as the modules lay it); k and v written to their slots."""
+    t = x.shape[0]
+    ndtype, rdtype = out_dtypes(x.dtype, norms[0].dtype if norms is not None else None,
+                                norms[4] if norms is not None else True, cos.dtype)
+    if k_pool.dtype != rdtype or v_pool.dtype != x.dtype:
+        raise ValueError(f"qkv_rope_write: pools {k_pool.dtype}/{v_pool.dtype} for k {rdtype} and v {x.dtype}")
+    ws = linear.partials(x, w.t(), cfg)
+    q = torch.empty((1, t, hq, d), dtype=rdtype, device=x.device)
+    if t:
+        qn, kn, q_eps, k_eps, cast_first = norms if norms is not None else (x, x, 0.0, 0.0, True)
+        nround = _ROUNDED[torch.promote_types(qn.dtype, x.dtype)] if cast_first else _ROUNDED[x.dtype]
+        _qkv_rope_kernel[(t * (hq + 2 * hk),)](
+            ws, bias if bias is not None else ws, qn, kn, cos, sin, q, k_pool, v_pool, pages, offsets,
+            k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+            cos.stride(1), cos.stride(2), t, float(q_eps), float(k_eps), 1.0 / d,
+            HQ=hq, HK=hk, D=d, SPLIT=cfg.split, HAS_BIAS=bias is not None, NORM=norms is not None,
+            CAST_FIRST=cast_first, XROUND=_ROUNDED[x.dtype], NROUND=nround, ROUND=_ROUNDED[rdtype],
+            HALF_TABLE=cos.shape[-1] != d, BLOCK=_block(d), EMULATE=runtime.interpreting(), **LAUNCH_OPTIONS)
+    return q.transpose(1, 2)

@@ -1,0 +1,148 @@
+"""The attention block's fused input side (kernels/qkv.py, verifier_svc/fused_attention.py) and the linears whose K
+partials are summed by the kernel that consumes them (kernels.linear.partials: the residual add + norm after the
+output projection, the routing after the router): each gives the op-by-op path's bits. On the CPU under Triton's
+interpreter; tests/test_gpu_verifier.py runs the runner on CUDA at the real layer shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import fused, linear, qkv
+from kernels.attention import PAGE, paged_write_reference
+from tests.conftest import needs_triton
+
+G = torch.Generator().manual_seed(0)
+
+
+def _w(*shape):
+    return (torch.randn(*shape, generator=G) / shape[-1] ** 0.5).bfloat16()
+
+
+@needs_triton
+@pytest.mark.parametrize("norm,bias,half", [(True, False, False), (False, True, True), (False, False, False)])
+def test_qkv_rope_write_equals_the_op_by_op_path(norm, bias, half):
+    """Merged projection (K split 4), per-head norms, rotary, K/V into the page pool: the bits of three linears, two
+    rms_norms, the rotary and the pool write one after the other."""
+    hq, hk, d, k, t = 4, 2, 32, 1024, 3
+    cfg = qkv.merge_config([hq * d, hk * d, hk * d], k, 2)
+    assert cfg is not None and cfg.split == 4
+    x = torch.randn(t, k, generator=G).bfloat16()
+    ws = [_w(hq * d, k), _w(hk * d, k), _w(hk * d, k)]
+    bs = [_w(n.shape[0]) for n in ws] if bias else [None] * 3
+    qn, kn = (torch.rand(d, generator=G) + 0.5).bfloat16(), (torch.rand(d, generator=G) + 0.5).bfloat16()
+    ang = torch.randn(1, t, d // 2 if half else d, generator=G)
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    pages, offs = torch.tensor([1, 1, 0]), torch.tensor([5, 6, PAGE - 1])
+    # the op-by-op path
+    q, kk, v = (linear.matmul(x, w.t(), bias=b) for w, b in zip(ws, bs))
+    q, kk, v = q.view(1, t, hq, d), kk.view(1, t, hk, d), v.view(1, t, hk, d)
+    if norm:
+        q, kk = fused.rms_norm(q, qn, 1e-6, True), fused.rms_norm(kk, kn, 1e-5, True)
+    q, kk = fused.rotary(q.transpose(1, 2), kk.transpose(1, 2), cos, sin, contiguous=half)
+    want_k, want_v = torch.zeros(3, hk, PAGE, d).bfloat16(), torch.zeros(3, hk, PAGE, d).bfloat16()
+    paged_write_reference(want_k, want_v, kk[0], v.transpose(1, 2)[0], pages, offs)
+    # fused
+    w = torch.cat(ws)
+    b = torch.cat(bs) if bias else None
+    kp, vp = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    got = qkv.qkv_rope_write(x, w, b, cfg, hq, hk, d, (qn, kn, 1e-6, 1e-5, True) if norm else None, cos, sin, kp, vp,
+                             pages, offs)
+    assert got.shape == q.shape and torch.equal(got, q)
+    assert torch.equal(kp, want_k) and torch.equal(vp, want_v)
+
+
+def test_merge_config_merges_only_projections_that_split_k_alike():
+    assert qkv.merge_config([4096, 512, 512], 2048, 2) is not None  # Qwen3-30B-A3B
+    assert qkv.merge_config([4096, 512, 512], 2880, 2) is not None  # gpt-oss-20b
+    assert qkv.merge_config([4096, 1024, 1024], 4096, 2) is None  # Mixtral-8x7B: q splits K 8 ways, k/v 16
+
+
+@needs_triton
+@pytest.mark.parametrize("k,bias", [(64, False), (1024, True), (1024, False)])
+def test_add_rms_norm_partials_equals_the_linear_then_add_rms_norm(k, bias):
+    t, n = 5, 96
+    x, w = torch.randn(t, k, generator=G).bfloat16(), _w(n, k)
+    b = _w(n) if bias else None
+    res, nw = torch.randn(1, t, n, generator=G).bfloat16(), (torch.rand(n, generator=G) + 0.5).bfloat16()
+    ws = linear.partials(x, w.t())
+    assert ws.shape[0] == linear.linear_config(n, k).split
+    y = linear.matmul(x, w.t(), bias=b).view(1, t, n)
+    assert torch.equal(linear.Partials(ws, b, (1, t, n), torch.bfloat16).value(), y)
+    for cast_first in (True, False):
+        want = fused.add_rms_norm(y, res, nw, 1e-6, cast_first)
+        got = fused.add_rms_norm_partials(ws, b, res, nw, 1e-6, cast_first)
+        assert all(torch.equal(a, c) for a, c in zip(got, want))
+
+
+@needs_triton
+@pytest.mark.parametrize("softmax_first,norm", [(True, True), (False, False)])
+def test_route_partials_equals_the_router_linear_then_route(softmax_first, norm):
+    t, e, k = 4, 32, 1024
+    x, w, b = torch.randn(t, k, generator=G).bfloat16(), _w(e, k), _w(e)
+    logits = linear.matmul(x, w.t(), bias=b)
+    want = fused.route(logits, 4, softmax_first, norm, torch.bfloat16)
+    got = fused.route_partials(linear.partials(x, w.t()), b, torch.bfloat16, 4, softmax_first, norm, torch.bfloat16)
+    assert torch.equal(got[0], logits) and torch.equal(got[1], want[0]) and torch.equal(got[2], want[1])
+
+
+def _tiny(arch, layers=2):
+    from transformers import AutoModelForCausalLM
+
+    from pdflash.tiny import tiny_config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(arch, 512, 0, num_layers=layers), dtype=torch.bfloat16).eval()
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "mixtral"])
+def test_the_runner_fuses_attention_and_gives_the_modules_bits(arch):
+    """The runner's probe passes on the tiny models (bf16); a prefill and two verify blocks give the logits, features
+    and pool contents of the same runner calling the attention modules."""
+    import kernels
+    from verifier_svc.experts import ExpertsSeam
+    from verifier_svc.kv import KVPool, SequenceKV
+    from verifier_svc.runner import ForwardRunner
+
+    model = _tiny(arch)
+    inst = kernels.install(model, probe=False)
+    try:
+        seam, cfg = ExpertsSeam(model), model.config
+        results = []
+        for use_fused in (True, False):
+            pool = KVPool(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 4, torch.bfloat16, torch.device("cpu"))
+            runner = ForwardRunner(model, seam, pool, max_positions=4 * PAGE)
+            assert runner.attention.startswith("fused") and all(a is not None for a in runner.chain.attn), runner.attention
+            if not use_fused:
+                runner.chain.attn = [None] * len(runner.chain.attn)
+            seq = SequenceKV(pool, 4 * PAGE)
+            outs = [runner.forward([3, 9, 27, 81, 243, 7, 8], 0, seq, feature_layers=(0, 1)),
+                    runner.forward([11], 7, seq, feature_layers=(0, 1)), runner.forward([12, 13, 14], 8, seq)]
+            results.append((outs, [k.clone() for k in pool.k], [v.clone() for v in pool.v]))
+    finally:
+        inst.uninstall()
+    (fo, fk, fv), (mo, mk, mv) = results
+    for a, b in zip(fo, mo):
+        assert torch.equal(a.logits, b.logits)
+        assert (a.features is None and b.features is None) or torch.equal(a.features, b.features)
+    assert all(torch.equal(a, b) for a, b in zip(fk + fv, mk + mv))
+
+
+def test_build_refuses_an_attention_with_one_per_head_norm():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention  # noqa: F401
+
+    import kernels
+    from verifier_svc.fused_attention import FusedAttention
+
+    model = _tiny("qwen3_moe", layers=1)
+    inst = kernels.install(model, probe=False)
+    try:
+        attn = model.model.layers[0].self_attn
+        attn.k_norm = None
+        why = FusedAttention.build(attn, model.config, "past_key_values")
+        assert isinstance(why, str) and "q_norm/k_norm" in why
+        del attn.q_proj
+        assert "no q_proj" in FusedAttention.build(attn, model.config, "past_key_values")
+    finally:
+        inst.uninstall()
