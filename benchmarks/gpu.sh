@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|sweep|e2e|stack|offload|dflash|profile|all]...
+#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|sweep|e2e|stack|offload|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite, 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -52,6 +52,9 @@ if has stack; then  # the stack through gRPC, verifier and drafter on the GPU (~
 fi
 if has dflash; then  # one DFlash drafter round in process on the GPU (bf16): propose / commit times and host queue time
   timeout ${DFLASH_S:-120} python3 benchmarks/dflash_round.py --device cuda --dtype bfloat16 --out "$OUT/dflash_round_h200.json" 2>&1 | tee "$OUT/dflash_round.txt" | tail -8
+fi
+if has linear; then  # the linear's launch options at the decode shapes: time, bandwidth, same bits (~1 min)
+  timeout ${LINEAR_S:-180} python3 benchmarks/linear_sweep.py --out "$OUT" 2>&1 | tee "$OUT/linear_sweep.txt" | tail -20
 fi
 if has profile; then  # the verify forward's kernels by GPU time (benchmarks/forward_profile.py; ~2 min)
   timeout ${PROFILE_S:-300} python3 benchmarks/forward_profile.py --out "$OUT" ${PROFILE_ARGS:-} > "$OUT/forward_profile.txt" 2>&1

@@ -28,6 +28,11 @@ triton, tl = runtime.triton, runtime.tl
 to_out = runtime.to_out if triton is not None else None
 
 ONE_LAUNCH = os.environ.get("PDFLASH_LINEAR_ONE_LAUNCH", "0") == "1"
+# software-pipeline depth: a number, or "auto" (one stage more than a split's K steps, 2..4: a decode linear's split has
+# 2 steps, and unused stages only hold shared memory that a second program on the SM could use). It changes when a
+# tile's loads are issued, not what a dot adds or in which order: the bits are the same
+# (benchmarks/linear_sweep.py checks that on the GPU).
+STAGES = os.environ.get("PDFLASH_LINEAR_STAGES", "4")
 COUNTER_REGIONS = 64  # calls in flight at once never share a region: they would have to be 64 calls apart
 COUNTERS_PER_REGION = 16384  # output tiles a one-launch call may have (more: the two-launch path)
 
@@ -57,7 +62,8 @@ def linear_config(n: int, k: int, esize: int = 2) -> LinearConfig:
         split *= 2
     k_per_split = ((k_steps + split - 1) // split) * block_k
     split = (k + k_per_split - 1) // k_per_split
-    return LinearConfig(block_m, block_n, block_k, split, k_per_split)
+    stages = min(4, max(2, k_per_split // block_k + 1)) if STAGES == "auto" else int(STAGES)
+    return LinearConfig(block_m, block_n, block_k, split, k_per_split, num_stages=stages)
 
 
 if triton is not None:
