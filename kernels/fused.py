@@ -60,34 +60,56 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _row_in(x_ptr, bias_ptr, res_ptr, sum_ptr, r, cols, M, D: tl.constexpr, SPLIT: tl.constexpr,
+                HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, STORE: tl.constexpr, XROUND: tl.constexpr,
+                EMULATE: tl.constexpr):
+        """A chunk of the norm's input: x, or x + res rounded to x's dtype (stored to sum_ptr when STORE)."""
+        x = _load_x(x_ptr, bias_ptr, r, cols, M, D, SPLIT, HAS_BIAS, XROUND, EMULATE)
+        if HAS_RES:
+            x = _round(x + tl.load(res_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32), XROUND, EMULATE)
+            if STORE:
+                tl.store(sum_ptr + r * D + cols, x.to(sum_ptr.dtype.element_ty), mask=cols < D)
+        return x
+
+    @triton.jit
+    def _row_out(x, w_ptr, out_ptr, r, cols, inv, D: tl.constexpr, CAST_FIRST: tl.constexpr, XROUND: tl.constexpr,
+                 OROUND: tl.constexpr, EMULATE: tl.constexpr):
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        y = x * inv
+        if CAST_FIRST:
+            y = _round(y, XROUND, EMULATE)
+        y = _round(w * y, OROUND, EMULATE)
+        tl.store(out_ptr + r * D + cols, y.to(out_ptr.dtype.element_ty), mask=cols < D)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, res_ptr, sum_ptr, D: tl.constexpr, eps, scale, CAST_FIRST: tl.constexpr,
                          XROUND: tl.constexpr, OROUND: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr,
                          HAS_RES: tl.constexpr = False, bias_ptr=None, M=0, SPLIT: tl.constexpr = 0,
                          HAS_BIAS: tl.constexpr = False):
         """out = RMSNorm(x), or with HAS_RES: sum = x + res (rounded to x's dtype, stored) and out = RMSNorm(sum). x: a
-        tensor, or with SPLIT > 0 a linear's K partials (_load_x)."""
+        tensor, or with SPLIT > 0 a linear's K partials (_load_x). A row of one chunk (D <= BLOCK) is read once and
+        kept in registers; a longer one is read again for the scaling (recomputed, not read back: another thread of
+        the program may have stored the sum). Either way the sum of squares adds as kernels.reduce._row_sum does."""
         r = tl.program_id(0).to(tl.int64)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for c in range(0, D, BLOCK):  # the order of kernels.reduce._row_sum over x.float().pow(2)
-            cols = c + tl.arange(0, BLOCK)
-            x = _load_x(x_ptr, bias_ptr, r, cols, M, D, SPLIT, HAS_BIAS, XROUND, EMULATE)
-            if HAS_RES:
-                x = _round(x + tl.load(res_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32), XROUND, EMULATE)
-                tl.store(sum_ptr + r * D + cols, x.to(sum_ptr.dtype.element_ty), mask=cols < D)
+        if D <= BLOCK:
+            cols = tl.arange(0, BLOCK)
+            x = _row_in(x_ptr, bias_ptr, res_ptr, sum_ptr, r, cols, M, D, SPLIT, HAS_BIAS, HAS_RES, True, XROUND, EMULATE)
             acc += x * x
-        var = tl.sum(acc, axis=0) * scale
-        inv = tl.math.rsqrt(var + eps)
-        for c in range(0, D, BLOCK):
-            cols = c + tl.arange(0, BLOCK)
-            x = _load_x(x_ptr, bias_ptr, r, cols, M, D, SPLIT, HAS_BIAS, XROUND, EMULATE)
-            if HAS_RES:  # recomputed, not read back (another thread of the program may have stored it)
-                x = _round(x + tl.load(res_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32), XROUND, EMULATE)
-            w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-            y = x * inv
-            if CAST_FIRST:
-                y = _round(y, XROUND, EMULATE)
-            y = _round(w * y, OROUND, EMULATE)
-            tl.store(out_ptr + r * D + cols, y.to(out_ptr.dtype.element_ty), mask=cols < D)
+            inv = tl.math.rsqrt(tl.sum(acc, axis=0) * scale + eps)
+            _row_out(x, w_ptr, out_ptr, r, cols, inv, D, CAST_FIRST, XROUND, OROUND, EMULATE)
+        else:
+            for c in range(0, D, BLOCK):  # the order of kernels.reduce._row_sum over x.float().pow(2)
+                cols = c + tl.arange(0, BLOCK)
+                x = _row_in(x_ptr, bias_ptr, res_ptr, sum_ptr, r, cols, M, D, SPLIT, HAS_BIAS, HAS_RES, True, XROUND,
+                            EMULATE)
+                acc += x * x
+            inv = tl.math.rsqrt(tl.sum(acc, axis=0) * scale + eps)
+            for c in range(0, D, BLOCK):
+                cols = c + tl.arange(0, BLOCK)
+                x = _row_in(x_ptr, bias_ptr, res_ptr, sum_ptr, r, cols, M, D, SPLIT, HAS_BIAS, HAS_RES, False, XROUND,
+                            EMULATE)
+                _row_out(x, w_ptr, out_ptr, r, cols, inv, D, CAST_FIRST, XROUND, OROUND, EMULATE)
 
     @triton.jit
     def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
