@@ -10,7 +10,8 @@ the rotary and the paged KV write: 10 launches, most of them tiny. Here:
 
 1. `kernels.linear.partials` of x against the three weights stacked (their rows one tensor, `merged_weight`), with
    the tiles and K split the separate projections use (`merge_config`: only projections whose configs agree are
-   merged, so every output column is the same sum in the same order);
+   merged, so every output column is the same sum in the same order; where q splits K otherwise, as Mixtral-8x7B's
+   does, q is a linear of its own and k|v one merged: `plan`, 3 launches);
 2. `qkv_rope_write`: one program per (token, head) of q, k and v adds the K partials in split order and the bias
    (the bits the projection would store), applies the per-head RMSNorm (`kernels.fused._rms_norm_kernel`'s
    arithmetic), the rotary (`kernels.fused._rotary_kernel`'s), and stores q, and k and v into the layer's page pools
@@ -31,6 +32,16 @@ from kernels.reduce import _block
 triton, tl = runtime.triton, runtime.tl
 
 
+def plan(n_parts: list[int], k: int, esize: int) -> list[tuple[int, ...]] | None:
+    """Which of the q, k, v projections (out sizes n_parts) run as one linear: [(0, 1, 2)] when all three split K
+    alike, [(0,), (1, 2)] when only k and v do (Mixtral-8x7B: q splits K 8 ways, k/v 16), else None."""
+    if merge_config(n_parts, k, esize) is not None:
+        return [(0, 1, 2)]
+    if merge_config(n_parts[1:], k, esize) is not None:
+        return [(0,), (1, 2)]
+    return None
+
+
 def merge_config(n_parts: list[int], k: int, esize: int) -> linear.LinearConfig | None:
     """The config every part's own projection uses, when they all use the same (else None: merging would change a
     column's K split, hence its bits)."""
@@ -41,12 +52,17 @@ def merge_config(n_parts: list[int], k: int, esize: int) -> linear.LinearConfig 
 if triton is not None:
 
     @triton.jit
-    def _value(ws_ptr, bias_ptr, t, cols, ok, M, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-               XROUND: tl.constexpr, EMULATE: tl.constexpr):
-        """The projection's stored value at (t, cols): partials summed, + bias, rounded to the activations' dtype."""
-        x = linear.sum_partials(ws_ptr, t, cols, ok, M, N, SPLIT)
+    def _value(ws_a, ws_b, bias_ptr, t, j, i, ok, M, HA: tl.constexpr, HT: tl.constexpr, D: tl.constexpr,
+               SPLIT_A: tl.constexpr, SPLIT_B: tl.constexpr, HAS_BIAS: tl.constexpr, XROUND: tl.constexpr,
+               EMULATE: tl.constexpr):
+        """Head j's projected values at i: its linear's partials summed (heads < HA from ws_a, the rest from ws_b),
+        + bias (one vector over all heads), rounded to the activations' dtype."""
+        if j < HA:
+            x = linear.sum_partials(ws_a, t, j * D + i, ok, M, HA * D, SPLIT_A)
+        else:
+            x = linear.sum_partials(ws_b, t, (j - HA) * D + i, ok, M, (HT - HA) * D, SPLIT_B)
         if HAS_BIAS:
-            x += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+            x += tl.load(bias_ptr + j * D + i, mask=ok, other=0.0).to(tl.float32)
         return _round(x, XROUND, EMULATE)
 
     @triton.jit
@@ -67,25 +83,25 @@ if triton is not None:
         return _round(w * y, OROUND, EMULATE), _round(wp * yp, OROUND, EMULATE)
 
     @triton.jit
-    def _qkv_rope_kernel(ws_ptr, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, kp_ptr, vp_ptr, pages_ptr, offs_ptr,
+    def _qkv_rope_kernel(ws_a, ws_b, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, kp_ptr, vp_ptr, pages_ptr, offs_ptr,
                          kps_p, kps_h, kps_s, vps_p, vps_h, vps_s, sc_t, sc_d, M, q_eps, k_eps, scale,
-                         HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, CAST_FIRST: tl.constexpr, XROUND: tl.constexpr,
+                         HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HA: tl.constexpr,
+                         SPLIT_A: tl.constexpr, SPLIT_B: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, CAST_FIRST: tl.constexpr, XROUND: tl.constexpr,
                          NROUND: tl.constexpr, ROUND: tl.constexpr, HALF_TABLE: tl.constexpr, BLOCK: tl.constexpr,
                          EMULATE: tl.constexpr):
         pid = tl.program_id(0)
         t = pid // (HQ + 2 * HK)
         j = pid % (HQ + 2 * HK)
-        N = (HQ + 2 * HK) * D
         half = D // 2
         i = tl.arange(0, BLOCK)
         ok = i < D
-        x = _value(ws_ptr, bias_ptr, t, j * D + i, ok, M, N, SPLIT, HAS_BIAS, XROUND, EMULATE)
+        x = _value(ws_a, ws_b, bias_ptr, t, j, i, ok, M, HA, HQ + 2 * HK, D, SPLIT_A, SPLIT_B, HAS_BIAS, XROUND, EMULATE)
         page = tl.load(pages_ptr + t).to(tl.int64)
         off = tl.load(offs_ptr + t).to(tl.int64)
         if j < HQ + HK:  # q or k: norm, rotary
             ip = tl.where(i < half, i + half, i - half)
-            p = _value(ws_ptr, bias_ptr, t, j * D + ip, ok, M, N, SPLIT, HAS_BIAS, XROUND, EMULATE)
+            p = _value(ws_a, ws_b, bias_ptr, t, j, ip, ok, M, HA, HQ + 2 * HK, D, SPLIT_A, SPLIT_B, HAS_BIAS, XROUND,
+                       EMULATE)
             if NORM:
                 if j < HQ:
                     x, p = _head_norm(x, p, qn_ptr, i, ip, ok, q_eps, scale, BLOCK, CAST_FIRST, XROUND, NROUND, EMULATE)
@@ -115,43 +131,56 @@ def out_dtypes(x: torch.dtype, norm_w: torch.dtype | None, cast_first: bool, cos
     return n, torch.promote_types(n, cos)
 
 
-def merged_weight(modules: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The projections' weights as one [sum of out, in] tensor (and biases as one [sum of out], or None), and each
-    module's weight (bias) made a view of its rows: no second copy of the weights is kept."""
-    w = torch.cat([m.weight.detach() for m in modules], dim=0)
-    biases = [getattr(m, "bias", None) for m in modules]
-    b = torch.cat([x.detach() for x in biases], dim=0) if all(isinstance(x, torch.Tensor) for x in biases) else None
+def _stack(tensors: list[torch.Tensor], owners: list[torch.nn.Module], attr: str) -> torch.Tensor:
+    """The tensors as one, each owner's `attr` made a view of its rows (no second copy kept)."""
+    if len(tensors) == 1:
+        return tensors[0].detach()
+    whole = torch.cat([x.detach() for x in tensors], dim=0)
     row = 0
-    for m in modules:
-        n = m.weight.shape[0]
-        m.weight.data = w[row : row + n]
-        if b is not None:
-            m.bias.data = b[row : row + n]
-        row += n
-    return w, b
+    for m, x in zip(owners, tensors):
+        getattr(m, attr).data = whole[row : row + x.shape[0]]
+        row += x.shape[0]
+    return whole
 
 
-def qkv_rope_write(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, cfg: linear.LinearConfig,
+def merged_weight(modules: list[torch.nn.Module], groups: list[tuple[int, ...]] | None = None
+                  ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The projections' weights stacked per group of `plan` (all in one by default) and their biases as one vector
+    over all heads (or None); each module's weight and bias become views of these: no second copy is kept."""
+    groups = groups or [tuple(range(len(modules)))]
+    ws = [_stack([modules[i].weight for i in g], [modules[i] for i in g], "weight") for g in groups]
+    biases = [getattr(m, "bias", None) for m in modules]
+    b = _stack(biases, modules, "bias") if all(isinstance(x, torch.Tensor) for x in biases) else None
+    return ws, b
+
+
+def qkv_rope_write(x: torch.Tensor, parts: list[tuple[torch.Tensor, linear.LinearConfig]], bias: torch.Tensor | None,
                    hq: int, hk: int, d: int, norms: tuple | None, cos: torch.Tensor, sin: torch.Tensor,
                    k_pool: torch.Tensor, v_pool: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """x [T, hidden] (the normed input), w [(hq + 2 hk) d, hidden] (`merged_weight`), norms (q_norm weight, k_norm
-    weight, q eps, k eps, cast_first) or None, cos/sin [1, T, d or d/2] (any strides), pools [pages, hk, PAGE, d] ->
-    q [1, hq, T, d] (a view of [1, T, hq, d], as the modules lay it); k and v written to their slots."""
+    """x [T, hidden] (the normed input); parts: the projections' weights as one or two linears, in head order, each
+    with its config (`plan`: [(q|k|v merged, cfg)], or [(q, cfg_q), (k|v merged, cfg_kv)]); bias [(hq + 2 hk) d] or
+    None; norms (q_norm weight, k_norm weight, q eps, k eps, cast_first) or None; cos/sin [1, T, d or d/2] (any
+    strides); pools [pages, hk, PAGE, d] -> q [1, hq, T, d] (a view of [1, T, hq, d], as the modules lay it); k and v
+    written to their slots."""
     t = x.shape[0]
     ndtype, rdtype = out_dtypes(x.dtype, norms[0].dtype if norms is not None else None,
                                 norms[4] if norms is not None else True, cos.dtype)
     if k_pool.dtype != rdtype or v_pool.dtype != x.dtype:
         raise ValueError(f"qkv_rope_write: pools {k_pool.dtype}/{v_pool.dtype} for k {rdtype} and v {x.dtype}")
-    ws = linear.partials(x, w.t(), cfg)
+    if len(parts) not in (1, 2):
+        raise ValueError(f"qkv_rope_write: {len(parts)} projections (1 or 2)")
+    ws = [linear.partials(x, w.t(), cfg) for w, cfg in parts]
+    ha = parts[0][0].shape[0] // d
     q = torch.empty((1, t, hq, d), dtype=rdtype, device=x.device)
     if t:
         qn, kn, q_eps, k_eps, cast_first = norms if norms is not None else (x, x, 0.0, 0.0, True)
         nround = _ROUNDED[torch.promote_types(qn.dtype, x.dtype)] if cast_first else _ROUNDED[x.dtype]
         _qkv_rope_kernel[(t * (hq + 2 * hk),)](
-            ws, bias if bias is not None else ws, qn, kn, cos, sin, q, k_pool, v_pool, pages, offsets,
+            ws[0], ws[-1], bias if bias is not None else ws[0], qn, kn, cos, sin, q, k_pool, v_pool, pages, offsets,
             k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
             cos.stride(1), cos.stride(2), t, float(q_eps), float(k_eps), 1.0 / d,
-            HQ=hq, HK=hk, D=d, SPLIT=cfg.split, HAS_BIAS=bias is not None, NORM=norms is not None,
+            HQ=hq, HK=hk, D=d, HA=ha, SPLIT_A=parts[0][1].split, SPLIT_B=parts[-1][1].split,
+            HAS_BIAS=bias is not None, NORM=norms is not None,
             CAST_FIRST=cast_first, XROUND=_ROUNDED[x.dtype], NROUND=nround, ROUND=_ROUNDED[rdtype],
             HALF_TABLE=cos.shape[-1] != d, BLOCK=_block(d), EMULATE=runtime.interpreting(), **LAUNCH_OPTIONS)
     return q.transpose(1, 2)

@@ -20,10 +20,11 @@ def _w(*shape):
 
 
 @needs_triton
-@pytest.mark.parametrize("norm,bias,half", [(True, False, False), (False, True, True), (False, False, False)])
-def test_qkv_rope_write_equals_the_op_by_op_path(norm, bias, half):
-    """Merged projection (K split 4), per-head norms, rotary, K/V into the page pool: the bits of three linears, two
-    rms_norms, the rotary and the pool write one after the other."""
+@pytest.mark.parametrize("norm,bias,half,two", [(True, False, False, False), (False, True, True, False),
+                                                (False, False, False, False), (True, True, False, True)])
+def test_qkv_rope_write_equals_the_op_by_op_path(norm, bias, half, two):
+    """Merged projection (K split 4; or q apart from k|v: `two`), per-head norms, rotary, K/V into the page pool: the
+    bits of three linears, two rms_norms, the rotary and the pool write one after the other."""
     hq, hk, d, k, t = 4, 2, 32, 1024, 3
     cfg = qkv.merge_config([hq * d, hk * d, hk * d], k, 2)
     assert cfg is not None and cfg.split == 4
@@ -43,10 +44,10 @@ def test_qkv_rope_write_equals_the_op_by_op_path(norm, bias, half):
     want_k, want_v = torch.zeros(3, hk, PAGE, d).bfloat16(), torch.zeros(3, hk, PAGE, d).bfloat16()
     paged_write_reference(want_k, want_v, kk[0], v.transpose(1, 2)[0], pages, offs)
     # fused
-    w = torch.cat(ws)
+    parts = [(ws[0], cfg), (torch.cat(ws[1:]), cfg)] if two else [(torch.cat(ws), cfg)]
     b = torch.cat(bs) if bias else None
     kp, vp = torch.zeros_like(want_k), torch.zeros_like(want_v)
-    got = qkv.qkv_rope_write(x, w, b, cfg, hq, hk, d, (qn, kn, 1e-6, 1e-5, True) if norm else None, cos, sin, kp, vp,
+    got = qkv.qkv_rope_write(x, parts, b, hq, hk, d, (qn, kn, 1e-6, 1e-5, True) if norm else None, cos, sin, kp, vp,
                              pages, offs)
     assert got.shape == q.shape and torch.equal(got, q)
     assert torch.equal(kp, want_k) and torch.equal(vp, want_v)
@@ -56,6 +57,8 @@ def test_merge_config_merges_only_projections_that_split_k_alike():
     assert qkv.merge_config([4096, 512, 512], 2048, 2) is not None  # Qwen3-30B-A3B
     assert qkv.merge_config([4096, 512, 512], 2880, 2) is not None  # gpt-oss-20b
     assert qkv.merge_config([4096, 1024, 1024], 4096, 2) is None  # Mixtral-8x7B: q splits K 8 ways, k/v 16
+    assert qkv.plan([4096, 512, 512], 2048, 2) == [(0, 1, 2)]
+    assert qkv.plan([4096, 1024, 1024], 4096, 2) == [(0,), (1, 2)]  # Mixtral: q alone, k|v merged
 
 
 @needs_triton
@@ -146,3 +149,27 @@ def test_build_refuses_an_attention_with_one_per_head_norm():
         assert "no q_proj" in FusedAttention.build(attn, model.config, "past_key_values")
     finally:
         inst.uninstall()
+
+
+@needs_triton
+def test_qkv_rope_write_with_q_apart_when_the_splits_differ():
+    """Mixtral-like: q's K splits 8 ways and k/v's 16 (plan [(0,), (1, 2)]): q from its own partials, k|v from the
+    merged ones, the same bits as three linears, the rotary and the pool write."""
+    hq, hk, d, k, t = 32, 4, 128, 4096, 2
+    groups = qkv.plan([hq * d, hk * d, hk * d], k, 2)
+    assert groups == [(0,), (1, 2)]
+    cfg_q, cfg_kv = linear.linear_config(hq * d, k), qkv.merge_config([hk * d, hk * d], k, 2)
+    assert (cfg_q.split, cfg_kv.split) == (8, 16)
+    x = torch.randn(t, k, generator=G).bfloat16()
+    ws = [_w(hq * d, k), _w(hk * d, k), _w(hk * d, k)]
+    ang = torch.randn(1, t, d, generator=G)
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    pages, offs = torch.tensor([0, 0]), torch.tensor([3, 4])
+    q, kk, v = (linear.matmul(x, w.t()) for w in ws)
+    q, kk = fused.rotary(q.view(1, t, hq, d).transpose(1, 2), kk.view(1, t, hk, d).transpose(1, 2), cos, sin)
+    want_k, want_v = torch.zeros(1, hk, PAGE, d).bfloat16(), torch.zeros(1, hk, PAGE, d).bfloat16()
+    paged_write_reference(want_k, want_v, kk[0], v.view(1, t, hk, d).transpose(1, 2)[0], pages, offs)
+    kp, vp = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    got = qkv.qkv_rope_write(x, [(ws[0], cfg_q), (torch.cat(ws[1:]), cfg_kv)], None, hq, hk, d, None, cos, sin, kp, vp,
+                             pages, offs)
+    assert torch.equal(got, q) and torch.equal(kp, want_k) and torch.equal(vp, want_v)

@@ -264,10 +264,12 @@ for d, cast, res, split in ((2048, True, False, 0), (2880, False, False, 0), (12
                                                 **({} if split else dict(bias_ptr=None))))
     assert "fma." not in p, "x * x contracted into the sum"
 from kernels import qkv
-qt = dict(ws_ptr="*fp32", bias_ptr="*bf16", qn_ptr="*bf16", kn_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", q_ptr="*bf16",
+qt = dict(ws_a="*fp32", ws_b="*fp32", bias_ptr="*bf16", qn_ptr="*bf16", kn_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", q_ptr="*bf16",
           kp_ptr="*bf16", vp_ptr="*bf16", pages_ptr="*i64", offs_ptr="*i64", q_eps="fp32", k_eps="fp32", scale="fp32")
-for hq, hk, d, split, bias, norm, half in ((32, 4, 128, 8, False, True, False), (64, 8, 64, 8, True, False, True)):
-    p = ptx(qkv._qkv_rope_kernel, qt, dict(HQ=hq, HK=hk, D=d, SPLIT=split, HAS_BIAS=bias, NORM=norm, CAST_FIRST=True,
+for hq, hk, d, split, bias, norm, half, ha in ((32, 4, 128, 8, False, True, False, 40), (64, 8, 64, 8, True, False, True, 80),
+                                              (32, 8, 128, 8, False, False, False, 32)):  # the last: Mixtral, q apart
+    p = ptx(qkv._qkv_rope_kernel, qt, dict(HQ=hq, HK=hk, D=d, HA=ha, SPLIT_A=split, SPLIT_B=16 if ha == hq else split,
+                                           HAS_BIAS=bias, NORM=norm, CAST_FIRST=True,
                                            XROUND=1, NROUND=1, ROUND=1, HALF_TABLE=half, BLOCK=d, EMULATE=False))
     assert "fma." not in p, "a product contracted into a sum (norm or rotary)"
 rt = dict(q_ptr="*bf16", k_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", qo_ptr="*bf16", ko_ptr="*bf16")

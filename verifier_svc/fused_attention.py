@@ -23,9 +23,9 @@ PROBE_ROWS = (5, 3)  # the probe's two steps: a past, then a block that attends 
 
 
 class FusedAttention:
-    def __init__(self, module: nn.Module, cache_kw: str, w, b, cfg, hq: int, hk: int, d: int, norms, sliding_window):
+    def __init__(self, module: nn.Module, cache_kw: str, parts, b, hq: int, hk: int, d: int, norms, sliding_window):
         self.module, self.cache_kw = module, cache_kw
-        self.w, self.b, self.cfg = w, b, cfg
+        self.parts, self.b = parts, b  # [(weight, its linear config)]: q|k|v merged, or q and k|v (kernels.qkv.plan)
         self.hq, self.hk, self.d, self.norms = hq, hk, d, norms
         self.sliding_window = sliding_window
         self.sinks = getattr(module, "sinks", None)
@@ -52,12 +52,15 @@ class FusedAttention:
             if None in variants or len(variants) != 1 or qn.weight.shape[0] != d or kn.weight.shape[0] != d:
                 return "q_norm/k_norm are not both per-head RMSNorms on the fused kernel"
             norms = (qn.weight, kn.weight, _eps_of(qn), _eps_of(kn), variants.pop())
-        cfg = qkv.merge_config([q.out_features, k.out_features, v.out_features], q.in_features, q.weight.element_size())
-        if cfg is None:
-            return "the projections' K splits differ (merged, their columns would sum in another order)"
+        sizes = [q.out_features, k.out_features, v.out_features]
+        groups = qkv.plan(sizes, q.in_features, q.weight.element_size())
+        if groups is None:
+            return "k_proj and v_proj split K differently (merged, their columns would sum in another order)"
         sliding = module.sliding_window if hasattr(module, "sliding_window") else getattr(config, "sliding_window", None)
-        w, b = qkv.merged_weight([q, k, v])
-        return cls(module, cache_kw, w, b, cfg, q.out_features // d, k.out_features // d, d, norms, sliding)
+        ws, b = qkv.merged_weight([q, k, v], groups)
+        cfgs = [linear.linear_config(sum(sizes[i] for i in g), q.in_features, q.weight.element_size()) if len(g) == 1
+                else qkv.merge_config([sizes[i] for i in g], q.in_features, q.weight.element_size()) for g in groups]
+        return cls(module, cache_kw, list(zip(ws, cfgs)), b, q.out_features // d, k.out_features // d, d, norms, sliding)
 
     def __call__(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """What `module(hidden_states=x, **kwargs)[0]` returns, as the output projection's K partials (its sum is left
@@ -71,7 +74,7 @@ class FusedAttention:
         cos, sin = kwargs["position_embeddings"]
         pos = kwargs["position_ids"]
         t = x.shape[1]
-        q = qkv.qkv_rope_write(x.reshape(t, -1), self.w, self.b, self.cfg, self.hq, self.hk, self.d, self.norms,
+        q = qkv.qkv_rope_write(x.reshape(t, -1), self.parts, self.b, self.hq, self.hk, self.d, self.norms,
                                cos, sin, kp, vp, cache.pages, cache.offsets)
         ctx = _forward_ctx.get()
         out = attn_kernels.paged_attention(q, kp, vp, ctx.page_table, pos, self.module.scaling, self.sliding_window,
@@ -88,7 +91,7 @@ def probe(fused: FusedAttention, pool, layer_kwargs, make_cache) -> str | None:
     runner's. Call inside the runner's InvariantMode."""
     module = fused.module
     li = module.layer_idx
-    p = fused.w
+    p = fused.parts[0][0]
     g = torch.Generator().manual_seed(5)
     n = sum(PROBE_ROWS)
     x = torch.randn(1, n, p.shape[1], generator=g).to(device=p.device, dtype=p.dtype)
