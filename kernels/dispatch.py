@@ -143,13 +143,6 @@ class InvariantMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def active() -> bool:
-    """Whether an InvariantMode is on the dispatch stack (torch ops reach kernels.linear / kernels.reduce)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return any(isinstance(m, InvariantMode) for m in _get_current_dispatch_mode_stack())
-
-
 class Recorder:
     """Counts the risky aten ops a forward ran on torch's own kernels."""
 

@@ -72,13 +72,23 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _row_out(x, w_ptr, out_ptr, r, cols, inv, D: tl.constexpr, CAST_FIRST: tl.constexpr, XROUND: tl.constexpr,
-                 OROUND: tl.constexpr, EMULATE: tl.constexpr):
-        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    def _inv_rms(acc, scale, eps):
+        """1 / sqrt(mean of squares + eps) from the per-lane sums of squares."""
+        return tl.math.rsqrt(tl.sum(acc, axis=0) * scale + eps)
+
+    @triton.jit
+    def _normed(x, w, inv, CAST_FIRST: tl.constexpr, XROUND: tl.constexpr, OROUND: tl.constexpr, EMULATE: tl.constexpr):
+        """weight * (x * inv), rounded where the module's formula rounds (see the module doc)."""
         y = x * inv
         if CAST_FIRST:
             y = _round(y, XROUND, EMULATE)
-        y = _round(w * y, OROUND, EMULATE)
+        return _round(w * y, OROUND, EMULATE)
+
+    @triton.jit
+    def _row_out(x, w_ptr, out_ptr, r, cols, inv, D: tl.constexpr, CAST_FIRST: tl.constexpr, XROUND: tl.constexpr,
+                 OROUND: tl.constexpr, EMULATE: tl.constexpr):
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        y = _normed(x, w, inv, CAST_FIRST, XROUND, OROUND, EMULATE)
         tl.store(out_ptr + r * D + cols, y.to(out_ptr.dtype.element_ty), mask=cols < D)
 
     @triton.jit
@@ -96,7 +106,7 @@ if triton is not None:
             cols = tl.arange(0, BLOCK)
             x = _row_in(x_ptr, bias_ptr, res_ptr, sum_ptr, r, cols, M, D, SPLIT, HAS_BIAS, HAS_RES, True, XROUND, EMULATE)
             acc += x * x
-            inv = tl.math.rsqrt(tl.sum(acc, axis=0) * scale + eps)
+            inv = _inv_rms(acc, scale, eps)
             _row_out(x, w_ptr, out_ptr, r, cols, inv, D, CAST_FIRST, XROUND, OROUND, EMULATE)
         else:
             for c in range(0, D, BLOCK):  # the order of kernels.reduce._row_sum over x.float().pow(2)
@@ -104,7 +114,7 @@ if triton is not None:
                 x = _row_in(x_ptr, bias_ptr, res_ptr, sum_ptr, r, cols, M, D, SPLIT, HAS_BIAS, HAS_RES, True, XROUND,
                             EMULATE)
                 acc += x * x
-            inv = tl.math.rsqrt(tl.sum(acc, axis=0) * scale + eps)
+            inv = _inv_rms(acc, scale, eps)
             for c in range(0, D, BLOCK):
                 cols = c + tl.arange(0, BLOCK)
                 x = _row_in(x_ptr, bias_ptr, res_ptr, sum_ptr, r, cols, M, D, SPLIT, HAS_BIAS, HAS_RES, False, XROUND,

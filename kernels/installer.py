@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from kernels import attention as attn_kernels
-from kernels import dispatch, fused, linear, mxfp4, runtime
+from kernels import fused, linear, mxfp4, runtime
 from kernels.dispatch import InvariantMode, Recorder
 from kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights, moe_forward
 from pdflash.hf_compat import cache_kwarg
@@ -542,7 +542,7 @@ def _fused_router_forward(router: nn.Module, variant: tuple, hidden_states: torc
     b = b if isinstance(b, torch.Tensor) else None
     x = hidden_states.reshape(-1, w.shape[1])
     CALLS["fused"] += 1
-    if dispatch.active() and x.dtype == w.dtype and (b is None or b.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+    if x.dtype == w.dtype and (b is None or b.dtype in (torch.float32, torch.bfloat16, torch.float16)):
         # the router linear's K partials summed by the routing kernel itself: the bits of linear + route, one launch fewer
         return fused.route_partials(linear.partials(x, w.t()), None if b is None else b.to(x.dtype), x.dtype,
                                     int(router.top_k), *variant)

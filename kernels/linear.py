@@ -33,6 +33,8 @@ ONE_LAUNCH = os.environ.get("PDFLASH_LINEAR_ONE_LAUNCH", "0") == "1"
 # tile's loads are issued, not what a dot adds or in which order: the bits are the same
 # (benchmarks/linear_sweep.py checks that on the GPU).
 STAGES = os.environ.get("PDFLASH_LINEAR_STAGES", "4")
+if STAGES != "auto" and not (STAGES.isdigit() and 1 <= int(STAGES) <= 8):
+    raise ValueError(f"PDFLASH_LINEAR_STAGES must be a number of pipeline stages (1-8) or 'auto', got {STAGES!r}")
 COUNTER_REGIONS = 64  # calls in flight at once never share a region: they would have to be 64 calls apart
 COUNTERS_PER_REGION = 16384  # output tiles a one-launch call may have (more: the two-launch path)
 
@@ -120,13 +122,24 @@ if triton is not None:
                     tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
     @triton.jit
+    def sum_partials(ws_ptr, row, cols, mask, M, N, SPLIT: tl.constexpr):
+        """A linear's output values at (row, cols) from `partials`' buffer, before its bias and rounding: summed in
+        split order from zero as `_split_reduce` adds them (one split: the partial itself, as the one-split kernel
+        stores its accumulator), so bias + rounding after it gives `matmul`'s bits."""
+        if SPLIT == 1:
+            acc = tl.load(ws_ptr + row.to(tl.int64) * N + cols, mask=mask, other=0.0)
+        else:
+            acc = tl.zeros(cols.shape, dtype=tl.float32)
+            for s in range(SPLIT):
+                acc += tl.load(ws_ptr + (s * M + row).to(tl.int64) * N + cols, mask=mask, other=0.0)
+        return acc
+
+    @triton.jit
     def _split_reduce(ws_ptr, bias_ptr, out_ptr, stride_om, M, N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
         m = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(SPLIT):
-            acc += tl.load(ws_ptr + (s * M + m).to(tl.int64) * N + cols, mask=ok, other=0.0)
+        acc = sum_partials(ws_ptr, m, cols, ok, M, N, SPLIT)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + m.to(tl.int64) * stride_om + cols, to_out(acc, out_ptr, EMULATE), mask=ok)
@@ -144,30 +157,8 @@ def partials(a: torch.Tensor, b: torch.Tensor, cfg: LinearConfig | None = None) 
         return ws
     if k == 0:
         return ws.zero_()
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(m, cfg.block_m))
-    _linear_kernel[grid](
-        a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), ws, ws, ws.stride(1), ws, ws, m,
-        N=n, K=k, K_PER_SPLIT=cfg.k_per_split, SPLIT=cfg.split, HAS_BIAS=False,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        F32DOT=runtime.interpreting(), PARTIALS=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    _launch(a, b, cfg, ws, ws, None, None, partials=True)
     return ws
-
-
-if triton is not None:
-
-    @triton.jit
-    def sum_partials(ws_ptr, row, cols, mask, M, N, SPLIT: tl.constexpr):
-        """A linear's output values at (row, cols) from `partials`' buffer, before its bias and rounding: summed in
-        split order from zero as `_split_reduce` adds them (one split: the partial itself, as the one-split kernel
-        stores its accumulator), so bias + rounding after it gives `matmul`'s bits."""
-        if SPLIT == 1:
-            acc = tl.load(ws_ptr + row * N + cols, mask=mask, other=0.0)
-        else:
-            acc = tl.zeros(cols.shape, dtype=tl.float32)
-            for s in range(SPLIT):
-                acc += tl.load(ws_ptr + (s * M + row).to(tl.int64) * N + cols, mask=mask, other=0.0)
-        return acc
 
 
 @dataclasses.dataclass
@@ -181,15 +172,34 @@ class Partials:
     dtype: torch.dtype
 
     def value(self) -> torch.Tensor:
-        s, m, n = self.ws.shape
+        _, m, n = self.ws.shape
         out = torch.empty((m, n), dtype=self.dtype, device=self.ws.device)
         if m and n:
-            block = min(1024, triton.next_power_of_2(n))
-            bias = self.bias if self.bias is not None else out
-            _split_reduce[(m, triton.cdiv(n, block))](self.ws, bias, out, out.stride(0), m, N=n, SPLIT=s,
-                                                      HAS_BIAS=self.bias is not None, BLOCK=block,
-                                                      EMULATE=runtime.interpreting())
+            _reduce(self.ws, self.bias, out)
         return out.view(self.shape)
+
+
+def _launch(a, b, cfg: LinearConfig, out, ws, bias, counters, partials: bool = False) -> None:
+    """The split-K kernel: out (one split), or the partials into ws; with `counters` the tile's last program sums them."""
+    m, k = a.shape
+    n = b.shape[1]
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(m, cfg.block_m))
+    _linear_kernel[grid](
+        a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), bias if bias is not None else out, out, out.stride(0),
+        ws, counters if counters is not None else ws, m,
+        N=n, K=k, K_PER_SPLIT=cfg.k_per_split, SPLIT=cfg.split, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", F32DOT=runtime.interpreting(),
+        FIXUP=counters is not None, PARTIALS=partials, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _reduce(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [M, N] = the partials ws [S, M, N] summed in split order (+ bias), rounded to out's dtype."""
+    s, m, n = ws.shape
+    block = min(1024, triton.next_power_of_2(n))
+    _split_reduce[(m, triton.cdiv(n, block))](ws, bias if bias is not None else out, out, out.stride(0), m, N=n, SPLIT=s,
+                                              HAS_BIAS=bias is not None, BLOCK=block, EMULATE=runtime.interpreting())
 
 
 def _check(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
@@ -210,20 +220,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, o
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     cfg = linear_config(n, k, a.element_size())
     ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=a.device) if cfg.split > 1 else out
-    precision = "ieee" if a.dtype == torch.float32 else "tf32"
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(m, cfg.block_m))
-    bias_arg = bias if bias is not None else out
-    counters = _counters(a.device, grid[0] * grid[2]) if cfg.split > 1 and ONE_LAUNCH else None
-    _linear_kernel[grid](
-        a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), bias_arg, out, out.stride(0), ws,
-        counters if counters is not None else ws, m,
-        N=n, K=k, K_PER_SPLIT=cfg.k_per_split, SPLIT=cfg.split, HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
-        F32DOT=runtime.interpreting(), FIXUP=counters is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+    counters = _counters(a.device, tiles) if cfg.split > 1 and ONE_LAUNCH else None
+    _launch(a, b, cfg, out, ws, bias, counters)
     if cfg.split > 1 and counters is None:
-        block = min(1024, triton.next_power_of_2(n))
-        _split_reduce[(m, triton.cdiv(n, block))](ws, bias_arg, out, out.stride(0), m, N=n, SPLIT=cfg.split, HAS_BIAS=bias is not None, BLOCK=block, EMULATE=runtime.interpreting())
+        _reduce(ws, bias, out)
     return out
 
 

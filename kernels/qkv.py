@@ -26,19 +26,20 @@ from __future__ import annotations
 import torch
 
 from kernels import linear, runtime
-from kernels.fused import _ROUNDED, LAUNCH_OPTIONS, _round
+from kernels.fused import _ROUNDED, LAUNCH_OPTIONS, _inv_rms, _normed, _round
 from kernels.reduce import _block
 
 triton, tl = runtime.triton, runtime.tl
 
 
-def plan(n_parts: list[int], k: int, esize: int) -> list[tuple[int, ...]] | None:
-    """Which of the q, k, v projections (out sizes n_parts) run as one linear: [(0, 1, 2)] when all three split K
-    alike, [(0,), (1, 2)] when only k and v do (Mixtral-8x7B: q splits K 8 ways, k/v 16), else None."""
-    if merge_config(n_parts, k, esize) is not None:
-        return [(0, 1, 2)]
-    if merge_config(n_parts[1:], k, esize) is not None:
-        return [(0,), (1, 2)]
+def plan(n_parts: list[int], k: int, esize: int) -> list[tuple[tuple[int, ...], linear.LinearConfig]] | None:
+    """Which of the q, k, v projections (out sizes n_parts) run as one linear, each group with its config: all three
+    when they split K alike, q alone and k|v merged when only k and v do (Mixtral-8x7B: q splits K 8 ways, k/v 16),
+    else None."""
+    for groups in ([(0, 1, 2)], [(0,), (1, 2)]):
+        cfgs = [merge_config([n_parts[i] for i in g], k, esize) for g in groups]
+        if all(c is not None for c in cfgs):
+            return list(zip(groups, cfgs))
     return None
 
 
@@ -68,19 +69,15 @@ if triton is not None:
     @triton.jit
     def _head_norm(x, p, w_ptr, i, ip, ok, eps, scale, BLOCK: tl.constexpr, CAST_FIRST: tl.constexpr,
                    XROUND: tl.constexpr, OROUND: tl.constexpr, EMULATE: tl.constexpr):
-        """RMSNorm of one head's row x (and of its partner elements p, by the same row scale), as _rms_norm_kernel."""
+        """RMSNorm of one head's row x (and of its partner elements p, by the same row scale): _rms_norm_kernel's
+        one-chunk steps, through the same helpers."""
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         acc += x * x
-        var = tl.sum(acc, axis=0) * scale
-        inv = tl.math.rsqrt(var + eps)
-        y = x * inv
-        yp = p * inv
-        if CAST_FIRST:
-            y = _round(y, XROUND, EMULATE)
-            yp = _round(yp, XROUND, EMULATE)
+        inv = _inv_rms(acc, scale, eps)
         w = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + ip, mask=ok, other=0.0).to(tl.float32)
-        return _round(w * y, OROUND, EMULATE), _round(wp * yp, OROUND, EMULATE)
+        return (_normed(x, w, inv, CAST_FIRST, XROUND, OROUND, EMULATE),
+                _normed(p, wp, inv, CAST_FIRST, XROUND, OROUND, EMULATE))
 
     @triton.jit
     def _qkv_rope_kernel(ws_a, ws_b, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, kp_ptr, vp_ptr, pages_ptr, offs_ptr,
@@ -163,7 +160,7 @@ def qkv_rope_write(x: torch.Tensor, parts: list[tuple[torch.Tensor, linear.Linea
     strides); pools [pages, hk, PAGE, d] -> q [1, hq, T, d] (a view of [1, T, hq, d], as the modules lay it); k and v
     written to their slots."""
     t = x.shape[0]
-    ndtype, rdtype = out_dtypes(x.dtype, norms[0].dtype if norms is not None else None,
+    _, rdtype = out_dtypes(x.dtype, norms[0].dtype if norms is not None else None,
                                 norms[4] if norms is not None else True, cos.dtype)
     if k_pool.dtype != rdtype or v_pool.dtype != x.dtype:
         raise ValueError(f"qkv_rope_write: pools {k_pool.dtype}/{v_pool.dtype} for k {rdtype} and v {x.dtype}")

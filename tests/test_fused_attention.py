@@ -57,8 +57,8 @@ def test_merge_config_merges_only_projections_that_split_k_alike():
     assert qkv.merge_config([4096, 512, 512], 2048, 2) is not None  # Qwen3-30B-A3B
     assert qkv.merge_config([4096, 512, 512], 2880, 2) is not None  # gpt-oss-20b
     assert qkv.merge_config([4096, 1024, 1024], 4096, 2) is None  # Mixtral-8x7B: q splits K 8 ways, k/v 16
-    assert qkv.plan([4096, 512, 512], 2048, 2) == [(0, 1, 2)]
-    assert qkv.plan([4096, 1024, 1024], 4096, 2) == [(0,), (1, 2)]  # Mixtral: q alone, k|v merged
+    assert [g for g, _ in qkv.plan([4096, 512, 512], 2048, 2)] == [(0, 1, 2)]
+    assert [g for g, _ in qkv.plan([4096, 1024, 1024], 4096, 2)] == [(0,), (1, 2)]  # Mixtral: q alone, k|v merged
 
 
 @needs_triton
@@ -156,9 +156,8 @@ def test_qkv_rope_write_with_q_apart_when_the_splits_differ():
     """Mixtral-like: q's K splits 8 ways and k/v's 16 (plan [(0,), (1, 2)]): q from its own partials, k|v from the
     merged ones, the same bits as three linears, the rotary and the pool write."""
     hq, hk, d, k, t = 32, 4, 128, 4096, 2
-    groups = qkv.plan([hq * d, hk * d, hk * d], k, 2)
-    assert groups == [(0,), (1, 2)]
-    cfg_q, cfg_kv = linear.linear_config(hq * d, k), qkv.merge_config([hk * d, hk * d], k, 2)
+    ((g_q, cfg_q), (g_kv, cfg_kv)) = qkv.plan([hq * d, hk * d, hk * d], k, 2)
+    assert (g_q, g_kv) == ((0,), (1, 2))
     assert (cfg_q.split, cfg_kv.split) == (8, 16)
     x = torch.randn(t, k, generator=G).bfloat16()
     ws = [_w(hq * d, k), _w(hk * d, k), _w(hk * d, k)]

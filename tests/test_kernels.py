@@ -467,3 +467,25 @@ def test_kernels_on_without_cuda_is_refused_in_one_line(monkeypatch):
     assert kernels_wanted("auto", cpu) is False and kernels_wanted("off", cpu) is False
     with pytest.raises(ValueError, match="need CUDA and triton"):
         kernels_wanted("on", cpu)
+
+
+def test_linear_stages_option_is_checked_and_auto_follows_the_k_steps(monkeypatch):
+    """PDFLASH_LINEAR_STAGES: 'auto' gives a split of 2 K steps 3 stages and a longer one 4 (pipeline depth only, never
+    the tiles or the split); a bad value stops the import with a message naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    from kernels import linear
+
+    monkeypatch.setattr(linear, "STAGES", "auto")
+    linear.linear_config.cache_clear()
+    try:
+        short, long_ = linear.linear_config(128, 2048), linear.linear_config(151936, 2048)
+        assert short.k_per_split // short.block_k == 2 and short.num_stages == 3
+        assert long_.split == 1 and long_.num_stages == 4
+    finally:
+        linear.linear_config.cache_clear()
+    env = {**os.environ, "PDFLASH_LINEAR_STAGES": "fast"}
+    r = subprocess.run([sys.executable, "-c", "import kernels.linear"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "PDFLASH_LINEAR_STAGES must be" in r.stderr

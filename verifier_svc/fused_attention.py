@@ -17,7 +17,7 @@ from torch import nn
 
 from kernels import attention as attn_kernels
 from kernels import linear, qkv
-from kernels.installer import ForwardContext, _eps_of, forward_context, fused_norm_variant
+from kernels.installer import ForwardContext, _eps_of, _forward_ctx, forward_context, fused_norm_variant
 
 PROBE_ROWS = (5, 3)  # the probe's two steps: a past, then a block that attends to it
 
@@ -57,18 +57,15 @@ class FusedAttention:
         if groups is None:
             return "k_proj and v_proj split K differently (merged, their columns would sum in another order)"
         sliding = module.sliding_window if hasattr(module, "sliding_window") else getattr(config, "sliding_window", None)
-        ws, b = qkv.merged_weight([q, k, v], groups)
-        cfgs = [linear.linear_config(sum(sizes[i] for i in g), q.in_features, q.weight.element_size()) if len(g) == 1
-                else qkv.merge_config([sizes[i] for i in g], q.in_features, q.weight.element_size()) for g in groups]
-        return cls(module, cache_kw, list(zip(ws, cfgs)), b, q.out_features // d, k.out_features // d, d, norms, sliding)
+        ws, b = qkv.merged_weight([q, k, v], [g for g, _ in groups])
+        parts = [(w, cfg) for w, (_, cfg) in zip(ws, groups)]
+        return cls(module, cache_kw, parts, b, q.out_features // d, k.out_features // d, d, norms, sliding)
 
     def __call__(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """What `module(hidden_states=x, **kwargs)[0]` returns, as the output projection's K partials (its sum is left
         to the residual add + norm after it: kernels.fused.add_rms_norm_partials), on the runner's paged cache
         (kwargs as the runner passes a layer: positions, cos/sin, the PagedLayerCache under its keyword), inside its
         forward context."""
-        from kernels.installer import _forward_ctx
-
         cache = kwargs[self.cache_kw]
         kp, vp = cache.pool.k[self.module.layer_idx], cache.pool.v[self.module.layer_idx]
         cos, sin = kwargs["position_embeddings"]
