@@ -22,10 +22,12 @@ def test_pool_pages_are_handed_out_and_back():
     assert len(seq.pages) == 2 and pool.free_pages == 2
     pages, offs = seq.slots(PAGE - 1, 2)
     assert pages.tolist() == [seq.pages[0], seq.pages[1]] and offs.tolist() == [PAGE - 1, 0]
+    assert seq.slot_lists(PAGE - 1, 2) == (pages.tolist(), offs.tolist())  # the graph runner's host-side form
     assert seq.table[:2].tolist() == seq.pages
     seq.reserve(PAGE)  # already covered: nothing more
     assert pool.free_pages == 2
     other = SequenceKV(pool, max_positions=10 * PAGE)
+    assert other.uid != seq.uid  # what a graph's page table is keyed by (with the page count)
     with pytest.raises(ResourceExhausted, match="KV cache is full"):
         other.reserve(3 * PAGE)
     seq.free()

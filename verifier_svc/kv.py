@@ -10,6 +10,8 @@ CUDA graph captured once serves every session (its table is copied into the grap
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kernels.attention import PAGE
@@ -47,11 +49,16 @@ class KVPool:
         return max(1, budget_bytes // per_page)
 
 
+_SEQ_IDS = itertools.count(1)
+
+
 class SequenceKV:
-    """One session's pages (its committed length lives in the session: `Session.committed`)."""
+    """One session's pages (its committed length lives in the session: `Session.committed`). `uid`: unique in the
+    process; with len(pages) it names the content of `table` (pages are only appended until `free`)."""
 
     def __init__(self, pool: KVPool, max_positions: int):
         self.pool = pool
+        self.uid = next(_SEQ_IDS)
         self.pages: list[int] = []
         self.max_pages = (max_positions + PAGE - 1) // PAGE
         self.table = torch.zeros(self.max_pages, dtype=torch.int32, device=pool.device)
@@ -65,6 +72,10 @@ class SequenceKV:
             new = self.pool.alloc(need - len(self.pages))
             self.table[len(self.pages) : need] = torch.tensor(new, dtype=torch.int32, device="cpu").to(self.table.device)
             self.pages += new
+
+    def slot_lists(self, start: int, n: int) -> tuple[list[int], list[int]]:
+        """(page, offset) of positions start .. start + n - 1, on the host."""
+        return [self.pages[p // PAGE] for p in range(start, start + n)], [p % PAGE for p in range(start, start + n)]
 
     def slots(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(page, offset) of positions start .. start + n - 1, as device tensors."""

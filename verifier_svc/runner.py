@@ -212,17 +212,41 @@ class _Graph:
             self.out = runner.forward_tensors(*args)
 
     def _static_inputs(self, runner: ForwardRunner, bucket: int, max_pages: int, scratch_page: int) -> None:
+        """The graph's inputs. ids, positions, write pages and offsets are the rows of one device buffer that a round
+        fills with one copy from a pinned host twin (`set_inputs`), not four pageable copies and two device copies."""
         dev = runner.pool.device
         self.bucket = bucket
-        self.ids = torch.zeros(1, bucket, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(1, bucket, dtype=torch.long, device=dev)
+        self.staging = torch.zeros(4, bucket, dtype=torch.long, device=dev)  # ids, positions, pages, offsets
+        self.host = torch.zeros(4, bucket, dtype=torch.long, pin_memory=True)
+        self.ids, self.pos = self.staging[0:1], self.staging[1:2]
+        self.pages, self.offsets = self.staging[2], self.staging[3]
         self.table = torch.zeros(1, max_pages, dtype=torch.int32, device=dev)
+        self.table_of: tuple[int, int] | None = None  # (SequenceKV.uid, its page count) the table holds
         # until the first replay fills them, the write slots point at a page no session owns: the warm-up forward
         # below really runs and writes its keys
-        self.pages = torch.full((bucket,), scratch_page, dtype=torch.long, device=dev)
-        self.offsets = torch.arange(bucket, dtype=torch.long, device=dev)
+        self.pages.fill_(scratch_page)
+        self.offsets.copy_(torch.arange(bucket))
         self.table[:] = scratch_page
         self.valid = torch.ones(1, dtype=torch.int32, device=dev)
+
+    def set_inputs(self, tokens: list[int], start: int, seq: SequenceKV) -> None:
+        """A round's inputs: `tokens` at positions start.., padded to the bucket with later positions (the padding
+        rows' keys land past the real ones, in pages `seq` has reserved). One H2D copy (the host buffer is reused:
+        the previous round's copy is done, the verifier syncs at the end of each forward), the page table only when
+        the session or its page count changed, and the real row count."""
+        n, b = len(tokens), self.bucket
+        pages, offsets = seq.slot_lists(start, b)
+        host = self.host.numpy()
+        host[0, :n] = tokens
+        host[0, n:] = tokens[-1]
+        host[1] = range(start, start + b)
+        host[2] = pages
+        host[3] = offsets
+        self.staging.copy_(self.host, non_blocking=True)
+        if self.table_of != (seq.uid, len(seq.pages)):
+            self.table[0, : seq.table.numel()].copy_(seq.table)
+            self.table_of = (seq.uid, len(seq.pages))
+        self.valid.fill_(n)
 
     def replay(self, n: int) -> None:
         self.graph.replay()
@@ -342,13 +366,6 @@ class GraphRunner:
         if g is None:
             g = self._graphs[key] = self._kind(b, self.max_pages, tuple(feature_layers), self.scratch_page)
         seq.reserve(start + b)  # the padding rows write their (ignored) keys past the real ones
-        pages, offsets = seq.slots(start, b)
-        pad = tokens + [tokens[-1]] * (b - n)
-        g.ids.copy_(torch.tensor([pad], dtype=torch.long), non_blocking=True)
-        g.pos.copy_(torch.arange(start, start + b).unsqueeze(0), non_blocking=True)
-        g.pages.copy_(pages)
-        g.offsets.copy_(offsets)
-        g.table[0, : seq.table.numel()].copy_(seq.table)
-        g.valid.fill_(n)
+        g.set_inputs(tokens, start, seq)
         g.replay(n)
         return g.out, n
