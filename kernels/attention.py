@@ -1,13 +1,27 @@
-"""Batch-invariant causal attention over a KV cache (GQA, sliding window, gpt-oss sinks).
+"""Batch-invariant causal attention over a KV cache (GQA, sliding window, gpt-oss sinks), split over the KV.
 
-Keys are visited in chunks aligned to absolute positions (chunk c = positions [c*BN, (c+1)*BN)), in
-ascending order, with an online softmax. A query's result depends only on its own position and the keys
-it may see: a chunk that is fully masked for a query leaves its running state bit for bit unchanged, so
-the number of queries sharing the call (1 token or a 32-token block), and where the cache's tensor
-starts (a sliding-window layer keeps only the last W keys), change nothing.
+Keys are visited in chunks aligned to absolute positions (chunk c = positions [c*BN, (c+1)*BN)), and chunks are
+grouped into segments of SEG_CHUNKS chunks, also at fixed absolute positions. A query's softmax state (running max,
+sum, weighted values) is accumulated over each segment on its own, from empty, chunk by chunk in ascending order;
+then the segments' states are merged in ascending segment order (`_merge`), and the sinks and the division come last.
+A chunk or a segment that is fully masked for a query leaves its state bit for bit unchanged, so a query's result
+depends only on its own position and the keys it may see: not on the number of queries sharing the call (1 token or
+a 32-token block), nor on where the cache's tensor starts (a sliding-window layer keeps only the last W keys).
+
+A program owns a tile of BLOCK_M (query, head) rows of one KV head: the GROUP query heads of that KV head for
+consecutive tokens, so a key chunk is read once for all of them (GQA). How the segments are spread over programs is
+free, since every segment is computed the same way and merged in the same order:
+- one program per tile (`programs` 1: prefills, the non-paged path) walks the segments itself and merges each into
+  its running state as it goes;
+- `programs` P > 1 (paged verify forwards, T <= SPLIT_MAX_T): P programs per tile take every P-th segment and store
+  each segment's state; the tile's last program to finish (an atomic counter as a semaphore, as kernels/linear.py's
+  one-launch split-K) merges all of them in segment order. A long context is then walked by P programs at once
+  instead of one, with the same bits.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -18,6 +32,13 @@ to_out = runtime.to_out if triton is not None else None
 
 BLOCK_M = 16
 BLOCK_N = 64
+SEG_CHUNKS = 4  # chunks per KV segment (256 positions)
+SEG = SEG_CHUNKS * BLOCK_N
+SPLIT_MAX_T = 64  # paged calls of at most this many tokens spread a tile's segments over programs
+# programs per tile in the split form (1 = every call walks its segments in one program: the same bits, for A/B runs)
+MAX_PROGRAMS = int(os.environ.get("PDFLASH_ATTENTION_PROGRAMS", "16"))
+if not 1 <= MAX_PROGRAMS <= 256:
+    raise ValueError(f"PDFLASH_ATTENTION_PROGRAMS must be 1..256, got {MAX_PROGRAMS}")
 
 
 if triton is not None:
@@ -63,6 +84,45 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _segment(
+        s, c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs, kpos0, S, last, scaling, window,
+        kmask_ptr, smb, b, dd, table_ptr, stb,
+        HAS_KMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_CHUNKS: tl.constexpr,
+        D: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr,
+    ):
+        """Segment s's state, from empty, over its chunks in ascending order (those from c0 up to hi)."""
+        # a finite "minus infinity" for the running max: exp(m - m) = 1 for a row that has seen no key yet, never NaN
+        m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        c_lo = tl.maximum(s * (SEG_CHUNKS * BLOCK_N), c0)
+        c_hi = tl.minimum((s + 1) * (SEG_CHUNKS * BLOCK_N) - 1, hi)
+        if F32DOT:  # Triton's interpreter cannot run a range() whose bounds were loaded from memory
+            c = c_lo
+            while c <= c_hi:
+                m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs,
+                                            kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
+                                            HAS_KMASK, BLOCK_N, F32DOT, PAGED)
+                c += BLOCK_N
+        else:
+            for c in range(c_lo, c_hi + 1, BLOCK_N):
+                m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs,
+                                            kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
+                                            HAS_KMASK, BLOCK_N, F32DOT, PAGED)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _merge(m_a, l_a, acc_a, m_b, l_b, acc_b):
+        """Two softmax states -> one (a the earlier keys). Explicit fmas: the same rounding wherever it is compiled.
+        A state that has seen no key (m = -1e30, l = 0, acc = 0) merges as an exact no-op, on either side."""
+        m = tl.maximum(m_a, m_b)
+        wa = tl.exp(m_a - m)
+        wb = tl.exp(m_b - m)
+        l_m = tl.fma(l_a, wa, l_b * wb)
+        acc_m = tl.fma(acc_a, wa[:, None], acc_b * wb[:, None])
+        return m, l_m, acc_m
+
+    @triton.jit
     def _attn_kernel(
         q_ptr, sqb, sqh, sqt,
         k_ptr, skb, skh, sks,
@@ -72,25 +132,30 @@ if triton is not None:
         kmask_ptr, smb,
         sink_ptr,
         table_ptr, stb,
+        ws_ptr, ml_ptr, cnt_ptr, NSEG,
         T, S, scaling, window,
         GROUP: tl.constexpr, D: tl.constexpr, HAS_SINK: tl.constexpr, HAS_KMASK: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_CHUNKS: tl.constexpr, PROGRAMS: tl.constexpr,
+        F32DOT: tl.constexpr, PAGED: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
-        h = tl.program_id(1)
-        b = tl.program_id(2).to(tl.int64)
-        kh = h // GROUP
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < T
+        kh = tl.program_id(1)
+        pid_z = tl.program_id(2)
+        b = (pid_z // PROGRAMS).to(tl.int64)
+        p = pid_z % PROGRAMS
+        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # tile rows: (token, query head of this KV head), token-major
+        row_ok = r < T * GROUP
+        tok = r // GROUP
+        h = kh * GROUP + r % GROUP
         dd = tl.arange(0, D)
-        qpos = tl.load(pos_ptr + b * spb + rows, mask=row_ok, other=0).to(tl.int64)
+        qpos = tl.load(pos_ptr + b * spb + tok, mask=row_ok, other=0).to(tl.int64)
         last = tl.load(pos_ptr + b * spb + T - 1).to(tl.int64)
         if PAGED:  # keys by absolute position through the page table; the last query's key is the last written
             kpos0 = last * 0
             S = last + 1
         else:
             kpos0 = last - (S - 1)  # absolute position of the cache tensor's key 0
-        q = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqt + dd[None, :], mask=row_ok[:, None], other=0.0)
+        q = tl.load(q_ptr + b * sqb + h[:, None] * sqh + tok[:, None] * sqt + dd[None, :], mask=row_ok[:, None], other=0.0)
         if F32DOT:
             q = q.to(tl.float32)
         hi = tl.max(tl.where(row_ok, qpos, -1), axis=0)
@@ -99,41 +164,85 @@ if triton is not None:
             lo = tl.maximum(lo, tl.min(tl.where(row_ok, qpos, hi), axis=0) - window + 1)
         lo = tl.maximum(lo, 0)
         c0 = (lo // BLOCK_N) * BLOCK_N
-        # a finite "minus infinity" for the running max: exp(m - m) = 1 for a row that has seen no key yet, never NaN
-        m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        s_lo = c0 // (SEG_CHUNKS * BLOCK_N)
+        nseg = (hi // (SEG_CHUNKS * BLOCK_N) - s_lo + 1).to(tl.int32)
         if PAGED:
             kbase = kh * skh
             vbase = kh * svh
         else:
             kbase = b * skb + kh * skh
             vbase = b * svb + kh * svh
-        if F32DOT:  # Triton's interpreter cannot run a range() whose bounds were loaded from memory
-            c = c0
-            while c <= hi:
-                m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skb, svb, sks, svs, kpos0, S,
-                                            last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
-                                            HAS_KMASK, BLOCK_N, F32DOT, PAGED)
-                c += BLOCK_N
+        m_t = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
+        l_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc_t = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        done = p < nseg  # this program has segments, and (one program per tile) holds the tile's result
+        if PROGRAMS == 1:
+            i = nseg * 0
+            while i < nseg:
+                m_s, l_s, acc_s = _segment(s_lo + i, c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skb, svb, sks, svs,
+                                           kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
+                                           HAS_KMASK, BLOCK_M, BLOCK_N, SEG_CHUNKS, D, F32DOT, PAGED)
+                m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m_s, l_s, acc_s)
+                i += 1
+        elif nseg == 1:  # a short context: program 0 holds the tile's one segment (the same bits as merging it below)
+            if p == 0:
+                m_s, l_s, acc_s = _segment(s_lo, c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skb, svb, sks, svs,
+                                           kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
+                                           HAS_KMASK, BLOCK_M, BLOCK_N, SEG_CHUNKS, D, F32DOT, PAGED)
+                m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m_s, l_s, acc_s)
         else:
-            for c in range(c0, hi + 1, BLOCK_N):
-                m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skb, svb, sks, svs, kpos0, S,
-                                            last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
-                                            HAS_KMASK, BLOCK_N, F32DOT, PAGED)
+            tile = (b * tl.num_programs(1) + kh) * tl.num_programs(0) + pid_m
+            ws = ws_ptr + tile * NSEG * BLOCK_M * D
+            ml = ml_ptr + tile * NSEG * 2 * BLOCK_M
+            i = p.to(tl.int32)
+            while i < nseg:  # segments p, p + PROGRAMS, ...: each state stored on its own
+                m_s, l_s, acc_s = _segment(s_lo + i, c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skb, svb, sks, svs,
+                                           kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
+                                           HAS_KMASK, BLOCK_M, BLOCK_N, SEG_CHUNKS, D, F32DOT, PAGED)
+                tl.store(ws + (i * BLOCK_M + tl.arange(0, BLOCK_M))[:, None] * D + dd[None, :], acc_s)
+                tl.store(ml + i * 2 * BLOCK_M + tl.arange(0, BLOCK_M), m_s)
+                tl.store(ml + (i * 2 + 1) * BLOCK_M + tl.arange(0, BLOCK_M), l_s)
+                i += PROGRAMS
+            if done:
+                tl.debug_barrier()  # every thread's stores issued before the count is released
+                arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                done = arrived == tl.minimum(nseg, PROGRAMS) - 1
+                if done:  # the tile's last program: every segment's state, merged in segment order
+                    j = nseg * 0
+                    while j < nseg:
+                        acc_s = tl.load(ws + (j * BLOCK_M + tl.arange(0, BLOCK_M))[:, None] * D + dd[None, :],
+                                        cache_modifier=".cg")  # (from L2: other SMs wrote them)
+                        m_s = tl.load(ml + j * 2 * BLOCK_M + tl.arange(0, BLOCK_M), cache_modifier=".cg")
+                        l_s = tl.load(ml + (j * 2 + 1) * BLOCK_M + tl.arange(0, BLOCK_M), cache_modifier=".cg")
+                        m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m_s, l_s, acc_s)
+                        j += 1
+                    tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
         if HAS_SINK:
-            sink = tl.load(sink_ptr + h).to(tl.float32)
-            m_f = tl.maximum(m_i, sink)
-            sc = tl.exp(m_i - m_f)
-            l_i = l_i * sc + tl.exp(sink - m_f)
-            acc = acc * sc[:, None]
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        out = acc / l_safe[:, None]
-        tl.store(o_ptr + b * sob + rows[:, None] * sot + h * soh + dd[None, :], to_out(out, o_ptr, F32DOT), mask=row_ok[:, None])
+            sink = tl.load(sink_ptr + h, mask=row_ok, other=0.0).to(tl.float32)
+            m_f = tl.maximum(m_t, sink)
+            sc = tl.exp(m_t - m_f)
+            l_t = l_t * sc + tl.exp(sink - m_f)
+            acc_t = acc_t * sc[:, None]
+        l_safe = tl.where(l_t > 0, l_t, 1.0)
+        out = acc_t / l_safe[:, None]
+        tl.store(o_ptr + b * sob + tok[:, None] * sot + h[:, None] * soh + dd[None, :], to_out(out, o_ptr, F32DOT),
+                 mask=row_ok[:, None] & done)
 
 
-def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_table, s) -> torch.Tensor:
+def _programs(t: int, page_table, device: torch.device, programs: int | None) -> int:
+    """Programs per tile: 1 (one walks every segment) unless a paged call of few tokens has a table long enough for
+    several segments. `programs` overrides (tests: any count gives the same bits)."""
+    if programs is not None:
+        return max(1, int(programs))
+    if page_table is None or t > SPLIT_MAX_T:
+        return 1
+    return max(1, min(MAX_PROGRAMS, triton.cdiv(page_table.shape[-1] * BLOCK_N, SEG)))
+
+
+def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_table, s, programs=None) -> torch.Tensor:
     """One launcher for both layouts: k/v [B, Hkv, S, D] (page_table None) or pools [pages, Hkv, PAGE, D]."""
+    from kernels import linear
+
     bsz, hq, t, d = q.shape
     hkv = k.shape[1]
     if hq % hkv:
@@ -148,7 +257,22 @@ def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_t
         pos = pos.contiguous()
     km = key_mask if key_mask is not None else pos
     table = page_table.reshape(bsz, -1) if page_table is not None else pos
-    grid = (triton.cdiv(t, BLOCK_M), hq, bsz)
+    group = hq // hkv
+    m_blocks = triton.cdiv(t * group, BLOCK_M)
+    nprog = _programs(t, page_table, q.device, programs)
+    ws = ml = cnt = out
+    nseg = 1
+    if nprog > 1:
+        tiles = m_blocks * hkv * bsz
+        cnt = linear._counters(q.device, tiles)
+        span = table.shape[-1] * BLOCK_N if page_table is not None else int(pos.max()) + 1
+        nseg = max(1, triton.cdiv(span, SEG))
+        if cnt is None:
+            nprog = 1
+        else:
+            ws = torch.empty((tiles, nseg, BLOCK_M, d), dtype=torch.float32, device=q.device)
+            ml = torch.empty((tiles, nseg, 2, BLOCK_M), dtype=torch.float32, device=q.device)
+    grid = (m_blocks, hkv, bsz * nprog)
     _attn_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
         k, k.stride(0), k.stride(1), k.stride(2),
@@ -158,9 +282,11 @@ def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_t
         km, km.stride(0),
         sinks if sinks is not None else q,
         table, table.stride(0) if page_table is not None else 0,
+        ws, ml, cnt, nseg,
         t, s, float(scaling), int(sliding_window or 0),
-        GROUP=hq // hkv, D=d, HAS_SINK=sinks is not None, HAS_KMASK=key_mask is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, F32DOT=runtime.interpreting(), PAGED=page_table is not None,
+        GROUP=group, D=d, HAS_SINK=sinks is not None, HAS_KMASK=key_mask is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SEG_CHUNKS=SEG_CHUNKS, PROGRAMS=nprog, F32DOT=runtime.interpreting(),
+        PAGED=page_table is not None,
     )
     return out
 
@@ -174,11 +300,12 @@ def attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, T, D], k/v [B, Hkv, S, D] (the cache's keys, the last of them at the last query's position),
     positions [B, T] (absolute, the queries'), key_mask [B, >= last position + 1] (0 = padding) or None.
     Returns [B, T, Hq, D]."""
-    return _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, None, k.shape[2])
+    return _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, None, k.shape[2], programs)
 
 
 PAGE = BLOCK_N  # positions per KV page: one attention chunk reads exactly one page
@@ -193,6 +320,7 @@ def paged_attention(
     scaling: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, T, D]; k/v pools [pages, Hkv, PAGE, D]; page_table [B, max_pages] int32 (page of positions
     [i*PAGE, (i+1)*PAGE) of sequence b); positions [B, T] (the queries' absolute positions; each sequence's keys
@@ -200,7 +328,7 @@ def paged_attention(
     `attention`: results are bit-identical to it for the same keys."""
     if k_pool.shape[2] != PAGE:
         raise ValueError(f"KV pages must hold {PAGE} positions, got {k_pool.shape[2]}")
-    return _launch(q, k_pool, v_pool, positions, scaling, sliding_window, sinks, None, page_table, 0)
+    return _launch(q, k_pool, v_pool, positions, scaling, sliding_window, sinks, None, page_table, 0, programs)
 
 
 # ---- the paged KV write: a block's K and V rows into the layer's two page pools, one launch -------------------------

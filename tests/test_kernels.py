@@ -489,3 +489,40 @@ def test_linear_stages_option_is_checked_and_auto_follows_the_k_steps(monkeypatc
     env = {**os.environ, "PDFLASH_LINEAR_STAGES": "fast"}
     r = subprocess.run([sys.executable, "-c", "import kernels.linear"], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "PDFLASH_LINEAR_STAGES must be" in r.stderr
+
+
+@needs_triton
+@pytest.mark.parametrize("window,sinks", [(None, False), (300, True)])
+def test_split_kv_attention_gives_the_same_bits_for_any_program_count(window, sinks):
+    """The paged attention over a long context (3 KV segments): one program walking every segment, or several taking
+    every P-th segment with the last one merging them in order, give the same bits; so do the non-paged layout, a
+    query alone, and the query in a block; and all are close to the plain torch reference."""
+    from kernels.attention import PAGE, SEG, attention, paged_attention
+
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d, s, t = 4, 2, 16, 2 * SEG + 40, 5
+    k, v = torch.randn(1, hkv, s, d, generator=g).bfloat16(), torch.randn(1, hkv, s, d, generator=g).bfloat16()
+    q = torch.randn(1, hq, t, d, generator=g).bfloat16()
+    sk = torch.randn(hq, generator=g) if sinks else None
+    pos = torch.arange(s - t, s).reshape(1, t)
+    n_pages = -(-s // PAGE)
+    order = torch.randperm(n_pages, generator=g)  # the pool's pages in another order than the positions'
+    kp = torch.zeros(n_pages, hkv, PAGE, d, dtype=torch.bfloat16)
+    vp = torch.zeros_like(kp)
+    for i in range(n_pages):
+        kp[order[i], :, : min(PAGE, s - i * PAGE)] = k[0, :, i * PAGE : (i + 1) * PAGE]
+        vp[order[i], :, : min(PAGE, s - i * PAGE)] = v[0, :, i * PAGE : (i + 1) * PAGE]
+    table = torch.cat([order, torch.zeros(4, dtype=torch.long)]).to(torch.int32).reshape(1, -1)  # room to spare
+    outs = [paged_attention(q, kp, vp, table, pos, 0.25, window, sk, programs=n) for n in (1, 2, 3, 16)]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert torch.equal(attention(q, k, v, pos, 0.25, window, sk), outs[0])
+    ref = attention_reference(q, k, v, pos[0], 0, 0.25, window, sk)
+    assert (outs[0].float() - ref.float()).abs().max() < 0.02
+    short = pos - (s - 105)  # a context of one segment: program 0 holds it, the others have none
+    one = paged_attention(q, kp, vp, table, short, 0.25, window, sk, programs=1)
+    assert torch.equal(paged_attention(q, kp, vp, table, short, 0.25, window, sk, programs=4), one)
+    assert torch.equal(attention(q, k[:, :, :105], v[:, :, :105], short, 0.25, window, sk), one)
+    for n in (1, 3):  # the last query alone (what 1-token decoding does) and the first, on keys up to their position
+        assert torch.equal(paged_attention(q[:, :, 4:], kp, vp, table, pos[:, 4:], 0.25, window, sk, programs=n)[:, 0], outs[0][:, 4])
+        k0, v0 = k[:, :, : s - 4], v[:, :, : s - 4]
+        assert torch.equal(attention(q[:, :, :1], k0, v0, pos[:, :1], 0.25, window, sk)[:, 0], outs[0][:, 0])
