@@ -372,3 +372,38 @@ def test_installed_model_logits_are_identical_in_blocks(arch, fmt):
             diff = (got != full).any(-1)[0].nonzero().flatten().tolist()
             assert not diff, f"block {block}: positions {diff[:10]} differ"
     inst.uninstall()
+
+
+@pytest.mark.parametrize("hq,hkv,d,window,sinks", [(32, 4, 128, None, False), (64, 8, 64, 128, True)])
+def test_split_kv_attention_has_one_program_bits_at_long_contexts(hq, hkv, d, window, sinks):
+    """The paged attention at a 3000-position context: the split form (programs 2..16 per tile, the last merging the
+    segments through the tile semaphore) gives the one-program bits, repeatedly (no stale partials, counters reset),
+    for 1 query and blocks of 16 and 32; close to the reference."""
+    from kernels.attention import PAGE, paged_attention
+    from kernels.reference import attention_reference
+
+    s, t = 3000, 32
+    g = torch.Generator(device=DEV).manual_seed(2)
+    k = torch.randn(1, hkv, s, d, generator=g, device=DEV).bfloat16()
+    v = torch.randn(1, hkv, s, d, generator=g, device=DEV).bfloat16()
+    q = torch.randn(1, hq, t, d, generator=g, device=DEV).bfloat16()
+    sk = torch.randn(hq, generator=g, device=DEV) if sinks else None
+    n_pages = -(-s // PAGE)
+    order = torch.randperm(n_pages, device=DEV)
+    pad = torch.zeros(n_pages * PAGE - s, hkv, d, device=DEV, dtype=torch.bfloat16)
+    kp = torch.empty(n_pages, hkv, PAGE, d, dtype=torch.bfloat16, device=DEV)
+    vp = torch.empty_like(kp)
+    kp[order] = torch.cat([k[0].transpose(0, 1), pad]).reshape(n_pages, PAGE, hkv, d).transpose(1, 2)
+    vp[order] = torch.cat([v[0].transpose(0, 1), pad]).reshape(n_pages, PAGE, hkv, d).transpose(1, 2)
+    table = torch.cat([order, order[:40]]).to(torch.int32).reshape(1, -1)  # a table longer than the context
+    pos = torch.arange(s - t, s, device=DEV).reshape(1, t)
+    ref = attention_reference(q, k, v, pos[0], 0, d**-0.5, window, sk)
+    for n in (16, 32):
+        qs, ps = q[:, :, t - n :], pos[:, t - n :]
+        one = paged_attention(qs, kp, vp, table, ps, d**-0.5, window, sk, programs=1)
+        assert (one.float() - ref[:, t - n :].float()).abs().max() < 0.02
+        for progs in (2, 5, 16, None, 16):
+            assert torch.equal(paged_attention(qs, kp, vp, table, ps, d**-0.5, window, sk, programs=progs), one), progs
+    for i in (0, 31):  # one query alone (1-token decoding) on keys up to its own position
+        alone = paged_attention(q[:, :, i : i + 1], kp, vp, table, pos[:, i : i + 1], d**-0.5, window, sk)
+        assert torch.equal(alone[:, 0], one[:, i]), i
