@@ -34,6 +34,7 @@ BLOCK_M = 16
 BLOCK_N = 64
 SEG_CHUNKS = 4  # chunks per KV segment (256 positions)
 SEG = SEG_CHUNKS * BLOCK_N
+DIRECT_SEGS = 2  # a context of at most this many segments is walked by one program even in the split form
 SPLIT_MAX_T = 64  # paged calls of at most this many tokens spread a tile's segments over programs
 # programs per tile in the split form (1 = every call walks its segments in one program: the same bits, for A/B runs)
 MAX_PROGRAMS = int(os.environ.get("PDFLASH_ATTENTION_PROGRAMS", "16"))
@@ -123,6 +124,44 @@ if triton is not None:
         return m, l_m, acc_m
 
     @triton.jit
+    def _walk(
+        c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs, kpos0, S, last, scaling, window,
+        kmask_ptr, smb, b, dd, table_ptr, stb,
+        HAS_KMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_CHUNKS: tl.constexpr,
+        D: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr,
+    ):
+        """Every segment from c0 to hi in one loop over the chunks (one loop the compiler can pipeline): at each
+        segment's first chunk the state so far is merged into the total and starts again from empty, so the result
+        is `_segment`'s of each segment, merged in order (the selects are exact)."""
+        m_t = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
+        l_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc_t = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        if F32DOT:  # Triton's interpreter cannot run a range() whose bounds were loaded from memory
+            c = c0
+            while c <= hi:
+                new = (c % (SEG_CHUNKS * BLOCK_N) == 0) & (c != c0)
+                m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_i, l_i, acc)
+                m_t, l_t, acc_t = tl.where(new, m_n, m_t), tl.where(new, l_n, l_t), tl.where(new, acc_n, acc_t)
+                m_i, l_i, acc = tl.where(new, -1.0e30, m_i), tl.where(new, 0.0, l_i), tl.where(new, 0.0, acc)
+                m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs,
+                                            kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
+                                            HAS_KMASK, BLOCK_N, F32DOT, PAGED)
+                c += BLOCK_N
+        else:
+            for c in range(c0, hi + 1, BLOCK_N):
+                new = (c % (SEG_CHUNKS * BLOCK_N) == 0) & (c != c0)
+                m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_i, l_i, acc)
+                m_t, l_t, acc_t = tl.where(new, m_n, m_t), tl.where(new, l_n, l_t), tl.where(new, acc_n, acc_t)
+                m_i, l_i, acc = tl.where(new, -1.0e30, m_i), tl.where(new, 0.0, l_i), tl.where(new, 0.0, acc)
+                m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs,
+                                            kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
+                                            HAS_KMASK, BLOCK_N, F32DOT, PAGED)
+        return _merge(m_t, l_t, acc_t, m_i, l_i, acc)
+
+    @triton.jit
     def _attn_kernel(
         q_ptr, sqb, sqh, sqt,
         k_ptr, skb, skh, sks,
@@ -136,7 +175,7 @@ if triton is not None:
         T, S, scaling, window,
         GROUP: tl.constexpr, D: tl.constexpr, HAS_SINK: tl.constexpr, HAS_KMASK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_CHUNKS: tl.constexpr, PROGRAMS: tl.constexpr,
-        F32DOT: tl.constexpr, PAGED: tl.constexpr,
+        DIRECT_SEGS: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         kh = tl.program_id(1)
@@ -176,20 +215,12 @@ if triton is not None:
         l_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc_t = tl.zeros((BLOCK_M, D), dtype=tl.float32)
         done = p < nseg  # this program has segments, and (one program per tile) holds the tile's result
-        if PROGRAMS == 1:
-            i = nseg * 0
-            while i < nseg:
-                m_s, l_s, acc_s = _segment(s_lo + i, c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skb, svb, sks, svs,
-                                           kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
-                                           HAS_KMASK, BLOCK_M, BLOCK_N, SEG_CHUNKS, D, F32DOT, PAGED)
-                m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m_s, l_s, acc_s)
-                i += 1
-        elif nseg == 1:  # a short context: program 0 holds the tile's one segment (the same bits as merging it below)
-            if p == 0:
-                m_s, l_s, acc_s = _segment(s_lo, c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skb, svb, sks, svs,
-                                           kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
-                                           HAS_KMASK, BLOCK_M, BLOCK_N, SEG_CHUNKS, D, F32DOT, PAGED)
-                m_t, l_t, acc_t = _merge(m_t, l_t, acc_t, m_s, l_s, acc_s)
+        if (nseg <= DIRECT_SEGS) | (PROGRAMS == 1):  # one program walks them all (the others, if any, have none)
+            done = p == 0
+            if done:
+                m_t, l_t, acc_t = _walk(c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skb, svb, sks, svs, kpos0, S, last,
+                                        scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
+                                        HAS_KMASK, BLOCK_M, BLOCK_N, SEG_CHUNKS, D, F32DOT, PAGED)
         else:
             tile = (b * tl.num_programs(1) + kh) * tl.num_programs(0) + pid_m
             ws = ws_ptr + tile * NSEG * BLOCK_M * D
@@ -285,7 +316,7 @@ def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_t
         ws, ml, cnt, nseg,
         t, s, float(scaling), int(sliding_window or 0),
         GROUP=group, D=d, HAS_SINK=sinks is not None, HAS_KMASK=key_mask is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SEG_CHUNKS=SEG_CHUNKS, PROGRAMS=nprog, F32DOT=runtime.interpreting(),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SEG_CHUNKS=SEG_CHUNKS, PROGRAMS=nprog, DIRECT_SEGS=DIRECT_SEGS, F32DOT=runtime.interpreting(),
         PAGED=page_table is not None,
     )
     return out
