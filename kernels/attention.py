@@ -215,7 +215,11 @@ if triton is not None:
         l_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc_t = tl.zeros((BLOCK_M, D), dtype=tl.float32)
         done = p < nseg  # this program has segments, and (one program per tile) holds the tile's result
-        if (nseg <= DIRECT_SEGS) | (PROGRAMS == 1):  # one program walks them all (the others, if any, have none)
+        if PROGRAMS == 1:  # (a constexpr branch: the split form's semaphore is not compiled, its buffers are dummies)
+            m_t, l_t, acc_t = _walk(c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skb, svb, sks, svs, kpos0, S, last,
+                                    scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
+                                    HAS_KMASK, BLOCK_M, BLOCK_N, SEG_CHUNKS, D, F32DOT, PAGED)
+        elif nseg <= DIRECT_SEGS:  # a short context: program 0 walks it (the others have none)
             done = p == 0
             if done:
                 m_t, l_t, acc_t = _walk(c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skb, svb, sks, svs, kpos0, S, last,

@@ -294,9 +294,11 @@ ptx(linear._linear_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", bias_ptr="*fp32", 
 from kernels import attention
 at = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", pos_ptr="*i64", kmask_ptr="*i64", sink_ptr="*fp32",
           table_ptr="*i32", ws_ptr="*fp32", ml_ptr="*fp32", cnt_ptr="*i32", scaling="fp32")
+dummy = dict(ws_ptr="*bf16", ml_ptr="*bf16", cnt_ptr="*bf16")  # one program: the launcher passes the output as the buffers
 for progs, paged, sink, group in ((16, True, False, 8), (1, True, True, 8), (1, False, False, 4)):
-    p = ptx(attention._attn_kernel, at, dict(GROUP=group, D=128 if group != 8 or not sink else 64, HAS_SINK=sink, HAS_KMASK=not paged,
+    p = ptx(attention._attn_kernel, at if progs > 1 else {**at, **dummy}, dict(GROUP=group, D=128 if group != 8 or not sink else 64, HAS_SINK=sink, HAS_KMASK=not paged,
                                              BLOCK_M=16, BLOCK_N=64, SEG_CHUNKS=attention.SEG_CHUNKS, PROGRAMS=progs,
+                                             DIRECT_SEGS=attention.DIRECT_SEGS,
                                              F32DOT=False, PAGED=paged))
     if progs > 1:
         assert "atom.global.gpu.acq_rel.add" in p and "ld.global.cg" in p, "the split attention's semaphore or L2 reads"
