@@ -53,6 +53,10 @@ def test_paged_verifier_equals_the_dynamic_cache_one_and_returns_its_pages(tiny)
     dynamic = VerifierCore(target, max_block_size=32)
     paged = VerifierCore(target, max_block_size=32, paged_kv=PagedKVOptions(mode="on", kv_cache_gb=0.01))
     assert paged.pool is not None and dynamic.pool is None
+    assert dynamic.forward_info == {}
+    info = paged.forward_info  # what model info's kernels JSON says under "forward"
+    assert info["kv"].startswith("paged: ") and info["cuda_graphs"] == "off" and "segments of" in info["attention_kv_split"]
+    assert info["attention"] == paged.runner.attention and info["layers"] == paged.runner.prenorm
     free = paged.pool.free_pages
     prompt = list(range(5, 5 + PAGE + 6))  # the prompt crosses a page boundary
     want = drive._run(dynamic, prompt, drive._no_drafts)
@@ -73,3 +77,14 @@ def test_the_paged_kv_needs_the_kernels_and_says_so(tiny):
     assert VerifierCore(target, paged_kv=PagedKVOptions()).pool is None  # auto: transformers' DynamicCache
     with pytest.raises(ValueError, match="needs the batch-invariant kernels"):
         VerifierCore(target, paged_kv=PagedKVOptions(mode="on"))
+
+
+def test_model_info_kernels_json_says_how_the_forward_runs():
+    import json
+
+    from verifier_svc.servicer import model_kernels_json
+
+    assert model_kernels_json({}, {}) == ""  # transformers' own path: nothing installed, nothing to say
+    assert json.loads(model_kernels_json({"batch_invariant": True}, {})) == {"batch_invariant": True}
+    both = json.loads(model_kernels_json({"batch_invariant": True}, {"attention": "fused"}))
+    assert both == {"batch_invariant": True, "forward": {"attention": "fused"}}

@@ -133,6 +133,22 @@ class VerifierCore:
                 n = self.graphs.capture(max_rows=self.max_block_size)
                 log.info("cuda graphs captured", graphs=n, seconds=round(time.perf_counter() - t0, 2))
 
+    @property
+    def forward_info(self) -> dict:
+        """How a verify forward runs (model info's `kernels` JSON, key "forward"): {} on transformers' own cache, else
+        the paged KV, the layer chain, the attention's form and its KV split, and the CUDA graphs' buckets."""
+        if self.runner is None:
+            return {}
+        from kernels import attention
+
+        info = {"kv": f"paged: {self.pool.num_pages} pages of {PAGE} positions", "rotary": self.runner.rotary,
+                "layers": self.runner.prenorm, "attention": self.runner.attention,
+                "attention_kv_split": (f"segments of {attention.SEG} positions merged in order; verify forwards of <= "
+                                       f"{attention.SPLIT_MAX_T} tokens spread them over <= {attention.MAX_PROGRAMS} "
+                                       "programs per tile (the same bits)"),
+                "cuda_graphs": (f"buckets {list(self.graphs.buckets)}" if self.graphs is not None else "off")}
+        return info
+
     @contextlib.contextmanager
     def _prefill_threads(self):
         n = self.prefill_threads

@@ -34,6 +34,13 @@ def _finish_pb(f: FinishReason | None) -> int:
     return int(f) if f is not None else 0
 
 
+
+def model_kernels_json(kernels: dict, forward: dict) -> str:
+    """VerifierModelInfo.kernels: the installed kernels (kernels.install's summary) and, with the paged forward, how a
+    verify forward runs (VerifierCore.forward_info) under "forward"; "" when neither applies (transformers' own path)."""
+    info = {**kernels, **({"forward": forward} if forward else {})}
+    return json.dumps(info, sort_keys=True) if info else ""
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, core: VerifierCore | None = None, metrics=None, signer: TicketSigner | None = None, max_pending: int = 128,
                  inline_verify: bool = False):
@@ -133,7 +140,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             sessions_alive=len(self.core.sessions),
             max_sessions=self.core.sessions.max_sessions,
             batch_invariant=t.batch_invariant,
-            kernels=json.dumps(t.kernels, sort_keys=True) if t.kernels else "",
+            kernels=model_kernels_json(t.kernels, self.core.forward_info),
             experts_format=t.experts_format,
             warmup_seconds=self.core.warmup_seconds,
         )
