@@ -31,9 +31,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 has() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
 if [[ " $STEPS " == *" suite "* ]]; then  # the whole suite (~ minutes with 8 workers); the slowest 15 tests listed
-  timeout ${SUITE_S:-900} python3 -m pytest -q -n ${SUITE_WORKERS:-8} -p no:cacheprovider --timeout=300 --durations=15 \
+  # -v: a line per test as it ends, so a run cut by the time limit still names its failures (grep FAILED)
+  timeout ${SUITE_S:-560} python3 -m pytest -v -rfE -n ${SUITE_WORKERS:-8} -p no:cacheprovider --timeout=300 --durations=15 \
     > "$OUT/gpu_suite.txt" 2>&1
-  rc=$?; tail -60 "$OUT/gpu_suite.txt"; echo "suite: exit $rc" | tee -a "$OUT/gpu_suite.txt"
+  rc=$?; grep -E "FAILED|ERROR" "$OUT/gpu_suite.txt" | head -20; tail -25 "$OUT/gpu_suite.txt"
+  echo "suite: exit $rc" | tee -a "$OUT/gpu_suite.txt"
 fi
 if has tests; then
   timeout ${TESTS_S:-540} python3 -m pytest -v -p no:cacheprovider --timeout=300 --durations=12 ${TEST_FILES:-tests/test_kernels_gpu.py tests/test_gpu_verifier.py tests/test_drafter_gpu.py tests/test_offload_gpu.py} 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
@@ -53,8 +55,8 @@ fi
 if has dflash; then  # one DFlash drafter round in process on the GPU (bf16): propose / commit times and host queue time
   timeout ${DFLASH_S:-120} python3 benchmarks/dflash_round.py --device cuda --dtype bfloat16 --out "$OUT/dflash_round_h200.json" 2>&1 | tee "$OUT/dflash_round.txt" | tail -8
 fi
-if has linear; then  # the linear's launch options at the decode shapes: time, bandwidth, same bits (~1 min)
-  timeout ${LINEAR_S:-180} python3 benchmarks/linear_sweep.py --out "$OUT" 2>&1 | tee "$OUT/linear_sweep.txt" | tail -20
+if has linear; then  # the linear's tiles and launch options at the decode shapes, L2-cold: time, bandwidth, bits (~3-4 min)
+  timeout ${LINEAR_S:-300} python3 benchmarks/linear_sweep.py --out "$OUT" 2>&1 | tee "$OUT/linear_sweep.txt" | tail -20
 fi
 if has profile; then  # the verify forward's kernels by GPU time (benchmarks/forward_profile.py; ~2 min)
   timeout ${PROFILE_S:-300} python3 benchmarks/forward_profile.py --out "$OUT" ${PROFILE_ARGS:-} > "$OUT/forward_profile.txt" 2>&1

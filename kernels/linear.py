@@ -35,6 +35,12 @@ ONE_LAUNCH = os.environ.get("PDFLASH_LINEAR_ONE_LAUNCH", "0") == "1"
 STAGES = os.environ.get("PDFLASH_LINEAR_STAGES", "4")
 if STAGES != "auto" and not (STAGES.isdigit() and 1 <= int(STAGES) <= 8):
     raise ValueError(f"PDFLASH_LINEAR_STAGES must be a number of pipeline stages (1-8) or 'auto', got {STAGES!r}")
+# the tile's rows: one value for every call (a row's bits may depend on the MMA form the tile's height selects, never on
+# M). At decode shapes a 64-row tile holds one real row, and its activation tile takes a quarter of each pipeline
+# stage's shared memory; smaller tiles fit more programs per SM (benchmarks/linear_sweep.py measures them, cold in L2).
+BLOCK_M = int(os.environ.get("PDFLASH_LINEAR_BLOCK_M", "64"))
+if BLOCK_M not in (16, 32, 64, 128):
+    raise ValueError(f"PDFLASH_LINEAR_BLOCK_M must be 16, 32, 64 or 128, got {BLOCK_M}")
 COUNTER_REGIONS = 64  # calls in flight at once never share a region: they would have to be 64 calls apart
 COUNTERS_PER_REGION = 16384  # output tiles a one-launch call may have (more: the two-launch path)
 
@@ -55,7 +61,7 @@ def linear_config(n: int, k: int, esize: int = 2) -> LinearConfig:
     sms = runtime.sm_count()
     block_n = 64
     block_k = 128 if esize <= 2 else 64
-    block_m = 64
+    block_m = BLOCK_M
     n_tiles = (n + block_n - 1) // block_n
     k_steps = (k + block_k - 1) // block_k
     split = 1

@@ -492,6 +492,32 @@ def test_linear_stages_option_is_checked_and_auto_follows_the_k_steps(monkeypatc
 
 
 @needs_triton
+def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):
+    """PDFLASH_LINEAR_BLOCK_M: the tile height is one value for every call, so a row's bits never depend on M (here a
+    16-row tile: rows alone, in a 7-row call and in a 40-row call are the same bits); a bad value stops the import."""
+    import os
+    import subprocess
+    import sys
+
+    from kernels import linear
+
+    g = torch.Generator().manual_seed(5)
+    a, w = torch.randn(40, 256, generator=g).bfloat16(), torch.randn(96, 256, generator=g).bfloat16()
+    monkeypatch.setattr(linear, "BLOCK_M", 16)
+    linear.linear_config.cache_clear()
+    try:
+        assert linear.linear_config(96, 256).block_m == 16
+        full = linear.matmul(a, w.t())
+        assert torch.equal(linear.matmul(a[:7], w.t()), full[:7])
+        assert all(torch.equal(linear.matmul(a[i : i + 1], w.t()), full[i : i + 1]) for i in (0, 17, 39))
+    finally:
+        linear.linear_config.cache_clear()
+    env = {**os.environ, "PDFLASH_LINEAR_BLOCK_M": "48"}
+    r = subprocess.run([sys.executable, "-c", "import kernels.linear"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "PDFLASH_LINEAR_BLOCK_M must be" in r.stderr
+
+
+@needs_triton
 @pytest.mark.parametrize("window,sinks", [(None, False), (300, True)])
 def test_split_kv_attention_gives_the_same_bits_for_any_program_count(window, sinks):
     """The paged attention over a long context (3 KV segments): one program walking every segment, or several taking
