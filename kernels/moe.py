@@ -11,13 +11,15 @@ kernels run on all experts resident or on a GPU slot pool of offloaded ones.
 
 Batch invariance: a pair's row is computed by one program whose tile sizes, K order and activation are
 fixed by the layer's static shape (never by the number of tokens or by routing), and the k slots of a
-token are summed in slot order by one program; no atomics. So a token's output does not depend on which
-other tokens share the call (tests/test_kernels_gpu.py checks 1..256 rows bit for bit).
+token are summed in slot order by one program; no atomic adds a value (the opt-in FUSED_COMBINE counts with
+one, as a semaphore). So a token's output does not depend on which other tokens share the call
+(tests/test_kernels_gpu.py checks 1..256 rows bit for bit).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -25,6 +27,12 @@ from kernels import runtime
 
 triton, tl = runtime.triton, runtime.tl
 to_bf16, to_out = (runtime.to_bf16, runtime.to_out) if triton is not None else (None, None)
+
+# The combine (a token's k rows summed in slot order) in the down GEMM's launch: the last program to store one of a
+# token's pairs (per n tile; an atomic counter as a semaphore, as kernels/linear.py's one-launch split-K) sums them,
+# with the separate combine's arithmetic (the same bits); one launch fewer per MoE layer. Opt-in until the H200 has
+# measured it (PDFLASH_MOE_FUSED_COMBINE=1).
+FUSED_COMBINE = os.environ.get("PDFLASH_MOE_FUSED_COMBINE", "0") == "1"
 
 ACT_SILU = 0
 ACT_GPTOSS = 1  # clamp(gate, max=limit), clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1)
@@ -193,12 +201,15 @@ def align_fused(
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    e_pad = triton.next_power_of_2(num_experts + 1)
+    # experts padded to a power of two (a dropped pair's key E matches no column below E: it is never counted into a
+    # block); pairs C at a time against every expert column; the padding stores PAD_C entries at a time
+    e_pad = triton.next_power_of_2(num_experts)
+    c = 64 if e_pad <= 128 else 32
     _align_kernel[(1,)](
         ids, n_valid if n_valid is not None else ids, slot_of_expert if slot_of_expert is not None else ids,
         sorted_pairs, block_slot, num_blocks, valid, p, mb,
         E=num_experts, E_PAD=e_pad, TOPK=topk, BM=block_m, HAS_NVALID=n_valid is not None,
-        HAS_SLOT=slot_of_expert is not None, C=64 if e_pad <= 128 else 32, num_warps=4,
+        HAS_SLOT=slot_of_expert is not None, C=c, PAD_C=1024, num_warps=8 if c * e_pad >= 8192 else 4,
     )
     return Routing(sorted_pairs, block_slot, num_blocks, valid, mb, p)
 
@@ -584,14 +595,45 @@ if triton is not None:
                 )
 
     @triton.jit
+    def _combine_rows(y_ptr, stride_ym, valid_ptr, out_ptr, stride_om, tok, fin, n, n_ok, TOPK: tl.constexpr,
+                      F32DOT: tl.constexpr):
+        """out[tok] = its pairs' rows summed in slot order from zero (`_moe_combine`'s arithmetic), rows where `fin`."""
+        acc = tl.zeros((tok.shape[0], n.shape[0]), dtype=tl.float32)
+        for s in range(TOPK):
+            pair = tok * TOPK + s
+            v = tl.load(valid_ptr + pair, mask=fin, other=0)
+            ok = fin & (v != 0)
+            acc += tl.load(y_ptr + pair[:, None].to(tl.int64) * stride_ym + n[None, :], mask=ok[:, None] & n_ok[None, :],
+                           other=0.0, cache_modifier=".cg")  # (from L2: other SMs wrote them)
+        tl.store(out_ptr + tok[:, None].to(tl.int64) * stride_om + n[None, :], to_out(acc, out_ptr, F32DOT),
+                 mask=fin[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _zero_rows(valid_ptr, out_ptr, stride_om, pid_n, T, N: tl.constexpr, BLOCK_N: tl.constexpr, TOPK: tl.constexpr,
+                   TOPK_PAD: tl.constexpr, F32DOT: tl.constexpr):
+        """Zeros in n tile pid_n of the rows of tokens with no valid pair (no GEMM program finishes them), as the
+        separate combine gives them."""
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, TOPK_PAD)
+        t0 = T * 0
+        while t0 < T:
+            tok = t0 + tl.arange(0, 32)
+            t_ok = tok < T
+            vk = tl.load(valid_ptr + tok[:, None] * TOPK + ks[None, :], mask=t_ok[:, None] & (ks[None, :] < TOPK), other=0)
+            none = t_ok & (tl.sum((vk != 0).to(tl.int32), axis=1) == 0)
+            tl.store(out_ptr + tok[:, None].to(tl.int64) * stride_om + n[None, :],
+                     to_out(tl.zeros((32, BLOCK_N), dtype=tl.float32), out_ptr, F32DOT), mask=none[:, None] & (n < N)[None, :])
+            t0 += 32
+
+    @triton.jit
     def _gemm2_tile(
         pid_m, pid_n,
         h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
         w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be,
-        P,
+        P, out_ptr, cnt_ptr, valid_ptr,
         N: tl.constexpr, K: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
-        A_LOAD: tl.constexpr, SWAP: tl.constexpr,
+        A_LOAD: tl.constexpr, SWAP: tl.constexpr, COMBINE: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
     ):
         slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -613,6 +655,18 @@ if triton is not None:
         rw = tl.load(rw_ptr + pairs, mask=p_ok, other=0.0).to(tl.float32)
         y = y * rw[:, None]
         tl.store(y_ptr + pairs[:, None].to(tl.int64) * stride_ym + n[None, :], y, mask=p_ok[:, None] & n_ok[None, :])
+        if COMBINE:  # the last program to store a pair of a token (in this n tile) sums the token's rows
+            tok = pairs // TOPK
+            ks = tl.arange(0, TOPK_PAD)
+            vk = tl.load(valid_ptr + tok[:, None] * TOPK + ks[None, :], mask=p_ok[:, None] & (ks[None, :] < TOPK), other=0)
+            need = tl.sum((vk != 0).to(tl.int32), axis=1)
+            ctr = cnt_ptr + tok * ((N + BLOCK_N - 1) // BLOCK_N) + pid_n
+            tl.debug_barrier()  # every thread's rows stored before the counts are released
+            arrived = tl.atomic_add(ctr, 1, mask=p_ok, sem="acq_rel", scope="gpu")
+            fin = p_ok & (arrived == need - 1)
+            tl.debug_barrier()
+            _combine_rows(y_ptr, stride_ym, valid_ptr, out_ptr, N, tok, fin, n, n_ok, TOPK, F32DOT)
+            tl.atomic_xchg(ctr, 0, mask=fin, sem="relaxed", scope="gpu")  # ready for the next launch
 
     @triton.jit(do_not_specialize=["P"])
     def _moe_gemm2(
@@ -622,11 +676,12 @@ if triton is not None:
         w_ptr, stride_we, stride_wn,
         s_ptr, stride_se, stride_sn,
         b_ptr, stride_be,
-        P,
+        P, out_ptr, cnt_ptr, valid_ptr,
         N: tl.constexpr, K: tl.constexpr,
         FP4: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
         A_LOAD: tl.constexpr, SWAP: tl.constexpr, RASTER: tl.constexpr, PERSIST: tl.constexpr,
+        COMBINE: tl.constexpr = False, TOPK: tl.constexpr = 1, TOPK_PAD: tl.constexpr = 1,
     ):
         N_TILES: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
         nb = tl.load(num_blocks_ptr)
@@ -636,10 +691,16 @@ if triton is not None:
                 _gemm2_tile(
                     tile // N_TILES, tile % N_TILES,
                     h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
-                    w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P,
-                    N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
+                    w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, out_ptr, cnt_ptr,
+                    valid_ptr, N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, COMBINE, TOPK,
+                    TOPK_PAD,
                 )
                 tile += tl.num_programs(0)
+            if COMBINE:
+                zt = tl.program_id(0)
+                while zt < N_TILES:
+                    _zero_rows(valid_ptr, out_ptr, N, zt, P // TOPK, N, BLOCK_N, TOPK, TOPK_PAD, F32DOT)
+                    zt += tl.num_programs(0)
         else:
             if RASTER == 0:  # a 2-D grid (m blocks, n tiles)
                 pid_m = tl.program_id(0)
@@ -651,9 +712,13 @@ if triton is not None:
                 _gemm2_tile(
                     pid_m, pid_n,
                     h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
-                    w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P,
-                    N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
+                    w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, out_ptr, cnt_ptr,
+                    valid_ptr, N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, COMBINE, TOPK,
+                    TOPK_PAD,
                 )
+            if COMBINE:
+                if pid_m == 0:  # (every grid has m block 0 of each n tile, routed pairs or not)
+                    _zero_rows(valid_ptr, out_ptr, N, pid_n, P // TOPK, N, BLOCK_N, TOPK, TOPK_PAD, F32DOT)
 
     @triton.jit
     def _fp4_decode_kernel(w_ptr, s_ptr, out_ptr, N, stride_wn, stride_sn, stride_on, K: tl.constexpr,
@@ -700,7 +765,7 @@ if triton is not None:
         ids_ptr, nvalid_ptr, slot_ptr, sorted_ptr, block_slot_ptr, num_blocks_ptr, valid_ptr,
         P, MB,
         E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
-        HAS_NVALID: tl.constexpr, HAS_SLOT: tl.constexpr, C: tl.constexpr,
+        HAS_NVALID: tl.constexpr, HAS_SLOT: tl.constexpr, C: tl.constexpr, PAD_C: tl.constexpr,
     ):
         """`align` in one program: a stable counting sort of the pairs by expert into blocks of BM."""
         ev = tl.arange(0, E_PAD)
@@ -711,10 +776,11 @@ if triton is not None:
         # while-loops with runtime bounds: P varies with the token count (a range() over it would not run under
         # Triton's interpreter, and a constexpr P would compile once per prompt length)
         start = P * 0
+        pi = tl.arange(0, PAD_C)
         while start < MB * BM:  # padding everywhere first
-            offs = start + ci
-            tl.store(sorted_ptr + offs, tl.zeros((C,), tl.int32) + P, mask=offs < MB * BM)
-            start += C
+            offs = start + pi
+            tl.store(sorted_ptr + offs, tl.zeros((PAD_C,), tl.int32) + P, mask=offs < MB * BM)
+            start += PAD_C
         counts = tl.zeros((E_PAD,), tl.int32)
         start = P * 0
         while start < P:
@@ -845,14 +911,19 @@ def launch_gemm1(x: torch.Tensor, r: Routing, w: ExpertWeights, h: torch.Tensor,
     return _run(_moe_gemm1, _grid(c, r.max_blocks, triton_cdiv(inter, c.block_n)), args, kwargs, warmup)
 
 
-def launch_gemm2(h: torch.Tensor, r: Routing, w: ExpertWeights, y: torch.Tensor, rw: torch.Tensor, c: MoeConfig, warmup: bool = False):
-    """y[pair] = (h[block row] @ w2[slot]^T (+ b2)) * routing weight: the down GEMM over all routing blocks."""
+def launch_gemm2(h: torch.Tensor, r: Routing, w: ExpertWeights, y: torch.Tensor, rw: torch.Tensor, c: MoeConfig, warmup: bool = False,
+                 combine: tuple | None = None):
+    """y[pair] = (h[block row] @ w2[slot]^T (+ b2)) * routing weight: the down GEMM over all routing blocks. `combine`
+    (out [T, H], zeroed int32 counters [T x n tiles], top-k): the combine in the same launch (`FUSED_COMBINE`)."""
     inter, hdim = w.intermediate, w.hidden
     s2 = w.s2 if w.fp4 else w.w2
     b2 = w.b2 if w.b2 is not None else w.w2
+    out, cnt, topk = combine if combine is not None else (y, r.pair_valid, 1)
     args = (h, h.stride(0), y, y.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks, rw,
-            w.w2, w.w2.stride(0), w.w2.stride(1), s2, s2.stride(0), s2.stride(1), b2, b2.stride(0), r.num_pairs)
-    kwargs = dict(N=hdim, K=inter, FP4=w.fp4, HAS_BIAS=w.b2 is not None, **_flags(c, w.fp4))
+            w.w2, w.w2.stride(0), w.w2.stride(1), s2, s2.stride(0), s2.stride(1), b2, b2.stride(0), r.num_pairs,
+            out, cnt, r.pair_valid)
+    kwargs = dict(N=hdim, K=inter, FP4=w.fp4, HAS_BIAS=w.b2 is not None, COMBINE=combine is not None, TOPK=topk,
+                  TOPK_PAD=triton.next_power_of_2(topk), **_flags(c, w.fp4))
     return _run(_moe_gemm2, _grid(c, r.max_blocks, triton_cdiv(hdim, c.block_n)), args, kwargs, warmup)
 
 
@@ -892,16 +963,23 @@ def moe_forward(
     h = torch.empty((r.max_blocks * bm, inter), dtype=torch.bfloat16, device=dev)
     y = torch.empty((r.num_pairs, hdim), dtype=torch.float32, device=dev)
     rw = topk_weights.reshape(-1).contiguous()
+    out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
+    cnt = None
+    if FUSED_COMBINE:
+        from kernels.linear import _counters
+
+        cnt = _counters(dev, t * triton_cdiv(hdim, config2.block_n))  # None: the separate combine (too many tiles)
+    combine = (out, cnt, topk) if cnt is not None else None
     if warmup:
         launch_gemm1(x, r, w, h, config, topk, warmup=True)
-        launch_gemm2(h, r, w, y, rw, config2, warmup=True)
+        launch_gemm2(h, r, w, y, rw, config2, warmup=True, combine=combine)
         return None
-    out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
     launch_gemm1(x, r, w, h, config, topk)
-    launch_gemm2(h, r, w, y, rw, config2)
-    f32dot = runtime.interpreting()
-    block = min(1024, triton.next_power_of_2(hdim))
-    _moe_combine[(t, triton_cdiv(hdim, block))](y, r.pair_valid, out, hdim, TOPK=topk, BLOCK=block, EMULATE=f32dot)
+    launch_gemm2(h, r, w, y, rw, config2, combine=combine)
+    if combine is None:
+        f32dot = runtime.interpreting()
+        block = min(1024, triton.next_power_of_2(hdim))
+        _moe_combine[(t, triton_cdiv(hdim, block))](y, r.pair_valid, out, hdim, TOPK=topk, BLOCK=block, EMULATE=f32dot)
     return out
 
 

@@ -153,7 +153,8 @@ def test_align_groups_pairs_by_expert_and_drops_padding():
 
 # ---- the Triton kernels under the interpreter ---------------------------------------------------------
 @needs_triton
-@pytest.mark.parametrize("t,k,e,bm,nv,slots", [(4, 2, 4, 2, 3, False), (37, 8, 128, 16, None, True), (5, 4, 32, 16, 2, True), (300, 2, 8, 16, None, False)])
+@pytest.mark.parametrize("t,k,e,bm,nv,slots", [(4, 2, 4, 2, 3, False), (37, 8, 128, 16, None, True), (5, 4, 32, 16, 2, True), (300, 2, 8, 16, None, False),
+                                               (16, 4, 60, 16, 11, True)])
 def test_fused_align_equals_torch_align(t, k, e, bm, nv, slots):
     from kernels.moe import align_fused
 
@@ -205,6 +206,31 @@ def test_moe_kernel_matches_reference(fp4, name, fields, monkeypatch):
     out = moe_forward(x, ids, wts, w, 6, config=c1, config2=c2)
     ref = moe_reference(x, ids, wts, w, 6)
     assert (out.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max() + 1e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("fp4,name", [(False, None), (True, "join_bf16"), (True, "join_bf16_persist"), (False, "swap64"),
+                                      (True, "join_bf16_raster")])
+def test_fused_combine_gives_the_separate_combines_bits(fp4, name, monkeypatch):
+    """PDFLASH_MOE_FUSED_COMBINE: the down GEMM's last program per (token, n tile) sums the token's rows in slot order:
+    the separate combine's bits, padding rows (no valid pair) zero, a dropped pair skipped, every counter back at zero;
+    persistent, rastered and swapped grids alike."""
+    from kernels import linear, moe, runtime
+
+    monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
+    w = _experts(act=ACT_GPTOSS if fp4 else ACT_SILU, bias=fp4, fp4=fp4)
+    x, ids, wts = _routing(7, 6, 2)
+    ids[2, 1] = -1  # a dropped pair: row 2 has one valid pair
+    c1, c2 = _variant_configs({} if name is None else (moe.SWEEP_VARIANTS if fp4 else moe.SWEEP_VARIANTS_BF16)[name])
+    nv = torch.tensor([5])
+    monkeypatch.setattr(moe, "FUSED_COMBINE", False)
+    want = moe.moe_forward(x, ids, wts, w, 6, n_valid=nv, config=c1, config2=c2)
+    monkeypatch.setattr(moe, "FUSED_COMBINE", True)
+    linear._COUNTERS.clear()
+    got = moe.moe_forward(x, ids, wts, w, 6, n_valid=nv, config=c1, config2=c2)
+    assert torch.equal(got, want) and torch.equal(got[5:], torch.zeros_like(got[5:]))
+    assert int(linear._COUNTERS[("cpu", None)][0].abs().sum()) == 0  # ready for the next launch
+    assert torch.equal(moe.moe_forward(x, ids, wts, w, 6, n_valid=nv, config=c1, config2=c2), want)  # and again
 
 
 @needs_triton

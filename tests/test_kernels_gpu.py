@@ -407,3 +407,36 @@ def test_split_kv_attention_has_one_program_bits_at_long_contexts(hq, hkv, d, wi
     for i in (0, 31):  # one query alone (1-token decoding) on keys up to its own position
         alone = paged_attention(q[:, :, i : i + 1], kp, vp, table, pos[:, i : i + 1], d**-0.5, window, sk)
         assert torch.equal(alone[:, 0], one[:, i]), i
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "gpt-oss-20b"])
+@pytest.mark.parametrize("fp4", [False, True])
+def test_fused_combine_gives_the_separate_combines_bits_also_replayed_in_a_graph(model, fp4, monkeypatch):
+    """PDFLASH_MOE_FUSED_COMBINE (the down GEMM's last program per token and n tile sums the token's rows): the
+    separate combine's bits for 1..64 rows, padding rows zero, repeated and replayed from a CUDA graph."""
+    from kernels import moe
+
+    w = _weights(model, fp4)
+    e = SHAPES[model][0]
+    x, ids, wts = _tokens(model, 64, seed=3)
+    nv = torch.tensor([40], device=DEV)
+    monkeypatch.setattr(moe, "FUSED_COMBINE", False)
+    want = {t: moe.moe_forward(x[:t], ids[:t], wts[:t], w, e, n_valid=nv if t == 64 else None) for t in (1, 5, 16, 64)}
+    monkeypatch.setattr(moe, "FUSED_COMBINE", True)
+    for t, ref in want.items():
+        for _ in range(3):
+            got = moe.moe_forward(x[:t], ids[:t], wts[:t], w, e, n_valid=nv if t == 64 else None)
+            assert torch.equal(got, ref), t
+    assert torch.equal(want[64][40:], torch.zeros_like(want[64][40:]))
+    xs, ids_s, wts_s = x[:16].clone(), ids[:16].clone(), wts[:16].clone()
+    moe.moe_forward(xs, ids_s, wts_s, w, e)  # compiled and the counters made before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.moe_forward(xs, ids_s, wts_s, w, e)
+    for i in range(0, 48, 6):
+        xs.copy_(x[i : i + 16]), ids_s.copy_(ids[i : i + 16]), wts_s.copy_(wts[i : i + 16])
+        graph.replay()
+        monkeypatch.setattr(moe, "FUSED_COMBINE", False)
+        ref = moe.moe_forward(x[i : i + 16], ids[i : i + 16], wts[i : i + 16], w, e)
+        monkeypatch.setattr(moe, "FUSED_COMBINE", True)
+        assert torch.equal(out, ref), i
