@@ -124,6 +124,23 @@ if triton is not None:
         return m, l_m, acc_m
 
     @triton.jit
+    def _walk_step(
+        c, c0, m_t, l_t, acc_t, m_i, l_i, acc, q, qpos, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs, kpos0, S, last,
+        scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
+        HAS_KMASK: tl.constexpr, BLOCK_N: tl.constexpr, SEG_CHUNKS: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr,
+    ):
+        """Chunk c of `_walk`: at a segment's first chunk (not the walk's first) the segment so far is merged into the
+        total and the segment state starts again from empty; then the chunk."""
+        new = (c % (SEG_CHUNKS * BLOCK_N) == 0) & (c != c0)
+        m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_i, l_i, acc)
+        m_t, l_t, acc_t = tl.where(new, m_n, m_t), tl.where(new, l_n, l_t), tl.where(new, acc_n, acc_t)
+        m_i, l_i, acc = tl.where(new, -1.0e30, m_i), tl.where(new, 0.0, l_i), tl.where(new, 0.0, acc)
+        m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs, kpos0, S,
+                                    last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb, HAS_KMASK, BLOCK_N,
+                                    F32DOT, PAGED)
+        return m_t, l_t, acc_t, m_i, l_i, acc
+
+    @triton.jit
     def _walk(
         c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs, kpos0, S, last, scaling, window,
         kmask_ptr, smb, b, dd, table_ptr, stb,
@@ -142,23 +159,17 @@ if triton is not None:
         if F32DOT:  # Triton's interpreter cannot run a range() whose bounds were loaded from memory
             c = c0
             while c <= hi:
-                new = (c % (SEG_CHUNKS * BLOCK_N) == 0) & (c != c0)
-                m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_i, l_i, acc)
-                m_t, l_t, acc_t = tl.where(new, m_n, m_t), tl.where(new, l_n, l_t), tl.where(new, acc_n, acc_t)
-                m_i, l_i, acc = tl.where(new, -1.0e30, m_i), tl.where(new, 0.0, l_i), tl.where(new, 0.0, acc)
-                m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs,
-                                            kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
-                                            HAS_KMASK, BLOCK_N, F32DOT, PAGED)
+                m_t, l_t, acc_t, m_i, l_i, acc = _walk_step(
+                    c, c0, m_t, l_t, acc_t, m_i, l_i, acc, q, qpos, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs,
+                    kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
+                    HAS_KMASK, BLOCK_N, SEG_CHUNKS, F32DOT, PAGED)
                 c += BLOCK_N
         else:
             for c in range(c0, hi + 1, BLOCK_N):
-                new = (c % (SEG_CHUNKS * BLOCK_N) == 0) & (c != c0)
-                m_n, l_n, acc_n = _merge(m_t, l_t, acc_t, m_i, l_i, acc)
-                m_t, l_t, acc_t = tl.where(new, m_n, m_t), tl.where(new, l_n, l_t), tl.where(new, acc_n, acc_t)
-                m_i, l_i, acc = tl.where(new, -1.0e30, m_i), tl.where(new, 0.0, l_i), tl.where(new, 0.0, acc)
-                m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs,
-                                            kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
-                                            HAS_KMASK, BLOCK_N, F32DOT, PAGED)
+                m_t, l_t, acc_t, m_i, l_i, acc = _walk_step(
+                    c, c0, m_t, l_t, acc_t, m_i, l_i, acc, q, qpos, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs,
+                    kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
+                    HAS_KMASK, BLOCK_N, SEG_CHUNKS, F32DOT, PAGED)
         return _merge(m_t, l_t, acc_t, m_i, l_i, acc)
 
     @triton.jit

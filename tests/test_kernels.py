@@ -498,10 +498,6 @@ def test_kernels_on_without_cuda_is_refused_in_one_line(monkeypatch):
 def test_linear_stages_option_is_checked_and_auto_follows_the_k_steps(monkeypatch):
     """PDFLASH_LINEAR_STAGES: 'auto' gives a split of 2 K steps 3 stages and a longer one 4 (pipeline depth only, never
     the tiles or the split); a bad value stops the import with a message naming the variable."""
-    import os
-    import subprocess
-    import sys
-
     from kernels import linear
 
     monkeypatch.setattr(linear, "STAGES", "auto")
@@ -512,19 +508,24 @@ def test_linear_stages_option_is_checked_and_auto_follows_the_k_steps(monkeypatc
         assert long_.split == 1 and long_.num_stages == 4
     finally:
         linear.linear_config.cache_clear()
-    env = {**os.environ, "PDFLASH_LINEAR_STAGES": "fast"}
-    r = subprocess.run([sys.executable, "-c", "import kernels.linear"], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "PDFLASH_LINEAR_STAGES must be" in r.stderr
+    _import_refuses("PDFLASH_LINEAR_STAGES", "fast")
+
+
+def _import_refuses(var: str, value: str) -> None:
+    """Importing kernels.linear with `var`=`value` stops with a message that names the variable."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", "import kernels.linear"], env={**os.environ, var: value}, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and f"{var} must be" in r.stderr
 
 
 @needs_triton
 def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):
     """PDFLASH_LINEAR_BLOCK_M: the tile height is one value for every call, so a row's bits never depend on M (here a
     16-row tile: rows alone, in a 7-row call and in a 40-row call are the same bits); a bad value stops the import."""
-    import os
-    import subprocess
-    import sys
-
     from kernels import linear
 
     g = torch.Generator().manual_seed(5)
@@ -538,9 +539,7 @@ def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):
         assert all(torch.equal(linear.matmul(a[i : i + 1], w.t()), full[i : i + 1]) for i in (0, 17, 39))
     finally:
         linear.linear_config.cache_clear()
-    env = {**os.environ, "PDFLASH_LINEAR_BLOCK_M": "48"}
-    r = subprocess.run([sys.executable, "-c", "import kernels.linear"], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "PDFLASH_LINEAR_BLOCK_M must be" in r.stderr
+    _import_refuses("PDFLASH_LINEAR_BLOCK_M", "48")
 
 
 @needs_triton
