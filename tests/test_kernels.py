@@ -511,13 +511,13 @@ def test_linear_stages_option_is_checked_and_auto_follows_the_k_steps(monkeypatc
     _import_refuses("PDFLASH_LINEAR_STAGES", "fast")
 
 
-def _import_refuses(var: str, value: str) -> None:
-    """Importing kernels.linear with `var`=`value` stops with a message that names the variable."""
+def _import_refuses(var: str, value: str, module: str = "kernels.linear") -> None:
+    """Importing `module` with `var`=`value` stops with a message that names the variable."""
     import os
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", "import kernels.linear"], env={**os.environ, var: value}, capture_output=True,
+    r = subprocess.run([sys.executable, "-c", f"import {module}"], env={**os.environ, var: value}, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode != 0 and f"{var} must be" in r.stderr
 
@@ -569,6 +569,7 @@ def test_split_kv_attention_gives_the_same_bits_for_any_program_count(window, si
     assert torch.equal(attention(q, k, v, pos, 0.25, window, sk), outs[0])
     ref = attention_reference(q, k, v, pos[0], 0, 0.25, window, sk)
     assert (outs[0].float() - ref.float()).abs().max() < 0.02
+    _import_refuses("PDFLASH_ATTENTION_PROGRAMS", "0", "kernels.attention")
     short = pos - (s - 105)  # a context of one segment: program 0 holds it, the others have none
     one = paged_attention(q, kp, vp, table, short, 0.25, window, sk, programs=1)
     assert torch.equal(paged_attention(q, kp, vp, table, short, 0.25, window, sk, programs=4), one)
