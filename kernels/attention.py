@@ -188,6 +188,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_CHUNKS: tl.constexpr, PROGRAMS: tl.constexpr,
         DIRECT_SEGS: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr,
     ):
+        runtime.pdl_begin()
         pid_m = tl.program_id(0)
         kh = tl.program_id(1)
         pid_z = tl.program_id(2)
@@ -332,7 +333,7 @@ def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_t
         t, s, float(scaling), int(sliding_window or 0),
         GROUP=group, D=d, HAS_SINK=sinks is not None, HAS_KMASK=key_mask is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SEG_CHUNKS=SEG_CHUNKS, PROGRAMS=nprog, DIRECT_SEGS=DIRECT_SEGS, F32DOT=runtime.interpreting(),
-        PAGED=page_table is not None,
+        PAGED=page_table is not None, **runtime.pdl_launch(),
     )
     return out
 
@@ -387,6 +388,7 @@ if triton is not None:
         pages_ptr, offs_ptr,
         D: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
+        runtime.pdl_begin()
         t = tl.program_id(0)
         h = tl.program_id(1).to(tl.int64)
         page = tl.load(pages_ptr + t).to(tl.int64)
@@ -431,6 +433,6 @@ def paged_write(k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, v
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
         k_pool, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool, v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-        pages, offsets, D=d, BLOCK_D=triton.next_power_of_2(d),
+        pages, offsets, D=d, BLOCK_D=triton.next_power_of_2(d), **runtime.pdl_launch(),
     )
     return None

@@ -31,7 +31,7 @@ triton, tl = runtime.triton, runtime.tl
 _ROUNDED = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}  # the ROUND code of a result dtype
 # every launch: no contraction of a product into a sum (fma), so each product is rounded before it is added, as
 # torch's op-by-op kernels round (tests/test_fused_kernels.py checks the PTX)
-LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
+LAUNCH_OPTIONS = dict(enable_fp_fusion=False, **runtime.pdl_launch())
 
 
 if triton is not None:
@@ -100,6 +100,7 @@ if triton is not None:
         tensor, or with SPLIT > 0 a linear's K partials (_load_x). A row of one chunk (D <= BLOCK) is read once and
         kept in registers; a longer one is read again for the scaling (recomputed, not read back: another thread of
         the program may have stored the sum). Either way the sum of squares adds as kernels.reduce._row_sum does."""
+        runtime.pdl_begin()
         r = tl.program_id(0).to(tl.int64)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         if D <= BLOCK:
@@ -127,6 +128,7 @@ if triton is not None:
                        HQ, HK, T, D: tl.constexpr, HALF_TABLE: tl.constexpr, ROUND: tl.constexpr,
                        BLOCK: tl.constexpr, EMULATE: tl.constexpr):
         """One program per (batch, head, position) row of q, then of k."""
+        runtime.pdl_begin()
         pid = tl.program_id(0)
         nq = HQ * T
         b = pid // (nq + HK * T)
@@ -164,6 +166,7 @@ if triton is not None:
                       XROUND: tl.constexpr = 0):
         """One row of logits -> its top-k; with SPLIT > 0 the logits are first made from the router linear's K
         partials (ws_ptr, + bias, rounded as the linear stores them) and stored to logits_ptr."""
+        runtime.pdl_begin()
         r = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
         ok = e < E

@@ -86,6 +86,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, F32DOT: tl.constexpr,
         FIXUP: tl.constexpr = False, PARTIALS: tl.constexpr = False,
     ):
+        runtime.pdl_begin()
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -142,6 +143,7 @@ if triton is not None:
 
     @triton.jit
     def _split_reduce(ws_ptr, bias_ptr, out_ptr, stride_om, M, N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+        runtime.pdl_begin()
         m = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N
@@ -197,6 +199,7 @@ def _launch(a, b, cfg: LinearConfig, out, ws, bias, counters, partials: bool = F
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", F32DOT=runtime.interpreting(),
         FIXUP=counters is not None, PARTIALS=partials, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **runtime.pdl_launch(),
     )
 
 
@@ -205,7 +208,8 @@ def _reduce(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> N
     s, m, n = ws.shape
     block = min(1024, triton.next_power_of_2(n))
     _split_reduce[(m, triton.cdiv(n, block))](ws, bias if bias is not None else out, out, out.stride(0), m, N=n, SPLIT=s,
-                                              HAS_BIAS=bias is not None, BLOCK=block, EMULATE=runtime.interpreting())
+                                              HAS_BIAS=bias is not None, BLOCK=block, EMULATE=runtime.interpreting(),
+                                              **runtime.pdl_launch())
 
 
 def _check(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:

@@ -210,6 +210,7 @@ def align_fused(
         sorted_pairs, block_slot, num_blocks, valid, p, mb,
         E=num_experts, E_PAD=e_pad, TOPK=topk, BM=block_m, HAS_NVALID=n_valid is not None,
         HAS_SLOT=slot_of_expert is not None, C=c, PAD_C=1024, num_warps=8 if c * e_pad >= 8192 else 4,
+        **runtime.pdl_launch(),
     )
     return Routing(sorted_pairs, block_slot, num_blocks, valid, mb, p)
 
@@ -567,6 +568,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
         A_LOAD: tl.constexpr, SWAP: tl.constexpr, RASTER: tl.constexpr, PERSIST: tl.constexpr,
     ):
+        runtime.pdl_begin()
         N_TILES: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
         nb = tl.load(num_blocks_ptr)
         if PERSIST:  # a fixed number of programs, each walking tiles (n tiles of one block consecutively)
@@ -683,6 +685,7 @@ if triton is not None:
         A_LOAD: tl.constexpr, SWAP: tl.constexpr, RASTER: tl.constexpr, PERSIST: tl.constexpr,
         COMBINE: tl.constexpr = False, TOPK: tl.constexpr = 1, TOPK_PAD: tl.constexpr = 1,
     ):
+        runtime.pdl_begin()
         N_TILES: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
         nb = tl.load(num_blocks_ptr)
         if PERSIST:
@@ -740,6 +743,7 @@ if triton is not None:
 
     @triton.jit
     def _moe_combine(y_ptr, valid_ptr, out_ptr, N: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+        runtime.pdl_begin()
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N
@@ -768,6 +772,7 @@ if triton is not None:
         HAS_NVALID: tl.constexpr, HAS_SLOT: tl.constexpr, C: tl.constexpr, PAD_C: tl.constexpr,
     ):
         """`align` in one program: a stable counting sort of the pairs by expert into blocks of BM."""
+        runtime.pdl_begin()
         ev = tl.arange(0, E_PAD)
         ci = tl.arange(0, C)
         nv = P // TOPK
@@ -895,7 +900,7 @@ def _flags(c: MoeConfig, fp4: bool) -> dict:
         a_load = A_JOIN  # decode 4 always gives the tile in K order
     return dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DECODE=decode, F32DOT=runtime.interpreting(),
                 A_LOAD=a_load, SWAP=c.swap_ab, RASTER=c.raster, PERSIST=c.persist > 0,
-                num_warps=c.num_warps, num_stages=c.num_stages)
+                num_warps=c.num_warps, num_stages=c.num_stages, **runtime.pdl_launch())
 
 
 def launch_gemm1(x: torch.Tensor, r: Routing, w: ExpertWeights, h: torch.Tensor, c: MoeConfig, topk: int, warmup: bool = False):
@@ -979,7 +984,8 @@ def moe_forward(
     if combine is None:
         f32dot = runtime.interpreting()
         block = min(1024, triton.next_power_of_2(hdim))
-        _moe_combine[(t, triton_cdiv(hdim, block))](y, r.pair_valid, out, hdim, TOPK=topk, BLOCK=block, EMULATE=f32dot)
+        _moe_combine[(t, triton_cdiv(hdim, block))](y, r.pair_valid, out, hdim, TOPK=topk, BLOCK=block, EMULATE=f32dot,
+                                                       **runtime.pdl_launch())
     return out
 
 

@@ -86,6 +86,7 @@ if triton is not None:
                          SPLIT_A: tl.constexpr, SPLIT_B: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, CAST_FIRST: tl.constexpr, XROUND: tl.constexpr,
                          NROUND: tl.constexpr, ROUND: tl.constexpr, HALF_TABLE: tl.constexpr, BLOCK: tl.constexpr,
                          EMULATE: tl.constexpr):
+        runtime.pdl_begin()
         pid = tl.program_id(0)
         t = pid // (HQ + 2 * HK)
         j = pid % (HQ + 2 * HK)

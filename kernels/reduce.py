@@ -25,6 +25,7 @@ if triton is not None:
 
     @triton.jit
     def _row_sum(x_ptr, out_ptr, D: tl.constexpr, scale, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+        runtime.pdl_begin()
         r = tl.program_id(0).to(tl.int64)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for c in range(0, D, BLOCK):
@@ -35,6 +36,7 @@ if triton is not None:
 
     @triton.jit
     def _row_softmax(x_ptr, out_ptr, D: tl.constexpr, LOG: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
+        runtime.pdl_begin()
         r = tl.program_id(0).to(tl.int64)
         m = tl.full((BLOCK,), -float("inf"), dtype=tl.float32)
         for c in range(0, D, BLOCK):
@@ -79,7 +81,7 @@ def row_sum(x: torch.Tensor, dims: list[int] | None, keepdim: bool = False, mean
     out = torch.empty(r, dtype=out_dtype, device=x.device)
     if r:
         scale = 1.0 / d if mean else 1.0
-        _row_sum[(r,)](rows, out, D=d, scale=scale, BLOCK=_block(d), EMULATE=runtime.interpreting())
+        _row_sum[(r,)](rows, out, D=d, scale=scale, BLOCK=_block(d), EMULATE=runtime.interpreting(), **runtime.pdl_launch())
     out = out.reshape(kept)
     if keepdim:
         for i in dims_n:
@@ -94,5 +96,5 @@ def softmax(x: torch.Tensor, dim: int, log: bool = False, dtype: torch.dtype | N
     rows = xt.reshape(-1, shape[-1]).contiguous()
     out = torch.empty(rows.shape, dtype=dtype or x.dtype, device=x.device)
     if rows.shape[0]:
-        _row_softmax[(rows.shape[0],)](rows, out, D=rows.shape[1], LOG=log, BLOCK=_block(rows.shape[1]), EMULATE=runtime.interpreting())
+        _row_softmax[(rows.shape[0],)](rows, out, D=rows.shape[1], LOG=log, BLOCK=_block(rows.shape[1]), EMULATE=runtime.interpreting(), **runtime.pdl_launch())
     return out.reshape(shape).movedim(-1, dim)

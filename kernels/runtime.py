@@ -28,6 +28,19 @@ def triton_usable(device: torch.device | str) -> bool:
     return dev.type == "cuda" or (dev.type == "cpu" and interpreting())
 
 
+# Programmatic dependent launch (opt-in, PDFLASH_PDL=1; CUDA only): the forward's kernels are launched with
+# launch_pdl and each program starts with `pdl_begin`: it lets the next kernel's programs launch at once and then waits
+# until the previous kernel has finished and its writes are visible (griddepcontrol.wait, unconditionally, in every
+# program: so a kernel never finishes before the one before it, and a kernel that is not launched this way waits for
+# everything before it as usual). Launch latency hides under the previous kernel's tail; the arithmetic is untouched.
+PDL = os.environ.get("PDFLASH_PDL", "0") == "1" and not interpreting()
+
+
+def pdl_launch() -> dict:
+    """The launch option of a kernel that starts with `pdl_begin` ({} unless PDFLASH_PDL=1 on CUDA)."""
+    return {"launch_pdl": True} if PDL and not interpreting() else {}
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device: int | None = None) -> int:
     if torch.cuda.is_available():
@@ -36,6 +49,16 @@ def sm_count(device: int | None = None) -> int:
 
 
 if triton is not None:
+    from triton.language.extra import cuda as _cuda
+
+    _PDL = tl.constexpr(PDL)
+
+    @triton.jit
+    def pdl_begin():
+        """A forward kernel's first statement (nothing unless PDFLASH_PDL=1): see PDL above."""
+        if _PDL:
+            _cuda.gdc_launch_dependents()
+            _cuda.gdc_wait()
 
     @triton.jit
     def to_bf16(x, EMULATE: tl.constexpr):

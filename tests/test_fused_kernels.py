@@ -249,10 +249,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import fused
 
+import os
+PDL = os.environ.get("PDFLASH_PDL") == "1"
+
 def ptx(fn, types, const):
     sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(fused.LAUNCH_OPTIONS))
     assert k.asm["cubin"], fn
+    # PDFLASH_PDL=1: every forward kernel waits for the one before it (runtime.pdl_begin), else none does
+    assert ("griddepcontrol.wait" in k.asm["ptx"]) == PDL, (fn, PDL)
     return k.asm["ptx"]
 
 bf = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_ptr="*bf16", sum_ptr="*bf16", eps="fp32", scale="fp32")
@@ -327,9 +332,10 @@ def test_fused_kernels_compile_for_an_h200_without_contracting_products_into_sum
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = pathlib.Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=root, env={**env, "PYTHONPATH": str(root)},
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+    for pdl in ("0", "1"):  # PDFLASH_PDL=1: the same kernels with the programmatic-dependent-launch wait
+        r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=root, env={**env, "PYTHONPATH": str(root), "PDFLASH_PDL": pdl},
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "compiled" in r.stdout, (pdl, r.stderr[-3000:])
 
 
 # ---- the pre-norm chain (verifier_svc/prenorm.py) ----------------------------------------------------------------
