@@ -35,7 +35,7 @@ BLOCK_N = 64
 SEG_CHUNKS = 4  # chunks per KV segment (256 positions)
 SEG = SEG_CHUNKS * BLOCK_N
 DIRECT_SEGS = 2  # a context of at most this many segments is walked by one program even in the split form
-SPLIT_MAX_T = 64  # paged calls of at most this many tokens spread a tile's segments over programs
+SPLIT_MAX_T = 32  # paged calls of at most this many tokens (the largest verify graph) spread a tile's segments over programs
 # programs per tile in the split form (1 = every call walks its segments in one program: the same bits, for A/B runs)
 MAX_PROGRAMS = int(os.environ.get("PDFLASH_ATTENTION_PROGRAMS", "16"))
 if not 1 <= MAX_PROGRAMS <= 256:
@@ -276,6 +276,25 @@ if triton is not None:
                  mask=row_ok[:, None] & done)
 
 
+_WORKSPACE: dict = {}  # device -> every (states, maxes and sums) buffer pair made, the newest (largest) last
+
+
+def _workspace(device: torch.device, ws_numel: int, ml_numel: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The split form's per-segment states: one float32 buffer pair per device, shared by every call and every captured
+    graph (a verifier runs one forward at a time), grown when a call needs more; a pair a graph captured stays alive
+    (and in use by it). None inside a CUDA-graph capture that would have to grow it (the call then runs one program
+    per tile: the same bits)."""
+    made = _WORKSPACE.setdefault((device.type, device.index), [])
+    if made and made[-1][0].numel() >= ws_numel and made[-1][1].numel() >= ml_numel:
+        return made[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    have = made[-1] if made else None
+    made.append((torch.empty(max(ws_numel, have[0].numel() if have else 0), dtype=torch.float32, device=device),
+                 torch.empty(max(ml_numel, have[1].numel() if have else 0), dtype=torch.float32, device=device)))
+    return made[-1]
+
+
 def _programs(t: int, page_table, device: torch.device, programs: int | None) -> int:
     """Programs per tile: 1 (one walks every segment) unless a paged call of few tokens has a table long enough for
     several segments. `programs` overrides (tests: any count gives the same bits)."""
@@ -314,11 +333,12 @@ def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_t
         cnt = linear._counters(q.device, tiles)
         span = table.shape[-1] * BLOCK_N if page_table is not None else int(pos.max()) + 1
         nseg = max(1, triton.cdiv(span, SEG))
-        if cnt is None:
-            nprog = 1
+        most = max(tiles, triton.cdiv(SPLIT_MAX_T * group, BLOCK_M) * hkv * bsz)  # sized for the largest call at once
+        bufs = _workspace(q.device, most * nseg * BLOCK_M * d, most * nseg * 2 * BLOCK_M) if cnt is not None else None
+        if bufs is None:
+            nprog = 1  # (the same bits)
         else:
-            ws = torch.empty((tiles, nseg, BLOCK_M, d), dtype=torch.float32, device=q.device)
-            ml = torch.empty((tiles, nseg, 2, BLOCK_M), dtype=torch.float32, device=q.device)
+            ws, ml = bufs
     grid = (m_blocks, hkv, bsz * nprog)
     _attn_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),

@@ -566,6 +566,11 @@ def test_split_kv_attention_gives_the_same_bits_for_any_program_count(window, si
     table = torch.cat([order, torch.zeros(4, dtype=torch.long)]).to(torch.int32).reshape(1, -1)  # room to spare
     outs = [paged_attention(q, kp, vp, table, pos, 0.25, window, sk, programs=n) for n in (1, 2, 3, 16)]
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    from kernels import attention as attn_mod
+
+    made = len(attn_mod._WORKSPACE[("cpu", None)])  # the split form's states: one buffer shared by later calls
+    paged_attention(q[:, :, :1], kp, vp, table, pos[:, :1], 0.25, window, sk, programs=4)
+    assert len(attn_mod._WORKSPACE[("cpu", None)]) == made
     assert torch.equal(attention(q, k, v, pos, 0.25, window, sk), outs[0])
     ref = attention_reference(q, k, v, pos[0], 0, 0.25, window, sk)
     assert (outs[0].float() - ref.float()).abs().max() < 0.02
