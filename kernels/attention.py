@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from kernels import runtime
+from kernels import linear, runtime
 
 triton, tl = runtime.triton, runtime.tl
 to_out = runtime.to_out if triton is not None else None
@@ -37,9 +37,10 @@ SEG = SEG_CHUNKS * BLOCK_N
 DIRECT_SEGS = 2  # a context of at most this many segments is walked by one program even in the split form
 SPLIT_MAX_T = 32  # paged calls of at most this many tokens (the largest verify graph) spread a tile's segments over programs
 # programs per tile in the split form (1 = every call walks its segments in one program: the same bits, for A/B runs)
-MAX_PROGRAMS = int(os.environ.get("PDFLASH_ATTENTION_PROGRAMS", "16"))
-if not 1 <= MAX_PROGRAMS <= 256:
-    raise ValueError(f"PDFLASH_ATTENTION_PROGRAMS must be 1..256, got {MAX_PROGRAMS}")
+_PROGRAMS = os.environ.get("PDFLASH_ATTENTION_PROGRAMS", "16")
+if not (_PROGRAMS.isdigit() and 1 <= int(_PROGRAMS) <= 256):
+    raise ValueError(f"PDFLASH_ATTENTION_PROGRAMS must be a number of programs, 1..256, got {_PROGRAMS!r}")
+MAX_PROGRAMS = int(_PROGRAMS)
 
 
 if triton is not None:
@@ -295,7 +296,7 @@ def _workspace(device: torch.device, ws_numel: int, ml_numel: int) -> tuple[torc
     return made[-1]
 
 
-def _programs(t: int, page_table, device: torch.device, programs: int | None) -> int:
+def _programs(t: int, page_table, programs: int | None) -> int:
     """Programs per tile: 1 (one walks every segment) unless a paged call of few tokens has a table long enough for
     several segments. `programs` overrides (tests: any count gives the same bits)."""
     if programs is not None:
@@ -307,8 +308,6 @@ def _programs(t: int, page_table, device: torch.device, programs: int | None) ->
 
 def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_table, s, programs=None) -> torch.Tensor:
     """One launcher for both layouts: k/v [B, Hkv, S, D] (page_table None) or pools [pages, Hkv, PAGE, D]."""
-    from kernels import linear
-
     bsz, hq, t, d = q.shape
     hkv = k.shape[1]
     if hq % hkv:
@@ -325,7 +324,7 @@ def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_t
     table = page_table.reshape(bsz, -1) if page_table is not None else pos
     group = hq // hkv
     m_blocks = triton.cdiv(t * group, BLOCK_M)
-    nprog = _programs(t, page_table, q.device, programs)
+    nprog = _programs(t, page_table, programs)
     ws = ml = cnt = out
     nseg = 1
     if nprog > 1:

@@ -27,7 +27,7 @@ from kernels import runtime
 triton, tl = runtime.triton, runtime.tl
 to_out = runtime.to_out if triton is not None else None
 
-ONE_LAUNCH = os.environ.get("PDFLASH_LINEAR_ONE_LAUNCH", "0") == "1"
+ONE_LAUNCH = runtime.env_flag("PDFLASH_LINEAR_ONE_LAUNCH")
 # software-pipeline depth: a number, or "auto" (one stage more than a split's K steps, 2..4: a decode linear's split has
 # 2 steps, and unused stages only hold shared memory that a second program on the SM could use). It changes when a
 # tile's loads are issued, not what a dot adds or in which order: the bits are the same
@@ -38,9 +38,10 @@ if STAGES != "auto" and not (STAGES.isdigit() and 1 <= int(STAGES) <= 8):
 # the tile's rows: one value for every call (a row's bits may depend on the MMA form the tile's height selects, never on
 # M). At decode shapes a 64-row tile holds one real row, and its activation tile takes a quarter of each pipeline
 # stage's shared memory; smaller tiles fit more programs per SM (benchmarks/linear_sweep.py measures them, cold in L2).
-BLOCK_M = int(os.environ.get("PDFLASH_LINEAR_BLOCK_M", "64"))
-if BLOCK_M not in (16, 32, 64, 128):
-    raise ValueError(f"PDFLASH_LINEAR_BLOCK_M must be 16, 32, 64 or 128, got {BLOCK_M}")
+_BLOCK_M = os.environ.get("PDFLASH_LINEAR_BLOCK_M", "64")
+if _BLOCK_M not in ("16", "32", "64", "128"):
+    raise ValueError(f"PDFLASH_LINEAR_BLOCK_M must be 16, 32, 64 or 128, got {_BLOCK_M!r}")
+BLOCK_M = int(_BLOCK_M)
 COUNTER_REGIONS = 64  # calls in flight at once never share a region: they would have to be 64 calls apart
 COUNTERS_PER_REGION = 16384  # output tiles a one-launch call may have (more: the two-launch path)
 

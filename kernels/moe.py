@@ -19,11 +19,10 @@ one, as a semaphore). So a token's output does not depend on which other tokens 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
-from kernels import runtime
+from kernels import linear, runtime
 
 triton, tl = runtime.triton, runtime.tl
 to_bf16, to_out = (runtime.to_bf16, runtime.to_out) if triton is not None else (None, None)
@@ -32,7 +31,7 @@ to_bf16, to_out = (runtime.to_bf16, runtime.to_out) if triton is not None else (
 # token's pairs (per n tile; an atomic counter as a semaphore, as kernels/linear.py's one-launch split-K) sums them,
 # with the separate combine's arithmetic (the same bits); one launch fewer per MoE layer. Opt-in until the H200 has
 # measured it (PDFLASH_MOE_FUSED_COMBINE=1).
-FUSED_COMBINE = os.environ.get("PDFLASH_MOE_FUSED_COMBINE", "0") == "1"
+FUSED_COMBINE = runtime.env_flag("PDFLASH_MOE_FUSED_COMBINE")
 
 ACT_SILU = 0
 ACT_GPTOSS = 1  # clamp(gate, max=limit), clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1)
@@ -744,16 +743,9 @@ if triton is not None:
     @triton.jit
     def _moe_combine(y_ptr, valid_ptr, out_ptr, N: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr):
         runtime.pdl_begin()
-        t = tl.program_id(0)
+        tok = tl.program_id(0) + tl.zeros((1,), dtype=tl.int32)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = cols < N
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(TOPK):
-            pair = t * TOPK + s
-            v = tl.load(valid_ptr + pair)
-            row = tl.load(y_ptr + pair.to(tl.int64) * N + cols, mask=ok & (v != 0), other=0.0)
-            acc += row
-        tl.store(out_ptr + t.to(tl.int64) * N + cols, to_out(acc, out_ptr, EMULATE), mask=ok)
+        _combine_rows(y_ptr, N, valid_ptr, out_ptr, N, tok, tok >= 0, cols, cols < N, TOPK, EMULATE)
 
 
     @triton.jit
@@ -971,9 +963,7 @@ def moe_forward(
     out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
     cnt = None
     if FUSED_COMBINE:
-        from kernels.linear import _counters
-
-        cnt = _counters(dev, t * triton_cdiv(hdim, config2.block_n))  # None: the separate combine (too many tiles)
+        cnt = linear._counters(dev, t * triton_cdiv(hdim, config2.block_n))  # None: the separate combine (too many tiles)
     combine = (out, cnt, topk) if cnt is not None else None
     if warmup:
         launch_gemm1(x, r, w, h, config, topk, warmup=True)

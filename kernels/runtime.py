@@ -21,6 +21,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
+def env_flag(name: str) -> bool:
+    """An on/off option from the environment: "1" on, "0" or unset off; anything else stops the import with a
+    message naming the variable (a typo must not silently leave a kernel option off)."""
+    value = os.environ.get(name, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def triton_usable(device: torch.device | str) -> bool:
     dev = torch.device(device)
     if triton is None:
@@ -33,12 +42,12 @@ def triton_usable(device: torch.device | str) -> bool:
 # until the previous kernel has finished and its writes are visible (griddepcontrol.wait, unconditionally, in every
 # program: so a kernel never finishes before the one before it, and a kernel that is not launched this way waits for
 # everything before it as usual). Launch latency hides under the previous kernel's tail; the arithmetic is untouched.
-PDL = os.environ.get("PDFLASH_PDL", "0") == "1" and not interpreting()
+PDL = env_flag("PDFLASH_PDL") and not interpreting()
 
 
 def pdl_launch() -> dict:
     """The launch option of a kernel that starts with `pdl_begin` ({} unless PDFLASH_PDL=1 on CUDA)."""
-    return {"launch_pdl": True} if PDL and not interpreting() else {}
+    return {"launch_pdl": True} if PDL else {}
 
 
 @functools.lru_cache(maxsize=None)

@@ -540,6 +540,9 @@ def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):
     finally:
         linear.linear_config.cache_clear()
     _import_refuses("PDFLASH_LINEAR_BLOCK_M", "48")
+    _import_refuses("PDFLASH_LINEAR_BLOCK_M", "big")
+    _import_refuses("PDFLASH_PDL", "true")  # the on/off options (kernels.runtime.env_flag) take 0 or 1 only
+    _import_refuses("PDFLASH_MOE_FUSED_COMBINE", "yes", "kernels.moe")
 
 
 @needs_triton
@@ -574,7 +577,7 @@ def test_split_kv_attention_gives_the_same_bits_for_any_program_count(window, si
     assert torch.equal(attention(q, k, v, pos, 0.25, window, sk), outs[0])
     ref = attention_reference(q, k, v, pos[0], 0, 0.25, window, sk)
     assert (outs[0].float() - ref.float()).abs().max() < 0.02
-    _import_refuses("PDFLASH_ATTENTION_PROGRAMS", "0", "kernels.attention")
+    _import_refuses("PDFLASH_ATTENTION_PROGRAMS", "many", "kernels.attention")
     short = pos - (s - 105)  # a context of one segment: program 0 holds it, the others have none
     one = paged_attention(q, kp, vp, table, short, 0.25, window, sk, programs=1)
     assert torch.equal(paged_attention(q, kp, vp, table, short, 0.25, window, sk, programs=4), one)

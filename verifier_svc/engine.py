@@ -141,13 +141,12 @@ class VerifierCore:
             return {}
         from kernels import attention
 
-        info = {"kv": f"paged: {self.pool.num_pages} pages of {PAGE} positions", "rotary": self.runner.rotary,
+        return {"kv": f"paged: {self.pool.num_pages} pages of {PAGE} positions", "rotary": self.runner.rotary,
                 "layers": self.runner.prenorm, "attention": self.runner.attention,
                 "attention_kv_split": (f"segments of {attention.SEG} positions merged in order; verify forwards of <= "
                                        f"{attention.SPLIT_MAX_T} tokens spread them over <= {attention.MAX_PROGRAMS} "
                                        "programs per tile (the same bits)"),
                 "cuda_graphs": (f"buckets {list(self.graphs.buckets)}" if self.graphs is not None else "off")}
-        return info
 
     @contextlib.contextmanager
     def _prefill_threads(self):
