@@ -267,3 +267,37 @@ def test_route_union_is_the_set_of_routed_ids_per_layer(data):
         rec.add(layer, torch.tensor(ids).reshape(-1, 1))
         want[layer] = frozenset(i for i in ids if 0 <= i < experts)
     assert rec.union({layer: experts for layer in layers}) == dict(sorted(want.items()))
+
+
+def test_gpt_oss_past_its_sliding_window_equals_plain_decoding(tmp_path):
+    """A prompt longer than gpt-oss's sliding window, then rounds that accept and reject, on transformers' DynamicCache
+    (the CPU path). The prefill must leave each sliding layer its window: transformers 5.17 returns every recorded state
+    of a layer that was not cropped since its last forward, so the next verify's keys outran its mask (a RuntimeError,
+    seen on the H200 machine's 5.17); 5.24 slices them but still holds them."""
+    import json
+
+    from pdflash.tiny import make_tiny_checkpoint
+
+    d = make_tiny_checkpoint(tmp_path / "gpt-oss-window", "gpt_oss")
+    cfg = json.loads((d / "config.json").read_text())
+    window = 16
+    cfg["sliding_window"] = window
+    (d / "config.json").write_text(json.dumps(cfg))
+    c = VerifierCore(load_target(d, DEVICE, DTYPE), max_block_size=16)
+    assert c.pool is None  # the DynamicCache path
+    prompt = [(7 * i + 3) % 300 + 10 for i in range(window + 9)]
+    n = 40
+    want = plain_greedy(d, prompt, n, eos=False)
+    got, _ = run(c, prompt, n, lambda pos: [], ignore_eos=True)
+    assert got == want
+    o = c.prefill(PrefillInput("r", tuple(prompt), SamplingParams(), n, ignore_eos=True))
+    sliding = [layer for layer in c.sessions.get(o.session_id).cache.layers if getattr(layer, "is_sliding", False)]
+    assert sliding and all(layer.keys.shape[-2] <= window - 1 for layer in sliding)
+    c.sessions.end(o.session_id)
+    rng = random.Random(1)
+
+    def drafts(pos):
+        return [want[pos + i] if pos + i < len(want) and rng.random() < 0.8 else rng.randrange(300) for i in range(rng.randint(0, 9))]
+
+    got, outs = run(c, prompt, n, drafts, ignore_eos=True)
+    assert got == want and sum(o.num_accepted for o in outs[1:]) > 0

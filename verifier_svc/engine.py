@@ -321,6 +321,11 @@ class VerifierCore:
         except BaseException:
             s.close()
             raise
+        if s.kv is None:
+            # crop(0): sliding-window layers keep only their window. With past recording on (for rollback), a layer holds
+            # every state until its next crop, and transformers 5.17 hands all of them to the next forward, past its mask
+            # (verify crops after every forward; a prompt must too).
+            s.cache.crop(0)
         t0 = time.perf_counter()
         _, first = self._pick(s, [], logits[-1:])
         s.committed = len(req.prompt)
