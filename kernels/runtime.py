@@ -37,16 +37,26 @@ def triton_usable(device: torch.device | str) -> bool:
     return dev.type == "cuda" or (dev.type == "cpu" and interpreting())
 
 
-# Programmatic dependent launch (opt-in, PDFLASH_PDL=1; CUDA only): the forward's kernels are launched with
-# launch_pdl and each program starts with `pdl_begin`: it lets the next kernel's programs launch at once and then waits
-# until the previous kernel has finished and its writes are visible (griddepcontrol.wait, unconditionally, in every
-# program: so a kernel never finishes before the one before it, and a kernel that is not launched this way waits for
-# everything before it as usual). Launch latency hides under the previous kernel's tail; the arithmetic is untouched.
-PDL = env_flag("PDFLASH_PDL") and not interpreting()
+# Programmatic dependent launch (CUDA only): the forward's kernels are launched with launch_pdl and each program starts
+# with `pdl_begin`: it lets the next kernel's programs launch at once and then waits until the previous kernel has
+# finished and its writes are visible (griddepcontrol.wait, unconditionally, in every program: so a kernel never finishes
+# before the one before it, and a kernel that is not launched this way waits for everything before it as usual). Launch
+# latency hides under the previous kernel's tail; the arithmetic is untouched. On by default where every CUDA device is
+# sm_90 or newer (griddepcontrol is Hopper's; the H200 measured a qwen3-8l block-1 forward 0.864 -> 0.764 ms, tokens
+# unchanged: benchmarks/results/gpu_runs_h200.md, stop 24); PDFLASH_PDL=0 turns it off, =1 forces it.
+def _pdl_default() -> bool:
+    if "PDFLASH_PDL" in os.environ:
+        return env_flag("PDFLASH_PDL")
+    if interpreting() or not torch.cuda.is_available():
+        return False
+    return all(torch.cuda.get_device_capability(i) >= (9, 0) for i in range(torch.cuda.device_count()))
+
+
+PDL = _pdl_default() and not interpreting()
 
 
 def pdl_launch() -> dict:
-    """The launch option of a kernel that starts with `pdl_begin` ({} unless PDFLASH_PDL=1 on CUDA)."""
+    """The launch option of a kernel that starts with `pdl_begin` ({} where PDL is off)."""
     return {"launch_pdl": True} if PDL else {}
 
 
@@ -64,7 +74,7 @@ if triton is not None:
 
     @triton.jit
     def pdl_begin():
-        """A forward kernel's first statement (nothing unless PDFLASH_PDL=1): see PDL above."""
+        """A forward kernel's first statement (nothing where PDL is off): see PDL above."""
         if _PDL:
             _cuda.gdc_launch_dependents()
             _cuda.gdc_wait()

@@ -522,6 +522,30 @@ def _import_refuses(var: str, value: str, module: str = "kernels.linear") -> Non
     assert r.returncode != 0 and f"{var} must be" in r.stderr
 
 
+def test_pdl_is_on_by_default_only_where_every_cuda_device_is_sm90(monkeypatch):
+    """Programmatic dependent launch (griddepcontrol: sm_90+) defaults to on where every CUDA device has it, off on a
+    CPU or a mixed host; PDFLASH_PDL=0/1 overrides the default either way."""
+    from kernels import runtime
+
+    caps = {0: (9, 0), 1: (8, 0)}
+    monkeypatch.delenv("PDFLASH_PDL", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: caps[i])
+    assert runtime._pdl_default() is False  # an sm_80 device beside the sm_90 one
+    caps[1] = (10, 0)
+    assert runtime._pdl_default() is True
+    monkeypatch.setenv("PDFLASH_PDL", "0")
+    assert runtime._pdl_default() is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert runtime._pdl_default() is False
+    monkeypatch.setenv("PDFLASH_PDL", "1")
+    assert runtime._pdl_default() is True
+    monkeypatch.delenv("PDFLASH_PDL")
+    assert runtime._pdl_default() is False  # no CUDA
+
+
 @needs_triton
 def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):
     """PDFLASH_LINEAR_BLOCK_M: the tile height is one value for every call, so a row's bits never depend on M (here a

@@ -139,14 +139,16 @@ class VerifierCore:
         the paged KV, the layer chain, the attention's form and its KV split, and the CUDA graphs' buckets."""
         if self.runner is None:
             return {}
-        from kernels import attention
+        from kernels import attention, runtime
 
         return {"kv": f"paged: {self.pool.num_pages} pages of {PAGE} positions", "rotary": self.runner.rotary,
                 "layers": self.runner.prenorm, "attention": self.runner.attention,
                 "attention_kv_split": (f"segments of {attention.SEG} positions merged in order; verify forwards of <= "
                                        f"{attention.SPLIT_MAX_T} tokens spread them over <= {attention.MAX_PROGRAMS} "
                                        "programs per tile (the same bits)"),
-                "cuda_graphs": (f"buckets {list(self.graphs.buckets)}" if self.graphs is not None else "off")}
+                "cuda_graphs": (f"buckets {list(self.graphs.buckets)}" if self.graphs is not None else "off"),
+                "launches": ("programmatic dependent launch (each kernel launched while the one before it finishes)"
+                             if runtime.PDL else "plain")}
 
     @contextlib.contextmanager
     def _prefill_threads(self):
