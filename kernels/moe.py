@@ -72,6 +72,7 @@ class MoeConfig:
     swap_ab: bool = False  # the weight tile as the MMA's M side (acc^T = w @ a^T): wgmma-sized (M >= 64) at block_n >= 64
     raster: int = 0  # 0: a 2-D grid (m blocks, n tiles); 1: a 1-D grid, the n tiles of one m block consecutive
     persist: int = 0  # > 0: that many programs per SM, each walking tiles in raster-1 order (no empty programs)
+    s_ahead: int = 0  # FP4 decodes 0/1/3/4: 1 loads the next K step's scales ahead (0 or 1; _gemm_rows: S_AHEAD)
 
 
 def base_config(n: int, k: int, topk: int, fp4: bool) -> MoeConfig:
@@ -111,6 +112,15 @@ SWEEP_VARIANTS: dict[str, dict] = {
     "word": dict(a_load=A_JOIN, decode=DECODE_WORD),
     "word_k256_raster": dict(a_load=A_JOIN, decode=DECODE_WORD, block_k=256, raster=1),
     "word_swap64_k256": dict(a_load=A_JOIN, decode=DECODE_WORD, swap_ab=True, block_n=64, block_k=256),
+    # the next K step's scales loaded ahead (MoeConfig.s_ahead): the same values, without an HBM round trip per K step
+    # (compiled for sm_90, every variant above streams its weights and activations ahead with cp.async but waits for
+    # its scales in every step: tests/test_fused_kernels.py checks both forms)
+    "join_bf16_raster_s1": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, raster=1, s_ahead=1),
+    "join_bf16_k128_s1": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, block_k=128, s_ahead=1),
+    "join_bf16_k256_raster_s1": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, block_k=256, raster=1, s_ahead=1),
+    "join_bf16_swap64_s1": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, swap_ab=True, block_n=64, s_ahead=1),
+    "word_raster_s1": dict(a_load=A_JOIN, decode=DECODE_WORD, raster=1, s_ahead=1),
+    "word_k256_raster_s1": dict(a_load=A_JOIN, decode=DECODE_WORD, block_k=256, raster=1, s_ahead=1),
 }
 # bf16 weights (the FP4-only fields do not apply):
 SWEEP_VARIANTS_BF16: dict[str, dict] = {
@@ -263,22 +273,29 @@ def align(
 if triton is not None:
 
     @triton.jit
-    def _fp4_tiles(w_ptr, s_ptr, rows, row_ok, stride_wn, stride_sn, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _fp4_scales(s_ptr, rows, row_ok, stride_sn, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The E8M0 scale bytes [BN, BK/32] of the K step at k0 (masked past K: a load ahead of the last step reads
+        nothing)."""
+        kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        return tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0)
+
+    @triton.jit
+    def _fp4_tiles(w_ptr, s_raw, rows, row_ok, stride_wn, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
                    DECODE: tl.constexpr, EMULATE: tl.constexpr, A_LOAD: tl.constexpr):
         """Packed rows [BN, BK/2] -> (even-K, odd-K) bf16 tiles [BN, BK/2] (low nibble = even index), scaled, or (JOIN)
-        one [BN, BK] tile in K order (returned twice). One load of the packed bytes and one scale per 32 values.
+        one [BN, BK] tile in K order (returned twice). One load of the packed bytes; s_raw: the step's scale bytes
+        (`_fp4_scales`, one per 32 values).
         Every decode gives exact bf16 values (an E2M1 value times a power of two; decodes 1 and 3 for scale bytes
         <= FAST_DECODE_MAX_SCALE)."""
         BN: tl.constexpr = rows.shape[0]
         JOIN: tl.constexpr = A_LOAD == 2
         if DECODE == 4:
-            w = _fp4_words(w_ptr, s_ptr, rows, row_ok, stride_wn, stride_sn, k0, K, BLOCK_K, EMULATE)
+            w = _fp4_words(w_ptr, s_raw, rows, row_ok, stride_wn, k0, K, BLOCK_K, EMULATE)
             return w, w
         kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ok = row_ok[:, None] & (kh < K // 2)[None, :]
         p = tl.load(w_ptr + rows[:, None] * stride_wn + kh[None, :], mask=ok, other=0).to(tl.int32)
-        kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        s = tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0).to(tl.int32)
+        s = s_raw.to(tl.int32)
         if DECODE == 3:
             # bf16 bits straight from the byte, both nibbles at once, in one 32-bit word (odd-K value << 16 | even-K
             # value): each nibble's magnitude bits go under the bf16 exponent's two low bits + the top mantissa bit (code
@@ -323,7 +340,7 @@ if triton is not None:
                 return (vlo * sc).to(tl.bfloat16), (vhi * sc).to(tl.bfloat16)
 
     @triton.jit
-    def _fp4_words(w_ptr, s_ptr, rows, row_ok, stride_wn, stride_sn, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _fp4_words(w_ptr, s_raw, rows, row_ok, stride_wn, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
                    EMULATE: tl.constexpr):
         """Decode 4: packed rows read as 32-bit words (8 values, value j of the word in nibble j) -> one [BN, BK] bf16
         tile in K order. Per word: 4 bf16x2 pairs (nibble j, nibble j + 4), each from two shifts and two masks
@@ -335,8 +352,7 @@ if triton is not None:
         kw = k0 // 8 + tl.arange(0, BW)
         words = w_ptr.to(tl.pointer_type(tl.uint32))
         q = tl.load(words + rows[:, None] * (stride_wn // 4) + kw[None, :], mask=row_ok[:, None] & (kw < K // 8)[None, :], other=0)
-        kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        s = tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0).to(tl.int32)
+        s = s_raw.to(tl.int32)
         e = (tl.minimum(s, 128) + 126).to(tl.uint32)  # 2^(s-1) as a biased exponent; 128: FAST_DECODE_MAX_SCALE
         e = tl.reshape(tl.broadcast_to(e[:, :, None], (BN, BLOCK_K // 32, 4)), (BN, BW))  # 4 words per scale group
         if EMULATE:  # Triton's interpreter cannot run PTX: the same pair words, scaled by decode 3's exact emulation
@@ -401,14 +417,35 @@ if triton is not None:
         rows0, rows1, n_ok,
         K: tl.constexpr,
         FP4: tl.constexpr, TWO: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
-        A_LOAD: tl.constexpr, SWAP: tl.constexpr,
+        A_LOAD: tl.constexpr, SWAP: tl.constexpr, S_AHEAD: tl.constexpr,
     ):
         """acc += a[a_rows, :K] @ w[rows, :K]^T for one (TWO: two) weight row sets, K in fixed order. SWAP: the weight
         tile is the MMA's M side, acc^T += w @ a^T (accumulators [BN, BM]).
+        S_AHEAD (FP4 decodes 0/1/3/4): the next K step's scale bytes are loaded at the top of each step, into registers
+        carried by the loop. Triton's pipeliner streams the packed weights and the activations into shared memory
+        ahead (cp.async), but not the scales (BK/32 bytes a row: too narrow for cp.async), so without S_AHEAD every K
+        step waits for one HBM round trip of its scales. The values are the same either way: only when the load is
+        issued changes. (Two steps ahead, carried through two registers sets, made Triton 3.6 drop its cp.async
+        pipeline for the whole loop on sm_90: not offered.)
         (Written out dot by dot: every nested jit call costs milliseconds under Triton's interpreter.)"""
         BM: tl.constexpr = a_rows.shape[0]
+        AHEAD: tl.constexpr = S_AHEAD and FP4 and DECODE != 2
+        if AHEAD:
+            sa_next = _fp4_scales(s_ptr, rows0, n_ok, stride_sn, 0, K, BLOCK_K)
+            if TWO:
+                sb_next = _fp4_scales(s_ptr, rows1, n_ok, stride_sn, 0, K, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             if FP4 and DECODE != 2:
+                if AHEAD:
+                    sa = sa_next
+                    sa_next = _fp4_scales(s_ptr, rows0, n_ok, stride_sn, k0 + BLOCK_K, K, BLOCK_K)
+                    if TWO:
+                        sb = sb_next
+                        sb_next = _fp4_scales(s_ptr, rows1, n_ok, stride_sn, k0 + BLOCK_K, K, BLOCK_K)
+                else:
+                    sa = _fp4_scales(s_ptr, rows0, n_ok, stride_sn, k0, K, BLOCK_K)
+                    if TWO:
+                        sb = _fp4_scales(s_ptr, rows1, n_ok, stride_sn, k0, K, BLOCK_K)
                 if A_LOAD == 0:
                     # two stride-2 gathers: the even and the odd K columns of the activations
                     kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -430,7 +467,7 @@ if triton is not None:
                     a0 = tl.trans(a0)
                     a1 = tl.trans(a1)
                 # A_JOIN: the decoded halves come interleaved back into K order, one [BN, BK] tile (w0 = w1): one dot
-                w0, w1 = _fp4_tiles(w_ptr, s_ptr, rows0, n_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE, F32DOT, A_LOAD)
+                w0, w1 = _fp4_tiles(w_ptr, sa, rows0, n_ok, stride_wn, k0, K, BLOCK_K, DECODE, F32DOT, A_LOAD)
                 if F32DOT:
                     w0 = w0.to(tl.float32)
                     w1 = w1.to(tl.float32)
@@ -443,7 +480,7 @@ if triton is not None:
                     if A_LOAD != 2:
                         acc0 += tl.dot(a1, tl.trans(w1))
                 if TWO:
-                    v0, v1 = _fp4_tiles(w_ptr, s_ptr, rows1, n_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE, F32DOT, A_LOAD)
+                    v0, v1 = _fp4_tiles(w_ptr, sb, rows1, n_ok, stride_wn, k0, K, BLOCK_K, DECODE, F32DOT, A_LOAD)
                     if F32DOT:
                         v0 = v0.to(tl.float32)
                         v1 = v1.to(tl.float32)
@@ -514,7 +551,7 @@ if triton is not None:
         I: tl.constexpr, K: tl.constexpr, UP_OFF: tl.constexpr, ROW_MUL: tl.constexpr,
         TOPK: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
-        A_LOAD: tl.constexpr, SWAP: tl.constexpr,
+        A_LOAD: tl.constexpr, SWAP: tl.constexpr, S_AHEAD: tl.constexpr,
     ):
         slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
         tok = pairs // TOPK
@@ -532,7 +569,7 @@ if triton is not None:
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_g, acc_u = _gemm_rows(
             acc_g, acc_u, x_ptr, tok, p_ok, stride_xm, w_base, s_base, stride_wn, stride_sn,
-            gate_rows, up_rows, j_ok, K, FP4, True, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
+            gate_rows, up_rows, j_ok, K, FP4, True, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, S_AHEAD,
         )
         if SWAP:
             acc_g = tl.trans(acc_g)
@@ -565,7 +602,7 @@ if triton is not None:
         I: tl.constexpr, K: tl.constexpr, UP_OFF: tl.constexpr, ROW_MUL: tl.constexpr,
         TOPK: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
-        A_LOAD: tl.constexpr, SWAP: tl.constexpr, RASTER: tl.constexpr, PERSIST: tl.constexpr,
+        A_LOAD: tl.constexpr, SWAP: tl.constexpr, RASTER: tl.constexpr, PERSIST: tl.constexpr, S_AHEAD: tl.constexpr = 0,
     ):
         runtime.pdl_begin()
         N_TILES: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
@@ -578,6 +615,7 @@ if triton is not None:
                     x_ptr, stride_xm, h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr,
                     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, alpha, limit,
                     I, K, UP_OFF, ROW_MUL, TOPK, FP4, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
+                    S_AHEAD,
                 )
                 tile += tl.num_programs(0)
         else:
@@ -593,6 +631,7 @@ if triton is not None:
                     x_ptr, stride_xm, h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr,
                     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, alpha, limit,
                     I, K, UP_OFF, ROW_MUL, TOPK, FP4, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
+                    S_AHEAD,
                 )
 
     @triton.jit
@@ -635,6 +674,7 @@ if triton is not None:
         N: tl.constexpr, K: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
         A_LOAD: tl.constexpr, SWAP: tl.constexpr, COMBINE: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+        S_AHEAD: tl.constexpr,
     ):
         slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -645,7 +685,7 @@ if triton is not None:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc, _unused = _gemm_rows(
             acc, acc, h_ptr, rm, p_ok, stride_hm, w_ptr + slot * stride_we, s_ptr + slot * stride_se,
-            stride_wn, stride_sn, n, n, n_ok, K, FP4, False, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
+            stride_wn, stride_sn, n, n, n_ok, K, FP4, False, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, S_AHEAD,
         )
         if SWAP:
             acc = tl.trans(acc)
@@ -682,7 +722,7 @@ if triton is not None:
         FP4: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
         A_LOAD: tl.constexpr, SWAP: tl.constexpr, RASTER: tl.constexpr, PERSIST: tl.constexpr,
-        COMBINE: tl.constexpr = False, TOPK: tl.constexpr = 1, TOPK_PAD: tl.constexpr = 1,
+        COMBINE: tl.constexpr = False, TOPK: tl.constexpr = 1, TOPK_PAD: tl.constexpr = 1, S_AHEAD: tl.constexpr = 0,
     ):
         runtime.pdl_begin()
         N_TILES: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
@@ -695,7 +735,7 @@ if triton is not None:
                     h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
                     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, out_ptr, cnt_ptr,
                     valid_ptr, N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, COMBINE, TOPK,
-                    TOPK_PAD,
+                    TOPK_PAD, S_AHEAD,
                 )
                 tile += tl.num_programs(0)
             if COMBINE:
@@ -716,7 +756,7 @@ if triton is not None:
                     h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
                     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, out_ptr, cnt_ptr,
                     valid_ptr, N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, COMBINE, TOPK,
-                    TOPK_PAD,
+                    TOPK_PAD, S_AHEAD,
                 )
             if COMBINE:
                 if pid_m == 0:  # (every grid has m block 0 of each n tile, routed pairs or not)
@@ -730,7 +770,8 @@ if triton is not None:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         k0 = tl.program_id(1) * BLOCK_K
-        w_lo, w_hi = _fp4_tiles(w_ptr, s_ptr, rows, row_ok, stride_wn, stride_sn, k0, K, BLOCK_K, DECODE, EMULATE, A_LOAD)
+        w_lo, w_hi = _fp4_tiles(w_ptr, _fp4_scales(s_ptr, rows, row_ok, stride_sn, k0, K, BLOCK_K), rows, row_ok, stride_wn, k0, K,
+                                BLOCK_K, DECODE, EMULATE, A_LOAD)
         if A_LOAD == 2 or DECODE == 4:
             kk = k0 + tl.arange(0, BLOCK_K)
             tl.store(out_ptr + rows[:, None] * stride_on + kk[None, :], w_lo, mask=row_ok[:, None] & (kk < K)[None, :])
@@ -884,6 +925,8 @@ def _flags(c: MoeConfig, fp4: bool) -> dict:
         raise ValueError(f"unknown decode {c.decode} or a_load {c.a_load}")
     if c.block_k < 32 or c.block_k & (c.block_k - 1) or c.block_m < 16 or c.block_n < 16:
         raise ValueError(f"block_k must be a power of two >= 32 and block_m, block_n >= 16: {c}")
+    if c.s_ahead not in (0, 1):
+        raise ValueError(f"s_ahead must be 0 or 1: {c}")
     if fp4 and c.decode == DECODE_SCALED and runtime.interpreting():
         raise ValueError("decode 2 (tl.dot_scaled) does not run under Triton's interpreter")
     decode = c.decode if fp4 else DECODE_SELECT
@@ -892,6 +935,7 @@ def _flags(c: MoeConfig, fp4: bool) -> dict:
         a_load = A_JOIN  # decode 4 always gives the tile in K order
     return dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DECODE=decode, F32DOT=runtime.interpreting(),
                 A_LOAD=a_load, SWAP=c.swap_ab, RASTER=c.raster, PERSIST=c.persist > 0,
+                S_AHEAD=c.s_ahead if fp4 and decode != DECODE_SCALED else 0,
                 num_warps=c.num_warps, num_stages=c.num_stages, **runtime.pdl_launch())
 
 

@@ -314,8 +314,31 @@ for persist, fp4 in ((False, False), (True, True)):
     types = {**g2, "w_ptr": "*u8", "s_ptr": "*u8"} if fp4 else g2
     p = ptx(moe._moe_gemm2, types, dict(N=2048, K=768, FP4=fp4, HAS_BIAS=fp4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
                                         DECODE=moe.DECODE_WORD if fp4 else 0, F32DOT=False, A_LOAD=moe.A_JOIN if fp4 else 0,
-                                        SWAP=False, RASTER=0, PERSIST=persist, COMBINE=True, TOPK=8, TOPK_PAD=8))
+                                        SWAP=False, RASTER=0, PERSIST=persist, COMBINE=True, TOPK=8, TOPK_PAD=8,
+                                        S_AHEAD=int(fp4)))
     assert "atom.global.gpu.acq_rel.add" in p and "ld.global.cg" in p, "the fused combine's semaphore or L2 reads"
+# The MXFP4 gate/up GEMM at gpt-oss-20b's shape, specialized as the launcher specializes it (pointers and strides
+# divisible by 16: without that Triton pipelines nothing). Its packed weights and activations stream ahead through
+# cp.async either way; with s_ahead the next K step's scale tiles (gate and up) are carried by the loop, else none is.
+import re
+g1 = dict(x_ptr="*bf16", h_ptr="*bf16", sorted_pairs_ptr="*i32", block_slot_ptr="*i32", num_blocks_ptr="*i32",
+          w_ptr="*u8", s_ptr="*u8", b_ptr="*bf16", alpha="fp32", limit="fp32")
+for ahead in (0, 1):
+    f = moe._flags(moe.variant_config(2880, 2880, 4, True, {**moe.FP4_DEFAULT, "s_ahead": ahead}), True)
+    const = dict(I=2880, K=2880, UP_OFF=1, ROW_MUL=2, TOPK=4, FP4=True, HAS_BIAS=True, ACT=1,
+                 **{n: f[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "DECODE", "F32DOT", "A_LOAD", "SWAP", "RASTER",
+                                      "PERSIST", "S_AHEAD")})
+    fn = moe._moe_gemm1
+    sig = {n: ("constexpr" if n in const else g1.get(n, "i32")) for n in fn.arg_names}
+    div = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
+           if n not in const and (n.endswith("_ptr") or n.startswith("stride"))}
+    k = triton.compile(ASTSource(fn, sig, const, div), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=f["num_warps"], num_stages=f["num_stages"]))
+    ir = k.asm["ttgir"]
+    loop = next(line for line in ir.splitlines() if "scf.for" in line)
+    carried = re.findall(r"tensor<\d+x\d+xi8", loop.split(") -> (")[1])
+    assert "async_copy_global_to_local" in ir, ("the FP4 GEMM's loads are not pipelined", ahead)
+    assert len(carried) == 2 * ahead, ("scale tiles carried by the K loop", ahead, carried)
 print("compiled")
 '''
 

@@ -234,6 +234,32 @@ def test_fused_combine_gives_the_separate_combines_bits(fp4, name, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("name", ["base", "join_bf16_raster", "word"])
+def test_scales_loaded_a_step_ahead_give_the_same_bits(name, monkeypatch):
+    """MoeConfig.s_ahead: the next K step's scale bytes loaded at the top of each step (registers carried by the loop)
+    change when a load is issued, never a value: the gate/up and down GEMMs over several K steps (the last step's load
+    ahead falls past K, masked off) give the same bits as scales loaded in their own step."""
+    import dataclasses
+
+    from kernels import runtime
+    from kernels.moe import SWEEP_VARIANTS, moe_forward
+
+    monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
+    w = _experts(h=96, i=64, act=ACT_GPTOSS, bias=True, fp4=True)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 96, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(7)])
+    wts = torch.softmax(torch.randn(7, 2, generator=g), -1)
+    c = dataclasses.replace(_TEST_BASE, **SWEEP_VARIANTS[name])
+    c = dataclasses.replace(c, block_k=32)  # 3 K steps of the gate/up GEMM, 2 of the down GEMM
+    want = moe_forward(x, ids, wts, w, 6, config=c, config2=c)
+    ahead = dataclasses.replace(c, s_ahead=1)
+    assert torch.equal(moe_forward(x, ids, wts, w, 6, config=ahead, config2=ahead), want)
+    ref = moe_reference(x, ids, wts, w, 6).float()
+    assert (want.float() - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3
+
+
+@needs_triton
 def test_word_decode_gives_the_exact_bf16_weights():
     """Decode 4 (32-bit word loads, 8 values a word) gives mxfp4.dequantize's bf16 bits at every byte value and every
     scale byte it covers (0..FAST_DECODE_MAX_SCALE), subnormals included, at every K tile (the interpreter runs its
