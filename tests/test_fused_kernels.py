@@ -317,10 +317,45 @@ for persist, fp4 in ((False, False), (True, True)):
                                         SWAP=False, RASTER=0, PERSIST=persist, COMBINE=True, TOPK=8, TOPK_PAD=8,
                                         S_AHEAD=int(fp4)))
     assert "atom.global.gpu.acq_rel.add" in p and "ld.global.cg" in p, "the fused combine's semaphore or L2 reads"
-# The MXFP4 gate/up GEMM at gpt-oss-20b's shape, specialized as the launcher specializes it (pointers and strides
-# divisible by 16: without that Triton pipelines nothing). Its packed weights and activations stream ahead through
-# cp.async either way; with s_ahead the next K step's scale tiles (gate and up) are carried by the loop, else none is.
+# The K loops as the launcher specializes them (pointers and int arguments divisible by 16, arguments equal to 1 as
+# constants: without that Triton pipelines nothing): every dot operand streams ahead through cp.async. Guards against
+# a change that quietly turns a loop's loads synchronous (one memory round trip per step).
 import re
+
+
+def first_loop_loads(fn, types, const, div, warps, stages):
+    sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
+    k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
+    lines = k.asm["ttgir"].splitlines()
+    start = next(i for i, line in enumerate(lines) if "scf.for" in line)
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    end = next(i for i in range(start + 1, len(lines)) if len(lines[i]) - len(lines[i].lstrip()) <= indent)
+    body = "\n".join(lines[start + 1 : end])  # (nested regions included)
+    sync = re.findall(r"tt\.load .*: (tensor<[^>]*>)", body)
+    streamed = re.findall(r"async_copy_global_to_local .*: (tensor<[^>]*>)", body)
+    return lines[start], sync, streamed
+
+
+lt = dict(a_ptr="*bf16", b_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
+cfg = linear.linear_config(5120, 2048)  # Qwen3-30B-A3B's q/k/v
+lc = dict(N=5120, K=2048, K_PER_SPLIT=cfg.k_per_split, SPLIT=cfg.split, HAS_BIAS=False, BLOCK_M=cfg.block_m,
+          BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION="tf32", F32DOT=False, FIXUP=False, PARTIALS=True,
+          stride_ak=1, stride_bk=1)  # a contiguous, the weight's transposed view: unit strides along K
+_, sync, streamed = first_loop_loads(linear._linear_kernel, lt, lc, [n for n in linear._linear_kernel.arg_names
+                                     if n.endswith("_ptr") or n in ("stride_am", "stride_bn", "stride_om")],
+                                     cfg.num_warps, cfg.num_stages)
+assert len(streamed) == 2 and not sync, ("the linear's K loop", sync, streamed)
+ac = dict(GROUP=8, D=128, HAS_SINK=False, HAS_KMASK=False, BLOCK_M=16, BLOCK_N=64, SEG_CHUNKS=attention.SEG_CHUNKS,
+          PROGRAMS=1, DIRECT_SEGS=attention.DIRECT_SEGS, F32DOT=False, PAGED=True)
+_, sync, streamed = first_loop_loads(attention._attn_kernel, {**at, **dummy}, ac, [n for n in attention._attn_kernel.arg_names
+                                     if n.endswith("_ptr") or n in ("sqb", "sqh", "sqt", "skb", "skh", "sks", "svb",
+                                                                    "svh", "svs", "sob", "sot", "soh")], 4, 3)
+assert sum("64x128xbf16" in t or "64x128x!tt.ptr<bf16>" in t for t in streamed) == 2 and not sync, ("the paged attention's chunk loop", sync, streamed)
+# The MXFP4 gate/up GEMM at gpt-oss-20b's shape (90 scale bytes a row: that stride is not divisible by 16). Its packed
+# weights and activations stream ahead either way; its scales (BK/32 bytes a row: too narrow for cp.async) load in
+# the loop, and with s_ahead those loads are the next step's, carried by the loop (gate and up tiles).
 g1 = dict(x_ptr="*bf16", h_ptr="*bf16", sorted_pairs_ptr="*i32", block_slot_ptr="*i32", num_blocks_ptr="*i32",
           w_ptr="*u8", s_ptr="*u8", b_ptr="*bf16", alpha="fp32", limit="fp32")
 for ahead in (0, 1):
@@ -328,16 +363,11 @@ for ahead in (0, 1):
     const = dict(I=2880, K=2880, UP_OFF=1, ROW_MUL=2, TOPK=4, FP4=True, HAS_BIAS=True, ACT=1,
                  **{n: f[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "DECODE", "F32DOT", "A_LOAD", "SWAP", "RASTER",
                                       "PERSIST", "S_AHEAD")})
-    fn = moe._moe_gemm1
-    sig = {n: ("constexpr" if n in const else g1.get(n, "i32")) for n in fn.arg_names}
-    div = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
-           if n not in const and (n.endswith("_ptr") or n.startswith("stride"))}
-    k = triton.compile(ASTSource(fn, sig, const, div), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=f["num_warps"], num_stages=f["num_stages"]))
-    ir = k.asm["ttgir"]
-    loop = next(line for line in ir.splitlines() if "scf.for" in line)
+    div = [n for n in moe._moe_gemm1.arg_names if n not in const and n != "stride_sn"
+           and (n.endswith("_ptr") or n.startswith("stride"))]
+    loop, sync, streamed = first_loop_loads(moe._moe_gemm1, g1, const, div, f["num_warps"], f["num_stages"])
     carried = re.findall(r"tensor<\d+x\d+xi8", loop.split(") -> (")[1])
-    assert "async_copy_global_to_local" in ir, ("the FP4 GEMM's loads are not pipelined", ahead)
+    assert len(streamed) == 3 and len(sync) == 2, ("the FP4 GEMM's K loop", ahead, sync, streamed)
     assert len(carried) == 2 * ahead, ("scale tiles carried by the K loop", ahead, carried)
 print("compiled")
 '''
@@ -347,7 +377,8 @@ def test_fused_kernels_compile_for_an_h200_without_contracting_products_into_sum
     """The interpreter runs the kernels' logic; this compiles them for sm_90 with Triton and the ptxas it ships (no GPU
     needed) at the real models' shapes, and checks the PTX keeps each product rounded before its sum (no fma: torch's
     op-by-op path rounds there too); also the one-launch linear (kernels.linear ONE_LAUNCH): its tile semaphore is a
-    gpu-scope acq_rel atomic and the partials are read from L2."""
+    gpu-scope acq_rel atomic and the partials are read from L2; and the K loops of the linear, the paged attention and
+    the MXFP4 GEMM stream their dot operands ahead (cp.async), the MXFP4 scales a step ahead with s_ahead."""
     import os
     import pathlib
     import subprocess
