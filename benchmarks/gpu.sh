@@ -35,6 +35,12 @@ if [[ " $STEPS " == *" suite "* ]]; then  # the whole suite (~ minutes with 8 wo
   timeout ${SUITE_S:-560} python3 -m pytest -v -rfE -n ${SUITE_WORKERS:-8} -p no:cacheprovider --timeout=300 --durations=15 \
     > "$OUT/gpu_suite.txt" 2>&1
   rc=$?; grep -E "FAILED|ERROR" "$OUT/gpu_suite.txt" | head -20; tail -25 "$OUT/gpu_suite.txt"
+  if [ $rc -eq 124 ]; then  # cut by the limit: name the tests that never finished (collected, no outcome line)
+    python3 -m pytest --collect-only -q -p no:cacheprovider 2>/dev/null | grep "::" | sort > "$OUT/.collected"
+    grep -oE "(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) tests/.*" "$OUT/gpu_suite.txt" | sed -E 's/^[A-Z]+ //; s/ +$//' | sort -u > "$OUT/.finished"
+    comm -23 "$OUT/.collected" "$OUT/.finished" | sed 's/^/not finished: /' | tee -a "$OUT/gpu_suite.txt" | head -20
+    rm -f "$OUT/.collected" "$OUT/.finished"
+  fi
   echo "suite: exit $rc" | tee -a "$OUT/gpu_suite.txt"
 fi
 if has tests; then
