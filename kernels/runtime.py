@@ -43,7 +43,9 @@ def triton_usable(device: torch.device | str) -> bool:
 # before the one before it, and a kernel that is not launched this way waits for everything before it as usual). Launch
 # latency hides under the previous kernel's tail; the arithmetic is untouched. On by default where every CUDA device is
 # sm_90 or newer (griddepcontrol is Hopper's; the H200 measured a qwen3-8l block-1 forward 0.864 -> 0.764 ms, tokens
-# unchanged: benchmarks/results/gpu_runs_h200.md, stop 24); PDFLASH_PDL=0 turns it off, =1 forces it.
+# unchanged: benchmarks/results/gpu_runs_h200.md, stop 24); PDFLASH_PDL=0 turns it off, =1 forces it. Deciding the
+# default reads the devices' compute capability, which initializes CUDA in the importing process on a GPU host (a forked
+# child could then not use CUDA); setting PDFLASH_PDL skips that query.
 def _pdl_default() -> bool:
     if "PDFLASH_PDL" in os.environ:
         return env_flag("PDFLASH_PDL")
