@@ -73,6 +73,8 @@ class MoeConfig:
     raster: int = 0  # 0: a 2-D grid (m blocks, n tiles); 1: a 1-D grid, the n tiles of one m block consecutive
     persist: int = 0  # > 0: that many programs per SM, each walking tiles in raster-1 order (no empty programs)
     s_ahead: int = 0  # FP4 decodes 0/1/3/4: 1 loads the next K step's scales ahead (0 or 1; _gemm_rows: S_AHEAD)
+    s_words: bool = False  # FP4 decodes 0/1/3/4, block_k >= 128: scales read as 32-bit words, streamed (cp.async) like the
+    # weights (_gemm_rows: S_WORDS); scale rows that are not 4-byte aligned (gpt-oss's 90 bytes) read bytes instead
 
 
 def base_config(n: int, k: int, topk: int, fp4: bool) -> MoeConfig:
@@ -121,6 +123,15 @@ SWEEP_VARIANTS: dict[str, dict] = {
     "join_bf16_swap64_s1": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, swap_ab=True, block_n=64, s_ahead=1),
     "word_raster_s1": dict(a_load=A_JOIN, decode=DECODE_WORD, raster=1, s_ahead=1),
     "word_k256_raster_s1": dict(a_load=A_JOIN, decode=DECODE_WORD, block_k=256, raster=1, s_ahead=1),
+    # the scales read as 32-bit words and streamed ahead through cp.async like the weights (MoeConfig.s_words; block_k
+    # >= 128), or, where the scale rows are not 4-byte aligned (gpt-oss's 90 bytes), a step ahead (s_ahead)
+    "join_bf16_k128_sw": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, block_k=128, s_words=True, s_ahead=1),
+    "join_bf16_k128_raster_sw": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, block_k=128, raster=1, s_words=True, s_ahead=1),
+    "join_bf16_k256_raster_sw": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, block_k=256, raster=1, s_words=True, s_ahead=1),
+    "join_bf16_swap64_k128_sw": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, swap_ab=True, block_n=64, block_k=128,
+                                     s_words=True, s_ahead=1),
+    "word_k128_raster_sw": dict(a_load=A_JOIN, decode=DECODE_WORD, block_k=128, raster=1, s_words=True, s_ahead=1),
+    "word_k256_raster_sw": dict(a_load=A_JOIN, decode=DECODE_WORD, block_k=256, raster=1, s_words=True, s_ahead=1),
 }
 # bf16 weights (the FP4-only fields do not apply):
 SWEEP_VARIANTS_BF16: dict[str, dict] = {
@@ -273,10 +284,19 @@ def align(
 if triton is not None:
 
     @triton.jit
-    def _fp4_scales(s_ptr, rows, row_ok, stride_sn, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _fp4_scales(s_ptr, rows, row_ok, stride_sn, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
         """The E8M0 scale bytes [BN, BK/32] of the K step at k0 (masked past K: a load ahead of the last step reads
-        nothing)."""
+        nothing). WORDS: read as 32-bit words, 4 scale bytes each (BLOCK_K >= 128, rows 4-byte aligned: the launcher
+        checks), which Triton can stream ahead through cp.async as it does the weights (a byte a thread is too narrow
+        for it); a row's last word may run past its K // 32 bytes, and those bytes read as 0."""
         kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        if WORDS:
+            BN: tl.constexpr = rows.shape[0]
+            kw = k0 // 128 + tl.arange(0, BLOCK_K // 128)
+            q = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_sn // 4) + kw[None, :],
+                        mask=row_ok[:, None] & (kw < (K // 32 + 3) // 4)[None, :], other=0)
+            b = tl.reshape((q[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF, (BN, BLOCK_K // 32))
+            return tl.where((kg < K // 32)[None, :], b, 0).to(tl.uint8)
         return tl.load(s_ptr + rows[:, None] * stride_sn + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0)
 
     @triton.jit
@@ -417,7 +437,7 @@ if triton is not None:
         rows0, rows1, n_ok,
         K: tl.constexpr,
         FP4: tl.constexpr, TWO: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
-        A_LOAD: tl.constexpr, SWAP: tl.constexpr, S_AHEAD: tl.constexpr,
+        A_LOAD: tl.constexpr, SWAP: tl.constexpr, S_AHEAD: tl.constexpr, S_WORDS: tl.constexpr, LOOP_STAGES: tl.constexpr,
     ):
         """acc += a[a_rows, :K] @ w[rows, :K]^T for one (TWO: two) weight row sets, K in fixed order. SWAP: the weight
         tile is the MMA's M side, acc^T += w @ a^T (accumulators [BN, BM]).
@@ -426,26 +446,30 @@ if triton is not None:
         ahead (cp.async), but not the scales (BK/32 bytes a row: too narrow for cp.async), so without S_AHEAD every K
         step waits for one HBM round trip of its scales. The values are the same either way: only when the load is
         issued changes. (Two steps ahead, carried through two registers sets, made Triton 3.6 drop its cp.async
-        pipeline for the whole loop on sm_90: not offered.)
+        pipeline for the whole loop on sm_90: not offered.) S_WORDS (FP4, BLOCK_K >= 128): the scales read as 32-bit
+        words, and the loop pipelined with LOOP_STAGES stages for every load (`tl.range(num_stages=)`, which also
+        streams loads that feed no dot): the scales then stream ahead through cp.async as deep as the weights.
+        LOOP_STAGES None: the launch's num_stages, for the loads that feed the dots.
         (Written out dot by dot: every nested jit call costs milliseconds under Triton's interpreter.)"""
         BM: tl.constexpr = a_rows.shape[0]
         AHEAD: tl.constexpr = S_AHEAD and FP4 and DECODE != 2
+        WORDS: tl.constexpr = S_WORDS and FP4 and DECODE != 2
         if AHEAD:
-            sa_next = _fp4_scales(s_ptr, rows0, n_ok, stride_sn, 0, K, BLOCK_K)
+            sa_next = _fp4_scales(s_ptr, rows0, n_ok, stride_sn, 0, K, BLOCK_K, WORDS)
             if TWO:
-                sb_next = _fp4_scales(s_ptr, rows1, n_ok, stride_sn, 0, K, BLOCK_K)
-        for k0 in range(0, K, BLOCK_K):
+                sb_next = _fp4_scales(s_ptr, rows1, n_ok, stride_sn, 0, K, BLOCK_K, WORDS)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
             if FP4 and DECODE != 2:
                 if AHEAD:
                     sa = sa_next
-                    sa_next = _fp4_scales(s_ptr, rows0, n_ok, stride_sn, k0 + BLOCK_K, K, BLOCK_K)
+                    sa_next = _fp4_scales(s_ptr, rows0, n_ok, stride_sn, k0 + BLOCK_K, K, BLOCK_K, WORDS)
                     if TWO:
                         sb = sb_next
-                        sb_next = _fp4_scales(s_ptr, rows1, n_ok, stride_sn, k0 + BLOCK_K, K, BLOCK_K)
+                        sb_next = _fp4_scales(s_ptr, rows1, n_ok, stride_sn, k0 + BLOCK_K, K, BLOCK_K, WORDS)
                 else:
-                    sa = _fp4_scales(s_ptr, rows0, n_ok, stride_sn, k0, K, BLOCK_K)
+                    sa = _fp4_scales(s_ptr, rows0, n_ok, stride_sn, k0, K, BLOCK_K, WORDS)
                     if TWO:
-                        sb = _fp4_scales(s_ptr, rows1, n_ok, stride_sn, k0, K, BLOCK_K)
+                        sb = _fp4_scales(s_ptr, rows1, n_ok, stride_sn, k0, K, BLOCK_K, WORDS)
                 if A_LOAD == 0:
                     # two stride-2 gathers: the even and the odd K columns of the activations
                     kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -551,7 +575,7 @@ if triton is not None:
         I: tl.constexpr, K: tl.constexpr, UP_OFF: tl.constexpr, ROW_MUL: tl.constexpr,
         TOPK: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
-        A_LOAD: tl.constexpr, SWAP: tl.constexpr, S_AHEAD: tl.constexpr,
+        A_LOAD: tl.constexpr, SWAP: tl.constexpr, S_AHEAD: tl.constexpr, S_WORDS: tl.constexpr, LOOP_STAGES: tl.constexpr,
     ):
         slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
         tok = pairs // TOPK
@@ -569,7 +593,7 @@ if triton is not None:
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_g, acc_u = _gemm_rows(
             acc_g, acc_u, x_ptr, tok, p_ok, stride_xm, w_base, s_base, stride_wn, stride_sn,
-            gate_rows, up_rows, j_ok, K, FP4, True, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, S_AHEAD,
+            gate_rows, up_rows, j_ok, K, FP4, True, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, S_AHEAD, S_WORDS, LOOP_STAGES,
         )
         if SWAP:
             acc_g = tl.trans(acc_g)
@@ -603,6 +627,7 @@ if triton is not None:
         TOPK: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
         A_LOAD: tl.constexpr, SWAP: tl.constexpr, RASTER: tl.constexpr, PERSIST: tl.constexpr, S_AHEAD: tl.constexpr = 0,
+        S_WORDS: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None,
     ):
         runtime.pdl_begin()
         N_TILES: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
@@ -615,7 +640,7 @@ if triton is not None:
                     x_ptr, stride_xm, h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr,
                     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, alpha, limit,
                     I, K, UP_OFF, ROW_MUL, TOPK, FP4, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
-                    S_AHEAD,
+                    S_AHEAD, S_WORDS, LOOP_STAGES,
                 )
                 tile += tl.num_programs(0)
         else:
@@ -631,7 +656,7 @@ if triton is not None:
                     x_ptr, stride_xm, h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr,
                     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, alpha, limit,
                     I, K, UP_OFF, ROW_MUL, TOPK, FP4, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
-                    S_AHEAD,
+                    S_AHEAD, S_WORDS, LOOP_STAGES,
                 )
 
     @triton.jit
@@ -674,7 +699,7 @@ if triton is not None:
         N: tl.constexpr, K: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
         A_LOAD: tl.constexpr, SWAP: tl.constexpr, COMBINE: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-        S_AHEAD: tl.constexpr,
+        S_AHEAD: tl.constexpr, S_WORDS: tl.constexpr, LOOP_STAGES: tl.constexpr,
     ):
         slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -685,7 +710,8 @@ if triton is not None:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc, _unused = _gemm_rows(
             acc, acc, h_ptr, rm, p_ok, stride_hm, w_ptr + slot * stride_we, s_ptr + slot * stride_se,
-            stride_wn, stride_sn, n, n, n_ok, K, FP4, False, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, S_AHEAD,
+            stride_wn, stride_sn, n, n, n_ok, K, FP4, False, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, S_AHEAD, S_WORDS,
+            LOOP_STAGES,
         )
         if SWAP:
             acc = tl.trans(acc)
@@ -723,6 +749,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
         A_LOAD: tl.constexpr, SWAP: tl.constexpr, RASTER: tl.constexpr, PERSIST: tl.constexpr,
         COMBINE: tl.constexpr = False, TOPK: tl.constexpr = 1, TOPK_PAD: tl.constexpr = 1, S_AHEAD: tl.constexpr = 0,
+        S_WORDS: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None,
     ):
         runtime.pdl_begin()
         N_TILES: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
@@ -735,7 +762,7 @@ if triton is not None:
                     h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
                     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, out_ptr, cnt_ptr,
                     valid_ptr, N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, COMBINE, TOPK,
-                    TOPK_PAD, S_AHEAD,
+                    TOPK_PAD, S_AHEAD, S_WORDS, LOOP_STAGES,
                 )
                 tile += tl.num_programs(0)
             if COMBINE:
@@ -756,7 +783,7 @@ if triton is not None:
                     h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
                     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, out_ptr, cnt_ptr,
                     valid_ptr, N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, COMBINE, TOPK,
-                    TOPK_PAD, S_AHEAD,
+                    TOPK_PAD, S_AHEAD, S_WORDS, LOOP_STAGES,
                 )
             if COMBINE:
                 if pid_m == 0:  # (every grid has m block 0 of each n tile, routed pairs or not)
@@ -770,7 +797,7 @@ if triton is not None:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         k0 = tl.program_id(1) * BLOCK_K
-        w_lo, w_hi = _fp4_tiles(w_ptr, _fp4_scales(s_ptr, rows, row_ok, stride_sn, k0, K, BLOCK_K), rows, row_ok, stride_wn, k0, K,
+        w_lo, w_hi = _fp4_tiles(w_ptr, _fp4_scales(s_ptr, rows, row_ok, stride_sn, k0, K, BLOCK_K, False), rows, row_ok, stride_wn, k0, K,
                                 BLOCK_K, DECODE, EMULATE, A_LOAD)
         if A_LOAD == 2 or DECODE == 4:
             kk = k0 + tl.arange(0, BLOCK_K)
@@ -898,6 +925,11 @@ class ExpertWeights:
         return self.intermediate if self.up_off is None else self.up_off
 
 
+def _scale_words_ok(scales: torch.Tensor) -> bool:
+    """Scale rows readable as 32-bit words (MoeConfig.s_words): 4-byte aligned base, row and slot strides."""
+    return scales.data_ptr() % 4 == 0 and scales.stride(-1) == 1 and all(st % 4 == 0 for st in scales.stride()[:-1])
+
+
 def _word_ok(blocks: torch.Tensor) -> bool:
     """Packed rows readable as 32-bit words (decode 4): 4-byte aligned base, row and slot strides, contiguous rows."""
     return (blocks.data_ptr() % 4 == 0 and blocks.stride(-1) == 1 and blocks.shape[-1] % 4 == 0
@@ -927,6 +959,8 @@ def _flags(c: MoeConfig, fp4: bool) -> dict:
         raise ValueError(f"block_k must be a power of two >= 32 and block_m, block_n >= 16: {c}")
     if c.s_ahead not in (0, 1):
         raise ValueError(f"s_ahead must be 0 or 1: {c}")
+    if c.s_words and c.block_k < 128:
+        raise ValueError(f"s_words reads 4 scale bytes a word: block_k must be >= 128: {c}")
     if fp4 and c.decode == DECODE_SCALED and runtime.interpreting():
         raise ValueError("decode 2 (tl.dot_scaled) does not run under Triton's interpreter")
     decode = c.decode if fp4 else DECODE_SELECT
@@ -935,7 +969,9 @@ def _flags(c: MoeConfig, fp4: bool) -> dict:
         a_load = A_JOIN  # decode 4 always gives the tile in K order
     return dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DECODE=decode, F32DOT=runtime.interpreting(),
                 A_LOAD=a_load, SWAP=c.swap_ab, RASTER=c.raster, PERSIST=c.persist > 0,
-                S_AHEAD=c.s_ahead if fp4 and decode != DECODE_SCALED else 0,
+                S_AHEAD=c.s_ahead if fp4 and decode != DECODE_SCALED and not c.s_words else 0,  # (streamed words need none)
+                S_WORDS=bool(c.s_words and fp4 and decode != DECODE_SCALED),
+                LOOP_STAGES=c.num_stages if c.s_words and fp4 and decode != DECODE_SCALED else None,
                 num_warps=c.num_warps, num_stages=c.num_stages, **runtime.pdl_launch())
 
 
@@ -995,6 +1031,9 @@ def moe_forward(
     if w.fp4:  # decode 4 reads 32-bit words: weights not 4-byte aligned get decode 3 (static: the tensors, not the tokens)
         config, config2 = (dataclasses.replace(c, decode=DECODE_BF16_BITS) if c.decode == DECODE_WORD and not _word_ok(b) else c
                            for c, b in ((config, w.w1), (config2, w.w2)))
+        # s_words reads 4 scale bytes a word: scale rows not 4-byte aligned are read a byte at a time (the same values)
+        config, config2 = (dataclasses.replace(c, s_words=False) if c.s_words and not _scale_words_ok(sc) else c
+                           for c, sc in ((config, w.s1), (config2, w.s2)))
     bm = config.block_m
     if config2.block_m != bm:
         raise ValueError("both GEMMs share the routing blocks: block_m must match")

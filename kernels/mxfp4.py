@@ -93,6 +93,8 @@ def from_gpt_oss(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
 
 # ---- the arena layout of one expert ------------------------------------------------------------------
 ALIGN = 256  # bytes; every section starts on it (full 128-byte lines, 16-byte vector loads)
+SCALE_ROW_ALIGN = 4  # bytes; a scale row is stored padded to a multiple (kernels.moe reads scales as 32-bit words:
+# MoeConfig.s_words). gpt-oss-20b's rows of 2880 / 32 = 90 bytes are stored in 92; Qwen3's and Mixtral's need none.
 
 
 def _align(n: int) -> int:
@@ -106,6 +108,7 @@ class ExpertLayout:
     Sections, each starting on a 256-byte boundary, in this order:
       w1_blocks [2I, H/2] u8 · w1_scales [2I, H/32] u8   (gate rows 0..I-1, then up rows I..2I-1)
       w2_blocks [H, I/2] u8  · w2_scales [H, I/32] u8
+    (a scale row is stored in a multiple of SCALE_ROW_ALIGN bytes, its padding unread: `views` gives [.., K/32])
       b1 [2I] bf16, b2 [H] bf16                            (only when the experts have biases)
     Rows are output features and K (the input dimension) is contiguous inside a row, so a kernel reads a
     row's packed values with 16-byte loads. `nbytes` (a multiple of 256) is what the byte map reports.
@@ -127,18 +130,29 @@ class ExpertLayout:
             s += [("b1", (2 * i,), torch.bfloat16), ("b2", (h,), torch.bfloat16)]
         return s
 
+    @staticmethod
+    def _stored(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A section's shape as stored: scale rows padded to SCALE_ROW_ALIGN bytes."""
+        if name.endswith("_scales"):
+            rows, cols = shape
+            return rows, -(-cols // SCALE_ROW_ALIGN) * SCALE_ROW_ALIGN
+        return shape
+
+    def _section_bytes(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        return int(torch.Size(self._stored(name, shape)).numel()) * torch.empty((), dtype=dtype).element_size()
+
     @property
     def offsets(self) -> dict[str, int]:
         out, pos = {}, 0
         for name, shape, dtype in self._sections():
             out[name] = pos
-            pos += _align(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
+            pos += _align(self._section_bytes(name, shape, dtype))
         return out
 
     @property
     def nbytes(self) -> int:
         name, shape, dtype = self._sections()[-1]
-        return self.offsets[name] + _align(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
+        return self.offsets[name] + _align(self._section_bytes(name, shape, dtype))
 
     def views(self, arena: torch.Tensor) -> dict[str, torch.Tensor]:
         """arena [S, >= nbytes] uint8 (S experts or slots, one per row) -> per-section views [S, ...]."""
@@ -150,11 +164,12 @@ class ExpertLayout:
         offs = self.offsets
         for name, shape, dtype in self._sections():
             esize = torch.empty((), dtype=dtype).element_size()
-            n = int(torch.Size(shape).numel()) * esize
-            raw = arena[:, offs[name] : offs[name] + n]
+            raw = arena[:, offs[name] : offs[name] + self._section_bytes(name, shape, dtype)]
             if esize > 1:
                 raw = raw.view(dtype)  # rows are 256-byte aligned and the row stride is even
-            out[name] = raw.unflatten(1, shape)
+            stored = self._stored(name, shape)
+            view = raw.unflatten(1, stored)
+            out[name] = view[..., : shape[-1]] if stored != shape else view
         return out
 
     def pack(self, arena_row: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:

@@ -315,7 +315,7 @@ for persist, fp4 in ((False, False), (True, True)):
     p = ptx(moe._moe_gemm2, types, dict(N=2048, K=768, FP4=fp4, HAS_BIAS=fp4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
                                         DECODE=moe.DECODE_WORD if fp4 else 0, F32DOT=False, A_LOAD=moe.A_JOIN if fp4 else 0,
                                         SWAP=False, RASTER=0, PERSIST=persist, COMBINE=True, TOPK=8, TOPK_PAD=8,
-                                        S_AHEAD=int(fp4)))
+                                        S_AHEAD=int(fp4), S_WORDS=False, LOOP_STAGES=None))
     assert "atom.global.gpu.acq_rel.add" in p and "ld.global.cg" in p, "the fused combine's semaphore or L2 reads"
 # The K loops as the launcher specializes them (pointers and int arguments divisible by 16, arguments equal to 1 as
 # constants: without that Triton pipelines nothing): every dot operand streams ahead through cp.async. Guards against
@@ -362,13 +362,22 @@ for ahead in (0, 1):
     f = moe._flags(moe.variant_config(2880, 2880, 4, True, {**moe.FP4_DEFAULT, "s_ahead": ahead}), True)
     const = dict(I=2880, K=2880, UP_OFF=1, ROW_MUL=2, TOPK=4, FP4=True, HAS_BIAS=True, ACT=1,
                  **{n: f[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "DECODE", "F32DOT", "A_LOAD", "SWAP", "RASTER",
-                                      "PERSIST", "S_AHEAD")})
+                                      "PERSIST", "S_AHEAD", "S_WORDS", "LOOP_STAGES")})
     div = [n for n in moe._moe_gemm1.arg_names if n not in const and n != "stride_sn"
            and (n.endswith("_ptr") or n.startswith("stride"))]
     loop, sync, streamed = first_loop_loads(moe._moe_gemm1, g1, const, div, f["num_warps"], f["num_stages"])
     carried = re.findall(r"tensor<\d+x\d+xi8", loop.split(") -> (")[1])
     assert len(streamed) == 3 and len(sync) == 2, ("the FP4 GEMM's K loop", ahead, sync, streamed)
     assert len(carried) == 2 * ahead, ("scale tiles carried by the K loop", ahead, carried)
+# With s_words (Qwen3-30B-A3B's gate/up: 64 scale bytes a row, 4-byte aligned) the scales are read as 32-bit words and
+# stream ahead like the weights: nothing in the K loop waits on a synchronous load.
+f = moe._flags(moe.variant_config(768, 2048, 8, True, moe.SWEEP_VARIANTS["join_bf16_k128_sw"]), True)
+const = dict(I=768, K=2048, UP_OFF=768, ROW_MUL=1, TOPK=8, FP4=True, HAS_BIAS=False, ACT=0,
+             **{n: f[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "DECODE", "F32DOT", "A_LOAD", "SWAP", "RASTER",
+                                  "PERSIST", "S_AHEAD", "S_WORDS", "LOOP_STAGES")})
+div = [n for n in moe._moe_gemm1.arg_names if n not in const and (n.endswith("_ptr") or n.startswith("stride"))]
+_, sync, streamed = first_loop_loads(moe._moe_gemm1, g1, const, div, f["num_warps"], f["num_stages"])
+assert not sync and sum("i32" in t for t in streamed) == 2 and len(streamed) == 5, ("streamed scale words", sync, streamed)
 print("compiled")
 '''
 

@@ -259,6 +259,45 @@ def test_scales_loaded_a_step_ahead_give_the_same_bits(name, monkeypatch):
     assert (want.float() - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3
 
 
+def _padded_scales(s: torch.Tensor) -> torch.Tensor:
+    """The same scales in rows padded to a multiple of 4 bytes (as kernels.mxfp4.ExpertLayout stores them), the padding
+    255: a scale byte no weight of these tests uses (2^128), which would turn a product into inf or NaN if read."""
+    e, r, g = s.shape
+    buf = torch.full((e, r, -(-g // 4) * 4), 255, dtype=torch.uint8)
+    buf[..., :g] = s
+    return buf[..., :g]
+
+
+@needs_triton
+@pytest.mark.parametrize("decode", [0, 3, 4])
+def test_scales_read_as_words_give_the_same_bits(decode, monkeypatch):
+    """MoeConfig.s_words: the scales read as 32-bit words (4 bytes each, streamed ahead by the compiled kernel) give the
+    byte loads' bits. The gate/up GEMM's K = 160 (5 scale bytes a row: the last word runs into the padding, which must
+    read as nothing) over two K steps, the down GEMM's K = 128; rows that are not 4-byte aligned read bytes instead."""
+    import dataclasses
+
+    from kernels import moe, runtime
+    from kernels.moe import A_JOIN, moe_forward
+
+    monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
+    w = _experts(h=160, i=128, act=ACT_GPTOSS, bias=True, fp4=True)
+    padded = dataclasses.replace(w, s1=_padded_scales(w.s1), s2=_padded_scales(w.s2))
+    assert moe._scale_words_ok(padded.s1) and moe._scale_words_ok(padded.s2) and not moe._scale_words_ok(w.s1)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 160, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(7)])
+    wts = torch.softmax(torch.randn(7, 2, generator=g), -1)
+    c = dataclasses.replace(_TEST_BASE, decode=decode, a_load=A_JOIN, block_k=128)
+    want = moe_forward(x, ids, wts, w, 6, config=c, config2=c)
+    words = dataclasses.replace(c, s_words=True)
+    assert torch.equal(moe_forward(x, ids, wts, padded, 6, config=words, config2=words), want)
+    assert torch.equal(moe_forward(x, ids, wts, w, 6, config=words, config2=words), want)  # (read as bytes)
+    ref = moe_reference(x, ids, wts, w, 6).float()
+    assert torch.isfinite(want.float()).all() and (want.float() - ref).abs().max() <= 0.02 * ref.abs().max() + 1e-3
+    with pytest.raises(ValueError, match="block_k must be >= 128"):
+        moe_forward(x, ids, wts, padded, 6, config=dataclasses.replace(words, block_k=64), config2=words)
+
+
 @needs_triton
 def test_word_decode_gives_the_exact_bf16_weights():
     """Decode 4 (32-bit word loads, 8 values a word) gives mxfp4.dequantize's bf16 bits at every byte value and every
