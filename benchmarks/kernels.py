@@ -119,6 +119,24 @@ def hf_experts(model: str):
     return mod
 
 
+def as_served(w):
+    """MXFP4 experts moved into one device arena of kernels.mxfp4.ExpertLayout slices, the form the verifier serves
+    (and the kernels read): scale rows padded to 4 bytes, so MoeConfig.s_words streams them on every model."""
+    import dataclasses
+
+    from kernels.mxfp4 import MXFP4Experts
+
+    if not w.fp4:
+        return w
+    q = MXFP4Experts(w.w1, w.s1, w.w2, w.s2, w.b1, w.b2)
+    layout = q.layout()
+    views = layout.views(torch.zeros(q.num_experts, layout.nbytes, dtype=torch.uint8, device=w.w1.device))
+    for name, v in views.items():
+        v.copy_(getattr(q, name))
+    return dataclasses.replace(w, w1=views["w1_blocks"], s1=views["w1_scales"], w2=views["w2_blocks"], s2=views["w2_scales"],
+                               b1=views.get("b1"), b2=views.get("b2"))
+
+
 def bench_moe(rate: float) -> list[dict]:
     from kernels.installer import expert_weights
     from kernels.moe import moe_forward
@@ -135,7 +153,7 @@ def bench_moe(rate: float) -> list[dict]:
                     x, ids, wts = routing(e, k, h, active, tpe)
                     cases.append((active, tpe, x, ids, wts, gpu_time_us(lambda: mod(x, ids, wts))))
         w_bf16 = expert_weights(mod, "native")
-        w_fp4 = expert_weights(mod, "mxfp4")
+        w_fp4 = as_served(expert_weights(mod, "mxfp4"))
         bias = (2 * i + h) * 2 if w_bf16.b1 is not None else 0
         per = {"mxfp4": 2 * i * h // 2 + 2 * i * h // 32 + h * i // 2 + h * i // 32 + bias, "bf16": 3 * h * i * 2 + bias}
         for active, tpe, x, ids, wts, t_hf in cases:
@@ -260,7 +278,7 @@ def sweep(rate: float, names: list[str] | None = None, models: list[str] | None 
         with torch.inference_mode():
             inputs = {(a, t): routing(e, k, h, a, t) for _, a, t in cases}
             hf_us = {key: gpu_time_us(lambda: mod(*val), reps=20) for key, val in inputs.items()}
-        weights = {fmt: expert_weights(mod, "native" if fmt == "bf16" else fmt) for fmt in dict.fromkeys(f for f, _, _ in cases)}
+        weights = {fmt: as_served(expert_weights(mod, "native" if fmt == "bf16" else fmt)) for fmt in dict.fromkeys(f for f, _, _ in cases)}
         bias = (2 * i + h) * 2 if weights[cases[0][0]].b1 is not None else 0
         per = {"mxfp4": 2 * i * h // 2 + 2 * i * h // 32 + h * i // 2 + h * i // 32 + bias, "bf16": 3 * h * i * 2 + bias}
         configs = {fmt: _sweep_configs(model, fmt, names) for fmt in weights}
