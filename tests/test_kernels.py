@@ -298,6 +298,25 @@ def test_scales_read_as_words_give_the_same_bits(decode, monkeypatch):
         moe_forward(x, ids, wts, padded, 6, config=dataclasses.replace(words, block_k=64), config2=words)
 
 
+def test_the_kernel_benchmark_times_mxfp4_experts_in_the_served_arena():
+    """benchmarks/kernels.py's `as_served`: the same MXFP4 experts moved into one arena of ExpertLayout slices, as the
+    verifier serves them: the same values, gpt-oss-20b's 90-byte scale rows stored in 92 (readable as words)."""
+    from benchmarks.kernels import as_served
+    from kernels import moe
+
+    w1 = torch.randn(3, 2 * 64, 2880)
+    w2 = torch.randn(3, 2880, 64)
+    (b1, s1), (b2, s2) = mxfp4.quantize(w1), mxfp4.quantize(w2)
+    w = ExpertWeights(b1, b2, s1, s2, torch.ones(3, 128).bfloat16(), torch.ones(3, 2880).bfloat16(), row_mul=2, up_off=1,
+                      act=ACT_GPTOSS)
+    served = as_served(w)
+    assert not moe._scale_words_ok(w.s1) and moe._scale_words_ok(served.s1) and served.s1.stride(-2) == 92
+    for name in ("w1", "s1", "w2", "s2", "b1", "b2"):
+        assert torch.equal(getattr(served, name), getattr(w, name)), name
+    assert (served.row_mul, served.up_off, served.act) == (2, 1, ACT_GPTOSS)
+    assert served.w1.untyped_storage().data_ptr() == served.s2.untyped_storage().data_ptr()  # one arena
+
+
 @needs_triton
 def test_word_decode_gives_the_exact_bf16_weights():
     """Decode 4 (32-bit word loads, 8 values a word) gives mxfp4.dequantize's bf16 bits at every byte value and every
