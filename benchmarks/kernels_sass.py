@@ -5,7 +5,9 @@ for sm_90a by Triton and the ptxas it ships, and the SASS of its K loop counted 
 
 One line per (model, GEMM, variant): registers, shared memory, compile time, the K loop's instructions per weight value
 a warp decodes (`warp-instr/value`) and its instruction mix (HMMA/HGMMA = tensor-core MMAs, LDGSTS = async copies,
-LDS/LDSM = shared-memory loads, HMUL2 = bf16x2 multiplies, IMAD/LOP3/PRMT/SHF = integer work). A decode-bound GEMM
+LDS/LDSM = shared-memory loads, HMUL2 = bf16x2 multiplies, IMAD/LOP3/PRMT/SHF = integer work), and the loop's global
+loads split into synchronous ones (LDG: the step waits for a memory round trip at their first use) and streamed ones
+(LDGSTS: cp.async, issued stages ahead). A decode-bound GEMM
 takes about that many issue slots per weight: an H200 issues ~1.05e12 warp instructions per second (132 SMs x 4
 schedulers x 1.98 GHz), and 60% of its ~4.2 TB/s copy rate on MXFP4 (0.53125 bytes per weight) is ~4.7e12 weights
 per second: <= 0.22 warp-instr/value with perfect overlap, so aim well below that. It does not replace timing on the
@@ -54,8 +56,9 @@ def compile_gemm(gemm: int, c, model: str, fp4: bool):
         const = dict(I=i, K=h, UP_OFF=i if up_off is None else up_off, ROW_MUL=row_mul, TOPK=k, FP4=fp4, HAS_BIAS=bias, ACT=act, **flags)
     else:
         fn = moe._moe_gemm2
-        types = dict(h_ptr="*bf16", y_ptr="*fp32", rw_ptr="*bf16", w_ptr=wt, s_ptr=wt, b_ptr="*bf16")
-        const = dict(N=h, K=i, FP4=fp4, HAS_BIAS=bias, **flags)
+        types = dict(h_ptr="*bf16", y_ptr="*fp32", rw_ptr="*bf16", w_ptr=wt, s_ptr=wt, b_ptr="*bf16",
+                     out_ptr="*fp32", cnt_ptr="*i1", valid_ptr="*i1")  # (the separate combine: moe.launch_gemm2's dummies)
+        const = dict(N=h, K=i, FP4=fp4, HAS_BIAS=bias, COMBINE=False, TOPK=1, TOPK_PAD=1, **flags)
     types.update(sorted_pairs_ptr="*i32", block_slot_ptr="*i32", num_blocks_ptr="*i32")
     sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIV16 if n in fn.arg_names}
@@ -135,7 +138,8 @@ def main() -> None:
                 desc = "no K loop found (unrolled?)"
                 if loop is not None:
                     n, mix = loop
-                    desc = f"{n:5d} instr/K step = {n / per_warp:.3f} warp-instr/value | " + " ".join(f"{a}={b}" for a, b in mix.most_common(10))
+                    desc = (f"{n:5d} instr/K step = {n / per_warp:.3f} warp-instr/value | synchronous loads LDG={mix['LDG']} "
+                            f"streamed LDGSTS={mix['LDGSTS']} | " + " ".join(f"{a}={b}" for a, b in mix.most_common(10)))
                 print(f"{head} regs {regs:3d} smem {kern.metadata.shared:6d} compile {dt:4.1f}s | {desc}", flush=True)
 
 
