@@ -133,6 +133,20 @@ def stack(tiny, tmp_path_factory):
     s.stop()
 
 
+# On a CUDA host the GPU modules go first, the longest first (measured on the H200: tests/test_gpu_verifier.py alone
+# runs 5+ minutes on its worker). xdist hands out whole modules in collection order (below), so a long module collected
+# late outlasts every other worker: stop 23's and stop 24's suite runs hit their limit with it still running.
+_GPU_FIRST = ("tests/test_gpu_verifier.py", "tests/test_offload_gpu.py", "tests/test_kernels_gpu.py", "tests/test_pdl_gpu.py",
+              "tests/test_drafter_gpu.py", "tests/test_e2e_identity.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        return
+    rank = {path: i for i, path in enumerate(_GPU_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # (stable: the rest keep their order)
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist, never called
 def pytest_xdist_make_scheduler(config, log):
     """`pytest -n N` hands out whole modules (xdist's loadscope), not single tests: a module's tests share its

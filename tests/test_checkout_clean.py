@@ -1,5 +1,5 @@
 """The test run leaves the checkout as it found it (tests/checkout_guard.py), and what once wrote a stray
-folder into it cannot any more."""
+folder into it cannot any more; and on a GPU host the suite starts its longest GPU modules first."""
 
 from __future__ import annotations
 
@@ -97,3 +97,24 @@ def test_the_guard_sees_the_whole_run_under_xdist(tmp_path, monkeypatch):
     assert dirty.returncode == 1, dirty.stdout + dirty.stderr
     assert "2 passed" in dirty.stdout and dirty.stdout.count("checkout not clean") == 1, dirty.stdout
     assert "?? qwen3_moe/tokenizer.json" in dirty.stdout
+
+
+def test_gpu_modules_are_collected_first_on_a_cuda_host(monkeypatch):
+    """tests/conftest.py: on a CUDA host the GPU modules are collected first, the longest first, so xdist (which hands
+    out whole modules in collection order) starts them first; elsewhere the order is left alone."""
+    import torch
+
+    from tests import conftest
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    names = ["tests/test_a.py::x", "tests/test_kernels_gpu.py::y", "tests/test_gpu_verifier.py::z[mixtral]", "tests/test_a.py::w"]
+    items = [Item(n) for n in names]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [i.nodeid for i in items] == names
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [i.nodeid for i in items] == [names[2], names[1], names[0], names[3]]
