@@ -129,10 +129,7 @@ def as_served(w):
     if not w.fp4:
         return w
     q = MXFP4Experts(w.w1, w.s1, w.w2, w.s2, w.b1, w.b2)
-    layout = q.layout()
-    views = layout.views(torch.zeros(q.num_experts, layout.nbytes, dtype=torch.uint8, device=w.w1.device))
-    for name, v in views.items():
-        v.copy_(getattr(q, name))
+    views = q.layout().views(q.to_arena(device=w.w1.device))
     return dataclasses.replace(w, w1=views["w1_blocks"], s1=views["w1_scales"], w2=views["w2_blocks"], s2=views["w2_scales"],
                                b1=views.get("b1"), b2=views.get("b2"))
 

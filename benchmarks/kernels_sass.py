@@ -48,7 +48,8 @@ def compile_gemm(gemm: int, c, model: str, fp4: bool):
 
     e, k, h, i, row_mul, up_off, bias, act = MODELS[model]
     wt = "*u8" if fp4 else "*bf16"
-    flags = {n: v for n, v in moe._flags(c, fp4).items() if n not in ("num_warps", "num_stages")}
+    # (the launch options are not kernel arguments: launch_pdl too, on by default on sm_90+ hosts)
+    flags = {n: v for n, v in moe._flags(c, fp4).items() if n not in ("num_warps", "num_stages", "launch_pdl")}
     flags["F32DOT"] = False
     if gemm == 1:
         fn = moe._moe_gemm1

@@ -211,10 +211,10 @@ class MXFP4Experts:
             p["b1"], p["b2"] = self.b1[e], self.b2[e]
         return p
 
-    def to_arena(self, pin: bool = False) -> torch.Tensor:
-        """All experts packed one per row of a uint8 arena [E, layout.nbytes]."""
+    def to_arena(self, pin: bool = False, device: torch.device | str | None = None) -> torch.Tensor:
+        """All experts packed one per row of a uint8 arena [E, layout.nbytes] (on `device`; host memory by default)."""
         lay = self.layout()
-        arena = torch.zeros(self.num_experts, lay.nbytes, dtype=torch.uint8, pin_memory=pin)
+        arena = torch.zeros(self.num_experts, lay.nbytes, dtype=torch.uint8, pin_memory=pin, device=device)
         views = lay.views(arena)
         for name, v in views.items():
             v.copy_(getattr(self, name))

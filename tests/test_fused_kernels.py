@@ -323,12 +323,16 @@ for persist, fp4 in ((False, False), (True, True)):
 import re
 
 
-def first_loop_loads(fn, types, const, div, warps, stages):
+def compiled_ir(fn, types, const, div, warps, stages):
     sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
-    k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps, num_stages=stages))
-    lines = k.asm["ttgir"].splitlines()
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages)).asm["ttgir"]
+
+
+def loop_loads(ir):
+    """The first K loop of a kernel's TTGIR: its header line, its synchronous loads' types and its streamed ones'."""
+    lines = ir.splitlines()
     start = next(i for i, line in enumerate(lines) if "scf.for" in line)
     indent = len(lines[start]) - len(lines[start].lstrip())
     end = next(i for i in range(start + 1, len(lines)) if len(lines[i]) - len(lines[i].lstrip()) <= indent)
@@ -343,40 +347,31 @@ cfg = linear.linear_config(5120, 2048)  # Qwen3-30B-A3B's q/k/v
 lc = dict(N=5120, K=2048, K_PER_SPLIT=cfg.k_per_split, SPLIT=cfg.split, HAS_BIAS=False, BLOCK_M=cfg.block_m,
           BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION="tf32", F32DOT=False, FIXUP=False, PARTIALS=True,
           stride_ak=1, stride_bk=1)  # a contiguous, the weight's transposed view: unit strides along K
-_, sync, streamed = first_loop_loads(linear._linear_kernel, lt, lc, [n for n in linear._linear_kernel.arg_names
-                                     if n.endswith("_ptr") or n in ("stride_am", "stride_bn", "stride_om")],
-                                     cfg.num_warps, cfg.num_stages)
+_, sync, streamed = loop_loads(compiled_ir(linear._linear_kernel, lt, lc, [n for n in linear._linear_kernel.arg_names
+                                           if n.endswith("_ptr") or n in ("stride_am", "stride_bn", "stride_om")],
+                                           cfg.num_warps, cfg.num_stages))
 assert len(streamed) == 2 and not sync, ("the linear's K loop", sync, streamed)
 ac = dict(GROUP=8, D=128, HAS_SINK=False, HAS_KMASK=False, BLOCK_M=16, BLOCK_N=64, SEG_CHUNKS=attention.SEG_CHUNKS,
           PROGRAMS=1, DIRECT_SEGS=attention.DIRECT_SEGS, F32DOT=False, PAGED=True)
-_, sync, streamed = first_loop_loads(attention._attn_kernel, {**at, **dummy}, ac, [n for n in attention._attn_kernel.arg_names
-                                     if n.endswith("_ptr") or n in ("sqb", "sqh", "sqt", "skb", "skh", "sks", "svb",
-                                                                    "svh", "svs", "sob", "sot", "soh")], 4, 3)
+_, sync, streamed = loop_loads(compiled_ir(attention._attn_kernel, {**at, **dummy}, ac, [n for n in attention._attn_kernel.arg_names
+                                           if n.endswith("_ptr") or n in ("sqb", "sqh", "sqt", "skb", "skh", "sks", "svb",
+                                                                          "svh", "svs", "sob", "sot", "soh")], 4, 3))
 assert sum("64x128xbf16" in t or "64x128x!tt.ptr<bf16>" in t for t in streamed) == 2 and not sync, ("the paged attention's chunk loop", sync, streamed)
-# The MXFP4 gate/up GEMM at gpt-oss-20b's shape (90 scale bytes a row: that stride is not divisible by 16). Its packed
-# weights and activations stream ahead either way; its scales (BK/32 bytes a row: too narrow for cp.async) load in
-# the loop, and with s_ahead those loads are the next step's, carried by the loop (gate and up tiles).
-g1 = dict(x_ptr="*bf16", h_ptr="*bf16", sorted_pairs_ptr="*i32", block_slot_ptr="*i32", num_blocks_ptr="*i32",
-          w_ptr="*u8", s_ptr="*u8", b_ptr="*bf16", alpha="fp32", limit="fp32")
+# The MXFP4 gate/up GEMM, compiled as launched by benchmarks/kernels_sass.py's compile_gemm (pointers and strides
+# divisible by 16 but the scale rows': gpt-oss-20b's hold 90 bytes). Its packed weights and activations stream ahead
+# either way; at gpt-oss's shape its scales (BK/32 bytes a row: too narrow for cp.async) load in the loop, and with
+# s_ahead those loads are the next step's, carried by the loop (gate and up tiles).
+from benchmarks.kernels_sass import compile_gemm
 for ahead in (0, 1):
-    f = moe._flags(moe.variant_config(2880, 2880, 4, True, {**moe.FP4_DEFAULT, "s_ahead": ahead}), True)
-    const = dict(I=2880, K=2880, UP_OFF=1, ROW_MUL=2, TOPK=4, FP4=True, HAS_BIAS=True, ACT=1,
-                 **{n: f[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "DECODE", "F32DOT", "A_LOAD", "SWAP", "RASTER",
-                                      "PERSIST", "S_AHEAD", "S_WORDS", "LOOP_STAGES")})
-    div = [n for n in moe._moe_gemm1.arg_names if n not in const and n != "stride_sn"
-           and (n.endswith("_ptr") or n.startswith("stride"))]
-    loop, sync, streamed = first_loop_loads(moe._moe_gemm1, g1, const, div, f["num_warps"], f["num_stages"])
+    c = moe.variant_config(2880, 2880, 4, True, {**moe.FP4_DEFAULT, "s_ahead": ahead})
+    loop, sync, streamed = loop_loads(compile_gemm(1, c, "gpt-oss-20b", True)[0].asm["ttgir"])
     carried = re.findall(r"tensor<\d+x\d+xi8", loop.split(") -> (")[1])
     assert len(streamed) == 3 and len(sync) == 2, ("the FP4 GEMM's K loop", ahead, sync, streamed)
     assert len(carried) == 2 * ahead, ("scale tiles carried by the K loop", ahead, carried)
 # With s_words (Qwen3-30B-A3B's gate/up: 64 scale bytes a row, 4-byte aligned) the scales are read as 32-bit words and
 # stream ahead like the weights: nothing in the K loop waits on a synchronous load.
-f = moe._flags(moe.variant_config(768, 2048, 8, True, moe.SWEEP_VARIANTS["join_bf16_k128_sw"]), True)
-const = dict(I=768, K=2048, UP_OFF=768, ROW_MUL=1, TOPK=8, FP4=True, HAS_BIAS=False, ACT=0,
-             **{n: f[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "DECODE", "F32DOT", "A_LOAD", "SWAP", "RASTER",
-                                  "PERSIST", "S_AHEAD", "S_WORDS", "LOOP_STAGES")})
-div = [n for n in moe._moe_gemm1.arg_names if n not in const and (n.endswith("_ptr") or n.startswith("stride"))]
-_, sync, streamed = first_loop_loads(moe._moe_gemm1, g1, const, div, f["num_warps"], f["num_stages"])
+c = moe.variant_config(768, 2048, 8, True, moe.SWEEP_VARIANTS["join_bf16_k128_sw"])
+_, sync, streamed = loop_loads(compile_gemm(1, c, "qwen3-30b-a3b", True)[0].asm["ttgir"])
 assert not sync and sum("i32" in t for t in streamed) == 2 and len(streamed) == 5, ("streamed scale words", sync, streamed)
 print("compiled")
 '''
