@@ -56,6 +56,15 @@ def _pdl_default() -> bool:
 
 PDL = _pdl_default() and not interpreting()
 
+# Where a program lets the next kernel launch (PDFLASH_PDL_TRIGGER): "start" (the default) triggers before it waits, so
+# the next kernel's programs may launch, take their SM slots and wait while the one before this kernel still runs, and
+# a run of small kernels that each fit beside the others launches many kernels ahead (each holding its shared memory);
+# "after-wait" triggers once this kernel's own wait is over, so at most the next kernel is launched ahead. The order of
+# the arithmetic is the same either way (the tokens too: tests/test_pdl_gpu.py).
+PDL_TRIGGER = os.environ.get("PDFLASH_PDL_TRIGGER", "start")
+if PDL_TRIGGER not in ("start", "after-wait"):
+    raise ValueError(f"PDFLASH_PDL_TRIGGER must be 'start' or 'after-wait', got {PDL_TRIGGER!r}")
+
 
 def pdl_launch() -> dict:
     """The launch option of a kernel that starts with `pdl_begin` ({} where PDL is off)."""
@@ -73,13 +82,18 @@ if triton is not None:
     from triton.language.extra import cuda as _cuda
 
     _PDL = tl.constexpr(PDL)
+    _PDL_AFTER_WAIT = tl.constexpr(PDL_TRIGGER == "after-wait")
 
     @triton.jit
     def pdl_begin():
         """A forward kernel's first statement (nothing where PDL is off): see PDL above."""
         if _PDL:
-            _cuda.gdc_launch_dependents()
-            _cuda.gdc_wait()
+            if _PDL_AFTER_WAIT:
+                _cuda.gdc_wait()
+                _cuda.gdc_launch_dependents()
+            else:
+                _cuda.gdc_launch_dependents()
+                _cuda.gdc_wait()
 
     @triton.jit
     def to_bf16(x, EMULATE: tl.constexpr):

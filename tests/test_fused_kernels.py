@@ -251,14 +251,18 @@ from kernels import fused
 
 import os
 PDL = os.environ.get("PDFLASH_PDL") == "1"
+AFTER_WAIT = os.environ.get("PDFLASH_PDL_TRIGGER") == "after-wait"
 
 def ptx(fn, types, const):
     sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(fused.LAUNCH_OPTIONS))
     assert k.asm["cubin"], fn
     # PDFLASH_PDL=1: every forward kernel waits for the one before it (runtime.pdl_begin), else none does
-    assert ("griddepcontrol.wait" in k.asm["ptx"]) == PDL, (fn, PDL)
-    return k.asm["ptx"]
+    p = k.asm["ptx"]
+    assert ("griddepcontrol.wait" in p) == PDL, (fn, PDL)
+    if PDL:  # PDFLASH_PDL_TRIGGER: the next kernel may launch before this one's wait ("start") or after it
+        assert (p.index("griddepcontrol.wait") < p.index("griddepcontrol.launch_dependents")) == AFTER_WAIT, (fn, AFTER_WAIT)
+    return p
 
 bf = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_ptr="*bf16", sum_ptr="*bf16", eps="fp32", scale="fp32")
 for d, cast, res, split in ((2048, True, False, 0), (2880, False, False, 0), (128, True, False, 0), (2048, True, True, 0),
@@ -390,10 +394,11 @@ def test_fused_kernels_compile_for_an_h200_without_contracting_products_into_sum
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = pathlib.Path(__file__).resolve().parents[1]
-    for pdl in ("0", "1"):  # PDFLASH_PDL=1: the same kernels with the programmatic-dependent-launch wait
-        r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=root, env={**env, "PYTHONPATH": str(root), "PDFLASH_PDL": pdl},
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0 and "compiled" in r.stdout, (pdl, r.stderr[-3000:])
+    # PDFLASH_PDL=1: the same kernels with the programmatic-dependent-launch wait, its trigger before or after the wait
+    for pdl, trigger in (("0", "start"), ("1", "start"), ("1", "after-wait")):
+        r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=root, capture_output=True, text=True, timeout=300,
+                           env={**env, "PYTHONPATH": str(root), "PDFLASH_PDL": pdl, "PDFLASH_PDL_TRIGGER": trigger})
+        assert r.returncode == 0 and "compiled" in r.stdout, (pdl, trigger, r.stderr[-3000:])
 
 
 # ---- the pre-norm chain (verifier_svc/prenorm.py) ----------------------------------------------------------------

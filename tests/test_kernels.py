@@ -650,6 +650,7 @@ def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):
     _import_refuses("PDFLASH_LINEAR_BLOCK_M", "48")
     _import_refuses("PDFLASH_LINEAR_BLOCK_M", "big")
     _import_refuses("PDFLASH_PDL", "true")  # the on/off options (kernels.runtime.env_flag) take 0 or 1 only
+    _import_refuses("PDFLASH_PDL_TRIGGER", "end")
     _import_refuses("PDFLASH_MOE_FUSED_COMBINE", "yes", "kernels.moe")
 
 

@@ -147,8 +147,8 @@ class VerifierCore:
                                        f"{attention.SPLIT_MAX_T} tokens spread them over <= {attention.MAX_PROGRAMS} "
                                        "programs per tile (the same bits)"),
                 "cuda_graphs": (f"buckets {list(self.graphs.buckets)}" if self.graphs is not None else "off"),
-                "launches": ("programmatic dependent launch (each kernel launched while the one before it finishes)"
-                             if runtime.PDL else "plain")}
+                "launches": (f"programmatic dependent launch (each kernel launched while the one before it finishes; "
+                             f"trigger {runtime.PDL_TRIGGER})" if runtime.PDL else "plain")}
 
     @contextlib.contextmanager
     def _prefill_threads(self):
