@@ -37,8 +37,10 @@ if STAGES != "auto" and not (STAGES.isdigit() and 1 <= int(STAGES) <= 8):
     raise ValueError(f"PDFLASH_LINEAR_STAGES must be a number of pipeline stages (1-8) or 'auto', got {STAGES!r}")
 # the tile's rows: one value for every call (a row's bits may depend on the MMA form the tile's height selects, never on
 # M). At decode shapes a 64-row tile holds one real row, and its activation tile takes a quarter of each pipeline
-# stage's shared memory; smaller tiles fit more programs per SM (benchmarks/linear_sweep.py measures them, cold in L2).
-_BLOCK_M = os.environ.get("PDFLASH_LINEAR_BLOCK_M", "64")
+# stage's shared memory; 16-row tiles fit two programs an SM (benchmarks/linear_sweep.py, cold in L2: qwen3 qkv 9.98 ->
+# 7.56 us, o 9.94 -> 6.33; gpt-oss qkv 13.24 -> 10.74, o 10.56 -> 7.99; the same bits as 64 rows at every shape it timed).
+# The default since stop 25, with PDFLASH_PDL_TRIGGER=after-wait (block-1 forward qwen3-8l 0.690 ms, gptoss-24l 3.10 ms).
+_BLOCK_M = os.environ.get("PDFLASH_LINEAR_BLOCK_M", "16")
 if _BLOCK_M not in ("16", "32", "64", "128"):
     raise ValueError(f"PDFLASH_LINEAR_BLOCK_M must be 16, 32, 64 or 128, got {_BLOCK_M!r}")
 BLOCK_M = int(_BLOCK_M)

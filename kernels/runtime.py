@@ -56,12 +56,15 @@ def _pdl_default() -> bool:
 
 PDL = _pdl_default() and not interpreting()
 
-# Where a program lets the next kernel launch (PDFLASH_PDL_TRIGGER): "start" (the default) triggers before it waits, so
-# the next kernel's programs may launch, take their SM slots and wait while the one before this kernel still runs, and
-# a run of small kernels that each fit beside the others launches many kernels ahead (each holding its shared memory);
-# "after-wait" triggers once this kernel's own wait is over, so at most the next kernel is launched ahead. The order of
-# the arithmetic is the same either way (the tokens too: tests/test_pdl_gpu.py).
-PDL_TRIGGER = os.environ.get("PDFLASH_PDL_TRIGGER", "start")
+# Where a program lets the next kernel launch (PDFLASH_PDL_TRIGGER): "after-wait" (the default) triggers once this
+# kernel's own wait is over, so at most the next kernel is launched ahead; "start" triggers before the wait, so the next
+# kernel's programs may launch, take their SM slots and wait while the one before this kernel still runs, and a run of
+# small kernels that fit beside each other launches many kernels ahead, each holding its shared memory. On the H200
+# "start" made every gptoss-24l forward 20% slower once the linear's 16-row tiles fit two programs an SM (block 1: 3.91
+# vs 3.10 ms after-wait), and qwen3-8l's block-1 forward measured 0.915 (start) vs 0.767 ms (after-wait)
+# (benchmarks/results/gpu_runs_h200.md, stop 25). The order of the arithmetic is the same either way (the tokens too:
+# tests/test_pdl_gpu.py).
+PDL_TRIGGER = os.environ.get("PDFLASH_PDL_TRIGGER", "after-wait")
 if PDL_TRIGGER not in ("start", "after-wait"):
     raise ValueError(f"PDFLASH_PDL_TRIGGER must be 'start' or 'after-wait', got {PDL_TRIGGER!r}")
 
