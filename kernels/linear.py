@@ -80,6 +80,18 @@ def linear_config(n: int, k: int, esize: int = 2) -> LinearConfig:
 if triton is not None:
 
     @triton.jit
+    def _linear_store(acc, rm, rn, m_ok, n_ok, bias_ptr, out_ptr, stride_om, ws_ptr, pid_s, M, N: tl.constexpr,
+                      SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, F32DOT: tl.constexpr, PARTIALS: tl.constexpr):
+        """One tile's accumulator out: the output (one split: + bias, rounded) or its split's partial into ws."""
+        if SPLIT == 1 and not PARTIALS:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], to_out(acc, out_ptr, F32DOT), mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            ws = ws_ptr + pid_s.to(tl.int64) * M * N
+            tl.store(ws + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
     def _linear_kernel(
         a_ptr, stride_am, stride_ak,
         b_ptr, stride_bk, stride_bn,
@@ -87,19 +99,26 @@ if triton is not None:
         M,
         N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, F32DOT: tl.constexpr,
-        FIXUP: tl.constexpr = False, PARTIALS: tl.constexpr = False,
+        FIXUP: tl.constexpr = False, PARTIALS: tl.constexpr = False, MT: tl.constexpr = 1,
+        LOOP_STAGES: tl.constexpr = None,
     ):
+        """MT (1, 2 or 4): row tiles of BLOCK_M a program computes against each weight tile it loads (`m_tiles`). Each
+        is its own BLOCK_M-row dot, in the same K order, so a row's bits do not depend on MT (nor, so, on M)."""
         runtime.pdl_begin()
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         pid_m = tl.program_id(2)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rm = pid_m * (BLOCK_M * MT) + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = rm < M
         n_ok = rn < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_start = pid_s * K_PER_SPLIT
-        for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        # (MT > 1: a loop pipelined for every load; Triton's default streams only the first row tile's activations)
+        for k0 in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=LOOP_STAGES):
             kk = k_start + k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
             a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -108,28 +127,46 @@ if triton is not None:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc += tl.dot(a, b, input_precision=PRECISION)
-        if SPLIT == 1 and not PARTIALS:
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], to_out(acc, out_ptr, F32DOT), mask=m_ok[:, None] & n_ok[None, :])
-        else:
-            ws = ws_ptr + pid_s.to(tl.int64) * M * N
-            tl.store(ws + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
-            if FIXUP:  # the tile's last program adds the partials in split order (as _split_reduce)
-                tl.debug_barrier()  # every thread's partial stored before the count is released
-                tile = pid_m * tl.num_programs(0) + pid_n
-                arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-                if arrived == SPLIT - 1:
-                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s in range(SPLIT):
-                        part = ws_ptr + (s * M).to(tl.int64) * N
-                        total += tl.load(part + rm[:, None] * N + rn[None, :], mask=m_ok[:, None] & n_ok[None, :],
-                                         other=0.0, cache_modifier=".cg")  # (from L2: other SMs wrote them)
-                    if HAS_BIAS:
-                        total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], to_out(total, out_ptr, F32DOT),
-                             mask=m_ok[:, None] & n_ok[None, :])
-                    tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+            if MT > 1:  # the next row tiles against the same weight tile (written out: no lists of tensors in Triton)
+                r1 = rm + BLOCK_M
+                a1 = tl.load(a_ptr + r1[:, None] * stride_am + kk[None, :] * stride_ak, mask=(r1 < M)[:, None] & k_ok[None, :], other=0.0)
+                if F32DOT:
+                    a1 = a1.to(tl.float32)
+                acc1 += tl.dot(a1, b, input_precision=PRECISION)
+            if MT > 2:
+                r2 = rm + 2 * BLOCK_M
+                r3 = rm + 3 * BLOCK_M
+                a2 = tl.load(a_ptr + r2[:, None] * stride_am + kk[None, :] * stride_ak, mask=(r2 < M)[:, None] & k_ok[None, :], other=0.0)
+                a3 = tl.load(a_ptr + r3[:, None] * stride_am + kk[None, :] * stride_ak, mask=(r3 < M)[:, None] & k_ok[None, :], other=0.0)
+                if F32DOT:
+                    a2 = a2.to(tl.float32)
+                    a3 = a3.to(tl.float32)
+                acc2 += tl.dot(a2, b, input_precision=PRECISION)
+                acc3 += tl.dot(a3, b, input_precision=PRECISION)
+        _linear_store(acc, rm, rn, m_ok, n_ok, bias_ptr, out_ptr, stride_om, ws_ptr, pid_s, M, N, SPLIT, HAS_BIAS, F32DOT, PARTIALS)
+        if MT > 1:
+            r1 = rm + BLOCK_M
+            _linear_store(acc1, r1, rn, r1 < M, n_ok, bias_ptr, out_ptr, stride_om, ws_ptr, pid_s, M, N, SPLIT, HAS_BIAS, F32DOT, PARTIALS)
+        if MT > 2:
+            r2 = rm + 2 * BLOCK_M
+            r3 = rm + 3 * BLOCK_M
+            _linear_store(acc2, r2, rn, r2 < M, n_ok, bias_ptr, out_ptr, stride_om, ws_ptr, pid_s, M, N, SPLIT, HAS_BIAS, F32DOT, PARTIALS)
+            _linear_store(acc3, r3, rn, r3 < M, n_ok, bias_ptr, out_ptr, stride_om, ws_ptr, pid_s, M, N, SPLIT, HAS_BIAS, F32DOT, PARTIALS)
+        if FIXUP and (SPLIT > 1 or PARTIALS):  # the tile's last program adds the partials in split order (as _split_reduce); MT 1
+            tl.debug_barrier()  # every thread's partial stored before the count is released
+            tile = pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(SPLIT):
+                    part = ws_ptr + (s * M).to(tl.int64) * N
+                    total += tl.load(part + rm[:, None] * N + rn[None, :], mask=m_ok[:, None] & n_ok[None, :],
+                                     other=0.0, cache_modifier=".cg")  # (from L2: other SMs wrote them)
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], to_out(total, out_ptr, F32DOT),
+                         mask=m_ok[:, None] & n_ok[None, :])
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
     @triton.jit
     def sum_partials(ws_ptr, row, cols, mask, M, N, SPLIT: tl.constexpr):
@@ -190,18 +227,28 @@ class Partials:
         return out.view(self.shape)
 
 
+def m_tiles(m: int, cfg: LinearConfig, fixup: bool = False) -> int:
+    """Row tiles a program computes against each weight tile it loads: 1 for up to 16 rows (decode), 2 up to 32, else 4.
+    Only with 16-row tiles and no one-launch fixup (whose semaphore sums one tile). The bits do not depend on it (each
+    row tile is its own dot in the same K order); it only saves reading the weights once per 16 rows."""
+    if cfg.block_m != 16 or fixup or m <= 16:
+        return 1
+    return 2 if m <= 32 else 4
+
+
 def _launch(a, b, cfg: LinearConfig, out, ws, bias, counters, partials: bool = False) -> None:
     """The split-K kernel: out (one split), or the partials into ws; with `counters` the tile's last program sums them."""
     m, k = a.shape
     n = b.shape[1]
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(m, cfg.block_m))
+    mt = m_tiles(m, cfg, counters is not None)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(m, cfg.block_m * mt))
     _linear_kernel[grid](
         a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), bias if bias is not None else out, out, out.stride(0),
         ws, counters if counters is not None else ws, m,
         N=n, K=k, K_PER_SPLIT=cfg.k_per_split, SPLIT=cfg.split, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", F32DOT=runtime.interpreting(),
-        FIXUP=counters is not None, PARTIALS=partials, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FIXUP=counters is not None, PARTIALS=partials, MT=mt, LOOP_STAGES=cfg.num_stages if mt > 1 else None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **runtime.pdl_launch(),
     )
 

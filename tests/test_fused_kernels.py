@@ -294,7 +294,7 @@ for e, k, sf, norm, st in ((128, 8, True, True, "*bf16"), (32, 4, False, False, 
                  HAS_BIAS=False, XROUND=1, **({} if split else dict(ws_ptr=None, bias_ptr=None))))
 from kernels import linear
 const = dict(N=512, K=2048, K_PER_SPLIT=256, SPLIT=8, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, PRECISION="tf32",
-             F32DOT=False, FIXUP=True, PARTIALS=False)
+             F32DOT=False, FIXUP=True, PARTIALS=False, MT=1, LOOP_STAGES=None)
 p = ptx(linear._linear_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32",
                                     cnt_ptr="*i32"), const)
 assert "atom.global.gpu.acq_rel.add" in p and "ld.global.cg" in p, "the one-launch linear's semaphore or L2 reads"
@@ -349,12 +349,21 @@ def loop_loads(ir):
 lt = dict(a_ptr="*bf16", b_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32")
 cfg = linear.linear_config(5120, 2048)  # Qwen3-30B-A3B's q/k/v
 lc = dict(N=5120, K=2048, K_PER_SPLIT=cfg.k_per_split, SPLIT=cfg.split, HAS_BIAS=False, BLOCK_M=cfg.block_m,
-          BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION="tf32", F32DOT=False, FIXUP=False, PARTIALS=True,
-          stride_ak=1, stride_bk=1)  # a contiguous, the weight's transposed view: unit strides along K
+          BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION="tf32", F32DOT=False, FIXUP=False, PARTIALS=True, MT=1,
+          LOOP_STAGES=None, stride_ak=1, stride_bk=1)  # a contiguous, the weight's transposed view: unit strides along K
 _, sync, streamed = loop_loads(compiled_ir(linear._linear_kernel, lt, lc, [n for n in linear._linear_kernel.arg_names
                                            if n.endswith("_ptr") or n in ("stride_am", "stride_bn", "stride_om")],
                                            cfg.num_warps, cfg.num_stages))
 assert len(streamed) == 2 and not sync, ("the linear's K loop", sync, streamed)
+# four 16-row tiles against each weight tile (kernels.linear.m_tiles, a 33..64-row call): every row tile's activations
+# stream too, and each is its own 16-row dot
+_, sync, streamed = loop_loads(compiled_ir(linear._linear_kernel, lt, {**lc, "BLOCK_M": 16, "MT": 4, "LOOP_STAGES": cfg.num_stages}, [n for n in linear._linear_kernel.arg_names
+                                           if n.endswith("_ptr") or n in ("stride_am", "stride_bn", "stride_om")],
+                                           cfg.num_warps, cfg.num_stages))
+assert len(streamed) == 5 and not sync, ("the linear's K loop over 4 row tiles", sync, streamed)
+for mt in (1, 4):  # the same MMA for every row tile whatever MT: a row's bits cannot depend on the call's row count
+    mmas = set(re.findall(r"(mma\.sync\.aligned\.\S+|wgmma\.\S+)", ptx(linear._linear_kernel, lt, {**lc, "BLOCK_M": 16, "MT": mt, "LOOP_STAGES": 4 if mt > 1 else None})))
+    assert mmas == {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}, (mt, mmas)
 ac = dict(GROUP=8, D=128, HAS_SINK=False, HAS_KMASK=False, BLOCK_M=16, BLOCK_N=64, SEG_CHUNKS=attention.SEG_CHUNKS,
           PROGRAMS=1, DIRECT_SEGS=attention.DIRECT_SEGS, F32DOT=False, PAGED=True)
 _, sync, streamed = loop_loads(compiled_ir(attention._attn_kernel, {**at, **dummy}, ac, [n for n in attention._attn_kernel.arg_names

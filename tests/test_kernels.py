@@ -633,7 +633,8 @@ def test_pdl_is_on_by_default_only_where_every_cuda_device_is_sm90(monkeypatch):
 @needs_triton
 def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):
     """PDFLASH_LINEAR_BLOCK_M: the tile height is one value for every call, so a row's bits never depend on M (here a
-    16-row tile: rows alone, in a 7-row call and in a 40-row call are the same bits); a bad value stops the import."""
+    16-row tile: rows alone, in a 7-row call and in a 40-row call, whose programs take four row tiles each, are the same
+    bits; a 17-row call takes two); a bad value stops the import."""
     from kernels import linear
 
     g = torch.Generator().manual_seed(5)
@@ -641,9 +642,14 @@ def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):
     monkeypatch.setattr(linear, "BLOCK_M", 16)
     linear.linear_config.cache_clear()
     try:
-        assert linear.linear_config(96, 256).block_m == 16
+        cfg = linear.linear_config(96, 256)
+        assert cfg.block_m == 16
+        # 1, 2 or 4 row tiles a program against each weight tile it loads: the 40-row call runs 4, the 7-row one 1
+        assert [linear.m_tiles(m, cfg) for m in (1, 16, 17, 32, 33, 64, 4096)] == [1, 1, 2, 2, 4, 4, 4]
+        assert linear.m_tiles(40, cfg, fixup=True) == 1
         full = linear.matmul(a, w.t())
         assert torch.equal(linear.matmul(a[:7], w.t()), full[:7])
+        assert torch.equal(linear.matmul(a[:17], w.t()), full[:17])
         assert all(torch.equal(linear.matmul(a[i : i + 1], w.t()), full[i : i + 1]) for i in (0, 17, 39))
     finally:
         linear.linear_config.cache_clear()
