@@ -3,7 +3,8 @@
 Tiles, K order and the split of K (a fixed number of K ranges, summed in order) are chosen from (N, K) and
 the device alone, never from M: a row of the output is bit-identical whether it is computed alone or with up
 to thousands of other rows (cuBLAS picks its algorithm by M, which is what makes a 1-token and a 16-token
-forward disagree in the last bits).
+forward disagree in the last bits). Only how many row tiles one program takes against each weight tile it loads
+follows M (`m_tiles`), and each row tile is its own dot of the same form, so that changes no bit.
 
 The K ranges' partial sums are added by a second launch (`_split_reduce`), or, with `ONE_LAUNCH`
 (PDFLASH_LINEAR_ONE_LAUNCH=1), in the same launch by whichever program of an output tile finishes last: each

@@ -38,9 +38,10 @@ def triton_usable(device: torch.device | str) -> bool:
 
 
 # Programmatic dependent launch (CUDA only): the forward's kernels are launched with launch_pdl and each program starts
-# with `pdl_begin`: it lets the next kernel's programs launch at once and then waits until the previous kernel has
-# finished and its writes are visible (griddepcontrol.wait, unconditionally, in every program: so a kernel never finishes
-# before the one before it, and a kernel that is not launched this way waits for everything before it as usual). Launch
+# with `pdl_begin`: it waits until the previous kernel has finished and its writes are visible (griddepcontrol.wait,
+# unconditionally, in every program: so a kernel never finishes before the one before it, and a kernel that is not
+# launched this way waits for everything before it as usual) and lets the next kernel's programs launch (before or
+# after that wait: PDL_TRIGGER below). Launch
 # latency hides under the previous kernel's tail; the arithmetic is untouched. On by default where every CUDA device is
 # sm_90 or newer (griddepcontrol is Hopper's; the H200 measured a qwen3-8l block-1 forward 0.864 -> 0.764 ms, tokens
 # unchanged: benchmarks/results/gpu_runs_h200.md, stop 24); PDFLASH_PDL=0 turns it off, =1 forces it. Deciding the

@@ -657,6 +657,14 @@ def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):
     _import_refuses("PDFLASH_LINEAR_BLOCK_M", "big")
     _import_refuses("PDFLASH_PDL", "true")  # the on/off options (kernels.runtime.env_flag) take 0 or 1 only
     _import_refuses("PDFLASH_PDL_TRIGGER", "end")
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PDFLASH_PDL_TRIGGER"}  # the default: trigger after the wait
+    r = subprocess.run([sys.executable, "-c", "from kernels import runtime; print(runtime.PDL_TRIGGER)"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "after-wait", r.stderr[-2000:]
     _import_refuses("PDFLASH_MOE_FUSED_COMBINE", "yes", "kernels.moe")
 
 
