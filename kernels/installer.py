@@ -204,7 +204,7 @@ def routing_mask(module, cache, x, top_k_index, valid: int | None = None, valid_
         ids = ids.masked_fill(pad, width)
     mask.index_fill_(0, ids.reshape(-1), True)  # (no host scalar copied in: capturable)
     if nxt is not None:
-        guess = _predict_experts(rows, nxt) + n
+        guess = _predict_experts(rows, nxt, getattr(cache, "guess_width", 0)) + n
         mask.index_fill_(0, (guess if pad is None else guess.masked_fill(pad, width)).reshape(-1), True)
     return mask[:width]
 
@@ -266,14 +266,16 @@ def offloaded_kernel(x, top_k_index, top_k_weights, cache, n: int, table: torch.
     return moe_reference(x, top_k_index, top_k_weights, cache.weights, n, slot_of_expert=table, n_valid=valid).to(x.dtype)
 
 
-def _predict_experts(x: torch.Tensor, router: nn.Module) -> torch.Tensor:
+def _predict_experts(x: torch.Tensor, router: nn.Module, width: int = 0) -> torch.Tensor:
     """The experts a router (weight [E, H], optional bias, top_k) would pick for rows x: the top-k of its logits
-    (softmax and the renormalisation keep the order), [rows, k]."""
+    (softmax and the renormalisation keep the order), [rows, k]. width > 0: only the `width` best of them per row (the
+    cache's `guess_width`: the surest guesses, fewer bytes spent on wrong ones)."""
     w, b = router.weight, getattr(router, "bias", None)
     logits = x.reshape(-1, x.shape[-1]).to(w.dtype) @ w.t()
     if isinstance(b, torch.Tensor):
         logits = logits + b
-    return torch.topk(logits.float(), min(router.top_k, logits.shape[-1]), dim=-1).indices
+    k = min(router.top_k, logits.shape[-1])
+    return torch.topk(logits.float(), min(width, k) if width > 0 else k, dim=-1).indices
 
 
 def routers(model: nn.Module) -> dict[int, nn.Module]:

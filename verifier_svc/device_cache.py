@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from kernels import offload as ko
@@ -92,7 +93,10 @@ class DeviceExpertCache:
         self.owner = torch.full((n_layers, c_max), -1, dtype=torch.int32, device=dev)
         self.last = torch.zeros(n_layers, c_max, dtype=torch.int64, device=dev)
         self.unused = torch.zeros(n_layers, c_max, dtype=torch.int8, device=dev)
-        self.codes = torch.zeros(n_layers, e_max, dtype=torch.int32, device=dev)
+        # the forward's per-expert codes and the arrivals' (`arr_codes`): one tensor, so `collect` reads both back in one
+        # copy (views made here, before any graph captures them)
+        self._all_codes = torch.zeros(2, n_layers, e_max, dtype=torch.int32, device=dev)
+        self.codes = self._all_codes[0]
         self.eff = torch.zeros(n_layers, e_max, dtype=torch.int32, device=dev)
         self.fills = torch.zeros(2, n_layers, e_max, dtype=torch.int8, device=dev)  # [demand, prefetch] rows
         self.marks = torch.zeros(2, n_layers, e_max, dtype=torch.int8, device=dev)
@@ -100,6 +104,8 @@ class DeviceExpertCache:
         self.effs = torch.zeros(n_layers, e_max, dtype=torch.int32, device=dev)  # a prefetch's slot table (unused)
         self.proj = torch.zeros(n_layers, e_max, dtype=torch.int8, device=dev)
         self._proj_host = torch.zeros(n_layers, e_max, dtype=torch.int8)
+        self._proj_np = self._proj_host.numpy()  # the same memory: begin() fills it with numpy (a torch setitem per
+        # expert cost ~5 us each, milliseconds a verify at 48 layers)
         self.tick = torch.zeros(1, dtype=torch.int64, device=dev)
         self._cuda = dev.type == "cuda"
         self._side = torch.cuda.Stream(dev) if self._cuda else None
@@ -109,11 +115,12 @@ class DeviceExpertCache:
         self.gate = GuessGate()  # whether the next-layer guess pays (measured); its decision is `guess_on`
         self.judge_guess = self._cuda  # on a CPU the "copies" are host memcpys: their times say nothing about PCIe
         self.guess_on = torch.ones(1, dtype=torch.int32, device=dev)
+        self.guess_width = 0  # the next-layer guess takes its router's top `guess_width` (0: all top_k); set before capture
         # arrivals (see the module's docstring): their own scratch and code rows, their own copy stream
         self.arrival_share = arrival_share  # most of each layer's slots (and of all partition slots) one arrival takes
         self.arr_proj = torch.zeros(n_layers, e_max, dtype=torch.int8, device=dev)
         self._arr_host = torch.zeros(n_layers, e_max, dtype=torch.int8)
-        self.arr_codes = torch.zeros(n_layers, e_max, dtype=torch.int32, device=dev)
+        self.arr_codes = self._all_codes[1]
         self.arr_eff = torch.zeros(n_layers, e_max, dtype=torch.int32, device=dev)
         self.arr_fill = torch.zeros(n_layers, e_max, dtype=torch.int8, device=dev)
         self.arr_marks = torch.zeros(n_layers, e_max, dtype=torch.int8, device=dev)
@@ -156,17 +163,17 @@ class DeviceExpertCache:
             if self._issued:
                 torch.cuda.current_stream(self.device).wait_stream(self._copy)
                 self._issued = False
-            self._proj_host.zero_()
+            self._proj_np.fill(0)
             n = 0
             if self.prefetch_union:
                 for layer, experts in projection.items():
                     i = self._index.get(layer)
-                    if i is None:
+                    if i is None or not experts:
                         continue
-                    for e in experts:
-                        if 0 <= int(e) < self.store.num_experts[layer]:
-                            self._proj_host[i, int(e)] = 1
-                            n += 1
+                    ids = np.fromiter((int(e) for e in experts), dtype=np.int64)
+                    ids = ids[(ids >= 0) & (ids < self.store.num_experts[layer])]
+                    self._proj_np[i, ids] = 1
+                    n += int(ids.size)
             self.proj.copy_(self._proj_host)  # pageable: staged at once, ordered before the forward on this stream
             return n
 
@@ -244,9 +251,12 @@ class DeviceExpertCache:
         """After a forward (its stream done): decode the per-expert codes into the counters. Returns this forward's.
         `ms` and `tokens`: the forward's wall time and rows, for the guess's gate (None: not judged, e.g. a prefill).
         The arrivals issued before this forward count with it (as prefetches); those kept while it ran are issued now."""
-        st = self._decode(self.codes.cpu())
+        # One copy back for both rows. The arrivals' are final too: the forward waited for the ones issued before it, and
+        # those arriving while it runs are kept (`_pending`), not issued, until the end of this call.
+        both = self._all_codes.cpu().numpy()
+        st = self._decode(both[0])
         with self._lock:
-            arrivals = self._decode(self.arr_codes.cpu())  # done: the forward waited for them, and it is done
+            arrivals = self._decode(both[1])
             self.arr_codes.zero_()
             self._stats = self._stats.plus(st).plus(arrivals)
             if self.layer_ahead and self.judge_guess:  # this forward ran the guess if the flag was on: judge it, set the flag
@@ -261,8 +271,9 @@ class DeviceExpertCache:
                     self._issue(plan)
         return st.plus(arrivals)
 
-    def _decode(self, codes: torch.Tensor) -> CacheStats:
-        count = lambda bit: int(((codes & bit) != 0).sum())  # noqa: E731
+    def _decode(self, codes: np.ndarray | torch.Tensor) -> CacheStats:
+        codes = codes.numpy() if isinstance(codes, torch.Tensor) else codes  # (host memory; numpy: ~5 us a count)
+        count = lambda bit: int(np.count_nonzero(codes & bit))  # noqa: E731
         misses, prefetched = count(ko.MISS), count(ko.PREFETCHED)
         return CacheStats(lookups=count(ko.ROUTED), hits=count(ko.HIT), misses=misses, evictions=count(ko.EVICTED),
                           prefetched=prefetched, prefetch_used=count(ko.PREFETCH_USED),
@@ -328,7 +339,7 @@ class DeviceExpertCache:
                 self._side.wait_stream(torch.cuda.current_stream(self.device))
                 self._joins.add(i + 1)
             with torch.cuda.stream(self._side) if self._cuda else _nullcontext():
-                guess = _predict_experts(x, nxt) if nxt is not None else None
+                guess = _predict_experts(x, nxt, self.guess_width) if nxt is not None else None
                 g_rows, g_valid = valid_rows, valid
                 if guess is not None:  # the gate: off, the guess's rows count as none (a device flag: graph-safe)
                     if self._cuda:
