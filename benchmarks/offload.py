@@ -133,7 +133,7 @@ def offloaded_core(model, name: str):
 
 def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", guess_width: int = 0):
     """A fresh cache (`mode`: device- or host-managed) holding `fraction` of the experts (at least one layer's), the
-    modules routed through it; its next-layer guess takes the router's top `guess_width` (0: all top_k)."""
+    modules routed through it; its next-layer guess takes the router's top `guess_width` (0: auto, kernels.installer.guess_k)."""
     from kernels.installer import experts_modules
     from verifier_svc.expert_cache import min_slots, new_cache
 
@@ -227,7 +227,7 @@ def write(args, meta: dict, rows: list[dict]) -> None:
           + ". Device rows: copy time = bytes / the fill kernel's rate (its copies run inside the forward's kernels). "
           "Each cache is warmed by one short request before its rows (kernels compiled; the TTFT column is a warm server's). "
           "prefetch: what streams ahead (union: the verify's projected union; layer: layer l + 1's router on layer l's input). "
-          "guess: how many of that router's top experts per row the layer guess fetches (top_k: all of them). "
+          "guess: how many of that router's top experts per row the layer guess fetches (auto: a quarter of its top_k, at least 1). "
           "width: the drafted rows' width rule (cost: the growth rule capped by the round-time line, as the stack does for "
           "offloaded experts; growth: the growth rule alone).", "",
           "| model | system | cache | prefetch | guess | block | drafter | width | tok/s | TTFT ms | tau | expert MB/token | H2D of pinned | hidden | hit rate | coverage | wasted MB | PCIe bound tok/s | of bound | byte-bound | identical |",
@@ -237,7 +237,7 @@ def write(args, meta: dict, rows: list[dict]) -> None:
             md.append(f"| {r['model']} | {r['system']} | CPU | | | 1 | none | | {r['output_tokens_per_second']} | | | | | | | | | | | | ({r['note']}) |")
             continue
         f = lambda v, scale=1.0, nd=2: "" if v is None else round(v * scale, nd)  # noqa: E731
-        md.append(f"| {r['model']} | OURS {r.get('mode', 'host')} | {int(r['cache_fraction'] * 100)}% | {r.get('prefetch', '')} | {r.get('guess_width', 0) or 'top_k'} | {r['block']} | {r['drafter']} | {r.get('width', '') if r['block'] > 1 else ''} | {r['output_tokens_per_second']} | "
+        md.append(f"| {r['model']} | OURS {r.get('mode', 'host')} | {int(r['cache_fraction'] * 100)}% | {r.get('prefetch', '')} | {r.get('guess_width', 0) or 'auto'} | {r['block']} | {r['drafter']} | {r.get('width', '') if r['block'] > 1 else ''} | {r['output_tokens_per_second']} | "
                   f"{r.get('ttft_ms', '')} | {r['tau']} | {f(r['expert_bytes_per_token'], 1e-6, 1)} | {f(r['h2d_fraction_of_pinned'])} | {f(r['hidden_fraction'])} | "
                   f"{f(r['cache_hit_rate'])} | {f(r['prefetch_coverage'])} | {f(r['wasted_bytes'], 1e-6, 1)} | {f(r['bound_tokens_per_second'], 1, 1)} | "
                   f"{f(r['fraction_of_bound'])} | {r['byte_bound']} | {r['identical']} |")
@@ -260,8 +260,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch", nargs="+", default=["union,layer"],
                     help="prefetch kinds to compare at each cache size below 100%% (each a comma list: union, layer, or none)")
     ap.add_argument("--guess-widths", nargs="+", type=int, default=[0],
-                    help="with layer prefetch, how many of the next router's top experts the guess fetches (0 = all its "
-                         "top_k; the cache's guess_width, --expert-guess-width), compared at each cache size below 100%%")
+                    help="with layer prefetch, how many of the next router's top experts the guess fetches (0 = auto: a quarter of "
+                         "its top_k, at least 1; the cache's guess_width, --expert-guess-width), compared at each cache size below 100%%")
     ap.add_argument("--widths", nargs="+", default=["cost"], choices=["cost", "growth"],
                     help="the drafted rows' width rule: cost (the growth rule capped by round time, what the stack does "
                          "for offloaded experts) and/or growth (the growth rule alone)")

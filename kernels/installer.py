@@ -266,16 +266,25 @@ def offloaded_kernel(x, top_k_index, top_k_weights, cache, n: int, table: torch.
     return moe_reference(x, top_k_index, top_k_weights, cache.weights, n, slot_of_expert=table, n_valid=valid).to(x.dtype)
 
 
-def _predict_experts(x: torch.Tensor, router: nn.Module, width: int = 0) -> torch.Tensor:
+def guess_k(top_k: int, width: int) -> int:
+    """How many of a router's top_k picks the next-layer guess fetches per row (the cache's `guess_width`): width >= 1
+    that many (at most top_k); 0 = auto, a quarter of top_k and at least one. Fewer, surer guesses spend fewer PCIe bytes
+    on wrong experts: on the H200 (benchmarks/results/offload_h200.md, stop 26) gpt-oss-20b shapes (top-4) ran 6-9% more
+    tok/s at block 1 with 1 than with all 4 (byte-bound, 10% and 25% caches), Qwen3-30B-A3B shapes (top-8) within +-3%
+    with 2."""
+    return min(width, top_k) if width > 0 else max(1, top_k // 4)
+
+
+def _predict_experts(x: torch.Tensor, router: nn.Module, width: int | None = None) -> torch.Tensor:
     """The experts a router (weight [E, H], optional bias, top_k) would pick for rows x: the top-k of its logits
-    (softmax and the renormalisation keep the order), [rows, k]. width > 0: only the `width` best of them per row (the
-    cache's `guess_width`: the surest guesses, fewer bytes spent on wrong ones)."""
+    (softmax and the renormalisation keep the order), [rows, k]. width (the cache's `guess_width`, `guess_k`): only
+    that many of the best per row; None: all top_k."""
     w, b = router.weight, getattr(router, "bias", None)
     logits = x.reshape(-1, x.shape[-1]).to(w.dtype) @ w.t()
     if isinstance(b, torch.Tensor):
         logits = logits + b
     k = min(router.top_k, logits.shape[-1])
-    return torch.topk(logits.float(), min(width, k) if width > 0 else k, dim=-1).indices
+    return torch.topk(logits.float(), k if width is None else guess_k(k, width), dim=-1).indices
 
 
 def routers(model: nn.Module) -> dict[int, nn.Module]:

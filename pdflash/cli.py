@@ -55,6 +55,9 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                    help="offloaded experts with union prefetch: the most of the cache's slots a Verify's projected union "
                         "(or the scheduler's hint for an admitted demand) may take before its forward, 0-1 (0 = nothing "
                         "ahead of the forward)")
+    v.add_argument("--expert-guess-width", type=_number, default=0, metavar="N",
+                   help="offloaded experts with layer prefetch: how many of the next layer's router picks per token its "
+                        "guess fetches while this layer computes (0 = auto: a quarter of the router's top_k, at least 1)")
     v.add_argument("--warmup", default="auto", nargs="?", const="on", type=switch_value, choices=list(SWITCH),
                    help="before the verifier serves, run short prefills and a verify per CUDA-graph bucket (with and "
                         "without the DFlash drafter's feature layers) and release them, so the first request pays no "
@@ -123,7 +126,7 @@ def _check_seconds(args, *names: str) -> None:
 
 
 _OFFLOAD_OPTIONS = (("expert_prefetch", "union,layer"), ("expert_cache_mode", "device"), ("expert_eviction", "lru"),
-                    ("expert_arrival_share", 0.5))
+                    ("expert_arrival_share", 0.5), ("expert_guess_width", 0))
 
 
 def _check_stack_args(args) -> None:
@@ -145,6 +148,9 @@ def _check_stack_args(args) -> None:
     share = getattr(args, "expert_arrival_share", 0.5)
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
         raise UsageError([f"--expert-arrival-share: must be a share of the cache's slots in [0, 1] (0 = off), got {share}"])
+    width = getattr(args, "expert_guess_width", 0)
+    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+        raise UsageError([f"--expert-guess-width: must be a count >= 0 (0 = auto: a quarter of the router's top_k), got {width}"])
     if gb > 0 and getattr(args, "experts", "native") != "mxfp4":
         raise UsageError(["--expert-cache-gb serves offloaded MXFP4 experts: add --experts mxfp4"])
     # Offloading options without an expert cache, or a host-cache policy with the device cache: the verifier would
@@ -198,7 +204,7 @@ def _verifier_args(args) -> list[str]:
     out = []
     for flag, default in (("device", "auto"), ("dtype", "auto"), ("kernels", "auto"), ("experts", "native"), ("expert_cache_gb", 0.0),
                           ("expert_prefetch", "union,layer"), ("expert_cache_mode", "device"), ("expert_eviction", "lru"),
-                          ("expert_arrival_share", 0.5), ("warmup", "auto")):
+                          ("expert_arrival_share", 0.5), ("expert_guess_width", 0), ("warmup", "auto")):
         value = getattr(args, flag, default)
         if value != default:
             out += [f"--{flag.replace('_', '-')}", str(value)]

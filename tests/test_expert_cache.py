@@ -265,3 +265,17 @@ def test_device_arrival_is_off_without_union_prefetch_or_share():
     assert _device_cache(prefetch="layer").arriving({0: {1}}) == 0
     off = _device_cache(share=0.0)
     assert off.arriving({0: {1}}) == 0 and not off.resident(0, 1)
+
+
+def test_device_begin_marks_the_projection_in_range_and_forgets_the_last_one():
+    cache = _device_cache()
+    # layer 0: 9 is out of range (4 experts); layer 1: a list with a repeat counts each entry; layer 7 is not a layer
+    assert cache.begin({0: {1, 3, 9}, 1: [0, 0], 7: {1}}) == 4
+    assert cache.proj.tolist() == [[0, 1, 0, 1], [1, 0, 0, 0], [0, 0, 0, 0]]
+    cache.collect()
+    assert cache.begin({2: frozenset({2})}) == 1
+    assert cache.proj.tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 1, 0]]
+    cache.collect()
+    layer_only = _device_cache(prefetch="layer")
+    assert layer_only.begin({0: {1}}) == 0 and int(layer_only.proj.sum()) == 0
+    layer_only.collect()

@@ -1,7 +1,11 @@
 """The next-layer guess's gate (verifier_svc/guess_gate.py): pure policy, then the device-managed cache on the CPU
-switching its guess off through the device flag its forwards read, without a token changing."""
+switching its guess off through the device flag its forwards read, without a token changing; the guess's width
+(how many of the next router's picks it fetches)."""
 
 from __future__ import annotations
+
+import pytest
+import torch
 
 from verifier_svc.guess_gate import GuessGate
 
@@ -72,3 +76,44 @@ def test_the_device_cache_switches_its_guess_off_through_the_device_flag_and_no_
     assert late.count(0) >= 8 and sum(1 for p in late if p > 0) <= 3  # and stopped once it knew, but for probes
     cache.reset_stats()
     assert cache.gate.on and int(cache.guess_on) == 1
+
+
+def test_guess_k_takes_a_quarter_of_top_k_by_default_and_never_more_than_top_k():
+    from kernels.installer import guess_k
+
+    assert [guess_k(k, 0) for k in (1, 2, 4, 8, 16)] == [1, 1, 1, 2, 4]
+    assert [guess_k(4, w) for w in (1, 2, 4, 9)] == [1, 2, 4, 4]
+
+
+def test_a_guess_width_keeps_the_routers_best_picks_in_order():
+    from types import SimpleNamespace
+
+    from kernels.installer import _predict_experts
+
+    g = torch.Generator().manual_seed(0)
+    router = SimpleNamespace(weight=torch.randn(8, 16, generator=g), bias=None, top_k=4)
+    x = torch.randn(5, 16, generator=g)
+    full = _predict_experts(x, router)
+    assert full.shape == (5, 4)
+    assert torch.equal(_predict_experts(x, router, 2), full[:, :2])
+    assert torch.equal(_predict_experts(x, router, 0), full[:, :1])  # auto: a quarter of top_k
+    assert torch.equal(_predict_experts(x, router, 7), full)
+
+
+@pytest.mark.parametrize("mode", ["device", "host"])
+def test_a_narrower_guess_fetches_fewer_experts_and_no_token_changes(tiny, mode):
+    """The tiny qwen3_moe routes top-2 of 8 experts a layer: guessing both of the next router's picks, then only its best
+    one (`guess_width`), the tokens equal a cache without prefetch and the narrow guess prefetches fewer experts."""
+    from tests.test_gpu_verifier import _no_drafts, _run
+    from tests.test_offload import _core, tiny_cache_gb
+
+    gb = tiny_cache_gb(_core(tiny, "qwen3_moe", 1.0, mode=mode), mode)
+    prompt = list(range(3, 40))
+    want = _run(_core(tiny, "qwen3_moe", gb, prefetch="none", mode=mode), prompt, _no_drafts)
+    prefetched = {}
+    for width in (2, 1):
+        core = _core(tiny, "qwen3_moe", gb, prefetch="layer", mode=mode)
+        core.target.expert_cache.guess_width = width
+        assert _run(core, prompt, _no_drafts) == want
+        prefetched[width] = core.target.expert_cache.stats.prefetched
+    assert 0 < prefetched[1] < prefetched[2]

@@ -197,6 +197,19 @@ def test_pdflash_up_passes_the_expert_options_to_the_verifier():
         VerifierConfig(experts="mxfp4", expert_cache_gb=1.0, expert_eviction="cyclic").validate()
     share = _spec(build_parser().parse_args(["up", "--experts", "mxfp4", "--expert-cache-gb", "1", "--expert-arrival-share", "0"]))
     assert share.verifier_args[-2:] == ["--expert-arrival-share", "0"]
+    guess = _spec(build_parser().parse_args(["up", "--experts", "mxfp4", "--expert-cache-gb", "1", "--expert-guess-width", "2"]))
+    assert guess.verifier_args[-2:] == ["--expert-guess-width", "2"]
+    assert VerifierConfig().expert_guess_width == 0
+    with pytest.raises(ConfigError, match=r"--expert-guess-width -1: must be >= 0"):
+        VerifierConfig(expert_guess_width=-1).validate()
+
+
+@pytest.mark.parametrize("value", ["-1", "one", "1.5"])
+def test_up_refuses_a_guess_width_that_is_not_a_count(value, capsys):
+    from pdflash import cli
+
+    assert cli.main(["up", "--experts", "mxfp4", "--expert-cache-gb", "1", "--expert-guess-width", value]) == 2
+    assert f"--expert-guess-width: must be a count >= 0 (0 = auto: a quarter of the router's top_k), got {value}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value,why", [("1.5", "in [0, 1]"), ("nan", "in [0, 1]"), ("half", "in [0, 1]")])

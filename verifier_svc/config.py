@@ -24,6 +24,7 @@ class VerifierConfig(ServerOptions):
     expert_cache_mode: str = option("device", "offloaded experts, who decides what the cache holds: device (every decision and copy inside the forward's CUDA graph, no host step) or host (the forward stops at every layer for the host's cache)")
     expert_eviction: str = option("lru", "offloaded experts with --expert-cache-mode host, which cached expert a miss replaces: lru (least recently used) or cyclic (experts not routed at their layer's latest lookup first, then those of the layer whose turn in the forward comes last; benchmarks/cache_policy.py)")
     expert_arrival_share: float = option(0.5, "offloaded experts with union prefetch: when a Verify arrives (or the scheduler hints an admitted demand: Prefetch), the most of the cache's slots (device mode: of each layer's, and of all) its projected union may take before its forward; 0 = nothing ahead of the forward")
+    expert_guess_width: int = option(0, "offloaded experts with layer prefetch: how many of the next layer's router picks per token its guess fetches while this layer computes (0 = auto: a quarter of the router's top_k, at least 1; fewer, surer guesses waste fewer PCIe bytes)")
     torch_threads: int = option(0, "CPU threads for torch (0 = automatic: all cores, or all but one with --colocated)")
     prefill_threads: int = option(0, "CPU threads for prefill forwards (0 = as the verify forwards)")
     colocated: bool = option(False, "the drafter and scheduler share this machine: the verifier's forwards leave them a core (pdflash up and compose set it)")
@@ -118,6 +119,8 @@ class VerifierConfig(ServerOptions):
             raise ConfigError(f"--expert-eviction {self.expert_eviction} is a policy of --expert-cache-mode host (the device-managed cache evicts LRU within each layer's slots)")
         if not 0 <= self.expert_arrival_share <= 1:
             raise ConfigError(f"--expert-arrival-share {self.expert_arrival_share}: must be in [0, 1] (a share of the cache's slots; 0 = off)")
+        if self.expert_guess_width < 0:
+            raise ConfigError(f"--expert-guess-width {self.expert_guess_width}: must be >= 0 (0 = auto: a quarter of the router's top_k)")
         if self.expert_cache_gb > 0 and self.experts != "mxfp4":
             raise ConfigError("--expert-cache-gb serves offloaded MXFP4 experts: add --experts mxfp4")
         if self.warmup not in ("auto", "on", "off"):

@@ -115,7 +115,8 @@ class DeviceExpertCache:
         self.gate = GuessGate()  # whether the next-layer guess pays (measured); its decision is `guess_on`
         self.judge_guess = self._cuda  # on a CPU the "copies" are host memcpys: their times say nothing about PCIe
         self.guess_on = torch.ones(1, dtype=torch.int32, device=dev)
-        self.guess_width = 0  # the next-layer guess takes its router's top `guess_width` (0: all top_k); set before capture
+        self.guess_width = 0  # the next-layer guess: its router's top `guess_width` (0: auto, kernels.installer.guess_k); set
+        # before the graphs capture
         # arrivals (see the module's docstring): their own scratch and code rows, their own copy stream
         self.arrival_share = arrival_share  # most of each layer's slots (and of all partition slots) one arrival takes
         self.arr_proj = torch.zeros(n_layers, e_max, dtype=torch.int8, device=dev)

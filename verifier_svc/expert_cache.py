@@ -98,7 +98,7 @@ class ExpertCache:
         kinds = {p.strip() for p in prefetch.split(",")}
         self.prefetch_union = "union" in kinds  # read by the verifier core when a verify arrives
         self.layer_ahead = "layer" in kinds  # read by the experts forward (kernels.installer): predict layer l+1 at layer l
-        self.guess_width = 0  # that prediction takes the next router's top `guess_width` experts (0: all its top_k)
+        self.guess_width = 0  # that prediction: the next router's top `guess_width` experts (0: auto, kernels.installer.guess_k)
         self.pool = torch.zeros(num_slots, store.slice_bytes, dtype=torch.uint8, device=self.device)
         self.weights = store.weights(self.pool)
         self._host_tables = {layer: torch.full((n,), -1, dtype=torch.int32) for layer, n in store.num_experts.items()}
