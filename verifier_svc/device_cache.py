@@ -167,14 +167,20 @@ class DeviceExpertCache:
             self._proj_np.fill(0)
             n = 0
             if self.prefetch_union:
+                rows, cols, limits = [], [], []
                 for layer, experts in projection.items():
                     i = self._index.get(layer)
-                    if i is None or not experts:
-                        continue
-                    ids = np.fromiter((int(e) for e in experts), dtype=np.int64)
-                    ids = ids[(ids >= 0) & (ids < self.store.num_experts[layer])]
-                    self._proj_np[i, ids] = 1
-                    n += int(ids.size)
+                    if i is not None and experts:
+                        rows.append((i, len(experts)))
+                        cols.extend(experts)
+                        limits.append(self.store.num_experts[layer])
+                if cols:  # one assignment for every layer
+                    counts = [c for _i, c in rows]
+                    r = np.repeat(np.fromiter((i for i, _c in rows), np.int64, len(rows)), counts)
+                    c = np.fromiter(cols, np.int64, len(cols))
+                    ok = (c >= 0) & (c < np.repeat(np.asarray(limits, np.int64), counts))
+                    self._proj_np[r[ok], c[ok]] = 1
+                    n = int(ok.sum())
             self.proj.copy_(self._proj_host)  # pageable: staged at once, ordered before the forward on this stream
             return n
 

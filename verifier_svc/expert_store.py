@@ -42,10 +42,11 @@ class HostExpertStore:
                 self._row[(layer, e)] = len(self._row)
         self.arena = torch.zeros(len(self._row), layout.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
         self.big_scales = False  # some scale byte > 128 (kernels.mxfp4.big_scales): the kernels decode exactly
+        self._slice_bytes = layout.nbytes  # (the layout recomputes it from its sections: read on every verify)
 
     @property
     def slice_bytes(self) -> int:
-        return self.layout.nbytes
+        return self._slice_bytes
 
     @property
     def total_bytes(self) -> int:
