@@ -170,9 +170,10 @@ class DeviceExpertCache:
                 rows, cols, limits = [], [], []
                 for layer, experts in projection.items():
                     i = self._index.get(layer)
-                    if i is not None and experts:
-                        rows.append((i, len(experts)))
-                        cols.extend(experts)
+                    ids = list(experts) if i is not None else ()  # (any iterable of ids: sets, lists, arrays)
+                    if ids:
+                        rows.append((i, len(ids)))
+                        cols.extend(ids)
                         limits.append(self.store.num_experts[layer])
                 if cols:  # one assignment for every layer
                     counts = [c for _i, c in rows]
