@@ -38,6 +38,7 @@ def test_pool_pages_are_handed_out_and_back():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # interpreted Triton, five prefills of a page-crossing prompt: ~600 s on a 2-core CPU
 @pytest.mark.skipif(not runtime.triton_usable("cpu"), reason="needs triton (interpreted on CPU)")
 def test_paged_verifier_equals_the_dynamic_cache_one_and_returns_its_pages(tiny):
     import sys
