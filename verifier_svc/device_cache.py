@@ -167,17 +167,17 @@ class DeviceExpertCache:
             self._proj_np.fill(0)
             n = 0
             if self.prefetch_union:
-                rows, cols, limits = [], [], []
+                index, counts, limits, cols = [], [], [], []
                 for layer, experts in projection.items():
                     i = self._index.get(layer)
                     ids = list(experts) if i is not None else ()  # (any iterable of ids: sets, lists, arrays)
                     if ids:
-                        rows.append((i, len(ids)))
-                        cols.extend(ids)
+                        index.append(i)
+                        counts.append(len(ids))
                         limits.append(self.store.num_experts[layer])
+                        cols.extend(ids)
                 if cols:  # one assignment for every layer
-                    counts = [c for _i, c in rows]
-                    r = np.repeat(np.fromiter((i for i, _c in rows), np.int64, len(rows)), counts)
+                    r = np.repeat(np.asarray(index, np.int64), counts)
                     c = np.fromiter(cols, np.int64, len(cols))
                     ok = (c >= 0) & (c < np.repeat(np.asarray(limits, np.int64), counts))
                     self._proj_np[r[ok], c[ok]] = 1
