@@ -80,7 +80,8 @@ cap for offloaded experts (drafter_svc.width), as the stack applies it."""
     forward_ms = prefill_s = decode_s = 0.0
     decode_cache = None
     outputs = []
-    cost = RoundCost()  # shared by the run's requests, as the stack shares one per drafter kind
+    # shared by the run's requests, as the stack shares one per drafter kind (offloaded: as the model info says)
+    cost = RoundCost(offloaded=getattr(core.target, "expert_cache", None) is not None)
     t0 = time.perf_counter()
     layers = tuple(getattr(propose, "feature_layer_ids", ()))
     for i, p in enumerate(prompts):

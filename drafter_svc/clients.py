@@ -29,6 +29,7 @@ class TargetInfo:
     byte_map: dict[int, list[int]]
     eos_token_ids: tuple[int, ...]
     max_block_size: int
+    expert_cache_bytes: int = 0  # offloaded experts: the verifier's GPU cache (0: every expert resident)
 
 
 @dataclasses.dataclass
@@ -94,6 +95,7 @@ class VerifierClient:
             byte_map={le.layer: list(le.expert_bytes) for le in r.expert_bytes},
             eos_token_ids=tuple(r.eos_token_ids),
             max_block_size=r.max_block_size,
+            expert_cache_bytes=r.expert_cache_bytes,
         )
 
     async def prefill(

@@ -55,7 +55,8 @@ class FrontDoor:
     @functools.cached_property
     def round_costs(self) -> dict[DrafterKind, RoundCost]:
         """Per drafter kind, the round-time line its sessions share (drafter_svc.width: the verify width's cost cap)."""
-        return {k: RoundCost() for k in self.factories}
+        offloaded = self.target.expert_cache_bytes > 0
+        return {k: RoundCost(offloaded=offloaded) for k in self.factories}
 
     def dflash_placement(self) -> tuple[str, str]:
         """(device, dtype) of the DFlash drafter, e.g. ("cuda:0", "bfloat16"); empty strings without one."""

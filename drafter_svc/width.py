@@ -16,27 +16,44 @@ never which tokens are accepted.
 
 Offloaded experts change the price of width: a verify of n tokens must bring the union of the experts
 those n tokens route, and with little locality between tokens that union (and the copy time) grows
-almost linearly in n (gpt-oss-20b shapes, a 10% cache, H200: block 1 33 tok/s, a tau-3 block of 16
-23 tok/s). So once the verifier says its experts are offloaded (`observe(..., offloaded=True)`), the
-growth rule's width is capped by the width that maximizes expected tokens per unit of round time:
-E(k) / T(k + 1), with E(k) = 1 + a + ... + a^k for a per-draft acceptance rate a (decayed counts of
-this session's rounds) and T(n) a least-squares line of the session's recent round times over their
-verified tokens. Where the line is flat (resident weights: a verify is launch-bound; a full block priced
-under 1.25x one token) there is no cap and nothing changes. Every `PROBE_EVERY`-th round asks for one draft more than the cap, so a
-cap of 0 still learns the acceptance rate and the slope.
+with n, concavely (gpt-oss-20b shapes, 32 experts top-4, random routing: 4, 7.5, 10.6, 13.3 experts a
+layer for 1-4 tokens). So once the verifier says its experts are offloaded (`observe(..., offloaded=True)`),
+the growth rule's width is capped by the width that maximizes expected tokens per unit of round time,
+E(k) / T(k + 1), both measured rather than assumed:
+- E(k) = 1 + S(1) + ... + S(k), S(i) the chance that drafts 1..i are all accepted, from this session's
+  rounds draft position by draft position (each position's accepted/rejected counts, decayed as that
+  position is verified again, shrunk toward the session's pooled per-draft rate where a position has few
+  verdicts). A geometric rate alone misprices drafters whose runs have a typical length (a drafter right
+  twice, then wrong, prices a third draft like a second one).
+- T(n): the mean round time of recent rounds that verified n tokens, interpolated between the widths
+  measured, extended past them along the least-squares line of all of them (shared by a drafter kind's
+  sessions). Measured means follow the union's concave growth; a line alone overprices one-token rounds.
+Until a line exists (the verifier's model info says its experts are offloaded, or a priced round did)
+the width starts at 0 drafts and grows by one per priced round: a first round of the whole block would
+stream the union of 16 tokens' experts (gpt-oss-20b shapes: ~28 of 32 a layer) to learn its price.
+Where the line is flat (resident weights: a verify is launch-bound; a full block priced under 1.25x one
+token) there is no cap and nothing changes. Every `PROBE_EVERY`-th priced round asks for one draft more
+than the cap, the next such round one fewer (where the cap allows), so the widths on either side of the
+cap keep being measured and the cap moves when they pay better.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 
 GROWTH = 3
 FLOOR = 3
-COST_WINDOW = 32  # rounds the time line is fitted over
+COST_WINDOW = 64  # rounds the round-time estimates are drawn from
 COST_MIN_ROUNDS = 6  # rounds (at >= 2 widths) before the cap applies
 PROBE_EVERY = 8
-DECAY = 0.9  # per round, of the acceptance counts: the rate follows the text
+CURVE_POWERS = tuple(x / 20 for x in range(5, 21))  # 0.25 .. 1.0
+WARM_WIDTHS = (0, 1, 2, 4, 8)  # drafts of the priced rounds before a curve exists (then the last, capped by the block)
+DECAY = 0.9  # per round, of the pooled acceptance counts: the rate follows the text
+STEP_DECAY = 0.9  # per verdict at a draft position, of that position's counts
+KIND_DECAY = 0.95  # per verdict, of a drafter kind's shared counts (a new session's prior)
+SHRINK = 2.0  # pseudo-verdicts at the pooled rate added to each draft position's counts
 MATERIAL = 1.25  # the cap applies only where a full block's round is priced at >= 1.25x a one-token round
 PRIOR = (1.0, 1.0)  # (accepted, rejected) pseudo-counts: a = 0.5 before any evidence
 
@@ -47,25 +64,61 @@ def expected_tokens(rate: float, drafts: int) -> float:
     return sum(rate**i for i in range(drafts + 1))
 
 
-def best_drafts(rate: float, intercept: float, slope: float, max_drafts: int) -> int:
-    """argmax over k in 0..max_drafts of expected_tokens(rate, k) / T(k + 1), T(n) = max(intercept, 0) + slope * n
-    (a fitted line's negative intercept read as no fixed cost; the smallest k on ties)."""
-    best, best_k = -1.0, 0
+def best_drafts(survival: list[float], time_of, max_drafts: int) -> int:
+    """argmax over k in 0..max_drafts of E(k) / time_of(k + 1), E(k) = survival[0] + ... + survival[k]
+    (survival[i]: the chance that drafts 1..i are all accepted, survival[0] = 1; positions past the list keep
+    its last value); the smallest k on ties."""
+    best, best_k, tokens = -1.0, 0, 0.0
     for k in range(max_drafts + 1):
-        t = max(max(intercept, 0.0) + slope * (k + 1), 1e-9)
-        v = expected_tokens(rate, k) / t
+        tokens += survival[min(k, len(survival) - 1)]
+        v = tokens / max(time_of(k + 1), 1e-9)
         if v > best * (1 + 1e-9):
             best, best_k = v, k
     return best_k
 
 
 class RoundCost:
-    """Recent (verified tokens, round ms) of priced rounds and their least-squares line. One per drafter kind per
-    process, shared by its sessions (the price of width is the verifier's, not a session's): a new request's first
-    round is capped by what earlier requests measured."""
+    """Recent (verified tokens, round ms) of priced rounds: their least-squares line and the mean round time per
+    width. One per drafter kind per process, shared by its sessions (the price of width is the verifier's, not a
+    session's): a new request's first round is capped by what earlier requests measured."""
 
-    def __init__(self, window: int = COST_WINDOW):
+    def __init__(self, window: int = COST_WINDOW, offloaded: bool = False):
         self._times: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self.offloaded = offloaded  # the verifier said so up front (its model info): priced from the first round
+        # what this drafter kind's drafts earn, position by position (the prior of a new session's rates)
+        self._acc: list[float] = []
+        self._rej: list[float] = []
+        self._pool = [PRIOR[0], PRIOR[1]]
+
+    def record(self, accepted: int, proposed: int) -> None:
+        """A round's verdicts: drafts 1..accepted accepted, draft accepted + 1 rejected (if proposed)."""
+        seen = min(accepted + 1, proposed)
+        while len(self._acc) < seen:
+            self._acc.append(0.0)
+            self._rej.append(0.0)
+        for i in range(seen):
+            self._acc[i] *= KIND_DECAY
+            self._rej[i] *= KIND_DECAY
+            if i < accepted:
+                self._acc[i] += 1.0
+            else:
+                self._rej[i] += 1.0
+        if seen:
+            self._pool = [self._pool[0] * KIND_DECAY + accepted, self._pool[1] * KIND_DECAY + (accepted < proposed)]
+
+    def position_rates(self, positions: int) -> list[float]:
+        """[q(1), ..., q(positions)]: the chance this kind's draft i is accepted given drafts 1..i-1 were, each
+        position's counts shrunk toward the kind's pooled rate by SHRINK pseudo-verdicts."""
+        pool = self._pool[0] / (self._pool[0] + self._pool[1])
+        out = []
+        for i in range(positions):
+            a, r = (self._acc[i], self._rej[i]) if i < len(self._acc) else (0.0, 0.0)
+            out.append((a + SHRINK * pool) / (a + r + SHRINK))
+        return out
+
+    def warming(self) -> bool:
+        """Offloaded experts (said up front, or a priced round seen) but no line yet: widths are priced one by one."""
+        return (self.offloaded or len(self._times) > 0) and self.line() is None
 
     def add(self, tokens: int, round_ms: float) -> None:
         self._times.append((int(tokens), float(round_ms)))
@@ -85,6 +138,56 @@ class RoundCost:
         slope = sum((n - mn) * (t - mt) for n, t in pts) / var
         return mt - slope * mn, slope
 
+    def means(self) -> dict[int, float]:
+        """The mean round ms per verified-token count in the window."""
+        tot: dict[int, list[float]] = {}
+        for n, t in self._times:
+            acc = tot.setdefault(n, [0.0, 0.0])
+            acc[0] += t
+            acc[1] += 1
+        return {n: t / c for n, (t, c) in tot.items()}
+
+    def curve(self) -> tuple[float, float, float] | None:
+        """(a, b, p): the least-squares T(n) = a + b * n^p over the window's rounds, p in 0.25..1 (the union of
+        the experts n tokens route grows at most linearly in n, and less where tokens share experts), b >= 0.
+        None before there are enough rounds at two widths or more."""
+        pts = list(self._times)
+        if len(pts) < COST_MIN_ROUNDS or len({n for n, _ in pts}) < 2:
+            return None
+        best = None
+        for p in CURVE_POWERS:
+            xs = [n**p for n, _ in pts]
+            mx = sum(xs) / len(xs)
+            mt = sum(t for _, t in pts) / len(pts)
+            var = sum((x - mx) ** 2 for x in xs)
+            b = max(sum((x - mx) * (t - mt) for x, (_, t) in zip(xs, pts)) / var, 0.0)
+            a = mt - b * mx
+            sse = sum((a + b * x - t) ** 2 for x, (_, t) in zip(xs, pts))
+            if best is None or sse < best[0] * (1 - 1e-12):
+                best = (sse, a, b, p)
+        return best[1:]
+
+    def estimator(self):
+        """time_of(n) -> ms for a round verifying n tokens: the measured mean at n where rounds of that width are in
+        the window, else the fitted curve (`curve`), shifted to agree with the nearest measured width. None: no
+        curve yet."""
+        fit = self.curve()
+        if fit is None:
+            return None
+        a, b, p = fit
+        means = self.means()
+        widths = sorted(means)
+
+        def time_of(n: int) -> float:
+            if n in means:
+                return means[n]
+            i = bisect.bisect_left(widths, n)
+            near = widths[min(i, len(widths) - 1)] if i == 0 or i == len(widths) else min(
+                widths[i - 1], widths[i], key=lambda w: abs(w - n))
+            return max(means[near] + b * (n**p - near**p), 1e-6)
+
+        return time_of
+
 
 @dataclasses.dataclass
 class VerifyWidth:
@@ -100,6 +203,8 @@ class VerifyWidth:
     _accepted: float = 0.0
     _rejected: float = 0.0
     _priced_rounds: int = 0
+    _step_acc: list[float] = dataclasses.field(default_factory=list)  # [i]: draft position i + 1's accepted verdicts
+    _step_rej: list[float] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -108,6 +213,8 @@ class VerifyWidth:
             raise ValueError(f"growth and floor must be >= 1, got {self.growth}, {self.floor}")
         if self.cost is None:
             self.cost = RoundCost()
+        self._step_acc = [0.0] * self.max_drafts
+        self._step_rej = [0.0] * self.max_drafts
 
     @property
     def max_drafts(self) -> int:
@@ -120,21 +227,35 @@ class VerifyWidth:
         grown = self.max_drafts if self._next is None else self._next  # round 1: the whole block
         cap = self.cost_cap()
         if cap is None:
+            if self.cost_aware and self.cost.warming():
+                # slow start: 0, 1, 2, 4, 8 drafts in the priced rounds before a curve exists, so a first round
+                # never streams a full block's union (every token's experts) to learn what a width costs
+                return min(grown, WARM_WIDTHS[min(len(self.cost), len(WARM_WIDTHS) - 1)], self.max_drafts)
             return grown
         if self._priced_rounds % PROBE_EVERY == PROBE_EVERY - 1:
-            cap += 1  # a probe: the rate and the slope keep being measured past the cap
+            # a probe: the rate and the round times keep being measured on both sides of the cap
+            up = (self._priced_rounds // PROBE_EVERY) % 2 == 0 or cap == 0
+            cap = cap + 1 if up else cap - 1
         return min(grown, cap)
 
     def observe(self, accepted: int, proposed: int | None = None, round_ms: float | None = None,
                 offloaded: bool = False) -> None:
         """The round's accepted drafts (its emitted tokens are accepted + 1); with `proposed` (the drafts it
-        verified) the acceptance rate, and with `round_ms` of a round whose verifier streamed offloaded experts
-        (`offloaded`) the time line the cost cap uses."""
+        verified) the acceptance rates, and with `round_ms` of a round whose verifier streamed offloaded experts
+        (`offloaded`) the round times the cost cap uses."""
         self._next = min(self.max_drafts, max(self.floor, self.growth * (accepted + 1)))
         if proposed is None:
             return
+        self.cost.record(accepted, proposed)
         self._accepted = self._accepted * DECAY + accepted
         self._rejected = self._rejected * DECAY + (1 if accepted < proposed else 0)
+        for i in range(min(accepted + 1, proposed, self.max_drafts)):  # the positions this round gave a verdict on
+            self._step_acc[i] *= STEP_DECAY
+            self._step_rej[i] *= STEP_DECAY
+            if i < accepted:
+                self._step_acc[i] += 1.0
+            else:
+                self._step_rej[i] += 1.0
         if self.cost_aware and offloaded and round_ms is not None and round_ms > 0:
             self.cost.add(proposed + 1, round_ms)
             self._priced_rounds += 1
@@ -144,6 +265,16 @@ class VerifyWidth:
         """The per-draft acceptance rate of recent rounds (decayed counts, with a prior of one each way)."""
         a, r = self._accepted + PRIOR[0], self._rejected + PRIOR[1]
         return min(a / (a + r), 0.99)
+
+    def survival(self) -> list[float]:
+        """[S(0) = 1, S(1), ..., S(max_drafts)]: the chance that drafts 1..i are all accepted, position by position:
+        this session's verdicts at each position, shrunk by SHRINK pseudo-verdicts toward its drafter kind's rate
+        there (`RoundCost.position_rates`: a new session starts from what the kind's recent rounds earned)."""
+        out, s = [1.0], 1.0
+        for a, r, q in zip(self._step_acc, self._step_rej, self.cost.position_rates(self.max_drafts)):
+            s *= min((a + SHRINK * q) / (a + r + SHRINK), 0.99)
+            out.append(s)
+        return out
 
     def time_line(self) -> tuple[float, float] | None:
         """The shared round-time line (RoundCost.line)."""
@@ -159,7 +290,7 @@ class VerifyWidth:
         a, b = line
         if a + b * (self.max_drafts + 1) < MATERIAL * (a + b):
             return None  # the whole block costs little more than one token: width is (nearly) free
-        return best_drafts(self.acceptance_rate, a, b, self.max_drafts)
+        return best_drafts(self.survival(), self.cost.estimator(), self.max_drafts)
 
     def bound_after(self, proposed: int) -> int:
         """The most drafts the round after one proposing `proposed` can ask for (it cannot accept more)."""

@@ -88,6 +88,7 @@ def test_model_info_and_verifier_byte_map(stack):
     # the shared stack serves on the CPU (conftest.DEVICE, on a GPU host too), where the batch-invariant kernels are not
     # installed (CUDA only: tests/test_gpu_verifier.py); the verifier says which it serves
     assert not vi.batch_invariant and not vi.kernels and vi.experts_format == "native"
+    assert vi.expert_cache_bytes == 0  # every expert resident: the drafter prices widths only once rounds say otherwise
 
 
 def test_no_leaks_after_requests(stack):

@@ -35,6 +35,11 @@ def _finish_pb(f: FinishReason | None) -> int:
 
 
 
+def cache_bytes(cache) -> int:
+    """The bytes of an expert cache's slot pool as allocated (0: no cache, every expert resident)."""
+    return 0 if cache is None else int(cache.pool.numel())
+
+
 def model_kernels_json(kernels: dict, forward: dict) -> str:
     """VerifierModelInfo.kernels: the installed kernels (kernels.install's summary) and, with the paged forward, how a
     verify forward runs (VerifierCore.forward_info) under "forward"; "" when neither applies (transformers' own path)."""
@@ -143,6 +148,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             kernels=model_kernels_json(t.kernels, self.core.forward_info),
             experts_format=t.experts_format,
             warmup_seconds=self.core.warmup_seconds,
+            expert_cache_bytes=cache_bytes(t.expert_cache),
         )
 
     async def Prefill(self, request, context):

@@ -34,7 +34,7 @@ class LayerExpertBytes(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifierModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "num_layers", "hidden_size", "vocab_size", "max_context", "moe_layers", "experts_per_layer", "experts_per_token", "expert_bytes", "total_expert_bytes", "eos_token_ids", "dtype", "device", "max_block_size", "sessions_alive", "max_sessions", "batch_invariant", "kernels", "experts_format", "warmup_seconds")
+    __slots__ = ("model", "architecture", "num_layers", "hidden_size", "vocab_size", "max_context", "moe_layers", "experts_per_layer", "experts_per_token", "expert_bytes", "total_expert_bytes", "eos_token_ids", "dtype", "device", "max_block_size", "sessions_alive", "max_sessions", "batch_invariant", "kernels", "experts_format", "warmup_seconds", "expert_cache_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class VerifierModelInfo(_message.Message):
     KERNELS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FORMAT_FIELD_NUMBER: _ClassVar[int]
     WARMUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     num_layers: int
@@ -77,7 +78,8 @@ class VerifierModelInfo(_message.Message):
     kernels: str
     experts_format: str
     warmup_seconds: float
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., experts_per_layer: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., expert_bytes: _Optional[_Iterable[_Union[LayerExpertBytes, _Mapping]]] = ..., total_expert_bytes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_block_size: _Optional[int] = ..., sessions_alive: _Optional[int] = ..., max_sessions: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., kernels: _Optional[str] = ..., experts_format: _Optional[str] = ..., warmup_seconds: _Optional[float] = ...) -> None: ...
+    expert_cache_bytes: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., experts_per_layer: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., expert_bytes: _Optional[_Iterable[_Union[LayerExpertBytes, _Mapping]]] = ..., total_expert_bytes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_block_size: _Optional[int] = ..., sessions_alive: _Optional[int] = ..., max_sessions: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., kernels: _Optional[str] = ..., experts_format: _Optional[str] = ..., warmup_seconds: _Optional[float] = ..., expert_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_tokens", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "feature_layer_ids")
