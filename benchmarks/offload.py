@@ -340,6 +340,7 @@ def main(argv=None) -> int:
                     "fraction_of_bound": round((toks / wall) / (toks / bound_s), 3) if bound_s > 0 else None,
                     "byte_bound": bool(bound_s >= base["decode_s"]),
                     "forward_ms_per_round": round(r["forward_ms"] / r["rounds"], 3),
+                    "drafts_per_round": r.get("drafts_per_round"),
                     "copy_ms_per_round": round(copy_s * 1e3 / r["rounds"], 3),
                     "identical": r["outputs"] == reference["outputs"],
                     "stats": dataclasses.asdict(st),

@@ -48,6 +48,8 @@ FLOOR = 3
 COST_WINDOW = 64  # rounds the round-time estimates are drawn from
 COST_MIN_ROUNDS = 6  # rounds (at >= 2 widths) before the cap applies
 PROBE_EVERY = 8
+PROBE_GAP = 0.85  # a side of the cap priced below this share of the cap's tokens per ms ...
+PROBE_RARE = 4  # ... is probed only every 4th probe
 CURVE_POWERS = tuple(x / 20 for x in range(5, 21))  # 0.25 .. 1.0
 WARM_WIDTHS = (0, 1, 2, 4, 8)  # drafts of the priced rounds before a curve exists (then the last, capped by the block)
 DECAY = 0.9  # per round, of the pooled acceptance counts: the rate follows the text
@@ -225,17 +227,26 @@ class VerifyWidth:
         if not self.adaptive:
             return self.max_drafts
         grown = self.max_drafts if self._next is None else self._next  # round 1: the whole block
-        cap = self.cost_cap()
-        if cap is None:
+        prices = self._prices()
+        if prices is None:
             if self.cost_aware and self.cost.warming():
                 # slow start: 0, 1, 2, 4, 8 drafts in the priced rounds before a curve exists, so a first round
                 # never streams a full block's union (every token's experts) to learn what a width costs
                 return min(grown, WARM_WIDTHS[min(len(self.cost), len(WARM_WIDTHS) - 1)], self.max_drafts)
             return grown
+        survival, time_of = prices
+        cap = best_drafts(survival, time_of, self.max_drafts)
         if self._priced_rounds % PROBE_EVERY == PROBE_EVERY - 1:
-            # a probe: the rate and the round times keep being measured on both sides of the cap
-            up = (self._priced_rounds // PROBE_EVERY) % 2 == 0 or cap == 0
-            cap = cap + 1 if up else cap - 1
+            # a probe: the rates and the round times keep being measured on both sides of the cap; a side priced
+            # well below the cap is probed only every PROBE_RARE-th time (it costs a round at a worse width)
+            n = self._priced_rounds // PROBE_EVERY
+            side = cap + 1 if n % 2 == 0 or cap == 0 else cap - 1
+            if side <= self.max_drafts:
+                def value(k: int) -> float:
+                    return sum(survival[: k + 1]) / max(time_of(k + 1), 1e-9)
+
+                if value(side) >= PROBE_GAP * value(cap) or (n // 2) % PROBE_RARE == PROBE_RARE - 1:
+                    cap = side
         return min(grown, cap)
 
     def observe(self, accepted: int, proposed: int | None = None, round_ms: float | None = None,
@@ -280,8 +291,8 @@ class VerifyWidth:
         """The shared round-time line (RoundCost.line)."""
         return self.cost.line()
 
-    def cost_cap(self) -> int | None:
-        """The width that maximizes expected tokens per ms of round (None: no priced line yet, or a flat one)."""
+    def _prices(self):
+        """(survival, time_of) where rounds are priced (the cost cap applies), else None."""
         if not self.cost_aware:
             return None
         line = self.time_line()
@@ -290,7 +301,12 @@ class VerifyWidth:
         a, b = line
         if a + b * (self.max_drafts + 1) < MATERIAL * (a + b):
             return None  # the whole block costs little more than one token: width is (nearly) free
-        return best_drafts(self.survival(), self.cost.estimator(), self.max_drafts)
+        return self.survival(), self.cost.estimator()
+
+    def cost_cap(self) -> int | None:
+        """The width that maximizes expected tokens per ms of round (None: no priced line yet, or a flat one)."""
+        prices = self._prices()
+        return None if prices is None else best_drafts(*prices, self.max_drafts)
 
     def bound_after(self, proposed: int) -> int:
         """The most drafts the round after one proposing `proposed` can ask for (it cannot accept more)."""
