@@ -81,6 +81,7 @@ cap for offloaded experts (drafter_svc.width), as the stack applies it."""
     decode_cache = None
     outputs = []
     drafts_per_round: dict[int, int] = {}  # how many rounds verified k drafts
+    round_log: list[tuple[int, int, float]] = []  # (drafts, accepted, round ms) of every verify round, in order
     # shared by the run's requests, as the stack shares one per drafter kind (offloaded: as the model info says)
     cost = RoundCost(offloaded=getattr(core.target, "expert_cache", None) is not None)
     t0 = time.perf_counter()
@@ -104,7 +105,9 @@ cap for offloaded experts (drafter_svc.width), as the stack applies it."""
             drafts = propose(i, p, out, k, state) if k else []
             drafts_per_round[len(drafts)] = drafts_per_round.get(len(drafts), 0) + 1
             res = core.verify(DraftResult(pre.session_id, rnd, (anchor, *drafts), union, union_bytes(union, byte_map)))
-            width.observe(res.num_accepted, len(drafts), (time.perf_counter() - tr) * 1e3, res.expert_cache is not None)
+            round_ms = (time.perf_counter() - tr) * 1e3
+            width.observe(res.num_accepted, len(drafts), round_ms, res.expert_cache is not None)
+            round_log.append((len(drafts), res.num_accepted, round(round_ms, 3)))
             if layers:  # what entered the target's KV (anchor + accepted drafts) and its feature rows
                 state.setdefault("commits", []).append(([anchor, *drafts][: res.committed - committed], res.features))
             committed = res.committed
@@ -126,7 +129,8 @@ cap for offloaded experts (drafter_svc.width), as the stack applies it."""
     wall = time.perf_counter() - t0
     return dict(tok_per_s=tokens / wall, rounds=rounds, tokens=tokens, outputs=outputs, wall_s=wall,
                 forward_ms=forward_ms, routed_bytes=routed, prefill_s=prefill_s, decode_s=decode_s,
-                decode_tokens=decode_tokens, decode_cache=decode_cache, drafts_per_round=dict(sorted(drafts_per_round.items())))
+                decode_tokens=decode_tokens, decode_cache=decode_cache, drafts_per_round=dict(sorted(drafts_per_round.items())),
+                round_log=round_log)
 
 
 def hf_run(model, prompts, new_tokens: int) -> dict:

@@ -341,6 +341,7 @@ def main(argv=None) -> int:
                     "byte_bound": bool(bound_s >= base["decode_s"]),
                     "forward_ms_per_round": round(r["forward_ms"] / r["rounds"], 3),
                     "drafts_per_round": r.get("drafts_per_round"),
+                    "round_log": r.get("round_log"),  # (drafts, accepted, ms) per verify round
                     "copy_ms_per_round": round(copy_s * 1e3 / r["rounds"], 3),
                     "identical": r["outputs"] == reference["outputs"],
                     "stats": dataclasses.asdict(st),

@@ -205,6 +205,7 @@ class VerifyWidth:
     _accepted: float = 0.0
     _rejected: float = 0.0
     _priced_rounds: int = 0
+    _rounds: int = 0  # rounds observed with their verdicts
     _step_acc: list[float] = dataclasses.field(default_factory=list)  # [i]: draft position i + 1's accepted verdicts
     _step_rej: list[float] = dataclasses.field(default_factory=list)
 
@@ -267,7 +268,10 @@ class VerifyWidth:
                 self._step_acc[i] += 1.0
             else:
                 self._step_rej[i] += 1.0
-        if self.cost_aware and offloaded and round_ms is not None and round_ms > 0:
+        self._rounds += 1
+        # a session's first round is not priced: it follows the prefill, which streamed most experts through the
+        # cache (and evicted what the decode keeps using), so it costs more than its width does
+        if self.cost_aware and offloaded and round_ms is not None and round_ms > 0 and self._rounds > 1:
             self.cost.add(proposed + 1, round_ms)
             self._priced_rounds += 1
 

@@ -238,7 +238,7 @@ def test_a_drafter_right_twice_verifies_three_tokens_a_round_at_union_prices():
             out += run + 1
     late = asked[len(asked) // 2:]
     assert late.count(2) >= 0.7 * len(late)
-    assert asked[:len(WARM_WIDTHS)] == list(WARM_WIDTHS)  # the slow start: no full block before a price exists
+    assert asked[:len(WARM_WIDTHS) + 1] == [0, *WARM_WIDTHS]  # the slow start: no full block before a price exists
 
 
 def test_low_acceptance_at_union_prices_drafts_nothing_but_probes():
@@ -261,8 +261,8 @@ def test_the_model_info_says_offloaded_so_the_first_rounds_start_small():
     slow = VerifyWidth(16, cost=RoundCost(offloaded=True))
     assert slow.drafts() == 0  # no price yet: one token, not the whole block's union
     assert VerifyWidth(16, cost=RoundCost()).drafts() == 15  # resident (or not said): the whole block first
-    asked = _priced(slow, len(WARM_WIDTHS), lambda k: k, _union_ms)
-    assert asked == list(WARM_WIDTHS)
+    asked = _priced(slow, len(WARM_WIDTHS) + 1, lambda k: k, _union_ms)
+    assert asked == [0, *WARM_WIDTHS]  # the first round after the prefill is not priced: its copies are the prefill's
 
 
 def test_flat_rounds_and_resident_experts_keep_the_growth_rule():
