@@ -46,12 +46,12 @@ import dataclasses
 GROWTH = 3
 FLOOR = 3
 COST_WINDOW = 64  # rounds the round-time estimates are drawn from
-COST_MIN_ROUNDS = 6  # rounds (at >= 2 widths) before the cap applies
+COST_MIN_ROUNDS = 4  # rounds (at >= 2 widths) before the cap applies
 PROBE_EVERY = 8
 PROBE_GAP = 0.85  # a side of the cap priced below this share of the cap's tokens per ms ...
 PROBE_RARE = 4  # ... is probed only every 4th probe
 CURVE_POWERS = tuple(x / 20 for x in range(5, 21))  # 0.25 .. 1.0
-WARM_WIDTHS = (0, 1, 2, 4, 8)  # drafts of the priced rounds before a curve exists (then the last, capped by the block)
+WARM_WIDTHS = (0, 1, 2, 3)  # drafts of the priced rounds before a curve exists
 DECAY = 0.9  # per round, of the pooled acceptance counts: the rate follows the text
 STEP_DECAY = 0.9  # per verdict at a draft position, of that position's counts
 KIND_DECAY = 0.95  # per verdict, of a drafter kind's shared counts (a new session's prior)
@@ -231,7 +231,7 @@ class VerifyWidth:
         prices = self._prices()
         if prices is None:
             if self.cost_aware and self.cost.warming():
-                # slow start: 0, 1, 2, 4, 8 drafts in the priced rounds before a curve exists, so a first round
+                # slow start: 0, 1, 2, 3 drafts in the priced rounds before a curve exists, so a first round
                 # never streams a full block's union (every token's experts) to learn what a width costs
                 return min(grown, WARM_WIDTHS[min(len(self.cost), len(WARM_WIDTHS) - 1)], self.max_drafts)
             return grown
