@@ -228,7 +228,7 @@ def write(args, meta: dict, rows: list[dict]) -> None:
           "Each cache is warmed by one short request before its rows (kernels compiled; the TTFT column is a warm server's). "
           "prefetch: what streams ahead (union: the verify's projected union; layer: layer l + 1's router on layer l's input). "
           "guess: how many of that router's top experts per row the layer guess fetches (auto: a quarter of its top_k, at least 1). "
-          "width: the drafted rows' width rule (cost: the growth rule capped by the round-time line, as the stack does for "
+          "width: the drafted rows' width rule (cost: the growth rule capped by measured round prices, as the stack does for "
           "offloaded experts; growth: the growth rule alone).", "",
           "| model | system | cache | prefetch | guess | block | drafter | width | tok/s | TTFT ms | tau | expert MB/token | H2D of pinned | hidden | hit rate | coverage | wasted MB | PCIe bound tok/s | of bound | byte-bound | identical |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

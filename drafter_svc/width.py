@@ -79,6 +79,18 @@ def best_drafts(survival: list[float], time_of, max_drafts: int) -> int:
     return best_k
 
 
+def add_verdicts(acc: list[float], rej: list[float], accepted: int, seen: int, decay: float) -> None:
+    """Positions 0..seen-1 (drafts 1..seen) got a verdict this round: each position's counts decay, then the first
+    `accepted` count an acceptance and the next (if seen) a rejection."""
+    for i in range(seen):
+        acc[i] *= decay
+        rej[i] *= decay
+        if i < accepted:
+            acc[i] += 1.0
+        else:
+            rej[i] += 1.0
+
+
 class RoundCost:
     """Recent (verified tokens, round ms) of priced rounds: their least-squares line and the mean round time per
     width. One per drafter kind per process, shared by its sessions (the price of width is the verifier's, not a
@@ -98,13 +110,7 @@ class RoundCost:
         while len(self._acc) < seen:
             self._acc.append(0.0)
             self._rej.append(0.0)
-        for i in range(seen):
-            self._acc[i] *= KIND_DECAY
-            self._rej[i] *= KIND_DECAY
-            if i < accepted:
-                self._acc[i] += 1.0
-            else:
-                self._rej[i] += 1.0
+        add_verdicts(self._acc, self._rej, accepted, seen, KIND_DECAY)
         if seen:
             self._pool = [self._pool[0] * KIND_DECAY + accepted, self._pool[1] * KIND_DECAY + (accepted < proposed)]
 
@@ -261,13 +267,7 @@ class VerifyWidth:
         self.cost.record(accepted, proposed)
         self._accepted = self._accepted * DECAY + accepted
         self._rejected = self._rejected * DECAY + (1 if accepted < proposed else 0)
-        for i in range(min(accepted + 1, proposed, self.max_drafts)):  # the positions this round gave a verdict on
-            self._step_acc[i] *= STEP_DECAY
-            self._step_rej[i] *= STEP_DECAY
-            if i < accepted:
-                self._step_acc[i] += 1.0
-            else:
-                self._step_rej[i] += 1.0
+        add_verdicts(self._step_acc, self._step_rej, accepted, min(accepted + 1, proposed, self.max_drafts), STEP_DECAY)
         self._rounds += 1
         # a session's first round is not priced: it follows the prefill, which streamed most experts through the
         # cache (and evicted what the decode keeps using), so it costs more than its width does
