@@ -42,6 +42,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import statistics
 
 GROWTH = 3
 FLOOR = 3
@@ -147,36 +148,42 @@ class RoundCost:
         return mt - slope * mn, slope
 
     def means(self) -> dict[int, float]:
-        """The mean round ms per verified-token count in the window."""
-        tot: dict[int, list[float]] = {}
+        """The typical round ms per verified-token count in the window: the median of that width's rounds (one slow
+        round, a pause or a queue behind another session, does not price a width out for a whole window)."""
+        return {n: statistics.median(ts) for n, ts in self._by_width().items()}
+
+    def _by_width(self) -> dict[int, list[float]]:
+        out: dict[int, list[float]] = {}
         for n, t in self._times:
-            acc = tot.setdefault(n, [0.0, 0.0])
-            acc[0] += t
-            acc[1] += 1
-        return {n: t / c for n, (t, c) in tot.items()}
+            out.setdefault(n, []).append(t)
+        return out
 
     def curve(self) -> tuple[float, float, float] | None:
-        """(a, b, p): the least-squares T(n) = a + b * n^p over the window's rounds, p in 0.25..1 (the union of
-        the experts n tokens route grows at most linearly in n, and less where tokens share experts), b >= 0.
-        None before there are enough rounds at two widths or more."""
-        pts = list(self._times)
-        if len(pts) < COST_MIN_ROUNDS or len({n for n, _ in pts}) < 2:
+        """(a, b, p): the least-squares T(n) = a + b * n^p through the window's per-width medians (`means`, each
+        weighted by its rounds), p in 0.25..1 (the union of the experts n tokens route grows at most linearly in n,
+        and less where tokens share experts), b >= 0. None before there are enough rounds at two widths or more."""
+        if len(self._times) < COST_MIN_ROUNDS:
             return None
+        by_width = self._by_width()
+        if len(by_width) < 2:
+            return None
+        pts = [(n, statistics.median(ts), len(ts)) for n, ts in by_width.items()]
+        total = sum(c for _, _, c in pts)
         best = None
         for p in CURVE_POWERS:
-            xs = [n**p for n, _ in pts]
-            mx = sum(xs) / len(xs)
-            mt = sum(t for _, t in pts) / len(pts)
-            var = sum((x - mx) ** 2 for x in xs)
-            b = max(sum((x - mx) * (t - mt) for x, (_, t) in zip(xs, pts)) / var, 0.0)
+            xs = [n**p for n, _, _ in pts]
+            mx = sum(x * c for x, (_, _, c) in zip(xs, pts)) / total
+            mt = sum(t * c for _, t, c in pts) / total
+            var = sum(c * (x - mx) ** 2 for x, (_, _, c) in zip(xs, pts))
+            b = max(sum(c * (x - mx) * (t - mt) for x, (_, t, c) in zip(xs, pts)) / var, 0.0)
             a = mt - b * mx
-            sse = sum((a + b * x - t) ** 2 for x, (_, t) in zip(xs, pts))
+            sse = sum(c * (a + b * x - t) ** 2 for x, (_, t, c) in zip(xs, pts))
             if best is None or sse < best[0] * (1 - 1e-12):
                 best = (sse, a, b, p)
         return best[1:]
 
     def estimator(self):
-        """time_of(n) -> ms for a round verifying n tokens: the measured mean at n where rounds of that width are in
+        """time_of(n) -> ms for a round verifying n tokens: the measured median at n where rounds of that width are in
         the window, else the fitted curve (`curve`), shifted to agree with the nearest measured width. None: no
         curve yet."""
         fit = self.curve()
