@@ -17,24 +17,28 @@ never which tokens are accepted.
 Offloaded experts change the price of width: a verify of n tokens must bring the union of the experts
 those n tokens route, and with little locality between tokens that union (and the copy time) grows
 with n, concavely (gpt-oss-20b shapes, 32 experts top-4, random routing: 4, 7.5, 10.6, 13.3 experts a
-layer for 1-4 tokens). So once the verifier says its experts are offloaded (`observe(..., offloaded=True)`),
-the growth rule's width is capped by the width that maximizes expected tokens per unit of round time,
-E(k) / T(k + 1), both measured rather than assumed:
+layer for 1-4 tokens; on the H200 with a 25% cache a round of 1 token took 24 ms, 2 tokens 43, 3 tokens
+63-80, 9 tokens 113-134: benchmarks/results/offload_h200_round_log.json). So once the verifier says its
+experts are offloaded (its model info up front, `RoundCost(offloaded=True)`, or `observe(...,
+offloaded=True)`), the growth rule's width is capped by the width that maximizes expected tokens per unit
+of round time, E(k) / T(k + 1), both measured rather than assumed:
 - E(k) = 1 + S(1) + ... + S(k), S(i) the chance that drafts 1..i are all accepted, from this session's
-  rounds draft position by draft position (each position's accepted/rejected counts, decayed as that
-  position is verified again, shrunk toward the session's pooled per-draft rate where a position has few
-  verdicts). A geometric rate alone misprices drafters whose runs have a typical length (a drafter right
-  twice, then wrong, prices a third draft like a second one).
-- T(n): the mean round time of recent rounds that verified n tokens, interpolated between the widths
-  measured, extended past them along the least-squares line of all of them (shared by a drafter kind's
-  sessions). Measured means follow the union's concave growth; a line alone overprices one-token rounds.
-Until a line exists (the verifier's model info says its experts are offloaded, or a priced round did)
-the width starts at 0 drafts and grows by one per priced round: a first round of the whole block would
-stream the union of 16 tokens' experts (gpt-oss-20b shapes: ~28 of 32 a layer) to learn its price.
-Where the line is flat (resident weights: a verify is launch-bound; a full block priced under 1.25x one
-token) there is no cap and nothing changes. Every `PROBE_EVERY`-th priced round asks for one draft more
-than the cap, the next such round one fewer (where the cap allows), so the widths on either side of the
-cap keep being measured and the cap moves when they pay better.
+  verdicts draft position by draft position (each position's accepted/rejected counts, decayed as that
+  position is verified again), shrunk by SHRINK pseudo-verdicts toward the drafter kind's recent rate at
+  that position (shared in the `RoundCost`, itself shrunk toward the kind's pooled rate): a new session
+  starts from what the kind's rounds earned. A geometric rate alone misprices drafters whose runs have a
+  typical length (a drafter right twice, then wrong, prices a third draft like a second one).
+- T(n): the median round time of the window's rounds that verified n tokens; for widths not measured, a
+  least-squares curve a + b n^p (p in 0.25..1) through those medians, shifted to the nearest measured
+  width. A line (the rule before) overprices one-token rounds when the union grows concavely.
+A session's first round is not priced (it follows the prefill, which streamed most experts through the
+cache). Until 4 rounds are priced the width starts small, 0, 1, 2, 3 drafts (WARM_WIDTHS): a first round
+of the whole block would stream the union of 16 tokens' experts (gpt-oss-20b shapes: ~28 of 32 a layer)
+to learn its price. Where the line is flat (resident weights: a verify is launch-bound; a full block
+priced under 1.25x one token) there is no cap and nothing changes. Every `PROBE_EVERY`-th priced round
+probes one draft more than the cap, the next such round one fewer, so the widths on either side keep being
+measured; a side priced below PROBE_GAP of the cap's tokens per ms is probed only every PROBE_RARE-th
+time. `python benchmarks/width_price.py` runs the rule against modelled offloaded round times.
 """
 
 from __future__ import annotations
@@ -93,8 +97,8 @@ def add_verdicts(acc: list[float], rej: list[float], accepted: int, seen: int, d
 
 
 class RoundCost:
-    """Recent (verified tokens, round ms) of priced rounds: their least-squares line and the mean round time per
-    width. One per drafter kind per process, shared by its sessions (the price of width is the verifier's, not a
+    """Recent (verified tokens, round ms) of priced rounds: their least-squares line, the median round time per
+    width and a concave curve through those; and the drafter kind's acceptance per draft position. One per drafter kind per process, shared by its sessions (the price of width is the verifier's, not a
     session's): a new request's first round is capped by what earlier requests measured."""
 
     def __init__(self, window: int = COST_WINDOW, offloaded: bool = False):
