@@ -281,9 +281,10 @@ def test_flat_rounds_and_resident_experts_keep_the_growth_rule():
 
 
 @given(block=st.integers(1, 32), rounds=st.lists(st.tuples(st.integers(0, 31), st.integers(0, 31),
-                                                            st.floats(0.1, 500.0), st.booleans()), max_size=40))
-def test_priced_width_stays_in_the_block_and_within_the_bound(block, rounds):
-    w = VerifyWidth(block)
+                                                            st.floats(0.1, 500.0), st.booleans()), max_size=40),
+       said=st.booleans())
+def test_priced_width_stays_in_the_block_and_within_the_bound(block, rounds, said):
+    w = VerifyWidth(block, cost=RoundCost(offloaded=said))  # said: the model info says offloaded (slow start)
     for asked, acc, ms, offloaded in rounds:
         proposed = min(asked, w.drafts())
         accepted = min(acc, proposed)
