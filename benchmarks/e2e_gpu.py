@@ -298,6 +298,24 @@ def replay(reference, every=4):
     return propose
 
 
+def replay_iid(reference, p_error: float = 1 / 3, seed: int = 0):
+    """propose(...) for core_run: the reference continuation with each output position's draft wrong independently with
+    probability p_error (a fixed pseudo-random mask per prompt and position, the same on every run): a run of accepted
+    drafts is geometric from any start, unlike `replay`'s fixed period (p 1/3: a per-draft rate of 2/3, tau ~3 on long
+    blocks)."""
+    import random
+
+    def wrong(i: int, pos: int) -> bool:
+        return random.Random(f"{seed}:{i}:{pos}").random() < p_error
+
+    def propose(i, prompt, out, k, state):
+        n = len(out)
+        drafts = list(reference[i][n : n + k])
+        return [(t - 1 if t > 2 else t + 1) if wrong(i, n + j) else t for j, t in enumerate(drafts)]
+
+    return propose
+
+
 def none_propose(i, prompt, out, k, state):
     return []
 

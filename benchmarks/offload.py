@@ -10,7 +10,8 @@ layers, 128 experts top-8), random bf16 weights built on the GPU, experts quanti
 In process (VerifierCore, no RPC: a checkpoint of these sizes is not written to disk here), one request at a time,
 greedy, 128-token prompts (a random 32-token phrase said four times), `--new-tokens` each. Rows per cache size:
 block 1 (no drafts); n-gram drafting at block 16; a replay drafter at block 16 that proposes the block-1
-continuation with every 3rd draft wrong (tau ~3, labelled as such). Verify forwards replay segmented CUDA graphs
+continuation with every 3rd draft wrong (tau ~3, labelled as such), and one whose drafts are each wrong with
+probability 1/3 at fixed pseudo-random positions ("replay iid 2/3": geometric runs from any start). Verify forwards replay segmented CUDA graphs
 (verifier_svc/runner.py: one graph per layer, the experts kernels inside; each layer syncs once to learn its experts).
 
 Columns: output tok/s; expert bytes moved host->device per output token; the achieved H2D rate of the expert copies
@@ -38,7 +39,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.e2e_gpu import replay  # noqa: E402
+from benchmarks.e2e_gpu import replay, replay_iid  # noqa: E402
 from benchmarks.inprocess import core_run, ngram_propose  # noqa: E402
 
 MODELS = {"gpt-oss-24l": ("gpt_oss", 24), "qwen3-48l": ("qwen3_moe", 48), "tiny-gpt-oss": ("tiny:gpt_oss", 2)}
@@ -304,12 +305,14 @@ def main(argv=None) -> int:
             # warm: every kernel of this cache compiled and (at 100%) every expert resident before the timed runs
             core_run(core, prompts if fraction == 1.0 else prompts[:1], 4, 1)
             modes = [("none", 1, none_propose, "growth")]
-            modes += [(d, 16, pr, w) for w in args.widths for d, pr in (("ngram", ngram_propose), ("replay tau~3", None))]
+            modes += [(d, 16, pr, w) for w in args.widths
+                      for d, pr in (("ngram", ngram_propose), ("replay tau~3", None), ("replay iid 2/3", None))]
             for drafter, block, propose, wrule in modes:
                 if fraction == 1.0 and (drafter, wrule) in compute:
                     continue
                 if propose is None:
-                    propose = replay(reference["outputs"], every=3)
+                    propose = (replay(reference["outputs"], every=3) if drafter == "replay tau~3"
+                               else replay_iid(reference["outputs"], p_error=1 / 3))
                 r = measure(core, prompts, args.new_tokens, block, propose, cost_aware=wrule == "cost")
                 if reference is None:
                     reference = r
