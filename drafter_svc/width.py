@@ -98,8 +98,9 @@ def add_verdicts(acc: list[float], rej: list[float], accepted: int, seen: int, d
 
 class RoundCost:
     """Recent (verified tokens, round ms) of priced rounds: their least-squares line, the median round time per
-    width and a concave curve through those; and the drafter kind's acceptance per draft position. One per drafter kind per process, shared by its sessions (the price of width is the verifier's, not a
-    session's): a new request's first round is capped by what earlier requests measured."""
+    width and a concave curve through those; and the drafter kind's acceptance per draft position. One per drafter
+    kind per process, shared by its sessions (the price of width is the verifier's, not a session's): a new
+    request's first round is capped by what earlier requests measured."""
 
     def __init__(self, window: int = COST_WINDOW, offloaded: bool = False):
         self._times: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
