@@ -173,3 +173,18 @@ def test_serve_mxfp4_resident_with_the_kernels_equals_the_reference(monkeypatch)
     prompt = [[(7 * i) % 500 + 2 for i in range(20)]]
     runs = {k: core_run(c, prompt, 4, 1, lambda *a: [])["outputs"] for k, c in cores.items()}
     assert runs["on"] == runs["off"], runs
+
+
+def test_the_iid_replay_drafter_errs_a_third_of_the_time_wherever_a_round_starts():
+    from benchmarks.e2e_gpu import replay, replay_iid
+
+    ref = [list(range(100, 2100))]
+    iid, periodic = replay_iid(ref), replay(ref, every=3)
+    first_wrong = {}
+    for name, propose in (("iid", iid), ("periodic", periodic)):
+        for start in (0, 1, 2):  # the round starts 0, 1 or 2 positions past an error-period boundary
+            firsts = [propose(0, None, [0] * n, 1, {})[0] != ref[0][n] for n in range(start, 1800, 3)]
+            first_wrong[name, start] = sum(firsts) / len(firsts)
+    assert all(abs(first_wrong["iid", s] - 1 / 3) < 0.06 for s in (0, 1, 2))  # the same at any alignment
+    assert [first_wrong["periodic", s] for s in (0, 1, 2)] == [0.0, 0.0, 1.0]  # the periodic one depends on it
+    assert iid(0, None, [0] * 5, 8, {}) == iid(0, None, [0] * 5, 8, {})  # a fixed mask: every run the same drafts
