@@ -82,8 +82,10 @@ cap for offloaded experts (drafter_svc.width), as the stack applies it."""
     outputs = []
     drafts_per_round: dict[int, int] = {}  # how many rounds verified k drafts
     round_log: list[tuple[int, int, float]] = []  # (drafts, accepted, round ms) of every verify round, in order
-    # shared by the run's requests, as the stack shares one per drafter kind (offloaded: as the model info says)
-    cost = RoundCost(offloaded=getattr(core.target, "expert_cache", None) is not None)
+    # shared by the run's requests, as the stack shares one per drafter kind (offloaded: as the model info says, a
+    # cache that cannot keep every expert)
+    cache = getattr(core.target, "expert_cache", None)
+    cost = RoundCost(offloaded=cache is not None and cache.kept_bytes < cache.store.total_bytes)
     t0 = time.perf_counter()
     layers = tuple(getattr(propose, "feature_layer_ids", ()))
     for i, p in enumerate(prompts):

@@ -55,7 +55,8 @@ class FrontDoor:
     @functools.cached_property
     def round_costs(self) -> dict[DrafterKind, RoundCost]:
         """Per drafter kind, the round-time line its sessions share (drafter_svc.width: the verify width's cost cap)."""
-        offloaded = self.target.expert_cache_bytes > 0
+        total = sum(sum(b) for b in self.target.byte_map.values())
+        offloaded = 0 < self.target.expert_cache_bytes < total  # some expert must stream in: priced from round 1
         return {k: RoundCost(offloaded=offloaded) for k in self.factories}
 
     def dflash_placement(self) -> tuple[str, str]:

@@ -32,9 +32,10 @@ of round time, E(k) / T(k + 1), both measured rather than assumed:
   least-squares curve a + b n^p (p in 0.25..1) through those medians, shifted to the nearest measured
   width. A line (the rule before) overprices one-token rounds when the union grows concavely.
 A session's first round is not priced (it follows the prefill, which streamed most experts through the
-cache). Until 4 rounds are priced the width starts small, 0, 1, 2, 3 drafts (WARM_WIDTHS): a first round
-of the whole block would stream the union of 16 tokens' experts (gpt-oss-20b shapes: ~28 of 32 a layer)
-to learn its price. Where the line is flat (resident weights: a verify is launch-bound; a full block
+cache). Until 4 rounds are priced the width starts small, 0, 1, 2, 3 drafts (WARM_WIDTHS), from a session's
+first round where the model info says the cache cannot keep every expert, else from the first priced round
+(a first round of the whole block would stream the union of 16 tokens' experts, gpt-oss-20b shapes: ~28 of
+32 a layer, to learn its price). Where the line is flat (resident weights: a verify is launch-bound; a full block
 priced under 1.25x one token) there is no cap and nothing changes. Every `PROBE_EVERY`-th priced round
 probes one draft more than the cap, the next such round one fewer, so the widths on either side keep being
 measured; a side priced below PROBE_GAP of the cap's tokens per ms is probed only every PROBE_RARE-th
@@ -131,7 +132,8 @@ class RoundCost:
         return out
 
     def warming(self) -> bool:
-        """Offloaded experts (said up front, or a priced round seen) but no line yet: widths are priced one by one."""
+        """No line yet, and the experts are offloaded: said up front (a cache that cannot keep them all), or a priced
+        round was seen (then the widths must differ for a line to exist at all): the slow start."""
         return (self.offloaded or len(self._times) > 0) and self.line() is None
 
     def add(self, tokens: int, round_ms: float) -> None:

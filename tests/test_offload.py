@@ -165,7 +165,9 @@ def test_the_stack_serves_offloaded_experts_as_it_serves_them_cached(tiny, tmp_p
             assert c.bytes_moved == (c.misses + c.prefetched) * next(iter(vi.expert_bytes)).expert_bytes[0]
             assert vi.experts_format == "mxfp4"
             slice_bytes = next(iter(vi.expert_bytes)).expert_bytes[0]
-            assert vi.expert_cache_bytes > 0 and vi.expert_cache_bytes % slice_bytes == 0  # the slot pool, as allocated
+            assert vi.expert_cache_bytes > 0 and vi.expert_cache_bytes % slice_bytes == 0  # the experts it can keep
+            # the big cache keeps every expert (the drafter then has nothing to price up front), the tiny one not
+            assert (vi.expert_cache_bytes == vi.total_expert_bytes) == (gb == BIG)
             sizes = {b for layer in vi.expert_bytes for b in layer.expert_bytes}
             assert len(sizes) == 1 and sizes.pop() % 256 == 0  # every expert is one arena slice
         finally:

@@ -309,8 +309,10 @@ def test_the_front_door_prices_widths_from_the_first_round_when_the_verifier_off
     from pdflash.types import DrafterKind
 
     def door(cache_bytes: int) -> FrontDoor:
-        info = TargetInfo("m", "qwen3_moe", 2, 8, 100, 64, {}, (), 32, expert_cache_bytes=cache_bytes)
+        experts = {0: [1000] * 8, 1: [1000] * 8}  # 16 experts of 1000 bytes
+        info = TargetInfo("m", "qwen3_moe", 2, 8, 100, 64, experts, (), 32, expert_cache_bytes=cache_bytes)
         return FrontDoor(None, None, {DrafterKind.NGRAM: object()}, DrafterKind.NGRAM, None, None, info)
 
-    assert door(1 << 20).round_costs[DrafterKind.NGRAM].offloaded
-    assert not door(0).round_costs[DrafterKind.NGRAM].offloaded
+    assert door(4000).round_costs[DrafterKind.NGRAM].offloaded  # a cache of 4 of 16 experts: the slow start
+    assert not door(16000).round_costs[DrafterKind.NGRAM].offloaded  # it keeps every expert: nothing streams
+    assert not door(0).round_costs[DrafterKind.NGRAM].offloaded  # resident weights

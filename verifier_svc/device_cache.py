@@ -138,6 +138,12 @@ class DeviceExpertCache:
         return self.pool.shape[0]
 
     @property
+    def kept_bytes(self) -> int:
+        """The bytes of experts this cache can keep resident: its layers' partitions (the overflow range only passes
+        experts through). Equal to the store's total when it holds every expert."""
+        return sum(self.sizes) * self.store.slice_bytes
+
+    @property
     def stats(self) -> CacheStats:
         return self._stats
 

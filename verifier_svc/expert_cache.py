@@ -137,6 +137,11 @@ class ExpertCache:
     def num_slots(self) -> int:
         return len(self._owner)
 
+    @property
+    def kept_bytes(self) -> int:
+        """The bytes of experts this cache can keep resident (its slots, at most the store's total)."""
+        return min(self.num_slots * self.store.slice_bytes, self.store.total_bytes)
+
     @classmethod
     def slots_for(cls, store: HostExpertStore, gib: float) -> int:
         """Slots a budget of `gib` GiB holds, never more than there are experts."""

@@ -36,8 +36,8 @@ def _finish_pb(f: FinishReason | None) -> int:
 
 
 def cache_bytes(cache) -> int:
-    """The bytes of an expert cache's slot pool as allocated (0: no cache, every expert resident)."""
-    return 0 if cache is None else int(cache.pool.numel())
+    """The bytes of experts an expert cache can keep resident (0: no cache, every expert resident in the weights)."""
+    return 0 if cache is None else int(cache.kept_bytes)
 
 
 def model_kernels_json(kernels: dict, forward: dict) -> str:
