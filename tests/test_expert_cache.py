@@ -279,3 +279,15 @@ def test_device_begin_marks_the_projection_in_range_and_forgets_the_last_one():
     layer_only = _device_cache(prefetch="layer")
     assert layer_only.begin({0: {1}}) == 0 and int(layer_only.proj.sum()) == 0
     layer_only.collect()
+
+
+def test_kept_bytes_is_what_a_cache_can_keep_resident():
+    """The verifier's model info reports it (`expert_cache_bytes`): below the store's total, some expert must stream."""
+    from verifier_svc.device_cache import DeviceExpertCache
+
+    store = _three_layer_store()  # 12 experts
+    assert ExpertCache(store, 5, CPU, need=1).kept_bytes == 5 * store.slice_bytes
+    assert ExpertCache(store, 40, CPU, need=1).kept_bytes == store.total_bytes  # never more than every expert
+    small = DeviceExpertCache(store, 4 + 6, CPU, need=4)  # the overflow range (4) passes experts through
+    assert small.kept_bytes == sum(small.sizes) * store.slice_bytes < store.total_bytes
+    assert DeviceExpertCache(store, 4 + 12, CPU, need=4).kept_bytes == store.total_bytes
