@@ -49,6 +49,8 @@ import collections
 import dataclasses
 import statistics
 
+import numpy as np
+
 GROWTH = 3
 FLOOR = 3
 COST_WINDOW = 64  # rounds the round-time estimates are drawn from
@@ -58,18 +60,11 @@ PROBE_GAP = 0.85  # a side of the cap priced below this share of the cap's token
 PROBE_RARE = 4  # ... is probed only every 4th probe
 CURVE_POWERS = tuple(x / 20 for x in range(5, 21))  # 0.25 .. 1.0
 WARM_WIDTHS = (0, 1, 2, 3)  # drafts of the priced rounds before a curve exists
-DECAY = 0.9  # per round, of the pooled acceptance counts: the rate follows the text
 STEP_DECAY = 0.9  # per verdict at a draft position, of that position's counts
 KIND_DECAY = 0.95  # per verdict, of a drafter kind's shared counts (a new session's prior)
 SHRINK = 2.0  # pseudo-verdicts at the pooled rate added to each draft position's counts
 MATERIAL = 1.25  # the cap applies only where a full block's round is priced at >= 1.25x a one-token round
 PRIOR = (1.0, 1.0)  # (accepted, rejected) pseudo-counts: a = 0.5 before any evidence
-
-
-def expected_tokens(rate: float, drafts: int) -> float:
-    """Tokens a round emits on average with `drafts` drafts each accepted with probability `rate` (until the
-    first rejection), plus the verify's own token."""
-    return sum(rate**i for i in range(drafts + 1))
 
 
 def best_drafts(survival: list[float], time_of, max_drafts: int) -> int:
@@ -110,6 +105,8 @@ class RoundCost:
         self._acc: list[float] = []
         self._rej: list[float] = []
         self._pool = [PRIOR[0], PRIOR[1]]
+        self._memo: dict[str, object] = {}  # line / medians / estimator of the current window
+        self.stamp = 0  # counts changes (rounds priced, verdicts recorded): sessions' drafts() memos follow it
 
     def record(self, accepted: int, proposed: int) -> None:
         """A round's verdicts: drafts 1..accepted accepted, draft accepted + 1 rejected (if proposed)."""
@@ -118,6 +115,7 @@ class RoundCost:
             self._acc.append(0.0)
             self._rej.append(0.0)
         add_verdicts(self._acc, self._rej, accepted, seen, KIND_DECAY)
+        self.stamp += 1
         if seen:
             self._pool = [self._pool[0] * KIND_DECAY + accepted, self._pool[1] * KIND_DECAY + (accepted < proposed)]
 
@@ -138,6 +136,13 @@ class RoundCost:
 
     def add(self, tokens: int, round_ms: float) -> None:
         self._times.append((int(tokens), float(round_ms)))
+        self._memo.clear()  # the line, medians and curve follow the window
+        self.stamp += 1
+
+    def _memoized(self, key: str, compute):
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     def __len__(self) -> int:
         return len(self._times)
@@ -145,6 +150,9 @@ class RoundCost:
     def line(self) -> tuple[float, float] | None:
         """(intercept ms, slope ms per verified token), or None before there are enough rounds at two widths or
         more."""
+        return self._memoized("line", self._line)
+
+    def _line(self) -> tuple[float, float] | None:
         pts = list(self._times)
         if len(pts) < COST_MIN_ROUNDS or len({n for n, _ in pts}) < 2:
             return None
@@ -157,46 +165,53 @@ class RoundCost:
     def means(self) -> dict[int, float]:
         """The typical round ms per verified-token count in the window: the median of that width's rounds (one slow
         round, a pause or a queue behind another session, does not price a width out for a whole window)."""
-        return {n: statistics.median(ts) for n, ts in self._by_width().items()}
+        return {n: m for n, (m, _c) in self._medians().items()}
 
-    def _by_width(self) -> dict[int, list[float]]:
-        out: dict[int, list[float]] = {}
-        for n, t in self._times:
-            out.setdefault(n, []).append(t)
-        return out
+    def _medians(self) -> dict[int, tuple[float, int]]:
+        """Per verified-token count in the window: (median round ms, rounds)."""
+        def compute():
+            by_width: dict[int, list[float]] = {}
+            for n, t in self._times:
+                by_width.setdefault(n, []).append(t)
+            return {n: (statistics.median(ts), len(ts)) for n, ts in by_width.items()}
+
+        return self._memoized("medians", compute)
 
     def curve(self) -> tuple[float, float, float] | None:
         """(a, b, p): the least-squares T(n) = a + b * n^p through the window's per-width medians (`means`, each
         weighted by its rounds), p in 0.25..1 (the union of the experts n tokens route grows at most linearly in n,
         and less where tokens share experts), b >= 0. None before there are enough rounds at two widths or more."""
-        if len(self._times) < COST_MIN_ROUNDS:
+        return self._memoized("curve", self._curve)
+
+    def _curve(self) -> tuple[float, float, float] | None:
+        medians = self._medians()
+        if len(self._times) < COST_MIN_ROUNDS or len(medians) < 2:
             return None
-        by_width = self._by_width()
-        if len(by_width) < 2:
-            return None
-        pts = [(n, statistics.median(ts), len(ts)) for n, ts in by_width.items()]
-        total = sum(c for _, _, c in pts)
-        best = None
-        for p in CURVE_POWERS:
-            xs = [n**p for n, _, _ in pts]
-            mx = sum(x * c for x, (_, _, c) in zip(xs, pts)) / total
-            mt = sum(t * c for _, t, c in pts) / total
-            var = sum(c * (x - mx) ** 2 for x, (_, _, c) in zip(xs, pts))
-            b = max(sum(c * (x - mx) * (t - mt) for x, (_, t, c) in zip(xs, pts)) / var, 0.0)
-            a = mt - b * mx
-            sse = sum(c * (a + b * x - t) ** 2 for x, (_, t, c) in zip(xs, pts))
-            if best is None or sse < best[0] * (1 - 1e-12):
-                best = (sse, a, b, p)
-        return best[1:]
+        n = np.array(list(medians), dtype=np.float64)
+        t = np.array([m for m, _c in medians.values()])
+        c = np.array([c for _m, c in medians.values()], dtype=np.float64)
+        p = np.array(CURVE_POWERS)
+        x = n[:, None] ** p[None, :]  # [widths, powers]
+        mx = (c[:, None] * x).sum(0) / c.sum()
+        mt = (c * t).sum() / c.sum()
+        dx = x - mx
+        b = np.maximum((c[:, None] * dx * (t - mt)[:, None]).sum(0) / (c[:, None] * dx**2).sum(0), 0.0)
+        a = mt - b * mx
+        sse = (c[:, None] * (a + b * x - t[:, None]) ** 2).sum(0)
+        i = int(np.argmin(sse))  # the first (smallest p) on ties
+        return float(a[i]), float(b[i]), float(p[i])
 
     def estimator(self):
         """time_of(n) -> ms for a round verifying n tokens: the measured median at n where rounds of that width are in
         the window, else the fitted curve (`curve`), shifted to agree with the nearest measured width. None: no
         curve yet."""
+        return self._memoized("estimator", self._estimator)
+
+    def _estimator(self):
         fit = self.curve()
         if fit is None:
             return None
-        a, b, p = fit
+        _a, b, p = fit
         means = self.means()
         widths = sorted(means)
 
@@ -222,12 +237,11 @@ class VerifyWidth:
     cost_aware: bool = True  # cap the width by round time once the verifier reports offloaded experts
     cost: RoundCost | None = None  # shared with other sessions (default: this session's own)
     _next: int | None = None
-    _accepted: float = 0.0
-    _rejected: float = 0.0
     _priced_rounds: int = 0
     _rounds: int = 0  # rounds observed with their verdicts
     _step_acc: list[float] = dataclasses.field(default_factory=list)  # [i]: draft position i + 1's accepted verdicts
     _step_rej: list[float] = dataclasses.field(default_factory=list)
+    _memo: tuple = ()  # (state key, drafts): the round loop asks twice a round (its admission reserve, then the draft)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -247,6 +261,12 @@ class VerifyWidth:
         """Drafts to propose this round (before the caller's own caps, such as tokens left)."""
         if not self.adaptive:
             return self.max_drafts
+        key = (self._rounds, self._next, self.cost.stamp)
+        if not self._memo or self._memo[0] != key:
+            self._memo = (key, self._drafts())
+        return self._memo[1]
+
+    def _drafts(self) -> int:
         grown = self.max_drafts if self._next is None else self._next  # round 1: the whole block
         prices = self._prices()
         if prices is None:
@@ -279,8 +299,6 @@ class VerifyWidth:
         if proposed is None:
             return
         self.cost.record(accepted, proposed)
-        self._accepted = self._accepted * DECAY + accepted
-        self._rejected = self._rejected * DECAY + (1 if accepted < proposed else 0)
         add_verdicts(self._step_acc, self._step_rej, accepted, min(accepted + 1, proposed, self.max_drafts), STEP_DECAY)
         self._rounds += 1
         # a session's first round is not priced: it follows the prefill, which streamed most experts through the
@@ -288,12 +306,6 @@ class VerifyWidth:
         if self.cost_aware and offloaded and round_ms is not None and round_ms > 0 and self._rounds > 1:
             self.cost.add(proposed + 1, round_ms)
             self._priced_rounds += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        """The per-draft acceptance rate of recent rounds (decayed counts, with a prior of one each way)."""
-        a, r = self._accepted + PRIOR[0], self._rejected + PRIOR[1]
-        return min(a / (a + r), 0.99)
 
     def survival(self) -> list[float]:
         """[S(0) = 1, S(1), ..., S(max_drafts)]: the chance that drafts 1..i are all accepted, position by position:

@@ -162,7 +162,7 @@ def test_a_rounds_tokens_reach_the_client_even_when_the_next_round_fails():
 
 # ---- the cost cap (offloaded experts: a verify's time grows with its width) -------------------------------
 
-from drafter_svc.width import PROBE_EVERY, PROBE_RARE, WARM_WIDTHS, RoundCost, best_drafts, expected_tokens  # noqa: E402
+from drafter_svc.width import PROBE_EVERY, PROBE_RARE, WARM_WIDTHS, RoundCost, best_drafts  # noqa: E402
 
 
 def _union_ms(n: int) -> float:
@@ -172,8 +172,7 @@ def _union_ms(n: int) -> float:
     return 3.9 + 0.1 * n + 24 * union * 0.6 * 13.2e6 / 54e9 * 1e3
 
 
-def test_expected_tokens_and_best_drafts():
-    assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 2) == 1.75
+def test_best_drafts():
     near_certain = [0.99**i for i in range(16)]
     assert best_drafts(near_certain, lambda n: 10.0, 15) == 15  # free width, near-certain drafts: the whole block
     assert best_drafts([0.5**i for i in range(16)], lambda n: 1.0 + 100.0 * n, 15) == 0  # no drafts pay
