@@ -49,7 +49,6 @@ import collections
 import dataclasses
 import statistics
 
-import numpy as np
 
 GROWTH = 3
 FLOOR = 3
@@ -187,19 +186,22 @@ class RoundCost:
         medians = self._medians()
         if len(self._times) < COST_MIN_ROUNDS or len(medians) < 2:
             return None
-        n = np.array(list(medians), dtype=np.float64)
-        t = np.array([m for m, _c in medians.values()])
-        c = np.array([c for _m, c in medians.values()], dtype=np.float64)
-        p = np.array(CURVE_POWERS)
-        x = n[:, None] ** p[None, :]  # [widths, powers]
-        mx = (c[:, None] * x).sum(0) / c.sum()
-        mt = (c * t).sum() / c.sum()
-        dx = x - mx
-        b = np.maximum((c[:, None] * dx * (t - mt)[:, None]).sum(0) / (c[:, None] * dx**2).sum(0), 0.0)
-        a = mt - b * mx
-        sse = (c[:, None] * (a + b * x - t[:, None]) ** 2).sum(0)
-        i = int(np.argmin(sse))  # the first (smallest p) on ties
-        return float(a[i]), float(b[i]), float(p[i])
+        pts = [(n, m, c) for n, (m, c) in medians.items()]
+        total = sum(c for _n, _m, c in pts)
+        mt = sum(c * m for _n, m, c in pts) / total
+        best = None
+        for p in CURVE_POWERS:  # 16 powers x a few widths, once per window change: plain Python is fast enough
+            xs = [n**p for n, _m, _c in pts]  # (numpy stays out of the light client install)
+            mx = sum(c * x for x, (_n, _m, c) in zip(xs, pts)) / total
+            sxx = sum(c * (x - mx) ** 2 for x, (_n, _m, c) in zip(xs, pts))
+            sxt = sum(c * (x - mx) * (m - mt) for x, (_n, m, c) in zip(xs, pts))
+            b = max(sxt / sxx, 0.0) if sxx > 0 else 0.0
+            a = mt - b * mx
+            sse = sum(c * (a + b * x - m) ** 2 for x, (_n, m, c) in zip(xs, pts))
+            if best is None or sse < best[0]:  # the first (smallest p) on ties
+                best = (sse, a, b, p)
+        _sse, a, b, p = best
+        return float(a), float(b), float(p)
 
     def estimator(self):
         """time_of(n) -> ms for a round verifying n tokens: the measured median at n where rounds of that width are in
