@@ -4,7 +4,9 @@ timed under CUDA graphs with L2 flushed, with parts switched off:
   full     the loop as kernels.moe runs it;
   noscale  the same without the scale load (every scale byte 127: wrong values, timing only);
   bytes    the packed weights read as 32-bit words and XORed (no activations, no decode, no dot): the read alone;
-  bf16     bf16 weights through the same tile loop (no decode).
+  bf16     bf16 weights through the same tile loop (no decode);
+  split2   the full loop with K split over two programs (twice the programs, each half the K steps; the partial sums
+           are stored, not added: timing only): whether the decode shapes lack warps in flight.
     python benchmarks/fp4_probe.py OUT   ->  OUT/fp4_probe.json (rows: shape, A experts, N, K, T rows, tiles, us,
                                              frac = weight bytes / time / the device-copy rate)"""
 import json, os, sys, time
@@ -18,7 +20,9 @@ def _bf16x2(pair, e):
 @triton.jit
 def probe(a_ptr, w_ptr, s_ptr, y_ptr, T, K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
           BK: tl.constexpr, MODE: tl.constexpr):
-    pid = tl.program_id(0)
+    SPLIT: tl.constexpr = 2 if MODE == 5 else 1
+    pid = tl.program_id(0) // SPLIT
+    half = tl.program_id(0) % SPLIT
     tiles: tl.constexpr = N // BN
     e = pid // tiles
     rows = (pid % tiles) * BN + tl.arange(0, BN)
@@ -27,7 +31,8 @@ def probe(a_ptr, w_ptr, s_ptr, y_ptr, T, K: tl.constexpr, N: tl.constexpr, BM: t
     tot = tl.zeros((BN, BK // 8), tl.int32)
     wbase = w_ptr + e.to(tl.int64) * N * (K // 2)
     sbase = s_ptr + e.to(tl.int64) * N * (K // 32)
-    for k0 in range(0, K, BK):
+    KS: tl.constexpr = (K // BK) // SPLIT * BK  # the first program's K steps (the second takes the rest)
+    for k0 in range(half * KS, K if SPLIT == 1 else KS + half * (K - KS), BK):
         if MODE == 4:  # bytes only, as 32-bit words
             kw = k0 // 8 + tl.arange(0, BK // 8)
             tot ^= tl.load(wbase.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8) + kw[None, :])
@@ -51,7 +56,7 @@ def probe(a_ptr, w_ptr, s_ptr, y_ptr, T, K: tl.constexpr, N: tl.constexpr, BM: t
     if MODE == 4:
         tl.store(y_ptr + pid * BN + tl.arange(0, BN), tl.sum(tot, 1).to(tl.float32))
     else:
-        tl.store(y_ptr + e * BM * N + m[:, None] * N + rows[None, :], acc)
+        tl.store(y_ptr + (e * SPLIT + half) * BM * N + m[:, None] * N + rows[None, :], acc)
 
 @triton.jit
 def bf16probe(a_ptr, w_ptr, y_ptr, T, K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -101,19 +106,19 @@ def main(out):
         w = torch.randint(0, 256, (A, N, K // 2), dtype=torch.uint8, device=dev)
         s = torch.randint(118, 128, (A, N, K // 32), dtype=torch.uint8, device=dev)
         a = torch.randn(16, K, dtype=torch.bfloat16, device=dev)
-        yb = torch.empty(A, 16, N, dtype=torch.float32, device=dev)
+        yb = torch.empty(2 * A, 16, N, dtype=torch.float32, device=dev)
         wbytes = w.numel() + s.numel()
         for T in (1, 16):
             for BN, BK, warps, stages in ((32, 64, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4)):
                 if K % BK:
                     continue
-                for mode in ((0, 1, 4) if T == 1 else (0,)):
-                    fn = lambda: probe[(A * N // BN,)](a, w, s, yb, T, K=K, N=N, BM=16, BN=BN, BK=BK, MODE=mode, num_warps=warps, num_stages=stages)
+                for mode in ((0, 1, 4, 5) if T == 1 else (0,)):
+                    fn = lambda: probe[(A * N // BN * (2 if mode == 5 else 1),)](a, w, s, yb, T, K=K, N=N, BM=16, BN=BN, BK=BK, MODE=mode, num_warps=warps, num_stages=stages)
                     try:
                         us = bench(fn)
                     except Exception as ex:
                         print("FAIL", name, BN, BK, mode, str(ex)[:100]); continue
-                    r = dict(shape=name, A=A, N=N, K=K, T=T, BN=BN, BK=BK, warps=warps, stages=stages, mode=["full", "noscale", "", "", "bytes"][mode],
+                    r = dict(shape=name, A=A, N=N, K=K, T=T, BN=BN, BK=BK, warps=warps, stages=stages, mode=["full", "noscale", "", "", "bytes", "split2"][mode],
                              us=round(us, 2), frac=round(wbytes / (us * 1e-6) / copy, 3))
                     rows.append(r); print(r, flush=True)
             wb = torch.randn(A, N, K, dtype=torch.bfloat16, device=dev)
