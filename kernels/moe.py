@@ -75,6 +75,10 @@ class MoeConfig:
     s_ahead: int = 0  # FP4 decodes 0/1/3/4: 1 loads the next K step's scales ahead (0 or 1; _gemm_rows: S_AHEAD)
     s_words: bool = False  # FP4 decodes 0/1/3/4, block_k >= 128: scales read as 32-bit words, streamed (cp.async) like the
     # weights (_gemm_rows: S_WORDS); scale rows that are not 4-byte aligned (gpt-oss's 90 bytes) read bytes instead
+    split_k: int = 1  # > 1: K cut into that many ranges (whole K steps), one program each, their float32 partial sums added
+    # in range order by the tile's last program (a counter as a semaphore), or by a second launch where no counters are
+    # free; the same bits either way, and for any token count (the ranges are fixed by the shape). For decode shapes,
+    # whose few routing blocks leave most SMs with few warps: at one token, gpt-oss-20b's 4 experts make 360 programs.
 
 
 def base_config(n: int, k: int, topk: int, fp4: bool) -> MoeConfig:
@@ -132,6 +136,11 @@ SWEEP_VARIANTS: dict[str, dict] = {
                                      s_words=True, s_ahead=1),
     "word_k128_raster_sw": dict(a_load=A_JOIN, decode=DECODE_WORD, block_k=128, raster=1, s_words=True, s_ahead=1),
     "word_k256_raster_sw": dict(a_load=A_JOIN, decode=DECODE_WORD, block_k=256, raster=1, s_words=True, s_ahead=1),
+    # K split over 2 or 4 programs (MoeConfig.split_k): more warps in flight where the routing blocks are few (decode:
+    # top-k experts a token); the partials add up in the tile's last program
+    "join_bf16_raster_split2": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, raster=1, split_k=2),
+    "join_bf16_raster_split4": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, raster=1, split_k=4),
+    "join_bf16_k128_split2": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, block_k=128, raster=1, split_k=2),
 }
 # bf16 weights (the FP4-only fields do not apply):
 SWEEP_VARIANTS_BF16: dict[str, dict] = {
@@ -141,6 +150,7 @@ SWEEP_VARIANTS_BF16: dict[str, dict] = {
     "swap128_w8": dict(swap_ab=True, block_n=128, num_warps=8),
     "raster": dict(raster=1),
     "persist": dict(persist=4),
+    "persist_split2": dict(persist=4, split_k=2),
 }
 GPU_ONLY_VARIANTS = frozenset({"scaled_swap64"})
 
@@ -435,12 +445,13 @@ if triton is not None:
         a_ptr, a_rows, a_ok, stride_am,
         w_ptr, s_ptr, stride_wn, stride_sn,
         rows0, rows1, n_ok,
-        K: tl.constexpr,
+        K: tl.constexpr, K_LO, SPAN: tl.constexpr,
         FP4: tl.constexpr, TWO: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
         A_LOAD: tl.constexpr, SWAP: tl.constexpr, S_AHEAD: tl.constexpr, S_WORDS: tl.constexpr, LOOP_STAGES: tl.constexpr,
     ):
-        """acc += a[a_rows, :K] @ w[rows, :K]^T for one (TWO: two) weight row sets, K in fixed order. SWAP: the weight
-        tile is the MMA's M side, acc^T += w @ a^T (accumulators [BN, BM]).
+        """acc += a[a_rows, k] @ w[rows, k]^T over k in [K_LO, K_LO + SPAN) (clipped to K: one split of K, `split_k`;
+        one split: K_LO 0, SPAN K) for one (TWO: two) weight row sets, K in fixed order. SWAP: the weight tile is the
+        MMA's M side, acc^T += w @ a^T (accumulators [BN, BM]).
         S_AHEAD (FP4 decodes 0/1/3/4): the next K step's scale bytes are loaded at the top of each step, into registers
         carried by the loop. Triton's pipeliner streams the packed weights and the activations into shared memory
         ahead (cp.async), but not the scales (BK/32 bytes a row: too narrow for cp.async), so without S_AHEAD every K
@@ -455,10 +466,11 @@ if triton is not None:
         AHEAD: tl.constexpr = S_AHEAD and FP4 and DECODE != 2
         WORDS: tl.constexpr = S_WORDS and FP4 and DECODE != 2
         if AHEAD:
-            sa_next = _fp4_scales(s_ptr, rows0, n_ok, stride_sn, 0, K, BLOCK_K, WORDS)
+            sa_next = _fp4_scales(s_ptr, rows0, n_ok, stride_sn, K_LO, K, BLOCK_K, WORDS)
             if TWO:
-                sb_next = _fp4_scales(s_ptr, rows1, n_ok, stride_sn, 0, K, BLOCK_K, WORDS)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+                sb_next = _fp4_scales(s_ptr, rows1, n_ok, stride_sn, K_LO, K, BLOCK_K, WORDS)
+        for k_in in tl.range(0, SPAN, BLOCK_K, num_stages=LOOP_STAGES):  # (a fixed trip count: SPAN / BLOCK_K steps)
+            k0 = K_LO + k_in
             if FP4 and DECODE != 2:
                 if AHEAD:
                     sa = sa_next
@@ -567,15 +579,57 @@ if triton is not None:
         return slot, rm, pairs, pairs < P
 
     @triton.jit
+    def _sum_splits(ws_ptr, R, rm, cols, C: tl.constexpr, mask, SPLIT: tl.constexpr):
+        """The split partials of rows rm (of R), columns cols (of C) in `ws` [SPLIT, R, C] summed in split order from
+        zero: the same bits whichever program (or the reduce launch) adds them."""
+        total = tl.zeros((rm.shape[0], cols.shape[0]), dtype=tl.float32)
+        for s in range(SPLIT):
+            total += tl.load(ws_ptr + (s * R + rm)[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0,
+                             cache_modifier=".cg")  # (from L2: other SMs wrote them)
+        return total
+
+    @triton.jit
+    def _split_store(ws_ptr, R, pid_s, rm, cols, C: tl.constexpr, mask, acc):
+        tl.store(ws_ptr + (pid_s * R + rm)[:, None].to(tl.int64) * C + cols[None, :], acc, mask=mask)
+
+    @triton.jit
+    def _split_arrive(cnt_ptr, tile, SPLIT: tl.constexpr):
+        """Counts a split program in on its tile's counter (a semaphore, never a sum): True for the last one, which then
+        adds the partials (and resets the counter for the next launch)."""
+        tl.debug_barrier()  # every thread's partial stored before the count is released
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        return arrived == SPLIT - 1
+
+    @triton.jit
+    def _gemm1_epilogue(acc_g, acc_u, slot, rm, p_ok, j, j_ok, gate_rows, up_rows, h_ptr, stride_hm, b_ptr, stride_be,
+                        alpha, limit, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, F32DOT: tl.constexpr):
+        # the weights' dtype is bf16 (or decoded to bf16): round the projections as a bf16 matmul would
+        g = to_bf16(acc_g, F32DOT).to(tl.float32)
+        u = to_bf16(acc_u, F32DOT).to(tl.float32)
+        if HAS_BIAS:
+            bg = tl.load(b_ptr + slot * stride_be + gate_rows, mask=j_ok, other=0.0).to(tl.float32)
+            bu = tl.load(b_ptr + slot * stride_be + up_rows, mask=j_ok, other=0.0).to(tl.float32)
+            g = to_bf16(g + bg[None, :], F32DOT).to(tl.float32)
+            u = to_bf16(u + bu[None, :], F32DOT).to(tl.float32)
+        if ACT == 0:
+            h = g / (1.0 + tl.exp(-g)) * u
+        else:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+        tl.store(h_ptr + rm[:, None] * stride_hm + j[None, :], to_bf16(h, F32DOT), mask=p_ok[:, None] & j_ok[None, :])
+
+    @triton.jit
     def _gemm1_tile(
-        pid_m, pid_n,
+        pid_m, pid_n, pid_s,
         x_ptr, stride_xm, h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr,
         w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be,
-        P, alpha, limit,
+        P, alpha, limit, ws_ptr, cnt_ptr, R,
         I: tl.constexpr, K: tl.constexpr, UP_OFF: tl.constexpr, ROW_MUL: tl.constexpr,
         TOPK: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
         A_LOAD: tl.constexpr, SWAP: tl.constexpr, S_AHEAD: tl.constexpr, S_WORDS: tl.constexpr, LOOP_STAGES: tl.constexpr,
+        SPLIT: tl.constexpr, SPAN: tl.constexpr, FIXUP: tl.constexpr,
     ):
         slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
         tok = pairs // TOPK
@@ -593,28 +647,37 @@ if triton is not None:
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_g, acc_u = _gemm_rows(
             acc_g, acc_u, x_ptr, tok, p_ok, stride_xm, w_base, s_base, stride_wn, stride_sn,
-            gate_rows, up_rows, j_ok, K, FP4, True, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, S_AHEAD, S_WORDS, LOOP_STAGES,
+            gate_rows, up_rows, j_ok, K, pid_s * SPAN, SPAN, FP4, True, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, S_AHEAD,
+            S_WORDS, LOOP_STAGES,
         )
         if SWAP:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
-        # the weights' dtype is bf16 (or decoded to bf16): round the projections as a bf16 matmul would
-        g = to_bf16(acc_g, F32DOT).to(tl.float32)
-        u = to_bf16(acc_u, F32DOT).to(tl.float32)
-        if HAS_BIAS:
-            bg = tl.load(b_ptr + slot * stride_be + gate_rows, mask=j_ok, other=0.0).to(tl.float32)
-            bu = tl.load(b_ptr + slot * stride_be + up_rows, mask=j_ok, other=0.0).to(tl.float32)
-            g = to_bf16(g + bg[None, :], F32DOT).to(tl.float32)
-            u = to_bf16(u + bu[None, :], F32DOT).to(tl.float32)
-        if ACT == 0:
-            h = g / (1.0 + tl.exp(-g)) * u
-        else:
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-            h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
-        tl.store(h_ptr + rm[:, None] * stride_hm + j[None, :], to_bf16(h, F32DOT), mask=p_ok[:, None] & j_ok[None, :])
+        if SPLIT == 1:
+            _gemm1_epilogue(acc_g, acc_u, slot, rm, p_ok, j, j_ok, gate_rows, up_rows, h_ptr, stride_hm, b_ptr, stride_be,
+                            alpha, limit, HAS_BIAS, ACT, F32DOT)
+        else:  # this split's partial sums (gate columns j, up columns I + j) into ws; the tile's last program adds them
+            mask = p_ok[:, None] & j_ok[None, :]
+            _split_store(ws_ptr, R, pid_s, rm, j, 2 * I, mask, acc_g)
+            _split_store(ws_ptr, R, pid_s, rm, I + j, 2 * I, mask, acc_u)
+            if FIXUP:
+                tile = pid_m * ((I + BLOCK_N - 1) // BLOCK_N) + pid_n
+                if _split_arrive(cnt_ptr, tile, SPLIT):
+                    g = _sum_splits(ws_ptr, R, rm, j, 2 * I, mask, SPLIT)
+                    u = _sum_splits(ws_ptr, R, rm, I + j, 2 * I, mask, SPLIT)
+                    _gemm1_epilogue(g, u, slot, rm, p_ok, j, j_ok, gate_rows, up_rows, h_ptr, stride_hm, b_ptr, stride_be,
+                                    alpha, limit, HAS_BIAS, ACT, F32DOT)
+                    tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
-    @triton.jit(do_not_specialize=["P"])
+    @triton.jit
+    def _split_tile(tile, N_TILES: tl.constexpr, SPLIT: tl.constexpr):
+        """A flat tile index -> (m block, n tile, split): the splits of one (m, n) tile consecutive, then its n tiles."""
+        if SPLIT == 1:
+            return tile // N_TILES, tile % N_TILES, 0
+        else:
+            return tile // (N_TILES * SPLIT), (tile // SPLIT) % N_TILES, tile % SPLIT
+
+    @triton.jit(do_not_specialize=["P", "R"])
     def _moe_gemm1(
         x_ptr, stride_xm,
         h_ptr, stride_hm,
@@ -628,36 +691,65 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
         A_LOAD: tl.constexpr, SWAP: tl.constexpr, RASTER: tl.constexpr, PERSIST: tl.constexpr, S_AHEAD: tl.constexpr = 0,
         S_WORDS: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None,
+        ws_ptr=None, cnt_ptr=None, R=0, SPLIT: tl.constexpr = 1, SPAN: tl.constexpr = None, FIXUP: tl.constexpr = False,
     ):
+        """SPLIT > 1: each program sums one of SPLIT ranges of SPAN K values into ws [SPLIT, R, 2 I] (R: the routing
+        blocks' rows); FIXUP: the tile's last program adds them in split order and runs the epilogue, else a second launch
+        (`_moe_gemm1_reduce`) does, with the same bits."""
         runtime.pdl_begin()
         N_TILES: tl.constexpr = (I + BLOCK_N - 1) // BLOCK_N
+        KSPAN: tl.constexpr = K if SPLIT == 1 else SPAN
         nb = tl.load(num_blocks_ptr)
         if PERSIST:  # a fixed number of programs, each walking tiles (n tiles of one block consecutively)
             tile = tl.program_id(0)
-            while tile < nb * N_TILES:
+            while tile < nb * N_TILES * SPLIT:
+                pid_m, pid_n, pid_s = _split_tile(tile, N_TILES, SPLIT)
                 _gemm1_tile(
-                    tile // N_TILES, tile % N_TILES,
+                    pid_m, pid_n, pid_s,
                     x_ptr, stride_xm, h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr,
                     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, alpha, limit,
+                    ws_ptr, cnt_ptr, R,
                     I, K, UP_OFF, ROW_MUL, TOPK, FP4, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
-                    S_AHEAD, S_WORDS, LOOP_STAGES,
+                    S_AHEAD, S_WORDS, LOOP_STAGES, SPLIT, KSPAN, FIXUP,
                 )
                 tile += tl.num_programs(0)
         else:
-            if RASTER == 0:  # a 2-D grid (m blocks, n tiles)
+            if RASTER == 0:  # a 2-D grid (m blocks, n tiles), the splits on a third axis
                 pid_m = tl.program_id(0)
                 pid_n = tl.program_id(1)
-            else:  # a 1-D grid: consecutive programs walk the n tiles of one m block
-                pid_m = tl.program_id(0) // N_TILES
-                pid_n = tl.program_id(0) % N_TILES
+                pid_s = tl.program_id(2) if SPLIT > 1 else 0
+            else:  # a 1-D grid: consecutive programs walk the splits, then the n tiles, of one m block
+                pid_m, pid_n, pid_s = _split_tile(tl.program_id(0), N_TILES, SPLIT)
             if pid_m < nb:
                 _gemm1_tile(
-                    pid_m, pid_n,
+                    pid_m, pid_n, pid_s,
                     x_ptr, stride_xm, h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr,
                     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, alpha, limit,
+                    ws_ptr, cnt_ptr, R,
                     I, K, UP_OFF, ROW_MUL, TOPK, FP4, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
-                    S_AHEAD, S_WORDS, LOOP_STAGES,
+                    S_AHEAD, S_WORDS, LOOP_STAGES, SPLIT, KSPAN, FIXUP,
                 )
+
+    @triton.jit(do_not_specialize=["P", "R"])
+    def _moe_gemm1_reduce(
+        h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr, num_blocks_ptr, b_ptr, stride_be, P, alpha, limit, ws_ptr, R,
+        I: tl.constexpr, UP_OFF: tl.constexpr, ROW_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32DOT: tl.constexpr, SPLIT: tl.constexpr,
+    ):
+        """The split gate/up GEMM's second launch: each (m block, n tile) adds its partials in split order and runs the
+        epilogue (`_gemm1_tile`'s FIXUP arithmetic)."""
+        runtime.pdl_begin()
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        if pid_m < tl.load(num_blocks_ptr):
+            slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
+            j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            j_ok = j < I
+            mask = p_ok[:, None] & j_ok[None, :]
+            g = _sum_splits(ws_ptr, R, rm, j, 2 * I, mask, SPLIT)
+            u = _sum_splits(ws_ptr, R, rm, I + j, 2 * I, mask, SPLIT)
+            _gemm1_epilogue(g, u, slot, rm, p_ok, j, j_ok, j * ROW_MUL, j * ROW_MUL + UP_OFF, h_ptr, stride_hm, b_ptr,
+                            stride_be, alpha, limit, HAS_BIAS, ACT, F32DOT)
 
     @triton.jit
     def _combine_rows(y_ptr, stride_ym, valid_ptr, out_ptr, stride_om, tok, fin, n, n_ok, TOPK: tl.constexpr,
@@ -691,16 +783,29 @@ if triton is not None:
             t0 += 32
 
     @triton.jit
+    def _gemm2_epilogue(acc, slot, pairs, p_ok, n, n_ok, y_ptr, stride_ym, rw_ptr, b_ptr, stride_be,
+                        HAS_BIAS: tl.constexpr, F32DOT: tl.constexpr):
+        y = to_bf16(acc, F32DOT).to(tl.float32)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + slot * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+            y = to_bf16(y + b[None, :], F32DOT).to(tl.float32)
+        rw = tl.load(rw_ptr + pairs, mask=p_ok, other=0.0).to(tl.float32)
+        y = y * rw[:, None]
+        tl.store(y_ptr + pairs[:, None].to(tl.int64) * stride_ym + n[None, :], y, mask=p_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
     def _gemm2_tile(
-        pid_m, pid_n,
+        pid_m, pid_n, pid_s,
         h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
         w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be,
-        P, out_ptr, cnt_ptr, valid_ptr,
+        P, out_ptr, cnt_ptr, valid_ptr, ws_ptr, scnt_ptr, R,
         N: tl.constexpr, K: tl.constexpr, FP4: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, F32DOT: tl.constexpr,
         A_LOAD: tl.constexpr, SWAP: tl.constexpr, COMBINE: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
         S_AHEAD: tl.constexpr, S_WORDS: tl.constexpr, LOOP_STAGES: tl.constexpr,
+        SPLIT: tl.constexpr, SPAN: tl.constexpr, FIXUP: tl.constexpr,
     ):
+        tl.static_assert(not (COMBINE and SPLIT > 1), "the fused combine takes one split")
         slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
@@ -710,18 +815,23 @@ if triton is not None:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc, _unused = _gemm_rows(
             acc, acc, h_ptr, rm, p_ok, stride_hm, w_ptr + slot * stride_we, s_ptr + slot * stride_se,
-            stride_wn, stride_sn, n, n, n_ok, K, FP4, False, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, S_AHEAD, S_WORDS,
-            LOOP_STAGES,
+            stride_wn, stride_sn, n, n, n_ok, K, pid_s * SPAN, SPAN, FP4, False, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
+            S_AHEAD, S_WORDS, LOOP_STAGES,
         )
         if SWAP:
             acc = tl.trans(acc)
-        y = to_bf16(acc, F32DOT).to(tl.float32)
-        if HAS_BIAS:
-            b = tl.load(b_ptr + slot * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
-            y = to_bf16(y + b[None, :], F32DOT).to(tl.float32)
-        rw = tl.load(rw_ptr + pairs, mask=p_ok, other=0.0).to(tl.float32)
-        y = y * rw[:, None]
-        tl.store(y_ptr + pairs[:, None].to(tl.int64) * stride_ym + n[None, :], y, mask=p_ok[:, None] & n_ok[None, :])
+        if SPLIT == 1:
+            _gemm2_epilogue(acc, slot, pairs, p_ok, n, n_ok, y_ptr, stride_ym, rw_ptr, b_ptr, stride_be, HAS_BIAS, F32DOT)
+        else:  # this split's partial sums into ws (rows: the routing blocks' rows); the tile's last program adds them
+            mask = p_ok[:, None] & n_ok[None, :]
+            _split_store(ws_ptr, R, pid_s, rm, n, N, mask, acc)
+            if FIXUP:
+                tile = pid_m * ((N + BLOCK_N - 1) // BLOCK_N) + pid_n
+                if _split_arrive(scnt_ptr, tile, SPLIT):
+                    total = _sum_splits(ws_ptr, R, rm, n, N, mask, SPLIT)
+                    _gemm2_epilogue(total, slot, pairs, p_ok, n, n_ok, y_ptr, stride_ym, rw_ptr, b_ptr, stride_be, HAS_BIAS,
+                                    F32DOT)
+                    tl.atomic_xchg(scnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
         if COMBINE:  # the last program to store a pair of a token (in this n tile) sums the token's rows
             tok = pairs // TOPK
             ks = tl.arange(0, TOPK_PAD)
@@ -735,7 +845,7 @@ if triton is not None:
             _combine_rows(y_ptr, stride_ym, valid_ptr, out_ptr, N, tok, fin, n, n_ok, TOPK, F32DOT)
             tl.atomic_xchg(ctr, 0, mask=fin, sem="relaxed", scope="gpu")  # ready for the next launch
 
-    @triton.jit(do_not_specialize=["P"])
+    @triton.jit(do_not_specialize=["P", "R"])
     def _moe_gemm2(
         h_ptr, stride_hm,
         y_ptr, stride_ym,
@@ -750,19 +860,23 @@ if triton is not None:
         A_LOAD: tl.constexpr, SWAP: tl.constexpr, RASTER: tl.constexpr, PERSIST: tl.constexpr,
         COMBINE: tl.constexpr = False, TOPK: tl.constexpr = 1, TOPK_PAD: tl.constexpr = 1, S_AHEAD: tl.constexpr = 0,
         S_WORDS: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None,
+        ws_ptr=None, scnt_ptr=None, R=0, SPLIT: tl.constexpr = 1, SPAN: tl.constexpr = None, FIXUP: tl.constexpr = False,
     ):
+        """SPLIT > 1: as `_moe_gemm1`'s (ws [SPLIT, R, N]; the second launch: `_moe_gemm2_reduce`)."""
         runtime.pdl_begin()
         N_TILES: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+        KSPAN: tl.constexpr = K if SPLIT == 1 else SPAN
         nb = tl.load(num_blocks_ptr)
         if PERSIST:
             tile = tl.program_id(0)
-            while tile < nb * N_TILES:
+            while tile < nb * N_TILES * SPLIT:
+                pid_m, pid_n, pid_s = _split_tile(tile, N_TILES, SPLIT)
                 _gemm2_tile(
-                    tile // N_TILES, tile % N_TILES,
+                    pid_m, pid_n, pid_s,
                     h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
                     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, out_ptr, cnt_ptr,
-                    valid_ptr, N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, COMBINE, TOPK,
-                    TOPK_PAD, S_AHEAD, S_WORDS, LOOP_STAGES,
+                    valid_ptr, ws_ptr, scnt_ptr, R, N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD,
+                    SWAP, COMBINE, TOPK, TOPK_PAD, S_AHEAD, S_WORDS, LOOP_STAGES, SPLIT, KSPAN, FIXUP,
                 )
                 tile += tl.num_programs(0)
             if COMBINE:
@@ -771,23 +885,41 @@ if triton is not None:
                     _zero_rows(valid_ptr, out_ptr, N, zt, P // TOPK, N, BLOCK_N, TOPK, TOPK_PAD, F32DOT)
                     zt += tl.num_programs(0)
         else:
-            if RASTER == 0:  # a 2-D grid (m blocks, n tiles)
+            if RASTER == 0:  # a 2-D grid (m blocks, n tiles), the splits on a third axis
                 pid_m = tl.program_id(0)
                 pid_n = tl.program_id(1)
-            else:  # a 1-D grid: consecutive programs walk the n tiles of one m block
-                pid_m = tl.program_id(0) // N_TILES
-                pid_n = tl.program_id(0) % N_TILES
+                pid_s = tl.program_id(2) if SPLIT > 1 else 0
+            else:  # a 1-D grid: consecutive programs walk the splits, then the n tiles, of one m block
+                pid_m, pid_n, pid_s = _split_tile(tl.program_id(0), N_TILES, SPLIT)
             if pid_m < nb:
                 _gemm2_tile(
-                    pid_m, pid_n,
+                    pid_m, pid_n, pid_s,
                     h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
                     w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, out_ptr, cnt_ptr,
-                    valid_ptr, N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, COMBINE, TOPK,
-                    TOPK_PAD, S_AHEAD, S_WORDS, LOOP_STAGES,
+                    valid_ptr, ws_ptr, scnt_ptr, R, N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD,
+                    SWAP, COMBINE, TOPK, TOPK_PAD, S_AHEAD, S_WORDS, LOOP_STAGES, SPLIT, KSPAN, FIXUP,
                 )
             if COMBINE:
                 if pid_m == 0:  # (every grid has m block 0 of each n tile, routed pairs or not)
                     _zero_rows(valid_ptr, out_ptr, N, pid_n, P // TOPK, N, BLOCK_N, TOPK, TOPK_PAD, F32DOT)
+
+    @triton.jit(do_not_specialize=["P", "R"])
+    def _moe_gemm2_reduce(
+        y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, num_blocks_ptr, rw_ptr, b_ptr, stride_be, P, ws_ptr, R,
+        N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32DOT: tl.constexpr,
+        SPLIT: tl.constexpr,
+    ):
+        """The split down GEMM's second launch: each (m block, n tile) adds its partials in split order and runs the
+        epilogue (`_gemm2_tile`'s FIXUP arithmetic)."""
+        runtime.pdl_begin()
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        if pid_m < tl.load(num_blocks_ptr):
+            slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
+            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < N
+            total = _sum_splits(ws_ptr, R, rm, n, N, p_ok[:, None] & n_ok[None, :], SPLIT)
+            _gemm2_epilogue(total, slot, pairs, p_ok, n, n_ok, y_ptr, stride_ym, rw_ptr, b_ptr, stride_be, HAS_BIAS, F32DOT)
 
     @triton.jit
     def _fp4_decode_kernel(w_ptr, s_ptr, out_ptr, N, stride_wn, stride_sn, stride_on, K: tl.constexpr,
@@ -936,12 +1068,44 @@ def _word_ok(blocks: torch.Tensor) -> bool:
             and all(st % 4 == 0 for st in blocks.stride()[:-1]))
 
 
-def _grid(c: MoeConfig, max_blocks: int, n_tiles: int) -> tuple[int, ...]:
+def _grid(c: MoeConfig, max_blocks: int, n_tiles: int, split: int = 1) -> tuple[int, ...]:
     if c.persist:
-        return (max(1, min(max_blocks * n_tiles, c.persist * runtime.sm_count())),)
+        return (max(1, min(max_blocks * n_tiles * split, c.persist * runtime.sm_count())),)
     if c.raster:
-        return (max_blocks * n_tiles,)
-    return (max_blocks, n_tiles)
+        return (max_blocks * n_tiles * split,)
+    return (max_blocks, n_tiles, split)
+
+
+def split_span(k: int, c: MoeConfig) -> tuple[int, int]:
+    """(splits, K values each) of a GEMM with reduction length k: `c.split_k` ranges of whole K steps (fewer where k has
+    fewer steps; the last range may be shorter). From the static shape only."""
+    steps = triton_cdiv(k, c.block_k)
+    span = triton_cdiv(steps, max(1, min(c.split_k, steps))) * c.block_k
+    return triton_cdiv(k, span), span
+
+
+def _split_args(c: MoeConfig, k: int, rows: int, cols: int, tiles: int, dev) -> tuple[dict, torch.Tensor | None, torch.Tensor]:
+    """One GEMM launch's split-K kernel arguments, the workspace a second launch must add up (None: one launch does it,
+    or one split) and the counters of the tiles' last programs (a dummy where unused)."""
+    split, span = split_span(k, c)
+    if split == 1:
+        dummy = _dummy(dev)
+        return dict(ws_ptr=dummy, R=0, SPLIT=1, SPAN=k, FIXUP=False), None, dummy
+    ws = torch.empty((split, rows, cols), dtype=torch.float32, device=dev)
+    cnt = linear._counters(dev, tiles)  # None: more tiles than a counter region (or none made yet in a capture)
+    fixup = cnt is not None
+    return (dict(ws_ptr=ws, R=rows, SPLIT=split, SPAN=span, FIXUP=fixup), None if fixup else ws,
+            cnt if fixup else _dummy(dev))
+
+
+_DUMMIES: dict = {}
+
+
+def _dummy(dev) -> torch.Tensor:
+    key = (torch.device(dev).type, torch.device(dev).index)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = torch.zeros(1, dtype=torch.int32, device=dev)
+    return _DUMMIES[key]
 
 
 def _run(kernel, grid, args, kwargs, warmup: bool):
@@ -959,6 +1123,8 @@ def _flags(c: MoeConfig, fp4: bool) -> dict:
         raise ValueError(f"block_k must be a power of two >= 32 and block_m, block_n >= 16: {c}")
     if c.s_ahead not in (0, 1):
         raise ValueError(f"s_ahead must be 0 or 1: {c}")
+    if c.split_k < 1:
+        raise ValueError(f"split_k must be >= 1: {c}")
     if c.s_words and c.block_k < 128:
         raise ValueError(f"s_words reads 4 scale bytes a word: block_k must be >= 128: {c}")
     if fp4 and c.decode == DECODE_SCALED and runtime.interpreting():
@@ -976,32 +1142,56 @@ def _flags(c: MoeConfig, fp4: bool) -> dict:
 
 
 def launch_gemm1(x: torch.Tensor, r: Routing, w: ExpertWeights, h: torch.Tensor, c: MoeConfig, topk: int, warmup: bool = False):
-    """h[block rows] = act(x[token of each pair] @ w1[slot]^T (+ b1)): the gate/up GEMM over all routing blocks."""
+    """h[block rows] = act(x[token of each pair] @ w1[slot]^T (+ b1)): the gate/up GEMM over all routing blocks (split
+    K: `MoeConfig.split_k`)."""
     inter, hdim = w.intermediate, x.shape[1]
     s1 = w.s1 if w.fp4 else w.w1
     b1 = w.b1 if w.b1 is not None else w.w1
+    n_tiles = triton_cdiv(inter, c.block_n)
+    rows = r.max_blocks * c.block_m
+    split, ws2, cnt = _split_args(c, hdim, rows, 2 * inter, r.max_blocks * n_tiles, x.device)
     args = (x, x.stride(0), h, h.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks,
             w.w1, w.w1.stride(0), w.w1.stride(1), s1, s1.stride(0), s1.stride(1), b1, b1.stride(0),
             r.num_pairs, float(w.alpha), float(w.limit))
     kwargs = dict(I=inter, K=hdim, UP_OFF=w.up_offset, ROW_MUL=w.row_mul, TOPK=topk, FP4=w.fp4, HAS_BIAS=w.b1 is not None, ACT=w.act,
-                  **_flags(c, w.fp4))
-    return _run(_moe_gemm1, _grid(c, r.max_blocks, triton_cdiv(inter, c.block_n)), args, kwargs, warmup)
+                  cnt_ptr=cnt, **split, **_flags(c, w.fp4))
+    out = _run(_moe_gemm1, _grid(c, r.max_blocks, n_tiles, split["SPLIT"]), args, kwargs, warmup)
+    if ws2 is not None:  # the two-launch path: the partials added by their own launch
+        _run(_moe_gemm1_reduce, (r.max_blocks, n_tiles),
+             (h, h.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks, b1, b1.stride(0), r.num_pairs, float(w.alpha),
+              float(w.limit), ws2, rows),
+             dict(I=inter, UP_OFF=w.up_offset, ROW_MUL=w.row_mul, HAS_BIAS=w.b1 is not None, ACT=w.act, BLOCK_M=c.block_m,
+                  BLOCK_N=c.block_n, F32DOT=runtime.interpreting(), SPLIT=split["SPLIT"], num_warps=4,
+                  **runtime.pdl_launch()), warmup)
+    return out
 
 
 def launch_gemm2(h: torch.Tensor, r: Routing, w: ExpertWeights, y: torch.Tensor, rw: torch.Tensor, c: MoeConfig, warmup: bool = False,
                  combine: tuple | None = None):
     """y[pair] = (h[block row] @ w2[slot]^T (+ b2)) * routing weight: the down GEMM over all routing blocks. `combine`
-    (out [T, H], zeroed int32 counters [T x n tiles], top-k): the combine in the same launch (`FUSED_COMBINE`)."""
+    (out [T, H], zeroed int32 counters [T x n tiles], top-k): the combine in the same launch (`FUSED_COMBINE`; one
+    split of K only)."""
     inter, hdim = w.intermediate, w.hidden
     s2 = w.s2 if w.fp4 else w.w2
     b2 = w.b2 if w.b2 is not None else w.w2
+    n_tiles = triton_cdiv(hdim, c.block_n)
+    rows = r.max_blocks * c.block_m
+    split, ws2, scnt = _split_args(c, inter, rows, hdim, r.max_blocks * n_tiles, h.device)
+    if combine is not None and split["SPLIT"] > 1:
+        raise ValueError("the fused combine takes one split of K: pass combine=None with split_k > 1")
     out, cnt, topk = combine if combine is not None else (y, r.pair_valid, 1)
     args = (h, h.stride(0), y, y.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks, rw,
             w.w2, w.w2.stride(0), w.w2.stride(1), s2, s2.stride(0), s2.stride(1), b2, b2.stride(0), r.num_pairs,
             out, cnt, r.pair_valid)
     kwargs = dict(N=hdim, K=inter, FP4=w.fp4, HAS_BIAS=w.b2 is not None, COMBINE=combine is not None, TOPK=topk,
-                  TOPK_PAD=triton.next_power_of_2(topk), **_flags(c, w.fp4))
-    return _run(_moe_gemm2, _grid(c, r.max_blocks, triton_cdiv(hdim, c.block_n)), args, kwargs, warmup)
+                  TOPK_PAD=triton.next_power_of_2(topk), scnt_ptr=scnt, **split, **_flags(c, w.fp4))
+    res = _run(_moe_gemm2, _grid(c, r.max_blocks, n_tiles, split["SPLIT"]), args, kwargs, warmup)
+    if ws2 is not None:  # the two-launch path: the partials added by their own launch
+        _run(_moe_gemm2_reduce, (r.max_blocks, n_tiles),
+             (y, y.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks, rw, b2, b2.stride(0), r.num_pairs, ws2, rows),
+             dict(N=hdim, HAS_BIAS=w.b2 is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, F32DOT=runtime.interpreting(),
+                  SPLIT=split["SPLIT"], num_warps=4, **runtime.pdl_launch()), warmup)
+    return res
 
 
 def moe_forward(
@@ -1045,7 +1235,7 @@ def moe_forward(
     rw = topk_weights.reshape(-1).contiguous()
     out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
     cnt = None
-    if FUSED_COMBINE:
+    if FUSED_COMBINE and split_span(inter, config2)[0] == 1:
         cnt = linear._counters(dev, t * triton_cdiv(hdim, config2.block_n))  # None: the separate combine (too many tiles)
     combine = (out, cnt, topk) if cnt is not None else None
     if warmup:

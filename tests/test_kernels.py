@@ -209,6 +209,46 @@ def test_moe_kernel_matches_reference(fp4, name, fields, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("fp4,fields", [
+    pytest.param(True, dict(a_load=2, decode=3, raster=1), id="fp4-join_bf16_raster"),
+    pytest.param(True, dict(a_load=2, decode=3, swap_ab=True, block_n=64, s_ahead=1), id="fp4-swap64-s1"),
+    pytest.param(False, dict(persist=4), id="bf16-persist"),
+    pytest.param(False, {}, id="bf16-base"),
+])
+def test_split_k_sums_in_order_in_one_launch_or_two_and_rows_stay_invariant(fp4, fields, monkeypatch):
+    """MoeConfig.split_k: both GEMMs' K ranges (gate/up 4 K steps, down 2) summed in range order by each tile's last
+    program, or, without free counters, by a second launch: the same bits; a token's row alone equals its row among
+    others (and across the rows' padding); every counter back at zero; close to the reference."""
+    import dataclasses
+
+    from kernels import linear, moe
+
+    monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
+    e, h, i, t, k = 6, 128, 64, 7, 2
+    w = _experts(e=e, h=h, i=i, act=ACT_GPTOSS, bias=True, fp4=fp4)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    wts = torch.softmax(torch.randn(t, k, generator=g), -1)
+    x = torch.randn(t, h, generator=g).bfloat16()
+    c = dataclasses.replace(MoeConfig(block_m=16, block_n=32, block_k=32, num_stages=1, decode=1), **fields, split_k=2)
+    assert moe.split_span(h, c) == (2, 64) and moe.split_span(i, c) == (2, 32)
+    assert moe.split_span(i, dataclasses.replace(c, split_k=8)) == (2, 32)  # never more ranges than K steps
+    linear._COUNTERS.clear()
+    one = moe.moe_forward(x, ids, wts, w, e, config=c, config2=c)
+    assert int(linear._COUNTERS[("cpu", None)][0].abs().sum()) == 0  # ready for the next launch
+    alone = moe.moe_forward(x[3:4], ids[3:4], wts[3:4], w, e, config=c, config2=c)
+    with monkeypatch.context() as m:
+        m.setattr(linear, "_counters", lambda device, tiles: None)  # no counters: the two-launch path
+        two = moe.moe_forward(x, ids, wts, w, e, config=c, config2=c)
+    assert torch.equal(one, two) and torch.equal(alone[0], one[3])
+    ref = moe_reference(x, ids, wts, w, e)
+    assert (one.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max() + 1e-3
+    unsplit = moe.moe_forward(x, ids, wts, w, e, config=dataclasses.replace(c, split_k=1),
+                              config2=dataclasses.replace(c, split_k=1))
+    assert (one.float() - unsplit.float()).abs().max() <= 0.01 * unsplit.float().abs().max() + 1e-3
+
+
+@needs_triton
 @pytest.mark.parametrize("fp4,name", [(False, None), (True, "join_bf16"), (True, "join_bf16_persist"), (False, "swap64"),
                                       (True, "join_bf16_raster")])
 def test_fused_combine_gives_the_separate_combines_bits(fp4, name, monkeypatch):
