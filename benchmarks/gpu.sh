@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|sweep|e2e|stack|offload|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|sweep|probe|e2e|stack|offload|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite, 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -67,6 +67,17 @@ fi
 if has profile; then  # the verify forward's kernels by GPU time (benchmarks/forward_profile.py; ~2 min)
   timeout ${PROFILE_S:-300} python3 benchmarks/forward_profile.py --out "$OUT" ${PROFILE_ARGS:-} > "$OUT/forward_profile.txt" 2>&1
   rc=$?; grep -v USDT "$OUT/forward_profile.txt" | tail -60; echo "profile: exit $rc"
+fi
+if has probe; then  # where the MXFP4 GEMM's K loop spends its time (benchmarks/fp4_probe.py; ~3 min with compiles)
+  timeout ${PROBE_S:-240} python3 benchmarks/fp4_probe.py "$OUT" > "$OUT/fp4_probe.txt" 2>&1
+  rc=$?; python3 - "$OUT" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1] + "/fp4_probe.json"))
+print("copy TB/s", round(d["copy"] / 1e12, 2))
+for r in d["rows"]:
+    print(f'{r["shape"]:22s} A{r["A"]:3d} T{r["T"]:2d} BN{r["BN"]:3d} BK{r["BK"]:4d} {r["mode"]:8s} {r["us"]:8.1f} us {r["frac"]:.2f}')
+PY
+  echo "probe: exit $rc"
 fi
 if has kernels; then
   timeout ${KERNELS_S:-200} python3 benchmarks/kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt" | tail -60

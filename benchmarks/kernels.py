@@ -209,10 +209,11 @@ def invariance_check() -> dict:
     return {"bit_identical": bool(ok), "rows_checked": checked}
 
 
-SWEEP_CASES = (  # (model, weights, active experts): each at 1, 4 and 16 tokens per active expert
-    ("gpt-oss-20b", "mxfp4", (8, 32)),
+SWEEP_CASES = (  # (model, weights, active experts): each at 1, 4 and 16 tokens per active expert (A = top-k at 1 token:
+    # the block-1 decode itself, the fewest programs; split_k is for it)
+    ("gpt-oss-20b", "mxfp4", (4, 8, 32)),
     ("qwen3-30b-a3b", "mxfp4", (8, 32, 128)),
-    ("mixtral-8x7b", "mxfp4", (8,)),
+    ("mixtral-8x7b", "mxfp4", (2, 8)),
     ("qwen3-30b-a3b", "bf16", (8,)),
 )
 SWEEP_TOKENS = (1, 4, 16)

@@ -805,7 +805,7 @@ if triton is not None:
         S_AHEAD: tl.constexpr, S_WORDS: tl.constexpr, LOOP_STAGES: tl.constexpr,
         SPLIT: tl.constexpr, SPAN: tl.constexpr, FIXUP: tl.constexpr,
     ):
-        tl.static_assert(not (COMBINE and SPLIT > 1), "the fused combine takes one split")
+        # (COMBINE with SPLIT > 1: refused by launch_gemm2)
         slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N

@@ -313,13 +313,14 @@ for progs, paged, sink, group in ((16, True, False, 8), (1, True, True, 8), (1, 
         assert "atom.global.gpu.acq_rel.add" in p and "ld.global.cg" in p, "the split attention's semaphore or L2 reads"
 from kernels import moe
 g2 = dict(h_ptr="*bf16", y_ptr="*fp32", sorted_pairs_ptr="*i32", block_slot_ptr="*i32", num_blocks_ptr="*i32", rw_ptr="*bf16",
-          w_ptr="*bf16", s_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", cnt_ptr="*i32", valid_ptr="*i1")
+          w_ptr="*bf16", s_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", cnt_ptr="*i32", valid_ptr="*i1", ws_ptr="*fp32",
+          scnt_ptr="*i32")
 for persist, fp4 in ((False, False), (True, True)):
     types = {**g2, "w_ptr": "*u8", "s_ptr": "*u8"} if fp4 else g2
     p = ptx(moe._moe_gemm2, types, dict(N=2048, K=768, FP4=fp4, HAS_BIAS=fp4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
                                         DECODE=moe.DECODE_WORD if fp4 else 0, F32DOT=False, A_LOAD=moe.A_JOIN if fp4 else 0,
                                         SWAP=False, RASTER=0, PERSIST=persist, COMBINE=True, TOPK=8, TOPK_PAD=8,
-                                        S_AHEAD=int(fp4), S_WORDS=False, LOOP_STAGES=None))
+                                        S_AHEAD=int(fp4), S_WORDS=False, LOOP_STAGES=None, SPLIT=1, SPAN=768, FIXUP=False))
     assert "atom.global.gpu.acq_rel.add" in p and "ld.global.cg" in p, "the fused combine's semaphore or L2 reads"
 # The K loops as the launcher specializes them (pointers and int arguments divisible by 16, arguments equal to 1 as
 # constants: without that Triton pipelines nothing): every dot operand streams ahead through cp.async. Guards against
@@ -386,6 +387,14 @@ for ahead in (0, 1):
 c = moe.variant_config(768, 2048, 8, True, moe.SWEEP_VARIANTS["join_bf16_k128_sw"])
 _, sync, streamed = loop_loads(compile_gemm(1, c, "qwen3-30b-a3b", True)[0].asm["ttgir"])
 assert not sync and sum("i32" in t for t in streamed) == 2 and len(streamed) == 5, ("streamed scale words", sync, streamed)
+# split K (MoeConfig.split_k; compile_gemm: the one-launch form): a K range's loop streams its operands as the whole K
+# loop does; the tile's last program is found by a gpu-scope acq_rel atomic and reads the partials from L2
+for gemm, n_, k_ in ((1, 2880, 2880), (2, 2880, 2880)):
+    c = moe.variant_config(n_, k_, 4, True, moe.SWEEP_VARIANTS["join_bf16_raster_split2"])
+    kern = compile_gemm(gemm, c, "gpt-oss-20b", True)[0]
+    loop, sync, streamed = loop_loads(kern.asm["ttgir"])
+    assert len(streamed) == (3 if gemm == 1 else 2), ("a split's K loop", gemm, sync, streamed)
+    assert "atom.global.gpu.acq_rel.add" in kern.asm["ptx"] and "ld.global.cg" in kern.asm["ptx"], "the split's semaphore"
 print("compiled")
 '''
 
@@ -395,7 +404,8 @@ def test_fused_kernels_compile_for_an_h200_without_contracting_products_into_sum
     needed) at the real models' shapes, and checks the PTX keeps each product rounded before its sum (no fma: torch's
     op-by-op path rounds there too); also the one-launch linear (kernels.linear ONE_LAUNCH): its tile semaphore is a
     gpu-scope acq_rel atomic and the partials are read from L2; and the K loops of the linear, the paged attention and
-    the MXFP4 GEMM stream their dot operands ahead (cp.async), the MXFP4 scales a step ahead with s_ahead."""
+    the MXFP4 GEMM stream their dot operands ahead (cp.async), the MXFP4 scales a step ahead with s_ahead, and a split-K
+    GEMM's K ranges as well (its semaphore as the linear's)."""
     import os
     import pathlib
     import subprocess
