@@ -19,6 +19,7 @@ one, as a semaphore). So a token's output does not depend on which other tokens 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -32,6 +33,13 @@ to_bf16, to_out = (runtime.to_bf16, runtime.to_out) if triton is not None else (
 # with the separate combine's arithmetic (the same bits); one launch fewer per MoE layer. Opt-in until the H200 has
 # measured it (PDFLASH_MOE_FUSED_COMBINE=1).
 FUSED_COMBINE = runtime.env_flag("PDFLASH_MOE_FUSED_COMBINE")
+# Split K for every MoE GEMM (MoeConfig.split_k over the defaults below): 1 (the default), 2 or 4. Static (the same
+# split for every token count: rows stay batch-invariant), but another value may give other last bits. For timing the
+# split end to end on the GPU before it becomes a default (PDFLASH_MOE_SPLIT_K=2 benchmarks/e2e_gpu.py ...).
+_SPLIT_K = os.environ.get("PDFLASH_MOE_SPLIT_K", "1")
+if _SPLIT_K not in ("1", "2", "4"):
+    raise ValueError(f"PDFLASH_MOE_SPLIT_K must be 1, 2 or 4, got {_SPLIT_K!r}")
+SPLIT_K = int(_SPLIT_K)
 
 ACT_SILU = 0
 ACT_GPTOSS = 1  # clamp(gate, max=limit), clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1)
@@ -186,6 +194,8 @@ def default_config(n: int, k: int, topk: int, fp4: bool, gemm: int = 1) -> MoeCo
     base_config, then the sweep winners set above. From the static shape only (never the token count or the routing)."""
     fields = dict(FP4_DEFAULT if fp4 else BF16_DEFAULT)
     fields.update(SHAPE_OVERRIDES.get((gemm, n, k, fp4), {}))
+    if SPLIT_K > 1:
+        fields["split_k"] = SPLIT_K
     return variant_config(n, k, topk, fp4, fields)
 
 

@@ -749,3 +749,24 @@ def test_split_kv_attention_gives_the_same_bits_for_any_program_count(window, si
         assert torch.equal(paged_attention(q[:, :, 4:], kp, vp, table, pos[:, 4:], 0.25, window, sk, programs=n)[:, 0], outs[0][:, 4])
         k0, v0 = k[:, :, : s - 4], v[:, :, : s - 4]
         assert torch.equal(attention(q[:, :, :1], k0, v0, pos[:, :1], 0.25, window, sk)[:, 0], outs[0][:, 0])
+
+
+def test_moe_split_k_option_sets_every_default_config_and_refuses_other_values():
+    """PDFLASH_MOE_SPLIT_K (read at import): split_k of every default MoE GEMM config; 1, 2 or 4, else the import stops
+    with the variable's name."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    code = "from kernels import moe; print(moe.default_config(2880, 2880, 4, True).split_k, moe.default_config(768, 2048, 8, False, 2).split_k)"
+    for value, want in (("2", "2 2"), ("1", "1 1"), (None, "1 1")):
+        env = {k: v for k, v in os.environ.items() if k != "PDFLASH_MOE_SPLIT_K"}
+        if value is not None:
+            env["PDFLASH_MOE_SPLIT_K"] = value
+        r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.split() == want.split(), (value, r.stderr[-800:])
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "PDFLASH_MOE_SPLIT_K": "3"},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "PDFLASH_MOE_SPLIT_K must be 1, 2 or 4" in r.stderr
