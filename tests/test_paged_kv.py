@@ -59,6 +59,9 @@ def test_paged_verifier_equals_the_dynamic_cache_one_and_returns_its_pages(tiny)
     assert info["kv"].startswith("paged: ") and info["cuda_graphs"] == "off" and "segments of" in info["attention_kv_split"]
     assert info["attention"] == paged.runner.attention and info["layers"] == paged.runner.prenorm
     assert info["launches"] == "plain"  # programmatic dependent launch is a CUDA (sm_90+) launch option
+    from kernels import moe
+
+    assert info["moe_gemms"].startswith("K in one range" if moe.SPLIT_K == 1 else f"K split {moe.SPLIT_K} ways")
     free = paged.pool.free_pages
     prompt = list(range(5, 5 + PAGE + 6))  # the prompt crosses a page boundary
     want = drive._run(dynamic, prompt, drive._no_drafts)

@@ -139,7 +139,7 @@ class VerifierCore:
         the paged KV, the layer chain, the attention's form and its KV split, and the CUDA graphs' buckets."""
         if self.runner is None:
             return {}
-        from kernels import attention, runtime
+        from kernels import attention, moe, runtime
 
         return {"kv": f"paged: {self.pool.num_pages} pages of {PAGE} positions", "rotary": self.runner.rotary,
                 "layers": self.runner.prenorm, "attention": self.runner.attention,
@@ -148,7 +148,10 @@ class VerifierCore:
                                        "programs per tile (the same bits)"),
                 "cuda_graphs": (f"buckets {list(self.graphs.buckets)}" if self.graphs is not None else "off"),
                 "launches": (f"programmatic dependent launch (each kernel launched while the one before it finishes; "
-                             f"trigger {runtime.PDL_TRIGGER})" if runtime.PDL else "plain")}
+                             f"trigger {runtime.PDL_TRIGGER})" if runtime.PDL else "plain"),
+                "moe_gemms": (f"K split {moe.SPLIT_K} ways (PDFLASH_MOE_SPLIT_K), partials added in order"
+                              if moe.SPLIT_K > 1 else "K in one range a program") + (
+                              "; combine fused into the down GEMM" if moe.FUSED_COMBINE else "")}
 
     @contextlib.contextmanager
     def _prefill_threads(self):
