@@ -136,7 +136,9 @@ def test_fused_align_equals_torch_align(t):
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "gpt-oss-20b"])
 @pytest.mark.parametrize("fp4,variant", [(False, None), (True, None), (True, "join_bf16"), (True, "join_bf16_swap64"),
                                          (True, "join_bf16_persist"), (True, "scaled_swap64"), (True, "word"), (True, "word_k256_raster"),
-                                         (True, "word_swap64_k256"), (False, "swap64"), (False, "persist")])
+                                         (True, "word_swap64_k256"), (False, "swap64"), (False, "persist"),
+                                         (True, "join_bf16_raster_split2"), (True, "join_bf16_raster_split4"),
+                                         (False, "persist_split2")])
 def test_moe_rows_are_bit_identical_whatever_the_other_rows(model, fp4, variant):
     from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward, variant_config
 
