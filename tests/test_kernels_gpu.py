@@ -158,6 +158,40 @@ def test_moe_rows_are_bit_identical_whatever_the_other_rows(model, fp4, variant)
         assert torch.equal(out[where], alone[0]), t
 
 
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "gpt-oss-20b"])
+@pytest.mark.parametrize("fp4", [True, False])
+def test_moe_split_k_in_one_launch_gives_the_two_launch_bits_also_replayed_in_a_graph(model, fp4, monkeypatch):
+    """MoeConfig.split_k (2 ranges): the tiles' last programs add the partials (counters as semaphores) with the bits of
+    the second-launch path, for 1..64 tokens, in a CUDA graph replayed many times, the counters back at zero."""
+    from kernels import linear, moe
+
+    w = _weights(model, fp4)
+    e, k, h, i = SHAPES[model]
+    fields = moe.SWEEP_VARIANTS["join_bf16_raster_split2"] if fp4 else moe.SWEEP_VARIANTS_BF16["persist_split2"]
+    cfg = dict(config=moe.variant_config(i, h, k, fp4, fields), config2=moe.variant_config(h, i, k, fp4, fields))
+    assert moe.split_span(h, cfg["config"])[0] == 2 and moe.split_span(i, cfg["config2"])[0] == 2
+    x, ids, wts = _tokens(model, 64, seed=5)
+    with monkeypatch.context() as m:
+        m.setattr(linear, "_counters", lambda device, tiles: None)  # no counters: the second launch adds the partials
+        two = {t: moe.moe_forward(x[:t], ids[:t], wts[:t], w, e, **cfg) for t in (1, 3, 16, 64)}
+    for t, ref in two.items():
+        for _ in range(3):
+            assert torch.equal(moe.moe_forward(x[:t], ids[:t], wts[:t], w, e, **cfg), ref), t
+    xs, ids_s, wts_s = x[:16].clone(), ids[:16].clone(), wts[:16].clone()
+    moe.moe_forward(xs, ids_s, wts_s, w, e, **cfg)  # warm (compiled, counters made) before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.moe_forward(xs, ids_s, wts_s, w, e, **cfg)
+    for j in range(0, 48, 3):
+        xs.copy_(x[j : j + 16])
+        ids_s.copy_(ids[j : j + 16])
+        wts_s.copy_(wts[j : j + 16])
+        graph.replay()
+        assert torch.equal(out, two[64][j : j + 16]), j
+    torch.cuda.synchronize()
+    assert int(linear._COUNTERS[("cuda", x.device.index)].abs().sum()) == 0
+
+
 LINEAR_SHAPES = [(4096, 2048), (512, 2048), (2048, 4096), (128, 2048), (4096, 2880), (2880, 4096), (1024, 4096), (4096, 4096), (2048, 64), (151936, 2048)]
 
 
