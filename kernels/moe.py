@@ -740,6 +740,16 @@ if triton is not None:
                     S_AHEAD, S_WORDS, LOOP_STAGES, SPLIT, KSPAN, FIXUP,
                 )
 
+    @triton.jit
+    def _reduce_tile(sorted_pairs_ptr, block_slot_ptr, num_blocks_ptr, P, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+        """A split GEMM's second launch, program (m block, n tile): whether the block is routed, its slot and rows, and
+        the tile's columns of N."""
+        pid_m = tl.program_id(0)
+        slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return pid_m < tl.load(num_blocks_ptr), slot, rm, pairs, p_ok, cols, cols < N
+
     @triton.jit(do_not_specialize=["P", "R"])
     def _moe_gemm1_reduce(
         h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr, num_blocks_ptr, b_ptr, stride_be, P, alpha, limit, ws_ptr, R,
@@ -749,12 +759,9 @@ if triton is not None:
         """The split gate/up GEMM's second launch: each (m block, n tile) adds its partials in split order and runs the
         epilogue (`_gemm1_tile`'s FIXUP arithmetic)."""
         runtime.pdl_begin()
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        if pid_m < tl.load(num_blocks_ptr):
-            slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
-            j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            j_ok = j < I
+        live, slot, rm, pairs, p_ok, j, j_ok = _reduce_tile(sorted_pairs_ptr, block_slot_ptr, num_blocks_ptr, P, I, BLOCK_M,
+                                                            BLOCK_N)
+        if live:
             mask = p_ok[:, None] & j_ok[None, :]
             g = _sum_splits(ws_ptr, R, rm, j, 2 * I, mask, SPLIT)
             u = _sum_splits(ws_ptr, R, rm, I + j, 2 * I, mask, SPLIT)
@@ -922,12 +929,9 @@ if triton is not None:
         """The split down GEMM's second launch: each (m block, n tile) adds its partials in split order and runs the
         epilogue (`_gemm2_tile`'s FIXUP arithmetic)."""
         runtime.pdl_begin()
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        if pid_m < tl.load(num_blocks_ptr):
-            slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
-            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = n < N
+        live, slot, rm, pairs, p_ok, n, n_ok = _reduce_tile(sorted_pairs_ptr, block_slot_ptr, num_blocks_ptr, P, N, BLOCK_M,
+                                                            BLOCK_N)
+        if live:
             total = _sum_splits(ws_ptr, R, rm, n, N, p_ok[:, None] & n_ok[None, :], SPLIT)
             _gemm2_epilogue(total, slot, pairs, p_ok, n, n_ok, y_ptr, stride_ym, rw_ptr, b_ptr, stride_be, HAS_BIAS, F32DOT)
 
