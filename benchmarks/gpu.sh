@@ -69,7 +69,7 @@ if has profile; then  # the verify forward's kernels by GPU time (benchmarks/for
   rc=$?; grep -v USDT "$OUT/forward_profile.txt" | tail -60; echo "profile: exit $rc"
 fi
 if has probe; then  # where the MXFP4 GEMM's K loop spends its time (benchmarks/fp4_probe.py; ~3 min with compiles)
-  timeout ${PROBE_S:-240} python3 benchmarks/fp4_probe.py "$OUT" > "$OUT/fp4_probe.txt" 2>&1
+  timeout ${PROBE_S:-300} python3 benchmarks/fp4_probe.py "$OUT" > "$OUT/fp4_probe.txt" 2>&1
   rc=$?; python3 - "$OUT" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1] + "/fp4_probe.json"))
