@@ -1098,28 +1098,19 @@ def split_span(k: int, c: MoeConfig) -> tuple[int, int]:
     return triton_cdiv(k, span), span
 
 
-def _split_args(c: MoeConfig, k: int, rows: int, cols: int, tiles: int, dev) -> tuple[dict, torch.Tensor | None, torch.Tensor]:
+def _split_args(c: MoeConfig, k: int, rows: int, cols: int, tiles: int, unused: torch.Tensor
+                ) -> tuple[dict, torch.Tensor | None, torch.Tensor]:
     """One GEMM launch's split-K kernel arguments, the workspace a second launch must add up (None: one launch does it,
-    or one split) and the counters of the tiles' last programs (a dummy where unused)."""
+    or one split) and the counters of the tiles' last programs. `unused`: any tensor of the call, passed where a pointer
+    is not read (nothing is allocated for one split, in or out of a CUDA-graph capture)."""
     split, span = split_span(k, c)
     if split == 1:
-        dummy = _dummy(dev)
-        return dict(ws_ptr=dummy, R=0, SPLIT=1, SPAN=k, FIXUP=False), None, dummy
+        return dict(ws_ptr=unused, R=0, SPLIT=1, SPAN=k, FIXUP=False), None, unused
+    dev = unused.device
     ws = torch.empty((split, rows, cols), dtype=torch.float32, device=dev)
     cnt = linear._counters(dev, tiles)  # None: more tiles than a counter region (or none made yet in a capture)
     fixup = cnt is not None
-    return (dict(ws_ptr=ws, R=rows, SPLIT=split, SPAN=span, FIXUP=fixup), None if fixup else ws,
-            cnt if fixup else _dummy(dev))
-
-
-_DUMMIES: dict = {}
-
-
-def _dummy(dev) -> torch.Tensor:
-    key = (torch.device(dev).type, torch.device(dev).index)
-    if key not in _DUMMIES:
-        _DUMMIES[key] = torch.zeros(1, dtype=torch.int32, device=dev)
-    return _DUMMIES[key]
+    return dict(ws_ptr=ws, R=rows, SPLIT=split, SPAN=span, FIXUP=fixup), None if fixup else ws, cnt if fixup else unused
 
 
 def _run(kernel, grid, args, kwargs, warmup: bool):
@@ -1163,7 +1154,7 @@ def launch_gemm1(x: torch.Tensor, r: Routing, w: ExpertWeights, h: torch.Tensor,
     b1 = w.b1 if w.b1 is not None else w.w1
     n_tiles = triton_cdiv(inter, c.block_n)
     rows = r.max_blocks * c.block_m
-    split, ws2, cnt = _split_args(c, hdim, rows, 2 * inter, r.max_blocks * n_tiles, x.device)
+    split, ws2, cnt = _split_args(c, hdim, rows, 2 * inter, r.max_blocks * n_tiles, r.num_blocks)
     args = (x, x.stride(0), h, h.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks,
             w.w1, w.w1.stride(0), w.w1.stride(1), s1, s1.stride(0), s1.stride(1), b1, b1.stride(0),
             r.num_pairs, float(w.alpha), float(w.limit))
@@ -1190,7 +1181,7 @@ def launch_gemm2(h: torch.Tensor, r: Routing, w: ExpertWeights, y: torch.Tensor,
     b2 = w.b2 if w.b2 is not None else w.w2
     n_tiles = triton_cdiv(hdim, c.block_n)
     rows = r.max_blocks * c.block_m
-    split, ws2, scnt = _split_args(c, inter, rows, hdim, r.max_blocks * n_tiles, h.device)
+    split, ws2, scnt = _split_args(c, inter, rows, hdim, r.max_blocks * n_tiles, r.num_blocks)
     if combine is not None and split["SPLIT"] > 1:
         raise ValueError("the fused combine takes one split of K: pass combine=None with split_k > 1")
     out, cnt, topk = combine if combine is not None else (y, r.pair_valid, 1)
