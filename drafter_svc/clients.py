@@ -29,7 +29,7 @@ class TargetInfo:
     byte_map: dict[int, list[int]]
     eos_token_ids: tuple[int, ...]
     max_block_size: int
-    expert_cache_bytes: int = 0  # offloaded experts: the verifier's GPU cache (0: every expert resident)
+    expert_cache_bytes: int = 0  # offloaded experts: the bytes of experts the verifier's cache can keep (0: no cache)
 
 
 @dataclasses.dataclass

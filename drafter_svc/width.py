@@ -49,7 +49,6 @@ import collections
 import dataclasses
 import statistics
 
-
 GROWTH = 3
 FLOOR = 3
 COST_WINDOW = 64  # rounds the round-time estimates are drawn from
