@@ -216,6 +216,7 @@ class Routing:
     pair_valid: torch.Tensor  # bool [P]
     max_blocks: int
     num_pairs: int
+    block_phase: torch.Tensor | None = None  # int8 [max_blocks]: 1 where the block's expert is in the second phase
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -228,6 +229,7 @@ def align_fused(
     block_m: int,
     slot_of_expert: torch.Tensor | None = None,
     n_valid: torch.Tensor | None = None,
+    phase_of_expert: torch.Tensor | None = None,
 ) -> Routing:
     """`align` as one Triton launch (the torch version below is ~28 small kernels: ~85 us of a decode layer)."""
     t, topk = topk_ids.shape
@@ -238,6 +240,7 @@ def align_fused(
     block_slot = torch.empty(mb, dtype=torch.int32, device=dev)
     num_blocks = torch.empty(1, dtype=torch.int32, device=dev)
     valid = torch.empty(p, dtype=torch.bool, device=dev)
+    block_phase = torch.empty(mb, dtype=torch.int8, device=dev) if phase_of_expert is not None else None
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
@@ -248,11 +251,12 @@ def align_fused(
     _align_kernel[(1,)](
         ids, n_valid if n_valid is not None else ids, slot_of_expert if slot_of_expert is not None else ids,
         sorted_pairs, block_slot, num_blocks, valid, p, mb,
+        phase_of_expert if phase_of_expert is not None else ids, block_phase if block_phase is not None else block_slot,
         E=num_experts, E_PAD=e_pad, TOPK=topk, BM=block_m, HAS_NVALID=n_valid is not None,
-        HAS_SLOT=slot_of_expert is not None, C=c, PAD_C=1024, num_warps=8 if c * e_pad >= 8192 else 4,
-        **runtime.pdl_launch(),
+        HAS_SLOT=slot_of_expert is not None, HAS_PHASE=phase_of_expert is not None, C=c, PAD_C=1024,
+        num_warps=8 if c * e_pad >= 8192 else 4, **runtime.pdl_launch(),
     )
-    return Routing(sorted_pairs, block_slot, num_blocks, valid, mb, p)
+    return Routing(sorted_pairs, block_slot, num_blocks, valid, mb, p, block_phase)
 
 
 def align(
@@ -261,12 +265,14 @@ def align(
     block_m: int,
     slot_of_expert: torch.Tensor | None = None,
     n_valid: torch.Tensor | None = None,
+    phase_of_expert: torch.Tensor | None = None,
 ) -> Routing:
     """Group the pairs by expert without a host sync (CUDA-graph safe: every shape is static). Torch ops: the
     reference of `align_fused`.
 
     Pairs of rows >= n_valid (padding rows of a bucketed forward) and ids outside [0, num_experts) are
-    dropped: they compute nothing and the combine step gives their rows zeros.
+    dropped: they compute nothing and the combine step gives their rows zeros. `phase_of_expert` (int8 [E], nonzero:
+    the expert's blocks run in the second phase, `moe_forward`): each block's phase in `block_phase` (unused blocks 0).
     """
     t, topk = topk_ids.shape
     p = t * topk
@@ -297,7 +303,10 @@ def align(
     block_expert = block_expert.clamp(max=num_experts - 1)
     slot = block_expert if slot_of_expert is None else slot_of_expert.to(torch.int64)[block_expert]
     block_slot = torch.where(used, slot, torch.full_like(slot, -1)).to(torch.int32)
-    return Routing(sorted_pairs[:-1], block_slot, num_blocks.to(torch.int32), valid, mb, p)
+    phase = None
+    if phase_of_expert is not None:
+        phase = (used & (phase_of_expert.to(dev)[block_expert] != 0)).to(torch.int8)
+    return Routing(sorted_pairs[:-1], block_slot, num_blocks.to(torch.int32), valid, mb, p, phase)
 
 
 # ---- the kernels ----------------------------------------------------------------------------------------
@@ -589,6 +598,19 @@ if triton is not None:
         return slot, rm, pairs, pairs < P
 
     @triton.jit
+    def _block_live(block_phase_ptr, pid_m, nb, PHASE: tl.constexpr):
+        """Whether routing block pid_m runs in this launch: a routed block (< nb) of the launch's phase (0: every block;
+        1: the blocks of experts resident before the call; 2: those of experts being copied in, `moe_forward`)."""
+        live = pid_m < nb
+        if PHASE != 0:
+            ph = tl.load(block_phase_ptr + pid_m)
+            if PHASE == 1:
+                live = live & (ph == 0)
+            else:
+                live = live & (ph != 0)
+        return live
+
+    @triton.jit
     def _sum_splits(ws_ptr, R, rm, cols, C: tl.constexpr, mask, SPLIT: tl.constexpr):
         """The split partials of rows rm (of R), columns cols (of C) in `ws` [SPLIT, R, C] summed in split order from
         zero: the same bits whichever program (or the reduce launch) adds them."""
@@ -702,6 +724,7 @@ if triton is not None:
         A_LOAD: tl.constexpr, SWAP: tl.constexpr, RASTER: tl.constexpr, PERSIST: tl.constexpr, S_AHEAD: tl.constexpr = 0,
         S_WORDS: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None,
         ws_ptr=None, cnt_ptr=None, R=0, SPLIT: tl.constexpr = 1, SPAN: tl.constexpr = None, FIXUP: tl.constexpr = False,
+        block_phase_ptr=None, PHASE: tl.constexpr = 0,
     ):
         """SPLIT > 1: each program sums one of SPLIT ranges of SPAN K values into ws [SPLIT, R, 2 I] (R: the routing
         blocks' rows); FIXUP: the tile's last program adds them in split order and runs the epilogue, else a second launch
@@ -714,14 +737,15 @@ if triton is not None:
             tile = tl.program_id(0)
             while tile < nb * N_TILES * SPLIT:
                 pid_m, pid_n, pid_s = _split_tile(tile, N_TILES, SPLIT)
-                _gemm1_tile(
-                    pid_m, pid_n, pid_s,
-                    x_ptr, stride_xm, h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr,
-                    w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, alpha, limit,
-                    ws_ptr, cnt_ptr, R,
-                    I, K, UP_OFF, ROW_MUL, TOPK, FP4, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP,
-                    S_AHEAD, S_WORDS, LOOP_STAGES, SPLIT, KSPAN, FIXUP,
-                )
+                if _block_live(block_phase_ptr, pid_m, nb, PHASE):
+                    _gemm1_tile(
+                        pid_m, pid_n, pid_s,
+                        x_ptr, stride_xm, h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr,
+                        w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, alpha, limit,
+                        ws_ptr, cnt_ptr, R,
+                        I, K, UP_OFF, ROW_MUL, TOPK, FP4, HAS_BIAS, ACT, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD,
+                        SWAP, S_AHEAD, S_WORDS, LOOP_STAGES, SPLIT, KSPAN, FIXUP,
+                    )
                 tile += tl.num_programs(0)
         else:
             if RASTER == 0:  # a 2-D grid (m blocks, n tiles), the splits on a third axis
@@ -730,7 +754,7 @@ if triton is not None:
                 pid_s = tl.program_id(2) if SPLIT > 1 else 0
             else:  # a 1-D grid: consecutive programs walk the splits, then the n tiles, of one m block
                 pid_m, pid_n, pid_s = _split_tile(tl.program_id(0), N_TILES, SPLIT)
-            if pid_m < nb:
+            if _block_live(block_phase_ptr, pid_m, nb, PHASE):
                 _gemm1_tile(
                     pid_m, pid_n, pid_s,
                     x_ptr, stride_xm, h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr,
@@ -742,25 +766,26 @@ if triton is not None:
 
     @triton.jit
     def _reduce_tile(sorted_pairs_ptr, block_slot_ptr, num_blocks_ptr, P, N: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+                     BLOCK_N: tl.constexpr, block_phase_ptr, PHASE: tl.constexpr):
         """A split GEMM's second launch, program (m block, n tile): whether the block is routed, its slot and rows, and
         the tile's columns of N."""
         pid_m = tl.program_id(0)
         slot, rm, pairs, p_ok = _block_pairs(sorted_pairs_ptr, block_slot_ptr, pid_m, P, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        return pid_m < tl.load(num_blocks_ptr), slot, rm, pairs, p_ok, cols, cols < N
+        return _block_live(block_phase_ptr, pid_m, tl.load(num_blocks_ptr), PHASE), slot, rm, pairs, p_ok, cols, cols < N
 
     @triton.jit(do_not_specialize=["P", "R"])
     def _moe_gemm1_reduce(
         h_ptr, stride_hm, sorted_pairs_ptr, block_slot_ptr, num_blocks_ptr, b_ptr, stride_be, P, alpha, limit, ws_ptr, R,
         I: tl.constexpr, UP_OFF: tl.constexpr, ROW_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32DOT: tl.constexpr, SPLIT: tl.constexpr,
+        block_phase_ptr=None, PHASE: tl.constexpr = 0,
     ):
         """The split gate/up GEMM's second launch: each (m block, n tile) adds its partials in split order and runs the
         epilogue (`_gemm1_tile`'s FIXUP arithmetic)."""
         runtime.pdl_begin()
         live, slot, rm, pairs, p_ok, j, j_ok = _reduce_tile(sorted_pairs_ptr, block_slot_ptr, num_blocks_ptr, P, I, BLOCK_M,
-                                                            BLOCK_N)
+                                                            BLOCK_N, block_phase_ptr, PHASE)
         if live:
             mask = p_ok[:, None] & j_ok[None, :]
             g = _sum_splits(ws_ptr, R, rm, j, 2 * I, mask, SPLIT)
@@ -878,6 +903,7 @@ if triton is not None:
         COMBINE: tl.constexpr = False, TOPK: tl.constexpr = 1, TOPK_PAD: tl.constexpr = 1, S_AHEAD: tl.constexpr = 0,
         S_WORDS: tl.constexpr = False, LOOP_STAGES: tl.constexpr = None,
         ws_ptr=None, scnt_ptr=None, R=0, SPLIT: tl.constexpr = 1, SPAN: tl.constexpr = None, FIXUP: tl.constexpr = False,
+        block_phase_ptr=None, PHASE: tl.constexpr = 0,
     ):
         """SPLIT > 1: as `_moe_gemm1`'s (ws [SPLIT, R, N]; the second launch: `_moe_gemm2_reduce`)."""
         runtime.pdl_begin()
@@ -888,15 +914,16 @@ if triton is not None:
             tile = tl.program_id(0)
             while tile < nb * N_TILES * SPLIT:
                 pid_m, pid_n, pid_s = _split_tile(tile, N_TILES, SPLIT)
-                _gemm2_tile(
-                    pid_m, pid_n, pid_s,
-                    h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
-                    w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, out_ptr, cnt_ptr,
-                    valid_ptr, ws_ptr, scnt_ptr, R, N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD,
-                    SWAP, COMBINE, TOPK, TOPK_PAD, S_AHEAD, S_WORDS, LOOP_STAGES, SPLIT, KSPAN, FIXUP,
-                )
+                if _block_live(block_phase_ptr, pid_m, nb, PHASE):
+                    _gemm2_tile(
+                        pid_m, pid_n, pid_s,
+                        h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
+                        w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, b_ptr, stride_be, P, out_ptr, cnt_ptr,
+                        valid_ptr, ws_ptr, scnt_ptr, R, N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT,
+                        A_LOAD, SWAP, COMBINE, TOPK, TOPK_PAD, S_AHEAD, S_WORDS, LOOP_STAGES, SPLIT, KSPAN, FIXUP,
+                    )
                 tile += tl.num_programs(0)
-            if COMBINE:
+            if COMBINE and PHASE != 2:  # (the rows without a routed pair: once, in the first phase)
                 zt = tl.program_id(0)
                 while zt < N_TILES:
                     _zero_rows(valid_ptr, out_ptr, N, zt, P // TOPK, N, BLOCK_N, TOPK, TOPK_PAD, F32DOT)
@@ -908,7 +935,7 @@ if triton is not None:
                 pid_s = tl.program_id(2) if SPLIT > 1 else 0
             else:  # a 1-D grid: consecutive programs walk the splits, then the n tiles, of one m block
                 pid_m, pid_n, pid_s = _split_tile(tl.program_id(0), N_TILES, SPLIT)
-            if pid_m < nb:
+            if _block_live(block_phase_ptr, pid_m, nb, PHASE):
                 _gemm2_tile(
                     pid_m, pid_n, pid_s,
                     h_ptr, stride_hm, y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, rw_ptr,
@@ -916,21 +943,21 @@ if triton is not None:
                     valid_ptr, ws_ptr, scnt_ptr, R, N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD,
                     SWAP, COMBINE, TOPK, TOPK_PAD, S_AHEAD, S_WORDS, LOOP_STAGES, SPLIT, KSPAN, FIXUP,
                 )
-            if COMBINE:
-                if pid_m == 0:  # (every grid has m block 0 of each n tile, routed pairs or not)
+            if COMBINE and PHASE != 2:
+                if pid_m == 0:  # (every grid has m block 0 of each n tile, routed pairs or not; once, in the first phase)
                     _zero_rows(valid_ptr, out_ptr, N, pid_n, P // TOPK, N, BLOCK_N, TOPK, TOPK_PAD, F32DOT)
 
     @triton.jit(do_not_specialize=["P", "R"])
     def _moe_gemm2_reduce(
         y_ptr, stride_ym, sorted_pairs_ptr, block_slot_ptr, num_blocks_ptr, rw_ptr, b_ptr, stride_be, P, ws_ptr, R,
         N: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32DOT: tl.constexpr,
-        SPLIT: tl.constexpr,
+        SPLIT: tl.constexpr, block_phase_ptr=None, PHASE: tl.constexpr = 0,
     ):
         """The split down GEMM's second launch: each (m block, n tile) adds its partials in split order and runs the
         epilogue (`_gemm2_tile`'s FIXUP arithmetic)."""
         runtime.pdl_begin()
         live, slot, rm, pairs, p_ok, n, n_ok = _reduce_tile(sorted_pairs_ptr, block_slot_ptr, num_blocks_ptr, P, N, BLOCK_M,
-                                                            BLOCK_N)
+                                                            BLOCK_N, block_phase_ptr, PHASE)
         if live:
             total = _sum_splits(ws_ptr, R, rm, n, N, p_ok[:, None] & n_ok[None, :], SPLIT)
             _gemm2_epilogue(total, slot, pairs, p_ok, n, n_ok, y_ptr, stride_ym, rw_ptr, b_ptr, stride_be, HAS_BIAS, F32DOT)
@@ -973,9 +1000,10 @@ if triton is not None:
     @triton.jit
     def _align_kernel(
         ids_ptr, nvalid_ptr, slot_ptr, sorted_ptr, block_slot_ptr, num_blocks_ptr, valid_ptr,
-        P, MB,
+        P, MB, phase_ptr, block_phase_ptr,
         E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
         HAS_NVALID: tl.constexpr, HAS_SLOT: tl.constexpr, C: tl.constexpr, PAD_C: tl.constexpr,
+        HAS_PHASE: tl.constexpr = False,
     ):
         """`align` in one program: a stable counting sort of the pairs by expert into blocks of BM."""
         runtime.pdl_begin()
@@ -1023,6 +1051,9 @@ if triton is not None:
             e_b = tl.sum(((block_end[None, :] <= b[:, None]) & (ev[None, :] < E)).to(tl.int32), axis=1)
             used = b < num_blocks
             e_b = tl.minimum(e_b, E - 1)
+            if HAS_PHASE:
+                ph = tl.load(phase_ptr + e_b, mask=used, other=0)
+                tl.store(block_phase_ptr + b, tl.where(used & (ph != 0), 1, 0).to(tl.int8), mask=b < MB)
             if HAS_SLOT:
                 e_b = tl.load(slot_ptr + e_b, mask=used, other=0)
             tl.store(block_slot_ptr + b, tl.where(used, e_b, -1), mask=b < MB)
@@ -1146,9 +1177,17 @@ def _flags(c: MoeConfig, fp4: bool) -> dict:
                 num_warps=c.num_warps, num_stages=c.num_stages, **runtime.pdl_launch())
 
 
-def launch_gemm1(x: torch.Tensor, r: Routing, w: ExpertWeights, h: torch.Tensor, c: MoeConfig, topk: int, warmup: bool = False):
-    """h[block rows] = act(x[token of each pair] @ w1[slot]^T (+ b1)): the gate/up GEMM over all routing blocks (split
-    K: `MoeConfig.split_k`)."""
+def _phase_args(r: Routing, phase: int) -> dict:
+    """A launch's phase arguments: 0 every routing block; 1 or 2 only the blocks of that phase (`Routing.block_phase`)."""
+    if phase not in (0, 1, 2) or (phase and r.block_phase is None):
+        raise ValueError(f"phase {phase}: 0, or 1/2 with a routing made with phase_of_expert")
+    return dict(block_phase_ptr=r.block_phase if phase else r.block_slot, PHASE=phase)
+
+
+def launch_gemm1(x: torch.Tensor, r: Routing, w: ExpertWeights, h: torch.Tensor, c: MoeConfig, topk: int, warmup: bool = False,
+                 phase: int = 0):
+    """h[block rows] = act(x[token of each pair] @ w1[slot]^T (+ b1)): the gate/up GEMM over the routing blocks (all, or
+    those of `phase`; split K: `MoeConfig.split_k`)."""
     inter, hdim = w.intermediate, x.shape[1]
     s1 = w.s1 if w.fp4 else w.w1
     b1 = w.b1 if w.b1 is not None else w.w1
@@ -1159,7 +1198,7 @@ def launch_gemm1(x: torch.Tensor, r: Routing, w: ExpertWeights, h: torch.Tensor,
             w.w1, w.w1.stride(0), w.w1.stride(1), s1, s1.stride(0), s1.stride(1), b1, b1.stride(0),
             r.num_pairs, float(w.alpha), float(w.limit))
     kwargs = dict(I=inter, K=hdim, UP_OFF=w.up_offset, ROW_MUL=w.row_mul, TOPK=topk, FP4=w.fp4, HAS_BIAS=w.b1 is not None, ACT=w.act,
-                  cnt_ptr=cnt, **split, **_flags(c, w.fp4))
+                  cnt_ptr=cnt, **split, **_flags(c, w.fp4), **_phase_args(r, phase))
     out = _run(_moe_gemm1, _grid(c, r.max_blocks, n_tiles, split["SPLIT"]), args, kwargs, warmup)
     if ws2 is not None:  # the two-launch path: the partials added by their own launch
         _run(_moe_gemm1_reduce, (r.max_blocks, n_tiles),
@@ -1167,12 +1206,12 @@ def launch_gemm1(x: torch.Tensor, r: Routing, w: ExpertWeights, h: torch.Tensor,
               float(w.limit), ws2, rows),
              dict(I=inter, UP_OFF=w.up_offset, ROW_MUL=w.row_mul, HAS_BIAS=w.b1 is not None, ACT=w.act, BLOCK_M=c.block_m,
                   BLOCK_N=c.block_n, F32DOT=runtime.interpreting(), SPLIT=split["SPLIT"], num_warps=4,
-                  **runtime.pdl_launch()), warmup)
+                  **_phase_args(r, phase), **runtime.pdl_launch()), warmup)
     return out
 
 
 def launch_gemm2(h: torch.Tensor, r: Routing, w: ExpertWeights, y: torch.Tensor, rw: torch.Tensor, c: MoeConfig, warmup: bool = False,
-                 combine: tuple | None = None):
+                 combine: tuple | None = None, phase: int = 0):
     """y[pair] = (h[block row] @ w2[slot]^T (+ b2)) * routing weight: the down GEMM over all routing blocks. `combine`
     (out [T, H], zeroed int32 counters [T x n tiles], top-k): the combine in the same launch (`FUSED_COMBINE`; one
     split of K only)."""
@@ -1189,13 +1228,13 @@ def launch_gemm2(h: torch.Tensor, r: Routing, w: ExpertWeights, y: torch.Tensor,
             w.w2, w.w2.stride(0), w.w2.stride(1), s2, s2.stride(0), s2.stride(1), b2, b2.stride(0), r.num_pairs,
             out, cnt, r.pair_valid)
     kwargs = dict(N=hdim, K=inter, FP4=w.fp4, HAS_BIAS=w.b2 is not None, COMBINE=combine is not None, TOPK=topk,
-                  TOPK_PAD=triton.next_power_of_2(topk), scnt_ptr=scnt, **split, **_flags(c, w.fp4))
+                  TOPK_PAD=triton.next_power_of_2(topk), scnt_ptr=scnt, **split, **_flags(c, w.fp4), **_phase_args(r, phase))
     res = _run(_moe_gemm2, _grid(c, r.max_blocks, n_tiles, split["SPLIT"]), args, kwargs, warmup)
     if ws2 is not None:  # the two-launch path: the partials added by their own launch
         _run(_moe_gemm2_reduce, (r.max_blocks, n_tiles),
              (y, y.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks, rw, b2, b2.stride(0), r.num_pairs, ws2, rows),
              dict(N=hdim, HAS_BIAS=w.b2 is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, F32DOT=runtime.interpreting(),
-                  SPLIT=split["SPLIT"], num_warps=4, **runtime.pdl_launch()), warmup)
+                  SPLIT=split["SPLIT"], num_warps=4, **_phase_args(r, phase), **runtime.pdl_launch()), warmup)
     return res
 
 
@@ -1210,9 +1249,18 @@ def moe_forward(
     config: MoeConfig | None = None,
     config2: MoeConfig | None = None,
     warmup: bool = False,
+    phase_of_expert: torch.Tensor | None = None,
+    between=None,
 ) -> torch.Tensor | None:
     """x [T, H] bf16, topk_ids/weights [T, k] -> [T, H] in x's dtype. Triton on CUDA (or under TRITON_INTERPRET).
-    `warmup`: compile both GEMMs' kernels for these configs without running them (returns None)."""
+    `warmup`: compile both GEMMs' kernels for these configs without running them (returns None).
+
+    `phase_of_expert` (int8 [num_experts], a device tensor, no host sync): two phases, for an expert cache that is still
+    copying some experts in. Both GEMMs run first over the blocks of experts whose flag is 0 (resident), then
+    `between()` is called (the caller makes the stream wait for its copies), then both GEMMs over the flagged experts'
+    blocks. A pair's rows are computed by the same program form either way and every token's output is summed in slot
+    order by whichever program stores its last pair (or by the combine launch), so the output is bit-identical to one
+    phase; the copies of the flagged experts overlap the resident experts' GEMMs."""
     t, hdim = x.shape
     topk = topk_ids.shape[1]
     inter = w.intermediate
@@ -1233,7 +1281,8 @@ def moe_forward(
     if config2.block_m != bm:
         raise ValueError("both GEMMs share the routing blocks: block_m must match")
     x = x.contiguous()
-    r = align_fused(topk_ids, num_experts, bm, slot_of_expert, n_valid)
+    r = align_fused(topk_ids, num_experts, bm, slot_of_expert, n_valid, phase_of_expert)
+    phases = (1, 2) if phase_of_expert is not None else (0,)
     dev = x.device
     h = torch.empty((r.max_blocks * bm, inter), dtype=torch.bfloat16, device=dev)
     y = torch.empty((r.num_pairs, hdim), dtype=torch.float32, device=dev)
@@ -1244,11 +1293,15 @@ def moe_forward(
         cnt = linear._counters(dev, t * triton_cdiv(hdim, config2.block_n))  # None: the separate combine (too many tiles)
     combine = (out, cnt, topk) if cnt is not None else None
     if warmup:
-        launch_gemm1(x, r, w, h, config, topk, warmup=True)
-        launch_gemm2(h, r, w, y, rw, config2, warmup=True, combine=combine)
+        for ph in phases:
+            launch_gemm1(x, r, w, h, config, topk, warmup=True, phase=ph)
+            launch_gemm2(h, r, w, y, rw, config2, warmup=True, combine=combine, phase=ph)
         return None
-    launch_gemm1(x, r, w, h, config, topk)
-    launch_gemm2(h, r, w, y, rw, config2, combine=combine)
+    for ph in phases:
+        if ph == 2 and between is not None:
+            between()
+        launch_gemm1(x, r, w, h, config, topk, phase=ph)
+        launch_gemm2(h, r, w, y, rw, config2, combine=combine, phase=ph)
     if combine is None:
         f32dot = runtime.interpreting()
         block = min(1024, triton.next_power_of_2(hdim))

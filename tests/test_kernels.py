@@ -465,6 +465,77 @@ def test_moe_kernel_reduction_with_a_partial_last_k_step(name):
 
 
 @needs_triton
+@pytest.mark.parametrize("fp4,fields", [
+    pytest.param(False, {}, id="bf16-base"),
+    pytest.param(True, dict(a_load=2, decode=3, raster=1), id="fp4-join_bf16_raster"),
+    pytest.param(False, dict(persist=4), id="bf16-persist"),
+    pytest.param(True, dict(a_load=2, decode=3, split_k=2), id="fp4-split2"),
+    pytest.param(True, dict(a_load=2, decode=3, fused_combine=True), id="fp4-fused-combine"),
+])
+def test_two_phases_give_the_one_phase_bits_and_call_between_once(fp4, fields, monkeypatch):
+    """moe_forward's phases (an offloaded cache copying some experts in while the resident ones compute): the blocks
+    of unflagged experts first, `between()`, then the flagged ones; every row bit-identical to one phase, whatever the
+    flags (none, some, all), with padding rows and shuffled slots; align and align_fused give the same block phases."""
+    import dataclasses
+
+    from kernels import linear, moe
+    from kernels.moe import align_fused, launch_gemm1, moe_forward
+
+    monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
+    fields = dict(fields)
+    monkeypatch.setattr(moe, "FUSED_COMBINE", fields.pop("fused_combine", False))
+    e, t, k = 6, 9, 2
+    w = _experts(e=e, act=ACT_GPTOSS, bias=True, fp4=fp4)
+    x, ids, wts = _routing(t, e, k, seed=4)
+    c = dataclasses.replace(_TEST_BASE, **fields)
+    c1, c2 = dataclasses.replace(c, block_k=min(c.block_k, 64)), dataclasses.replace(c, block_k=min(c.block_k, 32))
+    slot_of = torch.tensor([3, 0, 5, 1, 4, 2], dtype=torch.int32)
+    perm = torch.argsort(slot_of.long())  # slot s holds expert perm[s]
+    ws = ExpertWeights(w.w1[perm], w.w2[perm], None if not fp4 else w.s1[perm], None if not fp4 else w.s2[perm],
+                       b1=w.b1[perm], b2=w.b2[perm], act=ACT_GPTOSS)
+    nv = torch.tensor([7])
+    one = moe_forward(x, ids, wts, ws, e, slot_of_expert=slot_of, n_valid=nv, config=c1, config2=c2)
+    ref = moe_reference(x, ids, wts, w, e, n_valid=7)
+    assert (one[:7].float() - ref[:7].float()).abs().max() <= 0.02 * ref.float().abs().max() + 1e-3
+    for flags in ([0, 1, 0, 0, 1, 1], [0] * e, [1] * e, [1, 0, 0, 0, 0, 0]):
+        phase = torch.tensor(flags, dtype=torch.int8)
+        # the flagged experts' slots hold garbage until between() "copies them in": a block of theirs computed before
+        # it would change the output
+        late = ExpertWeights(*(None if v is None else v.clone() for v in (ws.w1, ws.w2, ws.s1, ws.s2)),
+                             b1=ws.b1.clone(), b2=ws.b2.clone(), act=ACT_GPTOSS)
+        flagged = [int(slot_of[j]) for j in range(e) if flags[j]]
+        tensors = [n for n in ("w1", "w2", "s1", "s2", "b1", "b2") if getattr(ws, n) is not None]
+        for n in tensors:
+            getattr(late, n)[flagged] = getattr(ws, n)[flagged].flip(-1)
+        calls = []
+
+        def between():
+            calls.append(1)
+            for n in tensors:
+                getattr(late, n)[flagged] = getattr(ws, n)[flagged]
+
+        two = moe_forward(x, ids, wts, late, e, slot_of_expert=slot_of, n_valid=nv, config=c1, config2=c2,
+                          phase_of_expert=phase, between=between)
+        assert calls == [1], flags
+        assert torch.equal(two, one), flags
+        a, b = align(ids, e, 16, slot_of, nv, phase), align_fused(ids, e, 16, slot_of, nv, phase)
+        assert torch.equal(a.block_phase, b.block_phase) and torch.equal(a.block_slot, b.block_slot)
+        used = int(a.num_blocks)
+        assert not a.block_phase[used:].any()
+        for blk in range(used):  # each used block's phase is its expert's flag
+            expert = int(perm[int(a.block_slot[blk])])
+            assert int(a.block_phase[blk]) == (flags[expert] != 0)
+        for ph in (1, 2):  # a phase's launch writes its own blocks' rows and no other
+            h = torch.full((b.max_blocks * 16, ws.intermediate), float("nan"), dtype=torch.bfloat16)
+            launch_gemm1(x, b, ws, h, dataclasses.replace(c1, block_m=16, split_k=1), k, phase=ph)
+            for blk in range(used):
+                rows = b.sorted_pairs[blk * 16: (blk + 1) * 16] < b.num_pairs
+                mine = (int(b.block_phase[blk]) == 1) == (ph == 2)
+                assert bool(h[blk * 16: (blk + 1) * 16][rows].isnan().any()) != mine, (flags, ph, blk)
+    assert all(int(v[0].abs().sum()) == 0 for v in linear._COUNTERS.values())  # every counter back at zero
+
+
+@needs_triton
 @pytest.mark.parametrize("decode,a_load", [(0, 0), (0, 2), (1, 0), (1, 2), (3, 0), (3, 2)])
 def test_fp4_decodes_give_the_exact_bf16_weights(decode, a_load):
     """Every byte value at every scale byte the fast decodes cover (0..128; decode 0 reads scale 0 as 0) decodes to
