@@ -132,9 +132,10 @@ def offloaded_core(model, name: str):
     return VerifierCore(target, max_block_size=16, max_tokens_limit=4096, paged_kv=PagedKVOptions(kv_cache_gb=4))
 
 
-def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", guess_width: int = 0):
+def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", guess_width: int = 0, overlap: bool = True):
     """A fresh cache (`mode`: device- or host-managed) holding `fraction` of the experts (at least one layer's), the
-    modules routed through it; its next-layer guess takes the router's top `guess_width` (0: auto, kernels.installer.guess_k)."""
+    modules routed through it; its next-layer guess takes the router's top `guess_width` (0: auto, kernels.installer.guess_k);
+    `overlap`: the device cache copies a layer's misses while its resident experts compute (--expert-fill-overlap)."""
     from kernels.installer import experts_modules
     from verifier_svc.expert_cache import min_slots, new_cache
 
@@ -151,6 +152,8 @@ def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", g
         slots = round(fraction * total) + min_slots(store)
     cache = new_cache(store, 0, DEVICE, prefetch, mode, time_copies=True, slots=slots)
     cache.guess_width = guess_width  # before the graphs capture the guess's top-k
+    if mode == "device":
+        cache.fill_overlap = overlap
     for layer, module in experts_modules(core.target.model).items():  # a rebind: serving the model anew would reset
         module._pdflash_offload = (cache, layer)  # its experts implementation, dropping the seam's route capture
     core.target.expert_cache = cache
@@ -229,16 +232,17 @@ def write(args, meta: dict, rows: list[dict]) -> None:
           "Each cache is warmed by one short request before its rows (kernels compiled; the TTFT column is a warm server's). "
           "prefetch: what streams ahead (union: the verify's projected union; layer: layer l + 1's router on layer l's input). "
           "guess: how many of that router's top experts per row the layer guess fetches (auto: a quarter of its top_k, at least 1). "
+          "overlap (device cache): on, a layer's misses copy while its resident experts compute; off, they copy before its GEMMs. "
           "width: the drafted rows' width rule (cost: the growth rule capped by measured round prices, as the stack does for "
           "offloaded experts; growth: the growth rule alone).", "",
-          "| model | system | cache | prefetch | guess | block | drafter | width | tok/s | TTFT ms | tau | expert MB/token | H2D of pinned | hidden | hit rate | coverage | wasted MB | PCIe bound tok/s | of bound | byte-bound | identical |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| model | system | cache | prefetch | guess | overlap | block | drafter | width | tok/s | TTFT ms | tau | expert MB/token | H2D of pinned | hidden | hit rate | coverage | wasted MB | PCIe bound tok/s | of bound | byte-bound | identical |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["system"] != "OURS":
-            md.append(f"| {r['model']} | {r['system']} | CPU | | | 1 | none | | {r['output_tokens_per_second']} | | | | | | | | | | | | ({r['note']}) |")
+            md.append(f"| {r['model']} | {r['system']} | CPU | | | | 1 | none | | {r['output_tokens_per_second']} | | | | | | | | | | | | ({r['note']}) |")
             continue
         f = lambda v, scale=1.0, nd=2: "" if v is None else round(v * scale, nd)  # noqa: E731
-        md.append(f"| {r['model']} | OURS {r.get('mode', 'host')} | {int(r['cache_fraction'] * 100)}% | {r.get('prefetch', '')} | {r.get('guess_width', 0) or 'auto'} | {r['block']} | {r['drafter']} | {r.get('width', '') if r['block'] > 1 else ''} | {r['output_tokens_per_second']} | "
+        md.append(f"| {r['model']} | OURS {r.get('mode', 'host')} | {int(r['cache_fraction'] * 100)}% | {r.get('prefetch', '')} | {r.get('guess_width', 0) or 'auto'} | {r.get('overlap') or ''} | {r['block']} | {r['drafter']} | {r.get('width', '') if r['block'] > 1 else ''} | {r['output_tokens_per_second']} | "
                   f"{r.get('ttft_ms', '')} | {r['tau']} | {f(r['expert_bytes_per_token'], 1e-6, 1)} | {f(r['h2d_fraction_of_pinned'])} | {f(r['hidden_fraction'])} | "
                   f"{f(r['cache_hit_rate'])} | {f(r['prefetch_coverage'])} | {f(r['wasted_bytes'], 1e-6, 1)} | {f(r['bound_tokens_per_second'], 1, 1)} | "
                   f"{f(r['fraction_of_bound'])} | {r['byte_bound']} | {r['identical']} |")
@@ -263,6 +267,9 @@ def main(argv=None) -> int:
     ap.add_argument("--guess-widths", nargs="+", type=int, default=[0],
                     help="with layer prefetch, how many of the next router's top experts the guess fetches (0 = auto: a quarter of "
                          "its top_k, at least 1; the cache's guess_width, --expert-guess-width), compared at each cache size below 100%%")
+    ap.add_argument("--overlaps", nargs="+", default=["on"], choices=["on", "off"],
+                    help="device cache: copy a layer's misses while its resident experts compute (on, --expert-fill-overlap) "
+                         "or before its GEMMs (off), compared at each cache size below 100%%")
     ap.add_argument("--widths", nargs="+", default=["cost"], choices=["cost", "growth"],
                     help="the drafted rows' width rule: cost (the growth rule capped by round time, what the stack does "
                          "for offloaded experts) and/or growth (the growth rule alone)")
@@ -296,12 +303,13 @@ def main(argv=None) -> int:
         prompts = prompts_for(args.prompts, core.target.vocab_size)
         core_run(core, prompts[:1], 4, 4)  # compile the kernels
         reference = None
-        runs = [(m, f, pf, gw) for m in args.modes for f in caches for pf in (["union,layer"] if f == 1.0 else args.prefetch)
-                for gw in ([0] if f == 1.0 else args.guess_widths)]
-        for mode, fraction, prefetch, guess_width in runs:
+        runs = [(m, f, pf, gw, ov) for m in args.modes for f in caches for pf in (["union,layer"] if f == 1.0 else args.prefetch)
+                for gw in ([0] if f == 1.0 else args.guess_widths)
+                for ov in (["on"] if f == 1.0 or m != "device" else args.overlaps)]
+        for mode, fraction, prefetch, guess_width, overlap in runs:
             if fraction == 1.0:
                 compute = {}
-            cache = use_cache(core, fraction, mode, "" if prefetch == "none" else prefetch, guess_width)
+            cache = use_cache(core, fraction, mode, "" if prefetch == "none" else prefetch, guess_width, overlap == "on")
             # warm: every kernel of this cache compiled and (at 100%) every expert resident before the timed runs
             core_run(core, prompts if fraction == 1.0 else prompts[:1], 4, 1)
             modes = [("none", 1, none_propose, "growth")]
@@ -328,7 +336,7 @@ def main(argv=None) -> int:
                 row = {
                     "model": name, "cache_fraction": fraction, "cache_slots": cache.num_slots, "block": block,
                     "drafter": drafter, "system": "OURS", "mode": mode, "prefetch": prefetch, "width": wrule,
-                    "guess_width": guess_width,
+                    "guess_width": guess_width, "overlap": overlap if mode == "device" else None,
                     "output_tokens_per_second": round(toks / wall, 2),
                     "ttft_ms": round(1e3 * r["prefill_s"] / len(prompts), 1),
                     "tau": round(toks / r["rounds"], 2),

@@ -58,6 +58,9 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--expert-guess-width", type=_number, default=0, metavar="N",
                    help="offloaded experts with layer prefetch: how many of the next layer's router picks per token its "
                         "guess fetches while this layer computes (0 = auto: a quarter of the router's top_k, at least 1)")
+    v.add_argument("--no-expert-fill-overlap", dest="expert_fill_overlap", action="store_false",
+                   help="offloaded experts (device-managed cache): copy a layer's missing experts before any of its GEMMs "
+                        "instead of while its resident experts' GEMMs run (the same output either way)")
     v.add_argument("--warmup", default="auto", nargs="?", const="on", type=switch_value, choices=list(SWITCH),
                    help="before the verifier serves, run short prefills and a verify per CUDA-graph bucket (with and "
                         "without the DFlash drafter's feature layers) and release them, so the first request pays no "
@@ -126,7 +129,14 @@ def _check_seconds(args, *names: str) -> None:
 
 
 _OFFLOAD_OPTIONS = (("expert_prefetch", "union,layer"), ("expert_cache_mode", "device"), ("expert_eviction", "lru"),
-                    ("expert_arrival_share", 0.5), ("expert_guess_width", 0))
+                    ("expert_arrival_share", 0.5), ("expert_guess_width", 0), ("expert_fill_overlap", True))
+
+
+def _flag(name: str, value) -> str:
+    """An option as `up`'s command line spells it: a switch off as --no-NAME, else --NAME VALUE."""
+    if value is False:
+        return f"--no-{name.replace('_', '-')}"
+    return f"--{name.replace('_', '-')} {value}"
 
 
 def _check_stack_args(args) -> None:
@@ -161,7 +171,7 @@ def _check_stack_args(args) -> None:
         return os.environ.get(f"PDFLASH_{name.upper()}", "").strip() or default if value == default else value
 
     offloaded = gb > 0 or effective("expert_cache_gb", 0.0) not in (0.0, "0", "0.0")
-    changed = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n, default in _OFFLOAD_OPTIONS if getattr(args, n) != default]
+    changed = [_flag(n, getattr(args, n)) for n, default in _OFFLOAD_OPTIONS if getattr(args, n) != default]
     if changed and not offloaded:
         raise UsageError([f"{', '.join(changed)}: only for offloaded experts; add --experts mxfp4 --expert-cache-gb GiB"])
     eviction, mode = effective("expert_eviction", "lru"), effective("expert_cache_mode", "device")
@@ -204,10 +214,11 @@ def _verifier_args(args) -> list[str]:
     out = []
     for flag, default in (("device", "auto"), ("dtype", "auto"), ("kernels", "auto"), ("experts", "native"), ("expert_cache_gb", 0.0),
                           ("expert_prefetch", "union,layer"), ("expert_cache_mode", "device"), ("expert_eviction", "lru"),
-                          ("expert_arrival_share", 0.5), ("expert_guess_width", 0), ("warmup", "auto")):
+                          ("expert_arrival_share", 0.5), ("expert_guess_width", 0), ("expert_fill_overlap", True),
+                          ("warmup", "auto")):
         value = getattr(args, flag, default)
         if value != default:
-            out += [f"--{flag.replace('_', '-')}", str(value)]
+            out += _flag(flag, value).split(" ", 1)
     return out
 
 

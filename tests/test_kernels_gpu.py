@@ -192,6 +192,55 @@ def test_moe_split_k_in_one_launch_gives_the_two_launch_bits_also_replayed_in_a_
     assert int(linear._COUNTERS[("cuda", x.device.index)][0].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "gpt-oss-20b"])
+@pytest.mark.parametrize("t", [1, 16])
+def test_moe_two_phases_with_a_side_stream_copy_equal_one_phase_also_in_a_graph(model, t):
+    """moe_forward's two phases as the device-managed expert cache runs them: the flagged experts' slots are copied in
+    from pinned host memory on a side stream while the resident experts' GEMMs run, and the second phase waits for that
+    copy's event; eagerly and replayed from a CUDA graph (the copy re-done each replay), the output's bits equal one
+    phase over the finished slots."""
+    from kernels.moe import moe_forward
+
+    e = SHAPES[model][0]
+    w = _weights(model, True)
+    x, ids, wts = _tokens(model, t, seed=t)
+    one = moe_forward(x, ids, wts, w, e)
+    routed = sorted(set(ids.reshape(-1).tolist()))
+    flagged = routed[::2]  # half the routed experts arrive late
+    phase = torch.zeros(e, dtype=torch.int8, device=DEV)
+    phase[flagged] = 1
+    names = [n for n in ("w1", "w2", "s1", "s2") if getattr(w, n) is not None]
+    host = {n: getattr(w, n)[flagged].cpu().pin_memory() for n in names}
+    side, done = torch.cuda.Stream(), torch.cuda.Event()
+    late = torch.tensor(flagged, device=DEV)
+
+    def forward():
+        cur = torch.cuda.current_stream()
+        for n in names:  # the late experts' slots hold other bytes until their copy lands
+            getattr(w, n).index_copy_(0, late, getattr(w, n).index_select(0, late).flip(-1))
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            for n in names:
+                getattr(w, n).index_copy_(0, late, host[n].to(DEV, non_blocking=True))
+            done.record(side)
+        return moe_forward(x, ids, wts, w, e, phase_of_expert=phase, between=lambda: cur.wait_event(done))
+
+    assert torch.equal(forward(), one)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        forward()  # compile and warm outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, one)
+
+
 LINEAR_SHAPES = [(4096, 2048), (512, 2048), (2048, 4096), (128, 2048), (4096, 2880), (2880, 4096), (1024, 4096), (4096, 4096), (2048, 64), (151936, 2048)]
 
 

@@ -204,6 +204,18 @@ def test_pdflash_up_passes_the_expert_options_to_the_verifier():
     guess = _spec(build_parser().parse_args(["up", "--experts", "mxfp4", "--expert-cache-gb", "1", "--expert-guess-width", "2"]))
     assert guess.verifier_args[-2:] == ["--expert-guess-width", "2"]
     assert VerifierConfig().expert_guess_width == 0
+    overlap = _spec(build_parser().parse_args(["up", "--experts", "mxfp4", "--expert-cache-gb", "1", "--no-expert-fill-overlap"]))
+    assert overlap.verifier_args[-1:] == ["--no-expert-fill-overlap"]
+    assert VerifierConfig().expert_fill_overlap is True
+    import argparse
+
+    from pdflash.config import add_arguments, from_sources
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, VerifierConfig)
+    args = parser.parse_args(["--no-expert-fill-overlap"])
+    assert from_sources(VerifierConfig, args, env={}).expert_fill_overlap is False
+    assert from_sources(VerifierConfig, None, env={"PDFLASH_EXPERT_FILL_OVERLAP": "off"}).expert_fill_overlap is False
     with pytest.raises(ConfigError, match=r"--expert-guess-width -1: must be >= 0"):
         VerifierConfig(expert_guess_width=-1).validate()
 
@@ -238,6 +250,7 @@ def test_up_refuses_offload_options_that_cannot_apply_before_anything_starts(com
         (["--expert-prefetch", "layer"], "--expert-prefetch layer: only for offloaded experts; add --experts mxfp4 --expert-cache-gb"),
         (["--expert-cache-mode", "host", "--expert-eviction", "cyclic"],
          "--expert-cache-mode host, --expert-eviction cyclic: only for offloaded experts"),
+        (["--no-expert-fill-overlap"], "--no-expert-fill-overlap: only for offloaded experts"),
         (["--experts", "mxfp4", "--expert-cache-gb", "1", "--expert-eviction", "cyclic"],
          "--expert-eviction cyclic is a policy of --expert-cache-mode host"),
     )

@@ -23,12 +23,14 @@ def checkpoint(request, tmp_path_factory):
     return make_real_shape_checkpoint(tmp_path_factory.mktemp(request.param), request.param, device="cuda")
 
 
-def _core(d, cache_gb: float, prefetch: str = "union,layer", mode: str = "device"):
+def _core(d, cache_gb: float, prefetch: str = "union,layer", mode: str = "device", overlap: bool = True):
     from verifier_svc.engine import PagedKVOptions, VerifierCore
     from verifier_svc.model import load_target
 
     target = load_target(d, "cuda", "bfloat16", kernels="on", experts="mxfp4", expert_cache_gb=cache_gb, expert_prefetch=prefetch,
                          expert_cache_mode=mode)
+    if mode == "device":
+        target.expert_cache.fill_overlap = overlap  # (before the graphs capture)
     return VerifierCore(target, max_block_size=16, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2))
 
 
@@ -48,24 +50,27 @@ def test_offloaded_equals_resident_mxfp4_for_every_prefetch_mode(checkpoint, mon
     per_layer = max(store.num_experts.values())
     small_gb = (per_layer + 3) * store.slice_bytes / 2**30  # one layer's experts + 3: every forward evicts
     del probe
-    runs = [("union,layer", "device"), ("none", "device"), ("union", "device"), ("layer", "device"), ("union,layer", "host")]
-    for prefetch, mode in runs:
+    # (device mode copies a layer's misses while its resident experts compute, --expert-fill-overlap; False: copies first)
+    runs = [("union,layer", "device", True), ("none", "device", True), ("union", "device", True), ("layer", "device", True),
+            ("union,layer", "host", True), ("union,layer", "device", False), ("none", "device", False)]
+    for prefetch, mode, overlap in runs:
         # device mode: the overflow range (one layer's experts) + partitions of about half a layer each: still evicts
-        core = _core(checkpoint, small_gb if mode == "host" else small_gb + per_layer * store.slice_bytes / 2**30, prefetch, mode)
+        core = _core(checkpoint, small_gb if mode == "host" else small_gb + per_layer * store.slice_bytes / 2**30, prefetch, mode,
+                     overlap)
         assert core.graphs is not None and getattr(core.target.expert_cache, "device_managed", False) == (mode == "device")
         cache = core.target.expert_cache
         kept = sum(cache.sizes) if mode == "device" else cache.num_slots  # (device: + an overflow range, not kept)
         assert kept < sum(store.num_experts.values())
         for i, (p, ref) in enumerate(zip(prompts, refs)):
             if i == 0 or prefetch in ("union,layer", "none"):
-                assert _run(core, p, _no_drafts) == ref, (prefetch, mode)
-            assert _run(core, p, _replay(ref, 3, vocab), width=16) == ref, (prefetch, mode)
+                assert _run(core, p, _no_drafts) == ref, (prefetch, mode, overlap)
+            assert _run(core, p, _replay(ref, 3, vocab), width=16) == ref, (prefetch, mode, overlap)
         st = cache.stats
         assert st.evictions > 0 and st.hits + st.misses == st.lookups
         assert st.bytes_moved == (st.misses + st.prefetched) * store.slice_bytes
         if "layer" in prefetch:
             assert st.prefetched > 0
-        if prefetch == "none":  # the experts move to another cache (of the other kind): the graphs are captured anew
+        if prefetch == "none" and overlap:  # the experts move to another cache (of the other kind): the graphs are captured anew
             from kernels.installer import serve_offloaded_experts
             from verifier_svc.expert_cache import new_cache
 

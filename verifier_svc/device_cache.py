@@ -110,6 +110,10 @@ class DeviceExpertCache:
         self._cuda = dev.type == "cuda"
         self._side = torch.cuda.Stream(dev) if self._cuda else None
         self._joins: set[int] = set()  # layers whose prefetch runs on the side stream (joined at their call)
+        # A layer's demand copies on the side stream while its resident experts' GEMMs run (kernels.moe two phases); the
+        # flagged experts' GEMMs wait for this layer's event. Set before the graphs capture (`--no-expert-fill-overlap`).
+        self.fill_overlap = True
+        self._filled = [torch.cuda.Event() for _ in self.layers] if self._cuda else []
         self._stats = CacheStats()
         self.time_copies = False  # the copies run inside the forward's kernels: no separate copy timing
         self.gate = GuessGate()  # whether the next-layer guess pays (measured); its decision is `guess_on`
@@ -314,7 +318,7 @@ class DeviceExpertCache:
             self.guess_on.fill_(1)
 
     # ---- the experts call (kernels.installer) ----------------------------------------------------------------
-    def _admit(self, i: int, which: int, ids, valid_rows, valid: int | None, extra, prefetch: bool) -> None:
+    def _admit(self, i: int, which: int, ids, valid_rows, valid: int | None, extra, prefetch: bool, fill: bool = True) -> None:
         args = (self.table[i], self.owner[i, : self.sizes[i]], self.last[i, : self.sizes[i]], self.unused[i, : self.sizes[i]],
                 self.codes[i], self.effs[i] if prefetch else self.eff[i], self.fills[which, i])
         n = self.store.num_experts[self.layers[i]]
@@ -322,7 +326,8 @@ class DeviceExpertCache:
         if self._cuda:
             ko.admit(ids, valid_rows, extra, self.marks[which, i, :n], *args, self.order[which, i], self.tick,
                      self.bases[i], self.overflow, prefetch)
-            ko.fill(self.store.arena, self.pool, self._rows[i], args[5], args[6])
+            if fill:
+                ko.fill(self.store.arena, self.pool, self._rows[i], args[5], args[6])
         else:
             ko.admit_reference(ids, valid, extra, *args, int(self.tick), self.bases[i], self.overflow, prefetch)
             ko.fill_reference(self.store.arena, self.pool, self._rows[i], args[5], args[6])
@@ -344,9 +349,21 @@ class DeviceExpertCache:
             self.tick.add_(1)
             self.codes.zero_()
             self._joins.clear()
+        cur = torch.cuda.current_stream(self.device) if self._cuda else None
         if self._cuda and i in self._joins:
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
-        self._admit(i, 0, top_k_index, valid_rows, valid, None, prefetch=False)
+            cur.wait_stream(self._side)
+        # (a layer whose partition holds all its experts misses only while cold: one phase, no empty launches)
+        overlap = self._cuda and self.fill_overlap and self.sizes[i] < n
+        self._admit(i, 0, top_k_index, valid_rows, valid, None, prefetch=False, fill=not overlap)
+        phase = between = None
+        if overlap:  # this layer's misses copy on the side stream while its resident experts compute (two phases)
+            self._side.wait_stream(cur)
+            with torch.cuda.stream(self._side):
+                ko.fill(self.store.arena, self.pool, self._rows[i], self.eff[i, :n], self.fills[0, i, :n])
+                self._filled[i].record(self._side)
+            phase = self.fills[0, i, :n]
+            done = self._filled[i]
+            between = lambda: cur.wait_event(done)  # noqa: E731 (the second phase waits for the copies)
         nxt = getattr(module, "_pdflash_next_router", None) if self.layer_ahead else None
         if i + 1 < len(self.layers) and (nxt is not None or self.prefetch_union):
             if self._cuda:
@@ -368,7 +385,7 @@ class DeviceExpertCache:
                 if self.prefetch_union and guess is None:
                     extra = self.proj[i + 1, : self.store.num_experts[self.layers[i + 1]]]
                 self._admit(i + 1, 1, guess, g_rows, g_valid, extra, prefetch=True)
-        return offloaded_kernel(x, top_k_index, top_k_weights, self, n, self.eff[i, :n], valid, valid_rows)
+        return offloaded_kernel(x, top_k_index, top_k_weights, self, n, self.eff[i, :n], valid, valid_rows, phase, between)
 
 
 class _nullcontext:

@@ -75,6 +75,8 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         if target.expert_cache is not None:
             target.expert_cache.arrival_share = cfg.expert_arrival_share
             target.expert_cache.guess_width = cfg.expert_guess_width  # before VerifierCore captures the graphs
+            if hasattr(target.expert_cache, "fill_overlap"):  # the device-managed cache (the host one copies per layer)
+                target.expert_cache.fill_overlap = cfg.expert_fill_overlap
         # on the torch thread: on CUDA it captures the verify forward's graphs (seconds; health answers meanwhile)
         core = await torch_thread.run(VerifierCore, target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size,
                                       cfg.max_tokens_limit, prefill_threads=prefill_threads,
