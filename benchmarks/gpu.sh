@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|sweep|probe|e2e|stack|offload|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite, 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -84,4 +84,7 @@ if has kernels; then
 fi
 if has offload; then
   timeout ${OFFLOAD_S:-420} python3 benchmarks/offload.py --out "$OUT" ${OFFLOAD_ARGS:-} 2>&1 | tee "$OUT/offload.txt" | tail -40
+fi
+if has fill; then  # the expert cache's fill kernel's launch shapes against copy-engine copies (benchmarks/fill_sweep.py; ~1 min)
+  timeout ${FILL_S:-120} python3 benchmarks/fill_sweep.py --out "$OUT" 2>&1 | tee "$OUT/fill_sweep.txt" | tail -40
 fi

@@ -232,12 +232,13 @@ def admit(ids: torch.Tensor | None, valid: torch.Tensor | None, extra: torch.Ten
 
 
 def fill(arena: torch.Tensor, pool: torch.Tensor, first_row: int, eff: torch.Tensor, flags: torch.Tensor,
-         chunk_words: int = 1 << 16) -> None:
+         chunk_words: int = 1 << 16, block_words: int = 2048, num_warps: int = 4) -> None:
     """Copy the flagged experts' slices (arena rows first_row + e) into their slots (eff[e]): one launch over every
     expert of the layer, the unflagged programs return at once. arena: pinned host memory (read over PCIe) or device
     memory; both [rows, slice_bytes] uint8 with slice_bytes a multiple of 4."""
     words = arena.shape[1] // 4
     chunk = min(chunk_words, _pow2(words, 1024))
     _fill_kernel[(flags.shape[0], triton.cdiv(words, chunk))](
-        arena.view(torch.int32), pool.view(torch.int32), first_row, eff, flags, words, CHUNK=chunk, BLOCK=min(chunk, 2048),
+        arena.view(torch.int32), pool.view(torch.int32), first_row, eff, flags, words, CHUNK=chunk, BLOCK=min(chunk, block_words),
+        num_warps=num_warps,
     )
