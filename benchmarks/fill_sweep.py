@@ -11,12 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the project's kernels/, not benchmarks/kernels.py
+
 SLICES = {"gpt-oss-20b": 13_271_040, "qwen3-30b-a3b": 2_506_752}  # MXFP4 bytes of one expert (gate/up + down + scales)
 VARIANTS = [(1 << 16, 2048, 4), (1 << 16, 4096, 4), (1 << 16, 4096, 8), (1 << 15, 2048, 4), (1 << 14, 2048, 4),
-            (1 << 14, 1024, 4), (1 << 17, 4096, 8), (1 << 13, 2048, 4)]
+            (1 << 14, 1024, 4), (1 << 17, 4096, 8), (1 << 13, 2048, 4), (1 << 12, 2048, 4), (1 << 11, 2048, 4),
+            (1 << 12, 1024, 4), (1 << 11, 1024, 4)]
 
 
 def timed(fn, reps: int) -> float:

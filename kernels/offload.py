@@ -21,11 +21,22 @@ kernels are tested against (tests/test_offload_kernels.py, under Triton's interp
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels import runtime
 
 triton, tl = runtime.triton, runtime.tl
+
+# `fill`'s launch shape: int32 words of a slice one program copies (its K range), and words a load step moves. A program
+# has one load step in flight, so one slice (a layer's single miss) moves at about (its programs x a step) per PCIe round
+# trip: smaller ranges put more programs on one slice (benchmarks/fill_sweep.py measures the shapes on the GPU).
+FILL_CHUNK_WORDS = int(os.environ.get("PDFLASH_FILL_CHUNK_WORDS", str(1 << 16)))
+FILL_BLOCK_WORDS = int(os.environ.get("PDFLASH_FILL_BLOCK_WORDS", "2048"))
+for _name, _v in (("PDFLASH_FILL_CHUNK_WORDS", FILL_CHUNK_WORDS), ("PDFLASH_FILL_BLOCK_WORDS", FILL_BLOCK_WORDS)):
+    if _v < 256 or _v & (_v - 1):
+        raise ValueError(f"{_name} must be a power of two >= 256, got {_v}")
 
 ROUTED = 1  # routed by a real row of this forward
 HIT = 2  # resident when its layer ran (a prefetch of this forward counts)
@@ -232,11 +243,12 @@ def admit(ids: torch.Tensor | None, valid: torch.Tensor | None, extra: torch.Ten
 
 
 def fill(arena: torch.Tensor, pool: torch.Tensor, first_row: int, eff: torch.Tensor, flags: torch.Tensor,
-         chunk_words: int = 1 << 16, block_words: int = 2048, num_warps: int = 4) -> None:
+         chunk_words: int | None = None, block_words: int | None = None, num_warps: int = 4) -> None:
     """Copy the flagged experts' slices (arena rows first_row + e) into their slots (eff[e]): one launch over every
     expert of the layer, the unflagged programs return at once. arena: pinned host memory (read over PCIe) or device
     memory; both [rows, slice_bytes] uint8 with slice_bytes a multiple of 4."""
     words = arena.shape[1] // 4
+    chunk_words, block_words = chunk_words or FILL_CHUNK_WORDS, block_words or FILL_BLOCK_WORDS
     chunk = min(chunk_words, _pow2(words, 1024))
     _fill_kernel[(flags.shape[0], triton.cdiv(words, chunk))](
         arena.view(torch.int32), pool.view(torch.int32), first_row, eff, flags, words, CHUNK=chunk, BLOCK=min(chunk, block_words),

@@ -29,7 +29,7 @@ def _core(d, cache_gb: float, prefetch: str = "union,layer", mode: str = "device
 
     target = load_target(d, "cuda", "bfloat16", kernels="on", experts="mxfp4", expert_cache_gb=cache_gb, expert_prefetch=prefetch,
                          expert_cache_mode=mode)
-    if mode == "device":
+    if target.expert_cache is not None and mode == "device":
         target.expert_cache.fill_overlap = overlap  # (before the graphs capture)
     return VerifierCore(target, max_block_size=16, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2))
 
