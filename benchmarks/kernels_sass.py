@@ -61,9 +61,9 @@ def compile_gemm(gemm: int, c, model: str, fp4: bool):
                      out_ptr="*fp32", cnt_ptr="*i1", valid_ptr="*i1")  # (the separate combine: moe.launch_gemm2's dummies)
         const = dict(N=h, K=i, FP4=fp4, HAS_BIAS=bias, COMBINE=False, TOPK=1, TOPK_PAD=1, **flags)
     types.update(sorted_pairs_ptr="*i32", block_slot_ptr="*i32", num_blocks_ptr="*i32", ws_ptr="*fp32", cnt_ptr="*i32",
-                 scnt_ptr="*i32", R="i32")
+                 scnt_ptr="*i32", R="i32", block_phase_ptr="*i8")
     split, span = moe.split_span(h if gemm == 1 else i, c)  # split K (MoeConfig.split_k): the one-launch form
-    const.update(SPLIT=split, SPAN=span, FIXUP=split > 1)
+    const.update(SPLIT=split, SPAN=span, FIXUP=split > 1, PHASE=0)  # (one phase: every routing block)
     sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIV16 if n in fn.arg_names}
     t = time.time()

@@ -314,13 +314,14 @@ for progs, paged, sink, group in ((16, True, False, 8), (1, True, True, 8), (1, 
 from kernels import moe
 g2 = dict(h_ptr="*bf16", y_ptr="*fp32", sorted_pairs_ptr="*i32", block_slot_ptr="*i32", num_blocks_ptr="*i32", rw_ptr="*bf16",
           w_ptr="*bf16", s_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", cnt_ptr="*i32", valid_ptr="*i1", ws_ptr="*fp32",
-          scnt_ptr="*i32")
+          scnt_ptr="*i32", block_phase_ptr="*i8")
 for persist, fp4 in ((False, False), (True, True)):
     types = {**g2, "w_ptr": "*u8", "s_ptr": "*u8"} if fp4 else g2
     p = ptx(moe._moe_gemm2, types, dict(N=2048, K=768, FP4=fp4, HAS_BIAS=fp4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
                                         DECODE=moe.DECODE_WORD if fp4 else 0, F32DOT=False, A_LOAD=moe.A_JOIN if fp4 else 0,
                                         SWAP=False, RASTER=0, PERSIST=persist, COMBINE=True, TOPK=8, TOPK_PAD=8,
-                                        S_AHEAD=int(fp4), S_WORDS=False, LOOP_STAGES=None, SPLIT=1, SPAN=768, FIXUP=False))
+                                        S_AHEAD=int(fp4), S_WORDS=False, LOOP_STAGES=None, SPLIT=1, SPAN=768, FIXUP=False,
+                                        PHASE=2 if persist else 0))  # (moe_forward's second phase, and one phase)
     assert "atom.global.gpu.acq_rel.add" in p and "ld.global.cg" in p, "the fused combine's semaphore or L2 reads"
 # The K loops as the launcher specializes them (pointers and int arguments divisible by 16, arguments equal to 1 as
 # constants: without that Triton pipelines nothing): every dot operand streams ahead through cp.async. Guards against
