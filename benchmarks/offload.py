@@ -132,10 +132,11 @@ def offloaded_core(model, name: str):
     return VerifierCore(target, max_block_size=16, max_tokens_limit=4096, paged_kv=PagedKVOptions(kv_cache_gb=4))
 
 
-def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", guess_width: int = 0, overlap: bool = True):
+def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", guess_width: int = 0, overlap: str = "on"):
     """A fresh cache (`mode`: device- or host-managed) holding `fraction` of the experts (at least one layer's), the
     modules routed through it; its next-layer guess takes the router's top `guess_width` (0: auto, kernels.installer.guess_k);
-    `overlap`: the device cache copies a layer's misses while its resident experts compute (--expert-fill-overlap)."""
+    `overlap` (device cache): "on", a layer's misses copy while its resident experts compute (--expert-fill-overlap);
+    "off"; "async", on and the next layer waits only for the guess's admission (PDFLASH_EXPERT_GUESS_ASYNC)."""
     from kernels.installer import experts_modules
     from verifier_svc.expert_cache import min_slots, new_cache
 
@@ -153,7 +154,8 @@ def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", g
     cache = new_cache(store, 0, DEVICE, prefetch, mode, time_copies=True, slots=slots)
     cache.guess_width = guess_width  # before the graphs capture the guess's top-k
     if mode == "device":
-        cache.fill_overlap = overlap
+        cache.fill_overlap = overlap != "off"
+        cache.guess_async = overlap == "async"
     for layer, module in experts_modules(core.target.model).items():  # a rebind: serving the model anew would reset
         module._pdflash_offload = (cache, layer)  # its experts implementation, dropping the seam's route capture
     core.target.expert_cache = cache
@@ -232,7 +234,8 @@ def write(args, meta: dict, rows: list[dict]) -> None:
           "Each cache is warmed by one short request before its rows (kernels compiled; the TTFT column is a warm server's). "
           "prefetch: what streams ahead (union: the verify's projected union; layer: layer l + 1's router on layer l's input). "
           "guess: how many of that router's top experts per row the layer guess fetches (auto: a quarter of its top_k, at least 1). "
-          "overlap (device cache): on, a layer's misses copy while its resident experts compute; off, they copy before its GEMMs. "
+          "overlap (device cache): on, a layer's misses copy while its resident experts compute; off, they copy before its GEMMs; "
+          "async, on and the next layer waits only for the guess's admission, not its copies. "
           "width: the drafted rows' width rule (cost: the growth rule capped by measured round prices, as the stack does for "
           "offloaded experts; growth: the growth rule alone).", "",
           "| model | system | cache | prefetch | guess | overlap | block | drafter | width | tok/s | TTFT ms | tau | expert MB/token | H2D of pinned | hidden | hit rate | coverage | wasted MB | PCIe bound tok/s | of bound | byte-bound | identical |",
@@ -267,9 +270,10 @@ def main(argv=None) -> int:
     ap.add_argument("--guess-widths", nargs="+", type=int, default=[0],
                     help="with layer prefetch, how many of the next router's top experts the guess fetches (0 = auto: a quarter of "
                          "its top_k, at least 1; the cache's guess_width, --expert-guess-width), compared at each cache size below 100%%")
-    ap.add_argument("--overlaps", nargs="+", default=["on"], choices=["on", "off"],
+    ap.add_argument("--overlaps", nargs="+", default=["on"], choices=["on", "off", "async"],
                     help="device cache: copy a layer's misses while its resident experts compute (on, --expert-fill-overlap) "
-                         "or before its GEMMs (off), compared at each cache size below 100%%")
+                         "or before its GEMMs (off), or on with the next-layer guess not holding up the next layer (async, "
+                         "PDFLASH_EXPERT_GUESS_ASYNC=1), compared at each cache size below 100%%")
     ap.add_argument("--widths", nargs="+", default=["cost"], choices=["cost", "growth"],
                     help="the drafted rows' width rule: cost (the growth rule capped by round time, what the stack does "
                          "for offloaded experts) and/or growth (the growth rule alone)")
@@ -309,7 +313,7 @@ def main(argv=None) -> int:
         for mode, fraction, prefetch, guess_width, overlap in runs:
             if fraction == 1.0:
                 compute = {}
-            cache = use_cache(core, fraction, mode, "" if prefetch == "none" else prefetch, guess_width, overlap == "on")
+            cache = use_cache(core, fraction, mode, "" if prefetch == "none" else prefetch, guess_width, overlap)
             # warm: every kernel of this cache compiled and (at 100%) every expert resident before the timed runs
             core_run(core, prompts if fraction == 1.0 else prompts[:1], 4, 1)
             modes = [("none", 1, none_propose, "growth")]

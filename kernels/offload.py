@@ -15,6 +15,10 @@ copies can sit in a CUDA graph whose routing decides them) into their slots. A p
 slots and never overflows. Per expert, `codes` collects what happened in this forward (bits below): the host
 decodes them into the cache's counters after the forward.
 
+`fill` values: 0 resident (or not needed), 1 to copy now; with `inflight` (a demand admission whose layer's prefetch may
+still be copying: the device cache's asynchronous guess) 2 marks a hit on a slot a prefetch brought and nothing used
+yet, which `fill` leaves alone but the experts kernel's second phase waits for (`kernels.moe` two phases).
+
 `admit_reference` / `fill_reference` are the same logic in plain Python/torch: the CPU path, and the spec the Triton
 kernels are tested against (tests/test_offload_kernels.py, under Triton's interpreter on CPU machines).
 """
@@ -51,9 +55,11 @@ BIG = 1 << 40  # LRU key of a slot this call needs (never evicted); forward coun
 
 def admit_reference(ids: torch.Tensor | None, valid: int | None, extra: torch.Tensor | None, table: torch.Tensor,
                     owner: torch.Tensor, last: torch.Tensor, unused: torch.Tensor, codes: torch.Tensor,
-                    eff: torch.Tensor, fill: torch.Tensor, tick: int, base: int, scratch: int, prefetch: bool) -> None:
+                    eff: torch.Tensor, fill: torch.Tensor, tick: int, base: int, scratch: int, prefetch: bool,
+                    inflight: bool = False) -> None:
     """One layer's admission, in place on the layer's state rows (CPU tensors). ids [rows, k] (rows >= valid
-    ignored) and/or extra [E] (nonzero = needed) say what this call needs."""
+    ignored) and/or extra [E] (nonzero = needed) say what this call needs. `inflight`: fill 2 for a demand hit on a
+    prefetched, unused slot (see the module's docstring)."""
     n, c = table.shape[0], owner.shape[0]
     need_set = set()
     if ids is not None:
@@ -84,6 +90,8 @@ def admit_reference(ids: torch.Tensor | None, valid: int | None, extra: torch.Te
                 if unu[s]:
                     code |= PREFETCH_USED
                     unu[s] = 0
+                    if inflight:
+                        out_fill[e] = 2
             cod[e] = code
             continue
         if rank < len(order):
@@ -108,7 +116,7 @@ def admit_reference(ids: torch.Tensor | None, valid: int | None, extra: torch.Te
 
 
 def fill_reference(arena: torch.Tensor, pool: torch.Tensor, first_row: int, eff: torch.Tensor, fill: torch.Tensor) -> None:
-    for e in torch.nonzero(fill).reshape(-1).tolist():
+    for e in torch.nonzero(fill == 1).reshape(-1).tolist():
         pool[int(eff[e])].copy_(arena[first_row + e])
 
 
@@ -128,7 +136,8 @@ if triton is not None:
     def _admit_kernel(ids_ptr, n_ids, valid_ptr, extra_ptr, mark_ptr, table_ptr, owner_ptr, last_ptr, unused_ptr,
                       codes_ptr, eff_ptr, fill_ptr, order_ptr, tick_ptr, E, C, base, scratch,
                       TOPK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_VALID: tl.constexpr, HAS_EXTRA: tl.constexpr,
-                      PREFETCH: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, BI: tl.constexpr):
+                      PREFETCH: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, BI: tl.constexpr,
+                      INFLIGHT: tl.constexpr = False):
         e = tl.arange(0, BE)
         em = e < E
         c = tl.arange(0, BC)
@@ -197,15 +206,19 @@ if triton is not None:
             code = code | tl.where(need, _ROUTED, 0) | tl.where(hit, _HIT, 0) | tl.where(hit & hit_unused, _PREFETCH_USED, 0)
             code = code | tl.where(missing, _MISS, 0) | tl.where(over, _OVERFLOW, 0)
             fl = ok | over
+        fl = fl.to(tl.int8)
+        if INFLIGHT:
+            if not PREFETCH:
+                fl = tl.where(hit & hit_unused, 2, fl).to(tl.int8)
         eff = tl.where(ok, slot, tl.where(resident, tab, scratch + e))
         tl.store(codes_ptr + e, code, mask=em)
         tl.store(eff_ptr + e, eff.to(tl.int32), mask=em)
-        tl.store(fill_ptr + e, fl.to(tl.int8), mask=em)
+        tl.store(fill_ptr + e, fl, mask=em)
 
     @triton.jit
     def _fill_kernel(src_ptr, dst_ptr, first_row, eff_ptr, fill_ptr, words, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         e = tl.program_id(0)
-        if tl.load(fill_ptr + e) != 0:
+        if tl.load(fill_ptr + e) == 1:
             slot = tl.load(eff_ptr + e).to(tl.int64)
             lo = tl.program_id(1).to(tl.int64) * CHUNK
             src = src_ptr + (first_row + e).to(tl.int64) * words
@@ -226,7 +239,7 @@ def _pow2(n: int, lo: int = 16) -> int:
 def admit(ids: torch.Tensor | None, valid: torch.Tensor | None, extra: torch.Tensor | None, mark: torch.Tensor,
           table: torch.Tensor, owner: torch.Tensor, last: torch.Tensor, unused: torch.Tensor, codes: torch.Tensor,
           eff: torch.Tensor, fill: torch.Tensor, order: torch.Tensor, tick: torch.Tensor, base: int, scratch: int,
-          prefetch: bool) -> None:
+          prefetch: bool, inflight: bool = False) -> None:
     """The Triton admission (one program): same effect as admit_reference, on device tensors, no host sync.
     ids [rows, k] int64 or None; valid: int32 [1] (real rows) or None (all); extra int8 [E] or None; mark int8 [E]
     and order int32 [>= pow2(C)]: scratch rows; tick int64 [1]."""
@@ -239,6 +252,7 @@ def admit(ids: torch.Tensor | None, valid: torch.Tensor | None, extra: torch.Ten
         extra if extra is not None else dummy, mark, table, owner, last, unused, codes, eff, fill, order, tick,
         n, c, base, scratch, TOPK=topk, HAS_IDS=ids is not None, HAS_VALID=valid is not None,
         HAS_EXTRA=extra is not None, PREFETCH=prefetch, BE=_pow2(n), BC=_pow2(c), BI=_pow2(min(max(n_ids, 1), 1024)),
+        INFLIGHT=inflight,
     )
 
 

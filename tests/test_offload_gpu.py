@@ -23,7 +23,8 @@ def checkpoint(request, tmp_path_factory):
     return make_real_shape_checkpoint(tmp_path_factory.mktemp(request.param), request.param, device="cuda")
 
 
-def _core(d, cache_gb: float, prefetch: str = "union,layer", mode: str = "device", overlap: bool = True):
+def _core(d, cache_gb: float, prefetch: str = "union,layer", mode: str = "device", overlap: bool = True,
+          guess_async: bool = False):
     from verifier_svc.engine import PagedKVOptions, VerifierCore
     from verifier_svc.model import load_target
 
@@ -31,6 +32,7 @@ def _core(d, cache_gb: float, prefetch: str = "union,layer", mode: str = "device
                          expert_cache_mode=mode)
     if target.expert_cache is not None and mode == "device":
         target.expert_cache.fill_overlap = overlap  # (before the graphs capture)
+        target.expert_cache.guess_async = guess_async
     return VerifierCore(target, max_block_size=16, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2))
 
 
@@ -50,27 +52,29 @@ def test_offloaded_equals_resident_mxfp4_for_every_prefetch_mode(checkpoint, mon
     per_layer = max(store.num_experts.values())
     small_gb = (per_layer + 3) * store.slice_bytes / 2**30  # one layer's experts + 3: every forward evicts
     del probe
-    # (device mode copies a layer's misses while its resident experts compute, --expert-fill-overlap; False: copies first)
-    runs = [("union,layer", "device", True), ("none", "device", True), ("union", "device", True), ("layer", "device", True),
-            ("union,layer", "host", True), ("union,layer", "device", False), ("none", "device", False)]
-    for prefetch, mode, overlap in runs:
+    # (device mode copies a layer's misses while its resident experts compute, --expert-fill-overlap; False: copies first;
+    # guess_async: the next layer waits only for the guess's admission, PDFLASH_EXPERT_GUESS_ASYNC)
+    runs = [("union,layer", "device", True, False), ("none", "device", True, False), ("union", "device", True, False),
+            ("layer", "device", True, False), ("union,layer", "host", True, False), ("union,layer", "device", False, False),
+            ("none", "device", False, False), ("union,layer", "device", True, True), ("layer", "device", True, True)]
+    for prefetch, mode, overlap, guess_async in runs:
         # device mode: the overflow range (one layer's experts) + partitions of about half a layer each: still evicts
         core = _core(checkpoint, small_gb if mode == "host" else small_gb + per_layer * store.slice_bytes / 2**30, prefetch, mode,
-                     overlap)
+                     overlap, guess_async)
         assert core.graphs is not None and getattr(core.target.expert_cache, "device_managed", False) == (mode == "device")
         cache = core.target.expert_cache
         kept = sum(cache.sizes) if mode == "device" else cache.num_slots  # (device: + an overflow range, not kept)
         assert kept < sum(store.num_experts.values())
         for i, (p, ref) in enumerate(zip(prompts, refs)):
             if i == 0 or prefetch in ("union,layer", "none"):
-                assert _run(core, p, _no_drafts) == ref, (prefetch, mode, overlap)
-            assert _run(core, p, _replay(ref, 3, vocab), width=16) == ref, (prefetch, mode, overlap)
+                assert _run(core, p, _no_drafts) == ref, (prefetch, mode, overlap, guess_async)
+            assert _run(core, p, _replay(ref, 3, vocab), width=16) == ref, (prefetch, mode, overlap, guess_async)
         st = cache.stats
         assert st.evictions > 0 and st.hits + st.misses == st.lookups
         assert st.bytes_moved == (st.misses + st.prefetched) * store.slice_bytes
         if "layer" in prefetch:
             assert st.prefetched > 0
-        if prefetch == "none" and overlap:  # the experts move to another cache (of the other kind): the graphs are captured anew
+        if prefetch == "none" and overlap and not guess_async:  # the experts move to another cache (of the other kind): the graphs are captured anew
             from kernels.installer import serve_offloaded_experts
             from verifier_svc.expert_cache import new_cache
 

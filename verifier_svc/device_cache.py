@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from kernels import offload as ko
+from kernels import runtime
 from verifier_svc.expert_cache import CacheStats, check_slots
 from verifier_svc.expert_store import HostExpertStore
 from verifier_svc.guess_gate import GuessGate
@@ -114,6 +115,12 @@ class DeviceExpertCache:
         # flagged experts' GEMMs wait for this layer's event. Set before the graphs capture (`--no-expert-fill-overlap`).
         self.fill_overlap = True
         self._filled = [torch.cuda.Event() for _ in self.layers] if self._cuda else []
+        # With the overlap, the next-layer guess need not hold up the next layer until its copies land: that layer waits
+        # only for the guess's admission (`_admitted`), its demand admission marks hits on slots the guess brought as
+        # still in flight (fill 2: the second phase), and its demand copies queue behind the guess's on the side
+        # stream. Opt-in until a GPU has timed it (PDFLASH_EXPERT_GUESS_ASYNC=1); set before the graphs capture.
+        self.guess_async = runtime.env_flag("PDFLASH_EXPERT_GUESS_ASYNC")
+        self._admitted = [torch.cuda.Event() for _ in self.layers] if self._cuda else []
         self._stats = CacheStats()
         self.time_copies = False  # the copies run inside the forward's kernels: no separate copy timing
         self.gate = GuessGate()  # whether the next-layer guess pays (measured); its decision is `guess_on`
@@ -318,14 +325,22 @@ class DeviceExpertCache:
             self.guess_on.fill_(1)
 
     # ---- the experts call (kernels.installer) ----------------------------------------------------------------
-    def _admit(self, i: int, which: int, ids, valid_rows, valid: int | None, extra, prefetch: bool, fill: bool = True) -> None:
+    def _overlaps(self, i: int, n: int) -> bool:
+        """Whether layer i's misses copy while its resident experts compute (a layer whose partition holds all its
+        experts misses only while cold: one phase there, no empty launches)."""
+        return self._cuda and self.fill_overlap and self.sizes[i] < n
+
+    def _admit(self, i: int, which: int, ids, valid_rows, valid: int | None, extra, prefetch: bool, fill: bool = True,
+               inflight: bool = False, admitted: torch.cuda.Event | None = None) -> None:
         args = (self.table[i], self.owner[i, : self.sizes[i]], self.last[i, : self.sizes[i]], self.unused[i, : self.sizes[i]],
                 self.codes[i], self.effs[i] if prefetch else self.eff[i], self.fills[which, i])
         n = self.store.num_experts[self.layers[i]]
         args = tuple(a[:n] if k in (0, 4, 5, 6) else a for k, a in enumerate(args))
         if self._cuda:
             ko.admit(ids, valid_rows, extra, self.marks[which, i, :n], *args, self.order[which, i], self.tick,
-                     self.bases[i], self.overflow, prefetch)
+                     self.bases[i], self.overflow, prefetch, inflight)
+            if admitted is not None:
+                admitted.record(torch.cuda.current_stream(self.device))
             if fill:
                 ko.fill(self.store.arena, self.pool, self._rows[i], args[5], args[6])
         else:
@@ -350,11 +365,14 @@ class DeviceExpertCache:
             self.codes.zero_()
             self._joins.clear()
         cur = torch.cuda.current_stream(self.device) if self._cuda else None
+        overlap = self._overlaps(i, n)
+        early = overlap and self.guess_async  # the guess for this layer may still be copying (see __init__)
         if self._cuda and i in self._joins:
-            cur.wait_stream(self._side)
-        # (a layer whose partition holds all its experts misses only while cold: one phase, no empty launches)
-        overlap = self._cuda and self.fill_overlap and self.sizes[i] < n
-        self._admit(i, 0, top_k_index, valid_rows, valid, None, prefetch=False, fill=not overlap)
+            if early:
+                cur.wait_event(self._admitted[i])  # its admission only: the copies are the second phase's wait
+            else:
+                cur.wait_stream(self._side)
+        self._admit(i, 0, top_k_index, valid_rows, valid, None, prefetch=False, fill=not overlap, inflight=early)
         phase = between = None
         if overlap:  # this layer's misses copy on the side stream while its resident experts compute (two phases)
             self._side.wait_stream(cur)
@@ -384,7 +402,10 @@ class DeviceExpertCache:
                 extra = None
                 if self.prefetch_union and guess is None:
                     extra = self.proj[i + 1, : self.store.num_experts[self.layers[i + 1]]]
-                self._admit(i + 1, 1, guess, g_rows, g_valid, extra, prefetch=True)
+                n1 = self.store.num_experts[self.layers[i + 1]]
+                ahead = self._cuda and self.guess_async and self._overlaps(i + 1, n1)
+                self._admit(i + 1, 1, guess, g_rows, g_valid, extra, prefetch=True,
+                            admitted=self._admitted[i + 1] if ahead else None)
         return offloaded_kernel(x, top_k_index, top_k_weights, self, n, self.eff[i, :n], valid, valid_rows, phase, between)
 
 
