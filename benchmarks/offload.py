@@ -136,7 +136,8 @@ def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", g
     """A fresh cache (`mode`: device- or host-managed) holding `fraction` of the experts (at least one layer's), the
     modules routed through it; its next-layer guess takes the router's top `guess_width` (0: auto, kernels.installer.guess_k);
     `overlap` (device cache): "on", a layer's misses copy while its resident experts compute (--expert-fill-overlap);
-    "off"; "async", on and the next layer waits only for the guess's admission (PDFLASH_EXPERT_GUESS_ASYNC)."""
+    "off"; or "+"-joined: "async" (the next layer waits only for the guess's admission, PDFLASH_EXPERT_GUESS_ASYNC),
+    "gN" (the misses in N copy groups, PDFLASH_EXPERT_FILL_GROUPS), e.g. "async+g3"."""
     from kernels.installer import experts_modules
     from verifier_svc.expert_cache import min_slots, new_cache
 
@@ -154,8 +155,10 @@ def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", g
     cache = new_cache(store, 0, DEVICE, prefetch, mode, time_copies=True, slots=slots)
     cache.guess_width = guess_width  # before the graphs capture the guess's top-k
     if mode == "device":
-        cache.fill_overlap = overlap != "off"
-        cache.guess_async = overlap == "async"
+        parts = set(overlap.split("+"))
+        cache.fill_overlap = "off" not in parts
+        cache.guess_async = "async" in parts
+        cache.fill_groups = next((int(p[1:]) for p in parts if p[:1] == "g" and p[1:].isdigit()), 1)
     for layer, module in experts_modules(core.target.model).items():  # a rebind: serving the model anew would reset
         module._pdflash_offload = (cache, layer)  # its experts implementation, dropping the seam's route capture
     core.target.expert_cache = cache
@@ -253,6 +256,13 @@ def write(args, meta: dict, rows: list[dict]) -> None:
     print("\n".join(md))
 
 
+def _overlap(text: str) -> str:
+    parts = text.split("+")
+    if text in ("on", "off") or all(p == "async" or (p[:1] == "g" and p[1:].isdigit() and 1 <= int(p[1:]) <= 8) for p in parts):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: on, off, or +-joined async / g1..g8 (e.g. async+g3)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["gpt-oss-24l", "qwen3-48l"], choices=list(MODELS))
@@ -270,10 +280,11 @@ def main(argv=None) -> int:
     ap.add_argument("--guess-widths", nargs="+", type=int, default=[0],
                     help="with layer prefetch, how many of the next router's top experts the guess fetches (0 = auto: a quarter of "
                          "its top_k, at least 1; the cache's guess_width, --expert-guess-width), compared at each cache size below 100%%")
-    ap.add_argument("--overlaps", nargs="+", default=["on"], choices=["on", "off", "async"],
+    ap.add_argument("--overlaps", nargs="+", default=["on"], type=_overlap,
                     help="device cache: copy a layer's misses while its resident experts compute (on, --expert-fill-overlap) "
-                         "or before its GEMMs (off), or on with the next-layer guess not holding up the next layer (async, "
-                         "PDFLASH_EXPERT_GUESS_ASYNC=1), compared at each cache size below 100%%")
+                         "or before its GEMMs (off); with it, +-joined: async (the next-layer guess does not hold up the "
+                         "next layer, PDFLASH_EXPERT_GUESS_ASYNC=1), gN (the misses in N copy groups, "
+                         "PDFLASH_EXPERT_FILL_GROUPS=N), e.g. async+g3; compared at each cache size below 100%%")
     ap.add_argument("--widths", nargs="+", default=["cost"], choices=["cost", "growth"],
                     help="the drafted rows' width rule: cost (the growth rule capped by round time, what the stack does "
                          "for offloaded experts) and/or growth (the growth rule alone)")

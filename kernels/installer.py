@@ -255,19 +255,21 @@ def offloaded_experts(module, offload, x, top_k_index, top_k_weights, valid: int
 
 
 def offloaded_kernel(x, top_k_index, top_k_weights, cache, n: int, table: torch.Tensor, valid: int | None,
-                     valid_rows: torch.Tensor | None, phase: torch.Tensor | None = None, between=None) -> torch.Tensor:
+                     valid_rows: torch.Tensor | None, phase: torch.Tensor | None = None, between=None,
+                     groups: int = 1) -> torch.Tensor:
     """The grouped kernel over the cache's slot pool through a layer's slot table (the torch reference without a
-    usable Triton). Pure device work: a CUDA graph can capture it. `phase`/`between`: the experts still being copied
-    in (flags per expert) and the wait for their copies, run between the resident experts' GEMMs and theirs
-    (`moe_forward`'s two phases; the same bits)."""
+    usable Triton). Pure device work: a CUDA graph can capture it. `phase`/`between`/`groups`: the experts still being
+    copied in (their copy group per expert) and the wait for a group's copies, run before that group's GEMMs
+    (`moe_forward`'s phases; the same bits)."""
     if x.device.type == "cuda" and runtime.triton is not None:
         CALLS["experts"] += 1
         return moe_forward(x, top_k_index, top_k_weights, cache.weights, n, slot_of_expert=table, n_valid=valid_rows,
-                           phase_of_expert=phase, between=between)
+                           phase_of_expert=phase, between=between, groups=groups)
     from kernels.reference import moe_reference
 
     if between is not None:
-        between()
+        for g in range(1, groups + 1):
+            between(g)
     return moe_reference(x, top_k_index, top_k_weights, cache.weights, n, slot_of_expert=table, n_valid=valid).to(x.dtype)
 
 

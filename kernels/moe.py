@@ -216,7 +216,7 @@ class Routing:
     pair_valid: torch.Tensor  # bool [P]
     max_blocks: int
     num_pairs: int
-    block_phase: torch.Tensor | None = None  # int8 [max_blocks]: 1 where the block's expert is in the second phase
+    block_phase: torch.Tensor | None = None  # int8 [max_blocks]: the block's copy group (0: resident; moe_forward)
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -271,8 +271,8 @@ def align(
     reference of `align_fused`.
 
     Pairs of rows >= n_valid (padding rows of a bucketed forward) and ids outside [0, num_experts) are
-    dropped: they compute nothing and the combine step gives their rows zeros. `phase_of_expert` (int8 [E], nonzero:
-    the expert's blocks run in the second phase, `moe_forward`): each block's phase in `block_phase` (unused blocks 0).
+    dropped: they compute nothing and the combine step gives their rows zeros. `phase_of_expert` (int8 [E]: 0 resident,
+    g >= 1 copy group g, < 0 group 1; `moe_forward`): each block's group in `block_phase` (unused blocks 0).
     """
     t, topk = topk_ids.shape
     p = t * topk
@@ -305,7 +305,8 @@ def align(
     block_slot = torch.where(used, slot, torch.full_like(slot, -1)).to(torch.int32)
     phase = None
     if phase_of_expert is not None:
-        phase = (used & (phase_of_expert.to(dev)[block_expert] != 0)).to(torch.int8)
+        ph = phase_of_expert.to(dev).to(torch.int64)[block_expert]
+        phase = torch.where(used, torch.where(ph < 0, torch.ones_like(ph), ph), torch.zeros_like(ph)).to(torch.int8)
     return Routing(sorted_pairs[:-1], block_slot, num_blocks.to(torch.int32), valid, mb, p, phase)
 
 
@@ -600,14 +601,10 @@ if triton is not None:
     @triton.jit
     def _block_live(block_phase_ptr, pid_m, nb, PHASE: tl.constexpr):
         """Whether routing block pid_m runs in this launch: a routed block (< nb) of the launch's phase (0: every block;
-        1: the blocks of experts resident before the call; 2: those of experts being copied in, `moe_forward`)."""
+        p >= 1: the blocks of copy group p - 1, group 0 the experts resident before the call, `moe_forward`)."""
         live = pid_m < nb
         if PHASE != 0:
-            ph = tl.load(block_phase_ptr + pid_m)
-            if PHASE == 1:
-                live = live & (ph == 0)
-            else:
-                live = live & (ph != 0)
+            live = live & (tl.load(block_phase_ptr + pid_m) == PHASE - 1)
         return live
 
     @triton.jit
@@ -923,7 +920,7 @@ if triton is not None:
                         A_LOAD, SWAP, COMBINE, TOPK, TOPK_PAD, S_AHEAD, S_WORDS, LOOP_STAGES, SPLIT, KSPAN, FIXUP,
                     )
                 tile += tl.num_programs(0)
-            if COMBINE and PHASE != 2:  # (the rows without a routed pair: once, in the first phase)
+            if COMBINE and PHASE <= 1:  # (the rows without a routed pair: once, in the first phase)
                 zt = tl.program_id(0)
                 while zt < N_TILES:
                     _zero_rows(valid_ptr, out_ptr, N, zt, P // TOPK, N, BLOCK_N, TOPK, TOPK_PAD, F32DOT)
@@ -943,7 +940,7 @@ if triton is not None:
                     valid_ptr, ws_ptr, scnt_ptr, R, N, K, FP4, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DECODE, F32DOT, A_LOAD,
                     SWAP, COMBINE, TOPK, TOPK_PAD, S_AHEAD, S_WORDS, LOOP_STAGES, SPLIT, KSPAN, FIXUP,
                 )
-            if COMBINE and PHASE != 2:
+            if COMBINE and PHASE <= 1:
                 if pid_m == 0:  # (every grid has m block 0 of each n tile, routed pairs or not; once, in the first phase)
                     _zero_rows(valid_ptr, out_ptr, N, pid_n, P // TOPK, N, BLOCK_N, TOPK, TOPK_PAD, F32DOT)
 
@@ -1053,7 +1050,8 @@ if triton is not None:
             e_b = tl.minimum(e_b, E - 1)
             if HAS_PHASE:
                 ph = tl.load(phase_ptr + e_b, mask=used, other=0)
-                tl.store(block_phase_ptr + b, tl.where(used & (ph != 0), 1, 0).to(tl.int8), mask=b < MB)
+                ph = tl.where(ph < 0, 1, ph)  # (an expert in flight from a prefetch: the first copy group)
+                tl.store(block_phase_ptr + b, tl.where(used, ph, 0).to(tl.int8), mask=b < MB)
             if HAS_SLOT:
                 e_b = tl.load(slot_ptr + e_b, mask=used, other=0)
             tl.store(block_slot_ptr + b, tl.where(used, e_b, -1), mask=b < MB)
@@ -1178,9 +1176,10 @@ def _flags(c: MoeConfig, fp4: bool) -> dict:
 
 
 def _phase_args(r: Routing, phase: int) -> dict:
-    """A launch's phase arguments: 0 every routing block; 1 or 2 only the blocks of that phase (`Routing.block_phase`)."""
-    if phase not in (0, 1, 2) or (phase and r.block_phase is None):
-        raise ValueError(f"phase {phase}: 0, or 1/2 with a routing made with phase_of_expert")
+    """A launch's phase arguments: 0 every routing block; p >= 1 only the blocks of copy group p - 1
+    (`Routing.block_phase`)."""
+    if not 0 <= phase <= 127 or (phase and r.block_phase is None):
+        raise ValueError(f"phase {phase}: 0, or 1..127 with a routing made with phase_of_expert")
     return dict(block_phase_ptr=r.block_phase if phase else r.block_slot, PHASE=phase)
 
 
@@ -1251,16 +1250,18 @@ def moe_forward(
     warmup: bool = False,
     phase_of_expert: torch.Tensor | None = None,
     between=None,
+    groups: int = 1,
 ) -> torch.Tensor | None:
     """x [T, H] bf16, topk_ids/weights [T, k] -> [T, H] in x's dtype. Triton on CUDA (or under TRITON_INTERPRET).
     `warmup`: compile both GEMMs' kernels for these configs without running them (returns None).
 
-    `phase_of_expert` (int8 [num_experts], a device tensor, no host sync): two phases, for an expert cache that is still
-    copying some experts in. Both GEMMs run first over the blocks of experts whose flag is 0 (resident), then
-    `between()` is called (the caller makes the stream wait for its copies), then both GEMMs over the flagged experts'
-    blocks. A pair's rows are computed by the same program form either way and every token's output is summed in slot
-    order by whichever program stores its last pair (or by the combine launch), so the output is bit-identical to one
-    phase; the copies of the flagged experts overlap the resident experts' GEMMs."""
+    `phase_of_expert` (int8 [num_experts], a device tensor, no host sync): phases, for an expert cache that is still
+    copying some experts in, in `groups` copy groups (flag 0: resident; g in 1..groups: copy group g; < 0: group 1).
+    Both GEMMs run first over the blocks of the resident experts, then for each group g `between(g)` is called (the
+    caller makes the stream wait for that group's copies) and both GEMMs run over its experts' blocks. A pair's rows
+    are computed by the same program form either way and every token's output is summed in slot order by whichever
+    program stores its last pair (or by the combine launch), so the output is bit-identical to one phase; each group's
+    copies overlap the GEMMs of the experts before it."""
     t, hdim = x.shape
     topk = topk_ids.shape[1]
     inter = w.intermediate
@@ -1282,7 +1283,7 @@ def moe_forward(
         raise ValueError("both GEMMs share the routing blocks: block_m must match")
     x = x.contiguous()
     r = align_fused(topk_ids, num_experts, bm, slot_of_expert, n_valid, phase_of_expert)
-    phases = (1, 2) if phase_of_expert is not None else (0,)
+    phases = tuple(range(1, groups + 2)) if phase_of_expert is not None else (0,)
     dev = x.device
     h = torch.empty((r.max_blocks * bm, inter), dtype=torch.bfloat16, device=dev)
     y = torch.empty((r.num_pairs, hdim), dtype=torch.float32, device=dev)
@@ -1298,8 +1299,8 @@ def moe_forward(
             launch_gemm2(h, r, w, y, rw, config2, warmup=True, combine=combine, phase=ph)
         return None
     for ph in phases:
-        if ph == 2 and between is not None:
-            between()
+        if ph >= 2 and between is not None:
+            between(ph - 1)
         launch_gemm1(x, r, w, h, config, topk, phase=ph)
         launch_gemm2(h, r, w, y, rw, config2, combine=combine, phase=ph)
     if combine is None:

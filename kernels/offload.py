@@ -15,9 +15,12 @@ copies can sit in a CUDA graph whose routing decides them) into their slots. A p
 slots and never overflows. Per expert, `codes` collects what happened in this forward (bits below): the host
 decodes them into the cache's counters after the forward.
 
-`fill` values: 0 resident (or not needed), 1 to copy now; with `inflight` (a demand admission whose layer's prefetch may
-still be copying: the device cache's asynchronous guess) 2 marks a hit on a slot a prefetch brought and nothing used
-yet, which `fill` leaves alone but the experts kernel's second phase waits for (`kernels.moe` two phases).
+`fill` values: 0 resident (or not needed); g >= 1 to copy, in copy group g (`groups` of a demand admission: the
+missing experts split evenly, in expert order, into that many groups, each copied by its own `fill(..., group=g)` and
+computed by the experts kernel's phase g + 1, so the first group's GEMMs run while the later groups copy; a prefetch
+uses group 1); with `inflight` (a demand admission whose layer's prefetch may still be copying: the device cache's
+asynchronous guess) -1 marks a hit on a slot a prefetch brought and nothing used yet, which `fill` leaves alone and
+the experts kernel computes with group 1 (the side stream copies the prefetch before any group of this layer).
 
 `admit_reference` / `fill_reference` are the same logic in plain Python/torch: the CPU path, and the spec the Triton
 kernels are tested against (tests/test_offload_kernels.py, under Triton's interpreter on CPU machines).
@@ -56,10 +59,10 @@ BIG = 1 << 40  # LRU key of a slot this call needs (never evicted); forward coun
 def admit_reference(ids: torch.Tensor | None, valid: int | None, extra: torch.Tensor | None, table: torch.Tensor,
                     owner: torch.Tensor, last: torch.Tensor, unused: torch.Tensor, codes: torch.Tensor,
                     eff: torch.Tensor, fill: torch.Tensor, tick: int, base: int, scratch: int, prefetch: bool,
-                    inflight: bool = False) -> None:
+                    inflight: bool = False, groups: int = 1) -> None:
     """One layer's admission, in place on the layer's state rows (CPU tensors). ids [rows, k] (rows >= valid
-    ignored) and/or extra [E] (nonzero = needed) say what this call needs. `inflight`: fill 2 for a demand hit on a
-    prefetched, unused slot (see the module's docstring)."""
+    ignored) and/or extra [E] (nonzero = needed) say what this call needs. `inflight`: fill -1 for a demand hit on a
+    prefetched, unused slot; `groups`: the demand's copy groups (see the module's docstring)."""
     n, c = table.shape[0], owner.shape[0]
     need_set = set()
     if ids is not None:
@@ -91,7 +94,7 @@ def admit_reference(ids: torch.Tensor | None, valid: int | None, extra: torch.Te
                     code |= PREFETCH_USED
                     unu[s] = 0
                     if inflight:
-                        out_fill[e] = 2
+                        out_fill[e] = -1
             cod[e] = code
             continue
         if rank < len(order):
@@ -111,12 +114,17 @@ def admit_reference(ids: torch.Tensor | None, valid: int | None, extra: torch.Te
             code |= MISS | OVERFLOW
         rank += 1
         cod[e] = code
+    if not prefetch and groups > 1:  # the missing experts (filled ones) split evenly, in expert order
+        copied = [e for e in range(n) if out_fill[e] == 1]
+        for r, e in enumerate(copied):
+            out_fill[e] = 1 + r * groups // len(copied)
     for t, v in ((table, tab), (owner, own), (last, lst), (unused, unu), (codes, cod), (eff, out_eff), (fill, out_fill)):
         t.copy_(torch.tensor(v, dtype=t.dtype))
 
 
-def fill_reference(arena: torch.Tensor, pool: torch.Tensor, first_row: int, eff: torch.Tensor, fill: torch.Tensor) -> None:
-    for e in torch.nonzero(fill == 1).reshape(-1).tolist():
+def fill_reference(arena: torch.Tensor, pool: torch.Tensor, first_row: int, eff: torch.Tensor, fill: torch.Tensor,
+                   group: int = 1) -> None:
+    for e in torch.nonzero(fill == group).reshape(-1).tolist():
         pool[int(eff[e])].copy_(arena[first_row + e])
 
 
@@ -137,7 +145,7 @@ if triton is not None:
                       codes_ptr, eff_ptr, fill_ptr, order_ptr, tick_ptr, E, C, base, scratch,
                       TOPK: tl.constexpr, HAS_IDS: tl.constexpr, HAS_VALID: tl.constexpr, HAS_EXTRA: tl.constexpr,
                       PREFETCH: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, BI: tl.constexpr,
-                      INFLIGHT: tl.constexpr = False):
+                      INFLIGHT: tl.constexpr = False, GROUPS: tl.constexpr = 1):
         e = tl.arange(0, BE)
         em = e < E
         c = tl.arange(0, BC)
@@ -207,18 +215,23 @@ if triton is not None:
             code = code | tl.where(missing, _MISS, 0) | tl.where(over, _OVERFLOW, 0)
             fl = ok | over
         fl = fl.to(tl.int8)
-        if INFLIGHT:
-            if not PREFETCH:
-                fl = tl.where(hit & hit_unused, 2, fl).to(tl.int8)
+        if not PREFETCH:
+            if GROUPS > 1:  # the copied experts split evenly into copy groups, in expert order
+                copy = fl != 0
+                crank = tl.cumsum(copy.to(tl.int32), axis=0) - 1
+                ncopy = tl.maximum(tl.sum(copy.to(tl.int32), axis=0), 1)
+                fl = tl.where(copy, 1 + crank * GROUPS // ncopy, 0).to(tl.int8)
+            if INFLIGHT:
+                fl = tl.where(hit & hit_unused, -1, fl).to(tl.int8)
         eff = tl.where(ok, slot, tl.where(resident, tab, scratch + e))
         tl.store(codes_ptr + e, code, mask=em)
         tl.store(eff_ptr + e, eff.to(tl.int32), mask=em)
         tl.store(fill_ptr + e, fl, mask=em)
 
     @triton.jit
-    def _fill_kernel(src_ptr, dst_ptr, first_row, eff_ptr, fill_ptr, words, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    def _fill_kernel(src_ptr, dst_ptr, first_row, eff_ptr, fill_ptr, words, group, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         e = tl.program_id(0)
-        if tl.load(fill_ptr + e) == 1:
+        if tl.load(fill_ptr + e) == group:
             slot = tl.load(eff_ptr + e).to(tl.int64)
             lo = tl.program_id(1).to(tl.int64) * CHUNK
             src = src_ptr + (first_row + e).to(tl.int64) * words
@@ -239,7 +252,7 @@ def _pow2(n: int, lo: int = 16) -> int:
 def admit(ids: torch.Tensor | None, valid: torch.Tensor | None, extra: torch.Tensor | None, mark: torch.Tensor,
           table: torch.Tensor, owner: torch.Tensor, last: torch.Tensor, unused: torch.Tensor, codes: torch.Tensor,
           eff: torch.Tensor, fill: torch.Tensor, order: torch.Tensor, tick: torch.Tensor, base: int, scratch: int,
-          prefetch: bool, inflight: bool = False) -> None:
+          prefetch: bool, inflight: bool = False, groups: int = 1) -> None:
     """The Triton admission (one program): same effect as admit_reference, on device tensors, no host sync.
     ids [rows, k] int64 or None; valid: int32 [1] (real rows) or None (all); extra int8 [E] or None; mark int8 [E]
     and order int32 [>= pow2(C)]: scratch rows; tick int64 [1]."""
@@ -252,19 +265,19 @@ def admit(ids: torch.Tensor | None, valid: torch.Tensor | None, extra: torch.Ten
         extra if extra is not None else dummy, mark, table, owner, last, unused, codes, eff, fill, order, tick,
         n, c, base, scratch, TOPK=topk, HAS_IDS=ids is not None, HAS_VALID=valid is not None,
         HAS_EXTRA=extra is not None, PREFETCH=prefetch, BE=_pow2(n), BC=_pow2(c), BI=_pow2(min(max(n_ids, 1), 1024)),
-        INFLIGHT=inflight,
+        INFLIGHT=inflight, GROUPS=groups,
     )
 
 
 def fill(arena: torch.Tensor, pool: torch.Tensor, first_row: int, eff: torch.Tensor, flags: torch.Tensor,
-         chunk_words: int | None = None, block_words: int | None = None, num_warps: int = 4) -> None:
-    """Copy the flagged experts' slices (arena rows first_row + e) into their slots (eff[e]): one launch over every
-    expert of the layer, the unflagged programs return at once. arena: pinned host memory (read over PCIe) or device
+         chunk_words: int | None = None, block_words: int | None = None, num_warps: int = 4, group: int = 1) -> None:
+    """Copy the slices of the experts whose flag is `group` (arena rows first_row + e) into their slots (eff[e]): one
+    launch over every expert of the layer, the others' programs return at once. arena: pinned host memory (read over PCIe) or device
     memory; both [rows, slice_bytes] uint8 with slice_bytes a multiple of 4."""
     words = arena.shape[1] // 4
     chunk_words, block_words = chunk_words or FILL_CHUNK_WORDS, block_words or FILL_BLOCK_WORDS
     chunk = min(chunk_words, _pow2(words, 1024))
     _fill_kernel[(flags.shape[0], triton.cdiv(words, chunk))](
-        arena.view(torch.int32), pool.view(torch.int32), first_row, eff, flags, words, CHUNK=chunk, BLOCK=min(chunk, block_words),
+        arena.view(torch.int32), pool.view(torch.int32), first_row, eff, flags, words, group, CHUNK=chunk, BLOCK=min(chunk, block_words),
         num_warps=num_warps,
     )

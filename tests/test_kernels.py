@@ -472,10 +472,11 @@ def test_moe_kernel_reduction_with_a_partial_last_k_step(name):
     pytest.param(True, dict(a_load=2, decode=3, split_k=2), id="fp4-split2"),
     pytest.param(True, dict(a_load=2, decode=3, fused_combine=True), id="fp4-fused-combine"),
 ])
-def test_two_phases_give_the_one_phase_bits_and_call_between_once(fp4, fields, monkeypatch):
+def test_phases_give_the_one_phase_bits_and_wait_for_each_copy_group(fp4, fields, monkeypatch):
     """moe_forward's phases (an offloaded cache copying some experts in while the resident ones compute): the blocks
-    of unflagged experts first, `between()`, then the flagged ones; every row bit-identical to one phase, whatever the
-    flags (none, some, all), with padding rows and shuffled slots; align and align_fused give the same block phases."""
+    of resident experts first, then per copy group `between(g)` and that group's blocks; every row bit-identical to one
+    phase, whatever the flags (none, some, all; 1-3 groups; in flight), with padding rows and shuffled slots; align and
+    align_fused give the same block phases."""
     import dataclasses
 
     from kernels import linear, moe
@@ -497,40 +498,46 @@ def test_two_phases_give_the_one_phase_bits_and_call_between_once(fp4, fields, m
     one = moe_forward(x, ids, wts, ws, e, slot_of_expert=slot_of, n_valid=nv, config=c1, config2=c2)
     ref = moe_reference(x, ids, wts, w, e, n_valid=7)
     assert (one[:7].float() - ref[:7].float()).abs().max() <= 0.02 * ref.float().abs().max() + 1e-3
-    for flags in ([0, 1, 0, 0, 1, 1], [0] * e, [1] * e, [1, 0, 0, 0, 0, 0]):
+    # flags: 0 resident, g copy group g, -1 in flight from a prefetch (group 1); groups: how many copy groups
+    for flags, groups in (([0, 1, 0, 0, 1, 1], 1), ([0] * e, 1), ([1] * e, 1), ([1, 0, 0, 0, 0, 0], 1),
+                          ([0, 1, 0, 2, 3, 3], 3), ([-1, 2, 0, 1, 0, 2], 2)):
         phase = torch.tensor(flags, dtype=torch.int8)
-        # the flagged experts' slots hold garbage until between() "copies them in": a block of theirs computed before
+        group = [1 if f < 0 else f for f in flags]
+        # a group's experts' slots hold garbage until between(g) "copies them in": a block of theirs computed before
         # it would change the output
         late = ExpertWeights(*(None if v is None else v.clone() for v in (ws.w1, ws.w2, ws.s1, ws.s2)),
                              b1=ws.b1.clone(), b2=ws.b2.clone(), act=ACT_GPTOSS)
-        flagged = [int(slot_of[j]) for j in range(e) if flags[j]]
         tensors = [n for n in ("w1", "w2", "s1", "s2", "b1", "b2") if getattr(ws, n) is not None]
+
+        def slots(g):
+            return [int(slot_of[j]) for j in range(e) if group[j] == g]
+
         for n in tensors:
-            getattr(late, n)[flagged] = getattr(ws, n)[flagged].flip(-1)
+            getattr(late, n)[slots(1) + slots(2) + slots(3)] = getattr(ws, n)[slots(1) + slots(2) + slots(3)].flip(-1)
         calls = []
 
-        def between():
-            calls.append(1)
+        def between(g):
+            calls.append(g)
             for n in tensors:
-                getattr(late, n)[flagged] = getattr(ws, n)[flagged]
+                getattr(late, n)[slots(g)] = getattr(ws, n)[slots(g)]
 
         two = moe_forward(x, ids, wts, late, e, slot_of_expert=slot_of, n_valid=nv, config=c1, config2=c2,
-                          phase_of_expert=phase, between=between)
-        assert calls == [1], flags
+                          phase_of_expert=phase, between=between, groups=groups)
+        assert calls == list(range(1, groups + 1)), flags
         assert torch.equal(two, one), flags
         a, b = align(ids, e, 16, slot_of, nv, phase), align_fused(ids, e, 16, slot_of, nv, phase)
         assert torch.equal(a.block_phase, b.block_phase) and torch.equal(a.block_slot, b.block_slot)
         used = int(a.num_blocks)
         assert not a.block_phase[used:].any()
-        for blk in range(used):  # each used block's phase is its expert's flag
+        for blk in range(used):  # each used block's phase is its expert's copy group
             expert = int(perm[int(a.block_slot[blk])])
-            assert int(a.block_phase[blk]) == (flags[expert] != 0)
-        for ph in (1, 2):  # a phase's launch writes its own blocks' rows and no other
+            assert int(a.block_phase[blk]) == group[expert]
+        for ph in range(1, groups + 2):  # a phase's launch writes its own blocks' rows and no other
             h = torch.full((b.max_blocks * 16, ws.intermediate), float("nan"), dtype=torch.bfloat16)
             launch_gemm1(x, b, ws, h, dataclasses.replace(c1, block_m=16, split_k=1), k, phase=ph)
             for blk in range(used):
                 rows = b.sorted_pairs[blk * 16: (blk + 1) * 16] < b.num_pairs
-                mine = (int(b.block_phase[blk]) == 1) == (ph == 2)
+                mine = int(b.block_phase[blk]) == ph - 1
                 assert bool(h[blk * 16: (blk + 1) * 16][rows].isnan().any()) != mine, (flags, ph, blk)
     assert all(int(v[0].abs().sum()) == 0 for v in linear._COUNTERS.values())  # every counter back at zero
 

@@ -193,12 +193,12 @@ def test_moe_split_k_in_one_launch_gives_the_two_launch_bits_also_replayed_in_a_
 
 
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "gpt-oss-20b"])
-@pytest.mark.parametrize("t", [1, 16])
-def test_moe_two_phases_with_a_side_stream_copy_equal_one_phase_also_in_a_graph(model, t):
-    """moe_forward's two phases as the device-managed expert cache runs them: the flagged experts' slots are copied in
-    from pinned host memory on a side stream while the resident experts' GEMMs run, and the second phase waits for that
-    copy's event; eagerly and replayed from a CUDA graph (the copy re-done each replay), the output's bits equal one
-    phase over the finished slots."""
+@pytest.mark.parametrize("t,groups", [(1, 1), (16, 1), (16, 3)])
+def test_moe_two_phases_with_a_side_stream_copy_equal_one_phase_also_in_a_graph(model, t, groups):
+    """moe_forward's phases as the device-managed expert cache runs them: the late experts' slots are copied in from
+    pinned host memory on a side stream, a copy group at a time with an event each, while the resident experts' GEMMs
+    run, and each group's phase waits for its copy's event; eagerly and replayed from a CUDA graph (the copies re-done
+    each replay), the output's bits equal one phase over the finished slots."""
     from kernels.moe import moe_forward
 
     e = SHAPES[model][0]
@@ -206,24 +206,29 @@ def test_moe_two_phases_with_a_side_stream_copy_equal_one_phase_also_in_a_graph(
     x, ids, wts = _tokens(model, t, seed=t)
     one = moe_forward(x, ids, wts, w, e)
     routed = sorted(set(ids.reshape(-1).tolist()))
-    flagged = routed[::2]  # half the routed experts arrive late
+    flagged = routed[::2]  # half the routed experts arrive late, in `groups` copy groups
+    parts = [flagged[g::groups] for g in range(groups)]
     phase = torch.zeros(e, dtype=torch.int8, device=DEV)
-    phase[flagged] = 1
+    for g, part in enumerate(parts):
+        phase[part] = g + 1
     names = [n for n in ("w1", "w2", "s1", "s2") if getattr(w, n) is not None]
-    host = {n: getattr(w, n)[flagged].cpu().pin_memory() for n in names}
-    side, done = torch.cuda.Stream(), torch.cuda.Event()
-    late = torch.tensor(flagged, device=DEV)
+    host = [{n: getattr(w, n)[part].cpu().pin_memory() for n in names} for part in parts]
+    side, done = torch.cuda.Stream(), [torch.cuda.Event() for _ in parts]
+    late = [torch.tensor(part, device=DEV) for part in parts]
 
     def forward():
         cur = torch.cuda.current_stream()
-        for n in names:  # the late experts' slots hold other bytes until their copy lands
-            getattr(w, n).index_copy_(0, late, getattr(w, n).index_select(0, late).flip(-1))
+        for idx in late:  # the late experts' slots hold other bytes until their copy lands
+            for n in names:
+                getattr(w, n).index_copy_(0, idx, getattr(w, n).index_select(0, idx).flip(-1))
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            for n in names:
-                getattr(w, n).index_copy_(0, late, host[n].to(DEV, non_blocking=True))
-            done.record(side)
-        return moe_forward(x, ids, wts, w, e, phase_of_expert=phase, between=lambda: cur.wait_event(done))
+            for g, idx in enumerate(late):
+                for n in names:
+                    getattr(w, n).index_copy_(0, idx, host[g][n].to(DEV, non_blocking=True))
+                done[g].record(side)
+        return moe_forward(x, ids, wts, w, e, phase_of_expert=phase, between=lambda g: cur.wait_event(done[g - 1]),
+                           groups=groups)
 
     assert torch.equal(forward(), one)
     torch.cuda.synchronize()

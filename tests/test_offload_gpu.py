@@ -24,7 +24,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _core(d, cache_gb: float, prefetch: str = "union,layer", mode: str = "device", overlap: bool = True,
-          guess_async: bool = False):
+          guess_async: bool = False, groups: int = 1):
     from verifier_svc.engine import PagedKVOptions, VerifierCore
     from verifier_svc.model import load_target
 
@@ -33,6 +33,7 @@ def _core(d, cache_gb: float, prefetch: str = "union,layer", mode: str = "device
     if target.expert_cache is not None and mode == "device":
         target.expert_cache.fill_overlap = overlap  # (before the graphs capture)
         target.expert_cache.guess_async = guess_async
+        target.expert_cache.fill_groups = groups
     return VerifierCore(target, max_block_size=16, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2))
 
 
@@ -53,28 +54,30 @@ def test_offloaded_equals_resident_mxfp4_for_every_prefetch_mode(checkpoint, mon
     small_gb = (per_layer + 3) * store.slice_bytes / 2**30  # one layer's experts + 3: every forward evicts
     del probe
     # (device mode copies a layer's misses while its resident experts compute, --expert-fill-overlap; False: copies first;
-    # guess_async: the next layer waits only for the guess's admission, PDFLASH_EXPERT_GUESS_ASYNC)
-    runs = [("union,layer", "device", True, False), ("none", "device", True, False), ("union", "device", True, False),
-            ("layer", "device", True, False), ("union,layer", "host", True, False), ("union,layer", "device", False, False),
-            ("none", "device", False, False), ("union,layer", "device", True, True), ("layer", "device", True, True)]
-    for prefetch, mode, overlap, guess_async in runs:
+    # guess_async: the next layer waits only for the guess's admission, PDFLASH_EXPERT_GUESS_ASYNC; groups: the misses
+    # in that many copy groups, PDFLASH_EXPERT_FILL_GROUPS)
+    runs = [("union,layer", "device", True, False, 1), ("none", "device", True, False, 1), ("union", "device", True, False, 1),
+            ("layer", "device", True, False, 1), ("union,layer", "host", True, False, 1),
+            ("union,layer", "device", False, False, 1), ("none", "device", False, False, 1),
+            ("union,layer", "device", True, True, 1), ("layer", "device", True, True, 3), ("none", "device", True, False, 3)]
+    for prefetch, mode, overlap, guess_async, groups in runs:
         # device mode: the overflow range (one layer's experts) + partitions of about half a layer each: still evicts
         core = _core(checkpoint, small_gb if mode == "host" else small_gb + per_layer * store.slice_bytes / 2**30, prefetch, mode,
-                     overlap, guess_async)
+                     overlap, guess_async, groups)
         assert core.graphs is not None and getattr(core.target.expert_cache, "device_managed", False) == (mode == "device")
         cache = core.target.expert_cache
         kept = sum(cache.sizes) if mode == "device" else cache.num_slots  # (device: + an overflow range, not kept)
         assert kept < sum(store.num_experts.values())
         for i, (p, ref) in enumerate(zip(prompts, refs)):
             if i == 0 or prefetch in ("union,layer", "none"):
-                assert _run(core, p, _no_drafts) == ref, (prefetch, mode, overlap, guess_async)
-            assert _run(core, p, _replay(ref, 3, vocab), width=16) == ref, (prefetch, mode, overlap, guess_async)
+                assert _run(core, p, _no_drafts) == ref, (prefetch, mode, overlap, guess_async, groups)
+            assert _run(core, p, _replay(ref, 3, vocab), width=16) == ref, (prefetch, mode, overlap, guess_async, groups)
         st = cache.stats
         assert st.evictions > 0 and st.hits + st.misses == st.lookups
         assert st.bytes_moved == (st.misses + st.prefetched) * store.slice_bytes
         if "layer" in prefetch:
             assert st.prefetched > 0
-        if prefetch == "none" and overlap and not guess_async:  # the experts move to another cache (of the other kind): the graphs are captured anew
+        if prefetch == "none" and overlap and groups == 1:  # the experts move to another cache (of the other kind): the graphs are captured anew
             from kernels.installer import serve_offloaded_experts
             from verifier_svc.expert_cache import new_cache
 

@@ -51,17 +51,19 @@ def _case(seed: int):
 @pytest.mark.parametrize("seed", range(24))
 def test_admit_kernel_equals_reference(seed):
     n, c, ids, valid, extra, prefetch, base, tick, state = _case(seed)
-    inflight = seed % 3 == 0  # (fill 2 for demand hits on prefetched, unused slots)
+    inflight = seed % 3 == 0  # (fill -1 for demand hits on prefetched, unused slots)
+    groups = 1 + seed % 4  # (a demand's copies split into copy groups)
     scratch = base + c + 7
     ref = [t.clone() for t in state]
     eff_r, fill_r = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int8)
-    ko.admit_reference(ids, valid, extra, *ref[:4], ref[4], eff_r, fill_r, tick, base, scratch, prefetch, inflight)
+    ko.admit_reference(ids, valid, extra, *ref[:4], ref[4], eff_r, fill_r, tick, base, scratch, prefetch, inflight, groups)
     dev = [t.clone().to(DEV) for t in state]
     eff, fl = torch.zeros(n, dtype=torch.int32, device=DEV), torch.zeros(n, dtype=torch.int8, device=DEV)
     mark = torch.zeros(n, dtype=torch.int8, device=DEV)
     order = torch.zeros(ko._pow2(c), dtype=torch.int32, device=DEV)
     ko.admit(ids.to(DEV), torch.tensor([valid], dtype=torch.int32, device=DEV), None if extra is None else extra.to(DEV),
-             mark, *dev[:4], dev[4], eff, fl, order, torch.tensor([tick], device=DEV), base, scratch, prefetch, inflight)
+             mark, *dev[:4], dev[4], eff, fl, order, torch.tensor([tick], device=DEV), base, scratch, prefetch, inflight,
+             groups)
     for name, a, b in zip(("table", "owner", "last", "unused", "codes"), ref, dev):
         assert torch.equal(a, b.cpu()), name
     assert torch.equal(fill_r, fl.cpu())
@@ -92,8 +94,9 @@ def test_admit_reference_rules():
 
 
 def test_inflight_marks_hits_on_unused_prefetched_slots_for_the_second_phase_and_fill_skips_them():
-    """`inflight` (the asynchronous guess): a demand hit on a slot a prefetch brought and nothing used yet gets fill 2 (its
-    copy may still run: the experts' second phase waits for it), a hit on a used slot 0, a miss 1; fill copies only the 1s."""
+    """`inflight` (the asynchronous guess): a demand hit on a slot a prefetch brought and nothing used yet gets fill -1
+    (its copy may still run: the experts' second phase waits for it), a hit on a used slot 0, a miss 1; fill copies only
+    its group's. `groups`: the misses split evenly, in expert order, into copy groups 1..G."""
     n, base, scratch = 6, 0, 50
     table = torch.tensor([0, 1, -1, -1, -1, -1], dtype=torch.int32)
     owner = torch.tensor([0, 1, -1], dtype=torch.int32)
@@ -103,11 +106,17 @@ def test_inflight_marks_hits_on_unused_prefetched_slots_for_the_second_phase_and
     eff, fill = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int8)
     ko.admit_reference(torch.tensor([[0, 1, 2]]), None, None, table, owner, last, unused, codes, eff, fill, 2, base,
                        scratch, False, inflight=True)
-    assert fill.tolist()[:3] == [2, 0, 1] and codes[0] & ko.PREFETCH_USED and int(unused[0]) == 0
+    assert fill.tolist()[:3] == [-1, 0, 1] and codes[0] & ko.PREFETCH_USED and int(unused[0]) == 0
     arena = torch.arange(n * 8, dtype=torch.uint8).reshape(n, 8)
     pool = torch.zeros(3, 8, dtype=torch.uint8)
     ko.fill_reference(arena, pool, 0, eff, fill)
     assert torch.equal(pool[2], arena[2]) and not pool[0].any() and not pool[1].any()
+    table = torch.full((8,), -1, dtype=torch.int32)
+    owner, last, unused = torch.full((8,), -1, dtype=torch.int32), torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int8)
+    codes, eff, fill = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int8)
+    ko.admit_reference(torch.tensor([[1, 3, 4, 6, 7]]), None, None, table, owner, last, unused, codes, eff, fill, 1, 0, 50,
+                       False, groups=3)
+    assert fill.tolist() == [0, 1, 0, 1, 2, 0, 2, 3]  # five misses in three groups: ranks 0-4 -> 1 + r * 3 // 5
 
 
 @needs_triton
@@ -118,9 +127,13 @@ def test_fill_copies_only_flagged_slices():
         arena = arena.pin_memory()
     pool = torch.zeros(5, words * 4, dtype=torch.uint8, device=DEV)
     eff = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEV)
-    flags = torch.tensor([1, 2, 1], dtype=torch.int8, device=DEV)  # (2: in flight from a prefetch, not copied again)
+    flags = torch.tensor([1, -1, 1], dtype=torch.int8, device=DEV)  # (-1: in flight from a prefetch, not copied again)
     ko.fill(arena, pool, 2, eff, flags, chunk_words=1024)
     ref = torch.zeros(5, words * 4, dtype=torch.uint8)
     ko.fill_reference(arena, ref, 2, eff.cpu(), flags.cpu())
     assert torch.equal(pool.cpu(), ref)
     assert torch.equal(ref[4], arena[2]) and torch.equal(ref[2], arena[4]) and not ref[0].any()
+    flags[0] = 2  # copy group 2: only fill(..., group=2) copies it
+    pool.zero_()
+    ko.fill(arena, pool, 2, eff, flags, chunk_words=1024, group=2)
+    assert torch.equal(pool[4].cpu(), arena[2]) and not pool[2].any() and not pool[0].any()

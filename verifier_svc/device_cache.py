@@ -114,7 +114,11 @@ class DeviceExpertCache:
         # A layer's demand copies on the side stream while its resident experts' GEMMs run (kernels.moe two phases); the
         # flagged experts' GEMMs wait for this layer's event. Set before the graphs capture (`--no-expert-fill-overlap`).
         self.fill_overlap = True
-        self._filled = [torch.cuda.Event() for _ in self.layers] if self._cuda else []
+        # The misses of a layer in this many copy groups, each with its own copy launch and event, so a group's GEMMs run
+        # while the next group copies (kernels.moe phases; worth it where one slice's copy outlasts a launch by far, as
+        # gpt-oss-20b's 13 MB). Opt-in until a GPU has timed it (PDFLASH_EXPERT_FILL_GROUPS, default 1); before capture.
+        self.fill_groups = _fill_groups()
+        self._filled = [[torch.cuda.Event() for _ in range(8)] for _ in self.layers] if self._cuda else []
         # With the overlap, the next-layer guess need not hold up the next layer until its copies land: that layer waits
         # only for the guess's admission (`_admitted`), its demand admission marks hits on slots the guess brought as
         # still in flight (fill 2: the second phase), and its demand copies queue behind the guess's on the side
@@ -331,14 +335,14 @@ class DeviceExpertCache:
         return self._cuda and self.fill_overlap and self.sizes[i] < n
 
     def _admit(self, i: int, which: int, ids, valid_rows, valid: int | None, extra, prefetch: bool, fill: bool = True,
-               inflight: bool = False, admitted: torch.cuda.Event | None = None) -> None:
+               inflight: bool = False, admitted: torch.cuda.Event | None = None, groups: int = 1) -> None:
         args = (self.table[i], self.owner[i, : self.sizes[i]], self.last[i, : self.sizes[i]], self.unused[i, : self.sizes[i]],
                 self.codes[i], self.effs[i] if prefetch else self.eff[i], self.fills[which, i])
         n = self.store.num_experts[self.layers[i]]
         args = tuple(a[:n] if k in (0, 4, 5, 6) else a for k, a in enumerate(args))
         if self._cuda:
             ko.admit(ids, valid_rows, extra, self.marks[which, i, :n], *args, self.order[which, i], self.tick,
-                     self.bases[i], self.overflow, prefetch, inflight)
+                     self.bases[i], self.overflow, prefetch, inflight, groups)
             if admitted is not None:
                 admitted.record(torch.cuda.current_stream(self.device))
             if fill:
@@ -372,16 +376,19 @@ class DeviceExpertCache:
                 cur.wait_event(self._admitted[i])  # its admission only: the copies are the second phase's wait
             else:
                 cur.wait_stream(self._side)
-        self._admit(i, 0, top_k_index, valid_rows, valid, None, prefetch=False, fill=not overlap, inflight=early)
+        groups = self.fill_groups if overlap else 1
+        self._admit(i, 0, top_k_index, valid_rows, valid, None, prefetch=False, fill=not overlap, inflight=early,
+                    groups=groups)
         phase = between = None
-        if overlap:  # this layer's misses copy on the side stream while its resident experts compute (two phases)
+        if overlap:  # this layer's misses copy on the side stream while its resident experts compute (phases)
             self._side.wait_stream(cur)
-            with torch.cuda.stream(self._side):
-                ko.fill(self.store.arena, self.pool, self._rows[i], self.eff[i, :n], self.fills[0, i, :n])
-                self._filled[i].record(self._side)
-            phase = self.fills[0, i, :n]
             done = self._filled[i]
-            between = lambda: cur.wait_event(done)  # noqa: E731 (the second phase waits for the copies)
+            with torch.cuda.stream(self._side):
+                for g in range(1, groups + 1):
+                    ko.fill(self.store.arena, self.pool, self._rows[i], self.eff[i, :n], self.fills[0, i, :n], group=g)
+                    done[g - 1].record(self._side)
+            phase = self.fills[0, i, :n]
+            between = lambda g: cur.wait_event(done[g - 1])  # noqa: E731 (a group's GEMMs wait for its copies)
         nxt = getattr(module, "_pdflash_next_router", None) if self.layer_ahead else None
         if i + 1 < len(self.layers) and (nxt is not None or self.prefetch_union):
             if self._cuda:
@@ -406,7 +413,17 @@ class DeviceExpertCache:
                 ahead = self._cuda and self.guess_async and self._overlaps(i + 1, n1)
                 self._admit(i + 1, 1, guess, g_rows, g_valid, extra, prefetch=True,
                             admitted=self._admitted[i + 1] if ahead else None)
-        return offloaded_kernel(x, top_k_index, top_k_weights, self, n, self.eff[i, :n], valid, valid_rows, phase, between)
+        return offloaded_kernel(x, top_k_index, top_k_weights, self, n, self.eff[i, :n], valid, valid_rows, phase, between,
+                                groups)
+
+
+def _fill_groups() -> int:
+    import os
+
+    value = os.environ.get("PDFLASH_EXPERT_FILL_GROUPS", "1")
+    if not value.isdigit() or not 1 <= int(value) <= 8:
+        raise ValueError(f"PDFLASH_EXPERT_FILL_GROUPS must be a number of copy groups from 1 to 8, got {value!r}")
+    return int(value)
 
 
 class _nullcontext:
