@@ -39,11 +39,15 @@ triton, tl = runtime.triton, runtime.tl
 # `fill`'s launch shape: int32 words of a slice one program copies (its K range), and words a load step moves. A program
 # has one load step in flight, so one slice (a layer's single miss) moves at about (its programs x a step) per PCIe round
 # trip: smaller ranges put more programs on one slice (benchmarks/fill_sweep.py measures the shapes on the GPU).
-FILL_CHUNK_WORDS = int(os.environ.get("PDFLASH_FILL_CHUNK_WORDS", str(1 << 16)))
-FILL_BLOCK_WORDS = int(os.environ.get("PDFLASH_FILL_BLOCK_WORDS", "2048"))
-for _name, _v in (("PDFLASH_FILL_CHUNK_WORDS", FILL_CHUNK_WORDS), ("PDFLASH_FILL_BLOCK_WORDS", FILL_BLOCK_WORDS)):
-    if _v < 256 or _v & (_v - 1):
-        raise ValueError(f"{_name} must be a power of two >= 256, got {_v}")
+def _words(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    if not value.isdigit() or int(value) < 256 or int(value) & (int(value) - 1):
+        raise ValueError(f"{name} must be a power of two >= 256, got {value!r}")
+    return int(value)
+
+
+FILL_CHUNK_WORDS = _words("PDFLASH_FILL_CHUNK_WORDS", 1 << 16)
+FILL_BLOCK_WORDS = _words("PDFLASH_FILL_BLOCK_WORDS", 2048)
 
 ROUTED = 1  # routed by a real row of this forward
 HIT = 2  # resident when its layer ran (a prefetch of this forward counts)

@@ -137,3 +137,19 @@ def test_fill_copies_only_flagged_slices():
     pool.zero_()
     ko.fill(arena, pool, 2, eff, flags, chunk_words=1024, group=2)
     assert torch.equal(pool[4].cpu(), arena[2]) and not pool[2].any() and not pool[0].any()
+
+
+@pytest.mark.parametrize("name,value", [("PDFLASH_FILL_CHUNK_WORDS", "100"), ("PDFLASH_FILL_BLOCK_WORDS", "big"),
+                                        ("PDFLASH_EXPERT_FILL_GROUPS", "9"), ("PDFLASH_EXPERT_FILL_GROUPS", "two")])
+def test_fill_shape_and_group_variables_refuse_bad_values_with_their_name(name, value, monkeypatch):
+    """A typo in an expert-copy knob stops with the variable's name and the allowed values, not a bare int() error."""
+    from verifier_svc import device_cache
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        if name == "PDFLASH_EXPERT_FILL_GROUPS":
+            device_cache._fill_groups()
+        else:
+            ko._words(name, 2048)
+    monkeypatch.delenv(name)
+    assert ko._words("PDFLASH_FILL_CHUNK_WORDS", 1 << 16) == 1 << 16 and device_cache._fill_groups() == 1

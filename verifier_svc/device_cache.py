@@ -37,6 +37,7 @@ counters at the next `collect()` as prefetches (bytes moved, evictions, waste; a
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -121,7 +122,7 @@ class DeviceExpertCache:
         self._filled = [[torch.cuda.Event() for _ in range(8)] for _ in self.layers] if self._cuda else []
         # With the overlap, the next-layer guess need not hold up the next layer until its copies land: that layer waits
         # only for the guess's admission (`_admitted`), its demand admission marks hits on slots the guess brought as
-        # still in flight (fill 2: the second phase), and its demand copies queue behind the guess's on the side
+        # still in flight (fill -1: computed with the first copy group), and its demand copies queue behind the guess's on the side
         # stream. Opt-in until a GPU has timed it (PDFLASH_EXPERT_GUESS_ASYNC=1); set before the graphs capture.
         self.guess_async = runtime.env_flag("PDFLASH_EXPERT_GUESS_ASYNC")
         self._admitted = [torch.cuda.Event() for _ in self.layers] if self._cuda else []
@@ -377,6 +378,8 @@ class DeviceExpertCache:
             else:
                 cur.wait_stream(self._side)
         groups = self.fill_groups if overlap else 1
+        if self._cuda and not 1 <= groups <= len(self._filled[i]):
+            raise ValueError(f"fill_groups {groups}: a layer's copies go in 1 to {len(self._filled[i])} groups")
         self._admit(i, 0, top_k_index, valid_rows, valid, None, prefetch=False, fill=not overlap, inflight=early,
                     groups=groups)
         phase = between = None
@@ -418,8 +421,6 @@ class DeviceExpertCache:
 
 
 def _fill_groups() -> int:
-    import os
-
     value = os.environ.get("PDFLASH_EXPERT_FILL_GROUPS", "1")
     if not value.isdigit() or not 1 <= int(value) <= 8:
         raise ValueError(f"PDFLASH_EXPERT_FILL_GROUPS must be a number of copy groups from 1 to 8, got {value!r}")
