@@ -128,10 +128,37 @@ def as_served(w):
 
     if not w.fp4:
         return w
+    from kernels.moe import pair_words_for
+
     q = MXFP4Experts(w.w1, w.s1, w.w2, w.s2, w.b1, w.b2)
     views = q.layout().views(q.to_arena(device=w.w1.device))
-    return dataclasses.replace(w, w1=views["w1_blocks"], s1=views["w1_scales"], w2=views["w2_blocks"], s2=views["w2_scales"],
-                               b1=views.get("b1"), b2=views.get("b2"))
+    served = dataclasses.replace(w, w1=views["w1_blocks"], s1=views["w1_scales"], w2=views["w2_blocks"], s2=views["w2_scales"],
+                                 b1=views.get("b1"), b2=views.get("b2"))
+    return as_pair_words(served) if pair_words_for(w.w1.device) else served
+
+
+def as_pair_words(w):
+    """The same served experts with their blocks rewritten as pair words in place (kernels/mxfp4.py to_pair_words)."""
+    import dataclasses
+
+    from kernels.mxfp4 import to_pair_words
+
+    if w.pair_words:
+        return w
+    w.w1.copy_(to_pair_words(w.w1))
+    w.w2.copy_(to_pair_words(w.w2))
+    return dataclasses.replace(w, pair_words=True)
+
+
+def _nibbles(w):
+    """A copy of served experts in nibble order (whatever they are stored as)."""
+    import dataclasses
+
+    from kernels.mxfp4 import from_pair_words
+
+    if not w.fp4 or not w.pair_words:
+        return w
+    return dataclasses.replace(w, w1=from_pair_words(w.w1), w2=from_pair_words(w.w2), pair_words=False)
 
 
 def bench_moe(rate: float) -> list[dict]:
@@ -277,19 +304,29 @@ def sweep(rate: float, names: list[str] | None = None, models: list[str] | None 
             inputs = {(a, t): routing(e, k, h, a, t) for _, a, t in cases}
             hf_us = {key: gpu_time_us(lambda: mod(*val), reps=20) for key, val in inputs.items()}
         weights = {fmt: as_served(expert_weights(mod, "native" if fmt == "bf16" else fmt)) for fmt in dict.fromkeys(f for f, _, _ in cases)}
+        if "mxfp4" in weights:  # each variant on the stored format its decode reads (pair words: decodes 5/6)
+            import dataclasses as _dc
+
+            nib = _nibbles(weights["mxfp4"])
+            weights["mxfp4"] = nib
+            pair_w = as_pair_words(_dc.replace(nib, w1=nib.w1.clone(), w2=nib.w2.clone()))
+        from kernels.moe import PAIR_DECODES
+
+        def stored(fmt, c):
+            return pair_w if fmt == "mxfp4" and c.decode in PAIR_DECODES else weights[fmt]
         bias = (2 * i + h) * 2 if weights[cases[0][0]].b1 is not None else 0
         per = {"mxfp4": 2 * i * h // 2 + 2 * i * h // 32 + h * i // 2 + h * i // 32 + bias, "bf16": 3 * h * i * 2 + bias}
         configs = {fmt: _sweep_configs(model, fmt, names) for fmt in weights}
         x1, ids1, w1 = inputs[(cases[0][1], 1)]
-        jobs = [(x1, ids1, w1, weights[fmt], e, c1, c2) for fmt, cl in configs.items() for _, c1, c2 in cl]
+        jobs = [(x1, ids1, w1, stored(fmt, c1), e, c1, c2) for fmt, cl in configs.items() for _, c1, c2 in cl]
         _compile_all(jobs, workers)
         log(f"# {model}: {len(jobs)} configs compiled, {time.time() - t0:.0f} s since the sweep began", flush=True)
         for fmt, active, tpe in cases:
-            w = weights[fmt]
             x, ids, wts = inputs[(active, tpe)]
             nbytes = active * per[fmt]
             seen: dict = {}
             for name, c1, c2 in configs[fmt]:
+                w = stored(fmt, c1)
                 if (c1, c2) in seen:  # the same kernels as an earlier name (e.g. block_k 128 where it is the base)
                     same = seen[(c1, c2)]
                     log(f"sweep {model:14s} {fmt:5s} A={active:3d} T={tpe:2d} {name:22s} = {same['variant']}", flush=True)

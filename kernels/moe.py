@@ -40,6 +40,17 @@ _SPLIT_K = os.environ.get("PDFLASH_MOE_SPLIT_K", "1")
 if _SPLIT_K not in ("1", "2", "4"):
     raise ValueError(f"PDFLASH_MOE_SPLIT_K must be 1, 2 or 4, got {_SPLIT_K!r}")
 SPLIT_K = int(_SPLIT_K)
+# MXFP4 experts served on a GPU stored as pair words (kernels/mxfp4.py to_pair_words; decodes 5 and 6): "1" or "0"
+# (the nibble order, decodes 3/4). The stores (verifier_svc.expert_store) ask `pair_words_for(device)`.
+_PAIR_WORDS = os.environ.get("PDFLASH_FP4_PAIR_WORDS", "0")
+if _PAIR_WORDS not in ("0", "1"):
+    raise ValueError(f"PDFLASH_FP4_PAIR_WORDS must be 0 or 1, got {_PAIR_WORDS!r}")
+PAIR_WORDS = _PAIR_WORDS == "1"
+
+
+def pair_words_for(device) -> bool:
+    """Whether MXFP4 experts served on `device` are stored as pair words: on a GPU (the Triton kernels), when enabled."""
+    return PAIR_WORDS and torch.device(device).type == "cuda"
 
 ACT_SILU = 0
 ACT_GPTOSS = 1  # clamp(gate, max=limit), clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1)
@@ -51,11 +62,14 @@ DECODE_F32_BITS = 1  # fp32, nibble bits placed into a float32 (code 1 = a subno
 DECODE_SCALED = 2  # tl.dot_scaled: Triton upcasts the packed weights itself (GPU only: not in Triton's interpreter)
 DECODE_BF16_BITS = 3  # bf16, nibble bits placed into a bf16 (code 1 = a subnormal), one bf16 multiply by 2^(s-1)
 DECODE_WORD = 4  # decode 3 on 32-bit words: 8 values per load element and 4 bf16x2 multiplies (weights in K order)
+DECODE_PAIR_WORDS = 5  # weights stored as pair words (kernels/mxfp4.py): 9 integer instructions + 4 multiplies a word
+DECODE_PAIR_WORDS_EXACT = 6  # pair words, two multiplies a pair (2^126, then 2^(s-127)): exact for scale bytes 1..254
+PAIR_DECODES = (DECODE_PAIR_WORDS, DECODE_PAIR_WORDS_EXACT)  # the decodes of pair-word weights (ExpertWeights.pair_words)
 # Decodes 1, 3 and 4 multiply by 2^(s-1), a finite float only for scale bytes s <= 128 (groups with |w| <= 12): they are
 # exact up to there and read a larger scale byte as 128 (wrong values). Decode 0 is exact for scale bytes 1..254.
 # Decode 4 reads the packed rows as 32-bit words: row strides (bytes) and base addresses must be multiples of 4, else
 # the launch uses decode 3 (`_word_ok`; a static property of the weight tensors, never of the tokens).
-FAST_DECODES = (1, 3, 4)
+FAST_DECODES = (1, 3, 4, 5)
 FAST_DECODE_MAX_SCALE = 128
 
 # How the FP4 paths (decode 0, 1, 3) read the activations (MoeConfig.a_load)
@@ -126,6 +140,27 @@ SWEEP_VARIANTS: dict[str, dict] = {
     "word": dict(a_load=A_JOIN, decode=DECODE_WORD),
     "word_k256_raster": dict(a_load=A_JOIN, decode=DECODE_WORD, block_k=256, raster=1),
     "word_swap64_k256": dict(a_load=A_JOIN, decode=DECODE_WORD, swap_ab=True, block_n=64, block_k=256),
+    # pair words (decode 5: the weights stored with each 32-bit word's bits rearranged, kernels/mxfp4.py to_pair_words)
+    "pair": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS),
+    "pair_raster": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, raster=1),
+    "pair_k256_raster": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, block_k=256, raster=1),
+    "pair_swap64": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64),
+    "pair_swap64_k256": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, block_k=256),
+    "pair_swap128_w8": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=128, num_warps=8),
+    "pair_swap32": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=32),
+    "pair_swap32_k256": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=32, block_k=256),
+    "pair_swap64_w2": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2),
+    "pair_swap64_w2_k256": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2, block_k=256),
+    "join_bf16_swap64_w2": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, swap_ab=True, block_n=64, num_warps=2),
+    "word_swap64_w2": dict(a_load=A_JOIN, decode=DECODE_WORD, swap_ab=True, block_n=64, num_warps=2),
+    "pair_swap64_w2_s1": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2, s_ahead=1),
+    "pair_swap64_w2_sw": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2, block_k=128,
+                              s_words=True, s_ahead=1),
+    "pair_swap32_w1": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=32, num_warps=1),
+    "pair_swap32_w1_k256": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=32, num_warps=1, block_k=256),
+    "pair_swap64_w2_raster": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2, raster=1),
+    "pair_swap32_raster": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=32, raster=1),
+    "pair_k128_raster_sw": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, block_k=128, raster=1, s_words=True, s_ahead=1),
     # the next K step's scales loaded ahead (MoeConfig.s_ahead): the same values, without an HBM round trip per K step
     # (compiled for sm_90, every variant above streams its weights and activations ahead with cp.async but waits for
     # its scales in every step: tests/test_fused_kernels.py checks both forms)
@@ -178,6 +213,11 @@ SHAPE_OVERRIDES: dict[tuple[int, int, int, bool], dict] = {
     (1, 768, 2048, False): dict(SWEEP_VARIANTS_BF16["k256"]),  # qwen3-30b-a3b
     (2, 2048, 768, True): dict(SWEEP_VARIANTS["join_bf16_swap64"]),  # qwen3-30b-a3b
 }
+# MXFP4 weights stored as pair words (ExpertWeights.pair_words; decode 5): the tiles that suit that decode. The weight
+# tile as the MMA's M side on 2 warps (mma.sync: the decoded registers are the MMA's A operand as they come, with no
+# shared-memory round trip; 4 warps would take wgmma, whose register operand Triton converts through shared memory).
+PAIR_DEFAULT: dict = dict(SWEEP_VARIANTS["pair_swap64_w2"])
+PAIR_SHAPE_OVERRIDES: dict[tuple[int, int, int], dict] = {}
 # ====================================================================================================================
 
 
@@ -189,11 +229,16 @@ def variant_config(n: int, k: int, topk: int, fp4: bool, fields: dict) -> MoeCon
     return c
 
 
-def default_config(n: int, k: int, topk: int, fp4: bool, gemm: int = 1) -> MoeConfig:
+def default_config(n: int, k: int, topk: int, fp4: bool, gemm: int = 1, pair_words: bool = False) -> MoeConfig:
     """The config moe_forward uses for one GEMM (`gemm` 1: gate/up, 2: down; n output features, reduction length k):
-    base_config, then the sweep winners set above. From the static shape only (never the token count or the routing)."""
-    fields = dict(FP4_DEFAULT if fp4 else BF16_DEFAULT)
-    fields.update(SHAPE_OVERRIDES.get((gemm, n, k, fp4), {}))
+    base_config, then the sweep winners set above (PAIR_DEFAULT for weights stored as pair words). From the static
+    shape and the weights' stored format only (never the token count or the routing)."""
+    if fp4 and pair_words:
+        fields = dict(PAIR_DEFAULT)
+        fields.update(PAIR_SHAPE_OVERRIDES.get((gemm, n, k), {}))
+    else:
+        fields = dict(FP4_DEFAULT if fp4 else BF16_DEFAULT)
+        fields.update(SHAPE_OVERRIDES.get((gemm, n, k, fp4), {}))
     if SPLIT_K > 1:
         fields["split_k"] = SPLIT_K
     return variant_config(n, k, topk, fp4, fields)
@@ -342,6 +387,9 @@ if triton is not None:
         if DECODE == 4:
             w = _fp4_words(w_ptr, s_raw, rows, row_ok, stride_wn, k0, K, BLOCK_K, EMULATE)
             return w, w
+        if DECODE == 5 or DECODE == 6:
+            w = _fp4_pair_words(w_ptr, s_raw, rows, row_ok, stride_wn, k0, K, BLOCK_K, EMULATE, DECODE == 6)
+            return w, w
         kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         ok = row_ok[:, None] & (kh < K // 2)[None, :]
         p = tl.load(w_ptr + rows[:, None] * stride_wn + kh[None, :], mask=ok, other=0).to(tl.int32)
@@ -437,6 +485,87 @@ if triton is not None:
                 or.b32 p, m, g; fma.rn.bf16x2 p, p, c, z; mov.b32 {$3, $7}, p;
                 }""",
                 "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [q, e],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
+            )
+        # join puts its operands on a new LAST dimension: the innermost join picks the highest bit of the K offset
+        w = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+        return tl.reshape(w, (BN, BLOCK_K))
+
+    @triton.jit
+    def _fp4_pair_words(w_ptr, s_raw, rows, row_ok, stride_wn, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EMULATE: tl.constexpr, EXACT: tl.constexpr):
+        """Decode 5: weights stored as pair words (kernels/mxfp4.py `to_pair_words`), read as 32-bit words (8 values
+        each) -> one [BN, BK] bf16 tile in K order. Per word: pair j = (values 2j, 2j + 1) is one rotation and one AND of
+        the word (two of each for the last pair), then one bf16x2 multiply by 2^(s-1): 9 integer instructions and 4
+        multiplies for 8 values, and each result register is already an MMA register pair (k, k + 1). Exact like
+        decodes 3 and 4 (scale bytes <= FAST_DECODE_MAX_SCALE); the launcher checks the 4-byte alignment.
+        EXACT (decode 6): two multiplies a pair, by 2^126 (the E2M1 values) and then by 2^(s-127) (a bf16 power of two
+        for scale bytes 1..254; 0 reads as 0, as decode 0): exact for every scale the weights may have."""
+        BN: tl.constexpr = rows.shape[0]
+        BW: tl.constexpr = BLOCK_K // 8
+        kw = k0 // 8 + tl.arange(0, BW)
+        words = w_ptr.to(tl.pointer_type(tl.uint32))
+        q = tl.load(words + rows[:, None] * (stride_wn // 4) + kw[None, :], mask=row_ok[:, None] & (kw < K // 8)[None, :], other=0)
+        if EXACT:
+            e = s_raw.to(tl.uint32)  # 2^(s-127): the scale byte is the biased exponent
+        else:
+            e = (tl.minimum(s_raw.to(tl.int32), 128) + 126).to(tl.uint32)  # 2^(s-1) as a biased exponent
+        if EMULATE:  # Triton's interpreter cannot run PTX: the same rotations and masks, scaled by the exact emulation
+            e = tl.reshape(tl.broadcast_to(e[:, :, None], (BN, BLOCK_K // 32, 4)), (BN, BW))
+            p0 = q & 0x81C081C0
+            p1 = ((q << 4) | (q >> 28)) & 0x81C081C0
+            p2 = ((q << 10) | (q >> 22)) & 0x81C081C0
+            p3 = (((q << 6) | (q >> 26)) & 0x80C080C0) | (((q << 14) | (q >> 18)) & 0x01000100)
+            if EXACT:
+                p0 = _bf16x2_scale(p0, tl.full(p0.shape, 253, tl.uint32), True)
+                p1 = _bf16x2_scale(p1, tl.full(p1.shape, 253, tl.uint32), True)
+                p2 = _bf16x2_scale(p2, tl.full(p2.shape, 253, tl.uint32), True)
+                p3 = _bf16x2_scale(p3, tl.full(p3.shape, 253, tl.uint32), True)
+            p0 = _bf16x2_scale(p0, e, True)
+            p1 = _bf16x2_scale(p1, e, True)
+            p2 = _bf16x2_scale(p2, e, True)
+            p3 = _bf16x2_scale(p3, e, True)
+            v0 = p0.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v1 = (p0 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v2 = p1.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v3 = (p1 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v4 = p2.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v5 = (p2 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v6 = p3.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v7 = (p3 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        elif EXACT:
+            c = e * 0x00800080  # the bf16x2 multiplier 2^(s-127) in both halves, once per scale group
+            c = tl.reshape(tl.broadcast_to(c[:, :, None], (BN, BLOCK_K // 32, 4)), (BN, BW))
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                """{
+                .reg .b32 r, t, u, z, h;
+                mov.b32 z, 0x80008000;
+                mov.b32 h, 0x7E807E80;
+                and.b32 r, $8, 0x81C081C0; fma.rn.bf16x2 r, r, h, z; fma.rn.bf16x2 r, r, $9, z; mov.b32 {$0, $1}, r;
+                shf.l.wrap.b32 t, $8, $8, 4; and.b32 r, t, 0x81C081C0; fma.rn.bf16x2 r, r, h, z; fma.rn.bf16x2 r, r, $9, z;
+                mov.b32 {$2, $3}, r;
+                shf.l.wrap.b32 t, $8, $8, 10; and.b32 r, t, 0x81C081C0; fma.rn.bf16x2 r, r, h, z; fma.rn.bf16x2 r, r, $9, z;
+                mov.b32 {$4, $5}, r;
+                shf.l.wrap.b32 t, $8, $8, 6; and.b32 r, t, 0x80C080C0; shf.l.wrap.b32 u, $8, $8, 14; and.b32 u, u, 0x01000100;
+                or.b32 r, r, u; fma.rn.bf16x2 r, r, h, z; fma.rn.bf16x2 r, r, $9, z; mov.b32 {$6, $7}, r;
+                }""",
+                "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [q, c],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
+            )
+        else:
+            c = e * 0x00800080  # the bf16x2 multiplier 2^(s-1) in both halves, once per scale group
+            c = tl.reshape(tl.broadcast_to(c[:, :, None], (BN, BLOCK_K // 32, 4)), (BN, BW))
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                """{
+                .reg .b32 r, t, u, z;
+                mov.b32 z, 0x80008000;
+                and.b32 r, $8, 0x81C081C0; fma.rn.bf16x2 r, r, $9, z; mov.b32 {$0, $1}, r;
+                shf.l.wrap.b32 t, $8, $8, 4; and.b32 r, t, 0x81C081C0; fma.rn.bf16x2 r, r, $9, z; mov.b32 {$2, $3}, r;
+                shf.l.wrap.b32 t, $8, $8, 10; and.b32 r, t, 0x81C081C0; fma.rn.bf16x2 r, r, $9, z; mov.b32 {$4, $5}, r;
+                shf.l.wrap.b32 t, $8, $8, 6; and.b32 r, t, 0x80C080C0; shf.l.wrap.b32 u, $8, $8, 14; and.b32 u, u, 0x01000100;
+                or.b32 r, r, u; fma.rn.bf16x2 r, r, $9, z; mov.b32 {$6, $7}, r;
+                }""",
+                "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [q, c],
                 dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
             )
         # join puts its operands on a new LAST dimension: the innermost join picks the highest bit of the K offset
@@ -969,7 +1098,7 @@ if triton is not None:
         k0 = tl.program_id(1) * BLOCK_K
         w_lo, w_hi = _fp4_tiles(w_ptr, _fp4_scales(s_ptr, rows, row_ok, stride_sn, k0, K, BLOCK_K, False), rows, row_ok, stride_wn, k0, K,
                                 BLOCK_K, DECODE, EMULATE, A_LOAD)
-        if A_LOAD == 2 or DECODE == 4:
+        if A_LOAD == 2 or DECODE >= 4:
             kk = k0 + tl.arange(0, BLOCK_K)
             tl.store(out_ptr + rows[:, None] * stride_on + kk[None, :], w_lo, mask=row_ok[:, None] & (kk < K)[None, :])
         else:
@@ -1082,6 +1211,9 @@ class ExpertWeights:
     # MXFP4 only: some scale byte is above 128 (a block with |w| > 12). The bit-placing decoders (1, 3) fold the
     # scale into one power of two that cannot go that high, so these weights are decoded by exact selects (0).
     big_scales: bool = False
+    # MXFP4 only: w1/w2 hold pair words (kernels/mxfp4.py to_pair_words), which only decodes 5 and 6 read; moe_forward
+    # then runs every FP4 GEMM with decode 5 (6 where big_scales), whatever the config says (the stored format decides)
+    pair_words: bool = False
 
     @property
     def fp4(self) -> bool:
@@ -1151,7 +1283,7 @@ def _run(kernel, grid, args, kwargs, warmup: bool):
 
 def _flags(c: MoeConfig, fp4: bool) -> dict:
     """The kernels' constexprs of a config (fields a path does not read are normalized: no duplicate compiles)."""
-    if c.decode not in (DECODE_SELECT, DECODE_F32_BITS, DECODE_SCALED, DECODE_BF16_BITS, DECODE_WORD) or c.a_load not in (A_GATHER, A_SPLIT, A_JOIN):
+    if c.decode not in (DECODE_SELECT, DECODE_F32_BITS, DECODE_SCALED, DECODE_BF16_BITS, DECODE_WORD, *PAIR_DECODES) or c.a_load not in (A_GATHER, A_SPLIT, A_JOIN):
         raise ValueError(f"unknown decode {c.decode} or a_load {c.a_load}")
     if c.block_k < 32 or c.block_k & (c.block_k - 1) or c.block_m < 16 or c.block_n < 16:
         raise ValueError(f"block_k must be a power of two >= 32 and block_m, block_n >= 16: {c}")
@@ -1165,8 +1297,8 @@ def _flags(c: MoeConfig, fp4: bool) -> dict:
         raise ValueError("decode 2 (tl.dot_scaled) does not run under Triton's interpreter")
     decode = c.decode if fp4 else DECODE_SELECT
     a_load = c.a_load if fp4 and decode != DECODE_SCALED else A_GATHER
-    if decode == DECODE_WORD:
-        a_load = A_JOIN  # decode 4 always gives the tile in K order
+    if decode in (DECODE_WORD, *PAIR_DECODES):
+        a_load = A_JOIN  # decodes 4-6 always give the tile in K order
     return dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DECODE=decode, F32DOT=runtime.interpreting(),
                 A_LOAD=a_load, SWAP=c.swap_ab, RASTER=c.raster, PERSIST=c.persist > 0,
                 S_AHEAD=c.s_ahead if fp4 and decode != DECODE_SCALED and not c.s_words else 0,  # (streamed words need none)
@@ -1266,12 +1398,10 @@ def moe_forward(
     topk = topk_ids.shape[1]
     inter = w.intermediate
     if config is None:
-        config = default_config(inter, hdim, topk, w.fp4, gemm=1)
+        config = default_config(inter, hdim, topk, w.fp4, gemm=1, pair_words=w.fp4 and w.pair_words)
     if config2 is None:
-        config2 = default_config(hdim, inter, topk, w.fp4, gemm=2)
-    if w.fp4 and w.big_scales:
-        config, config2 = (dataclasses.replace(c, decode=DECODE_SELECT) if c.decode in FAST_DECODES else c
-                           for c in (config, config2))
+        config2 = default_config(hdim, inter, topk, w.fp4, gemm=2, pair_words=w.fp4 and w.pair_words)
+    config, config2 = resolve_decodes(w, config, config2)
     if w.fp4:  # decode 4 reads 32-bit words: weights not 4-byte aligned get decode 3 (static: the tensors, not the tokens)
         config, config2 = (dataclasses.replace(c, decode=DECODE_BF16_BITS) if c.decode == DECODE_WORD and not _word_ok(b) else c
                            for c, b in ((config, w.w1), (config2, w.w2)))
@@ -1311,14 +1441,36 @@ def moe_forward(
     return out
 
 
+def resolve_decodes(w: ExpertWeights, config: MoeConfig, config2: MoeConfig) -> tuple[MoeConfig, MoeConfig]:
+    """The decodes the weights' stored format allows (static: the weight tensors, never the tokens). Pair words: decode 5
+    for every FP4 GEMM (6, exact, where some scale byte is above 128), whatever the configs ask (no other decode reads
+    them); they must be 4-byte aligned. The nibble order: decodes 5/6 become 4 (3 where the rows are not 4-byte aligned,
+    below), and the fast decodes become exact selects (0) where some scale byte is above 128."""
+    if not w.fp4:
+        return config, config2
+    if w.pair_words:
+        if not (_word_ok(w.w1) and _word_ok(w.w2)):
+            raise ValueError("pair-word weights are read as 32-bit words: their rows must be 4-byte aligned")
+        dec = DECODE_PAIR_WORDS_EXACT if w.big_scales else DECODE_PAIR_WORDS
+        return tuple(dataclasses.replace(c, decode=dec, a_load=A_JOIN) for c in (config, config2))
+    out = []
+    for c in (config, config2):
+        if c.decode in PAIR_DECODES:
+            c = dataclasses.replace(c, decode=DECODE_WORD)
+        if w.big_scales and c.decode in FAST_DECODES:
+            c = dataclasses.replace(c, decode=DECODE_SELECT)
+        out.append(c)
+    return out[0], out[1]
+
+
 def decode_fp4(blocks: torch.Tensor, scales: torch.Tensor, decode: int, a_load: int = A_JOIN, block_k: int = 64) -> torch.Tensor:
     """MXFP4 rows (blocks [N, K/2], scales [N, K/32]) -> bf16 [N, K] through the GEMMs' own weight decode (`decode`, and
     the K-order join of A_JOIN or the even/odd halves otherwise): what the kernels multiply by. For tests."""
     if decode == DECODE_SCALED:
         raise ValueError("decode 2 (tl.dot_scaled) decodes inside the dot: there are no decoded weights to return")
-    if decode == DECODE_WORD:
+    if decode in (DECODE_WORD, *PAIR_DECODES):
         if not _word_ok(blocks):
-            raise ValueError("decode 4 reads 32-bit words: the packed rows must be 4-byte aligned")
+            raise ValueError(f"decode {decode} reads 32-bit words: the packed rows must be 4-byte aligned")
         a_load = A_JOIN
     n, k = blocks.shape[0], blocks.shape[1] * 2
     out = torch.empty((n, k), dtype=torch.bfloat16, device=blocks.device)

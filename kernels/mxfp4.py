@@ -91,6 +91,105 @@ def from_gpt_oss(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
     return blocks.reshape(*blocks.shape[:2], -1), scales
 
 
+# ---- pair words: the bits of each 32-bit word rearranged for a cheap decode ------------------------------
+# A word of `blocks` (4 bytes, 8 consecutive values along K: value v in nibble v, bits 4v..4v+3 = m, e0, e1, sign)
+# becomes a "pair word": its 8 values as 4 pairs (v0, v1), (v2, v3), (v4, v5), (v6, v7), each pair decoding to one
+# bf16x2 register (lower K index in the low half), the order the MMA's register pairs take. In that register a value's
+# magnitude bits go under the bf16 exponent's two low bits and the top mantissa bit (m -> bit 6, e0 -> 7, e1 -> 8 of its
+# half: code 1 becomes the bf16 subnormal 2^-127, every code the E2M1 value times 2^-126) and its sign to bit 15 of its
+# half; one bf16x2 multiply by 2^(s - 1) then gives the scaled values exactly (as kernels.moe's decodes 3 and 4).
+# The stored bits are placed so that each pair comes out of the word with one rotation and one AND:
+#   pair 0: w & 0x81C081C0;  pair 1: rotl(w, 4) & 0x81C081C0;  pair 2: rotl(w, 10) & 0x81C081C0;
+#   pair 3: (rotl(w, 6) & 0x80C080C0) | (rotl(w, 14) & 0x01000100)
+# (no four rotations of the 8-bit pattern {6, 7, 8, 15, 22, 23, 24, 31} are disjoint, so the last pair takes two).
+# Nine integer instructions a word against ~20 for the natural nibble order (benchmarks/fp4_loop_sass.py); the same
+# bytes (a permutation of the bits inside each 4-byte word), so slice sizes and the byte map do not change.
+PAIR_MASK = 0x81C081C0
+_PAIR_ROT = ((0, 0), (4, 4), (10, 10), (6, 14))  # per pair: rotation of (m, e0, sign bits; and e1 for pairs 0-2), of e1
+
+
+def _pair_word_sources() -> list[int]:
+    """src[stored bit] = the natural bit (of the same word) stored there."""
+    src = [-1] * 32
+    for j, (rot, rot_e1) in enumerate(_PAIR_ROT):
+        for half, v in ((0, 2 * j), (1, 2 * j + 1)):
+            for role, target in enumerate((6, 7, 8, 15)):  # m, e0, e1, sign -> bf16 bit of the half
+                t = target + 16 * half
+                d = rot_e1 if role == 2 else rot
+                stored = (t - d) % 32
+                if src[stored] != -1:
+                    raise AssertionError("pair-word bit positions collide")
+                src[stored] = 4 * v + role
+    if sorted(src) != list(range(32)):
+        raise AssertionError("pair-word bit positions do not cover the word")
+    return src
+
+
+PAIR_WORD_SOURCES = tuple(_pair_word_sources())
+
+
+def _permute_word_bits(blocks: torch.Tensor, src: tuple[int, ...]) -> torch.Tensor:
+    """Each aligned 4-byte word's bits permuted (stored bit p = natural bit src[p]), as rotations of masked copies: the
+    bits that move by the same amount move together (10 groups for pair words), in chunks (bounded temporaries)."""
+    if blocks.dtype != torch.uint8 or blocks.shape[-1] % 4:
+        raise ValueError(f"pair words need uint8 blocks whose rows are whole 4-byte words, got {blocks.dtype} {tuple(blocks.shape)}")
+    groups: dict[int, int] = {}
+    for stored, natural in enumerate(src):
+        d = (stored - natural) % 32
+        groups[d] = groups.get(d, 0) | (1 << natural)
+    def i32(x: int) -> int:  # a 32-bit pattern as the int32 torch holds it
+        return x - (1 << 32) if x >= 1 << 31 else x
+
+    flat = blocks.contiguous().reshape(-1).view(torch.int32)
+    out = torch.empty_like(flat)
+    step = 1 << 24  # words per chunk
+    for lo in range(0, flat.numel(), step):
+        w = flat[lo : lo + step]
+        acc = torch.zeros_like(w)
+        for d, mask in groups.items():
+            m = w & i32(mask)
+            if d:  # rotate left by d (int32 shifts: >> fills with the sign bit, masked off)
+                m = (m << d) | ((m >> (32 - d)) & ((1 << d) - 1))
+            acc |= m
+        out[lo : lo + step] = acc
+    return out.view(torch.uint8).reshape(blocks.shape)
+
+
+def to_pair_words(blocks: torch.Tensor) -> torch.Tensor:
+    """blocks[..., K/2] (this module's nibble order) -> the same values as pair words (K a multiple of 8)."""
+    return _permute_word_bits(blocks, PAIR_WORD_SOURCES)
+
+
+def from_pair_words(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of `to_pair_words`."""
+    inv = [0] * 32
+    for stored, natural in enumerate(PAIR_WORD_SOURCES):
+        inv[natural] = stored
+    return _permute_word_bits(words, tuple(inv))
+
+
+def decode_pair_words(words: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Pair words decoded the way the kernels do (rotations, masks, one multiply by 2^(s - 1) per bf16 pair), in torch:
+    the reference the kernel's decode is checked against. Scale bytes above 128 read as 128 (kernels.moe's fast decodes)."""
+    b = words.contiguous().reshape(*words.shape[:-1], -1, 4).to(torch.int64)
+    w = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+    def rotl(x: torch.Tensor, d: int) -> torch.Tensor:
+        return ((x << d) | (x >> (32 - d))) & 0xFFFFFFFF if d else x
+
+    pairs = [w & PAIR_MASK, rotl(w, 4) & PAIR_MASK, rotl(w, 10) & PAIR_MASK,
+             (rotl(w, 6) & 0x80C080C0) | (rotl(w, 14) & 0x01000100)]
+    halves = []
+    for p in pairs:
+        halves += [p & 0xFFFF, p >> 16]
+    bits = torch.stack(halves, dim=-1)  # [..., words, 8] bf16 bit patterns in K order
+    vals = (bits.to(torch.int32) << 16).view(torch.float32)  # bf16 -> fp32: E2M1 value * 2^-126 (exact)
+    s = scales.to(torch.int32).clamp(max=128)
+    mult = torch.ldexp(torch.ones_like(s, dtype=torch.float32), (s - 1).float())  # 2^(s-127) * 2^126
+    vals = vals.reshape(*scales.shape, GROUP) * mult.unsqueeze(-1)
+    return vals.reshape(*words.shape[:-1], -1).to(dtype)
+
+
 # ---- the arena layout of one expert ------------------------------------------------------------------
 ALIGN = 256  # bytes; every section starts on it (full 128-byte lines, 16-byte vector loads)
 SCALE_ROW_ALIGN = 4  # bytes; a scale row is stored padded to a multiple (kernels.moe reads scales as 32-bit words:

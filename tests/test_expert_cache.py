@@ -291,3 +291,32 @@ def test_kept_bytes_is_what_a_cache_can_keep_resident():
     small = DeviceExpertCache(store, 4 + 6, CPU, need=4)  # the overflow range (4) passes experts through
     assert small.kept_bytes == sum(small.sizes) * store.slice_bytes < store.total_bytes
     assert DeviceExpertCache(store, 4 + 12, CPU, need=4).kept_bytes == store.total_bytes
+
+
+def test_a_pair_word_store_holds_the_same_slices_in_pair_words_and_serves_the_same_experts(store):
+    """`pair_words` (what a GPU verifier's store holds with PDFLASH_FP4_PAIR_WORDS=1): the same slice sizes and byte map,
+    each slice's blocks as kernels.mxfp4.to_pair_words of the nibble-order store's (scales and biases as they are), its
+    ExpertWeights say so, and the torch reference serves the same outputs from it. put_expert converts nibble-order parts."""
+    from kernels import mxfp4
+
+    model = store.model
+    pw = HostExpertStore.from_model(model, pair_words=True)
+    assert pw.byte_map() == store.byte_map() and pw.slice_bytes == store.slice_bytes
+    layer = next(iter(store.num_experts))
+    for e in (0, store.num_experts[layer] - 1):
+        a = store.layout.views(store.slice(layer, e).reshape(1, -1))
+        b = pw.layout.views(pw.slice(layer, e).reshape(1, -1))
+        for name in a:
+            want = mxfp4.to_pair_words(a[name][0]) if name.endswith("_blocks") else a[name][0]
+            assert torch.equal(b[name][0], want), name
+    w, wp = store.layer_weights(layer), pw.layer_weights(layer)
+    assert wp.pair_words and not w.pair_words
+    g = torch.Generator().manual_seed(0)
+    n = store.num_experts[layer]
+    x = torch.randn(3, store.layout.hidden, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(n, generator=g)[:2] for _ in range(3)])
+    wts = torch.softmax(torch.randn(3, 2, generator=g), -1)
+    assert torch.equal(moe_reference(x, ids, wts, wp, n), moe_reference(x, ids, wts, w, n))
+    parts = {k: v[0] for k, v in store.layout.views(store.slice(layer, 1).reshape(1, -1)).items()}
+    pw.put_expert(layer, 0, parts)  # nibble-order parts (a checkpoint's bytes) into the pair-word store
+    assert torch.equal(pw.slice(layer, 0), pw.slice(layer, 1))

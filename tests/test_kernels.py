@@ -848,3 +848,100 @@ def test_moe_split_k_option_sets_every_default_config_and_refuses_other_values()
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "PDFLASH_MOE_SPLIT_K": "3"},
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "PDFLASH_MOE_SPLIT_K must be 1, 2 or 4" in r.stderr
+
+
+# ---- pair words (kernels/mxfp4.py to_pair_words; decodes 5 and 6) ----------------------------------------------------
+def test_pair_words_round_trip_and_decode_to_the_mxfp4_values():
+    """to_pair_words permutes the bits inside each 4-byte word (a bijection: from_pair_words undoes it, the byte count is
+    the same), and the kernels' rotate-and-mask decode of it (decode_pair_words, in torch) gives mxfp4.dequantize's
+    values at every code and every scale byte 0..128; above 128 the fast form reads 128, as the other fast decodes."""
+    g = torch.Generator().manual_seed(3)
+    b = torch.randint(0, 256, (8, 96), dtype=torch.uint8, generator=g)
+    pw = mxfp4.to_pair_words(b)
+    assert pw.shape == b.shape and not torch.equal(pw, b)
+    assert torch.equal(mxfp4.from_pair_words(pw), b)
+    assert torch.equal(mxfp4.from_pair_words(mxfp4.to_pair_words(b[:, 4:])), b[:, 4:])  # a strided view
+    assert sorted(mxfp4.PAIR_WORD_SOURCES) == list(range(32))
+    codes = torch.arange(256, dtype=torch.uint8).repeat(4, 2)  # every byte value, 4 rows of K = 1024
+    scales = (torch.arange(4 * 32) % 129).to(torch.uint8).reshape(4, 32)
+    got = mxfp4.decode_pair_words(mxfp4.to_pair_words(codes), scales, torch.float32)
+    assert torch.equal(got, mxfp4.dequantize(codes, scales, torch.float32))
+    with pytest.raises(ValueError, match="whole 4-byte words"):
+        mxfp4.to_pair_words(torch.zeros(2, 6, dtype=torch.uint8))
+
+
+@needs_triton
+@pytest.mark.parametrize("decode", [5, 6])
+def test_pair_word_decodes_give_the_exact_bf16_weights(decode):
+    """Decode 5 (one multiply by 2^(s-1): scale bytes 0..128) and decode 6 (two multiplies: 1..254, 0 reads as 0) of pair
+    words give mxfp4.dequantize's bf16 bits at every byte value, at every K tile (the interpreter runs their emulated
+    branch: the same rotations and masks; tests/test_kernels_gpu.py checks the PTX)."""
+    from kernels.moe import FAST_DECODE_MAX_SCALE, decode_fp4
+
+    n, k = 16, 256
+    blocks = torch.stack([torch.arange(256, dtype=torch.uint8).roll(37 * r)[: k // 2] for r in range(n)])
+    top, lo = (FAST_DECODE_MAX_SCALE, 0) if decode == 5 else (254, 1)
+    scales = (lo + torch.arange(n * k // 32) % (top - lo + 1)).to(torch.uint8).reshape(n, k // 32)
+    ref = mxfp4.dequantize(blocks, scales, torch.bfloat16)
+    for block_k in (32, 128, 256):
+        out = decode_fp4(mxfp4.to_pair_words(blocks), scales, decode, block_k=block_k)
+        assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), block_k
+
+
+def _pair_weights(w: ExpertWeights) -> ExpertWeights:
+    import dataclasses
+
+    return dataclasses.replace(w, w1=mxfp4.to_pair_words(w.w1), w2=mxfp4.to_pair_words(w.w2), pair_words=True)
+
+
+@needs_triton
+@pytest.mark.parametrize("big", [False, True])
+def test_pair_word_weights_give_the_nibble_order_bits(big):
+    """Experts stored as pair words run decode 5 (6 with big scales) whatever the config asks, and give bit for bit what
+    the same experts in nibble order give through the same tiles (decode 4; decode 0 with big scales): the decodes are
+    exact and the K order is the same. The torch reference reads pair words too."""
+    import dataclasses
+
+    from kernels.moe import SWEEP_VARIANTS, moe_forward, resolve_decodes
+
+    w = dataclasses.replace(_experts(fp4=True, bias=True, act=ACT_GPTOSS), big_scales=big)
+    pw = _pair_weights(w)
+    x, ids, wts = _routing(7, 6, 2, seed=4)
+    c1, c2 = _variant_configs(SWEEP_VARIANTS["join_bf16"])
+    p1, p2 = resolve_decodes(pw, c1, c2)
+    assert (p1.decode, p2.decode) == ((6, 6) if big else (5, 5))
+    n1, n2 = resolve_decodes(w, dataclasses.replace(c1, decode=5), dataclasses.replace(c2, decode=5))
+    assert (n1.decode, n2.decode) == ((0, 0) if big else (4, 4))  # a pair config on nibble-order weights
+    got = moe_forward(x, ids, wts, pw, 6, config=c1, config2=c2)
+    want = moe_forward(x, ids, wts, w, 6, config=dataclasses.replace(c1, decode=0 if big else 4),
+                       config2=dataclasses.replace(c2, decode=0 if big else 4))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(moe_reference(x, ids, wts, pw, 6), moe_reference(x, ids, wts, w, 6))
+
+
+@needs_triton
+def test_pair_word_weights_must_be_word_aligned():
+    from kernels.moe import SWEEP_VARIANTS, moe_forward
+
+    pw = _pair_weights(_experts(fp4=True))
+    arena = torch.zeros(pw.w1.numel() + 1, dtype=torch.uint8)
+    arena[1:] = pw.w1.reshape(-1)
+    import dataclasses
+
+    odd = dataclasses.replace(pw, w1=arena[1:].view(pw.w1.shape))
+    x, ids, wts = _routing(3, 6, 2)
+    c1, c2 = _variant_configs(SWEEP_VARIANTS["join_bf16"])
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        moe_forward(x, ids, wts, odd, 6, config=c1, config2=c2)
+
+
+def test_pair_words_default_config_comes_from_its_own_table(monkeypatch):
+    from kernels import moe
+
+    monkeypatch.setattr(moe, "PAIR_SHAPE_OVERRIDES", {(2, 64, 32): {"block_k": 32}})
+    c = moe.default_config(64, 32, 2, True, gemm=2, pair_words=True)
+    assert c.decode == moe.DECODE_PAIR_WORDS and c.swap_ab == moe.PAIR_DEFAULT.get("swap_ab", False) and c.block_k == 32
+    assert moe.default_config(64, 32, 2, True, gemm=2).decode != moe.DECODE_PAIR_WORDS
+    assert not moe.pair_words_for("cpu")
+    monkeypatch.setattr(moe, "PAIR_WORDS", True)
+    assert moe.pair_words_for("cuda") and not moe.pair_words_for("cpu")

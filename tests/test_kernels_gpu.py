@@ -45,6 +45,15 @@ def _weights(model: str, fp4: bool, seed: int = 0):
     return ExpertWeights(w1, w2, b1=b1, b2=b2, act=act, **kw)
 
 
+def _pair(w):
+    """The same MXFP4 experts stored as pair words (kernels/mxfp4.py to_pair_words: decodes 5 and 6 read them)."""
+    import dataclasses
+
+    from kernels import mxfp4
+
+    return dataclasses.replace(w, w1=mxfp4.to_pair_words(w.w1), w2=mxfp4.to_pair_words(w.w2), pair_words=True)
+
+
 def _tokens(model: str, t: int, seed: int = 0):
     e, k, h, _ = SHAPES[model]
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -91,6 +100,8 @@ def test_moe_variants_match_reference(model, fp4, name):
     w = _weights(model, fp4)
     e, k, h, i = SHAPES[model]
     fields = (SWEEP_VARIANTS if fp4 else SWEEP_VARIANTS_BF16)[name]
+    if fields.get("decode") in (5, 6):  # pair-word variants run on pair-word weights
+        w = _pair(w)
     c1, c2 = variant_config(i, h, k, fp4, fields), variant_config(h, i, k, fp4, fields)
     for t in (1, 16):
         x, ids, wts = _tokens(model, t, seed=t)
@@ -100,7 +111,7 @@ def test_moe_variants_match_reference(model, fp4, name):
         assert err <= 0.02 * ref.float().abs().max().item() + 1e-4, (t, err)
 
 
-@pytest.mark.parametrize("decode,a_load", [(0, 0), (0, 2), (1, 0), (1, 2), (3, 0), (3, 2), (4, 2)])
+@pytest.mark.parametrize("decode,a_load", [(0, 0), (0, 2), (1, 0), (1, 2), (3, 0), (3, 2), (4, 2), (5, 2), (6, 2)])
 def test_fp4_decodes_give_the_exact_bf16_weights(decode, a_load):
     """The GEMMs' weight decode on the GPU: every byte value at every scale byte a decode covers gives
     mxfp4.dequantize's bf16 value bit for bit, subnormals included (decode 0: scales 1..254, +0 for -0;
@@ -108,14 +119,15 @@ def test_fp4_decodes_give_the_exact_bf16_weights(decode, a_load):
     from kernels import mxfp4
     from kernels.moe import FAST_DECODE_MAX_SCALE, decode_fp4
 
-    top = 254 if decode == 0 else FAST_DECODE_MAX_SCALE
-    lo = 1 if decode == 0 else 0
+    top = 254 if decode in (0, 6) else FAST_DECODE_MAX_SCALE
+    lo = 1 if decode in (0, 6) else 0
     n, k = 64, 512
     blocks = torch.stack([torch.arange(256, dtype=torch.uint8).roll(37 * r) for r in range(n)]).to(DEV)
     scales = (lo + torch.arange(n * k // 32) % (top - lo + 1)).to(torch.uint8).reshape(n, k // 32).to(DEV)
     ref = mxfp4.dequantize(blocks, scales, torch.bfloat16)
+    stored = mxfp4.to_pair_words(blocks) if decode in (5, 6) else blocks  # pair words: decodes 5 and 6
     for block_k in (64, 128, 256):
-        out = decode_fp4(blocks, scales, decode, a_load, block_k=block_k)
+        out = decode_fp4(stored, scales, decode, a_load, block_k=block_k)
         assert torch.equal(out.float(), ref.float()), block_k  # +0 == -0
         if decode != 0:
             assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), block_k
@@ -138,11 +150,13 @@ def test_fused_align_equals_torch_align(t):
                                          (True, "join_bf16_persist"), (True, "scaled_swap64"), (True, "word"), (True, "word_k256_raster"),
                                          (True, "word_swap64_k256"), (False, "swap64"), (False, "persist"),
                                          (True, "join_bf16_raster_split2"), (True, "join_bf16_raster_split4"),
-                                         (False, "persist_split2")])
+                                         (False, "persist_split2"), (True, "pair"), (True, "pair_swap64_w2")])
 def test_moe_rows_are_bit_identical_whatever_the_other_rows(model, fp4, variant):
     from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward, variant_config
 
     w = _weights(model, fp4)
+    if variant is not None and variant.startswith("pair"):
+        w = _pair(w)
     e, k, h, i = SHAPES[model]
     cfg = {}
     if variant is not None:  # None: the default configs
@@ -530,3 +544,25 @@ def test_fused_combine_gives_the_separate_combines_bits_also_replayed_in_a_graph
         ref = moe.moe_forward(x[i : i + 16], ids[i : i + 16], wts[i : i + 16], w, e)
         monkeypatch.setattr(moe, "FUSED_COMBINE", True)
         assert torch.equal(out, ref), i
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b"])
+@pytest.mark.parametrize("big", [False, True])
+def test_pair_word_experts_give_the_nibble_order_bits(model, big):
+    """The same experts stored as pair words (their default configs, decode 5; 6 with big scales) against nibble order
+    through the same tiles (decode 4; 0 with big scales): bit for bit, at 1, 16 and 64 tokens."""
+    import dataclasses
+
+    from kernels.moe import default_config, moe_forward
+
+    w = dataclasses.replace(_weights(model, True), big_scales=big)
+    pw = _pair(w)
+    e, k, h, i = SHAPES[model]
+    c1 = default_config(i, h, k, True, gemm=1, pair_words=True)
+    c2 = default_config(h, i, k, True, gemm=2, pair_words=True)
+    n1, n2 = (dataclasses.replace(c, decode=0 if big else 4) for c in (c1, c2))
+    for t in (1, 16, 64):
+        x, ids, wts = _tokens(model, t, seed=t)
+        got = moe_forward(x, ids, wts, pw, e)
+        want = moe_forward(x, ids, wts, w, e, config=n1, config2=n2)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), t

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from kernels.installer import expert_weights, experts_modules, num_experts_of
-from kernels.mxfp4 import ExpertLayout, big_scales
+from kernels.mxfp4 import ExpertLayout, big_scales, from_pair_words, to_pair_words
 from kernels.moe import ExpertWeights
 
 
@@ -32,9 +32,11 @@ class GateLayout:
 
 class HostExpertStore:
     def __init__(self, layout: ExpertLayout, num_experts: dict[int, int], gate: GateLayout, pin: bool = False,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", pair_words: bool = False):
         """`device`: where the arena lies: the host (pinned with `pin`, for a GPU's cache to copy from), or a GPU itself
-        (every expert resident there: `verifier_svc.model.resident_experts` then uses it as it is)."""
+        (every expert resident there: `verifier_svc.model.resident_experts` then uses it as it is). `pair_words`: the
+        blocks are stored as pair words (kernels/mxfp4.py `to_pair_words`: the same bytes per slice, each 4-byte word's
+        bits rearranged for the GPU kernels' cheapest decode; `kernels.moe.pair_words_for(device)` says when)."""
         self.layout, self.num_experts, self.gate = layout, dict(sorted(num_experts.items())), gate
         self._row: dict[tuple[int, int], int] = {}
         for layer, n in self.num_experts.items():
@@ -42,6 +44,7 @@ class HostExpertStore:
                 self._row[(layer, e)] = len(self._row)
         self.arena = torch.zeros(len(self._row), layout.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
         self.big_scales = False  # some scale byte > 128 (kernels.mxfp4.big_scales): the kernels decode exactly
+        self.pair_words = pair_words
         self._slice_bytes = layout.nbytes  # (the layout recomputes it from its sections: read on every verify)
 
     @property
@@ -69,9 +72,9 @@ class HostExpertStore:
         first = self._row[(layer, 0)]
         rows = slice(first, first + self.num_experts[layer])
         dev = self.arena.device
-        views["w1_blocks"][rows] = w.w1.to(dev)
+        views["w1_blocks"][rows] = self._blocks(w.w1, w.pair_words).to(dev)
         views["w1_scales"][rows] = w.s1.to(dev)
-        views["w2_blocks"][rows] = w.w2.to(dev)
+        views["w2_blocks"][rows] = self._blocks(w.w2, w.pair_words).to(dev)
         views["w2_scales"][rows] = w.s2.to(dev)
         self.big_scales = self.big_scales or big_scales(w.s1, w.s2)
         if self.layout.has_bias:
@@ -84,7 +87,13 @@ class HostExpertStore:
         g = self.gate
         return ExpertWeights(v["w1_blocks"], v["w2_blocks"], v["w1_scales"], v["w2_scales"], v.get("b1"), v.get("b2"),
                              row_mul=g.row_mul, up_off=g.up_off, act=g.act, alpha=g.alpha, limit=g.limit,
-                             big_scales=self.big_scales)
+                             big_scales=self.big_scales, pair_words=self.pair_words)
+
+    def _blocks(self, blocks: torch.Tensor, pair_words: bool = False) -> torch.Tensor:
+        """Blocks (pair words when `pair_words`) in this store's format."""
+        if pair_words == self.pair_words:
+            return blocks
+        return to_pair_words(blocks) if self.pair_words else from_pair_words(blocks)
 
     def put_expert(self, layer: int, expert: int, parts: dict[str, torch.Tensor]) -> None:
         """Pack one expert's parts (ExpertLayout's section names: w1_blocks, w1_scales, w2_blocks, w2_scales[, b1, b2])
@@ -94,7 +103,7 @@ class HostExpertStore:
             if name not in parts or tuple(parts[name].shape) != tuple(v.shape[1:]) or parts[name].dtype != v.dtype:
                 got = "missing" if name not in parts else f"{parts[name].dtype} {list(parts[name].shape)}"
                 raise ValueError(f"layer {layer} expert {expert}: {name} is {got}, the store holds {v.dtype} {list(v.shape[1:])}")
-            v[0].copy_(parts[name])
+            v[0].copy_(self._blocks(parts[name]) if name in ("w1_blocks", "w2_blocks") else parts[name])
         self.big_scales = self.big_scales or big_scales(parts["w1_scales"], parts["w2_scales"])
 
     def layer_weights(self, layer: int, arena: torch.Tensor | None = None) -> ExpertWeights:
@@ -104,7 +113,8 @@ class HostExpertStore:
         return self.weights(arena[first : first + self.num_experts[layer]])
 
     @classmethod
-    def from_model(cls, model, pin: bool = False, progress=None, device: torch.device | str = "cpu") -> "HostExpertStore":
+    def from_model(cls, model, pin: bool = False, progress=None, device: torch.device | str = "cpu",
+                   pair_words: bool = False) -> "HostExpertStore":
         """Quantize every experts module of a loaded transformers model into a new store (its arena on `device`).
         Experts already quantized on their module (`_pdflash_mxfp4`, `verifier_svc.model.quantize_experts`) are taken
         as they are (`kernels.installer.expert_weights`)."""
@@ -119,7 +129,8 @@ class HostExpertStore:
             if store is None:
                 layout = ExpertLayout(w.hidden, w.intermediate, w.b1 is not None)
                 gate = GateLayout(w.row_mul, w.up_offset, w.act, w.alpha, w.limit)
-                store = cls(layout, {l: num_experts_of(m) for l, m in modules.items()}, gate, pin=pin, device=device)
+                store = cls(layout, {l: num_experts_of(m) for l, m in modules.items()}, gate, pin=pin, device=device,
+                            pair_words=pair_words)
             store.put(layer, w)
             if progress is not None:
                 progress(layer)

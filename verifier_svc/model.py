@@ -83,6 +83,13 @@ def model_name(directory: pathlib.Path) -> str:
     return directory.name
 
 
+def pair_words_for(device: torch.device) -> bool:
+    """Whether the MXFP4 stores of a verifier on `device` hold pair words (`kernels.moe.pair_words_for`)."""
+    from kernels.moe import pair_words_for as wanted
+
+    return wanted(device)
+
+
 def kernels_wanted(mode: str, device: torch.device) -> bool:
     """--kernels auto: on CUDA when triton imports; on: required (CUDA, or Triton's interpreter for tests)."""
     from kernels import runtime
@@ -188,7 +195,8 @@ def load_direct(direct: DirectLoad, directory: pathlib.Path, device: torch.devic
     first = next(iter(direct.forms.values()))
     gate = GateLayout(first.row_mul, first.up_off, first.act, first.alpha, first.limit)
     offload = cache_gb > 0
-    store = HostExpertStore(first.layout, direct.num_experts, gate, pin=offload and device.type == "cuda")
+    store = HostExpertStore(first.layout, direct.num_experts, gate, pin=offload and device.type == "cuda",
+                            pair_words=pair_words_for(device))
     cache = None
     if offload:  # sized (and refused when too small) before the experts are read
         cache = new_cache(store, cache_gb, device, prefetch, mode, eviction=eviction)
@@ -231,7 +239,8 @@ def offload_experts(model, device: torch.device, cache_gb: float, prefetch: str 
     t0 = time.perf_counter()
     layers = len(experts_modules(model))
     with tqdm(total=layers, desc="quantizing experts to MXFP4 (host store)", unit="layer", leave=False) as bar:
-        store = HostExpertStore.from_model(model, pin=device.type == "cuda", progress=lambda _layer: bar.update())
+        store = HostExpertStore.from_model(model, pin=device.type == "cuda", progress=lambda _layer: bar.update(),
+                                           pair_words=pair_words_for(device))
     cache = new_cache(store, cache_gb, device, prefetch, mode, time_copies=time_copies, eviction=eviction)
     serve_offloaded_experts(model, cache)
     log.info("experts offloaded", experts=sum(store.num_experts.values()), store_bytes=store.total_bytes,
@@ -290,7 +299,7 @@ def serve_mxfp4(model, directory: pathlib.Path, kernels: str = "auto") -> Target
 
     dev = next(model.parameters()).device
     if kernels_wanted(kernels, dev):
-        store = HostExpertStore.from_model(model, device=dev)
+        store = HostExpertStore.from_model(model, device=dev, pair_words=pair_words_for(dev))
         resident_experts(model, store, dev)
         return wrap_model(model, directory, kernels, "mxfp4", byte_map=store.byte_map())
     cache = offload_experts(model, dev, 1e9, prefetch="")  # 1e9 GiB: a slot for every expert
