@@ -145,22 +145,13 @@ SWEEP_VARIANTS: dict[str, dict] = {
     "pair_raster": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, raster=1),
     "pair_k256_raster": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, block_k=256, raster=1),
     "pair_swap64": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64),
-    "pair_swap64_k256": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, block_k=256),
-    "pair_swap128_w8": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=128, num_warps=8),
-    "pair_swap32": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=32),
-    "pair_swap32_k256": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=32, block_k=256),
     "pair_swap64_w2": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2),
-    "pair_swap64_w2_k256": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2, block_k=256),
     "join_bf16_swap64_w2": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, swap_ab=True, block_n=64, num_warps=2),
-    "word_swap64_w2": dict(a_load=A_JOIN, decode=DECODE_WORD, swap_ab=True, block_n=64, num_warps=2),
     "pair_swap64_w2_s1": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2, s_ahead=1),
     "pair_swap64_w2_sw": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2, block_k=128,
                               s_words=True, s_ahead=1),
     "pair_swap32_w1": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=32, num_warps=1),
-    "pair_swap32_w1_k256": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=32, num_warps=1, block_k=256),
     "pair_swap64_w2_raster": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2, raster=1),
-    "pair_swap32_raster": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=32, raster=1),
-    "pair_k128_raster_sw": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, block_k=128, raster=1, s_words=True, s_ahead=1),
     # the next K step's scales loaded ahead (MoeConfig.s_ahead): the same values, without an HBM round trip per K step
     # (compiled for sm_90, every variant above streams its weights and activations ahead with cp.async but waits for
     # its scales in every step: tests/test_fused_kernels.py checks both forms)
@@ -497,8 +488,9 @@ if triton is not None:
         """Decode 5: weights stored as pair words (kernels/mxfp4.py `to_pair_words`), read as 32-bit words (8 values
         each) -> one [BN, BK] bf16 tile in K order. Per word: pair j = (values 2j, 2j + 1) is one rotation and one AND of
         the word (two of each for the last pair), then one bf16x2 multiply by 2^(s-1): 9 integer instructions and 4
-        multiplies for 8 values, and each result register is already an MMA register pair (k, k + 1). Exact like
-        decodes 3 and 4 (scale bytes <= FAST_DECODE_MAX_SCALE); the launcher checks the 4-byte alignment.
+        multiplies for 8 values, and each result register is already an MMA register pair (k, k + 1). Exact for scale
+        bytes <= FAST_DECODE_MAX_SCALE, and it does not clamp larger ones (they give garbage: moe_forward runs decode 6 on
+        weights that have any, `resolve_decodes`); the launcher checks the 4-byte alignment.
         EXACT (decode 6): two multiplies a pair, by 2^126 (the E2M1 values) and then by 2^(s-127) (a bf16 power of two
         for scale bytes 1..254; 0 reads as 0, as decode 0): exact for every scale the weights may have."""
         BN: tl.constexpr = rows.shape[0]
@@ -508,8 +500,8 @@ if triton is not None:
         q = tl.load(words + rows[:, None] * (stride_wn // 4) + kw[None, :], mask=row_ok[:, None] & (kw < K // 8)[None, :], other=0)
         if EXACT:
             e = s_raw.to(tl.uint32)  # 2^(s-127): the scale byte is the biased exponent
-        else:
-            e = (tl.minimum(s_raw.to(tl.int32), 128) + 126).to(tl.uint32)  # 2^(s-1) as a biased exponent
+        else:  # 2^(s-1) as a biased exponent; no clamp: resolve_decodes gives weights with scale bytes > 128 decode 6
+            e = s_raw.to(tl.uint32) + 126
         if EMULATE:  # Triton's interpreter cannot run PTX: the same rotations and masks, scaled by the exact emulation
             e = tl.reshape(tl.broadcast_to(e[:, :, None], (BN, BLOCK_K // 32, 4)), (BN, BW))
             p0 = q & 0x81C081C0
