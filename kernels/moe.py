@@ -205,10 +205,17 @@ SHAPE_OVERRIDES: dict[tuple[int, int, int, bool], dict] = {
     (2, 2048, 768, True): dict(SWEEP_VARIANTS["join_bf16_swap64"]),  # qwen3-30b-a3b
 }
 # MXFP4 weights stored as pair words (ExpertWeights.pair_words; decode 5): the tiles that suit that decode. The weight
-# tile as the MMA's M side on 2 warps (mma.sync: the decoded registers are the MMA's A operand as they come, with no
-# shared-memory round trip; 4 warps would take wgmma, whose register operand Triton converts through shared memory).
-PAIR_DEFAULT: dict = dict(SWEEP_VARIANTS["pair_swap64_w2"])
-PAIR_SHAPE_OVERRIDES: dict[tuple[int, int, int], dict] = {}
+# tile as the MMA's M side on 2 warps (pair_swap64_w2*: mma.sync, the decoded registers are the MMA's A operand as they
+# come; 4 warps would take wgmma, whose register operand Triton converts through shared memory), or 256-deep K steps.
+# Set from the H200 sweep of 2026-12-03 (benchmarks/results/kernels_sweep_pair_words_h200.txt: 3684 us over its cases for
+# pair_k256_raster alone vs 4520 for the nibble-order defaults; per shape the winners below), after the GPU tests passed.
+PAIR_DEFAULT: dict = dict(SWEEP_VARIANTS["pair_k256_raster"])
+PAIR_SHAPE_OVERRIDES: dict[tuple[int, int, int], dict] = {  # (gemm, n, k)
+    (2, 2880, 2880): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"]),  # gpt-oss-20b down
+    (2, 4096, 14336): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"]),  # mixtral-8x7b down
+    (1, 768, 2048): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"]),  # qwen3-30b-a3b gate/up
+    (2, 2048, 768): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"]),  # qwen3-30b-a3b down
+}
 # ====================================================================================================================
 
 
