@@ -21,10 +21,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-def env_flag(name: str) -> bool:
-    """An on/off option from the environment: "1" on, "0" or unset off; anything else stops the import with a
+def env_flag(name: str, default: bool = False) -> bool:
+    """An on/off option from the environment: "1" on, "0" off, unset `default`; anything else stops the import with a
     message naming the variable (a typo must not silently leave a kernel option off)."""
-    value = os.environ.get(name, "0")
+    value = os.environ.get(name, "1" if default else "0")
     if value not in ("0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"

@@ -947,3 +947,15 @@ def test_pair_words_default_config_comes_from_its_own_table(monkeypatch):
     assert not moe.pair_words_for("cpu")
     monkeypatch.setattr(moe, "PAIR_WORDS", True)
     assert moe.pair_words_for("cuda") and not moe.pair_words_for("cpu")
+
+
+def test_env_flags_take_0_or_1_and_fall_back_to_their_default(monkeypatch):
+    monkeypatch.delenv("PDFLASH_TEST_FLAG", raising=False)
+    assert runtime.env_flag("PDFLASH_TEST_FLAG") is False and runtime.env_flag("PDFLASH_TEST_FLAG", default=True) is True
+    monkeypatch.setenv("PDFLASH_TEST_FLAG", "0")
+    assert runtime.env_flag("PDFLASH_TEST_FLAG", default=True) is False
+    monkeypatch.setenv("PDFLASH_TEST_FLAG", "1")
+    assert runtime.env_flag("PDFLASH_TEST_FLAG") is True
+    monkeypatch.setenv("PDFLASH_TEST_FLAG", "yes")
+    with pytest.raises(ValueError, match="PDFLASH_TEST_FLAG must be 0 or 1"):
+        runtime.env_flag("PDFLASH_TEST_FLAG", default=True)
