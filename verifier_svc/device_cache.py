@@ -123,9 +123,10 @@ class DeviceExpertCache:
         # With the overlap, the next-layer guess need not hold up the next layer until its copies land: that layer waits
         # only for the guess's admission (`_admitted`), its demand admission marks hits on slots the guess brought as
         # still in flight (fill -1: computed with the first copy group), and its demand copies queue behind the guess's on the side
-        # stream. On by default since the H200 timed it (stop 31: Qwen3 shapes +4..+25% tok/s at 10% and up to +8.5% at 25%,
-        # block 1's hidden copy fraction 0.17 -> 0.75 at 25%; gpt-oss shapes within -4..+6.5%; benchmarks/results/
-        # offload_async_h200.md); PDFLASH_EXPERT_GUESS_ASYNC=0 turns it off. Set before the graphs capture.
+        # stream. On by default since the H200 timed it (stop 31: Qwen3 shapes +4..+25% tok/s at 10% and up to +8.5% at 25%
+        # against the overlap alone in the same run, block 1's hidden copy fraction 0.17 -> 0.75 at 25%; gpt-oss shapes
+        # within -4..+6.5%; benchmarks/results/offload_async_h200.md); PDFLASH_EXPERT_GUESS_ASYNC=0 turns it off. Set
+        # before the graphs capture.
         self.guess_async = runtime.env_flag("PDFLASH_EXPERT_GUESS_ASYNC", default=True)
         self._admitted = [torch.cuda.Event() for _ in self.layers] if self._cuda else []
         self._stats = CacheStats()
