@@ -211,12 +211,14 @@ SHAPE_OVERRIDES: dict[tuple[int, int, int, bool], dict] = {
 # MXFP4 weights stored as pair words (ExpertWeights.pair_words; decode 5): the tiles that suit that decode. The weight
 # tile as the MMA's M side on 2 warps (pair_swap64_w2*: mma.sync, the decoded registers are the MMA's A operand as they
 # come; 4 warps would take wgmma, whose register operand Triton converts through shared memory), or 256-deep K steps.
-# Set from the H200 sweep of 2026-12-03 (benchmarks/results/kernels_sweep_pair_words_h200.txt: 3684 us over its cases for
-# pair_k256_raster alone vs 4520 for the nibble-order defaults; per shape the winners below), after the GPU tests passed.
+# Set from the H200 sweep of 2026-12-03 (benchmarks/results/kernels_sweep_pair_words_h200.txt), by the whole MoE call (the
+# per-GEMM sums the sweep's summary ranks by disagreed with it: mixtral-8x7b at 2 experts ran 125.5 us with
+# pair_k256_raster and 263.1 us with pair_swap64_w2_raster, whose GEMMs timed alone summed less): pair_k256_raster
+# everywhere (gpt-oss-20b at 4 active experts 77.1 -> 49.3 us, mixtral-8x7b at 2: 229.9 -> 125.5), but Qwen3-30B-A3B's
+# two GEMMs take the weight tile as the MMA's M side on 2 warps (at 128 experts 206.0 -> 153.6 us; at 8, the block-1
+# case, 31.7 against k256's 27.7: a verify of 16 tokens routes to ~80 of its 128 experts). GPU tests passed first.
 PAIR_DEFAULT: dict = dict(SWEEP_VARIANTS["pair_k256_raster"])
 PAIR_SHAPE_OVERRIDES: dict[tuple[int, int, int], dict] = {  # (gemm, n, k)
-    (2, 2880, 2880): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"]),  # gpt-oss-20b down
-    (2, 4096, 14336): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"]),  # mixtral-8x7b down
     (1, 768, 2048): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"]),  # qwen3-30b-a3b gate/up
     (2, 2048, 768): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"]),  # qwen3-30b-a3b down
 }
