@@ -219,8 +219,9 @@ SHAPE_OVERRIDES: dict[tuple[int, int, int, bool], dict] = {
 # case, 31.7 against k256's 27.7: a verify of 16 tokens routes to ~80 of its 128 experts). GPU tests passed first.
 PAIR_DEFAULT: dict = dict(SWEEP_VARIANTS["pair_k256_raster"])
 PAIR_SHAPE_OVERRIDES: dict[tuple[int, int, int], dict] = {  # (gemm, n, k)
-    (1, 768, 2048): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"]),  # qwen3-30b-a3b gate/up
-    (2, 2048, 768): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"]),  # qwen3-30b-a3b down
+    # (block_k as the sweep ran them: base_config's 128, not PAIR_DEFAULT's 256)
+    (1, 768, 2048): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"], block_k=128),  # qwen3-30b-a3b gate/up
+    (2, 2048, 768): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"], block_k=128),  # qwen3-30b-a3b down
 }
 # ====================================================================================================================
 
