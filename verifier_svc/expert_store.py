@@ -32,11 +32,12 @@ class GateLayout:
 
 class HostExpertStore:
     def __init__(self, layout: ExpertLayout, num_experts: dict[int, int], gate: GateLayout, pin: bool = False,
-                 device: torch.device | str = "cpu", pair_words: bool = False):
+                 device: torch.device | str = "cpu", pair_words: bool = False, convert_on: torch.device | str | None = None):
         """`device`: where the arena lies: the host (pinned with `pin`, for a GPU's cache to copy from), or a GPU itself
         (every expert resident there: `verifier_svc.model.resident_experts` then uses it as it is). `pair_words`: the
         blocks are stored as pair words (kernels/mxfp4.py `to_pair_words`: the same bytes per slice, each 4-byte word's
-        bits rearranged for the GPU kernels' cheapest decode; `kernels.moe.pair_words_for(device)` says when)."""
+        bits rearranged for the GPU kernels' cheapest decode; `kernels.moe.pair_words_for(device)` says when);
+        `convert_on`: a GPU to rearrange host blocks on (a checkpoint's bytes), as they pass to the arena."""
         self.layout, self.num_experts, self.gate = layout, dict(sorted(num_experts.items())), gate
         self._row: dict[tuple[int, int], int] = {}
         for layer, n in self.num_experts.items():
@@ -45,6 +46,7 @@ class HostExpertStore:
         self.arena = torch.zeros(len(self._row), layout.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
         self.big_scales = False  # some scale byte > 128 (kernels.mxfp4.big_scales): the kernels decode exactly
         self.pair_words = pair_words
+        self._convert_on = None if convert_on is None or torch.device(convert_on).type != "cuda" else torch.device(convert_on)
         self._slice_bytes = layout.nbytes  # (the layout recomputes it from its sections: read on every verify)
 
     @property
@@ -93,7 +95,10 @@ class HostExpertStore:
         """Blocks (pair words when `pair_words`) in this store's format."""
         if pair_words == self.pair_words:
             return blocks
-        return to_pair_words(blocks) if self.pair_words else from_pair_words(blocks)
+        convert = to_pair_words if self.pair_words else from_pair_words
+        if self._convert_on is not None and blocks.device.type == "cpu":
+            return convert(blocks.to(self._convert_on)).cpu()
+        return convert(blocks)
 
     def put_expert(self, layer: int, expert: int, parts: dict[str, torch.Tensor]) -> None:
         """Pack one expert's parts (ExpertLayout's section names: w1_blocks, w1_scales, w2_blocks, w2_scales[, b1, b2])

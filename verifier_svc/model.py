@@ -196,7 +196,7 @@ def load_direct(direct: DirectLoad, directory: pathlib.Path, device: torch.devic
     gate = GateLayout(first.row_mul, first.up_off, first.act, first.alpha, first.limit)
     offload = cache_gb > 0
     store = HostExpertStore(first.layout, direct.num_experts, gate, pin=offload and device.type == "cuda",
-                            pair_words=pair_words_for(device))
+                            pair_words=pair_words_for(device), convert_on=device)
     cache = None
     if offload:  # sized (and refused when too small) before the experts are read
         cache = new_cache(store, cache_gb, device, prefetch, mode, eviction=eviction)
