@@ -463,14 +463,10 @@ if triton is not None:
             p1 = _bf16x2_scale(((q << 2) & 0x01C001C0) | ((q << 8) & 0x80008000), e, True)
             p2 = _bf16x2_scale(((q >> 2) & 0x01C001C0) | ((q << 4) & 0x80008000), e, True)
             p3 = _bf16x2_scale(((q >> 6) & 0x01C001C0) | (q & 0x80008000), e, True)
-            v0 = p0.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            v4 = (p0 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            v1 = p1.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            v5 = (p1 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            v2 = p2.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            v6 = (p2 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            v3 = p3.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            v7 = (p3 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v0, v4 = _bf16_halves(p0)
+            v1, v5 = _bf16_halves(p1)
+            v2, v6 = _bf16_halves(p2)
+            v3, v7 = _bf16_halves(p3)
         else:
             # pair j = (nibble j, nibble j + 4): magnitudes to bits 6-8 / 22-24, signs to bits 15 / 31 of one word
             v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
@@ -531,14 +527,10 @@ if triton is not None:
             p1 = _bf16x2_scale(p1, e, True)
             p2 = _bf16x2_scale(p2, e, True)
             p3 = _bf16x2_scale(p3, e, True)
-            v0 = p0.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            v1 = (p0 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            v2 = p1.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            v3 = (p1 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            v4 = p2.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            v5 = (p2 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            v6 = p3.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            v7 = (p3 >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            v0, v1 = _bf16_halves(p0)
+            v2, v3 = _bf16_halves(p1)
+            v4, v5 = _bf16_halves(p2)
+            v6, v7 = _bf16_halves(p3)
         elif EXACT:
             c = e * 0x00800080  # the bf16x2 multiplier 2^(s-127) in both halves, once per scale group
             c = tl.reshape(tl.broadcast_to(c[:, :, None], (BN, BLOCK_K // 32, 4)), (BN, BW))
@@ -577,6 +569,11 @@ if triton is not None:
         # join puts its operands on a new LAST dimension: the innermost join picks the highest bit of the K offset
         w = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
         return tl.reshape(w, (BN, BLOCK_K))
+
+    @triton.jit
+    def _bf16_halves(pair):
+        """A 32-bit word of two bf16 values (hi << 16 | lo) -> (lo, hi) as bf16 tensors."""
+        return pair.to(tl.uint16).to(tl.bfloat16, bitcast=True), (pair >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
     def _bf16x2_scale(pair, e, EMULATE: tl.constexpr):
