@@ -488,9 +488,7 @@ if triton is not None:
                 "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [q, e],
                 dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
             )
-        # join puts its operands on a new LAST dimension: the innermost join picks the highest bit of the K offset
-        w = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
-        return tl.reshape(w, (BN, BLOCK_K))
+        return _k_order(v0, v1, v2, v3, v4, v5, v6, v7, BN, BLOCK_K)
 
     @triton.jit
     def _fp4_pair_words(w_ptr, s_raw, rows, row_ok, stride_wn, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -566,6 +564,11 @@ if triton is not None:
                 "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [q, c],
                 dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
             )
+        return _k_order(v0, v1, v2, v3, v4, v5, v6, v7, BN, BLOCK_K)
+
+    @triton.jit
+    def _k_order(v0, v1, v2, v3, v4, v5, v6, v7, BN: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Eight [BN, BK/8] tiles (value j of each 32-bit word) -> one [BN, BK] tile in K order."""
         # join puts its operands on a new LAST dimension: the innermost join picks the highest bit of the K offset
         w = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
         return tl.reshape(w, (BN, BLOCK_K))
