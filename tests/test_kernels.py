@@ -786,6 +786,7 @@ def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):
                        capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "after-wait", r.stderr[-2000:]
     _import_refuses("PDFLASH_MOE_FUSED_COMBINE", "yes", "kernels.moe")
+    _import_refuses("PDFLASH_FP4_PAIR_WORDS", "on", "kernels.moe")
 
 
 @needs_triton
@@ -944,9 +945,10 @@ def test_pair_words_default_config_comes_from_its_own_table(monkeypatch):
     c = moe.default_config(64, 32, 2, True, gemm=2, pair_words=True)
     assert c.decode == moe.DECODE_PAIR_WORDS and c.swap_ab == moe.PAIR_DEFAULT.get("swap_ab", False) and c.block_k == 32
     assert moe.default_config(64, 32, 2, True, gemm=2).decode != moe.DECODE_PAIR_WORDS
-    assert not moe.pair_words_for("cpu")
-    monkeypatch.setattr(moe, "PAIR_WORDS", True)
+    monkeypatch.setattr(moe, "PAIR_WORDS", True)  # the default: on a GPU only
     assert moe.pair_words_for("cuda") and not moe.pair_words_for("cpu")
+    monkeypatch.setattr(moe, "PAIR_WORDS", False)  # PDFLASH_FP4_PAIR_WORDS=0
+    assert not moe.pair_words_for("cuda")
 
 
 def test_env_flags_take_0_or_1_and_fall_back_to_their_default(monkeypatch):
