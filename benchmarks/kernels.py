@@ -363,13 +363,25 @@ def _short(c) -> str:
     return s + ("" if not c.swap_ab else " swap") + ("" if not c.raster else " raster") + ("" if not c.persist else f" persist{c.persist}")
 
 
+def _stored(r: dict) -> str:
+    """A sweep row's stored weight format: bf16, mxfp4 (nibble order) or "mxfp4 pair" (pair words: decodes 5/6)."""
+    from kernels.moe import PAIR_DECODES
+
+    return "mxfp4 pair" if r["weights"] == "mxfp4" and r["config1"].get("decode") in PAIR_DECODES else r["weights"]
+
+
 def sweep_summary(rows: list[dict]) -> list[str]:
-    """The winners, as a block to paste into kernels/moe.py: per weight format the variant with the least total time
-    over every case, and per GEMM shape the variant with the least summed time of that GEMM alone."""
+    """The winners, as a block to paste into kernels/moe.py. Per stored format (bf16, MXFP4 in nibble order, MXFP4 as pair
+    words) the variant with the least whole-call time over every case is the format's default; per model the variant with
+    the least whole-call time over that model's cases overrides both its GEMMs where it differs (block_k written out: an
+    override merges over the format's default). The per-GEMM sums (each GEMM timed alone) are listed too, but they can
+    disagree with the whole call (stop 31: Mixtral's down GEMM alone favoured a tile whose whole call took 2x), so they
+    only inform."""
     out = ["", "# ---- sweep summary (sums over every case timed) ----"]
-    best_fmt = {}
-    for fmt in dict.fromkeys(r["weights"] for r in rows):
-        fr = [r for r in rows if r["weights"] == fmt]
+    best_fmt: dict = {}
+    fmts = list(dict.fromkeys(_stored(r) for r in rows if r["variant"] != "default"))
+    for fmt in fmts:
+        fr = [r for r in rows if _stored(r) == fmt or (r["variant"] == "default" and r["weights"] == fmt.split()[0])]
         cases = {(r["model"], r["active"], r["tpe"]) for r in fr}
         tot: dict = {}
         for r in fr:
@@ -378,40 +390,61 @@ def sweep_summary(rows: list[dict]) -> list[str]:
         for v, t in sorted(full.items(), key=lambda kv: kv[1]):
             worst = min(r["speedup"] for r in fr if r["variant"] == v)
             frac = min(r["hbm_fraction"] for r in fr if r["variant"] == v)
-            out.append(f"#   {fmt:5s} {v:22s} total {t:9.1f} us   worst speedup x{worst:5.2f}   worst copy fraction {frac:5.0%}")
+            out.append(f"#   {fmt:10s} {v:24s} total {t:9.1f} us   worst speedup x{worst:5.2f}   worst copy fraction {frac:5.0%}")
         named = {v: t for v, t in full.items() if v != "default"}
         if named:
             best_fmt[fmt] = min(named, key=named.get)
+    out.append("# per model, by the whole call (what the overrides below follow):")
+    overrides: dict = {fmt: [] for fmt in best_fmt}
+    for fmt, base in best_fmt.items():
+        fr = [r for r in rows if _stored(r) == fmt and r["variant"] != "default"]
+        for model in dict.fromkeys(r["model"] for r in fr):
+            mr = [r for r in fr if r["model"] == model]
+            ncase = len({(r["active"], r["tpe"]) for r in mr})
+            tot: dict = {}
+            for r in mr:
+                tot.setdefault(r["variant"], []).append(r)
+            full = {v: sum(r["us"] for r in rs) for v, rs in tot.items() if len(rs) == ncase}
+            win = min(full, key=full.get)
+            out.append(f"#   {model:14s} {fmt:10s} {win} {full[win]:.1f} us" + (f" ({base}: {full[base]:.1f} us)" if base in full else ""))
+            if win == base:
+                continue
+            e, k, h, i = MODELS[model]
+            table = "SWEEP_VARIANTS" if fmt != "bf16" else "SWEEP_VARIANTS_BF16"
+            for g, (n_, k_) in ((1, (i, h)), (2, (h, i))):
+                bk = tot[win][0][f"config{g}"]["block_k"]
+                key = f"({g}, {n_}, {k_})" if fmt == "mxfp4 pair" else f"({g}, {n_}, {k_}, {fmt != 'bf16'})"
+                overrides[fmt].append(f"    {key}: dict({table}[{win!r}], block_k={bk}),  # {model}")
     shapes: dict = {}
     for r in rows:
         if r["variant"] == "default":
             continue
         for g in (1, 2):
-            c = r[f"config{g}"]
-            key = (r["model"], r["weights"], g)
-            shapes.setdefault(key, {}).setdefault(r["variant"], [0.0, 0, c])
+            key = (r["model"], _stored(r), g)
+            shapes.setdefault(key, {}).setdefault(r["variant"], [0.0, 0])
             shapes[key][r["variant"]][0] += r[f"gemm{g}_us"]
             shapes[key][r["variant"]][1] += 1
-    out.append("# per GEMM shape (gemm1: n = I, k = H; gemm2: n = H, k = I):")
-    overrides = []
+    out.append("# per GEMM shape, each GEMM timed alone (informative only; gemm1: n = I, k = H; gemm2: n = H, k = I):")
     for (model, fmt, g), vs in sorted(shapes.items()):
         ncase = max(v[1] for v in vs.values())
-        full = {v: t for v, (t, n, _) in vs.items() if n == ncase}
+        full = {v: t for v, (t, n) in vs.items() if n == ncase}
         win = min(full, key=full.get)
         e, k, h, i = MODELS[model]
         n_, k_ = (i, h) if g == 1 else (h, i)
         base = best_fmt.get(fmt)
-        out.append(f"#   {model:14s} {fmt:5s} gemm{g} (n={n_}, k={k_}): {win} {full[win]:.1f} us" + (f" (format default {base}: {full[base]:.1f} us)" if base in full else ""))
-        if win != base:
-            overrides.append(f"    ({g}, {n_}, {k_}, {fmt == 'mxfp4'}): dict(SWEEP_VARIANTS{'' if fmt == 'mxfp4' else '_BF16'}[{win!r}]),  # {model}")
+        out.append(f"#   {model:14s} {fmt:10s} gemm{g} (n={n_}, k={k_}): {win} {full[win]:.1f} us" + (f" (format default {base}: {full[base]:.1f} us)" if base in full else ""))
     out.append("# ---- paste into kernels/moe.py (THE ONE PLACE TO SET THE SWEEP'S WINNERS) ----")
-    if "mxfp4" in best_fmt:
-        out.append(f"FP4_DEFAULT: dict = dict(SWEEP_VARIANTS[{best_fmt['mxfp4']!r}])")
-    if "bf16" in best_fmt:
-        out.append(f"BF16_DEFAULT: dict = dict(SWEEP_VARIANTS_BF16[{best_fmt['bf16']!r}])")
-    out.append("SHAPE_OVERRIDES: dict[tuple[int, int, int, bool], dict] = {")
-    out += overrides
-    out.append("}")
+    names = {"mxfp4": ("FP4_DEFAULT", "SWEEP_VARIANTS", "SHAPE_OVERRIDES: dict[tuple[int, int, int, bool], dict] = {"),
+             "bf16": ("BF16_DEFAULT", "SWEEP_VARIANTS_BF16", None),
+             "mxfp4 pair": ("PAIR_DEFAULT", "SWEEP_VARIANTS", "PAIR_SHAPE_OVERRIDES: dict[tuple[int, int, int], dict] = {  # (gemm, n, k)")}
+    for fmt in ("mxfp4", "bf16", "mxfp4 pair"):
+        if fmt in best_fmt:
+            out.append(f"{names[fmt][0]}: dict = dict({names[fmt][1]}[{best_fmt[fmt]!r}])")
+    for fmt in ("mxfp4", "mxfp4 pair"):
+        if fmt in best_fmt:
+            out.append(names[fmt][2])
+            out += overrides[fmt] + (overrides.get("bf16", []) if fmt == "mxfp4" else [])
+            out.append("}")
     return out
 
 

@@ -196,7 +196,8 @@ GPU_ONLY_VARIANTS = frozenset({"scaled_swap64"})
 
 # ==== THE ONE PLACE TO SET THE SWEEP'S WINNERS =====================================================================
 # `python benchmarks/kernels.py --sweep` times the variants of `SWEEP_VARIANTS` / `SWEEP_VARIANTS_BF16` (below) on the
-# decode shapes and ends its output with a ready-made block for these three names. Fields are merged over base_config:
+# decode shapes (pair-word variants on pair-word weights) and ends its output with a ready-made block for these names and
+# PAIR_DEFAULT / PAIR_SHAPE_OVERRIDES below, chosen by the whole MoE call's time. Fields are merged over base_config:
 #   FP4_DEFAULT / BF16_DEFAULT: for every GEMM of that weight format, e.g. FP4_DEFAULT = dict(SWEEP_VARIANTS["join_bf16"]);
 #   SHAPE_OVERRIDES[(gemm, n, k, fp4)]: for one GEMM of one shape, applied last (gemm 1: gate/up, n = I, k = H; gemm 2:
 #     down, n = H, k = I), e.g. SHAPE_OVERRIDES[(2, 2048, 768, True)] = dict(SWEEP_VARIANTS["join_bf16_swap64"]).

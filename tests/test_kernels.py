@@ -961,3 +961,26 @@ def test_env_flags_take_0_or_1_and_fall_back_to_their_default(monkeypatch):
     monkeypatch.setenv("PDFLASH_TEST_FLAG", "yes")
     with pytest.raises(ValueError, match="PDFLASH_TEST_FLAG must be 0 or 1"):
         runtime.env_flag("PDFLASH_TEST_FLAG", default=True)
+
+
+def test_the_sweep_summary_picks_each_stored_format_by_the_whole_call():
+    """benchmarks/kernels.py `sweep_summary`: the pair-word variants form their own format (PAIR_DEFAULT and its
+    overrides), defaults and per-model overrides follow the whole call's time even where the GEMMs timed alone say
+    otherwise, and an override writes its block_k out (it merges over the format's default)."""
+    from benchmarks.kernels import sweep_summary
+
+    def row(model, variant, decode, us, g1, g2, active=8, block_k=128):
+        cfg = dict(decode=decode, block_k=block_k)
+        return dict(model=model, weights="mxfp4", active=active, tpe=1, variant=variant, config1=cfg, config2=cfg, us=us,
+                    gemm1_us=g1, gemm2_us=g2, speedup=2.0, hbm_fraction=0.3)
+
+    rows = [row(m, "default", 3, 100.0, 40, 40) for m in ("qwen3-30b-a3b", "mixtral-8x7b")]
+    rows += [row("qwen3-30b-a3b", "pair_k256_raster", 5, 80.0, 30, 30, block_k=256),
+             row("qwen3-30b-a3b", "pair_swap64_w2_raster", 5, 70.0, 35, 35),  # the whole call wins for Qwen3
+             row("mixtral-8x7b", "pair_k256_raster", 5, 60.0, 30, 30, block_k=256),
+             row("mixtral-8x7b", "pair_swap64_w2_raster", 5, 120.0, 20, 20)]  # alone faster, whole call slower
+    text = "\n".join(sweep_summary(rows))
+    assert "PAIR_DEFAULT: dict = dict(SWEEP_VARIANTS['pair_k256_raster'])" in text
+    assert "(1, 768, 2048): dict(SWEEP_VARIANTS['pair_swap64_w2_raster'], block_k=128),  # qwen3-30b-a3b" in text
+    assert "(2, 2048, 768): dict(SWEEP_VARIANTS['pair_swap64_w2_raster'], block_k=128),  # qwen3-30b-a3b" in text
+    assert "# mixtral" not in text.split("PAIR_SHAPE_OVERRIDES")[1]  # pair_k256_raster stays Mixtral's
