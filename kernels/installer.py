@@ -605,7 +605,7 @@ def install_fused(model: nn.Module) -> tuple[dict[str, str], list]:
 @dataclasses.dataclass
 class Installation:
     model: nn.Module
-    experts: dict[int, str]  # layer -> "triton bf16" / "triton mxfp4" / why not
+    experts: dict[int, str]  # layer -> "triton bf16" / "triton mxfp4" [(pair words)] / why not
     attention: str
     dense: str
     uncovered: dict[str, int]  # risky aten ops the probe forward still ran on torch's kernels
@@ -673,14 +673,15 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
         module._pdflash_fallback = ALL_EXPERTS_FUNCTIONS.get_interface(prev_experts, type(module).forward.__wrapped__)
         module._pdflash_num_experts = num_experts_of(module)
         if getattr(module, "_pdflash_offload", None) is not None:
-            report[layer] = "triton mxfp4 (offloaded: expert cache)"
+            store = getattr(module._pdflash_offload[0], "store", None)  # (cache, layer)
+            report[layer] = f"triton mxfp4 (offloaded: expert cache{', pair words' if getattr(store, 'pair_words', False) else ''})"
             continue
         w = expert_weights(module, experts_format)
         if isinstance(w, str):
             report[layer] = f"transformers {prev_experts} ({w})"
             continue
         module._pdflash_weights = w
-        report[layer] = f"triton {'mxfp4' if w.fp4 else str(w.w1.dtype).removeprefix('torch.')}"
+        report[layer] = f"triton {'mxfp4' if w.fp4 else str(w.w1.dtype).removeprefix('torch.')}" + (" (pair words)" if w.fp4 and w.pair_words else "")
         if w.fp4:
             _drop_native(module, w)
     if report:

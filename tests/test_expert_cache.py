@@ -320,3 +320,38 @@ def test_a_pair_word_store_holds_the_same_slices_in_pair_words_and_serves_the_sa
     parts = {k: v[0] for k, v in store.layout.views(store.slice(layer, 1).reshape(1, -1)).items()}
     pw.put_expert(layer, 0, parts)  # nibble-order parts (a checkpoint's bytes) into the pair-word store
     assert torch.equal(pw.slice(layer, 0), pw.slice(layer, 1))
+
+
+def test_the_installation_report_names_pair_words(tiny):
+    """The model info's kernels JSON says which stored form the MXFP4 experts take (an operator can tell a GPU store's
+    pair words from the nibble order): resident experts and an expert cache over a pair-word store."""
+    import dataclasses
+
+    from kernels import mxfp4
+    from kernels.installer import serve_offloaded_experts
+    from verifier_svc.expert_cache import new_cache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.target("qwen3_moe"), dtype=getattr(torch, DTYPE)).to(DEVICE)
+    store = HostExpertStore.from_model(model)
+    layer, module = next(iter(experts_modules(model).items()))
+    w = store.layer_weights(layer)
+    module._pdflash_mxfp4 = dataclasses.replace(w, w1=mxfp4.to_pair_words(w.w1), w2=mxfp4.to_pair_words(w.w2), pair_words=True)
+    try:
+        import kernels
+
+        inst = kernels.install(model, experts_format="mxfp4", probe=False)
+        try:
+            assert inst.experts[layer] == "triton mxfp4 (pair words)"
+        finally:
+            inst.uninstall()
+    finally:
+        del module._pdflash_mxfp4
+    pw = HostExpertStore.from_model(model, pair_words=True)
+    serve_offloaded_experts(model, new_cache(pw, 1e9, CPU, prefetch=""))
+    import kernels
+
+    inst = kernels.install(model, experts_format="mxfp4", probe=False)
+    try:
+        assert inst.experts[layer] == "triton mxfp4 (offloaded: expert cache, pair words)"
+    finally:
+        inst.uninstall()
