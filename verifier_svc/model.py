@@ -218,7 +218,7 @@ def load_direct(direct: DirectLoad, directory: pathlib.Path, device: torch.devic
         resident_experts(model, store, device)
         del store
         target = wrap_model(model.to(device), directory, kernels, "mxfp4", byte_map=byte_map)
-    log.info("experts loaded", source=source, experts=sum(direct.num_experts.values()), layers=len(direct.forms),
+    log.info("experts loaded", source=source, pair_words=pair_words_for(device), experts=sum(direct.num_experts.values()), layers=len(direct.forms),
              store_bytes=sum(sum(v) for v in byte_map.values()), slice_bytes=first.layout.nbytes,
              resident="offloaded" if offload else str(device), cache_slots=cache.num_slots if cache else None,
              seconds_weights=round(t_rest - t0, 2), seconds_store_alloc=round(t_alloc - t_rest, 2),
@@ -243,7 +243,7 @@ def offload_experts(model, device: torch.device, cache_gb: float, prefetch: str 
                                            pair_words=pair_words_for(device))
     cache = new_cache(store, cache_gb, device, prefetch, mode, time_copies=time_copies, eviction=eviction)
     serve_offloaded_experts(model, cache)
-    log.info("experts offloaded", experts=sum(store.num_experts.values()), store_bytes=store.total_bytes,
+    log.info("experts offloaded", pair_words=store.pair_words, experts=sum(store.num_experts.values()), store_bytes=store.total_bytes,
              slice_bytes=store.slice_bytes, cache_slots=cache.num_slots, cache_bytes=cache.pool.numel(),
              seconds=round(time.perf_counter() - t0, 2))
     return cache
