@@ -132,11 +132,12 @@ def offloaded_core(model, name: str):
     return VerifierCore(target, max_block_size=16, max_tokens_limit=4096, paged_kv=PagedKVOptions(kv_cache_gb=4))
 
 
-def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", guess_width: int = 0, overlap: str = "on"):
+def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", guess_width: int = 0, overlap: str = "async"):
     """A fresh cache (`mode`: device- or host-managed) holding `fraction` of the experts (at least one layer's), the
     modules routed through it; its next-layer guess takes the router's top `guess_width` (0: auto, kernels.installer.guess_k);
-    `overlap` (device cache): "on", a layer's misses copy while its resident experts compute (--expert-fill-overlap);
-    "off"; or "+"-joined: "async" (the next layer waits only for the guess's admission, PDFLASH_EXPERT_GUESS_ASYNC),
+    `overlap` (device cache): "on", a layer's misses copy while its resident experts compute (--expert-fill-overlap), the
+    next layer waiting for the guess's copies; "off"; or "+"-joined: "async" (the next layer waits only for the guess's
+    admission, PDFLASH_EXPERT_GUESS_ASYNC: the server's default),
     "gN" (the misses in N copy groups, PDFLASH_EXPERT_FILL_GROUPS), e.g. "async+g3"."""
     from kernels.installer import experts_modules
     from verifier_svc.expert_cache import min_slots, new_cache
@@ -238,7 +239,7 @@ def write(args, meta: dict, rows: list[dict]) -> None:
           "prefetch: what streams ahead (union: the verify's projected union; layer: layer l + 1's router on layer l's input). "
           "guess: how many of that router's top experts per row the layer guess fetches (auto: a quarter of its top_k, at least 1). "
           "overlap (device cache): on, a layer's misses copy while its resident experts compute; off, they copy before its GEMMs; "
-          "async, on and the next layer waits only for the guess's admission, not its copies. "
+          "async (the server's default), on and the next layer waits only for the guess's admission, not its copies. "
           "width: the drafted rows' width rule (cost: the growth rule capped by measured round prices, as the stack does for "
           "offloaded experts; growth: the growth rule alone).", "",
           "| model | system | cache | prefetch | guess | overlap | block | drafter | width | tok/s | TTFT ms | tau | expert MB/token | H2D of pinned | hidden | hit rate | coverage | wasted MB | PCIe bound tok/s | of bound | byte-bound | identical |",
@@ -280,11 +281,12 @@ def main(argv=None) -> int:
     ap.add_argument("--guess-widths", nargs="+", type=int, default=[0],
                     help="with layer prefetch, how many of the next router's top experts the guess fetches (0 = auto: a quarter of "
                          "its top_k, at least 1; the cache's guess_width, --expert-guess-width), compared at each cache size below 100%%")
-    ap.add_argument("--overlaps", nargs="+", default=["on"], type=_overlap,
+    ap.add_argument("--overlaps", nargs="+", default=["async"], type=_overlap,
                     help="device cache: copy a layer's misses while its resident experts compute (on, --expert-fill-overlap) "
                          "or before its GEMMs (off); with it, +-joined: async (the next-layer guess does not hold up the "
-                         "next layer, PDFLASH_EXPERT_GUESS_ASYNC=1), gN (the misses in N copy groups, "
-                         "PDFLASH_EXPERT_FILL_GROUPS=N), e.g. async+g3; compared at each cache size below 100%%")
+                         "next layer, PDFLASH_EXPERT_GUESS_ASYNC; async is the server's default and this option's), gN (the "
+                         "misses in N copy groups, PDFLASH_EXPERT_FILL_GROUPS=N), e.g. async+g3; compared at each cache "
+                         "size below 100%%")
     ap.add_argument("--widths", nargs="+", default=["cost"], choices=["cost", "growth"],
                     help="the drafted rows' width rule: cost (the growth rule capped by round time, what the stack does "
                          "for offloaded experts) and/or growth (the growth rule alone)")
