@@ -137,6 +137,12 @@ def as_served(w):
     return as_pair_words(served) if pair_words_for(w.w1.device) else served
 
 
+def _pair_words_served() -> bool:
+    from kernels.moe import pair_words_for
+
+    return pair_words_for("cuda")
+
+
 def as_pair_words(w):
     """The same served experts with their blocks rewritten as pair words in place (kernels/mxfp4.py to_pair_words)."""
     import dataclasses
@@ -486,7 +492,8 @@ def main() -> None:
     result["moe"] = bench_moe(rate)
     (out / "kernels_h200.json").write_text(json.dumps(result, indent=1))
     md = [f"# kernels on {result['device']} (`python benchmarks/kernels.py`)", "",
-          f"Device copy {rate / 1e12:.2f} TB/s (read + write). Invariance: {result['invariance']}.", "",
+          f"Device copy {rate / 1e12:.2f} TB/s (read + write). Invariance: {result['invariance']}. MXFP4 experts stored "
+          f"{'as pair words (decode 5; PDFLASH_FP4_PAIR_WORDS=0: the nibble order)' if _pair_words_served() else 'in nibble order (PDFLASH_FP4_PAIR_WORDS=0)'}.", "",
           "| model | weights | tokens/expert | active experts | us (graph) | eager us | transformers grouped_mm bf16 us (graph) | speedup | weight MB | GB/s | of copy rate |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["moe"]:
         md.append(f"| {r['model']} | {r['weights']} | {r['tokens_per_expert']} | {r['active_experts']} | {r['us']} | {r['eager_us']} | {r['torch_bf16_us']} | {r['speedup']}x | {r['weight_bytes'] / 1e6:.1f} | {r['gbps']} | {r['hbm_fraction']:.0%} |")
