@@ -119,7 +119,7 @@ class HostExpertStore:
 
     @classmethod
     def from_model(cls, model, pin: bool = False, progress=None, device: torch.device | str = "cpu",
-                   pair_words: bool = False) -> "HostExpertStore":
+                   pair_words: bool = False, convert_on: torch.device | str | None = None) -> "HostExpertStore":
         """Quantize every experts module of a loaded transformers model into a new store (its arena on `device`).
         Experts already quantized on their module (`_pdflash_mxfp4`, `verifier_svc.model.quantize_experts`) are taken
         as they are (`kernels.installer.expert_weights`)."""
@@ -135,7 +135,7 @@ class HostExpertStore:
                 layout = ExpertLayout(w.hidden, w.intermediate, w.b1 is not None)
                 gate = GateLayout(w.row_mul, w.up_offset, w.act, w.alpha, w.limit)
                 store = cls(layout, {l: num_experts_of(m) for l, m in modules.items()}, gate, pin=pin, device=device,
-                            pair_words=pair_words)
+                            pair_words=pair_words, convert_on=convert_on)
             store.put(layer, w)
             if progress is not None:
                 progress(layer)

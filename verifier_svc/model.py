@@ -240,7 +240,7 @@ def offload_experts(model, device: torch.device, cache_gb: float, prefetch: str 
     layers = len(experts_modules(model))
     with tqdm(total=layers, desc="quantizing experts to MXFP4 (host store)", unit="layer", leave=False) as bar:
         store = HostExpertStore.from_model(model, pin=device.type == "cuda", progress=lambda _layer: bar.update(),
-                                           pair_words=pair_words_for(device))
+                                           pair_words=pair_words_for(device), convert_on=device)
     cache = new_cache(store, cache_gb, device, prefetch, mode, time_copies=time_copies, eviction=eviction)
     serve_offloaded_experts(model, cache)
     log.info("experts offloaded", pair_words=store.pair_words, experts=sum(store.num_experts.values()), store_bytes=store.total_bytes,
