@@ -119,7 +119,7 @@ def hf_experts(model: str):
     return mod
 
 
-def as_served(w):
+def as_served(w, pair_words: bool | None = None):
     """MXFP4 experts moved into one device arena of kernels.mxfp4.ExpertLayout slices, the form the verifier serves
     (and the kernels read): scale rows padded to 4 bytes, so MoeConfig.s_words streams them on every model."""
     import dataclasses
@@ -134,7 +134,7 @@ def as_served(w):
     views = q.layout().views(q.to_arena(device=w.w1.device))
     served = dataclasses.replace(w, w1=views["w1_blocks"], s1=views["w1_scales"], w2=views["w2_blocks"], s2=views["w2_scales"],
                                  b1=views.get("b1"), b2=views.get("b2"))
-    return as_pair_words(served) if pair_words_for(w.w1.device) else served
+    return as_pair_words(served) if (pair_words_for(w.w1.device) if pair_words is None else pair_words) else served
 
 
 def _pair_words_served() -> bool:
@@ -155,16 +155,6 @@ def as_pair_words(w):
     w.w2.copy_(to_pair_words(w.w2))
     return dataclasses.replace(w, pair_words=True)
 
-
-def _nibbles(w):
-    """A copy of served experts in nibble order (whatever they are stored as)."""
-    import dataclasses
-
-    from kernels.mxfp4 import from_pair_words
-
-    if not w.fp4 or not w.pair_words:
-        return w
-    return dataclasses.replace(w, w1=from_pair_words(w.w1), w2=from_pair_words(w.w2), pair_words=False)
 
 
 def bench_moe(rate: float) -> list[dict]:
@@ -309,12 +299,13 @@ def sweep(rate: float, names: list[str] | None = None, models: list[str] | None 
         with torch.inference_mode():
             inputs = {(a, t): routing(e, k, h, a, t) for _, a, t in cases}
             hf_us = {key: gpu_time_us(lambda: mod(*val), reps=20) for key, val in inputs.items()}
-        weights = {fmt: as_served(expert_weights(mod, "native" if fmt == "bf16" else fmt)) for fmt in dict.fromkeys(f for f, _, _ in cases)}
-        if "mxfp4" in weights:  # each variant on the stored format its decode reads (pair words: decodes 5/6)
+        # each variant on the stored format its decode reads: nibble order, or pair words for decodes 5/6
+        weights = {fmt: as_served(expert_weights(mod, "native" if fmt == "bf16" else fmt), pair_words=False)
+                   for fmt in dict.fromkeys(f for f, _, _ in cases)}
+        if "mxfp4" in weights:
             import dataclasses as _dc
 
-            nib = _nibbles(weights["mxfp4"])
-            weights["mxfp4"] = nib
+            nib = weights["mxfp4"]
             pair_w = as_pair_words(_dc.replace(nib, w1=nib.w1.clone(), w2=nib.w2.clone()))
         from kernels.moe import PAIR_DECODES
 

@@ -737,8 +737,8 @@ def set_float_experts(module: nn.Module, w: ExpertWeights, dtype: torch.dtype, b
     """Give an experts module float weights of `dtype` dequantized from MXFP4 ExpertWeights, in the module's own layout
     (contiguous, transposed where the module stores [E, in, out]); `biases`: its biases become w's (the bf16 the
     kernels read) cast to `dtype`. Its own forward then computes with exactly the weights the MXFP4 kernels read."""
-    b1, b2 = (mxfp4.from_pair_words(w.w1), mxfp4.from_pair_words(w.w2)) if w.pair_words else (w.w1, w.w2)
-    w1, w2 = mxfp4.dequantize(b1, w.s1, dtype), mxfp4.dequantize(b2, w.s2, dtype)
+    w1 = mxfp4.dequantize(mxfp4.nibble_blocks(w.w1, w.pair_words), w.s1, dtype)
+    w2 = mxfp4.dequantize(mxfp4.nibble_blocks(w.w2, w.pair_words), w.s2, dtype)
     if module.is_transposed:
         w1, w2 = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
     module.gate_up_proj = nn.Parameter(w1, requires_grad=False)

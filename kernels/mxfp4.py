@@ -168,6 +168,11 @@ def from_pair_words(words: torch.Tensor) -> torch.Tensor:
     return _permute_word_bits(words, tuple(inv))
 
 
+def nibble_blocks(blocks: torch.Tensor, pair_words: bool) -> torch.Tensor:
+    """Blocks in this module's nibble order, whether they are stored as pair words (`pair_words`) or not."""
+    return from_pair_words(blocks) if pair_words else blocks
+
+
 def decode_pair_words(words: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Pair words decoded the way the kernels do (rotations, masks, one multiply by 2^(s - 1) per bf16 pair), in torch:
     the reference the kernel's decode is checked against. Scale bytes above 128 read as 128 (kernels.moe's fast decodes)."""

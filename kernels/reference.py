@@ -20,8 +20,8 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
 def expert_matrices(w: ExpertWeights, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(w1 [R1, H], w2 [H, I]) of one slot as float32."""
     if w.fp4:
-        b1, b2 = (mxfp4.from_pair_words(w.w1[slot]), mxfp4.from_pair_words(w.w2[slot])) if w.pair_words else (w.w1[slot], w.w2[slot])
-        return mxfp4.dequantize(b1, w.s1[slot], torch.float32), mxfp4.dequantize(b2, w.s2[slot], torch.float32)
+        return (mxfp4.dequantize(mxfp4.nibble_blocks(w.w1[slot], w.pair_words), w.s1[slot], torch.float32),
+                mxfp4.dequantize(mxfp4.nibble_blocks(w.w2[slot], w.pair_words), w.s2[slot], torch.float32))
     return w.w1[slot].float(), w.w2[slot].float()
 
 

@@ -355,3 +355,17 @@ def test_the_installation_report_names_pair_words(tiny):
         assert inst.experts[layer] == "triton mxfp4 (offloaded: expert cache, pair words)"
     finally:
         inst.uninstall()
+
+
+def test_the_device_cache_guesses_asynchronously_unless_told_not_to(monkeypatch):
+    """PDFLASH_EXPERT_GUESS_ASYNC: on by default since stop 31's H200 A/B; 0 turns it off; another value is refused."""
+    from verifier_svc.device_cache import DeviceExpertCache
+
+    store = _three_layer_store()
+    monkeypatch.delenv("PDFLASH_EXPERT_GUESS_ASYNC", raising=False)
+    assert DeviceExpertCache(store, 4 + 6, CPU, need=4).guess_async is True
+    monkeypatch.setenv("PDFLASH_EXPERT_GUESS_ASYNC", "0")
+    assert DeviceExpertCache(store, 4 + 6, CPU, need=4).guess_async is False
+    monkeypatch.setenv("PDFLASH_EXPERT_GUESS_ASYNC", "on")
+    with pytest.raises(ValueError, match="PDFLASH_EXPERT_GUESS_ASYNC must be 0 or 1"):
+        DeviceExpertCache(store, 4 + 6, CPU, need=4)

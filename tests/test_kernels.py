@@ -949,6 +949,15 @@ def test_pair_words_default_config_comes_from_its_own_table(monkeypatch):
     assert moe.pair_words_for("cuda") and not moe.pair_words_for("cpu")
     monkeypatch.setattr(moe, "PAIR_WORDS", False)  # PDFLASH_FP4_PAIR_WORDS=0
     assert not moe.pair_words_for("cuda")
+    import os
+    import subprocess
+    import sys
+
+    for env, want in (({}, "True"), ({"PDFLASH_FP4_PAIR_WORDS": "0"}, "False")):  # on unless told otherwise
+        base = {k: v for k, v in os.environ.items() if k != "PDFLASH_FP4_PAIR_WORDS"}
+        r = subprocess.run([sys.executable, "-c", "import kernels.moe as m; print(m.PAIR_WORDS)"], env={**base, **env},
+                           capture_output=True, text=True, timeout=120)
+        assert r.stdout.strip() == want, r.stderr[-2000:]
 
 
 def test_env_flags_take_0_or_1_and_fall_back_to_their_default(monkeypatch):
