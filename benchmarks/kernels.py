@@ -2,6 +2,7 @@
 implementation (`grouped_mm`, bf16), and the batch-invariant dense matmul against cuBLAS.
 
     python benchmarks/kernels.py [--out DIR] [--sweep [--skip-main] [--sweep-variants a,b] [--sweep-models m] [--sweep-jobs N]]
+                                 [--align-only] [--align-baseline OLD_MOE_PY]
 
 Prints tables and writes kernels_h200.json / .md to --out (default benchmarks/results). `us` is GPU time: the
 whole call (routing, both GEMMs, the combine) captured in a CUDA graph and replayed back to back, as the
@@ -12,6 +13,9 @@ the decode shapes (gpt-oss A=8/32, Qwen3 A=8/32/128, Mixtral A=8 in MXFP4, Qwen3
 active expert): one line per (case, variant) with the whole call and each GEMM alone, then a summary that ends in
 a block to paste into kernels/moe.py (FP4_DEFAULT, BF16_DEFAULT, SHAPE_OVERRIDES). Written to --out as
 kernels_sweep_h200.txt and .json.
+The routing step (`align_fused`) is timed alone too, 1..1024 tokens per model (--align-only: that table alone, into
+kernels_align_h200.json; --align-baseline FILE: against another version of kernels/moe.py, with a check that both give
+the same blocks).
 """
 
 from __future__ import annotations
@@ -205,6 +209,39 @@ def bench_linear() -> list[dict]:
             cub = gpu_time_us(lambda: torch.matmul(a, w.t()))
             rows.append(dict(M=m, N=n, K=k, us=round(us, 2), cublas_us=round(cub, 2), ratio=round(us / cub, 3)))
             print(f"linear M={m:3d} N={n:5d} K={k:5d}  {us:7.2f} us  cublas {cub:7.2f} us  ratio {us / cub:5.2f}", flush=True)
+    return rows
+
+
+ALIGN_TOKENS = (1, 4, 16, 64, 256, 1024)
+
+
+def bench_align(baseline: str | None = None) -> list[dict]:
+    """The MoE call's routing step alone (`align_fused`: the pairs grouped by expert into the GEMMs' row blocks, one
+    program), per model's experts and top-k, 1..1024 tokens of random routing. `baseline`: a path to another version of
+    kernels/moe.py (e.g. `git show REV:kernels/moe.py > /tmp/moe_old.py`), timed on the same ids."""
+    import importlib.util
+
+    from kernels.moe import align_fused
+
+    old = None
+    if baseline:
+        spec = importlib.util.spec_from_file_location("moe_baseline", baseline)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    rows = []
+    for model, (e, k, _, _) in MODELS.items():
+        for t in ALIGN_TOKENS:
+            ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(t)])
+            slots = torch.randperm(e, device="cuda").int()
+            new = align_fused(ids, e, 16, slots)
+            row = dict(model=model, tokens=t, pairs=t * k, us=round(gpu_time_us(lambda: align_fused(ids, e, 16, slots)), 2))
+            if old is not None:
+                ref = old.align_fused(ids, e, 16, slots)
+                row["baseline_us"] = round(gpu_time_us(lambda: old.align_fused(ids, e, 16, slots)), 2)
+                row["same_blocks"] = bool(torch.equal(ref.sorted_pairs, new.sorted_pairs) and torch.equal(ref.block_slot, new.block_slot))
+            rows.append(row)
+            print(f"align {model:14s} {t:5d} tokens {t * k:6d} pairs {row['us']:8.2f} us"
+                  + (f"  (baseline {row['baseline_us']:8.2f} us, same blocks {row['same_blocks']})" if old is not None else ""), flush=True)
     return rows
 
 
@@ -453,6 +490,8 @@ def main() -> None:
     ap.add_argument("--sweep-variants", default=None, help="comma-separated variant names (default: all of kernels.moe.SWEEP_VARIANTS*)")
     ap.add_argument("--sweep-models", default=None, help="comma-separated models (default: " + ",".join(MODELS) + ")")
     ap.add_argument("--sweep-jobs", type=int, default=8, help="parallel compiles before the sweep times (1: one at a time)")
+    ap.add_argument("--align-only", action="store_true", help="only the routing step's table (bench_align)")
+    ap.add_argument("--align-baseline", default=None, help="another kernels/moe.py to time the routing step against")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -477,6 +516,10 @@ def main() -> None:
         print(f"sweep written to {out / 'kernels_sweep_h200.txt'} and .json")
         if args.skip_main:
             return
+    result["align"] = bench_align(args.align_baseline)
+    if args.align_only:
+        (out / "kernels_align_h200.json").write_text(json.dumps(result, indent=1))
+        return
     result["invariance"] = invariance_check()
     print("invariance:", result["invariance"])
     result["linear"] = bench_linear()
@@ -488,6 +531,12 @@ def main() -> None:
           "| model | weights | tokens/expert | active experts | us (graph) | eager us | transformers grouped_mm bf16 us (graph) | speedup | weight MB | GB/s | of copy rate |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["moe"]:
         md.append(f"| {r['model']} | {r['weights']} | {r['tokens_per_expert']} | {r['active_experts']} | {r['us']} | {r['eager_us']} | {r['torch_bf16_us']} | {r['speedup']}x | {r['weight_bytes'] / 1e6:.1f} | {r['gbps']} | {r['hbm_fraction']:.0%} |")
+    base = any("baseline_us" in r for r in result["align"])
+    md += ["", "The routing step alone (`align_fused`, CUDA graph)" + (f", against `{args.align_baseline}`" if base else "") + ":", "",
+           "| model | tokens | pairs | us |" + (" baseline us | same blocks |" if base else ""),
+           "|---|---|---|---|" + ("---|---|" if base else "")]
+    md += [f"| {r['model']} | {r['tokens']} | {r['pairs']} | {r['us']} |" + (f" {r['baseline_us']} | {r['same_blocks']} |" if base else "")
+           for r in result["align"]]
     md += ["", "| M | N | K | invariant us (graph) | cuBLAS us (graph) | ratio |", "|---|---|---|---|---|---|"]
     md += [f"| {r['M']} | {r['N']} | {r['K']} | {r['us']} | {r['cublas_us']} | {r['ratio']} |" for r in result["linear"]]
     (out / "kernels_h200.md").write_text("\n".join(md) + "\n")

@@ -2,6 +2,7 @@
 L2 (as in a forward, where each layer's weights are read once), weight bandwidth, and the bits of each option.
 
     python benchmarks/linear_sweep.py --out OUT     (on the GPU machine: bash benchmarks/gpu.sh OUT linear)
+    python benchmarks/linear_sweep.py --out OUT --splits --rows 1 16 64     (the K split against cuBLAS, whole calls)
 
 The K split and BLOCK_K stay those of `kernels.linear.linear_config` (they set what each output element adds, in which
 order). Varied: num_warps and num_stages (the default's bits or not: `same_bits`), and the tile's height BLOCK_M and
@@ -35,7 +36,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--splits", action="store_true",
+                    help="instead: the whole linear (partials + their sum) at each K split, against cuBLAS, L2-cold")
     args = ap.parse_args()
+    if args.splits:
+        return split_sweep(args)
     sys.path.insert(0, str(ROOT))
     import torch
     import triton.testing
@@ -83,6 +88,60 @@ def main() -> None:
                  (x["block_m"], x["block_n"], x["num_warps"], x["num_stages"]) == OPTIONS[0])
         print(f"| {shape} | {m} | {d['us']} | {r['us']} ({r['block_m']}, {r['block_n']}, {r['num_warps']}, {r['num_stages']}) "
               f"| {r['weight_gbs']} | {r['same_bits']} |")
+
+
+def split_sweep(args) -> None:
+    """The K split trades programs at one row (a split gives a decode linear enough programs to fill the GPU) against
+    the float32 partials a split writes and reads back (split x M x N x 8 bytes: at 64 rows and split 8 half the bytes
+    of a 2048-wide bf16 weight). The split must not follow M (a row's sum order would change with the batch), so one
+    split serves every M: this times the whole linear (`partials` + the split-order sum, as `matmul` runs it) at each
+    split and M against torch.matmul (cuBLAS), both over L2-cold weight copies. Writes OUT/linear_splits_h200.json."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import triton.testing
+
+    from kernels import linear
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for name, n, k in SHAPES:
+        w = (torch.randn(n, k, device=dev, generator=g) / k ** 0.5).bfloat16()
+        copies = [w] + [w.clone() for _ in range(max(0, -(-2 * L2_BYTES // (w.numel() * 2)) - 1))]
+        base = linear.linear_config(n, k, 2)
+        k_steps = -(-k // base.block_k)
+        big = torch.randn(100, k, device=dev, generator=g).bfloat16()
+        for split in sorted({base.split, 1, 2, 4, 8, 16} - {s for s in (16,) if k_steps < 16}):
+            kps = -(-k_steps // split) * base.block_k
+            cfg = dataclasses.replace(base, split=-(-k // kps), k_per_split=kps)
+            full = linear.partials(big, w.t(), cfg)
+            inv = all(torch.equal(linear.partials(big[:r], w.t(), cfg), full[:, :r]) for r in (1, 7, 16, 64))
+            for m in args.rows:
+                x = big[:m].contiguous()
+
+                def ours():
+                    for c in copies:
+                        out = torch.empty((m, n), dtype=x.dtype, device=dev)
+                        ws = linear.partials(x, c.t(), cfg)
+                        if cfg.split > 1:
+                            linear._reduce(ws, None, out)
+
+                us = triton.testing.do_bench_cudagraph(ours, rep=60) * 1e3 / len(copies)
+                cub = triton.testing.do_bench_cudagraph(lambda: [x @ c.t() for c in copies], rep=60) * 1e3 / len(copies)
+                rows.append(dict(shape=name, N=n, K=k, M=m, split=cfg.split, default_split=base.split, us=round(us, 2),
+                                 cublas_us=round(cub, 2), ratio=round(us / cub, 3), rows_invariant=inv))
+                print(f"{name:15s} M={m:3d} split {cfg.split:2d}{' (default)' if cfg.split == base.split else '          '}: "
+                      f"{us:7.2f} us, cuBLAS {cub:7.2f} us, ratio {us / cub:5.2f}, rows invariant {inv}", flush=True)
+        del copies
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "linear_splits_h200.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), l2_cold=True, rows=rows), indent=1) + "\n")
+    print("\n| shape | split | " + " | ".join(f"M={m} ratio" for m in args.rows) + " | worst |\n|---|---|" + "---|" * (len(args.rows) + 1))
+    for name, _, _ in SHAPES:
+        for split in sorted({r["split"] for r in rows if r["shape"] == name}):
+            rs = [r for r in rows if r["shape"] == name and r["split"] == split]
+            mark = " (default)" if rs[0]["split"] == rs[0]["default_split"] else ""
+            print(f"| {name} | {split}{mark} | " + " | ".join(str(r["ratio"]) for r in rs) + f" | {max(r['ratio'] for r in rs)} |")
 
 
 if __name__ == "__main__":

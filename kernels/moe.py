@@ -297,17 +297,18 @@ def align_fused(
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    # experts padded to a power of two (a dropped pair's key E matches no column below E: it is never counted into a
-    # block); pairs C at a time against every expert column; the padding stores PAD_C entries at a time
-    e_pad = triton.next_power_of_2(num_experts)
-    c = 64 if e_pad <= 128 else 32
+    # NB histogram bins: the experts, and above them the key E of a dropped pair (never counted into a block). CH pairs a
+    # step (a power of two from the pair count: a handful of compiled forms, one a verify width); C blocks a step of the
+    # block -> expert search; the padding stores PAD_C entries at a time
+    nb = triton.next_power_of_2(num_experts + 1)
+    ch = min(1024, max(64, triton.next_power_of_2(p)))
     _align_kernel[(1,)](
         ids, n_valid if n_valid is not None else ids, slot_of_expert if slot_of_expert is not None else ids,
         sorted_pairs, block_slot, num_blocks, valid, p, mb,
         phase_of_expert if phase_of_expert is not None else ids, block_phase if block_phase is not None else block_slot,
-        E=num_experts, E_PAD=e_pad, TOPK=topk, BM=block_m, HAS_NVALID=n_valid is not None,
-        HAS_SLOT=slot_of_expert is not None, HAS_PHASE=phase_of_expert is not None, C=c, PAD_C=1024,
-        num_warps=8 if c * e_pad >= 8192 else 4, **runtime.pdl_launch(),
+        E=num_experts, NB=nb, TOPK=topk, BM=block_m, HAS_NVALID=n_valid is not None,
+        HAS_SLOT=slot_of_expert is not None, HAS_PHASE=phase_of_expert is not None, CH=ch, C=64 if nb <= 128 else 32,
+        PAD_C=1024, num_warps=8 if ch >= 512 else 4, **runtime.pdl_launch(),
     )
     return Routing(sorted_pairs, block_slot, num_blocks, valid, mb, p, block_phase)
 
@@ -1136,14 +1137,18 @@ if triton is not None:
     def _align_kernel(
         ids_ptr, nvalid_ptr, slot_ptr, sorted_ptr, block_slot_ptr, num_blocks_ptr, valid_ptr,
         P, MB, phase_ptr, block_phase_ptr,
-        E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
-        HAS_NVALID: tl.constexpr, HAS_SLOT: tl.constexpr, C: tl.constexpr, PAD_C: tl.constexpr,
+        E: tl.constexpr, NB: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
+        HAS_NVALID: tl.constexpr, HAS_SLOT: tl.constexpr, CH: tl.constexpr, C: tl.constexpr, PAD_C: tl.constexpr,
         HAS_PHASE: tl.constexpr = False,
     ):
-        """`align` in one program: a stable counting sort of the pairs by expert into blocks of BM."""
+        """`align` in one program: a stable counting sort of the pairs by expert into blocks of BM.
+
+        CH pairs at a time. The counts are a histogram of the experts (NB bins, the last ones for dropped pairs); a
+        pair's place is its position in the chunk sorted by (expert, pair index), shifted by its expert's offset (the
+        expert's next free row minus the chunk's pairs of lower experts), so nothing here grows as pairs x experts."""
         runtime.pdl_begin()
-        ev = tl.arange(0, E_PAD)
-        ci = tl.arange(0, C)
+        ev = tl.arange(0, NB)
+        ci = tl.arange(0, CH)
         nv = P // TOPK
         if HAS_NVALID:
             nv = tl.load(nvalid_ptr)
@@ -1155,34 +1160,37 @@ if triton is not None:
             offs = start + pi
             tl.store(sorted_ptr + offs, tl.zeros((PAD_C,), tl.int32) + P, mask=offs < MB * BM)
             start += PAD_C
-        counts = tl.zeros((E_PAD,), tl.int32)
+        counts = tl.zeros((NB,), tl.int32)
         start = P * 0
         while start < P:
             offs = start + ci
             ok, valid, key = _pair_keys(ids_ptr, offs, P, nv, E, TOPK)
             tl.store(valid_ptr + offs, valid, mask=ok)
-            counts += tl.sum((key[:, None] == ev[None, :]).to(tl.int32), axis=0)
-            start += C
+            counts += tl.histogram(key, NB)
+            start += CH
         blocks = tl.where(ev < E, (counts + BM - 1) // BM, 0)
         block_end = tl.cumsum(blocks, axis=0)
         block_start = block_end - blocks
         num_blocks = tl.sum(blocks, axis=0)
         tl.store(num_blocks_ptr, num_blocks)
         tl.debug_barrier()  # the padding stores above land before the scatter below
-        running = block_start * BM
+        running = block_start * BM  # each expert's next free row
         start = P * 0
         while start < P:
             offs = start + ci
             ok, valid, key = _pair_keys(ids_ptr, offs, P, nv, E, TOPK)
-            onehot = (key[:, None] == ev[None, :]).to(tl.int32)
-            earlier = ((key[:, None] == key[None, :]) & (ci[None, :] < ci[:, None])).to(tl.int32)
-            dest = tl.sum(onehot * running[None, :], axis=1) + tl.sum(earlier, axis=1)
-            tl.store(sorted_ptr + dest, offs.to(tl.int32), mask=valid)
-            running += tl.sum(onehot, axis=0)
-            start += C
+            hist = tl.histogram(key, NB)
+            shift = running - (tl.cumsum(hist, axis=0) - hist)  # row of an expert's first pair here, less its sorted place
+            ranked = tl.sort(key * CH + ci)  # (expert, pair): stable within an expert
+            key_s = ranked // CH
+            dest = ci + tl.gather(shift, key_s, 0)
+            tl.store(sorted_ptr + dest, start + ranked % CH, mask=key_s < E)
+            running += hist
+            start += CH
         bstart = P * 0
+        bi = tl.arange(0, C)
         while bstart < MB:
-            b = bstart + ci
+            b = bstart + bi
             e_b = tl.sum(((block_end[None, :] <= b[:, None]) & (ev[None, :] < E)).to(tl.int32), axis=1)
             used = b < num_blocks
             e_b = tl.minimum(e_b, E - 1)
@@ -1421,7 +1429,9 @@ def moe_forward(
     if config2.block_m != bm:
         raise ValueError("both GEMMs share the routing blocks: block_m must match")
     x = x.contiguous()
-    r = align_fused(topk_ids, num_experts, bm, slot_of_expert, n_valid, phase_of_expert)
+    # (Triton's interpreter runs tl.sort as its bitonic network one op at a time, 0.1-3 s a call: on the CPU the pairs are
+    # grouped by the torch reference, which gives the same blocks; tests/test_kernels.py checks the kernel against it)
+    r = (align if runtime.interpreting() else align_fused)(topk_ids, num_experts, bm, slot_of_expert, n_valid, phase_of_expert)
     phases = tuple(range(1, groups + 2)) if phase_of_expert is not None else (0,)
     dev = x.device
     h = torch.empty((r.max_blocks * bm, inter), dtype=torch.bfloat16, device=dev)

@@ -154,7 +154,7 @@ def test_align_groups_pairs_by_expert_and_drops_padding():
 # ---- the Triton kernels under the interpreter ---------------------------------------------------------
 @needs_triton
 @pytest.mark.parametrize("t,k,e,bm,nv,slots", [(4, 2, 4, 2, 3, False), (37, 8, 128, 16, None, True), (5, 4, 32, 16, 2, True), (300, 2, 8, 16, None, False),
-                                               (16, 4, 60, 16, 11, True)])
+                                               (16, 4, 60, 16, 11, True), (300, 8, 128, 16, 290, True), (260, 4, 32, 16, None, False)])
 def test_fused_align_equals_torch_align(t, k, e, bm, nv, slots):
     from kernels.moe import align_fused
 
