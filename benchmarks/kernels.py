@@ -213,6 +213,7 @@ def bench_linear() -> list[dict]:
 
 
 ALIGN_TOKENS = (1, 4, 16, 64, 256, 1024)
+ALIGN_CHUNKS = (64, 256, 1024)
 
 
 def bench_align(baseline: str | None = None) -> list[dict]:
@@ -227,6 +228,7 @@ def bench_align(baseline: str | None = None) -> list[dict]:
     if baseline:
         spec = importlib.util.spec_from_file_location("moe_baseline", baseline)
         old = importlib.util.module_from_spec(spec)
+        sys.modules["moe_baseline"] = old  # (its dataclasses look their module up there)
         spec.loader.exec_module(old)
     rows = []
     for model, (e, k, _, _) in MODELS.items():
@@ -235,12 +237,15 @@ def bench_align(baseline: str | None = None) -> list[dict]:
             slots = torch.randperm(e, device="cuda").int()
             new = align_fused(ids, e, 16, slots)
             row = dict(model=model, tokens=t, pairs=t * k, us=round(gpu_time_us(lambda: align_fused(ids, e, 16, slots)), 2))
+            for ch in ALIGN_CHUNKS:  # the pairs one step sorts, against the default rule's
+                row[f"chunk{ch}_us"] = round(gpu_time_us(lambda: align_fused(ids, e, 16, slots, chunk=ch)), 2)
             if old is not None:
                 ref = old.align_fused(ids, e, 16, slots)
                 row["baseline_us"] = round(gpu_time_us(lambda: old.align_fused(ids, e, 16, slots)), 2)
                 row["same_blocks"] = bool(torch.equal(ref.sorted_pairs, new.sorted_pairs) and torch.equal(ref.block_slot, new.block_slot))
             rows.append(row)
-            print(f"align {model:14s} {t:5d} tokens {t * k:6d} pairs {row['us']:8.2f} us"
+            print(f"align {model:14s} {t:5d} tokens {t * k:6d} pairs {row['us']:8.2f} us (chunk "
+                  + ", ".join(f"{ch}: {row[f'chunk{ch}_us']}" for ch in ALIGN_CHUNKS) + ")"
                   + (f"  (baseline {row['baseline_us']:8.2f} us, same blocks {row['same_blocks']})" if old is not None else ""), flush=True)
     return rows
 

@@ -36,6 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--only", default="", help="only the shapes whose name starts with this (e.g. gpt-oss)")
     ap.add_argument("--splits", action="store_true",
                     help="instead: the whole linear (partials + their sum) at each K split, against cuBLAS, L2-cold")
     args = ap.parse_args()
@@ -106,6 +107,8 @@ def split_sweep(args) -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for name, n, k in SHAPES:
+        if not name.startswith(args.only):
+            continue
         w = (torch.randn(n, k, device=dev, generator=g) / k ** 0.5).bfloat16()
         copies = [w] + [w.clone() for _ in range(max(0, -(-2 * L2_BYTES // (w.numel() * 2)) - 1))]
         base = linear.linear_config(n, k, 2)
@@ -137,7 +140,7 @@ def split_sweep(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "linear_splits_h200.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), l2_cold=True, rows=rows), indent=1) + "\n")
     print("\n| shape | split | " + " | ".join(f"M={m} ratio" for m in args.rows) + " | worst |\n|---|---|" + "---|" * (len(args.rows) + 1))
-    for name, _, _ in SHAPES:
+    for name in dict.fromkeys(r["shape"] for r in rows):
         for split in sorted({r["split"] for r in rows if r["shape"] == name}):
             rs = [r for r in rows if r["shape"] == name and r["split"] == split]
             mark = " (default)" if rs[0]["split"] == rs[0]["default_split"] else ""

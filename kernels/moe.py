@@ -283,8 +283,10 @@ def align_fused(
     slot_of_expert: torch.Tensor | None = None,
     n_valid: torch.Tensor | None = None,
     phase_of_expert: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> Routing:
-    """`align` as one Triton launch (the torch version below is ~28 small kernels: ~85 us of a decode layer)."""
+    """`align` as one Triton launch (the torch version below is ~28 small kernels: ~85 us of a decode layer). `chunk`:
+    the pairs one step sorts (a power of two, 64-1024; default from the pair count), for benchmarks/kernels.py."""
     t, topk = topk_ids.shape
     p = t * topk
     dev = topk_ids.device
@@ -297,11 +299,11 @@ def align_fused(
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    # NB histogram bins: the experts, and above them the key E of a dropped pair (never counted into a block). CH pairs a
+    # NB histogram bins: the experts (a dropped pair, key E, is masked out of the counts). CH pairs a
     # step (a power of two from the pair count: a handful of compiled forms, one a verify width); C blocks a step of the
     # block -> expert search; the padding stores PAD_C entries at a time
-    nb = triton.next_power_of_2(num_experts + 1)
-    ch = min(1024, max(64, triton.next_power_of_2(p)))
+    nb = triton.next_power_of_2(num_experts)
+    ch = chunk or min(1024, max(64, triton.next_power_of_2(p)))
     _align_kernel[(1,)](
         ids, n_valid if n_valid is not None else ids, slot_of_expert if slot_of_expert is not None else ids,
         sorted_pairs, block_slot, num_blocks, valid, p, mb,
@@ -1143,12 +1145,21 @@ if triton is not None:
     ):
         """`align` in one program: a stable counting sort of the pairs by expert into blocks of BM.
 
-        CH pairs at a time. The counts are a histogram of the experts (NB bins, the last ones for dropped pairs); a
-        pair's place is its position in the chunk sorted by (expert, pair index), shifted by its expert's offset (the
-        expert's next free row minus the chunk's pairs of lower experts), so nothing here grows as pairs x experts."""
+        CH pairs at a time. The counts are a histogram of the pairs' experts; a pair's row is its place in the chunk
+        sorted by (expert, pair index), shifted by its expert's offset (the expert's next free row less the chunk's pairs
+        of lower experts), so nothing here grows as pairs x experts. Up to CH pairs (a verify) take one pass over their
+        ids; the expert -> slot and phase tables are read at the start, not after the counts (one memory round trip
+        fewer on the program's path)."""
         runtime.pdl_begin()
         ev = tl.arange(0, NB)
         ci = tl.arange(0, CH)
+        e_ok = ev < E
+        slot_of = ev
+        if HAS_SLOT:
+            slot_of = tl.load(slot_ptr + ev, mask=e_ok, other=0)
+        phase_of = tl.zeros((NB,), tl.int8)
+        if HAS_PHASE:
+            phase_of = tl.load(phase_ptr + ev, mask=e_ok, other=0)
         nv = P // TOPK
         if HAS_NVALID:
             nv = tl.load(nvalid_ptr)
@@ -1160,48 +1171,59 @@ if triton is not None:
             offs = start + pi
             tl.store(sorted_ptr + offs, tl.zeros((PAD_C,), tl.int32) + P, mask=offs < MB * BM)
             start += PAD_C
-        counts = tl.zeros((NB,), tl.int32)
-        start = P * 0
-        while start < P:
-            offs = start + ci
-            ok, valid, key = _pair_keys(ids_ptr, offs, P, nv, E, TOPK)
-            tl.store(valid_ptr + offs, valid, mask=ok)
-            counts += tl.histogram(key, NB)
-            start += CH
-        blocks = tl.where(ev < E, (counts + BM - 1) // BM, 0)
-        block_end = tl.cumsum(blocks, axis=0)
-        block_start = block_end - blocks
-        num_blocks = tl.sum(blocks, axis=0)
-        tl.store(num_blocks_ptr, num_blocks)
-        tl.debug_barrier()  # the padding stores above land before the scatter below
-        running = block_start * BM  # each expert's next free row
-        start = P * 0
-        while start < P:
-            offs = start + ci
-            ok, valid, key = _pair_keys(ids_ptr, offs, P, nv, E, TOPK)
-            hist = tl.histogram(key, NB)
-            shift = running - (tl.cumsum(hist, axis=0) - hist)  # row of an expert's first pair here, less its sorted place
-            ranked = tl.sort(key * CH + ci)  # (expert, pair): stable within an expert
-            key_s = ranked // CH
-            dest = ci + tl.gather(shift, key_s, 0)
-            tl.store(sorted_ptr + dest, start + ranked % CH, mask=key_s < E)
-            running += hist
-            start += CH
+        if P <= CH:  # one chunk: its keys stay in registers
+            ok, valid, key = _pair_keys(ids_ptr, ci, P, nv, E, TOPK)
+            tl.store(valid_ptr + ci, valid, mask=ok)
+            counts = tl.histogram(tl.minimum(key, E - 1), NB, mask=valid)
+            blocks = tl.where(e_ok, (counts + BM - 1) // BM, 0)
+            block_end = tl.cumsum(blocks, axis=0)
+            num_blocks = tl.sum(blocks, axis=0)
+            tl.store(num_blocks_ptr, num_blocks)
+            tl.debug_barrier()  # the padding stores above land before the scatter below
+            _align_scatter(sorted_ptr, key, ci, (block_end - blocks) * BM - (tl.cumsum(counts, axis=0) - counts), 0, E, CH)
+        else:
+            counts = tl.zeros((NB,), tl.int32)
+            start = P * 0
+            while start < P:
+                offs = start + ci
+                ok, valid, key = _pair_keys(ids_ptr, offs, P, nv, E, TOPK)
+                tl.store(valid_ptr + offs, valid, mask=ok)
+                counts += tl.histogram(tl.minimum(key, E - 1), NB, mask=valid)
+                start += CH
+            blocks = tl.where(e_ok, (counts + BM - 1) // BM, 0)
+            block_end = tl.cumsum(blocks, axis=0)
+            num_blocks = tl.sum(blocks, axis=0)
+            tl.store(num_blocks_ptr, num_blocks)
+            tl.debug_barrier()
+            running = (block_end - blocks) * BM  # each expert's next free row
+            start = P * 0
+            while start < P:
+                ok, valid, key = _pair_keys(ids_ptr, start + ci, P, nv, E, TOPK)
+                hist = tl.histogram(tl.minimum(key, E - 1), NB, mask=valid)
+                _align_scatter(sorted_ptr, key, ci, running - (tl.cumsum(hist, axis=0) - hist), start, E, CH)
+                running += hist
+                start += CH
         bstart = P * 0
         bi = tl.arange(0, C)
         while bstart < MB:
             b = bstart + bi
-            e_b = tl.sum(((block_end[None, :] <= b[:, None]) & (ev[None, :] < E)).to(tl.int32), axis=1)
+            e_b = tl.sum(((block_end[None, :] <= b[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
             used = b < num_blocks
             e_b = tl.minimum(e_b, E - 1)
             if HAS_PHASE:
-                ph = tl.load(phase_ptr + e_b, mask=used, other=0)
+                ph = tl.gather(phase_of, e_b, 0)
                 ph = tl.where(ph < 0, 1, ph)  # (an expert in flight from a prefetch: the first copy group)
                 tl.store(block_phase_ptr + b, tl.where(used, ph, 0).to(tl.int8), mask=b < MB)
-            if HAS_SLOT:
-                e_b = tl.load(slot_ptr + e_b, mask=used, other=0)
-            tl.store(block_slot_ptr + b, tl.where(used, e_b, -1), mask=b < MB)
+            tl.store(block_slot_ptr + b, tl.where(used, tl.gather(slot_of, e_b, 0), -1), mask=b < MB)
             bstart += C
+
+    @triton.jit
+    def _align_scatter(sorted_ptr, key, ci, shift, start, E: tl.constexpr, CH: tl.constexpr):
+        """One chunk's pairs to their rows: `shift` [NB] is each expert's first row here less its first sorted place."""
+        ranked = tl.sort(key * CH + ci)  # (expert, pair): stable within an expert; dropped pairs (key E) last
+        key_s = ranked // CH
+        dest = ci + tl.gather(shift, tl.minimum(key_s, E - 1), 0)
+        tl.store(sorted_ptr + dest, start + ranked % CH, mask=key_s < E)
 
 
 # ---- the launcher ---------------------------------------------------------------------------------------
