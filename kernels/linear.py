@@ -45,6 +45,17 @@ _BLOCK_M = os.environ.get("PDFLASH_LINEAR_BLOCK_M", "16")
 if _BLOCK_M not in ("16", "32", "64", "128"):
     raise ValueError(f"PDFLASH_LINEAR_BLOCK_M must be 16, 32, 64 or 128, got {_BLOCK_M!r}")
 BLOCK_M = int(_BLOCK_M)
+# How far K is split (linear_config): 4 (the default: programs past 2x the SMs) or 1 (programs within the SMs). A split
+# writes and reads back split x M x N float32 partials, so fewer splits pay at 16-64 rows: benchmarks/linear_sweep.py
+# --splits (H200, L2-cold, whole calls, ratio to cuBLAS at M = 1 / 16 / 64) moved Qwen3-30B-A3B's o projection 0.93 /
+# 0.99 / 1.44 -> 0.76 / 0.75 / 0.88, its LM head 1.08 / 1.21 / 1.83 -> 1.01 / 1.02 / 1.25, gpt-oss-20b's o 0.79 / 0.83
+# / 1.66 -> 0.83 / 0.84 / 1.28 and qkv 1.13 / 1.17 / 1.69 -> 1.12 / 1.15 / 1.48; only Qwen3's qkv lost at 64 rows (1.88
+# -> 2.11). Every split gives invariant rows; another split gives other last bits. 1 becomes the default once the GPU
+# suite has run with it.
+_SPLIT_FILL = os.environ.get("PDFLASH_LINEAR_SPLIT_FILL", "4")
+if _SPLIT_FILL not in ("1", "2", "4"):
+    raise ValueError(f"PDFLASH_LINEAR_SPLIT_FILL must be 1, 2 or 4, got {_SPLIT_FILL!r}")
+SPLIT_FILL = int(_SPLIT_FILL)
 COUNTER_REGIONS = 64  # calls in flight at once never share a region: they would have to be 64 calls apart
 COUNTERS_PER_REGION = 16384  # output tiles a one-launch call may have (more: the two-launch path)
 
@@ -69,8 +80,9 @@ def linear_config(n: int, k: int, esize: int = 2) -> LinearConfig:
     n_tiles = (n + block_n - 1) // block_n
     k_steps = (k + block_k - 1) // block_k
     split = 1
-    # Split K only as far as it takes to give every SM work at small M, keeping >= 2 steps per split.
-    while n_tiles * split < 2 * sms and k_steps // (split * 2) >= 2:
+    # Split K only as far as it takes to give every SM work at small M, keeping >= 2 steps per split: doubled while the
+    # doubled program count stays below SPLIT_FILL x the SMs.
+    while n_tiles * split * 2 < SPLIT_FILL * sms and k_steps // (split * 2) >= 2:
         split *= 2
     k_per_split = ((k_steps + split - 1) // split) * block_k
     split = (k + k_per_split - 1) // k_per_split

@@ -284,9 +284,11 @@ def align_fused(
     n_valid: torch.Tensor | None = None,
     phase_of_expert: torch.Tensor | None = None,
     chunk: int | None = None,
+    sort: bool | None = None,
 ) -> Routing:
     """`align` as one Triton launch (the torch version below is ~28 small kernels: ~85 us of a decode layer). `chunk`:
-    the pairs one step sorts (a power of two, 64-1024; default from the pair count), for benchmarks/kernels.py."""
+    the pairs one step sorts (a power of two, 64-1024; default from the pair count), for benchmarks/kernels.py. `sort`:
+    rank a chunk's pairs by tl.sort (default on a GPU) or by a pairwise compare (default under the interpreter)."""
     t, topk = topk_ids.shape
     p = t * topk
     dev = topk_ids.device
@@ -304,13 +306,17 @@ def align_fused(
     # block -> expert search; the padding stores PAD_C entries at a time
     nb = triton.next_power_of_2(num_experts)
     ch = chunk or min(1024, max(64, triton.next_power_of_2(p)))
+    if sort is None:
+        sort = not runtime.interpreting()
+    if not sort:  # the compare is CH x CH: smaller steps
+        ch = min(ch, chunk or 256)
     _align_kernel[(1,)](
         ids, n_valid if n_valid is not None else ids, slot_of_expert if slot_of_expert is not None else ids,
         sorted_pairs, block_slot, num_blocks, valid, p, mb,
         phase_of_expert if phase_of_expert is not None else ids, block_phase if block_phase is not None else block_slot,
         E=num_experts, NB=nb, TOPK=topk, BM=block_m, HAS_NVALID=n_valid is not None,
         HAS_SLOT=slot_of_expert is not None, HAS_PHASE=phase_of_expert is not None, CH=ch, C=64 if nb <= 128 else 32,
-        PAD_C=1024, num_warps=8 if ch >= 512 else 4, **runtime.pdl_launch(),
+        PAD_C=1024, SORT=sort, num_warps=8 if ch >= 512 else 4, **runtime.pdl_launch(),
     )
     return Routing(sorted_pairs, block_slot, num_blocks, valid, mb, p, block_phase)
 
@@ -1141,7 +1147,7 @@ if triton is not None:
         P, MB, phase_ptr, block_phase_ptr,
         E: tl.constexpr, NB: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
         HAS_NVALID: tl.constexpr, HAS_SLOT: tl.constexpr, CH: tl.constexpr, C: tl.constexpr, PAD_C: tl.constexpr,
-        HAS_PHASE: tl.constexpr = False,
+        HAS_PHASE: tl.constexpr = False, SORT: tl.constexpr = True,
     ):
         """`align` in one program: a stable counting sort of the pairs by expert into blocks of BM.
 
@@ -1180,7 +1186,7 @@ if triton is not None:
             num_blocks = tl.sum(blocks, axis=0)
             tl.store(num_blocks_ptr, num_blocks)
             tl.debug_barrier()  # the padding stores above land before the scatter below
-            _align_scatter(sorted_ptr, key, ci, (block_end - blocks) * BM - (tl.cumsum(counts, axis=0) - counts), 0, E, CH)
+            _align_scatter(sorted_ptr, key, ci, (block_end - blocks) * BM, tl.cumsum(counts, axis=0) - counts, 0, E, CH, SORT)
         else:
             counts = tl.zeros((NB,), tl.int32)
             start = P * 0
@@ -1200,7 +1206,7 @@ if triton is not None:
             while start < P:
                 ok, valid, key = _pair_keys(ids_ptr, start + ci, P, nv, E, TOPK)
                 hist = tl.histogram(tl.minimum(key, E - 1), NB, mask=valid)
-                _align_scatter(sorted_ptr, key, ci, running - (tl.cumsum(hist, axis=0) - hist), start, E, CH)
+                _align_scatter(sorted_ptr, key, ci, running, tl.cumsum(hist, axis=0) - hist, start, E, CH, SORT)
                 running += hist
                 start += CH
         bstart = P * 0
@@ -1218,12 +1224,21 @@ if triton is not None:
             bstart += C
 
     @triton.jit
-    def _align_scatter(sorted_ptr, key, ci, shift, start, E: tl.constexpr, CH: tl.constexpr):
-        """One chunk's pairs to their rows: `shift` [NB] is each expert's first row here less its first sorted place."""
-        ranked = tl.sort(key * CH + ci)  # (expert, pair): stable within an expert; dropped pairs (key E) last
-        key_s = ranked // CH
-        dest = ci + tl.gather(shift, tl.minimum(key_s, E - 1), 0)
-        tl.store(sorted_ptr + dest, start + ranked % CH, mask=key_s < E)
+    def _align_scatter(sorted_ptr, key, ci, running, before, start, E: tl.constexpr, CH: tl.constexpr, SORT: tl.constexpr):
+        """One chunk's pairs to their rows. `running` [NB]: each expert's next free row; `before` [NB]: the chunk's pairs
+        of lower experts. SORT (the GPU's form): a pair's row is its place in the chunk sorted by (expert, pair) plus
+        running - before of its expert. Else (the interpreter's, which runs tl.sort's network one op at a time, 0.1-3 s a
+        chunk): running of its expert plus the chunk's earlier pairs of that expert, counted by a CH x CH compare. The
+        same rows either way."""
+        if SORT:
+            ranked = tl.sort(key * CH + ci)  # stable within an expert; dropped pairs (key E) last
+            key_s = ranked // CH
+            dest = ci + tl.gather(running - before, tl.minimum(key_s, E - 1), 0)
+            tl.store(sorted_ptr + dest, start + ranked % CH, mask=key_s < E)
+        else:
+            earlier = tl.sum(((key[:, None] == key[None, :]) & (ci[None, :] < ci[:, None])).to(tl.int32), axis=1)
+            dest = tl.gather(running, tl.minimum(key, E - 1), 0) + earlier
+            tl.store(sorted_ptr + dest, start + ci, mask=key < E)
 
 
 # ---- the launcher ---------------------------------------------------------------------------------------
@@ -1451,9 +1466,7 @@ def moe_forward(
     if config2.block_m != bm:
         raise ValueError("both GEMMs share the routing blocks: block_m must match")
     x = x.contiguous()
-    # (Triton's interpreter runs tl.sort as its bitonic network one op at a time, 0.1-3 s a call: on the CPU the pairs are
-    # grouped by the torch reference, which gives the same blocks; tests/test_kernels.py checks the kernel against it)
-    r = (align if runtime.interpreting() else align_fused)(topk_ids, num_experts, bm, slot_of_expert, n_valid, phase_of_expert)
+    r = align_fused(topk_ids, num_experts, bm, slot_of_expert, n_valid, phase_of_expert)
     phases = tuple(range(1, groups + 2)) if phase_of_expert is not None else (0,)
     dev = x.device
     h = torch.empty((r.max_blocks * bm, inter), dtype=torch.bfloat16, device=dev)

@@ -317,7 +317,7 @@ al = dict(ids_ptr="*i64", nvalid_ptr="*i64", slot_ptr="*i32", sorted_ptr="*i32",
 for e, ch, phase, slot in ((128, 64, False, True), (128, 1024, True, True), (32, 256, False, False), (8, 64, True, True),
                           (60, 128, False, True)):  # the align's histogram, sort and gather
     ptx(moe._align_kernel, al, dict(E=e, NB=triton.next_power_of_2(e), TOPK=8 if e == 128 else 4, BM=16, HAS_NVALID=True,
-                                    HAS_SLOT=slot, HAS_PHASE=phase, CH=ch, C=64, PAD_C=1024))
+                                    HAS_SLOT=slot, HAS_PHASE=phase, CH=ch, C=64, PAD_C=1024, SORT=e != 60))
 g2 = dict(h_ptr="*bf16", y_ptr="*fp32", sorted_pairs_ptr="*i32", block_slot_ptr="*i32", num_blocks_ptr="*i32", rw_ptr="*bf16",
           w_ptr="*bf16", s_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", cnt_ptr="*i32", valid_ptr="*i1", ws_ptr="*fp32",
           scnt_ptr="*i32", block_phase_ptr="*i8")

@@ -164,7 +164,8 @@ def test_fused_align_equals_torch_align(t, k, e, bm, nv, slots):
     so = torch.randperm(e, generator=g).int() if slots else None
     n = torch.tensor([nv]) if nv is not None else None
     a = align(ids, e, bm, so, n)
-    for b in (align_fused(ids, e, bm, so, n), align_fused(ids, e, bm, so, n, chunk=64)):  # one pass or 64-pair steps
+    # one pass or 64-pair steps; ranked by a pairwise compare (the interpreter's default) or by tl.sort (the GPU's)
+    for b in (align_fused(ids, e, bm, so, n), align_fused(ids, e, bm, so, n, chunk=64), align_fused(ids, e, bm, so, n, chunk=64, sort=True)):
         assert torch.equal(a.sorted_pairs, b.sorted_pairs) and torch.equal(a.block_slot, b.block_slot)
         assert int(a.num_blocks) == int(b.num_blocks) and torch.equal(a.pair_valid, b.pair_valid)
 
@@ -752,6 +753,29 @@ def test_pdl_is_on_by_default_only_where_every_cuda_device_is_sm90(monkeypatch):
 
 
 @needs_triton
+def test_linear_split_fill_option_sets_fewer_splits_and_keeps_rows_invariant(monkeypatch):
+    """PDFLASH_LINEAR_SPLIT_FILL: 4 (the default) keeps the splits every earlier build used; 1 splits K only while the
+    programs stay within the SMs (the decode shapes benchmarks/linear_sweep.py --splits timed faster). Either way one split
+    serves every M: rows alone and in a 40-row call are the same bits. A bad value stops the import."""
+    from kernels import linear
+
+    shapes = ((5120, 2048), (2048, 4096), (128, 2048), (4096, 2048), (5120, 2880), (2880, 4096), (32, 2880))
+    linear.linear_config.cache_clear()
+    try:
+        assert [linear.linear_config(n, k).split for n, k in shapes] == [4, 16, 8, 8, 4, 8, 8]
+        monkeypatch.setattr(linear, "SPLIT_FILL", 1)
+        linear.linear_config.cache_clear()
+        assert [linear.linear_config(n, k).split for n, k in shapes] == [1, 4, 8, 2, 1, 2, 8]
+        g = torch.Generator().manual_seed(6)
+        a, w = torch.randn(40, 1024, generator=g).bfloat16(), torch.randn(256, 1024, generator=g).bfloat16()
+        assert linear.linear_config(256, 1024).split > 1
+        full = linear.matmul(a, w.t())
+        assert all(torch.equal(linear.matmul(a[i : i + 1], w.t()), full[i : i + 1]) for i in (0, 17, 39))
+    finally:
+        linear.linear_config.cache_clear()
+    _import_refuses("PDFLASH_LINEAR_SPLIT_FILL", "3")
+
+
 def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):
     """PDFLASH_LINEAR_BLOCK_M: the tile height is one value for every call, so a row's bits never depend on M (here a
     16-row tile: rows alone, in a 7-row call and in a 40-row call, whose programs take four row tiles each, are the same
