@@ -32,6 +32,22 @@ OPTIONS = [(16, 64, 4, 4), (64, 64, 4, 4), (64, 64, 4, 2), (64, 64, 8, 3), (32, 
 L2_BYTES = 50 * 2**20
 
 
+def _cold_copies(n: int, k: int, dev, g):
+    """A random [n, k] bf16 weight and enough copies of it to exceed twice the L2 (each timed call reads them all)."""
+    import torch
+
+    w = (torch.randn(n, k, device=dev, generator=g) / k ** 0.5).bfloat16()
+    return w, [w] + [w.clone() for _ in range(max(0, -(-2 * L2_BYTES // (w.numel() * 2)) - 1))]
+
+
+def _write(args, name: str, rows: list) -> None:
+    import torch
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), l2_cold=True, rows=rows), indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -52,8 +68,7 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for name, n, k in SHAPES:
-        w = (torch.randn(n, k, device=dev, generator=g) / k ** 0.5).bfloat16()
-        copies = [w] + [w.clone() for _ in range(max(0, -(-2 * L2_BYTES // (w.numel() * 2)) - 1))]
+        w, copies = _cold_copies(n, k, dev, g)
         base = linear.linear_config(n, k, 2)
         big = torch.randn(100, k, device=dev, generator=g).bfloat16()
         default = dataclasses.replace(base, block_m=OPTIONS[0][0], block_n=OPTIONS[0][1], num_warps=OPTIONS[0][2],
@@ -75,9 +90,7 @@ def main() -> None:
                 print(f"{name:15s} M={m:3d} split {base.split:2d} tile {bm:3d}x{bn:3d} warps {warps} stages {stages}: "
                       f"{us:7.2f} us {w.numel() * 2 / us / 1e3:7.1f} GB/s  rows invariant {inv}  default bits {same}", flush=True)
         del copies
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "linear_sweep_h200.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), l2_cold=True, rows=rows), indent=1) + "\n")
+    _write(args, "linear_sweep_h200.json", rows)
     best = {}
     for r in rows:
         key = (r["shape"], r["M"])
@@ -109,8 +122,7 @@ def split_sweep(args) -> None:
     for name, n, k in SHAPES:
         if not name.startswith(args.only):
             continue
-        w = (torch.randn(n, k, device=dev, generator=g) / k ** 0.5).bfloat16()
-        copies = [w] + [w.clone() for _ in range(max(0, -(-2 * L2_BYTES // (w.numel() * 2)) - 1))]
+        w, copies = _cold_copies(n, k, dev, g)
         base = linear.linear_config(n, k, 2)
         k_steps = -(-k // base.block_k)
         big = torch.randn(100, k, device=dev, generator=g).bfloat16()
@@ -136,9 +148,7 @@ def split_sweep(args) -> None:
                 print(f"{name:15s} M={m:3d} split {cfg.split:2d}{' (default)' if cfg.split == base.split else '          '}: "
                       f"{us:7.2f} us, cuBLAS {cub:7.2f} us, ratio {us / cub:5.2f}, rows invariant {inv}", flush=True)
         del copies
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "linear_splits_h200.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), l2_cold=True, rows=rows), indent=1) + "\n")
+    _write(args, "linear_splits_h200.json", rows)
     print("\n| shape | split | " + " | ".join(f"M={m} ratio" for m in args.rows) + " | worst |\n|---|---|" + "---|" * (len(args.rows) + 1))
     for name in dict.fromkeys(r["shape"] for r in rows):
         for split in sorted({r["split"] for r in rows if r["shape"] == name}):
