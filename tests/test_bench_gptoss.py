@@ -97,8 +97,13 @@ def test_gptoss_tiny_runs_end_to_end_and_block_one_is_transformers_greedy_on_the
 
 
 def test_demo_dflash_and_hybrid_in_process_draft_from_the_verifier_features(tmp_path):
-    result = _run(tmp_path, "--targets", "demo", "--prompts", "1", "--new-tokens", "24", "--blocks", "8", "--no-hf")
+    result = _run(tmp_path, "--targets", "demo", "--prompts", "1", "--new-tokens", "24", "--blocks", "8", "--no-hf",
+                  "--repeat", "2")
     rows = {r["mode"]: r for r in result["rows"]}
+    # --repeat 2: two timed runs a mode, the row the one of median forward time, both runs' times kept, both identical
+    assert all(r["runs"] == 2 and len(r["forward_ms_runs"]) == 2 and r["forward_ms"] in r["forward_ms_runs"]
+               for r in rows.values())
+    assert "forward ms, every run" in (tmp_path / "e2e_gpu_cpu.md").read_text()
     assert set(rows) == {"verifier none@1", "verifier ngram@8", "verifier dflash@8", "verifier hybrid@8",
                          "verifier replay@8 (block-1 output, every 4th draft wrong)"}
     assert all(r["identical"] for r in rows.values())
