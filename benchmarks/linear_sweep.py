@@ -2,7 +2,7 @@
 L2 (as in a forward, where each layer's weights are read once), weight bandwidth, and the bits of each option.
 
     python benchmarks/linear_sweep.py --out OUT     (on the GPU machine: bash benchmarks/gpu.sh OUT linear)
-    python benchmarks/linear_sweep.py --out OUT --splits --rows 1 16 64     (the K split against cuBLAS, whole calls)
+    python benchmarks/linear_sweep.py --out OUT --splits --rows 1 16 64 [--m-tiles 4 2 1]     (the K split against cuBLAS, whole calls)
 
 The K split and BLOCK_K stay those of `kernels.linear.linear_config` (they set what each output element adds, in which
 order). Varied: num_warps and num_stages (the default's bits or not: `same_bits`), and the tile's height BLOCK_M and
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import pathlib
 import sys
@@ -52,6 +53,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--m-tiles", type=int, nargs="+", default=[4],
+                    help="with --splits: LinearConfig.max_m_tiles values to time (row tiles a program takes beyond 16 rows)")
     ap.add_argument("--only", default="", help="only the shapes whose name starts with this (e.g. gpt-oss)")
     ap.add_argument("--splits", action="store_true",
                     help="instead: the whole linear (partials + their sum) at each K split, against cuBLAS, L2-cold")
@@ -126,9 +129,9 @@ def split_sweep(args) -> None:
         base = linear.linear_config(n, k, 2)
         k_steps = -(-k // base.block_k)
         big = torch.randn(100, k, device=dev, generator=g).bfloat16()
-        for split in sorted({base.split, 1, 2, 4, 8, 16} - {s for s in (16,) if k_steps < 16}):
+        for split, mt in itertools.product(sorted({base.split, 1, 2, 4, 8, 16} - {s for s in (16,) if k_steps < 16}), args.m_tiles):
             kps = -(-k_steps // split) * base.block_k
-            cfg = dataclasses.replace(base, split=-(-k // kps), k_per_split=kps)
+            cfg = dataclasses.replace(base, split=-(-k // kps), k_per_split=kps, max_m_tiles=mt)
             full = linear.partials(big, w.t(), cfg)
             inv = all(torch.equal(linear.partials(big[:r], w.t(), cfg), full[:, :r]) for r in (1, 7, 16, 64))
             for m in args.rows:
@@ -143,18 +146,19 @@ def split_sweep(args) -> None:
 
                 us = triton.testing.do_bench_cudagraph(ours, rep=60) * 1e3 / len(copies)
                 cub = triton.testing.do_bench_cudagraph(lambda: [x @ c.t() for c in copies], rep=60) * 1e3 / len(copies)
-                rows.append(dict(shape=name, N=n, K=k, M=m, split=cfg.split, default_split=base.split, us=round(us, 2),
+                rows.append(dict(shape=name, N=n, K=k, M=m, split=cfg.split, max_m_tiles=mt, default_split=base.split, us=round(us, 2),
                                  cublas_us=round(cub, 2), ratio=round(us / cub, 3), rows_invariant=inv))
-                print(f"{name:15s} M={m:3d} split {cfg.split:2d}{' (default)' if cfg.split == base.split else '          '}: "
+                print(f"{name:15s} M={m:3d} split {cfg.split:2d} m_tiles <= {mt}{' (default)' if cfg.split == base.split and mt == 4 else '          '}: "
                       f"{us:7.2f} us, cuBLAS {cub:7.2f} us, ratio {us / cub:5.2f}, rows invariant {inv}", flush=True)
         del copies
     _write(args, "linear_splits_h200.json", rows)
-    print("\n| shape | split | " + " | ".join(f"M={m} ratio" for m in args.rows) + " | worst |\n|---|---|" + "---|" * (len(args.rows) + 1))
+    print("\n| shape | split | m_tiles <= | " + " | ".join(f"M={m} ratio" for m in args.rows) + " | worst |\n|---|---|---|"
+          + "---|" * (len(args.rows) + 1))
     for name in dict.fromkeys(r["shape"] for r in rows):
-        for split in sorted({r["split"] for r in rows if r["shape"] == name}):
-            rs = [r for r in rows if r["shape"] == name and r["split"] == split]
-            mark = " (default)" if rs[0]["split"] == rs[0]["default_split"] else ""
-            print(f"| {name} | {split}{mark} | " + " | ".join(str(r["ratio"]) for r in rs) + f" | {max(r['ratio'] for r in rs)} |")
+        for split, mt in sorted({(r["split"], r["max_m_tiles"]) for r in rows if r["shape"] == name}):
+            rs = [r for r in rows if r["shape"] == name and r["split"] == split and r["max_m_tiles"] == mt]
+            mark = " (default)" if rs[0]["split"] == rs[0]["default_split"] and mt == 4 else ""
+            print(f"| {name} | {split}{mark} | {mt} | " + " | ".join(str(r["ratio"]) for r in rs) + f" | {max(r['ratio'] for r in rs)} |")
 
 
 if __name__ == "__main__":

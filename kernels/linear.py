@@ -69,6 +69,7 @@ class LinearConfig:
     k_per_split: int
     num_warps: int = 4
     num_stages: int = 4
+    max_m_tiles: int = 4  # the most 16-row tiles a program computes against one weight tile (`m_tiles`: 1, 2 or 4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -246,7 +247,7 @@ def m_tiles(m: int, cfg: LinearConfig, fixup: bool = False) -> int:
     row tile is its own dot in the same K order); it only saves reading the weights once per 16 rows."""
     if cfg.block_m != 16 or fixup or m <= 16:
         return 1
-    return 2 if m <= 32 else 4
+    return min(2 if m <= 32 else 4, cfg.max_m_tiles)
 
 
 def _launch(a, b, cfg: LinearConfig, out, ws, bias, counters, partials: bool = False) -> None:

@@ -792,6 +792,12 @@ def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):
         # 1, 2 or 4 row tiles a program against each weight tile it loads: the 40-row call runs 4, the 7-row one 1
         assert [linear.m_tiles(m, cfg) for m in (1, 16, 17, 32, 33, 64, 4096)] == [1, 1, 2, 2, 4, 4, 4]
         assert linear.m_tiles(40, cfg, fixup=True) == 1
+        import dataclasses
+
+        for cap in (1, 2):  # LinearConfig.max_m_tiles caps them: more programs, each reading the weight tile again
+            capped = dataclasses.replace(cfg, max_m_tiles=cap)
+            assert [linear.m_tiles(m, capped) for m in (17, 33, 64)] == [min(2, cap), cap, cap]
+            assert torch.equal(linear.partials(a, w.t(), capped), linear.partials(a, w.t(), cfg))
         full = linear.matmul(a, w.t())
         assert torch.equal(linear.matmul(a[:7], w.t()), full[:7])
         assert torch.equal(linear.matmul(a[:17], w.t()), full[:17])
