@@ -276,6 +276,15 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return min(num_pairs, num_experts) + triton_cdiv(num_pairs, block_m)
 
 
+# The pairs one step of the align sorts (a compiled form each): the smallest of these that holds a call's pairs, so a
+# verify is one pass; verifier_svc/warmup.py prefills prompts whose pairs reach each form before serving.
+ALIGN_CHUNKS = (64, 256, 1024)
+
+
+def align_chunk(pairs: int) -> int:
+    return next((c for c in ALIGN_CHUNKS if pairs <= c), ALIGN_CHUNKS[-1])
+
+
 def align_fused(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -287,7 +296,7 @@ def align_fused(
     sort: bool | None = None,
 ) -> Routing:
     """`align` as one Triton launch (the torch version below is ~28 small kernels: ~85 us of a decode layer). `chunk`:
-    the pairs one step sorts (a power of two, 64-1024; default from the pair count), for benchmarks/kernels.py. `sort`:
+    the pairs one step sorts (a power of two, 64-1024; default `align_chunk`), for benchmarks/kernels.py. `sort`:
     rank a chunk's pairs by tl.sort (default on a GPU) or by a pairwise compare (default under the interpreter)."""
     t, topk = topk_ids.shape
     p = t * topk
@@ -301,11 +310,10 @@ def align_fused(
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    # NB histogram bins: the experts (a dropped pair, key E, is masked out of the counts). CH pairs a
-    # step (a power of two from the pair count: a handful of compiled forms, one a verify width); C blocks a step of the
-    # block -> expert search; the padding stores PAD_C entries at a time
+    # NB histogram bins: the experts (a dropped pair, key E, is masked out of the counts). CH pairs a step (ALIGN_CHUNKS);
+    # C blocks a step of the block -> expert search; the padding stores PAD_C entries at a time
     nb = triton.next_power_of_2(num_experts)
-    ch = chunk or min(1024, max(64, triton.next_power_of_2(p)))
+    ch = chunk or align_chunk(p)
     if sort is None:
         sort = not runtime.interpreting()
     if not sort:  # the compare is CH x CH: smaller steps
@@ -1141,7 +1149,7 @@ if triton is not None:
         valid = ok & (key >= 0) & (key < E) & (offs // TOPK < nv)
         return ok, valid, tl.where(valid, key, E)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P", "MB"])  # one compiled form whatever the pair count (ALIGN_CHUNKS aside)
     def _align_kernel(
         ids_ptr, nvalid_ptr, slot_ptr, sorted_ptr, block_slot_ptr, num_blocks_ptr, valid_ptr,
         P, MB, phase_ptr, block_phase_ptr,

@@ -74,7 +74,9 @@ def test_warmup_on_the_demo_model_leaves_nothing_behind_and_changes_no_token():
     layers = warmup.feature_layers(None, "")  # auto: the embedded drafter's layers for the embedded target
     assert layers and layers == warmup.feature_layers(None, demo_dir())
     report = warmup.warm(warm, layers)
-    assert report.feature_layers == layers and report.prefills >= 2
+    t = warm.target
+    assert t.experts_per_token > 0 and len(warmup.align_lengths(t.experts_per_token, t.max_context)) == 3
+    assert report.feature_layers == layers and report.prefills >= 2 + 3  # the align's three forms prefilled too
     assert report.verifies == 2 * len(warmup.block_sizes(8)) == 8  # blocks 1, 2, 4, 8; without and with features
     assert len(warm.sessions) == 0
     assert warm.warmup_seconds == report.seconds > 0 and cold.warmup_seconds == 0
@@ -345,3 +347,16 @@ def test_reset_stats_of_the_device_managed_cache_keeps_what_is_resident():
     assert int(cache.proj.abs().sum()) == 0
     assert resident and all(cache.resident(l, e) for l, e in resident)
     core.end(pre.session_id)
+
+
+def test_align_lengths_reach_every_compiled_form_of_the_moe_align():
+    """The warm-up's extra prefills: one prompt a form of the MoE align (kernels.moe.ALIGN_CHUNKS), whatever the experts
+    a token; none for a dense model; none longer than half the context."""
+    from kernels.moe import ALIGN_CHUNKS, align_chunk
+    from verifier_svc.warmup import align_lengths
+
+    for k in (1, 2, 4, 8, 32):
+        assert [align_chunk(n * k) for n in align_lengths(k, 1 << 16)] == list(ALIGN_CHUNKS)
+    assert align_lengths(0, 4096) == []
+    assert align_lengths(1, 200) == [64, 65]  # 257 tokens do not fit half of a 200-token context
+

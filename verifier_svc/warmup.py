@@ -7,7 +7,8 @@ captured at load), cuBLAS and the caching allocator set up, the expert cache fil
 
 `warm(core, feature_layers)` runs what requests run: a prefill of a short prompt, then one verify per bucket the graph
 runner replays (verifier_svc.runner.BUCKETS up to --max-block-size), each carrying the previous call's routed union as
-its projection, without features and again with the drafter's feature layers. Then it gives everything back: its
+its projection, without features and again with the drafter's feature layers; before those, for a MoE target, prefills
+whose pairs reach each compiled form of the MoE align (`align_lengths`: up to 257 tokens at one expert a token). Then it gives everything back: its
 sessions end (their KV pages return to the pool), the expert cache's counters are zeroed (its contents stay: they
 are the warm part), so the first request's counters are its own. It calls the core, not the servicer: the metrics
 never see it. verifier_svc/server.py runs it before health turns SERVING.
@@ -27,6 +28,19 @@ log = get_logger("pdflash.verifier.warmup")
 
 # Two prompt lengths: Triton specializes a kernel on whether an integer argument is a multiple of 16.
 PROMPT_LENGTHS = (16, 13)
+
+
+def align_lengths(experts_per_token: int, max_context: int) -> list[int]:
+    """Prompt lengths whose (token, expert) pairs reach each compiled form of the MoE align (kernels.moe.ALIGN_CHUNKS:
+    the pairs one step sorts; the pair count itself is not specialized on), so no prompt's prefill compiles one at serve
+    time: one length a form, its pairs at most the form's chunk and above the one before."""
+    if experts_per_token <= 0:
+        return []
+    from kernels.moe import ALIGN_CHUNKS
+
+    k = experts_per_token
+    lengths = [max(1, ALIGN_CHUNKS[0] // k)] + [c // k + 1 for c in ALIGN_CHUNKS[:-1]]
+    return [n for n in lengths if n <= max_context // 2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,11 +116,15 @@ def warm(core: VerifierCore, feature_layers: tuple[int, ...] = ()) -> WarmupRepo
     prefills = verifies = 0
     held: list[_Request] = []
     try:
+        for n in align_lengths(t.experts_per_token, t.max_context):  # prefill only: each form of the MoE align
+            _Request(core, tuple(3 + i % (t.vocab_size - 3) for i in range(n)), ()).end()  # its KV back at once
+            prefills += 1
+        extra = prefills
         for layers in dict.fromkeys([(), tuple(feature_layers)]):  # without features, then with the drafter's
             req = None
             for n in block_sizes(core.max_block_size):
                 if req is None or not req.fits(n):
-                    prompt = tuple(3 + i % (t.vocab_size - 3) for i in range(lengths[prefills % len(lengths)]))
+                    prompt = tuple(3 + i % (t.vocab_size - 3) for i in range(lengths[(prefills - extra) % len(lengths)]))
                     req = _Request(core, prompt, layers)
                     held.append(req)
                     prefills += 1
