@@ -3,7 +3,7 @@ through a device expert cache of 10%, 25% and 100% of the expert bytes, next to 
 offloading the same experts to CPU memory (PEER: plain `generate`, what a Python user does today).
 
     python benchmarks/offload.py [--models gpt-oss-24l qwen3-48l] [--caches 0.1 0.25 1.0] [--new-tokens 64]
-                                 [--prompts 2] [--peer-tokens 4] [--out benchmarks/results]
+                                 [--prompts 2] [--peer-tokens 4] [--layer-scale 1.0] [--out benchmarks/results]
 
 Targets: gpt-oss-20b layer shapes (24 layers, 32 experts top-4, H = I = 2880) and Qwen3-30B-A3B layer shapes (48
 layers, 128 experts top-8), random bf16 weights built on the GPU, experts quantized to MXFP4 into the host store.
@@ -31,6 +31,7 @@ import dataclasses
 import json
 import pathlib
 import random
+import re
 import sys
 import time
 
@@ -106,7 +107,14 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def build(arch: str, layers: int):
+# A layer's output projections: attention's o_proj, the experts' (and any dense MLP's) down projection, their biases
+_LAYER_OUTPUTS = re.compile(r"\.(o_proj\.(weight|bias)|down_proj(_bias|\.weight|\.bias)?)$")
+
+
+def build(arch: str, layers: int, layer_scale: float = 1.0):
+    """The random model; `layer_scale` multiplies every layer's output projections (`_LAYER_OUTPUTS`), so each layer
+    adds less to the residual stream: consecutive layers' hidden states stay close, as in trained models, and the next
+    layer's router applied to this layer's input predicts its experts better than in a plain random model."""
     from transformers import AutoModelForCausalLM
 
     from pdflash.tiny import real_shape_config, tiny_config
@@ -117,7 +125,22 @@ def build(arch: str, layers: int):
     else:
         cfg = real_shape_config(arch, num_layers=layers)
     with DEVICE:
-        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    if layer_scale != 1.0:
+        with torch.no_grad():
+            scaled = [p.mul_(layer_scale) for name, p in model.named_parameters() if _LAYER_OUTPUTS.search(name)]
+        if not scaled:
+            raise ValueError(f"--layer-scale: no output projection found in {arch}")
+    return model
+
+
+def hidden_cos(model, prompt: list[int]) -> float:
+    """Mean cosine similarity of each token's residual stream before and after each layer but the last (whose output
+    transformers returns normed), a plain forward of `prompt`: how much one layer moves it (the layer guess's premise)."""
+    with torch.no_grad():
+        hs = model(torch.tensor([prompt], device=DEVICE), output_hidden_states=True).hidden_states
+    sims = [torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).mean() for a, b in zip(hs[:-2], hs[1:-1])]
+    return round(float(torch.stack(sims).mean()), 4)
 
 
 def offloaded_core(model, name: str):
@@ -241,7 +264,12 @@ def write(args, meta: dict, rows: list[dict]) -> None:
           "overlap (device cache): on, a layer's misses copy while its resident experts compute; off, they copy before its GEMMs; "
           "async (the server's default), on and the next layer waits only for the guess's admission, not its copies. "
           "width: the drafted rows' width rule (cost: the growth rule capped by measured round prices, as the stack does for "
-          "offloaded experts; growth: the growth rule alone).", "",
+          "offloaded experts; growth: the growth rule alone). "
+          + (f"Layer outputs scaled x{meta['layer_scale']} at build (--layer-scale: each layer moves the residual stream "
+             "less, as in trained models, so the next layer's routing is predictable from this layer's input; a modelling "
+             "choice, not a checkpoint). " if meta.get("layer_scale", 1.0) != 1.0 else "")
+          + "Consecutive layers' hidden-state cosine (a plain forward of one prompt): "
+          + ", ".join(f"{k} {v}" for k, v in meta.get("hidden_cos", {}).items()) + ".", "",
           "| model | system | cache | prefetch | guess | overlap | block | drafter | width | tok/s | TTFT ms | tau | expert MB/token | H2D of pinned | hidden | hit rate | coverage | wasted MB | PCIe bound tok/s | of bound | byte-bound | identical |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -249,7 +277,8 @@ def write(args, meta: dict, rows: list[dict]) -> None:
             md.append(f"| {r['model']} | {r['system']} | CPU | | | | 1 | none | | {r['output_tokens_per_second']} | | | | | | | | | | | | ({r['note']}) |")
             continue
         f = lambda v, scale=1.0, nd=2: "" if v is None else round(v * scale, nd)  # noqa: E731
-        md.append(f"| {r['model']} | OURS {r.get('mode', 'host')} | {int(r['cache_fraction'] * 100)}% | {r.get('prefetch', '')} | {r.get('guess_width', 0) or 'auto'} | {r.get('overlap') or ''} | {r['block']} | {r['drafter']} | {r.get('width', '') if r['block'] > 1 else ''} | {r['output_tokens_per_second']} | "
+        label = r["model"] + (f" (outputs x{r['layer_scale']})" if r.get("layer_scale", 1.0) != 1.0 else "")
+        md.append(f"| {label} | OURS {r.get('mode', 'host')} | {int(r['cache_fraction'] * 100)}% | {r.get('prefetch', '')} | {r.get('guess_width', 0) or 'auto'} | {r.get('overlap') or ''} | {r['block']} | {r['drafter']} | {r.get('width', '') if r['block'] > 1 else ''} | {r['output_tokens_per_second']} | "
                   f"{r.get('ttft_ms', '')} | {r['tau']} | {f(r['expert_bytes_per_token'], 1e-6, 1)} | {f(r['h2d_fraction_of_pinned'])} | {f(r['hidden_fraction'])} | "
                   f"{f(r['cache_hit_rate'])} | {f(r['prefetch_coverage'])} | {f(r['wasted_bytes'], 1e-6, 1)} | {f(r['bound_tokens_per_second'], 1, 1)} | "
                   f"{f(r['fraction_of_bound'])} | {r['byte_bound']} | {r['identical']} |")
@@ -291,6 +320,9 @@ def main(argv=None) -> int:
                     help="the drafted rows' width rule: cost (the growth rule capped by round time, what the stack does "
                          "for offloaded experts) and/or growth (the growth rule alone)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the logic (no copy timing, no PEER)")
+    ap.add_argument("--layer-scale", type=float, default=1.0,
+                    help="multiply every layer's output projections by this (build): consecutive hidden states stay close, "
+                         "as in trained models, so the layer guess can predict routing; the rows say so")
     args = ap.parse_args(argv)
     global DEVICE
     DEVICE = torch.device(args.device)
@@ -300,13 +332,17 @@ def main(argv=None) -> int:
     if caches[0] != 1.0:
         caches.insert(0, 1.0)  # the compute-only reference of every row
     rows = []
+    if not args.layer_scale > 0:
+        raise SystemExit("--layer-scale: a positive factor")
     meta = {"device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "new_tokens": args.new_tokens, "prompts": args.prompts,
+            "layer_scale": args.layer_scale,
             "command": "python benchmarks/offload.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     for name in args.models:
         arch, layers = MODELS[name]
         layers = args.layers or layers
         t0 = time.perf_counter()
-        model = build(arch, layers)
+        model = build(arch, layers, args.layer_scale)
+        meta.setdefault("hidden_cos", {})[name] = hidden_cos(model, prompts_for(1, model.config.vocab_size)[0])
         core = offloaded_core(model, name)
         store = core.target.expert_cache.store
         rate = pinned_rate(store) if DEVICE.type == "cuda" else 25e9
@@ -351,7 +387,7 @@ def main(argv=None) -> int:
                 bound_s = needed / rate
                 exposed_s = max(0.0, (r["forward_ms"] - base["forward_ms"]) * 1e-3)
                 row = {
-                    "model": name, "cache_fraction": fraction, "cache_slots": cache.num_slots, "block": block,
+                    "model": name, "layer_scale": args.layer_scale, "cache_fraction": fraction, "cache_slots": cache.num_slots, "block": block,
                     "drafter": drafter, "system": "OURS", "mode": mode, "prefetch": prefetch, "width": wrule,
                     "guess_width": guess_width, "overlap": overlap if mode == "device" else None,
                     "output_tokens_per_second": round(toks / wall, 2),
