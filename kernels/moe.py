@@ -96,7 +96,8 @@ class MoeConfig:
     swap_ab: bool = False  # the weight tile as the MMA's M side (acc^T = w @ a^T): wgmma-sized (M >= 64) at block_n >= 64
     raster: int = 0  # 0: a 2-D grid (m blocks, n tiles); 1: a 1-D grid, the n tiles of one m block consecutive
     persist: int = 0  # > 0: that many programs per SM, each walking tiles in raster-1 order (no empty programs)
-    s_ahead: int = 0  # FP4 decodes 0/1/3/4: 1 loads the next K step's scales ahead (0 or 1; _gemm_rows: S_AHEAD)
+    s_ahead: int = 0  # FP4 decodes 0/1/3/4/5/6: 1 loads the next K step's scales ahead; 2 prefetches the tile's whole scale
+    # rows into L1 before the K loop, so each step's scale loads hit L1 (_gemm_rows: S_AHEAD; no value changes)
     s_words: bool = False  # FP4 decodes 0/1/3/4, block_k >= 128: scales read as 32-bit words, streamed (cp.async) like the
     # weights (_gemm_rows: S_WORDS); scale rows that are not 4-byte aligned (gpt-oss's 90 bytes) read bytes instead
     split_k: int = 1  # > 1: K cut into that many ranges (whole K steps), one program each, their float32 partial sums added
@@ -158,6 +159,14 @@ SWEEP_VARIANTS: dict[str, dict] = {
                               s_words=True, s_ahead=1),
     "pair_swap32_w1": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=32, num_warps=1),
     "pair_swap64_w2_raster": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2, raster=1),
+    # the tile's scale rows prefetched into L1 before the K loop (s_ahead=2): the loop's byte loads of the scales, which
+    # a 32-byte sector serves for only 2-8 K steps, stop waiting on HBM at each new sector (stop 29's probe: the scale
+    # path costs 20-25% of the FP4 GEMM); and 512-wide K steps, half the steps (and scale waits) of 256, 2-3 stages
+    "pair_k256_raster_pf": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, block_k=256, raster=1, s_ahead=2),
+    "pair_swap64_w2_raster_pf": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2, raster=1,
+                                     s_ahead=2),
+    "pair_k512_s2_raster": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, block_k=512, num_stages=2, raster=1),
+    "pair_k512_s3_raster_pf": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, block_k=512, num_stages=3, raster=1, s_ahead=2),
     # the next K step's scales loaded ahead (MoeConfig.s_ahead): the same values, without an HBM round trip per K step
     # (compiled for sm_90, every variant above streams its weights and activations ahead with cp.async but waits for
     # its scales in every step: tests/test_fused_kernels.py checks both forms)
@@ -615,6 +624,20 @@ if triton is not None:
             )
 
     @triton.jit
+    def _prefetch_scale_rows(s_ptr, rows, row_ok, stride_sn, K_LO, SPAN: tl.constexpr, K: tl.constexpr):
+        """prefetch.global.L1 of the scale bytes rows x [K_LO / 32, (K_LO + SPAN) / 32): one per 128-byte line and the
+        range's last byte. The K loop's scale loads (a byte or a word a thread, too narrow for cp.async) then hit L1
+        instead of waiting on HBM at each new sector; the weights and activations stream through cp.async past L1."""
+        NBYTES: tl.constexpr = (SPAN if SPAN < K else K) // 32
+        LINES: tl.constexpr = NBYTES // 128 + 2
+        NL: tl.constexpr = 2 if LINES <= 2 else 4 if LINES <= 4 else 8 if LINES <= 8 else 16 if LINES <= 16 else 32
+        off = tl.minimum(tl.arange(0, NL) * 128, NBYTES - 1)
+        safe = tl.where(row_ok, rows, 0)  # (a masked row's address may lie past the tensor)
+        ptrs = s_ptr + safe[:, None].to(tl.int64) * stride_sn + (K_LO // 32 + off)[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+    @triton.jit
     def _gemm_rows(
         acc0, acc1,
         a_ptr, a_rows, a_ok, stride_am,
@@ -638,8 +661,12 @@ if triton is not None:
         LOOP_STAGES None: the launch's num_stages, for the loads that feed the dots.
         (Written out dot by dot: every nested jit call costs milliseconds under Triton's interpreter.)"""
         BM: tl.constexpr = a_rows.shape[0]
-        AHEAD: tl.constexpr = S_AHEAD and FP4 and DECODE != 2
+        AHEAD: tl.constexpr = S_AHEAD == 1 and FP4 and DECODE != 2
         WORDS: tl.constexpr = S_WORDS and FP4 and DECODE != 2
+        if S_AHEAD == 2 and FP4 and DECODE != 2 and not F32DOT:  # (a hint: the interpreter, which runs no PTX, skips it)
+            _prefetch_scale_rows(s_ptr, rows0, n_ok, stride_sn, K_LO, SPAN, K)
+            if TWO:
+                _prefetch_scale_rows(s_ptr, rows1, n_ok, stride_sn, K_LO, SPAN, K)
         if AHEAD:
             sa_next = _fp4_scales(s_ptr, rows0, n_ok, stride_sn, K_LO, K, BLOCK_K, WORDS)
             if TWO:
@@ -1349,8 +1376,8 @@ def _flags(c: MoeConfig, fp4: bool) -> dict:
         raise ValueError(f"unknown decode {c.decode} or a_load {c.a_load}")
     if c.block_k < 32 or c.block_k & (c.block_k - 1) or c.block_m < 16 or c.block_n < 16:
         raise ValueError(f"block_k must be a power of two >= 32 and block_m, block_n >= 16: {c}")
-    if c.s_ahead not in (0, 1):
-        raise ValueError(f"s_ahead must be 0 or 1: {c}")
+    if c.s_ahead not in (0, 1, 2):
+        raise ValueError(f"s_ahead must be 0, 1 or 2: {c}")
     if c.split_k < 1:
         raise ValueError(f"split_k must be >= 1: {c}")
     if c.s_words and c.block_k < 128:

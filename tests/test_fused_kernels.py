@@ -389,6 +389,12 @@ for ahead in (0, 1):
     carried = re.findall(r"tensor<\d+x\d+xi8", loop.split(") -> (")[1])
     assert len(streamed) == 3 and len(sync) == 2, ("the FP4 GEMM's K loop", ahead, sync, streamed)
     assert len(carried) == 2 * ahead, ("scale tiles carried by the K loop", ahead, carried)
+# s_ahead=2: the tile's scale rows prefetched into L1 before the K loop (pair words, both GEMMs); none without it
+for gemm, n_, k_ in ((1, 768, 2048), (2, 2048, 768)):
+    for name in ("pair_k256_raster_pf", "pair_k256_raster"):
+        c = moe.variant_config(n_, k_, 8, True, moe.SWEEP_VARIANTS[name])
+        p = compile_gemm(gemm, c, "qwen3-30b-a3b", True)[0].asm["ptx"]
+        assert ("prefetch.global.L1" in p) == name.endswith("_pf"), ("the scale rows' prefetch", gemm, name)
 # With s_words (Qwen3-30B-A3B's gate/up: 64 scale bytes a row, 4-byte aligned) the scales are read as 32-bit words and
 # stream ahead like the weights: nothing in the K loop waits on a synchronous load.
 c = moe.variant_config(768, 2048, 8, True, moe.SWEEP_VARIANTS["join_bf16_k128_sw"])
