@@ -287,7 +287,9 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 # The pairs one step of the align sorts (a compiled form each): the smallest of these that holds a call's pairs, so a
 # verify is one pass; verifier_svc/warmup.py prefills prompts whose pairs reach each form before serving.
-ALIGN_CHUNKS = (64, 256, 1024)
+# (H200, Qwen3's 128 experts: 512 pairs take 8.05 us in 512-pair steps, 10.07 in 256, 10.58 in 1024; 2048 pairs 18.2 us in
+# 1024-pair steps, 22.6 in 256: benchmarks/results/kernels_align_h200.txt)
+ALIGN_CHUNKS = (64, 256, 512, 1024)
 
 
 def align_chunk(pairs: int) -> int:

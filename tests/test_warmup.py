@@ -75,8 +75,9 @@ def test_warmup_on_the_demo_model_leaves_nothing_behind_and_changes_no_token():
     assert layers and layers == warmup.feature_layers(None, demo_dir())
     report = warmup.warm(warm, layers)
     t = warm.target
-    assert t.experts_per_token > 0 and len(warmup.align_lengths(t.experts_per_token, t.max_context)) == 3
-    assert report.feature_layers == layers and report.prefills >= 2 + 3  # the align's three forms prefilled too
+    forms = warmup.align_lengths(t.experts_per_token, t.max_context)
+    assert t.experts_per_token > 0 and len(forms) >= 3
+    assert report.feature_layers == layers and report.prefills >= 2 + len(forms)  # each form of the align prefilled too
     assert report.verifies == 2 * len(warmup.block_sizes(8)) == 8  # blocks 1, 2, 4, 8; without and with features
     assert len(warm.sessions) == 0
     assert warm.warmup_seconds == report.seconds > 0 and cold.warmup_seconds == 0
@@ -358,5 +359,5 @@ def test_align_lengths_reach_every_compiled_form_of_the_moe_align():
     for k in (1, 2, 4, 8, 32):
         assert [align_chunk(n * k) for n in align_lengths(k, 1 << 16)] == list(ALIGN_CHUNKS)
     assert align_lengths(0, 4096) == []
-    assert align_lengths(1, 200) == [64, 65]  # 257 tokens do not fit half of a 200-token context
+    assert align_lengths(1, 200) == [64, 65]  # 257 and 513 tokens do not fit half of a 200-token context
 

@@ -8,7 +8,7 @@ captured at load), cuBLAS and the caching allocator set up, the expert cache fil
 `warm(core, feature_layers)` runs what requests run: a prefill of a short prompt, then one verify per bucket the graph
 runner replays (verifier_svc.runner.BUCKETS up to --max-block-size), each carrying the previous call's routed union as
 its projection, without features and again with the drafter's feature layers; before those, for a MoE target, prefills
-whose pairs reach each compiled form of the MoE align (`align_lengths`: up to 257 tokens at one expert a token). Then it gives everything back: its
+whose pairs reach each compiled form of the MoE align (`align_lengths`: up to 513 tokens at one expert a token). Then it gives everything back: its
 sessions end (their KV pages return to the pool), the expert cache's counters are zeroed (its contents stay: they
 are the warm part), so the first request's counters are its own. It calls the core, not the servicer: the metrics
 never see it. verifier_svc/server.py runs it before health turns SERVING.
