@@ -1218,12 +1218,8 @@ if triton is not None:
             ok, valid, key = _pair_keys(ids_ptr, ci, P, nv, E, TOPK)
             tl.store(valid_ptr + ci, valid, mask=ok)
             counts = tl.histogram(tl.minimum(key, E - 1), NB, mask=valid)
-            blocks = tl.where(e_ok, (counts + BM - 1) // BM, 0)
-            block_end = tl.cumsum(blocks, axis=0)
-            num_blocks = tl.sum(blocks, axis=0)
-            tl.store(num_blocks_ptr, num_blocks)
-            tl.debug_barrier()  # the padding stores above land before the scatter below
-            _align_scatter(sorted_ptr, key, ci, (block_end - blocks) * BM, tl.cumsum(counts, axis=0) - counts, 0, E, CH, SORT)
+            block_end, num_blocks, first_row = _align_blocks(counts, e_ok, num_blocks_ptr, BM)
+            _align_scatter(sorted_ptr, key, ci, first_row, tl.cumsum(counts, axis=0) - counts, 0, E, CH, SORT)
         else:
             counts = tl.zeros((NB,), tl.int32)
             start = P * 0
@@ -1233,12 +1229,7 @@ if triton is not None:
                 tl.store(valid_ptr + offs, valid, mask=ok)
                 counts += tl.histogram(tl.minimum(key, E - 1), NB, mask=valid)
                 start += CH
-            blocks = tl.where(e_ok, (counts + BM - 1) // BM, 0)
-            block_end = tl.cumsum(blocks, axis=0)
-            num_blocks = tl.sum(blocks, axis=0)
-            tl.store(num_blocks_ptr, num_blocks)
-            tl.debug_barrier()
-            running = (block_end - blocks) * BM  # each expert's next free row
+            block_end, num_blocks, running = _align_blocks(counts, e_ok, num_blocks_ptr, BM)  # running: next free rows
             start = P * 0
             while start < P:
                 ok, valid, key = _pair_keys(ids_ptr, start + ci, P, nv, E, TOPK)
@@ -1259,6 +1250,16 @@ if triton is not None:
                 tl.store(block_phase_ptr + b, tl.where(used, ph, 0).to(tl.int8), mask=b < MB)
             tl.store(block_slot_ptr + b, tl.where(used, tl.gather(slot_of, e_b, 0), -1), mask=b < MB)
             bstart += C
+
+    @triton.jit
+    def _align_blocks(counts, e_ok, num_blocks_ptr, BM: tl.constexpr):
+        """Each expert's pair count [NB] -> its blocks' end (cumulative), the block count (stored) and its first row."""
+        blocks = tl.where(e_ok, (counts + BM - 1) // BM, 0)
+        block_end = tl.cumsum(blocks, axis=0)
+        num_blocks = tl.sum(blocks, axis=0)
+        tl.store(num_blocks_ptr, num_blocks)
+        tl.debug_barrier()  # the padding stores land before the scatter that follows
+        return block_end, num_blocks, (block_end - blocks) * BM
 
     @triton.jit
     def _align_scatter(sorted_ptr, key, ci, running, before, start, E: tl.constexpr, CH: tl.constexpr, SORT: tl.constexpr):
