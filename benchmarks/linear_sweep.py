@@ -2,7 +2,8 @@
 L2 (as in a forward, where each layer's weights are read once), weight bandwidth, and the bits of each option.
 
     python benchmarks/linear_sweep.py --out OUT     (on the GPU machine: bash benchmarks/gpu.sh OUT linear)
-    python benchmarks/linear_sweep.py --out OUT --splits --rows 1 16 64 [--m-tiles 4 2 1]     (the K split against cuBLAS, whole calls)
+    python benchmarks/linear_sweep.py --out OUT --splits --rows 1 16 64 [--m-tiles 4 2 1] [--wide-from 0 16] [--split-values 1 2]
+        (the K split, row tiles and tile height against cuBLAS, whole calls)
 
 The K split and BLOCK_K stay those of `kernels.linear.linear_config` (they set what each output element adds, in which
 order). Varied: num_warps and num_stages (the default's bits or not: `same_bits`), and the tile's height BLOCK_M and
@@ -55,6 +56,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--m-tiles", type=int, nargs="+", default=[4],
                     help="with --splits: LinearConfig.max_m_tiles values to time (row tiles a program takes beyond 16 rows)")
+    ap.add_argument("--wide-from", type=int, nargs="+", default=[0],
+                    help="with --splits: kernels.linear.WIDE_FROM values to time (0: 16-row tiles only; 16: 64-row tiles above 16 rows)")
+    ap.add_argument("--split-values", type=int, nargs="+", default=None,
+                    help="with --splits: only these K splits (default: the shape's default and 1, 2, 4, 8, 16)")
     ap.add_argument("--only", default="", help="only the shapes whose name starts with this (e.g. gpt-oss)")
     ap.add_argument("--splits", action="store_true",
                     help="instead: the whole linear (partials + their sum) at each K split, against cuBLAS, L2-cold")
@@ -129,10 +134,15 @@ def split_sweep(args) -> None:
         base = linear.linear_config(n, k, 2)
         k_steps = -(-k // base.block_k)
         big = torch.randn(100, k, device=dev, generator=g).bfloat16()
-        for split, mt in itertools.product(sorted({base.split, 1, 2, 4, 8, 16} - {s for s in (16,) if k_steps < 16}), args.m_tiles):
+        splits = sorted({base.split, 1, 2, 4, 8, 16} - {s for s in (16,) if k_steps < 16})
+        if args.split_values:
+            splits = sorted(set(args.split_values) & set(splits) | {base.split})
+        for split, mt, wf in itertools.product(splits, args.m_tiles, args.wide_from):
             kps = -(-k_steps // split) * base.block_k
             cfg = dataclasses.replace(base, split=-(-k // kps), k_per_split=kps, max_m_tiles=mt)
+            linear.WIDE_FROM = wf  # (read by each launch: the 100-row call below takes 64-row tiles when wf > 0)
             full = linear.partials(big, w.t(), cfg)
+            # the rows alone (16-row tiles) against the same rows of 64- and 100-row calls (64-row tiles above wf)
             inv = all(torch.equal(linear.partials(big[:r], w.t(), cfg), full[:, :r]) for r in (1, 7, 16, 64))
             for m in args.rows:
                 x = big[:m].contiguous()
@@ -146,19 +156,21 @@ def split_sweep(args) -> None:
 
                 us = triton.testing.do_bench_cudagraph(ours, rep=60) * 1e3 / len(copies)
                 cub = triton.testing.do_bench_cudagraph(lambda: [x @ c.t() for c in copies], rep=60) * 1e3 / len(copies)
-                rows.append(dict(shape=name, N=n, K=k, M=m, split=cfg.split, max_m_tiles=mt, default_split=base.split, us=round(us, 2),
-                                 cublas_us=round(cub, 2), ratio=round(us / cub, 3), rows_invariant=inv))
-                print(f"{name:15s} M={m:3d} split {cfg.split:2d} m_tiles <= {mt}{' (default)' if cfg.split == base.split and mt == 4 else '          '}: "
+                rows.append(dict(shape=name, N=n, K=k, M=m, split=cfg.split, max_m_tiles=mt, wide_from=wf, default_split=base.split,
+                                 us=round(us, 2), cublas_us=round(cub, 2), ratio=round(us / cub, 3), rows_invariant=inv))
+                print(f"{name:15s} M={m:3d} split {cfg.split:2d} m_tiles <= {mt} wide > {wf:3d}{' (default)' if cfg.split == base.split and mt == 4 else '          '}: "
                       f"{us:7.2f} us, cuBLAS {cub:7.2f} us, ratio {us / cub:5.2f}, rows invariant {inv}", flush=True)
         del copies
     _write(args, "linear_splits_h200.json", rows)
-    print("\n| shape | split | m_tiles <= | " + " | ".join(f"M={m} ratio" for m in args.rows) + " | worst |\n|---|---|---|"
-          + "---|" * (len(args.rows) + 1))
+    linear.WIDE_FROM = int(linear._WIDE_FROM)
+    print("\n| shape | split | m_tiles <= | 64-row tiles above | " + " | ".join(f"M={m} ratio" for m in args.rows)
+          + " | worst | rows invariant |\n|---|---|---|---|" + "---|" * (len(args.rows) + 2))
     for name in dict.fromkeys(r["shape"] for r in rows):
-        for split, mt in sorted({(r["split"], r["max_m_tiles"]) for r in rows if r["shape"] == name}):
-            rs = [r for r in rows if r["shape"] == name and r["split"] == split and r["max_m_tiles"] == mt]
+        for split, mt, wf in sorted({(r["split"], r["max_m_tiles"], r["wide_from"]) for r in rows if r["shape"] == name}):
+            rs = [r for r in rows if r["shape"] == name and (r["split"], r["max_m_tiles"], r["wide_from"]) == (split, mt, wf)]
             mark = " (default)" if rs[0]["split"] == rs[0]["default_split"] and mt == 4 else ""
-            print(f"| {name} | {split}{mark} | {mt} | " + " | ".join(str(r["ratio"]) for r in rs) + f" | {max(r['ratio'] for r in rs)} |")
+            print(f"| {name} | {split}{mark} | {mt} | {wf or 'never'} | " + " | ".join(str(r["ratio"]) for r in rs)
+                  + f" | {max(r['ratio'] for r in rs)} | {all(r['rows_invariant'] for r in rs)} |")
 
 
 if __name__ == "__main__":

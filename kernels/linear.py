@@ -56,6 +56,18 @@ _SPLIT_FILL = os.environ.get("PDFLASH_LINEAR_SPLIT_FILL", "4")
 if _SPLIT_FILL not in ("1", "2", "4"):
     raise ValueError(f"PDFLASH_LINEAR_SPLIT_FILL must be 1, 2 or 4, got {_SPLIT_FILL!r}")
 SPLIT_FILL = int(_SPLIT_FILL)
+# Calls of more rows than this (0: never) take 64-row tiles (one wgmma-shaped dot a weight tile on sm_90) instead of
+# `m_tiles` 16-row tiles: four 16-row dots re-read the same weight tile's shared memory once per row tile and their
+# activations once per warp, which held 64-row calls at 1.7-2.3x cuBLAS (benchmarks/results/linear_m_tiles_h200.txt).
+# The bits of a row must not depend on the tile's height for this to be batch-invariant: the H200 sweep found 64- and
+# 16-row tiles bit-identical at every shape it timed (linear_sweep_h200.txt, `default bits`), and the GPU tests check
+# it (tests/test_kernels_gpu.py: rows computed alone against the same rows in 17- to 256-row calls). Off by default
+# until the GPU suite has run with it.
+_WIDE_FROM = os.environ.get("PDFLASH_LINEAR_WIDE_FROM", "0")
+if not _WIDE_FROM.isdigit() or (int(_WIDE_FROM) and int(_WIDE_FROM) < 16):
+    raise ValueError(f"PDFLASH_LINEAR_WIDE_FROM must be 0 (off) or a row count >= 16, got {_WIDE_FROM!r}")
+WIDE_FROM = int(_WIDE_FROM)
+WIDE_BLOCK_M = 64
 COUNTER_REGIONS = 64  # calls in flight at once never share a region: they would have to be 64 calls apart
 COUNTERS_PER_REGION = 16384  # output tiles a one-launch call may have (more: the two-launch path)
 
@@ -250,10 +262,18 @@ def m_tiles(m: int, cfg: LinearConfig, fixup: bool = False) -> int:
     return min(2 if m <= 32 else 4, cfg.max_m_tiles)
 
 
+def wide(m: int, cfg: LinearConfig) -> LinearConfig:
+    """The config a call of m rows launches: cfg, or above WIDE_FROM rows the same split and K steps in 64-row tiles."""
+    if WIDE_FROM and m > WIDE_FROM and cfg.block_m < WIDE_BLOCK_M:
+        return dataclasses.replace(cfg, block_m=WIDE_BLOCK_M)
+    return cfg
+
+
 def _launch(a, b, cfg: LinearConfig, out, ws, bias, counters, partials: bool = False) -> None:
     """The split-K kernel: out (one split), or the partials into ws; with `counters` the tile's last program sums them."""
     m, k = a.shape
     n = b.shape[1]
+    cfg = wide(m, cfg)
     mt = m_tiles(m, cfg, counters is not None)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split, triton.cdiv(m, cfg.block_m * mt))
     _linear_kernel[grid](
@@ -294,7 +314,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, o
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     cfg = linear_config(n, k, a.element_size())
     ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=a.device) if cfg.split > 1 else out
-    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, wide(m, cfg).block_m)
     counters = _counters(a.device, tiles) if cfg.split > 1 and ONE_LAUNCH else None
     _launch(a, b, cfg, out, ws, bias, counters)
     if cfg.split > 1 and counters is None:

@@ -4,6 +4,8 @@ CUDA). The same kernels compiled for the GPU are tested in tests/test_kernels_gp
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -774,6 +776,31 @@ def test_linear_split_fill_option_sets_fewer_splits_and_keeps_rows_invariant(mon
     finally:
         linear.linear_config.cache_clear()
     _import_refuses("PDFLASH_LINEAR_SPLIT_FILL", "3")
+
+
+@needs_triton
+def test_linear_wide_tiles_above_the_threshold_give_the_16_row_tiles_bits(monkeypatch):
+    """PDFLASH_LINEAR_WIDE_FROM: calls of more rows take 64-row tiles (one dot a weight tile) instead of 16-row tiles; a
+    row's bits are the same in a 1-, 7-, 16-row call (16-row tiles) and in 17- to 80-row calls (64-row tiles), with and
+    without a K split; 0 (the default) never widens; a bad value stops the import."""
+    from kernels import linear
+
+    g = torch.Generator().manual_seed(7)
+    a, w = torch.randn(80, 256, generator=g).bfloat16(), torch.randn(96, 256, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    cfg = linear.linear_config(96, 256)
+    assert linear.wide(80, cfg) is cfg  # off by default
+    narrow = linear.matmul(a, w.t(), b)
+    monkeypatch.setattr(linear, "WIDE_FROM", 16)
+    assert linear.wide(16, cfg) is cfg and linear.wide(17, cfg).block_m == 64
+    full = linear.matmul(a, w.t(), b)
+    assert torch.equal(full, narrow)
+    for m in (1, 7, 16, 17, 33, 64):
+        assert torch.equal(linear.matmul(a[:m], w.t(), b), full[:m]), m
+    split = dataclasses.replace(cfg, split=2, k_per_split=128)
+    assert torch.equal(linear.partials(a, w.t(), split)[:, :5], linear.partials(a[:5], w.t(), split))
+    _import_refuses("PDFLASH_LINEAR_WIDE_FROM", "8")
+    _import_refuses("PDFLASH_LINEAR_WIDE_FROM", "yes")
 
 
 def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):

@@ -280,6 +280,26 @@ def test_linear_matches_cublas_and_rows_are_invariant(n, k):
 
 
 @pytest.mark.parametrize("n,k", LINEAR_SHAPES)
+def test_linear_wide_tiles_give_the_16_row_tiles_bits(n, k, monkeypatch):
+    """PDFLASH_LINEAR_WIDE_FROM=16: calls of 17+ rows take 64-row tiles (wgmma on sm_90), calls of up to 16 rows 16-row
+    tiles (mma.sync): the batch invariance rests on the two giving a row the same bits, checked here at every linear
+    shape, 1..256 rows, with the bias."""
+    from kernels import linear
+
+    g = torch.Generator(device=DEV).manual_seed(n + k + 1)
+    a = torch.randn(256, k, generator=g, device=DEV).bfloat16()
+    w = (torch.randn(n, k, generator=g, device=DEV) * k**-0.5).bfloat16()
+    b = torch.randn(n, generator=g, device=DEV).bfloat16()
+    monkeypatch.setattr(linear, "WIDE_FROM", 0)
+    narrow = linear.matmul(a, w.t(), b)
+    monkeypatch.setattr(linear, "WIDE_FROM", 16)
+    full = linear.matmul(a, w.t(), b)
+    assert torch.equal(full, narrow)
+    for m in (1, 5, 16, 17, 33, 64, 100, 255):
+        assert torch.equal(linear.matmul(a[:m], w.t(), b), full[:m]), m
+
+
+@pytest.mark.parametrize("n,k", LINEAR_SHAPES)
 def test_linear_in_one_launch_gives_the_two_launch_bits_also_replayed_in_a_graph(n, k, monkeypatch):
     """PDFLASH_LINEAR_ONE_LAUNCH (the tile's last program adds the partials, an atomic counter as its semaphore):
     bit-identical to the two-launch path for 1..256 rows, in a CUDA graph replayed many times, with the counters
