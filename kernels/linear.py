@@ -45,25 +45,30 @@ _BLOCK_M = os.environ.get("PDFLASH_LINEAR_BLOCK_M", "16")
 if _BLOCK_M not in ("16", "32", "64", "128"):
     raise ValueError(f"PDFLASH_LINEAR_BLOCK_M must be 16, 32, 64 or 128, got {_BLOCK_M!r}")
 BLOCK_M = int(_BLOCK_M)
-# How far K is split (linear_config): 4 (the default: programs past 2x the SMs) or 1 (programs within the SMs). A split
-# writes and reads back split x M x N float32 partials, so fewer splits pay at 16-64 rows: benchmarks/linear_sweep.py
-# --splits (H200, L2-cold, whole calls, ratio to cuBLAS at M = 1 / 16 / 64) moved Qwen3-30B-A3B's o projection 0.93 /
-# 0.99 / 1.44 -> 0.76 / 0.75 / 0.88, its LM head 1.08 / 1.21 / 1.83 -> 1.01 / 1.02 / 1.25, gpt-oss-20b's o 0.79 / 0.83
-# / 1.66 -> 0.83 / 0.84 / 1.28 and qkv 1.13 / 1.17 / 1.69 -> 1.12 / 1.15 / 1.48; only Qwen3's qkv lost at 64 rows (1.88
-# -> 2.11). Every split gives invariant rows; another split gives other last bits. 1 becomes the default once the GPU
-# suite has run with it.
-_SPLIT_FILL = os.environ.get("PDFLASH_LINEAR_SPLIT_FILL", "4")
+# How far K is split (linear_config): 1 (the default since stop 33: programs within the SMs) or 4 (programs past 2x the
+# SMs: every build before stop 33). A split writes and reads back split x M x N float32 partials, so fewer splits pay
+# at 16-64 rows: benchmarks/linear_sweep.py --splits (H200, L2-cold, whole calls, ratio to cuBLAS at M = 1 / 16 / 64)
+# moved Qwen3-30B-A3B's o projection 0.93 / 0.99 / 1.44 -> 0.76 / 0.75 / 0.88, its LM head 1.08 / 1.21 / 1.83 -> 1.01 /
+# 1.02 / 1.25, gpt-oss-20b's o 0.79 / 0.83 / 1.66 -> 0.83 / 0.84 / 1.28 and qkv 1.13 / 1.17 / 1.69 -> 1.12 / 1.15 /
+# 1.48; only Qwen3's merged qkv lost at 64 rows (1.88 -> 2.11), which WIDE_FROM's 64-row tiles take back (1.13). Every
+# split gives invariant rows; another split gives other last bits. With 1, Qwen3-30B-A3B's q projection (4096 wide)
+# splits K 2 ways and its k/v (512) 8: they no longer merge into one projection (kernels.qkv.plan: q apart, k|v merged,
+# as Mixtral-8x7B's always ran). The GPU suite ran with it at stop 33 (benchmarks/results/gpu_runs_h200.md).
+_SPLIT_FILL = os.environ.get("PDFLASH_LINEAR_SPLIT_FILL", "1")
 if _SPLIT_FILL not in ("1", "2", "4"):
     raise ValueError(f"PDFLASH_LINEAR_SPLIT_FILL must be 1, 2 or 4, got {_SPLIT_FILL!r}")
 SPLIT_FILL = int(_SPLIT_FILL)
 # Calls of more rows than this (0: never) take 64-row tiles (one wgmma-shaped dot a weight tile on sm_90) instead of
 # `m_tiles` 16-row tiles: four 16-row dots re-read the same weight tile's shared memory once per row tile and their
 # activations once per warp, which held 64-row calls at 1.7-2.3x cuBLAS (benchmarks/results/linear_m_tiles_h200.txt).
-# The bits of a row must not depend on the tile's height for this to be batch-invariant: the H200 sweep found 64- and
-# 16-row tiles bit-identical at every shape it timed (linear_sweep_h200.txt, `default bits`), and the GPU tests check
-# it (tests/test_kernels_gpu.py: rows computed alone against the same rows in 17- to 256-row calls). Off by default
-# until the GPU suite has run with it.
-_WIDE_FROM = os.environ.get("PDFLASH_LINEAR_WIDE_FROM", "0")
+# The bits of a row must not depend on the tile's height for this to be batch-invariant: on the H200 64- and 16-row
+# tiles were bit-identical at every shape and split timed (linear_sweep_h200.txt `default bits`; stop 33's
+# linear_wide_h200.txt `rows invariant`, 7 projections x 2-3 splits; a probe of 6 shapes with unscaled weights), and
+# tests/test_kernels_gpu.py checks it (rows alone against the same rows in 17- to 256-row calls, 10 shapes). With it,
+# 64-row calls of the 7 verify projections linear_sweep times went from 0.63-2.09x cuBLAS to 0.53-1.19x (L2-cold, stop
+# 33, PDFLASH_LINEAR_SPLIT_FILL=1: Qwen3's merged qkv 2.09 -> 1.13, gpt-oss's 1.47 -> 1.19, the LM head 1.22 -> 1.10); the
+# GPU suite ran with it. 0 turns it off.
+_WIDE_FROM = os.environ.get("PDFLASH_LINEAR_WIDE_FROM", "16")
 if not _WIDE_FROM.isdigit() or (int(_WIDE_FROM) and int(_WIDE_FROM) < 16):
     raise ValueError(f"PDFLASH_LINEAR_WIDE_FROM must be 0 (off) or a row count >= 16, got {_WIDE_FROM!r}")
 WIDE_FROM = int(_WIDE_FROM)

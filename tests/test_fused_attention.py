@@ -53,12 +53,25 @@ def test_qkv_rope_write_equals_the_op_by_op_path(norm, bias, half, two):
     assert torch.equal(kp, want_k) and torch.equal(vp, want_v)
 
 
-def test_merge_config_merges_only_projections_that_split_k_alike():
-    assert qkv.merge_config([4096, 512, 512], 2048, 2) is not None  # Qwen3-30B-A3B
-    assert qkv.merge_config([4096, 512, 512], 2880, 2) is not None  # gpt-oss-20b
-    assert qkv.merge_config([4096, 1024, 1024], 4096, 2) is None  # Mixtral-8x7B: q splits K 8 ways, k/v 16
-    assert [g for g, _ in qkv.plan([4096, 512, 512], 2048, 2)] == [(0, 1, 2)]
-    assert [g for g, _ in qkv.plan([4096, 1024, 1024], 4096, 2)] == [(0,), (1, 2)]  # Mixtral: q alone, k|v merged
+def test_merge_config_merges_only_projections_that_split_k_alike(monkeypatch):
+    """With the default split rule (PDFLASH_LINEAR_SPLIT_FILL=1) q and k/v split K differently at Qwen3-30B-A3B's,
+    gpt-oss-20b's and Mixtral-8x7B's shapes (q 2 ways, k/v 8 or 16): q runs apart and k|v merged. With the rule before
+    stop 33 (4) Qwen3's and gpt-oss's three merged."""
+    linear.linear_config.cache_clear()
+    try:
+        assert qkv.merge_config([4096, 512, 512], 2048, 2) is None  # Qwen3-30B-A3B: q splits K 2 ways, k/v 8
+        assert qkv.merge_config([4096, 1024, 1024], 4096, 2) is None  # Mixtral-8x7B: q 2 ways, k/v 16
+        for sizes, k in (([4096, 512, 512], 2048), ([4096, 512, 512], 2880), ([4096, 1024, 1024], 4096)):
+            assert [g for g, _ in qkv.plan(sizes, k, 2)] == [(0,), (1, 2)]  # q alone, k|v merged
+        monkeypatch.setattr(linear, "SPLIT_FILL", 4)
+        linear.linear_config.cache_clear()
+        assert qkv.merge_config([4096, 512, 512], 2048, 2) is not None  # Qwen3-30B-A3B
+        assert qkv.merge_config([4096, 512, 512], 2880, 2) is not None  # gpt-oss-20b
+        assert qkv.merge_config([4096, 1024, 1024], 4096, 2) is None  # Mixtral-8x7B: q splits K 8 ways, k/v 16
+        assert [g for g, _ in qkv.plan([4096, 512, 512], 2048, 2)] == [(0, 1, 2)]
+        assert [g for g, _ in qkv.plan([4096, 1024, 1024], 4096, 2)] == [(0,), (1, 2)]  # Mixtral: q alone, k|v merged
+    finally:
+        linear.linear_config.cache_clear()
 
 
 @needs_triton
@@ -153,12 +166,12 @@ def test_build_refuses_an_attention_with_one_per_head_norm():
 
 @needs_triton
 def test_qkv_rope_write_with_q_apart_when_the_splits_differ():
-    """Mixtral-like: q's K splits 8 ways and k/v's 16 (plan [(0,), (1, 2)]): q from its own partials, k|v from the
+    """Mixtral-like: q's K splits 2 ways and k/v's 16 (plan [(0,), (1, 2)]): q from its own partials, k|v from the
     merged ones, the same bits as three linears, the rotary and the pool write."""
     hq, hk, d, k, t = 32, 4, 128, 4096, 2
     ((g_q, cfg_q), (g_kv, cfg_kv)) = qkv.plan([hq * d, hk * d, hk * d], k, 2)
     assert (g_q, g_kv) == ((0,), (1, 2))
-    assert (cfg_q.split, cfg_kv.split) == (8, 16)
+    assert (cfg_q.split, cfg_kv.split) == (2, 16)
     x = torch.randn(t, k, generator=G).bfloat16()
     ws = [_w(hq * d, k), _w(hk * d, k), _w(hk * d, k)]
     ang = torch.randn(1, t, d, generator=G)

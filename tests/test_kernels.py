@@ -756,14 +756,16 @@ def test_pdl_is_on_by_default_only_where_every_cuda_device_is_sm90(monkeypatch):
 
 @needs_triton
 def test_linear_split_fill_option_sets_fewer_splits_and_keeps_rows_invariant(monkeypatch):
-    """PDFLASH_LINEAR_SPLIT_FILL: 4 (the default) keeps the splits every earlier build used; 1 splits K only while the
-    programs stay within the SMs (the decode shapes benchmarks/linear_sweep.py --splits timed faster). Either way one split
-    serves every M: rows alone and in a 40-row call are the same bits. A bad value stops the import."""
+    """PDFLASH_LINEAR_SPLIT_FILL: 4 keeps the splits every build before stop 33 used; 1 (the default) splits K only while
+    the programs stay within the SMs (the decode shapes benchmarks/linear_sweep.py --splits timed faster). Either way one
+    split serves every M: rows alone and in a 40-row call are the same bits. A bad value stops the import."""
     from kernels import linear
 
     shapes = ((5120, 2048), (2048, 4096), (128, 2048), (4096, 2048), (5120, 2880), (2880, 4096), (32, 2880))
     linear.linear_config.cache_clear()
     try:
+        monkeypatch.setattr(linear, "SPLIT_FILL", 4)
+        linear.linear_config.cache_clear()
         assert [linear.linear_config(n, k).split for n, k in shapes] == [4, 16, 8, 8, 4, 8, 8]
         monkeypatch.setattr(linear, "SPLIT_FILL", 1)
         linear.linear_config.cache_clear()
@@ -782,14 +784,16 @@ def test_linear_split_fill_option_sets_fewer_splits_and_keeps_rows_invariant(mon
 def test_linear_wide_tiles_above_the_threshold_give_the_16_row_tiles_bits(monkeypatch):
     """PDFLASH_LINEAR_WIDE_FROM: calls of more rows take 64-row tiles (one dot a weight tile) instead of 16-row tiles; a
     row's bits are the same in a 1-, 7-, 16-row call (16-row tiles) and in 17- to 80-row calls (64-row tiles), with and
-    without a K split; 0 (the default) never widens; a bad value stops the import."""
+    without a K split; 16 is the default, 0 never widens; a bad value stops the import."""
     from kernels import linear
 
     g = torch.Generator().manual_seed(7)
     a, w = torch.randn(80, 256, generator=g).bfloat16(), torch.randn(96, 256, generator=g).bfloat16()
     b = torch.randn(96, generator=g).bfloat16()
     cfg = linear.linear_config(96, 256)
-    assert linear.wide(80, cfg) is cfg  # off by default
+    assert linear.WIDE_FROM == 16
+    monkeypatch.setattr(linear, "WIDE_FROM", 0)
+    assert linear.wide(80, cfg) is cfg
     narrow = linear.matmul(a, w.t(), b)
     monkeypatch.setattr(linear, "WIDE_FROM", 16)
     assert linear.wide(16, cfg) is cfg and linear.wide(17, cfg).block_m == 64
@@ -803,6 +807,7 @@ def test_linear_wide_tiles_above_the_threshold_give_the_16_row_tiles_bits(monkey
     _import_refuses("PDFLASH_LINEAR_WIDE_FROM", "yes")
 
 
+@needs_triton  # (CPU tensors through the kernels: interpreted; on a CUDA machine tests/test_kernels_gpu.py covers it)
 def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):
     """PDFLASH_LINEAR_BLOCK_M: the tile height is one value for every call, so a row's bits never depend on M (here a
     16-row tile: rows alone, in a 7-row call and in a 40-row call, whose programs take four row tiles each, are the same
