@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import weakref
 
 import torch
 
@@ -224,13 +225,37 @@ if triton is not None:
         tl.store(out_ptr + m.to(tl.int64) * stride_om + cols, to_out(acc, out_ptr, EMULATE), mask=ok)
 
 
+# Linears whose weights are views of one merged tensor (kernels.qkv: an attention's q/k/v stacked) run with the merged
+# projection's config wherever they are called: the merged partials in the fused epilogue, and each module's own
+# projection one by one (verifier_svc.fused_attention's probe compares the two bit for bit), so every column is the same
+# sum in the same order either way. Keyed by the storage's address, with the K the config was made for (a K split is
+# only valid for its K); an entry leaves when its merged tensor does.
+_SHARED: dict[int, tuple[int, LinearConfig]] = {}
+
+
+def share_config(weight: torch.Tensor, cfg: LinearConfig) -> None:
+    """Every linear whose weight [N, K] is a view of `weight`'s storage runs with `cfg` (see _SHARED) while `weight` lives."""
+    key = weight.untyped_storage().data_ptr()
+    _SHARED[key] = (weight.shape[1], cfg)
+    weakref.finalize(weight, _SHARED.pop, key, None)
+
+
+def config_for(b: torch.Tensor, n: int, k: int, esize: int) -> LinearConfig:
+    """The config a call with weight operand b [K, N] runs: its merged tensor's (share_config), else linear_config."""
+    if _SHARED:
+        hit = _SHARED.get(b.untyped_storage().data_ptr())
+        if hit is not None and hit[0] == k:
+            return hit[1]
+    return linear_config(n, k, esize)
+
+
 def partials(a: torch.Tensor, b: torch.Tensor, cfg: LinearConfig | None = None) -> torch.Tensor:
     """a [M, K] @ b [K, N] as its K ranges' float32 partial sums [cfg.split, M, N], unsummed and without a bias: for
     a kernel that consumes the linear's output to add them itself (`sum_partials`: the bits `matmul` would store, one
-    launch fewer). `cfg`: the tiles and split (linear_config(N, K) by default; a merged projection passes its parts')."""
+    launch fewer). `cfg`: the tiles and split (by default `config_for`: linear_config(N, K), or a merged tensor's)."""
     m, k = _check(a, b)
     n = b.shape[1]
-    cfg = cfg or linear_config(n, k, a.element_size())
+    cfg = cfg or config_for(b, n, k, a.element_size())
     ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=a.device)
     if m == 0 or n == 0:
         return ws
@@ -317,7 +342,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, o
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    cfg = linear_config(n, k, a.element_size())
+    cfg = config_for(b, n, k, a.element_size())
     ws = torch.empty((cfg.split, m, n), dtype=torch.float32, device=a.device) if cfg.split > 1 else out
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, wide(m, cfg).block_m)
     counters = _counters(a.device, tiles) if cfg.split > 1 and ONE_LAUNCH else None

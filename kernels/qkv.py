@@ -9,9 +9,11 @@ which on the batch-invariant kernels is 3 projections of 2 launches each (the sp
 the rotary and the paged KV write: 10 launches, most of them tiny. Here:
 
 1. `kernels.linear.partials` of x against the three weights stacked (their rows one tensor, `merged_weight`), with
-   the tiles and K split the separate projections use (`merge_config`: only projections whose configs agree are
-   merged, so every output column is the same sum in the same order; where q splits K otherwise, as Mixtral-8x7B's
-   does, q is a linear of its own and k|v one merged: `plan`, 3 launches);
+   the merged projection's tiles and K split (`merge_config`: linear_config of the merged width), which the three
+   projections then take when called one by one too (`kernels.linear.share_config` on the merged tensor, whose views
+   their weights become), so every output column is the same sum in the same order either way. (Before stop 33 each
+   projection kept its own config and only those that split K alike merged: Mixtral-8x7B's q ran apart from k|v, and
+   with the K split rule 1 Qwen3-30B-A3B's and gpt-oss-20b's would have too. `qkv_rope_write` still takes two parts.)
 2. `qkv_rope_write`: one program per (token, head) of q, k and v adds the K partials in split order and the bias
    (the bits the projection would store), applies the per-head RMSNorm (`kernels.fused._rms_norm_kernel`'s
    arithmetic), the rotary (`kernels.fused._rotary_kernel`'s), and stores q, and k and v into the layer's page pools
@@ -32,22 +34,15 @@ from kernels.reduce import _block
 triton, tl = runtime.triton, runtime.tl
 
 
-def plan(n_parts: list[int], k: int, esize: int) -> list[tuple[tuple[int, ...], linear.LinearConfig]] | None:
-    """Which of the q, k, v projections (out sizes n_parts) run as one linear, each group with its config: all three
-    when they split K alike, q alone and k|v merged when only k and v do (Mixtral-8x7B: q splits K 8 ways, k/v 16),
-    else None."""
-    for groups in ([(0, 1, 2)], [(0,), (1, 2)]):
-        cfgs = [merge_config([n_parts[i] for i in g], k, esize) for g in groups]
-        if all(c is not None for c in cfgs):
-            return list(zip(groups, cfgs))
-    return None
+def plan(n_parts: list[int], k: int, esize: int) -> list[tuple[tuple[int, ...], linear.LinearConfig]]:
+    """The q, k, v projections (out sizes n_parts) as linears, each group with its config: all three as one, with the
+    merged projection's config (the parts take it too: `linear.share_config`)."""
+    return [((0, 1, 2), merge_config(n_parts, k, esize))]
 
 
-def merge_config(n_parts: list[int], k: int, esize: int) -> linear.LinearConfig | None:
-    """The config every part's own projection uses, when they all use the same (else None: merging would change a
-    column's K split, hence its bits)."""
-    cfgs = {linear.linear_config(n, k, esize) for n in n_parts}
-    return cfgs.pop() if len(cfgs) == 1 else None
+def merge_config(n_parts: list[int], k: int, esize: int) -> linear.LinearConfig:
+    """The merged projection's config: linear_config of the parts' total width (tiles and K split by (N, K) only)."""
+    return linear.linear_config(sum(n_parts), k, esize)
 
 
 if triton is not None:

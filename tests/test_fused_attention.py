@@ -53,23 +53,48 @@ def test_qkv_rope_write_equals_the_op_by_op_path(norm, bias, half, two):
     assert torch.equal(kp, want_k) and torch.equal(vp, want_v)
 
 
-def test_merge_config_merges_only_projections_that_split_k_alike(monkeypatch):
-    """With the default split rule (PDFLASH_LINEAR_SPLIT_FILL=1) q and k/v split K differently at Qwen3-30B-A3B's,
-    gpt-oss-20b's and Mixtral-8x7B's shapes (q 2 ways, k/v 8 or 16): q runs apart and k|v merged. With the rule before
-    stop 33 (4) Qwen3's and gpt-oss's three merged."""
+@needs_triton
+def test_merged_projections_share_the_merged_config_also_called_alone(monkeypatch):
+    """q, k and v merge whatever their own K splits would be: the merged projection's config is linear_config of its
+    whole width, and once their weights are views of the merged tensor (`merged_weight`) and it is shared
+    (`linear.share_config`) each projection called alone gives the merged partials' columns bit for bit. With 8 SMs
+    (patched) k/v alone would split K 2 ways and q and the merged projection 1: here the parts run split 1. The
+    sharing leaves with the merged tensor, and a call with another K ignores it."""
+    from kernels import runtime
+
+    monkeypatch.setattr(runtime, "sm_count", lambda: 8)
     linear.linear_config.cache_clear()
     try:
-        assert qkv.merge_config([4096, 512, 512], 2048, 2) is None  # Qwen3-30B-A3B: q splits K 2 ways, k/v 8
-        assert qkv.merge_config([4096, 1024, 1024], 4096, 2) is None  # Mixtral-8x7B: q 2 ways, k/v 16
-        for sizes, k in (([4096, 512, 512], 2048), ([4096, 512, 512], 2880), ([4096, 1024, 1024], 4096)):
-            assert [g for g, _ in qkv.plan(sizes, k, 2)] == [(0,), (1, 2)]  # q alone, k|v merged
-        monkeypatch.setattr(linear, "SPLIT_FILL", 4)
-        linear.linear_config.cache_clear()
-        assert qkv.merge_config([4096, 512, 512], 2048, 2) is not None  # Qwen3-30B-A3B
-        assert qkv.merge_config([4096, 512, 512], 2880, 2) is not None  # gpt-oss-20b
-        assert qkv.merge_config([4096, 1024, 1024], 4096, 2) is None  # Mixtral-8x7B: q splits K 8 ways, k/v 16
-        assert [g for g, _ in qkv.plan([4096, 512, 512], 2048, 2)] == [(0, 1, 2)]
-        assert [g for g, _ in qkv.plan([4096, 1024, 1024], 4096, 2)] == [(0,), (1, 2)]  # Mixtral: q alone, k|v merged
+        hq, hk, d, k = 4, 1, 64, 512
+        sizes = [hq * d, hk * d, hk * d]
+        assert [linear.linear_config(n, k).split for n in sizes] == [1, 2, 2]
+        cfg = qkv.merge_config(sizes, k, 2)
+        assert cfg == linear.linear_config(sum(sizes), k) and cfg.split == 1
+        assert [(g, c) for g, c in qkv.plan(sizes, k, 2)] == [((0, 1, 2), cfg)]
+        mods = [torch.nn.Linear(k, n, bias=False).bfloat16() for n in sizes]
+        with torch.no_grad():
+            for m in mods:
+                m.weight.copy_(_w(m.out_features, k))
+        x = torch.randn(3, k, generator=G).bfloat16()
+        own = [linear.matmul(x, m.weight.t()) for m in mods]  # each with its own config (k/v: split 2)
+        (whole,), _ = qkv.merged_weight(mods)
+        assert all(m.weight.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() for m in mods)
+        linear.share_config(whole, cfg)
+        merged = linear.partials(x, whole.t(), cfg)
+        cols = [0, sizes[0], sizes[0] + sizes[1], sum(sizes)]
+        for i, m in enumerate(mods):
+            alone = linear.partials(x, m.weight.t())
+            assert alone.shape[0] == cfg.split and torch.equal(alone, merged[:, :, cols[i] : cols[i + 1]])
+            assert torch.equal(linear.matmul(x, m.weight.t()), linear.matmul(x, whole.t())[:, cols[i] : cols[i + 1]])
+        assert torch.equal(own[0], linear.matmul(x, mods[0].weight.t()))  # q's own config was the merged one
+        assert linear.config_for(whole[:, :256].t(), sum(sizes), 256, 2) == linear.linear_config(sum(sizes), 256)
+        key = whole.untyped_storage().data_ptr()
+        assert key in linear._SHARED
+        del whole, merged, mods, m  # (the projections' weights are views: they keep the merged tensor alive)
+        import gc
+
+        gc.collect()
+        assert key not in linear._SHARED
     finally:
         linear.linear_config.cache_clear()
 
@@ -166,11 +191,10 @@ def test_build_refuses_an_attention_with_one_per_head_norm():
 
 @needs_triton
 def test_qkv_rope_write_with_q_apart_when_the_splits_differ():
-    """Mixtral-like: q's K splits 2 ways and k/v's 16 (plan [(0,), (1, 2)]): q from its own partials, k|v from the
-    merged ones, the same bits as three linears, the rotary and the pool write."""
+    """Two parts, each with its own K split (Mixtral-like shapes: q 2 ways, k|v 16): q from its own partials, k|v
+    from the merged ones, the same bits as three linears, the rotary and the pool write."""
     hq, hk, d, k, t = 32, 4, 128, 4096, 2
-    ((g_q, cfg_q), (g_kv, cfg_kv)) = qkv.plan([hq * d, hk * d, hk * d], k, 2)
-    assert (g_q, g_kv) == ((0,), (1, 2))
+    cfg_q, cfg_kv = linear.linear_config(hq * d, k), linear.linear_config(hk * d, k)  # (k's and v's own, alike)
     assert (cfg_q.split, cfg_kv.split) == (2, 16)
     x = torch.randn(t, k, generator=G).bfloat16()
     ws = [_w(hq * d, k), _w(hk * d, k), _w(hk * d, k)]

@@ -25,7 +25,7 @@ PROBE_ROWS = (5, 3)  # the probe's two steps: a past, then a block that attends 
 class FusedAttention:
     def __init__(self, module: nn.Module, cache_kw: str, parts, b, hq: int, hk: int, d: int, norms, sliding_window):
         self.module, self.cache_kw = module, cache_kw
-        self.parts, self.b = parts, b  # [(weight, its linear config)]: q|k|v merged, or q and k|v (kernels.qkv.plan)
+        self.parts, self.b = parts, b  # [(weight, its linear config)]: q|k|v merged (kernels.qkv.plan)
         self.hq, self.hk, self.d, self.norms = hq, hk, d, norms
         self.sliding_window = sliding_window
         self.sinks = getattr(module, "sinks", None)
@@ -54,11 +54,11 @@ class FusedAttention:
             norms = (qn.weight, kn.weight, _eps_of(qn), _eps_of(kn), variants.pop())
         sizes = [q.out_features, k.out_features, v.out_features]
         groups = qkv.plan(sizes, q.in_features, q.weight.element_size())
-        if groups is None:
-            return "k_proj and v_proj split K differently (merged, their columns would sum in another order)"
         sliding = module.sliding_window if hasattr(module, "sliding_window") else getattr(config, "sliding_window", None)
         ws, b = qkv.merged_weight([q, k, v], [g for g, _ in groups])
         parts = [(w, cfg) for w, (_, cfg) in zip(ws, groups)]
+        for w, cfg in parts:  # the projections, now views of w, run with the merged config when called alone too
+            linear.share_config(w, cfg)
         return cls(module, cache_kw, parts, b, q.out_features // d, k.out_features // d, d, norms, sliding)
 
     def __call__(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
