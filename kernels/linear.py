@@ -53,8 +53,8 @@ BLOCK_M = int(_BLOCK_M)
 # 1.02 / 1.25, gpt-oss-20b's o 0.79 / 0.83 / 1.66 -> 0.83 / 0.84 / 1.28 and qkv 1.13 / 1.17 / 1.69 -> 1.12 / 1.15 /
 # 1.48; only Qwen3's merged qkv lost at 64 rows (1.88 -> 2.11), which WIDE_FROM's 64-row tiles take back (1.13). Every
 # split gives invariant rows; another split gives other last bits. With 1, Qwen3-30B-A3B's q projection (4096 wide)
-# splits K 2 ways and its k/v (512) 8: they no longer merge into one projection (kernels.qkv.plan: q apart, k|v merged,
-# as Mixtral-8x7B's always ran). The GPU suite ran with it at stop 33 (benchmarks/results/gpu_runs_h200.md).
+# would split K 2 ways and its k/v (512) 8: merged (kernels.qkv), they all take the merged width's split instead
+# (share_config). The GPU suite ran with it at stop 33 (benchmarks/results/gpu_runs_h200.md).
 _SPLIT_FILL = os.environ.get("PDFLASH_LINEAR_SPLIT_FILL", "1")
 if _SPLIT_FILL not in ("1", "2", "4"):
     raise ValueError(f"PDFLASH_LINEAR_SPLIT_FILL must be 1, 2 or 4, got {_SPLIT_FILL!r}")
