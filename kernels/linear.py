@@ -229,12 +229,14 @@ if triton is not None:
 # projection's config wherever they are called: the merged partials in the fused epilogue, and each module's own
 # projection one by one (verifier_svc.fused_attention's probe compares the two bit for bit), so every column is the same
 # sum in the same order either way. Keyed by the storage's address, with the K the config was made for (a K split is
-# only valid for its K); an entry leaves when its merged tensor does.
+# only valid for its K); an entry leaves when its merged tensor does, which its views (the projections' weights, whose
+# `_base` it is) keep alive: a projection whose fused form was refused keeps the merged config, still one per weight.
 _SHARED: dict[int, tuple[int, LinearConfig]] = {}
 
 
 def share_config(weight: torch.Tensor, cfg: LinearConfig) -> None:
-    """Every linear whose weight [N, K] is a view of `weight`'s storage runs with `cfg` (see _SHARED) while `weight` lives."""
+    """Every linear whose weight [N, K] is a view of `weight`'s storage runs with `cfg` (see _SHARED) while `weight` lives
+    (its views keep it alive)."""
     key = weight.untyped_storage().data_ptr()
     _SHARED[key] = (weight.shape[1], cfg)
     weakref.finalize(weight, _SHARED.pop, key, None)
