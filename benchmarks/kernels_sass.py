@@ -130,7 +130,8 @@ def main() -> None:
                 try:
                     kern, dt = compile_gemm(gemm, c, model, fp4)
                 except Exception as ex:  # noqa: BLE001 - report and go on
-                    print(f"{head} FAILED {type(ex).__name__}: {str(ex).splitlines()[0][:120]}", flush=True)
+                    why = str(ex) if os.environ.get("SASS_VERBOSE") else str(ex).splitlines()[0][:120]  # SASS_VERBOSE=1: all of it
+                    print(f"{head} FAILED {type(ex).__name__}: {why}", flush=True)
                     continue
                 sass, regs = sass_of(kern)
                 if args.dump:

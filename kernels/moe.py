@@ -78,6 +78,14 @@ FAST_DECODE_MAX_SCALE = 128
 A_GATHER = 0  # two stride-2 gathers per K step (the even and the odd columns), one dot per decoded half
 A_SPLIT = 1  # one contiguous [BM, BK] load, split into even/odd columns in registers, one dot per decoded half
 A_JOIN = 2  # one contiguous [BM, BK] load; the decoded halves interleaved back into K order: one dot over BK
+# Pair-word decodes (5/6), weights not swapped: A_JOIN with each K step's values cut into num_warps consecutive ranges,
+# one batched 3-D dot ([W, BM, BK/W] x [W, BK/W, BN]) whose batch Triton gives each warp, summed over the ranges once
+# after the K loop. With A_JOIN the warps split the tile's N, so each reads the whole activation tile from shared
+# memory (benchmarks/results/gpu_runs_h200.md, stop 33: 32 KB of activation reads a step against 4 KB of weights);
+# here each reads its own K range of both. Another reduction order (fixed by the config): other last bits.
+A_WARPS_K = 3  # 4 K ranges (num_warps 4)
+A_WARPS_K2 = 4  # 2 K ranges (num_warps 2)
+WARPS_K_RANGES = {A_WARPS_K: 4, A_WARPS_K2: 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +175,11 @@ SWEEP_VARIANTS: dict[str, dict] = {
                                      s_ahead=2),
     "pair_k512_s2_raster": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, block_k=512, num_stages=2, raster=1),
     "pair_k512_s3_raster_pf": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, block_k=512, num_stages=3, raster=1, s_ahead=2),
+    # stop 33: each K step split over the warps (A_WARPS_K*: every warp reads only its K range of the activations)
+    "pair_k256_wk4_raster": dict(a_load=A_WARPS_K, decode=DECODE_PAIR_WORDS, block_k=256, raster=1),
+    "pair_k512_wk4_raster": dict(a_load=A_WARPS_K, decode=DECODE_PAIR_WORDS, block_k=512, num_stages=3, raster=1),
+    "pair_k256_n64_wk2_raster": dict(a_load=A_WARPS_K2, decode=DECODE_PAIR_WORDS, block_k=256, block_n=64, num_warps=2,
+                                     raster=1),
     # the next K step's scales loaded ahead (MoeConfig.s_ahead): the same values, without an HBM round trip per K step
     # (compiled for sm_90, every variant above streams its weights and activations ahead with cp.async but waits for
     # its scales in every step: tests/test_fused_kernels.py checks both forms)
@@ -419,7 +432,7 @@ if triton is not None:
         Every decode gives exact bf16 values (an E2M1 value times a power of two; decodes 1 and 3 for scale bytes
         <= FAST_DECODE_MAX_SCALE)."""
         BN: tl.constexpr = rows.shape[0]
-        JOIN: tl.constexpr = A_LOAD == 2
+        JOIN: tl.constexpr = A_LOAD >= 2  # (A_WARPS_K*: the K-order tile too)
         if DECODE == 4:
             w = _fp4_words(w_ptr, s_raw, rows, row_ok, stride_wn, k0, K, BLOCK_K, EMULATE)
             return w, w
@@ -663,8 +676,16 @@ if triton is not None:
         LOOP_STAGES None: the launch's num_stages, for the loads that feed the dots.
         (Written out dot by dot: every nested jit call costs milliseconds under Triton's interpreter.)"""
         BM: tl.constexpr = a_rows.shape[0]
+        BN: tl.constexpr = rows0.shape[0]
         AHEAD: tl.constexpr = S_AHEAD == 1 and FP4 and DECODE != 2
         WORDS: tl.constexpr = S_WORDS and FP4 and DECODE != 2
+        # A_WARPS_K / A_WARPS_K2: each step's K cut into WK ranges, a batched dot per step into [WK, BM, BN]
+        # accumulators, summed over the ranges after the loop
+        WK: tl.constexpr = 4 if A_LOAD == 3 else 2 if A_LOAD == 4 else 1
+        if WK > 1:
+            acc3 = tl.zeros((WK, BM, BN), dtype=tl.float32)
+            if TWO:
+                acc3b = tl.zeros((WK, BM, BN), dtype=tl.float32)
         if S_AHEAD == 2 and FP4 and DECODE != 2 and not F32DOT:  # (a hint: the interpreter, which runs no PTX, skips it)
             _prefetch_scale_rows(s_ptr, rows0, n_ok, stride_sn, K_LO, SPAN, K)
             if TWO:
@@ -711,26 +732,31 @@ if triton is not None:
                 if F32DOT:
                     w0 = w0.to(tl.float32)
                     w1 = w1.to(tl.float32)
-                if SWAP:
+                if WK > 1:  # [WK, BM, BK/WK] x [WK, BK/WK, BN]: range r of the step's K, batch r
+                    a3 = tl.permute(tl.reshape(a0, (BM, WK, BLOCK_K // WK)), (1, 0, 2))
+                    acc3 += tl.dot(a3, tl.permute(tl.reshape(w0, (BN, WK, BLOCK_K // WK)), (1, 2, 0)))
+                elif SWAP:
                     acc0 += tl.dot(w0, a0)
-                    if A_LOAD != 2:
+                    if A_LOAD < 2:
                         acc0 += tl.dot(w1, a1)
                 else:
                     acc0 += tl.dot(a0, tl.trans(w0))
-                    if A_LOAD != 2:
+                    if A_LOAD < 2:
                         acc0 += tl.dot(a1, tl.trans(w1))
                 if TWO:
                     v0, v1 = _fp4_tiles(w_ptr, sb, rows1, n_ok, stride_wn, k0, K, BLOCK_K, DECODE, F32DOT, A_LOAD)
                     if F32DOT:
                         v0 = v0.to(tl.float32)
                         v1 = v1.to(tl.float32)
-                    if SWAP:
+                    if WK > 1:
+                        acc3b += tl.dot(a3, tl.permute(tl.reshape(v0, (BN, WK, BLOCK_K // WK)), (1, 2, 0)))
+                    elif SWAP:
                         acc1 += tl.dot(v0, a0)
-                        if A_LOAD != 2:
+                        if A_LOAD < 2:
                             acc1 += tl.dot(v1, a1)
                     else:
                         acc1 += tl.dot(a0, tl.trans(v0))
-                        if A_LOAD != 2:
+                        if A_LOAD < 2:
                             acc1 += tl.dot(a1, tl.trans(v1))
             elif FP4:
                 # Triton's own MXFP4 path (GPU only): it upcasts the packed weights itself
@@ -772,6 +798,10 @@ if triton is not None:
                         acc1 += tl.dot(w1, tl.trans(a))
                     else:
                         acc1 += tl.dot(a, tl.trans(w1))
+        if WK > 1:  # the K ranges' sums (tl.sum: an order fixed by the shapes and layout, the same for every call)
+            acc0 += tl.sum(acc3, axis=0)
+            if TWO:
+                acc1 += tl.sum(acc3b, axis=0)
         return acc0, acc1
 
     @triton.jit
@@ -1375,8 +1405,12 @@ def _run(kernel, grid, args, kwargs, warmup: bool):
 
 def _flags(c: MoeConfig, fp4: bool) -> dict:
     """The kernels' constexprs of a config (fields a path does not read are normalized: no duplicate compiles)."""
-    if c.decode not in (DECODE_SELECT, DECODE_F32_BITS, DECODE_SCALED, DECODE_BF16_BITS, DECODE_WORD, *PAIR_DECODES) or c.a_load not in (A_GATHER, A_SPLIT, A_JOIN):
+    if c.decode not in (DECODE_SELECT, DECODE_F32_BITS, DECODE_SCALED, DECODE_BF16_BITS, DECODE_WORD, *PAIR_DECODES) or c.a_load not in (A_GATHER, A_SPLIT, A_JOIN, *WARPS_K_RANGES):
         raise ValueError(f"unknown decode {c.decode} or a_load {c.a_load}")
+    if c.a_load in WARPS_K_RANGES and (c.decode not in PAIR_DECODES or c.swap_ab or c.num_warps != WARPS_K_RANGES[c.a_load]
+                                       or c.block_k // c.num_warps < 16):
+        raise ValueError(f"a_load {c.a_load} (K over the warps) takes a pair-word decode, no swap, num_warps "
+                         f"{WARPS_K_RANGES[c.a_load]} and >= 16 K values a warp: {c}")
     if c.block_k < 32 or c.block_k & (c.block_k - 1) or c.block_m < 16 or c.block_n < 16:
         raise ValueError(f"block_k must be a power of two >= 32 and block_m, block_n >= 16: {c}")
     if c.s_ahead not in (0, 1, 2):
@@ -1389,7 +1423,7 @@ def _flags(c: MoeConfig, fp4: bool) -> dict:
         raise ValueError("decode 2 (tl.dot_scaled) does not run under Triton's interpreter")
     decode = c.decode if fp4 else DECODE_SELECT
     a_load = c.a_load if fp4 and decode != DECODE_SCALED else A_GATHER
-    if decode in (DECODE_WORD, *PAIR_DECODES):
+    if decode in (DECODE_WORD, *PAIR_DECODES) and not (a_load in WARPS_K_RANGES and fp4):
         a_load = A_JOIN  # decodes 4-6 always give the tile in K order
     return dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DECODE=decode, F32DOT=runtime.interpreting(),
                 A_LOAD=a_load, SWAP=c.swap_ab, RASTER=c.raster, PERSIST=c.persist > 0,

@@ -180,7 +180,9 @@ def _variant_configs(fields: dict, k1: int = 64, k2: int = 32) -> tuple[MoeConfi
     import dataclasses
 
     c = dataclasses.replace(_TEST_BASE, **fields)
-    return dataclasses.replace(c, block_k=min(c.block_k, k1)), dataclasses.replace(c, block_k=min(c.block_k, k2))
+    low = 16 * c.num_warps if c.a_load in (3, 4) else 32  # (K over the warps: >= 16 K values a warp, the rest masked)
+    return (dataclasses.replace(c, block_k=max(min(c.block_k, k1), low)),
+            dataclasses.replace(c, block_k=max(min(c.block_k, k2), low)))
 
 
 def _cpu_variants(table: dict, fp4: bool) -> list:
