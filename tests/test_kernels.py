@@ -1058,3 +1058,25 @@ def test_the_sweep_summary_picks_each_stored_format_by_the_whole_call():
     assert "(1, 768, 2048): dict(SWEEP_VARIANTS['pair_swap64_w2_raster'], block_k=128),  # qwen3-30b-a3b" in text
     assert "(2, 2048, 768): dict(SWEEP_VARIANTS['pair_swap64_w2_raster'], block_k=128),  # qwen3-30b-a3b" in text
     assert "# mixtral" not in text.split("PAIR_SHAPE_OVERRIDES")[1]  # pair_k256_raster stays Mixtral's
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["pair_k256_wk4_raster", "pair_k256_n64_wk2_raster"])
+def test_k_split_over_the_warps_keeps_rows_invariant(name, monkeypatch):
+    """MoeConfig.a_load 3/4 (each K step's values split over the warps, the partial tiles summed after the K loop): a
+    token's output is the same bits alone and among 9 others, and near the one-dot form's (another summation order)."""
+    from kernels import runtime
+    from kernels.moe import SWEEP_VARIANTS, moe_forward
+
+    monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
+    w = _pair_weights(_experts(h=128, i=64, act=ACT_GPTOSS, bias=True, fp4=True))
+    x, ids, wts = _routing(10, 6, 2, seed=4)
+    x = torch.randn(10, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
+    c1, c2 = _variant_configs(SWEEP_VARIANTS[name], k1=128, k2=64)
+    assert c1.a_load in (3, 4) and c1.block_k // c1.num_warps >= 16
+    full = moe_forward(x, ids, wts, w, 6, config=c1, config2=c2)
+    for r in (0, 7):
+        assert torch.equal(moe_forward(x[r : r + 1], ids[r : r + 1], wts[r : r + 1], w, 6, config=c1, config2=c2), full[r : r + 1])
+    j1, j2 = _variant_configs(SWEEP_VARIANTS["pair_k256_raster"], k1=128, k2=64)
+    join = moe_forward(x, ids, wts, w, 6, config=j1, config2=j2)
+    assert (full.float() - join.float()).abs().max() <= 0.02 * join.float().abs().max() + 1e-3
