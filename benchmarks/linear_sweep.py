@@ -25,7 +25,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 #: (name, N, K): the decode forward's projections (Qwen3-30B-A3B: hidden 2048, 32 q + 4 kv heads of 128, 128 experts;
-#: gpt-oss-20b: hidden 2880, 64 q + 8 kv heads of 64, 32 experts; LM heads of the benchmarks' 4096-token vocabulary)
+#: gpt-oss-20b: hidden 2880, 64 q + 8 kv heads of 64, 32 experts; Mixtral-8x7B: hidden 4096, 32 q + 8 kv heads of 128;
+#: LM heads of the benchmarks' 4096-token vocabulary)
 SHAPES = [("qwen3 qkv", 5120, 2048), ("qwen3 o", 2048, 4096), ("qwen3 router", 128, 2048), ("qwen3 lm_head", 4096, 2048),
           ("gpt-oss qkv", 5120, 2880), ("gpt-oss o", 2880, 4096), ("gpt-oss router", 32, 2880),
           ("mixtral qkv", 6144, 4096), ("mixtral o", 4096, 4096)]  # (q|k|v merged for every model since stop 33)
