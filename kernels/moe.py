@@ -78,8 +78,8 @@ FAST_DECODE_MAX_SCALE = 128
 A_GATHER = 0  # two stride-2 gathers per K step (the even and the odd columns), one dot per decoded half
 A_SPLIT = 1  # one contiguous [BM, BK] load, split into even/odd columns in registers, one dot per decoded half
 A_JOIN = 2  # one contiguous [BM, BK] load; the decoded halves interleaved back into K order: one dot over BK
-# Pair-word decodes (5/6), weights not swapped: A_JOIN with each K step's values cut into num_warps consecutive ranges,
-# one batched 3-D dot ([W, BM, BK/W] x [W, BK/W, BN]) whose batch Triton gives each warp, summed over the ranges once
+# Pair-word decodes (5/6): A_JOIN with each K step's values cut into num_warps consecutive ranges, one batched 3-D dot
+# ([W, BM, BK/W] x [W, BK/W, BN]; swapped: [W, BN, BK/W] x [W, BK/W, BM]) whose batch Triton gives each warp, summed over the ranges once
 # after the K loop. With A_JOIN the warps split the tile's N, so each reads the whole activation tile from shared
 # memory (benchmarks/results/gpu_runs_h200.md, stop 33: 32 KB of activation reads a step against 4 KB of weights);
 # here each reads its own K range of both. Another reduction order (fixed by the config): other last bits.
@@ -180,6 +180,10 @@ SWEEP_VARIANTS: dict[str, dict] = {
     "pair_k512_wk4_raster": dict(a_load=A_WARPS_K, decode=DECODE_PAIR_WORDS, block_k=512, num_stages=3, raster=1),
     "pair_k256_n64_wk2_raster": dict(a_load=A_WARPS_K2, decode=DECODE_PAIR_WORDS, block_k=256, block_n=64, num_warps=2,
                                      raster=1),
+    "pair_swap64_wk2_raster": dict(a_load=A_WARPS_K2, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2,
+                                   raster=1),
+    "pair_swap64_k256_wk2_raster": dict(a_load=A_WARPS_K2, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64,
+                                        num_warps=2, block_k=256, raster=1),
     # the next K step's scales loaded ahead (MoeConfig.s_ahead): the same values, without an HBM round trip per K step
     # (compiled for sm_90, every variant above streams its weights and activations ahead with cp.async but waits for
     # its scales in every step: tests/test_fused_kernels.py checks both forms)
@@ -680,11 +684,14 @@ if triton is not None:
         AHEAD: tl.constexpr = S_AHEAD == 1 and FP4 and DECODE != 2
         WORDS: tl.constexpr = S_WORDS and FP4 and DECODE != 2
         # A_WARPS_K / A_WARPS_K2: each step's K cut into WK ranges, a batched dot per step into [WK, BM, BN]
-        # accumulators, summed over the ranges after the loop
+        # accumulators ([WK, BN, BM] with SWAP), summed over the ranges after the loop
         WK: tl.constexpr = 4 if A_LOAD == 3 else 2 if A_LOAD == 4 else 1
         if WK > 1:
-            acc3 = tl.zeros((WK, BM, BN), dtype=tl.float32)
-            if TWO:
+            if SWAP:
+                acc3 = tl.zeros((WK, BN, BM), dtype=tl.float32)
+                acc3b = tl.zeros((WK, BN, BM), dtype=tl.float32)
+            else:
+                acc3 = tl.zeros((WK, BM, BN), dtype=tl.float32)
                 acc3b = tl.zeros((WK, BM, BN), dtype=tl.float32)
         if S_AHEAD == 2 and FP4 and DECODE != 2 and not F32DOT:  # (a hint: the interpreter, which runs no PTX, skips it)
             _prefetch_scale_rows(s_ptr, rows0, n_ok, stride_sn, K_LO, SPAN, K)
@@ -732,7 +739,10 @@ if triton is not None:
                 if F32DOT:
                     w0 = w0.to(tl.float32)
                     w1 = w1.to(tl.float32)
-                if WK > 1:  # [WK, BM, BK/WK] x [WK, BK/WK, BN]: range r of the step's K, batch r
+                if WK > 1 and SWAP:  # [WK, BN, BK/WK] x [WK, BK/WK, BM] (a0 is [BK, BM] here)
+                    a3 = tl.reshape(a0, (WK, BLOCK_K // WK, BM))
+                    acc3 += tl.dot(tl.permute(tl.reshape(w0, (BN, WK, BLOCK_K // WK)), (1, 0, 2)), a3)
+                elif WK > 1:  # [WK, BM, BK/WK] x [WK, BK/WK, BN]: range r of the step's K, batch r
                     a3 = tl.permute(tl.reshape(a0, (BM, WK, BLOCK_K // WK)), (1, 0, 2))
                     acc3 += tl.dot(a3, tl.permute(tl.reshape(w0, (BN, WK, BLOCK_K // WK)), (1, 2, 0)))
                 elif SWAP:
@@ -748,7 +758,9 @@ if triton is not None:
                     if F32DOT:
                         v0 = v0.to(tl.float32)
                         v1 = v1.to(tl.float32)
-                    if WK > 1:
+                    if WK > 1 and SWAP:
+                        acc3b += tl.dot(tl.permute(tl.reshape(v0, (BN, WK, BLOCK_K // WK)), (1, 0, 2)), a3)
+                    elif WK > 1:
                         acc3b += tl.dot(a3, tl.permute(tl.reshape(v0, (BN, WK, BLOCK_K // WK)), (1, 2, 0)))
                     elif SWAP:
                         acc1 += tl.dot(v0, a0)
@@ -1407,9 +1419,9 @@ def _flags(c: MoeConfig, fp4: bool) -> dict:
     """The kernels' constexprs of a config (fields a path does not read are normalized: no duplicate compiles)."""
     if c.decode not in (DECODE_SELECT, DECODE_F32_BITS, DECODE_SCALED, DECODE_BF16_BITS, DECODE_WORD, *PAIR_DECODES) or c.a_load not in (A_GATHER, A_SPLIT, A_JOIN, *WARPS_K_RANGES):
         raise ValueError(f"unknown decode {c.decode} or a_load {c.a_load}")
-    if c.a_load in WARPS_K_RANGES and (c.decode not in PAIR_DECODES or c.swap_ab or c.num_warps != WARPS_K_RANGES[c.a_load]
+    if c.a_load in WARPS_K_RANGES and (c.decode not in PAIR_DECODES or c.num_warps != WARPS_K_RANGES[c.a_load]
                                        or c.block_k // c.num_warps < 16):
-        raise ValueError(f"a_load {c.a_load} (K over the warps) takes a pair-word decode, no swap, num_warps "
+        raise ValueError(f"a_load {c.a_load} (K over the warps) takes a pair-word decode, num_warps "
                          f"{WARPS_K_RANGES[c.a_load]} and >= 16 K values a warp: {c}")
     if c.block_k < 32 or c.block_k & (c.block_k - 1) or c.block_m < 16 or c.block_n < 16:
         raise ValueError(f"block_k must be a power of two >= 32 and block_m, block_n >= 16: {c}")

@@ -1061,7 +1061,7 @@ def test_the_sweep_summary_picks_each_stored_format_by_the_whole_call():
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["pair_k256_wk4_raster", "pair_k256_n64_wk2_raster"])
+@pytest.mark.parametrize("name", ["pair_k256_wk4_raster", "pair_k256_n64_wk2_raster", "pair_swap64_wk2_raster"])
 def test_k_split_over_the_warps_keeps_rows_invariant(name, monkeypatch):
     """MoeConfig.a_load 3/4 (each K step's values split over the warps, the partial tiles summed after the K loop): a
     token's output is the same bits alone and among 9 others, and near the one-dot form's (another summation order)."""
