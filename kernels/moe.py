@@ -1582,7 +1582,7 @@ def moe_forward(
 def resolve_decodes(w: ExpertWeights, config: MoeConfig, config2: MoeConfig) -> tuple[MoeConfig, MoeConfig]:
     """The decodes the weights' stored format allows (static: the weight tensors, never the tokens). Pair words: decode 5
     for every FP4 GEMM (6, exact, where some scale byte is above 128), whatever the configs ask (no other decode reads
-    them); they must be 4-byte aligned. The nibble order: decodes 5/6 become 4 (3 where the rows are not 4-byte aligned,
+    them), with the one-dot K order (A_JOIN) unless a config splits K over the warps; they must be 4-byte aligned. The nibble order: decodes 5/6 become 4 (3 where the rows are not 4-byte aligned,
     below), and the fast decodes become exact selects (0) where some scale byte is above 128."""
     if not w.fp4:
         return config, config2
@@ -1590,11 +1590,12 @@ def resolve_decodes(w: ExpertWeights, config: MoeConfig, config2: MoeConfig) -> 
         if not (_word_ok(w.w1) and _word_ok(w.w2)):
             raise ValueError("pair-word weights are read as 32-bit words: their rows must be 4-byte aligned")
         dec = DECODE_PAIR_WORDS_EXACT if w.big_scales else DECODE_PAIR_WORDS
-        return tuple(dataclasses.replace(c, decode=dec, a_load=A_JOIN) for c in (config, config2))
+        return tuple(dataclasses.replace(c, decode=dec, a_load=c.a_load if c.a_load in WARPS_K_RANGES else A_JOIN)
+                     for c in (config, config2))
     out = []
     for c in (config, config2):
-        if c.decode in PAIR_DECODES:
-            c = dataclasses.replace(c, decode=DECODE_WORD)
+        if c.decode in PAIR_DECODES:  # (the warps' K split reads pair words only: the one-dot form instead)
+            c = dataclasses.replace(c, decode=DECODE_WORD, a_load=A_JOIN if c.a_load in WARPS_K_RANGES else c.a_load)
         if w.big_scales and c.decode in FAST_DECODES:
             c = dataclasses.replace(c, decode=DECODE_SELECT)
         out.append(c)

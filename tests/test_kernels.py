@@ -1080,3 +1080,7 @@ def test_k_split_over_the_warps_keeps_rows_invariant(name, monkeypatch):
     j1, j2 = _variant_configs(SWEEP_VARIANTS["pair_k256_raster"], k1=128, k2=64)
     join = moe_forward(x, ids, wts, w, 6, config=j1, config2=j2)
     assert (full.float() - join.float()).abs().max() <= 0.02 * join.float().abs().max() + 1e-3
+    import dataclasses
+
+    with pytest.raises(ValueError, match="K over the warps"):  # a warp count the split does not fit
+        moe_forward(x, ids, wts, w, 6, config=dataclasses.replace(c1, num_warps=c1.num_warps * 2), config2=c2)
