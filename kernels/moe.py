@@ -207,6 +207,14 @@ SWEEP_VARIANTS: dict[str, dict] = {
     "join_bf16_raster_split2": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, raster=1, split_k=2),
     "join_bf16_raster_split4": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, raster=1, split_k=4),
     "join_bf16_k128_split2": dict(a_load=A_JOIN, decode=DECODE_BF16_BITS, block_k=128, raster=1, split_k=2),
+    # stop 34: the same K split on the pair-word defaults. The small decode calls (Qwen3 at 8 experts: 14-17% of the copy
+    # rate) are latency-bound: few programs, each walking its K steps one after another; 2 or 4 ranges halve or quarter
+    # that walk (the ranges are fixed by the shape: still batch-invariant, other last bits than one range)
+    "pair_k256_raster_split2": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, block_k=256, raster=1, split_k=2),
+    "pair_swap64_w2_raster_split2": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2,
+                                         raster=1, split_k=2),
+    "pair_swap64_w2_raster_split4": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2,
+                                         raster=1, split_k=4),
 }
 # bf16 weights (the FP4-only fields do not apply):
 SWEEP_VARIANTS_BF16: dict[str, dict] = {

@@ -1060,6 +1060,33 @@ def test_the_sweep_summary_picks_each_stored_format_by_the_whole_call():
     assert "# mixtral" not in text.split("PAIR_SHAPE_OVERRIDES")[1]  # pair_k256_raster stays Mixtral's
 
 
+def test_with_sweep_winners_puts_the_printed_block_in_place_and_restores_nothing_else(monkeypatch):
+    """benchmarks/with_sweep_winners.py: the block the sweep prints is executed over kernels.moe, so the winners' configs
+    are what `variant_config` gives in that process (a GPU call can check them before they are pasted); a sweep output
+    without the block is refused with a message."""
+    from benchmarks import with_sweep_winners as w
+    from benchmarks.kernels import sweep_summary
+    from kernels import moe
+
+    def row(model, variant, us, block_k=128):
+        cfg = dict(decode=5, block_k=block_k)
+        return dict(model=model, weights="mxfp4", active=8, tpe=1, variant=variant, config1=cfg, config2=cfg, us=us,
+                    gemm1_us=us / 2, gemm2_us=us / 2, speedup=2.0, hbm_fraction=0.3)
+
+    rows = [row("qwen3-30b-a3b", "pair_k256_raster", 80.0, 256), row("qwen3-30b-a3b", "pair_swap64_w2_raster_split2", 60.0),
+            row("mixtral-8x7b", "pair_k256_raster", 60.0, 256), row("mixtral-8x7b", "pair_swap64_w2_raster_split2", 90.0)]
+    text = "sweep gpt-oss ...\n" + "\n".join(sweep_summary(rows)) + "\nsweep written to /x/kernels_sweep_h200.txt and .json\n"
+    for name in w.NAMES:  # restored after the test
+        monkeypatch.setattr(moe, name, dict(getattr(moe, name)))
+    changed = w.apply(w.winners_block(text))
+    assert set(changed) == {"PAIR_SHAPE_OVERRIDES"}  # PAIR_DEFAULT stays pair_k256_raster
+    c = moe.variant_config(768, 2048, 8, True, moe.PAIR_SHAPE_OVERRIDES[(1, 768, 2048)])
+    assert c.split_k == 2 and c.swap_ab and c.block_k == 128
+    assert (1, 14336, 4096) not in moe.PAIR_SHAPE_OVERRIDES
+    with pytest.raises(SystemExit, match="did the sweep finish"):
+        w.winners_block("sweep mixtral ... (cut by the time limit)")
+
+
 @needs_triton
 @pytest.mark.parametrize("name", ["pair_k256_wk4_raster", "pair_k256_n64_wk2_raster", "pair_swap64_wk2_raster"])
 def test_k_split_over_the_warps_keeps_rows_invariant(name, monkeypatch):

@@ -150,7 +150,10 @@ def test_fused_align_equals_torch_align(t):
                                          (True, "join_bf16_persist"), (True, "scaled_swap64"), (True, "word"), (True, "word_k256_raster"),
                                          (True, "word_swap64_k256"), (False, "swap64"), (False, "persist"),
                                          (True, "join_bf16_raster_split2"), (True, "join_bf16_raster_split4"),
-                                         (False, "persist_split2"), (True, "pair"), (True, "pair_swap64_w2")])
+                                         (False, "persist_split2"), (True, "pair"), (True, "pair_swap64_w2"),
+                                         (True, "pair_k256_raster"), (True, "pair_swap64_w2_raster"),
+                                         (True, "pair_k256_wk4_raster"), (True, "pair_k256_raster_split2"),
+                                         (True, "pair_swap64_w2_raster_split2"), (True, "pair_swap64_w2_raster_split4")])
 def test_moe_rows_are_bit_identical_whatever_the_other_rows(model, fp4, variant):
     from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward, variant_config
 
