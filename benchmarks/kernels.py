@@ -450,10 +450,18 @@ def sweep_summary(rows: list[dict]) -> list[str]:
                 continue
             e, k, h, i = MODELS[model]
             table = "SWEEP_VARIANTS" if fmt != "bf16" else "SWEEP_VARIANTS_BF16"
+            from kernels import moe
+
+            variants = moe.SWEEP_VARIANTS if fmt != "bf16" else moe.SWEEP_VARIANTS_BF16
             for g, (n_, k_) in ((1, (i, h)), (2, (h, i))):
-                bk = tot[win][0][f"config{g}"]["block_k"]
+                cfg = tot[win][0][f"config{g}"]
+                # an override merges over the format's default: write out block_k and every field the default sets
+                # that the winner does not (else e.g. the default's split_k would ride along, untimed)
+                extra = {"block_k": cfg["block_k"]}
+                extra.update({f: cfg[f] for f in variants.get(base, {}) if f not in variants.get(win, {}) and f in cfg})
+                fields = ", ".join(f"{f}={v!r}" for f, v in extra.items())
                 key = f"({g}, {n_}, {k_})" if fmt == "mxfp4 pair" else f"({g}, {n_}, {k_}, {fmt != 'bf16'})"
-                overrides[fmt].append(f"    {key}: dict({table}[{win!r}], block_k={bk}),  # {model}")
+                overrides[fmt].append(f"    {key}: dict({table}[{win!r}], {fields}),  # {model}")
     shapes: dict = {}
     for r in rows:
         if r["variant"] == "default":

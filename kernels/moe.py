@@ -254,11 +254,16 @@ SHAPE_OVERRIDES: dict[tuple[int, int, int, bool], dict] = {
 # everywhere (gpt-oss-20b at 4 active experts 77.1 -> 49.3 us, mixtral-8x7b at 2: 229.9 -> 125.5), but Qwen3-30B-A3B's
 # two GEMMs take the weight tile as the MMA's M side on 2 warps (at 128 experts 206.0 -> 153.6 us; at 8, the block-1
 # case, 31.7 against k256's 27.7: a verify of 16 tokens routes to ~80 of its 128 experts). GPU tests passed first.
-PAIR_DEFAULT: dict = dict(SWEEP_VARIANTS["pair_k256_raster"])
+# Stop 34 (benchmarks/results/stop34_gpu/call4/sweep_split.txt): the swapped tile with K cut into 4 fixed ranges beat
+# pair_k256_raster on the whole call, gpt-oss-20b 1072.5 vs ~1160 us and mixtral-8x7b 1253.7 vs 1380 us over the
+# sweep's cases; Qwen3 keeps its unsplit swapped tile (712.0 vs 889.2 us split). Rows bit-identical whatever the other
+# rows (tests/test_kernels_gpu.py) and every drafter and width equal to block 1 on qwen3_moe / gpt_oss with these in
+# place (benchmarks/with_sweep_winners.py), on the H200 before this became the default.
+PAIR_DEFAULT: dict = dict(SWEEP_VARIANTS["pair_swap64_w2_raster_split4"])
 PAIR_SHAPE_OVERRIDES: dict[tuple[int, int, int], dict] = {  # (gemm, n, k)
-    # (block_k as the sweep ran them: base_config's 128, not PAIR_DEFAULT's 256)
-    (1, 768, 2048): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"], block_k=128),  # qwen3-30b-a3b gate/up
-    (2, 2048, 768): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"], block_k=128),  # qwen3-30b-a3b down
+    # (block_k and split_k as the sweep ran them: an override merges over PAIR_DEFAULT, whose K split it does not take)
+    (1, 768, 2048): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"], block_k=128, split_k=1),  # qwen3-30b-a3b gate/up
+    (2, 2048, 768): dict(SWEEP_VARIANTS["pair_swap64_w2_raster"], block_k=128, split_k=1),  # qwen3-30b-a3b down
 }
 # ====================================================================================================================
 
@@ -1557,6 +1562,18 @@ def moe_forward(
     bm = config.block_m
     if config2.block_m != bm:
         raise ValueError("both GEMMs share the routing blocks: block_m must match")
+    chunk = token_chunk(topk, inter, hdim, config, config2)
+    if t > chunk and not warmup:
+        # a split-K workspace grows with the call's rows: a long prompt runs in token chunks instead. Every token's
+        # output is bit-identical whatever the other tokens of its call (batch invariance), so the chunks give the
+        # one call's bits; the first chunk waits for every copy group, the rest find them in.
+        outs = []
+        for s0 in range(0, t, chunk):
+            nv = None if n_valid is None else n_valid - s0
+            outs.append(moe_forward(x[s0 : s0 + chunk], topk_ids[s0 : s0 + chunk], topk_weights[s0 : s0 + chunk], w,
+                                    num_experts, slot_of_expert, nv, config, config2, False, phase_of_expert,
+                                    between if s0 == 0 else None, groups))
+        return torch.cat(outs)
     x = x.contiguous()
     r = align_fused(topk_ids, num_experts, bm, slot_of_expert, n_valid, phase_of_expert)
     phases = tuple(range(1, groups + 2)) if phase_of_expert is not None else (0,)
@@ -1585,6 +1602,20 @@ def moe_forward(
         _moe_combine[(t, triton_cdiv(hdim, block))](y, r.pair_valid, out, hdim, TOPK=topk, BLOCK=block, EMULATE=f32dot,
                                                        **runtime.pdl_launch())
     return out
+
+
+# The most bytes a call's split-K workspaces may take (float32 partials of every row, per range): longer calls run in
+# token chunks (`token_chunk`). 256 MB: Mixtral-8x7B's gate/up GEMM split in 4 takes ~0.9 MB a token.
+SPLIT_WORKSPACE_BYTES = int(os.environ.get("PDFLASH_MOE_SPLIT_WORKSPACE_MB", "256")) << 20
+
+
+def token_chunk(topk: int, inter: int, hdim: int, config: MoeConfig, config2: MoeConfig) -> int:
+    """The most tokens one launch sequence takes: unbounded without a K split; with one, as many as keep both GEMMs'
+    workspaces (splits x rows x columns x 4 bytes, a token bringing topk rows) under SPLIT_WORKSPACE_BYTES, at least 16.
+    From the static shape only: the chunks change no bit (batch invariance)."""
+    s1, s2 = split_span(hdim, config)[0], split_span(inter, config2)[0]
+    per_token = topk * 4 * max(s1 * 2 * inter if s1 > 1 else 0, s2 * hdim if s2 > 1 else 0)
+    return max(16, SPLIT_WORKSPACE_BYTES // per_token) if per_token else 1 << 62
 
 
 def resolve_decodes(w: ExpertWeights, config: MoeConfig, config2: MoeConfig) -> tuple[MoeConfig, MoeConfig]:

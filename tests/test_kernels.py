@@ -1068,21 +1068,26 @@ def test_with_sweep_winners_puts_the_printed_block_in_place_and_restores_nothing
     from benchmarks.kernels import sweep_summary
     from kernels import moe
 
-    def row(model, variant, us, block_k=128):
-        cfg = dict(decode=5, block_k=block_k)
+    def row(model, variant, us, block_k=128, split_k=1):
+        cfg = dict(decode=5, block_k=block_k, split_k=split_k)
         return dict(model=model, weights="mxfp4", active=8, tpe=1, variant=variant, config1=cfg, config2=cfg, us=us,
                     gemm1_us=us / 2, gemm2_us=us / 2, speedup=2.0, hbm_fraction=0.3)
 
-    rows = [row("qwen3-30b-a3b", "pair_k256_raster", 80.0, 256), row("qwen3-30b-a3b", "pair_swap64_w2_raster_split2", 60.0),
-            row("mixtral-8x7b", "pair_k256_raster", 60.0, 256), row("mixtral-8x7b", "pair_swap64_w2_raster_split2", 90.0)]
+    # the split form wins overall (the format's default), Qwen3 keeps its unsplit tile: its override must say split_k=1
+    rows = [row("qwen3-30b-a3b", "pair_swap64_w2_raster", 60.0), row("qwen3-30b-a3b", "pair_swap64_w2_raster_split4", 80.0, split_k=4),
+            row("mixtral-8x7b", "pair_swap64_w2_raster", 200.0), row("mixtral-8x7b", "pair_swap64_w2_raster_split4", 90.0, split_k=4)]
     text = "sweep gpt-oss ...\n" + "\n".join(sweep_summary(rows)) + "\nsweep written to /x/kernels_sweep_h200.txt and .json\n"
+    assert "(1, 768, 2048): dict(SWEEP_VARIANTS['pair_swap64_w2_raster'], block_k=128, split_k=1),  # qwen3-30b-a3b" in text
     for name in w.NAMES:  # restored after the test
         monkeypatch.setattr(moe, name, dict(getattr(moe, name)))
+    monkeypatch.setattr(moe, "PAIR_DEFAULT", dict(moe.SWEEP_VARIANTS["pair_k256_raster"]))  # whatever the tree's is
+    monkeypatch.setattr(moe, "PAIR_SHAPE_OVERRIDES", {})
     changed = w.apply(w.winners_block(text))
-    assert set(changed) == {"PAIR_SHAPE_OVERRIDES"}  # PAIR_DEFAULT stays pair_k256_raster
-    c = moe.variant_config(768, 2048, 8, True, moe.PAIR_SHAPE_OVERRIDES[(1, 768, 2048)])
-    assert c.split_k == 2 and c.swap_ab and c.block_k == 128
-    assert (1, 14336, 4096) not in moe.PAIR_SHAPE_OVERRIDES
+    assert set(changed) == {"PAIR_DEFAULT", "PAIR_SHAPE_OVERRIDES"}
+    assert moe.PAIR_DEFAULT["split_k"] == 4
+    assert moe.default_config(768, 2048, 8, True, 1, pair_words=True).split_k == 1  # Qwen3: its override, unsplit
+    assert moe.default_config(768, 2048, 8, True, 1, pair_words=True).swap_ab
+    assert moe.default_config(14336, 4096, 2, True, 1, pair_words=True).split_k == 4  # Mixtral: the new default
     with pytest.raises(SystemExit, match="did the sweep finish"):
         w.winners_block("sweep mixtral ... (cut by the time limit)")
 
@@ -1111,3 +1116,31 @@ def test_k_split_over_the_warps_keeps_rows_invariant(name, monkeypatch):
 
     with pytest.raises(ValueError, match="K over the warps"):  # a warp count the split does not fit
         moe_forward(x, ids, wts, w, 6, config=dataclasses.replace(c1, num_warps=c1.num_warps * 2), config2=c2)
+
+
+@needs_triton
+def test_a_long_call_with_split_k_runs_in_token_chunks_with_the_one_calls_bits(monkeypatch):
+    """kernels.moe.token_chunk: with a K split, a call longer than the workspace cap allows runs as token chunks (its
+    split-K workspaces stay bounded); batch invariance makes the chunks' output the one call's, bit for bit, padding
+    rows (n_valid) included. Without a split there is no chunking."""
+    from kernels import moe, runtime
+
+    monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
+    w = _pair_weights(_experts(h=64, i=32, act=ACT_GPTOSS, bias=True, fp4=True))
+    x, ids, wts = _routing(40, 6, 2, seed=8)
+    c1, c2 = _variant_configs(moe.SWEEP_VARIANTS["pair_swap64_w2_raster_split4"], k1=64, k2=32)
+    c1, c2 = (dataclasses.replace(c, block_k=32) for c in (c1, c2))  # 2 and 1 K steps: gate/up splits in 2
+    assert moe.split_span(64, c1)[0] == 2
+    nv = torch.tensor([37])
+    one = moe.moe_forward(x, ids, wts, w, 6, n_valid=nv, config=c1, config2=c2)
+    per_token = 2 * 4 * 2 * (2 * 32)  # topk x 4 bytes x 2 ranges x the gate/up columns
+    monkeypatch.setattr(moe, "SPLIT_WORKSPACE_BYTES", 16 * per_token)
+    assert moe.token_chunk(2, 32, 64, c1, c2) == 16
+    calls = []
+    real = moe.align_fused
+    monkeypatch.setattr(moe, "align_fused", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    chunked = moe.moe_forward(x, ids, wts, w, 6, n_valid=nv, config=c1, config2=c2)
+    assert calls == [16, 16, 8]
+    assert torch.equal(chunked.view(torch.int16), one.view(torch.int16))
+    plain = dataclasses.replace(c1, split_k=1), dataclasses.replace(c2, split_k=1)
+    assert moe.token_chunk(2, 32, 64, *plain) > 1 << 40
