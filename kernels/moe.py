@@ -33,13 +33,14 @@ to_bf16, to_out = (runtime.to_bf16, runtime.to_out) if triton is not None else (
 # with the separate combine's arithmetic (the same bits); one launch fewer per MoE layer. Opt-in until the H200 has
 # measured it (PDFLASH_MOE_FUSED_COMBINE=1).
 FUSED_COMBINE = runtime.env_flag("PDFLASH_MOE_FUSED_COMBINE")
-# Split K for every MoE GEMM (MoeConfig.split_k over the defaults below): 1 (the default), 2 or 4. Static (the same
-# split for every token count: rows stay batch-invariant), but another value may give other last bits. For timing the
-# split end to end on the GPU before it becomes a default (PDFLASH_MOE_SPLIT_K=2 benchmarks/e2e_gpu.py ...).
-_SPLIT_K = os.environ.get("PDFLASH_MOE_SPLIT_K", "1")
-if _SPLIT_K not in ("1", "2", "4"):
-    raise ValueError(f"PDFLASH_MOE_SPLIT_K must be 1, 2 or 4, got {_SPLIT_K!r}")
-SPLIT_K = int(_SPLIT_K)
+# Split K for every MoE GEMM (MoeConfig.split_k over the defaults below): unset (the default), each shape's split as
+# the sweep set it (MXFP4 pair words: 4 ranges, Qwen3-30B-A3B's shapes 1; otherwise 1); 1, 2 or 4 for every GEMM.
+# Static (the same split for every token count: rows stay batch-invariant), but another value may give other last bits.
+# For timing a split end to end on the GPU (PDFLASH_MOE_SPLIT_K=2 benchmarks/e2e_gpu.py ...).
+_SPLIT_K = os.environ.get("PDFLASH_MOE_SPLIT_K")
+if _SPLIT_K not in (None, "1", "2", "4"):
+    raise ValueError(f"PDFLASH_MOE_SPLIT_K must be 1, 2 or 4 (unset: each shape's default), got {_SPLIT_K!r}")
+SPLIT_K: int | None = int(_SPLIT_K) if _SPLIT_K is not None else None
 # MXFP4 experts served on a GPU stored as pair words (kernels/mxfp4.py to_pair_words; decodes 5 and 6): "1" (the
 # default since stop 31: on the H200 the MoE call 1.08-1.83x faster per case, gpt-oss-24l end to end +9-11% tok/s with
 # every expert cached, the same output bits) or "0" (the nibble order, decodes 3/4). The stores
@@ -255,7 +256,7 @@ SHAPE_OVERRIDES: dict[tuple[int, int, int, bool], dict] = {
 # two GEMMs take the weight tile as the MMA's M side on 2 warps (at 128 experts 206.0 -> 153.6 us; at 8, the block-1
 # case, 31.7 against k256's 27.7: a verify of 16 tokens routes to ~80 of its 128 experts). GPU tests passed first.
 # Stop 34 (benchmarks/results/stop34_gpu/call4/sweep_split.txt): the swapped tile with K cut into 4 fixed ranges beat
-# pair_k256_raster on the whole call, gpt-oss-20b 1072.5 vs ~1160 us and mixtral-8x7b 1253.7 vs 1380 us over the
+# pair_k256_raster on the whole call, gpt-oss-20b 1072.5 vs 1164.9 us and mixtral-8x7b 1253.7 vs 1376.2 us over the
 # sweep's cases; Qwen3 keeps its unsplit swapped tile (712.0 vs 889.2 us split). Rows bit-identical whatever the other
 # rows (tests/test_kernels_gpu.py) and every drafter and width equal to block 1 on qwen3_moe / gpt_oss with these in
 # place (benchmarks/with_sweep_winners.py), on the H200 before this became the default.
@@ -286,7 +287,7 @@ def default_config(n: int, k: int, topk: int, fp4: bool, gemm: int = 1, pair_wor
     else:
         fields = dict(FP4_DEFAULT if fp4 else BF16_DEFAULT)
         fields.update(SHAPE_OVERRIDES.get((gemm, n, k, fp4), {}))
-    if SPLIT_K > 1:
+    if SPLIT_K is not None:
         fields["split_k"] = SPLIT_K
     return variant_config(n, k, topk, fp4, fields)
 

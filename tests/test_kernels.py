@@ -898,16 +898,17 @@ def test_split_kv_attention_gives_the_same_bits_for_any_program_count(window, si
 
 
 def test_moe_split_k_option_sets_every_default_config_and_refuses_other_values():
-    """PDFLASH_MOE_SPLIT_K (read at import): split_k of every default MoE GEMM config; 1, 2 or 4, else the import stops
-    with the variable's name."""
+    """PDFLASH_MOE_SPLIT_K (read at import): split_k of every default MoE GEMM config, 1 included; unset, each shape's
+    default (pair-word MXFP4 on gpt-oss's shape: 4 ranges); other values stop the import with the variable's name."""
     import os
     import pathlib
     import subprocess
     import sys
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    code = "from kernels import moe; print(moe.default_config(2880, 2880, 4, True).split_k, moe.default_config(768, 2048, 8, False, 2).split_k)"
-    for value, want in (("2", "2 2"), ("1", "1 1"), (None, "1 1")):
+    code = ("from kernels import moe; print(moe.default_config(2880, 2880, 4, True).split_k, moe.default_config(768, 2048, 8, False, 2).split_k,"
+            " moe.default_config(2880, 2880, 4, True, 1, pair_words=True).split_k)")
+    for value, want in (("2", "2 2 2"), ("1", "1 1 1"), (None, "1 1 4")):
         env = {k: v for k, v in os.environ.items() if k != "PDFLASH_MOE_SPLIT_K"}
         if value is not None:
             env["PDFLASH_MOE_SPLIT_K"] = value

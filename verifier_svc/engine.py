@@ -150,7 +150,9 @@ class VerifierCore:
                 "launches": (f"programmatic dependent launch (each kernel launched while the one before it finishes; "
                              f"trigger {runtime.PDL_TRIGGER})" if runtime.PDL else "plain"),
                 "moe_gemms": (f"K split {moe.SPLIT_K} ways (PDFLASH_MOE_SPLIT_K), partials added in order"
-                              if moe.SPLIT_K > 1 else "K in one range a program") + (
+                              if moe.SPLIT_K is not None and moe.SPLIT_K > 1 else "K in one range a program"
+                              if moe.SPLIT_K == 1 else "K split per shape as kernels.moe's sweep defaults set it (MXFP4 "
+                              "pair words: 4 ranges, partials added in order; Qwen3-30B-A3B's shapes and bf16: one range)") + (
                               "; combine fused into the down GEMM" if moe.FUSED_COMBINE else "")}
 
     @contextlib.contextmanager
