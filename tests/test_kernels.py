@@ -1143,5 +1143,13 @@ def test_a_long_call_with_split_k_runs_in_token_chunks_with_the_one_calls_bits(m
     chunked = moe.moe_forward(x, ids, wts, w, 6, n_valid=nv, config=c1, config2=c2)
     assert calls == [16, 16, 8]
     assert torch.equal(chunked.view(torch.int16), one.view(torch.int16))
+    # an expert cache still copying (phases): the first chunk waits for each copy group, the later chunks find them in
+    waits = []
+    phase = torch.tensor([0, 1, 0, 2, 0, 1], dtype=torch.int8)
+    calls.clear()
+    phased = moe.moe_forward(x, ids, wts, w, 6, n_valid=nv, config=c1, config2=c2, phase_of_expert=phase,
+                             between=waits.append, groups=2)
+    assert waits == [1, 2] and calls == [16, 16, 8]
+    assert torch.equal(phased.view(torch.int16), one.view(torch.int16))
     plain = dataclasses.replace(c1, split_k=1), dataclasses.replace(c2, split_k=1)
     assert moe.token_chunk(2, 32, 64, *plain) > 1 << 40
