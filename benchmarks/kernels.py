@@ -488,9 +488,10 @@ def sweep_summary(rows: list[dict]) -> list[str]:
         if fmt in best_fmt:
             out.append(f"{names[fmt][0]}: dict = dict({names[fmt][1]}[{best_fmt[fmt]!r}])")
     for fmt in ("mxfp4", "mxfp4 pair"):
-        if fmt in best_fmt:
+        bf16 = overrides.get("bf16", []) if fmt == "mxfp4" else []  # bf16 overrides share SHAPE_OVERRIDES (fp4 False)
+        if fmt in best_fmt or bf16:
             out.append(names[fmt][2])
-            out += overrides[fmt] + (overrides.get("bf16", []) if fmt == "mxfp4" else [])
+            out += overrides.get(fmt, []) + bf16
             out.append("}")
     return out
 

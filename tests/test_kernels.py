@@ -1153,3 +1153,22 @@ def test_a_long_call_with_split_k_runs_in_token_chunks_with_the_one_calls_bits(m
     assert torch.equal(phased.view(torch.int16), one.view(torch.int16))
     plain = dataclasses.replace(c1, split_k=1), dataclasses.replace(c2, split_k=1)
     assert moe.token_chunk(2, 32, 64, *plain) > 1 << 40
+
+
+def test_a_bf16_only_sweep_still_prints_its_shape_overrides():
+    """benchmarks/kernels.py `sweep_summary` with bf16 variants alone: a model whose winner differs from the bf16 default
+    gets its SHAPE_OVERRIDES entries (fp4 False), with the default's fields it lacks written out."""
+    from benchmarks.kernels import sweep_summary
+
+    def row(model, variant, us, split_k=1):
+        cfg = dict(block_k=128, split_k=split_k, persist=4 if variant.startswith("persist") else 0)
+        return dict(model=model, weights="bf16", active=8, tpe=1, variant=variant, config1=cfg, config2=cfg, us=us,
+                    gemm1_us=us / 2, gemm2_us=us / 2, speedup=2.0, hbm_fraction=0.5)
+
+    rows = [row("mixtral-8x7b", "persist", 100.0), row("mixtral-8x7b", "swap64_split4", 300.0, 4),
+            row("qwen3-30b-a3b", "persist", 40.0), row("qwen3-30b-a3b", "swap64_split4", 30.0, 4)]
+    text = "\n".join(sweep_summary(rows))
+    assert "BF16_DEFAULT: dict = dict(SWEEP_VARIANTS_BF16['persist'])" in text
+    block = text.split("SHAPE_OVERRIDES: dict[tuple[int, int, int, bool], dict] = {")[1]
+    assert "(1, 768, 2048, False): dict(SWEEP_VARIANTS_BF16['swap64_split4'], block_k=128, persist=0),  # qwen3-30b-a3b" in block
+    assert "mixtral" not in block
