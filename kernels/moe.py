@@ -216,6 +216,12 @@ SWEEP_VARIANTS: dict[str, dict] = {
                                          raster=1, split_k=2),
     "pair_swap64_w2_raster_split4": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64, num_warps=2,
                                          raster=1, split_k=4),
+    # (untimed) deeper K steps for the split default: gpt-oss-20b's K = 2880 takes base_config's 64-wide steps (45 a
+    # GEMM, ~12 a range); 128 or 256 with a masked last step, as pair_k256_raster reads it
+    "pair_swap64_w2_k128_raster_split4": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64,
+                                              num_warps=2, block_k=128, raster=1, split_k=4),
+    "pair_swap64_w2_k256_raster_split4": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, swap_ab=True, block_n=64,
+                                              num_warps=2, block_k=256, raster=1, split_k=4),
 }
 # bf16 weights (the FP4-only fields do not apply):
 SWEEP_VARIANTS_BF16: dict[str, dict] = {

@@ -1172,3 +1172,24 @@ def test_a_bf16_only_sweep_still_prints_its_shape_overrides():
     block = text.split("SHAPE_OVERRIDES: dict[tuple[int, int, int, bool], dict] = {")[1]
     assert "(1, 768, 2048, False): dict(SWEEP_VARIANTS_BF16['swap64_split4'], block_k=128, persist=0),  # qwen3-30b-a3b" in block
     assert "mixtral" not in block
+
+
+@needs_triton
+@pytest.mark.parametrize("block_k,split", [(64, 2), (64, 4), (32, 4), (128, 4)])
+def test_split_k_over_a_reduction_with_a_masked_last_step_matches_the_reference(block_k, split, monkeypatch):
+    """The swapped pair-word tile with K in ranges where the reduction is not a whole number of K steps (gpt-oss-20b's
+    2880 against 128- or 256-wide steps): the last range's masked tail adds nothing, every range's partial is added."""
+    from kernels import moe, runtime
+    from kernels.reference import moe_reference
+
+    monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
+    w = _experts(h=96, i=32, act=ACT_GPTOSS, bias=True, fp4=True)
+    x, ids, wts = _routing(5, 6, 2, seed=3)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(3)).bfloat16()
+    c = MoeConfig(block_m=16, block_n=32, block_k=block_k, num_warps=2, num_stages=1, decode=5, a_load=2, swap_ab=True,
+                  raster=1, split_k=split)
+    n, span = moe.split_span(96, c)
+    assert (n - 1) * span < 96 <= n * span and span % block_k == 0  # every range non-empty, whole K steps, K covered
+    out = moe.moe_forward(x, ids, wts, _pair_weights(w), 6, config=c, config2=c)
+    ref = moe_reference(x, ids, wts, w, 6)
+    assert (out.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max() + 1e-3

@@ -154,7 +154,8 @@ def test_fused_align_equals_torch_align(t):
                                          (True, "pair_k256_raster"), (True, "pair_swap64_w2_raster"),
                                          (True, "pair_k256_wk4_raster"), (True, "pair_k256_raster_split2"),
                                          (True, "pair_swap64_w2_raster_split2"), (True, "pair_swap64_w2_raster_split4"),
-                                         (False, "persist_split4"), (False, "swap64_split4")])
+                                         (True, "pair_swap64_w2_k128_raster_split4"), (False, "persist_split4"),
+                                         (False, "swap64_split4")])
 def test_moe_rows_are_bit_identical_whatever_the_other_rows(model, fp4, variant):
     from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward, variant_config
 
