@@ -1618,7 +1618,10 @@ def moe_forward(
 
 # The most bytes a call's split-K workspaces may take (float32 partials of every row, per range): longer calls run in
 # token chunks (`token_chunk`). 256 MB: Mixtral-8x7B's gate/up GEMM split in 4 takes ~0.9 MB a token.
-SPLIT_WORKSPACE_BYTES = int(os.environ.get("PDFLASH_MOE_SPLIT_WORKSPACE_MB", "256")) << 20
+_WS_MB = os.environ.get("PDFLASH_MOE_SPLIT_WORKSPACE_MB", "256")
+if not _WS_MB.isdigit() or int(_WS_MB) < 1:
+    raise ValueError(f"PDFLASH_MOE_SPLIT_WORKSPACE_MB must be a whole number of MB >= 1, got {_WS_MB!r}")
+SPLIT_WORKSPACE_BYTES = int(_WS_MB) << 20
 
 
 def token_chunk(topk: int, inter: int, hdim: int, config: MoeConfig, config2: MoeConfig) -> int:

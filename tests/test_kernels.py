@@ -917,6 +917,10 @@ def test_moe_split_k_option_sets_every_default_config_and_refuses_other_values()
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "PDFLASH_MOE_SPLIT_K": "3"},
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "PDFLASH_MOE_SPLIT_K must be 1, 2 or 4" in r.stderr
+    for bad in ("0", "lots"):  # the token chunks' workspace cap
+        r = subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "PDFLASH_MOE_SPLIT_WORKSPACE_MB": bad},
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "PDFLASH_MOE_SPLIT_WORKSPACE_MB must be a whole number" in r.stderr, bad
 
 
 # ---- pair words (kernels/mxfp4.py to_pair_words; decodes 5 and 6) ----------------------------------------------------
