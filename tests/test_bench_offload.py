@@ -27,3 +27,28 @@ def test_layer_scale_keeps_consecutive_hidden_states_closer_and_says_so(tmp_path
     assert cos[0.05] > cos[1.0]
     with pytest.raises(SystemExit):
         main(["--models", "tiny-gpt-oss", "--device", "cpu", "--layer-scale", "0", "--out", str(tmp_path / "bad")])
+
+
+def test_guess_layers_measures_each_layer_guess_against_the_layers_own_routing():
+    """benchmarks/guess_layers.py `study` on the tiny qwen3_moe target (CPU): one row per guessed layer; a guess as wide
+    as the router's experts holds all of its routed experts (coverage 1) and its precision is then top_k / experts;
+    every share is in [0, 1]."""
+    import torch
+
+    import benchmarks.offload as ob
+    from benchmarks.guess_layers import study
+
+    old = ob.DEVICE
+    ob.DEVICE = torch.device("cpu")
+    try:
+        model = ob.build("tiny:qwen3_moe", 3, 0.1)
+    finally:
+        ob.DEVICE = old
+    rows = study(model, ob.prompts_for(1, model.config.vocab_size)[0][:40])
+    assert [r["layer"] for r in rows] == [1, 2]
+    e, k = model.config.num_experts, model.config.num_experts_per_tok
+    for r in rows:
+        assert r["top_k"] == k and -1.0 <= r["input_cos"] <= 1.0 and 0.0 <= r["prev_token_overlap"] <= 1.0
+        if e in r["by_width"]:
+            assert r["by_width"][e] == [round(k / e, 3), 1.0]
+        assert all(0.0 <= p <= 1.0 and 0.0 <= c <= 1.0 for p, c in r["by_width"].values())

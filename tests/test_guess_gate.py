@@ -62,7 +62,7 @@ def test_the_device_cache_switches_its_guess_off_through_the_device_flag_and_no_
     collect = cache.collect
 
     def timed(ms=None, tokens=0):  # the guess's forwards take twice as long
-        ran = bool(int(cache.guess_on))
+        ran = bool(int(cache.guess_on.max()))
         return collect(None if ms is None else (2.0 if ran else 1.0) * tokens, tokens)
 
     cache.collect = timed
@@ -70,12 +70,12 @@ def test_the_device_cache_switches_its_guess_off_through_the_device_flag_and_no_
     verify = core.verify
     core.verify = lambda *a, **k: calls.append(verify(*a, **k)) or calls[-1]
     assert _run(core, prompt, _no_drafts) == want
-    assert cache.gate.losing and int(cache.guess_on) == 0
+    assert cache.gate.losing and int(cache.guess_on.max()) == 0
     assert sum(c.expert_cache.prefetched for c in calls[:3]) > 0  # it guessed while it measured
     late = [c.expert_cache.prefetched for c in calls[-12:]]
     assert late.count(0) >= 8 and sum(1 for p in late if p > 0) <= 3  # and stopped once it knew, but for probes
     cache.reset_stats()
-    assert cache.gate.on and int(cache.guess_on) == 1
+    assert cache.gate.on and bool(cache.guess_on.all())
 
 
 def test_guess_k_takes_a_quarter_of_top_k_by_default_and_never_more_than_top_k():
@@ -117,3 +117,57 @@ def test_a_narrower_guess_fetches_fewer_experts_and_no_token_changes(tiny, mode)
         assert _run(core, prompt, _no_drafts) == want
         prefetched[width] = core.target.expert_cache.stats.prefetched
     assert 0 < prefetched[1] < prefetched[2]
+
+
+def test_the_layer_gate_keeps_the_layers_whose_guesses_are_used_and_probes_the_others():
+    """LayerGate: a layer whose guesses are used (layer 0) keeps guessing, one whose guesses go unused (layer 1) stops
+    once it has enough prefetches to judge, a layer that prefetches nothing is never judged (layer 2); every
+    `probe_every`-th forward guesses on every layer, and a switched-off layer's counts decay until it is measured again."""
+    from verifier_svc.guess_gate import LayerGate
+
+    g = LayerGate(3, min_precision=0.5, min_prefetched=6.0, probe_every=10, decay=0.9)
+    assert g.on == [True, True, True] and g.precision(0) is None
+    on = g.observe([4, 4, 0], [4, 0, 0])  # 4 prefetches each: too few to judge
+    assert on == [True, True, True]
+    on = g.observe([4, 4, 0], [3, 1, 0])
+    assert on == [True, False, True] and g.precision(0) > 0.8 and g.precision(1) < 0.2
+    seen = [g.observe([4, 4 if g.on[1] else 0, 0], [4, 0, 0]) for _ in range(40)]
+    assert all(s[0] and s[2] for s in seen)  # the good layer and the unjudged one never stop
+    back = [i for i, s in enumerate(seen) if s[1]]
+    assert back and len(back) <= 8  # the bad one only on probes and when its decayed counts fall below the minimum
+    assert seen[7][1]  # the 10th observation since the start is a probe: every layer on
+    with pytest.raises(ValueError, match="3 layers"):
+        g.observe([1, 2], [1, 2])
+    g.reset()
+    assert g.on == [True, True, True] and g.precision(1) is None
+
+
+def test_the_device_cache_applies_the_layer_gate_per_layer_and_no_token_changes(tiny):
+    """The device-managed cache on the CPU with its guess judged (the time gate fed equal timings, so it stays on): with
+    a layer gate no layer can fail (precision >= 0) the guessed layer keeps its flag; with one every judged layer fails
+    (>= 1.01) its flag goes to 0 and it prefetches a fraction of what it did (probes, 1 in 5 guessing forwards). The
+    tokens equal a cache without prefetch either way."""
+    from tests.test_gpu_verifier import _no_drafts, _run
+    from tests.test_offload import _core, tiny_cache_gb
+    from verifier_svc.guess_gate import LayerGate
+
+    gb = tiny_cache_gb(_core(tiny, "qwen3_moe", 1.0), "device")
+    prompt = list(range(3, 40))
+    want = _run(_core(tiny, "qwen3_moe", gb, prefetch="none"), prompt, _no_drafts)
+    prefetched, flags = {}, {}
+    for min_precision, opted in ((0.0, True), (1.01, True), (1.01, False)):
+        core = _core(tiny, "qwen3_moe", gb, prefetch="layer")
+        cache = core.target.expert_cache
+        assert not cache.layer_gate_on  # opt-in (PDFLASH_EXPERT_GUESS_LAYERS=1)
+        cache.judge_guess, cache.layer_gate_on = True, opted
+        cache.layer_gate = LayerGate(cache.layer_gate.layers, min_precision=min_precision, min_prefetched=0.0, probe_every=5)
+        collect = cache.collect
+        cache.collect = lambda ms=None, tokens=0, collect=collect: collect(None if ms is None else 1.0 * tokens, tokens)
+        assert _run(core, prompt, _no_drafts) == want
+        prefetched[min_precision, opted] = cache.stats.prefetched
+        flags[min_precision, opted] = (cache.guess_on.tolist(), cache.layer_gate._since_probe)
+    assert flags[0.0, True][0] == [1, 1]  # (layer 0 has no layer before it: never guessed, never judged)
+    off, since = flags[1.01, True]
+    assert off[1] == 0 or since == 0  # off but on a probe's forward
+    assert 0 < prefetched[1.01, True] < prefetched[0.0, True] / 2
+    assert flags[1.01, False][0] == [1, 1] and prefetched[1.01, False] == prefetched[0.0, True]  # not opted in: unjudged

@@ -16,7 +16,9 @@ Per experts call (layer l, all on the device):
    there is no such guess the verify's projected union for layer l + 1 (`union` prefetch), are admitted and filled
    there, while layer l's experts and layer l + 1's attention compute; layer l + 1 joins it before its own admission.
    The guess runs while it pays: `verifier_svc.guess_gate` compares forwards with and without it (ms per token) and
-   sets `guess_on`, a device flag the captured forwards read (off: the guess's rows count as none);
+   sets `guess_on`, device flags the captured forwards read (off: the guess's rows count as none), one per layer: the
+   cache-wide decision and, opted in (PDFLASH_EXPERT_GUESS_LAYERS=1), the layer's own precision
+   (`guess_gate.LayerGate`: a layer whose guesses go unused stops);
 3. the grouped kernel over the pool through layer l's slot table.
 Each call ORs what happened to each expert into `codes` (zeroed when a forward starts); the host decodes them after
 the forward (`collect`, called by the verifier core) into the same counters as the host-side cache (`CacheStats`).
@@ -47,7 +49,7 @@ from kernels import offload as ko
 from kernels import runtime
 from verifier_svc.expert_cache import CacheStats, check_slots
 from verifier_svc.expert_store import HostExpertStore
-from verifier_svc.guess_gate import GuessGate
+from verifier_svc.guess_gate import GuessGate, LayerGate
 
 
 def partition(slots: int, num_experts: list[int]) -> list[int]:
@@ -132,8 +134,13 @@ class DeviceExpertCache:
         self._stats = CacheStats()
         self.time_copies = False  # the copies run inside the forward's kernels: no separate copy timing
         self.gate = GuessGate()  # whether the next-layer guess pays (measured); its decision is `guess_on`
+        # and which layers keep guessing, by each one's precision (`LayerGate`): guess_on[j] = gate.on and layer j's flag
+        self.layer_gate = LayerGate(n_layers)
+        # opt-in until the H200 has timed it (PDFLASH_EXPERT_GUESS_LAYERS=1; the next GPU session's offload A/B)
+        self.layer_gate_on = runtime.env_flag("PDFLASH_EXPERT_GUESS_LAYERS")
         self.judge_guess = self._cuda  # on a CPU the "copies" are host memcpys: their times say nothing about PCIe
-        self.guess_on = torch.ones(1, dtype=torch.int32, device=dev)
+        self.guess_on = torch.ones(n_layers, dtype=torch.int32, device=dev)
+        self._guess_flags = [1] * n_layers
         self.guess_width = 0  # the next-layer guess: its router's top `guess_width` (0: auto, kernels.installer.guess_k); set
         # before the graphs capture
         # arrivals (see the module's docstring): their own scratch and code rows, their own copy stream
@@ -292,17 +299,27 @@ class DeviceExpertCache:
             arrivals = self._decode(both[1])
             self.arr_codes.zero_()
             self._stats = self._stats.plus(st).plus(arrivals)
-            if self.layer_ahead and self.judge_guess:  # this forward ran the guess if the flag was on: judge it, set the flag
+            if self.layer_ahead and self.judge_guess:  # this forward ran the guess if the flag was on: judge it, set the flags
                 was = self.gate.on
                 per_token = ms / tokens if ms is not None and tokens > 0 else None
-                if self.gate.observe(was, per_token, st.prefetched, st.prefetch_used) != was:
-                    self.guess_on.fill_(int(self.gate.on))
+                self.gate.observe(was, per_token, st.prefetched, st.prefetch_used)
+                if was and self.layer_gate_on:  # each layer's own precision (its codes row: the guess for layer j lands in row j)
+                    self.layer_gate.observe(np.count_nonzero(both[0] & ko.PREFETCHED, axis=1),
+                                            np.count_nonzero(both[0] & ko.PREFETCH_USED, axis=1))
+                self._set_guess_flags()
             self._in_flight = False
             if self._pending:
                 plan, self._pending = self._plan(self._pending, by_index=True), {}
                 if plan:
                     self._issue(plan)
         return st.plus(arrivals)
+
+    def _set_guess_flags(self) -> None:
+        """guess_on[j] (read by the captured forwards: in place) = the cache-wide arm's decision and layer j's own."""
+        flags = [int(self.gate.on and (on or not self.layer_gate_on)) for on in self.layer_gate.on]
+        if flags != self._guess_flags:
+            self._guess_flags = flags
+            self.guess_on.copy_(torch.tensor(flags, dtype=torch.int32))
 
     def _decode(self, codes: np.ndarray | torch.Tensor) -> CacheStats:
         codes = codes.numpy() if isinstance(codes, torch.Tensor) else codes  # (host memory; numpy: ~5 us a count)
@@ -330,7 +347,8 @@ class DeviceExpertCache:
             self.arr_codes.zero_()
             self._pending = {}
             self.gate.reset()
-            self.guess_on.fill_(1)
+            self.layer_gate.reset()
+            self._set_guess_flags()
 
     # ---- the experts call (kernels.installer) ----------------------------------------------------------------
     def _overlaps(self, i: int, n: int) -> bool:
@@ -405,9 +423,9 @@ class DeviceExpertCache:
                 g_rows, g_valid = valid_rows, valid
                 if guess is not None:  # the gate: off, the guess's rows count as none (a device flag: graph-safe)
                     if self._cuda:
-                        g_rows = (valid_rows if valid_rows is not None else guess.shape[0]) * self.guess_on
+                        g_rows = (valid_rows if valid_rows is not None else guess.shape[0]) * self.guess_on[i + 1 : i + 2]
                     else:
-                        g_valid = (guess.shape[0] if valid is None else valid) if self.gate.on else 0
+                        g_valid = (guess.shape[0] if valid is None else valid) if self._guess_flags[i + 1] else 0
                 # The projection only where no router guess exists: a projected union (the previous verify's) marks
                 # its experts needed, and in a small partition they are the ones resident, so with the guess it left
                 # the guess no slot at all (nothing was prefetched); the guess, from this verify's own rows, is the

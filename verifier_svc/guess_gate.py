@@ -81,3 +81,60 @@ class GuessGate:
         """Forget the measurements (after a warm-up's dummy requests)."""
         fresh = GuessGate(self.margin, self.probe_every, self.min_samples, self.decay)
         self.__dict__.update(fresh.__dict__)
+
+
+LAYER_MIN_PRECISION = 0.5  # a layer whose guesses are used less often than this stops guessing (a wrong guess costs a
+# slice's PCIe time and may evict a needed expert; a right one hides at most one copy)
+LAYER_MIN_PREFETCHED = 8.0  # decayed prefetches a layer needs before it can be switched off
+LAYER_PROBE_EVERY = 16  # guessing forwards: one in this many guesses on every layer, re-measuring the layers that are off
+LAYER_DECAY = 0.9  # per guessing forward, of a layer's counts
+
+
+@dataclasses.dataclass
+class LayerGate:
+    """Which layers' guesses to keep, by their own precision (used / prefetched): the next layer's router predicts it
+    much better deep in a model than near its start, where consecutive layers' inputs differ most (random Qwen3-30B-A3B
+    shapes with outputs x0.1, CPU: the router's top 2 among the layer's true top 8 for 0.36-0.51 of the rows at layers
+    1-2, 0.81-0.98 from layer 3 on; benchmarks/results/guess_layers_qwen3-48l_cpu.json). One cache-wide arm (`GuessGate`) judges
+    the guess by time; this keeps its copies to the layers whose guesses are used. Pure policy: per-layer counts in,
+    per-layer flags out (`on[j]`: guess layer j's experts while layer j - 1 computes)."""
+
+    layers: int
+    min_precision: float = LAYER_MIN_PRECISION
+    min_prefetched: float = LAYER_MIN_PREFETCHED
+    probe_every: int = LAYER_PROBE_EVERY
+    decay: float = LAYER_DECAY
+    prefetched: list = dataclasses.field(default_factory=list)
+    used: list = dataclasses.field(default_factory=list)
+    on: list = dataclasses.field(default_factory=list)
+    _since_probe: int = 0
+
+    def __post_init__(self):
+        self.prefetched = self.prefetched or [0.0] * self.layers
+        self.used = self.used or [0.0] * self.layers
+        self.on = self.on or [True] * self.layers
+
+    def precision(self, j: int) -> float | None:
+        return self.used[j] / self.prefetched[j] if self.prefetched[j] > 0 else None
+
+    def observe(self, prefetched, used) -> list[bool]:
+        """After a forward that ran the guess: each layer's prefetches and hits on prefetched slots. Returns the flags
+        for the next guessing forward: every layer on for a probe, else the layers without enough prefetches to judge
+        and those at or above `min_precision`."""
+        if len(prefetched) != self.layers or len(used) != self.layers:
+            raise ValueError(f"LayerGate: {self.layers} layers, got {len(prefetched)} / {len(used)} counts")
+        for j in range(self.layers):
+            self.prefetched[j] = self.prefetched[j] * self.decay + int(prefetched[j])
+            self.used[j] = self.used[j] * self.decay + min(int(used[j]), int(prefetched[j]))
+        self._since_probe += 1
+        if self._since_probe >= self.probe_every:
+            self._since_probe = 0
+            self.on = [True] * self.layers
+        else:
+            self.on = [self.prefetched[j] < self.min_prefetched or self.used[j] >= self.min_precision * self.prefetched[j]
+                       for j in range(self.layers)]
+        return list(self.on)
+
+    def reset(self) -> None:
+        fresh = LayerGate(self.layers, self.min_precision, self.min_prefetched, self.probe_every, self.decay)
+        self.__dict__.update(fresh.__dict__)
