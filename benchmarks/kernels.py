@@ -416,6 +416,8 @@ def sweep_summary(rows: list[dict]) -> list[str]:
     override merges over the format's default). The per-GEMM sums (each GEMM timed alone) are listed too, but they can
     disagree with the whole call (stop 31: Mixtral's down GEMM alone favoured a tile whose whole call took 2x), so they
     only inform."""
+    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16
+
     out = ["", "# ---- sweep summary (sums over every case timed) ----"]
     best_fmt: dict = {}
     fmts = list(dict.fromkeys(_stored(r) for r in rows if r["variant"] != "default"))
@@ -450,9 +452,7 @@ def sweep_summary(rows: list[dict]) -> list[str]:
                 continue
             e, k, h, i = MODELS[model]
             table = "SWEEP_VARIANTS" if fmt != "bf16" else "SWEEP_VARIANTS_BF16"
-            from kernels import moe
-
-            variants = moe.SWEEP_VARIANTS if fmt != "bf16" else moe.SWEEP_VARIANTS_BF16
+            variants = SWEEP_VARIANTS if fmt != "bf16" else SWEEP_VARIANTS_BF16
             for g, (n_, k_) in ((1, (i, h)), (2, (h, i))):
                 cfg = tot[win][0][f"config{g}"]
                 # an override merges over the format's default: write out block_k and every field the default sets

@@ -233,7 +233,7 @@ SWEEP_VARIANTS_BF16: dict[str, dict] = {
     "persist": dict(persist=4),
     "persist_split2": dict(persist=4, split_k=2),
     # stop 34 (untimed): the split that paid on the pair-word GEMMs, for the bf16 calls still under 60% of the copy
-    # rate (Qwen3-30B-A3B at 8 experts: 45-49%, few programs each walking K=2048 or 768)
+    # rate (Qwen3-30B-A3B at 8 experts: 45-50%, few programs each walking K=2048 or 768)
     "persist_split4": dict(persist=4, split_k=4),
     "swap64_split2": dict(swap_ab=True, block_n=64, split_k=2),
     "swap64_split4": dict(swap_ab=True, block_n=64, split_k=4),

@@ -83,6 +83,18 @@ class StepOutput:
     expert_cache: object | None = None  # verifier_svc.expert_cache.CacheStats of this call (offloaded experts)
 
 
+def _moe_gemms_info(moe) -> str:
+    """Model info's `forward.moe_gemms`: how the MoE GEMMs split K (PDFLASH_MOE_SPLIT_K, else each shape's default)."""
+    if moe.SPLIT_K is None:
+        text = ("K split per shape as kernels.moe's sweep defaults set it (MXFP4 pair words: 4 ranges, partials added in "
+                "order; Qwen3-30B-A3B's shapes and bf16: one range)")
+    elif moe.SPLIT_K > 1:
+        text = f"K split {moe.SPLIT_K} ways (PDFLASH_MOE_SPLIT_K), partials added in order"
+    else:
+        text = "K in one range a program"
+    return text + ("; combine fused into the down GEMM" if moe.FUSED_COMBINE else "")
+
+
 class VerifierCore:
     def __init__(
         self,
@@ -149,11 +161,7 @@ class VerifierCore:
                 "cuda_graphs": (f"buckets {list(self.graphs.buckets)}" if self.graphs is not None else "off"),
                 "launches": (f"programmatic dependent launch (each kernel launched while the one before it finishes; "
                              f"trigger {runtime.PDL_TRIGGER})" if runtime.PDL else "plain"),
-                "moe_gemms": (f"K split {moe.SPLIT_K} ways (PDFLASH_MOE_SPLIT_K), partials added in order"
-                              if moe.SPLIT_K is not None and moe.SPLIT_K > 1 else "K in one range a program"
-                              if moe.SPLIT_K == 1 else "K split per shape as kernels.moe's sweep defaults set it (MXFP4 "
-                              "pair words: 4 ranges, partials added in order; Qwen3-30B-A3B's shapes and bf16: one range)") + (
-                              "; combine fused into the down GEMM" if moe.FUSED_COMBINE else "")}
+                "moe_gemms": _moe_gemms_info(moe)}
 
     @contextlib.contextmanager
     def _prefill_threads(self):
