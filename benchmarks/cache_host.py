@@ -27,7 +27,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.mxfp4 import ExpertLayout  # noqa: E402
+from pdflash_kernels.mxfp4 import ExpertLayout  # noqa: E402
 from pdflash.types import union_bytes  # noqa: E402
 from verifier_svc.device_cache import DeviceExpertCache  # noqa: E402
 from verifier_svc.expert_store import GateLayout, HostExpertStore  # noqa: E402

@@ -517,7 +517,7 @@ def offloaded_core(model_dir, max_block: int):
 def fresh_cache(core, fraction: float) -> ExpertCache:
     """An empty cache of `fraction` of the experts (at least one layer's), the experts modules bound to it (a rebind
     only: serving the model anew would reset the experts implementation and drop the route capture)."""
-    from kernels.installer import experts_modules
+    from pdflash_kernels.installer import experts_modules
     from verifier_svc.expert_cache import min_slots
 
     store = core.target.expert_cache.store
@@ -533,7 +533,7 @@ def memoize_dequant() -> None:
     """The CPU reference kernel dequantizes a slot's MXFP4 bytes on every call (most of a real-shape forward's time
     on 2 cores). Memoize by the slot's bytes' identity (its owner in the live cache): the same function, the same
     values, computed once per expert."""
-    import kernels.reference as ref
+    import pdflash_kernels.reference as ref
 
     orig = ref.expert_matrices
 

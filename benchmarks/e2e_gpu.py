@@ -127,8 +127,8 @@ def estimate(cfg, arch: str, dtype: torch.dtype) -> dict:
     experts tensor)."""
     from transformers import AutoModelForCausalLM
 
-    from kernels.installer import experts_modules
-    from kernels.mxfp4 import BYTES_PER_WEIGHT
+    from pdflash_kernels.installer import experts_modules
+    from pdflash_kernels.mxfp4 import BYTES_PER_WEIGHT
 
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -197,7 +197,7 @@ def build(name: str, args, device: torch.device, dtype: torch.dtype) -> Target:
 
 
 def linear_one_launch() -> bool:
-    from kernels import linear
+    from pdflash_kernels import linear
 
     return linear.ONE_LAUNCH
 
@@ -257,7 +257,7 @@ def serve(t: Target, args, device: torch.device):
 def dense_bytes(model) -> int:
     """Bytes of the tensors a forward reads whole, as held: every parameter and buffer but the experts modules' (the
     byte map counts the routed ones per round) and an untied input embedding (a forward gathers its tokens' rows)."""
-    from kernels.installer import experts_modules
+    from pdflash_kernels.installer import experts_modules
 
     skip = {id(t) for m in experts_modules(model).values() for t in [*m.parameters(), *m.buffers()]}
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight

@@ -1,4 +1,4 @@
-"""The device-managed expert cache's fill kernel (kernels/offload.py `fill`: SMs reading pinned host memory over PCIe)
+"""The device-managed expert cache's fill kernel (pdflash_kernels/offload.py `fill`: SMs reading pinned host memory over PCIe)
 against a copy-engine copy of the same bytes, over its launch shape: K-range per program (`chunk_words`), words per
 load step (`block_words`) and warps. Rows: a layer's misses as the offload benchmark sees them (gpt-oss-20b slices of
 13.2 MB, 1-3 a layer at block 1, 32 at a cold layer; Qwen3-30B-A3B slices of 2.5 MB, 1-8). GPU only.
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the project's kernels/, not benchmarks/kernels.py
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the project's pdflash_kernels/, not benchmarks/kernels.py
 
 SLICES = {"gpt-oss-20b": 13_271_040, "qwen3-30b-a3b": 2_506_752}  # MXFP4 bytes of one expert (gate/up + down + scales)
 VARIANTS = [(1 << 16, 2048, 4), (1 << 16, 4096, 4), (1 << 16, 4096, 8), (1 << 15, 2048, 4), (1 << 14, 2048, 4),
@@ -37,7 +37,7 @@ def timed(fn, reps: int) -> float:
 
 
 def main(argv=None) -> int:
-    from kernels import offload as ko
+    from pdflash_kernels import offload as ko
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")

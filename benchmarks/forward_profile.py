@@ -32,7 +32,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 if __name__ == "__main__":  # a profile run: plain launches unless PDFLASH_PDL says otherwise (the module doc; read when
-    os.environ.setdefault("PDFLASH_PDL", "0")  # kernels.runtime is imported, below)
+    os.environ.setdefault("PDFLASH_PDL", "0")  # pdflash_kernels.runtime is imported, below)
 
 from benchmarks.e2e_gpu import build, copy_rate_bytes, dense_bytes, serve  # noqa: E402
 from benchmarks.inprocess import core_run  # noqa: E402
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     rate = copy_rate_bytes(device)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "copy_rate_bytes_per_s": rate, "targets": {}}
-    from kernels import runtime
+    from pdflash_kernels import runtime
 
     result["pdl"] = runtime.PDL
     lines = [f"# Verify forward kernels on {result['device']} (`python benchmarks/forward_profile.py "

@@ -1,11 +1,11 @@
 """Alternative forms of the MXFP4 K loop, compiled for sm_90a without a GPU (Triton and the ptxas it ships), and the
-SASS of each loop counted per weight value, as benchmarks/kernels_sass.py counts kernels.moe's own GEMMs.
+SASS of each loop counted per weight value, as benchmarks/kernels_sass.py counts pdflash_kernels.moe's own GEMMs.
 
     python benchmarks/fp4_loop_sass.py
 
-One dense GEMM y[16, N] = a[16, K] @ w[N, K]^T (w MXFP4, a 16-row bf16 activation tile: kernels.moe's routing block)
+One dense GEMM y[16, N] = a[16, K] @ w[N, K]^T (w MXFP4, a 16-row bf16 activation tile: pdflash_kernels.moe's routing block)
 at gpt-oss-20b's down shape (N = K = 2880), in four forms:
-  base      kernels.moe's loop: bytes -> bf16 pairs by two multiply tricks (decode 3), scaled, joined into K order
+  base      pdflash_kernels.moe's loop: bytes -> bf16 pairs by two multiply tricks (decode 3), scaled, joined into K order
   shifts    the same with shifts and masks instead of the multiplies
   swizzled  an arena whose 32-byte chunks hold each MMA thread's 8 bytes contiguously, un-permuted by reshape/trans
             before the decode (whether Triton then loads straight into the MMA's operand registers)
@@ -35,7 +35,7 @@ from kernels_sass import k_loop, sass_of  # noqa: E402
 
 @triton.jit
 def _scaled(pair, e):
-    """bf16x2 pair words times 2^(e-127) each (e: a biased exponent per element), as kernels.moe's decode 3 does."""
+    """bf16x2 pair words times 2^(e-127) each (e: a biased exponent per element), as pdflash_kernels.moe's decode 3 does."""
     return tl.inline_asm_elementwise("{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $1, $2, z; }",
                                      "=r,r,r", [pair, (e << 7) | (e << 23)], dtype=tl.uint32, is_pure=True, pack=1)
 

@@ -1,7 +1,7 @@
-"""Where the MXFP4 expert GEMM's time goes (a diagnostic, GPU only): one standalone kernel shaped like kernels.moe's K
+"""Where the MXFP4 expert GEMM's time goes (a diagnostic, GPU only): one standalone kernel shaped like pdflash_kernels.moe's K
 loop (a 16-row activation tile, BN-row weight tiles of one expert per program, decode 3 + join, one dot per K step),
 timed under CUDA graphs (consecutive launches read their own copy of the weights: L2-cold), with parts switched off:
-  full     the loop as kernels.moe runs it;
+  full     the loop as pdflash_kernels.moe runs it;
   noscale  the same without the scale load (every scale byte 127: wrong values, timing only);
   bytes    the packed weights read as 32-bit words and XORed (no activations, no decode, no dot): the read alone;
   bf16     bf16 weights through the same tile loop (no decode);

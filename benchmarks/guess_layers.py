@@ -5,7 +5,9 @@ benchmark's random model (benchmarks/offload.py `build`, the same `--layer-scale
     python benchmarks/guess_layers.py [--model qwen3-48l] [--layers 10] [--layer-scale 0.1] [--device cpu] [--out DIR]
 
 Per layer l + 1 and guess width w (the router's best w per row): precision (the share of guessed experts that the layer
-routes to) and coverage (the share of its routed experts the guess holds); the cosine of the two layers' MoE inputs;
+routes to) and coverage (the share of its routed experts the guess holds); the same coverage of the experts new to a
+token (routed by none of the 1 / 4 tokens before it: what a cache holding recent experts misses, the copies a
+prefetch would have to hide); the cosine of the two layers' MoE inputs;
 how many of a token's experts the previous token also routed to (same layer). No timing: any device. Writes
 guess_layers_<model>_<device>.json under --out.
 """
@@ -23,11 +25,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 WIDTHS = (1, 2, 4, 8, 16)
+LOOKBACKS = (1, 4)  # "new" experts: not routed by the previous 1 / 4 tokens at the same layer (what a small cache misses)
 
 
 def study(model, prompt: list[int]) -> list[dict]:
     """One forward; per guessed layer: {layer, input_cos, prev_token_overlap, by_width: {w: [precision, coverage]}}."""
-    from kernels.installer import _predict_experts, routers
+    from pdflash_kernels.installer import _predict_experts, routers
 
     rt = routers(model)
     inputs: dict[int, torch.Tensor] = {}
@@ -50,7 +53,7 @@ def study(model, prompt: list[int]) -> list[dict]:
         logits = (inputs[l].to(nxt.weight.dtype) @ nxt.weight.t()).float()
         if isinstance(getattr(nxt, "bias", None), torch.Tensor):
             logits = logits + nxt.bias.float()
-        by_width = {}
+        by_width, new_cov = {}, {}
         for w in WIDTHS:
             if w > logits.shape[-1]:
                 continue
@@ -58,11 +61,27 @@ def study(model, prompt: list[int]) -> list[dict]:
             precision = (g[:, :, None] == true[:, None, :]).any(-1).float().mean().item()
             coverage = (true[:, :, None] == g[:, None, :]).any(-1).float().mean().item()
             by_width[w] = [round(precision, 3), round(coverage, 3)]
+            for back in LOOKBACKS:  # the misses' proxy: experts none of the `back` tokens before routed to (same layer)
+                new = _new_experts(true, back)
+                held = (true[:, :, None] == g[:, None, :]).any(-1) & new
+                new_cov.setdefault(back, {})[w] = round(held.sum().item() / max(1, new.sum().item()), 3)
         prev = (true[1:, :, None] == true[:-1, None, :]).any(-1).float().mean().item()
         cos = torch.nn.functional.cosine_similarity(inputs[l].float(), inputs[l + 1].float(), dim=-1).mean().item()
         rows.append(dict(layer=l + 1, input_cos=round(cos, 3), prev_token_overlap=round(prev, 3), top_k=true.shape[1],
-                         by_width=by_width))
+                         by_width=by_width, new_share={b: round(_new_experts(true, b).float().mean().item(), 3) for b in LOOKBACKS},
+                         new_coverage=new_cov))
     return rows
+
+
+def _new_experts(true: torch.Tensor, back: int) -> torch.Tensor:
+    """[rows, k] bool: routed by this row and by none of the `back` rows before it (row 0 and the first rows: compared
+    with the rows there are)."""
+    new = torch.ones_like(true, dtype=torch.bool)
+    for d in range(1, back + 1):
+        seen = torch.zeros_like(new)
+        seen[d:] = (true[d:, :, None] == true[:-d, None, :]).any(-1)
+        new &= ~seen
+    return new
 
 
 def main() -> None:
@@ -89,6 +108,13 @@ def main() -> None:
     for r in rows:
         cells = " | ".join(f"{p} / {c}" for p, c in r["by_width"].values())
         print(f"| {r['layer']} | {r['input_cos']} | {r['prev_token_overlap']} | {cells} |")
+    for back in LOOKBACKS:
+        print(f"\n# experts new to a token (not routed by the {back} token(s) before it, same layer): their share of its "
+              f"routed experts, and the share of them the guess holds at each width")
+        print("| layer | new share | " + " | ".join(f"w{w}" for w in rows[0]["by_width"]) + " |")
+        print("|---|---|" + "---|" * len(rows[0]["by_width"]))
+        for r in rows:
+            print(f"| {r['layer']} | {r['new_share'][back]} | " + " | ".join(str(v) for v in r["new_coverage"][back].values()) + " |")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"guess_layers_{args.model}_{args.device}.json"

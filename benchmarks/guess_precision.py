@@ -1,7 +1,7 @@
 """How well the next-layer guess predicts routing on the benchmarks' random-weight models (CPU, no GPU needed).
 
 The offloaded cache's `layer` prefetch applies layer l + 1's router to layer l's MoE input and streams the experts it
-picks while layer l computes (kernels.installer._predict_experts). Its use depends on how often those picks are the
+picks while layer l computes (pdflash_kernels.installer._predict_experts). Its use depends on how often those picks are the
 experts layer l + 1 then routes. This runs one forward of a random real-shape model (pdflash.tiny.real_shape_config,
 the weights benchmarks/offload.py builds, bf16) over random tokens and reports, per layer transition, the precision
 of a top-g guess: the share of guessed experts that layer l + 1 routes for the same token. The guess is g = 1, a
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 def measure(arch: str, layers: int, tokens: int, seed: int = 0) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from kernels.installer import routers
+    from pdflash_kernels.installer import routers
     from pdflash.tiny import real_shape_config
 
     torch.manual_seed(seed)

@@ -1,4 +1,4 @@
-"""kernels/ on the GPU: the grouped MoE kernel (MXFP4 and bf16) against transformers' default experts
+"""pdflash_kernels/ on the GPU: the grouped MoE kernel (MXFP4 and bf16) against transformers' default experts
 implementation (`grouped_mm`, bf16), and the batch-invariant dense matmul against cuBLAS.
 
     python benchmarks/kernels.py [--out DIR] [--sweep [--skip-main] [--sweep-variants a,b] [--sweep-models m] [--sweep-jobs N]]
@@ -8,13 +8,13 @@ Prints tables and writes kernels_h200.json / .md to --out (default benchmarks/re
 whole call (routing, both GEMMs, the combine) captured in a CUDA graph and replayed back to back, as the
 verifier's graphed forwards run it; `eager_us` is the same call issued from Python (launch overhead included). `hbm_fraction` = weight
 bytes read / time / the measured device-copy rate (bytes read + written per second by a large device copy).
---sweep first times the MoE GEMM variants (kernels.moe.SWEEP_VARIANTS for MXFP4, SWEEP_VARIANTS_BF16 for bf16) on
+--sweep first times the MoE GEMM variants (pdflash_kernels.moe.SWEEP_VARIANTS for MXFP4, SWEEP_VARIANTS_BF16 for bf16) on
 the decode shapes (gpt-oss A=8/32, Qwen3 A=8/32/128, Mixtral A=8 in MXFP4, Qwen3 A=8 in bf16; 1, 4, 16 tokens per
 active expert): one line per (case, variant) with the whole call and each GEMM alone, then a summary that ends in
-a block to paste into kernels/moe.py (FP4_DEFAULT, BF16_DEFAULT, SHAPE_OVERRIDES). Written to --out as
+a block to paste into pdflash_kernels/moe.py (FP4_DEFAULT, BF16_DEFAULT, SHAPE_OVERRIDES). Written to --out as
 kernels_sweep_h200.txt and .json.
 The routing step (`align_fused`) is timed alone too, 1..1024 tokens per model (--align-only: that table alone, into
-kernels_align_h200.json; --align-baseline FILE: against another version of kernels/moe.py, with a check that both give
+kernels_align_h200.json; --align-baseline FILE: against another version of pdflash_kernels/moe.py, with a check that both give
 the same blocks).
 """
 
@@ -124,15 +124,15 @@ def hf_experts(model: str):
 
 
 def as_served(w, pair_words: bool | None = None):
-    """MXFP4 experts moved into one device arena of kernels.mxfp4.ExpertLayout slices, the form the verifier serves
+    """MXFP4 experts moved into one device arena of pdflash_kernels.mxfp4.ExpertLayout slices, the form the verifier serves
     (and the kernels read): scale rows padded to 4 bytes, so MoeConfig.s_words streams them on every model."""
     import dataclasses
 
-    from kernels.mxfp4 import MXFP4Experts
+    from pdflash_kernels.mxfp4 import MXFP4Experts
 
     if not w.fp4:
         return w
-    from kernels.moe import pair_words_for
+    from pdflash_kernels.moe import pair_words_for
 
     q = MXFP4Experts(w.w1, w.s1, w.w2, w.s2, w.b1, w.b2)
     views = q.layout().views(q.to_arena(device=w.w1.device))
@@ -142,16 +142,16 @@ def as_served(w, pair_words: bool | None = None):
 
 
 def _pair_words_served() -> bool:
-    from kernels.moe import pair_words_for
+    from pdflash_kernels.moe import pair_words_for
 
     return pair_words_for("cuda")
 
 
 def as_pair_words(w):
-    """The same served experts with their blocks rewritten as pair words in place (kernels/mxfp4.py to_pair_words)."""
+    """The same served experts with their blocks rewritten as pair words in place (pdflash_kernels/mxfp4.py to_pair_words)."""
     import dataclasses
 
-    from kernels.mxfp4 import to_pair_words
+    from pdflash_kernels.mxfp4 import to_pair_words
 
     if w.pair_words:
         return w
@@ -162,8 +162,8 @@ def as_pair_words(w):
 
 
 def bench_moe(rate: float) -> list[dict]:
-    from kernels.installer import expert_weights
-    from kernels.moe import moe_forward
+    from pdflash_kernels.installer import expert_weights
+    from pdflash_kernels.moe import moe_forward
 
     rows = []
     for model, (e, k, h, i) in MODELS.items():
@@ -197,7 +197,7 @@ def bench_moe(rate: float) -> list[dict]:
 
 
 def bench_linear() -> list[dict]:
-    from kernels.linear import matmul
+    from pdflash_kernels.linear import matmul
 
     rows = []
     shapes = sorted({(4096, 2048), (512, 2048), (2048, 4096), (128, 2048), (4096, 2880), (512, 2880), (2880, 4096), (32, 2880), (4096, 4096), (1024, 4096), (8, 4096)})
@@ -219,10 +219,10 @@ ALIGN_CHUNKS = (64, 256, 1024)
 def bench_align(baseline: str | None = None) -> list[dict]:
     """The MoE call's routing step alone (`align_fused`: the pairs grouped by expert into the GEMMs' row blocks, one
     program), per model's experts and top-k, 1..1024 tokens of random routing. `baseline`: a path to another version of
-    kernels/moe.py (e.g. `git show REV:kernels/moe.py > /tmp/moe_old.py`), timed on the same ids."""
+    pdflash_kernels/moe.py (e.g. `git show REV:pdflash_kernels/moe.py > /tmp/moe_old.py`), timed on the same ids."""
     import importlib.util
 
-    from kernels.moe import align_fused
+    from pdflash_kernels.moe import align_fused
 
     old = None
     if baseline:
@@ -252,9 +252,9 @@ def bench_align(baseline: str | None = None) -> list[dict]:
 
 def invariance_check() -> dict:
     """Row 0 alone vs inside calls of 2..256 rows, for the MoE kernel (both formats) and the matmul."""
-    from kernels.installer import expert_weights
-    from kernels.linear import matmul
-    from kernels.moe import moe_forward
+    from pdflash_kernels.installer import expert_weights
+    from pdflash_kernels.linear import matmul
+    from pdflash_kernels.moe import moe_forward
 
     checked, ok = 0, True
     mod = hf_experts("qwen3-30b-a3b")
@@ -286,7 +286,7 @@ SWEEP_TOKENS = (1, 4, 16)
 
 def _sweep_configs(model: str, fmt: str, names: list[str] | None) -> list[tuple[str, object, object]]:
     """(variant name, gemm1 config, gemm2 config) of every named variant for one model, the current default first."""
-    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, default_config, variant_config
+    from pdflash_kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, default_config, variant_config
 
     e, k, h, i = MODELS[model]
     fp4 = fmt == "mxfp4"
@@ -300,7 +300,7 @@ def _sweep_configs(model: str, fmt: str, names: list[str] | None) -> list[tuple[
 def _compile_all(jobs: list, workers: int) -> None:
     """Compile every (weights, configs) of `jobs` without running them, `workers` compiles at a time (Triton's
     AsyncCompileMode); failures are left for the timed call to report."""
-    from kernels.moe import moe_forward
+    from pdflash_kernels.moe import moe_forward
 
     def warm():
         for x, ids, wts, w, e, c1, c2 in jobs:
@@ -324,12 +324,12 @@ def _compile_all(jobs: list, workers: int) -> None:
 
 
 def sweep(rate: float, names: list[str] | None = None, models: list[str] | None = None, workers: int = 8, log=print) -> list[dict]:
-    """Time the named GEMM variants (kernels.moe.SWEEP_VARIANTS / SWEEP_VARIANTS_BF16) on the decode shapes: the whole
+    """Time the named GEMM variants (pdflash_kernels.moe.SWEEP_VARIANTS / SWEEP_VARIANTS_BF16) on the decode shapes: the whole
     call and each GEMM alone (CUDA graphs), against transformers' grouped_mm. One line per (case, variant)."""
     import time
 
-    from kernels.installer import expert_weights
-    from kernels.moe import align_fused, launch_gemm1, launch_gemm2, moe_forward
+    from pdflash_kernels.installer import expert_weights
+    from pdflash_kernels.moe import align_fused, launch_gemm1, launch_gemm2, moe_forward
 
     rows, t0 = [], time.time()
     for model in dict.fromkeys(m for m, _, _ in SWEEP_CASES):
@@ -349,7 +349,7 @@ def sweep(rate: float, names: list[str] | None = None, models: list[str] | None 
 
             nib = weights["mxfp4"]
             pair_w = as_pair_words(_dc.replace(nib, w1=nib.w1.clone(), w2=nib.w2.clone()))
-        from kernels.moe import PAIR_DECODES
+        from pdflash_kernels.moe import PAIR_DECODES
 
         def stored(fmt, c):
             return pair_w if fmt == "mxfp4" and c.decode in PAIR_DECODES else weights[fmt]
@@ -404,19 +404,19 @@ def _short(c) -> str:
 
 def _stored(r: dict) -> str:
     """A sweep row's stored weight format: bf16, mxfp4 (nibble order) or "mxfp4 pair" (pair words: decodes 5/6)."""
-    from kernels.moe import PAIR_DECODES
+    from pdflash_kernels.moe import PAIR_DECODES
 
     return "mxfp4 pair" if r["weights"] == "mxfp4" and r["config1"].get("decode") in PAIR_DECODES else r["weights"]
 
 
 def sweep_summary(rows: list[dict]) -> list[str]:
-    """The winners, as a block to paste into kernels/moe.py. Per stored format (bf16, MXFP4 in nibble order, MXFP4 as pair
+    """The winners, as a block to paste into pdflash_kernels/moe.py. Per stored format (bf16, MXFP4 in nibble order, MXFP4 as pair
     words) the variant with the least whole-call time over every case is the format's default; per model the variant with
     the least whole-call time over that model's cases overrides both its GEMMs where it differs (block_k written out: an
     override merges over the format's default). The per-GEMM sums (each GEMM timed alone) are listed too, but they can
     disagree with the whole call (stop 31: Mixtral's down GEMM alone favoured a tile whose whole call took 2x), so they
     only inform."""
-    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16
+    from pdflash_kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16
 
     out = ["", "# ---- sweep summary (sums over every case timed) ----"]
     best_fmt: dict = {}
@@ -480,7 +480,7 @@ def sweep_summary(rows: list[dict]) -> list[str]:
         n_, k_ = (i, h) if g == 1 else (h, i)
         base = best_fmt.get(fmt)
         out.append(f"#   {model:14s} {fmt:10s} gemm{g} (n={n_}, k={k_}): {win} {full[win]:.1f} us" + (f" (format default {base}: {full[base]:.1f} us)" if base in full else ""))
-    out.append("# ---- paste into kernels/moe.py (THE ONE PLACE TO SET THE SWEEP'S WINNERS) ----")
+    out.append("# ---- paste into pdflash_kernels/moe.py (THE ONE PLACE TO SET THE SWEEP'S WINNERS) ----")
     names = {"mxfp4": ("FP4_DEFAULT", "SWEEP_VARIANTS", "SHAPE_OVERRIDES: dict[tuple[int, int, int, bool], dict] = {"),
              "bf16": ("BF16_DEFAULT", "SWEEP_VARIANTS_BF16", None),
              "mxfp4 pair": ("PAIR_DEFAULT", "SWEEP_VARIANTS", "PAIR_SHAPE_OVERRIDES: dict[tuple[int, int, int], dict] = {  # (gemm, n, k)")}
@@ -501,11 +501,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--sweep", action="store_true", help="time the MoE GEMM variants on the decode shapes first")
     ap.add_argument("--skip-main", action="store_true", help="only the sweep")
-    ap.add_argument("--sweep-variants", default=None, help="comma-separated variant names (default: all of kernels.moe.SWEEP_VARIANTS*)")
+    ap.add_argument("--sweep-variants", default=None, help="comma-separated variant names (default: all of pdflash_kernels.moe.SWEEP_VARIANTS*)")
     ap.add_argument("--sweep-models", default=None, help="comma-separated models (default: " + ",".join(MODELS) + ")")
     ap.add_argument("--sweep-jobs", type=int, default=8, help="parallel compiles before the sweep times (1: one at a time)")
     ap.add_argument("--align-only", action="store_true", help="only the routing step's table (bench_align)")
-    ap.add_argument("--align-baseline", default=None, help="another kernels/moe.py to time the routing step against")
+    ap.add_argument("--align-baseline", default=None, help="another pdflash_kernels/moe.py to time the routing step against")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

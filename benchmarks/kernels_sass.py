@@ -1,4 +1,4 @@
-"""The MoE GEMM kernels seen without a GPU: each variant of kernels.moe (SWEEP_VARIANTS, SWEEP_VARIANTS_BF16) compiled
+"""The MoE GEMM kernels seen without a GPU: each variant of pdflash_kernels.moe (SWEEP_VARIANTS, SWEEP_VARIANTS_BF16) compiled
 for sm_90a by Triton and the ptxas it ships, and the SASS of its K loop counted per weight value.
 
     python benchmarks/kernels_sass.py [--models qwen3-30b-a3b,gpt-oss-20b] [--variants base,join_bf16] [--bf16] [--dump DIR]
@@ -39,12 +39,12 @@ DIV16 = ("x_ptr", "h_ptr", "y_ptr", "w_ptr", "s_ptr", "b_ptr", "stride_xm", "str
 
 
 def compile_gemm(gemm: int, c, model: str, fp4: bool):
-    """kernels.moe's gemm 1 or 2 compiled for sm_90a with config c (pointer and stride args 16-aligned, as at run time)."""
+    """pdflash_kernels.moe's gemm 1 or 2 compiled for sm_90a with config c (pointer and stride args 16-aligned, as at run time)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import moe
+    from pdflash_kernels import moe
 
     e, k, h, i, row_mul, up_off, bias, act = MODELS[model]
     wt = "*u8" if fp4 else "*bf16"
@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="the bf16-weight variants (default: MXFP4)")
     ap.add_argument("--dump", default=None, help="write each kernel's SASS into this folder")
     args = ap.parse_args()
-    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, variant_config
+    from pdflash_kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, variant_config
 
     fp4 = not args.bf16
     table = SWEEP_VARIANTS if fp4 else SWEEP_VARIANTS_BF16

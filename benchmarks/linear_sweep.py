@@ -5,7 +5,7 @@ L2 (as in a forward, where each layer's weights are read once), weight bandwidth
     python benchmarks/linear_sweep.py --out OUT --splits --rows 1 16 64 [--m-tiles 4 2 1] [--wide-from 0 16] [--split-values 1 2]
         (the K split, row tiles and tile height against cuBLAS, whole calls)
 
-The K split and BLOCK_K stay those of `kernels.linear.linear_config` (they set what each output element adds, in which
+The K split and BLOCK_K stay those of `pdflash_kernels.linear.linear_config` (they set what each output element adds, in which
 order). Varied: num_warps and num_stages (the default's bits or not: `same_bits`), and the tile's height BLOCK_M and
 width BLOCK_N (PDFLASH_LINEAR_BLOCK_M sets the height for every call). An option is usable where its rows are
 invariant: each row alone, in a 7-row, a 16-row and a 100-row call gives the same bits (`rows_invariant`). Timing:
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--m-tiles", type=int, nargs="+", default=[4],
                     help="with --splits: LinearConfig.max_m_tiles values to time (row tiles a program takes beyond 16 rows)")
     ap.add_argument("--wide-from", type=int, nargs="+", default=[0],
-                    help="with --splits: kernels.linear.WIDE_FROM values to time (0: 16-row tiles only; 16: 64-row tiles above 16 rows)")
+                    help="with --splits: pdflash_kernels.linear.WIDE_FROM values to time (0: 16-row tiles only; 16: 64-row tiles above 16 rows)")
     ap.add_argument("--split-values", type=int, nargs="+", default=None,
                     help="with --splits: only these K splits (default: the shape's default and 1, 2, 4, 8, 16)")
     ap.add_argument("--only", default="", help="only the shapes whose name starts with this (e.g. gpt-oss)")
@@ -72,7 +72,7 @@ def main() -> None:
     import torch
     import triton.testing
 
-    from kernels import linear
+    from pdflash_kernels import linear
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -124,7 +124,7 @@ def split_sweep(args) -> None:
     import torch
     import triton.testing
 
-    from kernels import linear
+    from pdflash_kernels import linear
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)

@@ -79,9 +79,9 @@ def pinned_rate(store, slices: int = 64) -> float:
 
 
 def fill_rate(store, slices: int = 32) -> float:
-    """Bytes per second of the device-managed cache's copies: the fill kernel (kernels/offload.py) reading pinned host
+    """Bytes per second of the device-managed cache's copies: the fill kernel (pdflash_kernels/offload.py) reading pinned host
     slices over PCIe into device slots, `slices` slices in one launch as a layer's misses would be."""
-    from kernels import offload as ko
+    from pdflash_kernels import offload as ko
 
     n = min(slices, store.arena.shape[0])
     pool = torch.empty(n, store.slice_bytes, dtype=torch.uint8, device="cuda")
@@ -157,12 +157,12 @@ def offloaded_core(model, name: str):
 
 def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", guess_width: int = 0, overlap: str = "async"):
     """A fresh cache (`mode`: device- or host-managed) holding `fraction` of the experts (at least one layer's), the
-    modules routed through it; its next-layer guess takes the router's top `guess_width` (0: auto, kernels.installer.guess_k);
+    modules routed through it; its next-layer guess takes the router's top `guess_width` (0: auto, pdflash_kernels.installer.guess_k);
     `overlap` (device cache): "on", a layer's misses copy while its resident experts compute (--expert-fill-overlap), the
     next layer waiting for the guess's copies; "off"; or "+"-joined: "async" (the next layer waits only for the guess's
     admission, PDFLASH_EXPERT_GUESS_ASYNC: the server's default),
     "gN" (the misses in N copy groups, PDFLASH_EXPERT_FILL_GROUPS), e.g. "async+g3"."""
-    from kernels.installer import experts_modules
+    from pdflash_kernels.installer import experts_modules
     from verifier_svc.expert_cache import min_slots, new_cache
 
     old = core.target.expert_cache
@@ -207,7 +207,7 @@ def peer(arch: str, layers: int, prompts, new: int) -> dict:
     forward; plain greedy generate."""
     from accelerate import dispatch_model
 
-    from kernels.installer import experts_modules
+    from pdflash_kernels.installer import experts_modules
 
     model = build(arch, layers)
     experts = {id(m) for m in experts_modules(model).values()}

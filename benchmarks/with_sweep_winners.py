@@ -1,12 +1,12 @@
-"""Run pytest with a sweep's winners in place, before they are pasted into kernels/moe.py: one GPU call can sweep the
+"""Run pytest with a sweep's winners in place, before they are pasted into pdflash_kernels/moe.py: one GPU call can sweep the
 MoE GEMM variants, then check the winning configs end to end (bit-identical rows, block widths equal to block 1).
 
     python benchmarks/kernels.py --out OUT --sweep --skip-main ... > OUT/sweep.txt
     python benchmarks/with_sweep_winners.py OUT/sweep.txt -- tests/test_gpu_verifier.py -k "every_drafter"
 
-Reads the block the sweep prints after "# ---- paste into kernels/moe.py" (PAIR_DEFAULT / PAIR_SHAPE_OVERRIDES /
-FP4_DEFAULT / SHAPE_OVERRIDES assignments over kernels.moe's variant tables), executes it in kernels.moe's namespace
-(the configs are looked up per call: `kernels.moe.variant_config`), prints what changed, and runs pytest in this
+Reads the block the sweep prints after "# ---- paste into pdflash_kernels/moe.py" (PAIR_DEFAULT / PAIR_SHAPE_OVERRIDES /
+FP4_DEFAULT / SHAPE_OVERRIDES assignments over pdflash_kernels.moe's variant tables), executes it in pdflash_kernels.moe's namespace
+(the configs are looked up per call: `pdflash_kernels.moe.variant_config`), prints what changed, and runs pytest in this
 process. Exit status: pytest's.
 """
 
@@ -18,7 +18,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MARK = "# ---- paste into kernels/moe.py"
+MARK = "# ---- paste into pdflash_kernels/moe.py"
 NAMES = ("PAIR_DEFAULT", "PAIR_SHAPE_OVERRIDES", "FP4_DEFAULT", "SHAPE_OVERRIDES", "BF16_DEFAULT")
 
 
@@ -36,8 +36,8 @@ def winners_block(text: str) -> str:
 
 
 def apply(block: str) -> dict:
-    """Execute the block in kernels.moe's namespace; returns the names it set, as they now stand."""
-    from kernels import moe
+    """Execute the block in pdflash_kernels.moe's namespace; returns the names it set, as they now stand."""
+    from pdflash_kernels import moe
 
     before = {n: repr(getattr(moe, n)) for n in NAMES}
     exec(compile(block, "<sweep winners>", "exec"), moe.__dict__)

@@ -166,9 +166,9 @@ GPT_OSS_MXFP4_CONFIG = {
 def gpt_oss_mxfp4_experts(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> dict[str, torch.Tensor]:
     """One gpt_oss layer's experts as transformers holds them (gate_up_proj [E, H, 2I] with gate/up columns
     interleaved, down_proj [E, I, H]) -> the published tensors (REFERENCE.md section 5), quantized with
-    kernels/mxfp4, one expert at a time: gate_up_proj_blocks [E, 2I, H/32, 16] u8 + _scales [E, 2I, H/32] u8,
+    pdflash_kernels/mxfp4, one expert at a time: gate_up_proj_blocks [E, 2I, H/32, 16] u8 + _scales [E, 2I, H/32] u8,
     down_proj_blocks [E, H, I/32, 16] + _scales [E, H, I/32] (rows = output features, K = the input dimension)."""
-    from kernels import mxfp4
+    from pdflash_kernels import mxfp4
 
     out = {}
     for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 if os.environ.get("PYTEST_PDFLASH_WORKER_CORES"):  # an xdist worker: torch's threads as its slice (if a plugin imported torch first)
     torch.set_num_threads(len(os.sched_getaffinity(0)))
 
-# Without CUDA, Triton kernels (kernels/) run under Triton's CPU interpreter; set before anything imports them.
+# Without CUDA, Triton kernels (pdflash_kernels/) run under Triton's CPU interpreter; set before anything imports them.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -47,7 +47,7 @@ from pdflash.tiny import make_tiny_checkpoint  # noqa: E402
 # (tests/test_e2e_identity.py, tests/test_*_gpu.py).
 DEVICE, DTYPE = "cpu", "float32"
 
-from kernels import runtime as _kernels_runtime  # noqa: E402
+from pdflash_kernels import runtime as _kernels_runtime  # noqa: E402
 
 # The kernels' logic on a CPU runs under Triton's interpreter: a platform condition (triton installed), not a way around
 # a failing test. (On a GPU host the GPU test files compile the same kernels for real.)

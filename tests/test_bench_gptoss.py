@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import mxfp4
-from kernels.installer import experts_modules
+from pdflash_kernels import mxfp4
+from pdflash_kernels.installer import experts_modules
 
 VERIFIER_KEYS = {"target", "mode", "block", "tok_s", "tau", "forward_ms", "byte_time_ms", "of_byte_time", "round_other_ms",
                  "identical", "tokens", "rounds", "routed_bytes_per_round"}
@@ -31,7 +31,7 @@ def _run(tmp_path, *args: str) -> dict:
 
 
 def _dequantized_oracle(model) -> None:
-    """The experts through MXFP4 and back with kernels.mxfp4 alone (K = each projection's input dimension; gpt-oss
+    """The experts through MXFP4 and back with pdflash_kernels.mxfp4 alone (K = each projection's input dimension; gpt-oss
     stores [E, in, out]), the biases through bf16: what an MXFP4 verifier of this model computes with."""
     for module in experts_modules(model).values():
         assert module.is_transposed
@@ -55,7 +55,7 @@ def test_gptoss_tiny_runs_end_to_end_and_block_one_is_transformers_greedy_on_the
     from transformers import AutoModelForCausalLM
 
     from benchmarks.e2e_gpu import target_config
-    from kernels.mxfp4 import ExpertLayout
+    from pdflash_kernels.mxfp4 import ExpertLayout
 
     new = 12
     result = _run(tmp_path, "--tiny", "--targets", "gptoss-2l", "--prompts", "2", "--new-tokens", str(new),
@@ -82,7 +82,7 @@ def test_gptoss_tiny_runs_end_to_end_and_block_one_is_transformers_greedy_on_the
     rate = result["meta"]["copy_rate_bytes_per_s"]
     assert none["byte_time_ms"] == pytest.approx((info["dense_bytes"] + none["routed_bytes_per_round"]) / rate * 1e3, rel=1e-2, abs=1e-4)
 
-    # the oracle, apart from the script: the same seeded model, experts through MXFP4 by kernels.mxfp4, transformers'
+    # the oracle, apart from the script: the same seeded model, experts through MXFP4 by pdflash_kernels.mxfp4, transformers'
     # own greedy decoding in float32, against the verifier's block-1 tokens the script recorded
     prompts = info["prompt_ids"]
     assert len(prompts) == 2 and all(len(p) == 72 for p in prompts)
@@ -152,7 +152,7 @@ def test_serve_mxfp4_resident_with_the_kernels_equals_the_reference(monkeypatch)
 
     from benchmarks.e2e_gpu import target_config
     from benchmarks.inprocess import core_run
-    from kernels import runtime
+    from pdflash_kernels import runtime
     from verifier_svc.engine import PagedKVOptions, VerifierCore
     from verifier_svc.model import quantize_experts, serve_mxfp4
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kernels.installer import expert_weights, experts_modules
-from kernels.reference import moe_reference
+from pdflash_kernels.installer import expert_weights, experts_modules
+from pdflash_kernels.reference import moe_reference
 from tests.conftest import DEVICE, DTYPE
 from verifier_svc.expert_cache import ExpertCache, min_slots
 from verifier_svc.expert_store import HostExpertStore
@@ -129,7 +129,7 @@ def test_experts_read_through_the_cache_equal_the_resident_store(store):
 
 
 def _three_layer_store() -> HostExpertStore:
-    from kernels.mxfp4 import ExpertLayout
+    from pdflash_kernels.mxfp4 import ExpertLayout
     from verifier_svc.expert_store import GateLayout
 
     return HostExpertStore(ExpertLayout(64, 64, False), {0: 4, 1: 4, 2: 4}, GateLayout(1, 64, 0, 1.0, 7.0))
@@ -295,9 +295,9 @@ def test_kept_bytes_is_what_a_cache_can_keep_resident():
 
 def test_a_pair_word_store_holds_the_same_slices_in_pair_words_and_serves_the_same_experts(store):
     """`pair_words` (what a GPU verifier's store holds with PDFLASH_FP4_PAIR_WORDS=1): the same slice sizes and byte map,
-    each slice's blocks as kernels.mxfp4.to_pair_words of the nibble-order store's (scales and biases as they are), its
+    each slice's blocks as pdflash_kernels.mxfp4.to_pair_words of the nibble-order store's (scales and biases as they are), its
     ExpertWeights say so, and the torch reference serves the same outputs from it. put_expert converts nibble-order parts."""
-    from kernels import mxfp4
+    from pdflash_kernels import mxfp4
 
     model = store.model
     pw = HostExpertStore.from_model(model, pair_words=True)
@@ -327,8 +327,8 @@ def test_the_installation_report_names_pair_words(tiny):
     pair words from the nibble order): resident experts and an expert cache over a pair-word store."""
     import dataclasses
 
-    from kernels import mxfp4
-    from kernels.installer import serve_offloaded_experts
+    from pdflash_kernels import mxfp4
+    from pdflash_kernels.installer import serve_offloaded_experts
     from verifier_svc.expert_cache import new_cache
 
     model = AutoModelForCausalLM.from_pretrained(tiny.target("qwen3_moe"), dtype=getattr(torch, DTYPE)).to(DEVICE)
@@ -337,9 +337,9 @@ def test_the_installation_report_names_pair_words(tiny):
     w = store.layer_weights(layer)
     module._pdflash_mxfp4 = dataclasses.replace(w, w1=mxfp4.to_pair_words(w.w1), w2=mxfp4.to_pair_words(w.w2), pair_words=True)
     try:
-        import kernels
+        import pdflash_kernels
 
-        inst = kernels.install(model, experts_format="mxfp4", probe=False)
+        inst = pdflash_kernels.install(model, experts_format="mxfp4", probe=False)
         try:
             assert inst.experts[layer] == "triton mxfp4 (pair words)"
         finally:
@@ -348,9 +348,9 @@ def test_the_installation_report_names_pair_words(tiny):
         del module._pdflash_mxfp4
     pw = HostExpertStore.from_model(model, pair_words=True)
     serve_offloaded_experts(model, new_cache(pw, 1e9, CPU, prefetch=""))
-    import kernels
+    import pdflash_kernels
 
-    inst = kernels.install(model, experts_format="mxfp4", probe=False)
+    inst = pdflash_kernels.install(model, experts_format="mxfp4", probe=False)
     try:
         assert inst.experts[layer] == "triton mxfp4 (offloaded: expert cache, pair words)"
     finally:

@@ -1,5 +1,5 @@
-"""The attention block's fused input side (kernels/qkv.py, verifier_svc/fused_attention.py) and the linears whose K
-partials are summed by the kernel that consumes them (kernels.linear.partials: the residual add + norm after the
+"""The attention block's fused input side (pdflash_kernels/qkv.py, verifier_svc/fused_attention.py) and the linears whose K
+partials are summed by the kernel that consumes them (pdflash_kernels.linear.partials: the residual add + norm after the
 output projection, the routing after the router): each gives the op-by-op path's bits. On the CPU under Triton's
 interpreter; tests/test_gpu_verifier.py runs the runner on CUDA at the real layer shapes."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fused, linear, qkv
-from kernels.attention import PAGE, paged_write_reference
+from pdflash_kernels import fused, linear, qkv
+from pdflash_kernels.attention import PAGE, paged_write_reference
 from tests.conftest import needs_triton
 
 G = torch.Generator().manual_seed(0)
@@ -60,7 +60,7 @@ def test_merged_projections_share_the_merged_config_also_called_alone(monkeypatc
     (`linear.share_config`) each projection called alone gives the merged partials' columns bit for bit. With 8 SMs
     (patched) k/v alone would split K 2 ways and q and the merged projection 1: here the parts run split 1. The
     sharing leaves with the merged tensor, and a call with another K ignores it."""
-    from kernels import runtime
+    from pdflash_kernels import runtime
 
     monkeypatch.setattr(runtime, "sm_count", lambda: 8)
     linear.linear_config.cache_clear()
@@ -141,13 +141,13 @@ def _tiny(arch, layers=2):
 def test_the_runner_fuses_attention_and_gives_the_modules_bits(arch):
     """The runner's probe passes on the tiny models (bf16); a prefill and two verify blocks give the logits, features
     and pool contents of the same runner calling the attention modules."""
-    import kernels
+    import pdflash_kernels
     from verifier_svc.experts import ExpertsSeam
     from verifier_svc.kv import KVPool, SequenceKV
     from verifier_svc.runner import ForwardRunner
 
     model = _tiny(arch)
-    inst = kernels.install(model, probe=False)
+    inst = pdflash_kernels.install(model, probe=False)
     try:
         seam, cfg = ExpertsSeam(model), model.config
         results = []
@@ -173,11 +173,11 @@ def test_the_runner_fuses_attention_and_gives_the_modules_bits(arch):
 def test_build_refuses_an_attention_with_one_per_head_norm():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention  # noqa: F401
 
-    import kernels
+    import pdflash_kernels
     from verifier_svc.fused_attention import FusedAttention
 
     model = _tiny("qwen3_moe", layers=1)
-    inst = kernels.install(model, probe=False)
+    inst = pdflash_kernels.install(model, probe=False)
     try:
         attn = model.model.layers[0].self_attn
         attn.k_norm = None

@@ -1,6 +1,6 @@
-"""kernels/fused.py (RMSNorm, rotary, routing in one launch each) and their installation, on the CPU under Triton's
+"""pdflash_kernels/fused.py (RMSNorm, rotary, routing in one launch each) and their installation, on the CPU under Triton's
 interpreter (TRITON_INTERPRET=1, set by conftest.py). Each fused kernel must give, bit for bit, what the op-by-op
-path gives (transformers' formula with kernels.dispatch's invariant reductions), and a row's result must not depend
+path gives (transformers' formula with pdflash_kernels.dispatch's invariant reductions), and a row's result must not depend
 on the other rows. The GPU versions are in tests/test_kernels_gpu.py."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import fused
-from kernels.dispatch import InvariantMode
+from pdflash_kernels import fused
+from pdflash_kernels.dispatch import InvariantMode
 
 from tests.conftest import needs_triton  # noqa: E402
 G = torch.Generator().manual_seed(0)
 
 
 def _norm_op_by_op(x, w, eps, cast_first):
-    with InvariantMode():  # the mean through kernels.reduce.row_sum, as an installed model runs it
+    with InvariantMode():  # the mean through pdflash_kernels.reduce.row_sum, as an installed model runs it
         xf = x.to(torch.float32)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return w * y.to(x.dtype) if cast_first else (w * y).to(x.dtype)
@@ -168,15 +168,15 @@ def _tiny(arch):
 def test_installed_fused_kernels_give_the_op_by_op_logits(arch):
     """Every RMSNorm, the rotary function and every router run fused, and the logits equal those of the same model
     with the kernels installed op by op (fuse=False), bit for bit; uninstalling puts transformers' code back."""
-    import kernels
-    from kernels import installer
+    import pdflash_kernels
+    from pdflash_kernels import installer
 
     model = _tiny(arch)
     other = copy.deepcopy(model)
     modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
     original_rotary = modeling.apply_rotary_pos_emb
-    inst = kernels.install(model, probe=False)  # (the probe's forwards: slow under the interpreter, tested elsewhere)
-    ref = kernels.install(other, probe=False, fuse=False)
+    inst = pdflash_kernels.install(model, probe=False)  # (the probe's forwards: slow under the interpreter, tested elsewhere)
+    ref = pdflash_kernels.install(other, probe=False, fuse=False)
     try:
         report = inst.summary()["fused"]
         n_norms = len(installer.norm_modules(model))
@@ -201,11 +201,11 @@ def test_installed_fused_kernels_give_the_op_by_op_logits(arch):
 def test_the_patched_rotary_runs_transformers_code_outside_an_installed_forward():
     """A second model of the same architecture in the process (a reference, not installed) keeps transformers' own
     rotary while the patch is in place."""
-    import kernels
-    from kernels import installer
+    import pdflash_kernels
+    from pdflash_kernels import installer
 
     model, plain = _tiny("qwen3_moe"), _tiny("qwen3_moe")
-    inst = kernels.install(model, probe=False)
+    inst = pdflash_kernels.install(model, probe=False)
     try:
         before = installer.CALLS["fused"]
         with torch.inference_mode():
@@ -228,12 +228,12 @@ class _GemmaLikeRMSNorm(nn.Module):  # (1 + weight): a formula the fused kernel 
 
 @needs_triton
 def test_an_unrecognised_norm_keeps_its_own_ops_and_is_reported():
-    import kernels
+    import pdflash_kernels
 
     model = _tiny("qwen3_moe")
     d = model.config.hidden_size
     model.model.norm = _GemmaLikeRMSNorm(d).to(torch.bfloat16)
-    inst = kernels.install(model, probe=False)
+    inst = pdflash_kernels.install(model, probe=False)
     try:
         report = inst.summary()["fused"]["rms_norm"]
         assert "not fused: _GemmaLikeRMSNorm (an unrecognised formula)" in report, report
@@ -247,7 +247,7 @@ _COMPILE = r'''
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import fused
+from pdflash_kernels import fused
 
 import os
 PDL = os.environ.get("PDFLASH_PDL") == "1"
@@ -272,7 +272,7 @@ for d, cast, res, split in ((2048, True, False, 0), (2880, False, False, 0), (12
                                                 EMULATE=False, HAS_RES=res, SPLIT=split, HAS_BIAS=split == 1,
                                                 **({} if split else dict(bias_ptr=None))))
     assert "fma." not in p, "x * x contracted into the sum"
-from kernels import qkv
+from pdflash_kernels import qkv
 qt = dict(ws_a="*fp32", ws_b="*fp32", bias_ptr="*bf16", qn_ptr="*bf16", kn_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", q_ptr="*bf16",
           kp_ptr="*bf16", vp_ptr="*bf16", pages_ptr="*i64", offs_ptr="*i64", q_eps="fp32", k_eps="fp32", scale="fp32")
 for hq, hk, d, split, bias, norm, half, ha in ((32, 4, 128, 8, False, True, False, 40), (64, 8, 64, 8, True, False, True, 80),
@@ -292,7 +292,7 @@ for e, k, sf, norm, st in ((128, 8, True, True, "*bf16"), (32, 4, False, False, 
         ptx(fused._route_kernel, dict(logits_ptr="*bf16", scores_ptr=st, ids_ptr="*i64", **extra),
             dict(E=e, K=k, SOFTMAX_FIRST=sf, NORM=norm, BLOCK_E=e, BLOCK_K=k, EMULATE=False, SPLIT=split,
                  HAS_BIAS=False, XROUND=1, **({} if split else dict(ws_ptr=None, bias_ptr=None))))
-from kernels import linear
+from pdflash_kernels import linear
 const = dict(N=512, K=2048, K_PER_SPLIT=256, SPLIT=8, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, PRECISION="tf32",
              F32DOT=False, FIXUP=True, PARTIALS=False, MT=1, LOOP_STAGES=None)
 p = ptx(linear._linear_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32",
@@ -300,7 +300,7 @@ p = ptx(linear._linear_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", bias_ptr="*bf1
 assert "atom.global.gpu.acq_rel.add" in p and "ld.global.cg" in p, "the one-launch linear's semaphore or L2 reads"
 ptx(linear._linear_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", bias_ptr="*fp32", out_ptr="*fp32", ws_ptr="*fp32",
                                 cnt_ptr="*fp32"), {**const, "SPLIT": 1, "HAS_BIAS": False, "FIXUP": False, "PARTIALS": True})
-from kernels import attention
+from pdflash_kernels import attention
 at = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", pos_ptr="*i64", kmask_ptr="*i64", sink_ptr="*fp32",
           table_ptr="*i32", ws_ptr="*fp32", ml_ptr="*fp32", cnt_ptr="*i32", scaling="fp32")
 dummy = dict(ws_ptr="*bf16", ml_ptr="*bf16", cnt_ptr="*bf16")  # one program: the launcher passes the output as the buffers
@@ -311,7 +311,7 @@ for progs, paged, sink, group in ((16, True, False, 8), (1, True, True, 8), (1, 
                                              F32DOT=False, PAGED=paged))
     if progs > 1:
         assert "atom.global.gpu.acq_rel.add" in p and "ld.global.cg" in p, "the split attention's semaphore or L2 reads"
-from kernels import moe
+from pdflash_kernels import moe
 al = dict(ids_ptr="*i64", nvalid_ptr="*i64", slot_ptr="*i32", sorted_ptr="*i32", block_slot_ptr="*i32", num_blocks_ptr="*i32",
           valid_ptr="*i1", phase_ptr="*i8", block_phase_ptr="*i8")
 for e, ch, phase, slot in ((128, 64, False, True), (128, 1024, True, True), (32, 256, False, False), (8, 64, True, True),
@@ -363,7 +363,7 @@ _, sync, streamed = loop_loads(compiled_ir(linear._linear_kernel, lt, lc, [n for
                                            if n.endswith("_ptr") or n in ("stride_am", "stride_bn", "stride_om")],
                                            cfg.num_warps, cfg.num_stages))
 assert len(streamed) == 2 and not sync, ("the linear's K loop", sync, streamed)
-# four 16-row tiles against each weight tile (kernels.linear.m_tiles, a 33..64-row call): every row tile's activations
+# four 16-row tiles against each weight tile (pdflash_kernels.linear.m_tiles, a 33..64-row call): every row tile's activations
 # stream too, and each is its own 16-row dot
 _, sync, streamed = loop_loads(compiled_ir(linear._linear_kernel, lt, {**lc, "BLOCK_M": 16, "MT": 4, "LOOP_STAGES": cfg.num_stages}, [n for n in linear._linear_kernel.arg_names
                                            if n.endswith("_ptr") or n in ("stride_am", "stride_bn", "stride_om")],
@@ -415,7 +415,7 @@ print("compiled")
 def test_fused_kernels_compile_for_an_h200_without_contracting_products_into_sums():
     """The interpreter runs the kernels' logic; this compiles them for sm_90 with Triton and the ptxas it ships (no GPU
     needed) at the real models' shapes, and checks the PTX keeps each product rounded before its sum (no fma: torch's
-    op-by-op path rounds there too); also the one-launch linear (kernels.linear ONE_LAUNCH): its tile semaphore is a
+    op-by-op path rounds there too); also the one-launch linear (pdflash_kernels.linear ONE_LAUNCH): its tile semaphore is a
     gpu-scope acq_rel atomic and the partials are read from L2; and the K loops of the linear, the paged attention and
     the MXFP4 GEMM stream their dot operands ahead (cp.async), the MXFP4 scales a step ahead with s_ahead, and a split-K
     GEMM's K ranges as well (its semaphore as the linear's)."""
@@ -446,7 +446,7 @@ def _chain_kwargs(model, kw_name):
 def test_prenorm_chain_gives_the_layers_bits(arch):
     """Each residual add fused into the next norm: the final normed rows and every layer's output equal running the
     layers as they are, then the final norm."""
-    import kernels
+    import pdflash_kernels
     from pdflash.hf_compat import cache_kwarg
     from verifier_svc.prenorm import PreNormChain, _ProbeCache
 
@@ -456,7 +456,7 @@ def test_prenorm_chain_gives_the_layers_bits(arch):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, 512, 0, num_layers=2), dtype=torch.bfloat16).eval()
-    inst = kernels.install(model, probe=False)
+    inst = pdflash_kernels.install(model, probe=False)
     try:
         layers, kw = model.model.layers, cache_kwarg(model.model.layers[0])
         make = _chain_kwargs(model, kw)
@@ -481,7 +481,7 @@ def test_prenorm_chain_gives_the_layers_bits(arch):
 @needs_triton
 def test_prenorm_chain_refuses_a_layer_with_another_dataflow():
     """A layer that norms the attention's output before the add (a sandwich norm) is not the chain's pattern."""
-    import kernels
+    import pdflash_kernels
     from pdflash.hf_compat import cache_kwarg
     from verifier_svc.prenorm import PreNormChain
 
@@ -497,7 +497,7 @@ def test_prenorm_chain_refuses_a_layer_with_another_dataflow():
             return h + self.mlp(self.post_attention_layernorm(h))
 
     layer.__class__ = Sandwich
-    inst = kernels.install(model, probe=False)
+    inst = pdflash_kernels.install(model, probe=False)
     try:
         with torch.inference_mode(), InvariantMode():
             why = PreNormChain.probe(model, model.model.layers, model.model.norm, _chain_kwargs(model, kw))
@@ -512,13 +512,13 @@ def test_prenorm_chain_refuses_a_layer_with_another_dataflow():
 
 @needs_triton
 def test_stubbed_experts_return_zeros_and_touch_nothing():
-    """kernels.installer.experts_stubbed (the pre-norm chain's probe): the experts module answers zeros without running
+    """pdflash_kernels.installer.experts_stubbed (the pre-norm chain's probe): the experts module answers zeros without running
     a kernel (CALLS unchanged), and outside the context the kernels run again."""
-    import kernels
-    from kernels import installer
+    import pdflash_kernels
+    from pdflash_kernels import installer
 
     model = _tiny("qwen3_moe")
-    inst = kernels.install(model, probe=False)
+    inst = pdflash_kernels.install(model, probe=False)
     try:
         experts = model.model.layers[0].mlp.experts
         x = torch.randn(3, model.config.hidden_size, generator=G).bfloat16()

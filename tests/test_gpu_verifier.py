@@ -123,7 +123,7 @@ def test_every_drafter_and_width_equals_block_one(core):
 def test_graphs_on_the_paged_cache_equal_eager_forwards_on_transformers_cache(core):
     """The graphed paged forward (pre-norm chain, fused attention where its probe passed) against transformers' own
     forward of the modules on its DynamicCache, both on the batch-invariant kernels."""
-    assert core.runner.attention.startswith("fused"), core.runner.attention  # (q|k|v merged, kernels.qkv.plan)
+    assert core.runner.attention.startswith("fused"), core.runner.attention  # (q|k|v merged, pdflash_kernels.qkv.plan)
     prompt = _prompts(core.target.vocab_size, 1)[0]
     assert _run(core, prompt, _no_drafts) == _run(core.eager, prompt, _no_drafts)
 

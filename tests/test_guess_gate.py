@@ -79,7 +79,7 @@ def test_the_device_cache_switches_its_guess_off_through_the_device_flag_and_no_
 
 
 def test_guess_k_takes_a_quarter_of_top_k_by_default_and_never_more_than_top_k():
-    from kernels.installer import guess_k
+    from pdflash_kernels.installer import guess_k
 
     assert [guess_k(k, 0) for k in (1, 2, 4, 8, 16)] == [1, 1, 1, 2, 4]
     assert [guess_k(4, w) for w in (1, 2, 4, 9)] == [1, 2, 4, 4]
@@ -88,7 +88,7 @@ def test_guess_k_takes_a_quarter_of_top_k_by_default_and_never_more_than_top_k()
 def test_a_guess_width_keeps_the_routers_best_picks_in_order():
     from types import SimpleNamespace
 
-    from kernels.installer import _predict_experts
+    from pdflash_kernels.installer import _predict_experts
 
     g = torch.Generator().manual_seed(0)
     router = SimpleNamespace(weight=torch.randn(8, 16, generator=g), bias=None, top_k=4)

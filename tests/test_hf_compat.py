@@ -84,3 +84,18 @@ def test_the_keyword_is_read_from_the_forward_signature():
     assert cache_kwargs("cache", 1) == {"cache": 1}
     with pytest.raises(TypeError, match="neither"):
         cache_kwarg(_NoCache())
+
+
+def test_no_package_of_ours_shadows_a_dependency():
+    """Our top-level import names are not another installed distribution's: transformers 5.25 requires the hub's
+    `kernels` package and imports it at `import transformers...activations`, so a top-level `kernels` of ours (the
+    name the Triton kernels had until stop 35) made every model import fail. Now they are `pdflash_kernels`."""
+    import importlib
+    import importlib.metadata as md
+
+    ours = {"pdflash", "pdflash_kernels", "drafter_svc", "scheduler_svc", "verifier_svc", "training"}
+    owners = md.packages_distributions()
+    clashes = {name: owners[name] for name in ours if set(owners.get(name, [])) - {"pdflash"}}
+    assert not clashes, f"import names of ours also installed by other distributions: {clashes}"
+    importlib.import_module("transformers.activations")  # imports the hub's `kernels` where it is installed
+    importlib.import_module("transformers.integrations.hub_kernels")

@@ -1,4 +1,4 @@
-"""kernels/ on the CPU: the MXFP4 format, the torch references against plain torch math, and the Triton
+"""pdflash_kernels/ on the CPU: the MXFP4 format, the torch references against plain torch math, and the Triton
 kernels' logic under Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py on machines without
 CUDA). The same kernels compiled for the GPU are tested in tests/test_kernels_gpu.py."""
 
@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import mxfp4, runtime
-from kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights, MoeConfig, align
-from kernels.reference import attention_reference, moe_reference
+from pdflash_kernels import mxfp4, runtime
+from pdflash_kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights, MoeConfig, align
+from pdflash_kernels.reference import attention_reference, moe_reference
 
 LUT = torch.tensor(mxfp4.E2M1_VALUES)
 from tests.conftest import needs_triton  # noqa: E402
@@ -158,7 +158,7 @@ def test_align_groups_pairs_by_expert_and_drops_padding():
 @pytest.mark.parametrize("t,k,e,bm,nv,slots", [(4, 2, 4, 2, 3, False), (37, 8, 128, 16, None, True), (5, 4, 32, 16, 2, True), (300, 2, 8, 16, None, False),
                                                (16, 4, 60, 16, 11, True), (300, 8, 128, 16, 290, True), (260, 4, 32, 16, None, False)])
 def test_fused_align_equals_torch_align(t, k, e, bm, nv, slots):
-    from kernels.moe import align_fused
+    from pdflash_kernels.moe import align_fused
 
     g = torch.Generator().manual_seed(t)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
@@ -172,7 +172,7 @@ def test_fused_align_equals_torch_align(t, k, e, bm, nv, slots):
         assert int(a.num_blocks) == int(b.num_blocks) and torch.equal(a.pair_valid, b.pair_valid)
 
 
-# The GEMM variants (kernels.moe.SWEEP_VARIANTS*) on small shapes: tiles shrunk to the shapes (several K steps).
+# The GEMM variants (pdflash_kernels.moe.SWEEP_VARIANTS*) on small shapes: tiles shrunk to the shapes (several K steps).
 _TEST_BASE = MoeConfig(block_m=16, block_n=32, block_k=32, num_stages=1, decode=1)
 
 
@@ -186,13 +186,13 @@ def _variant_configs(fields: dict, k1: int = 64, k2: int = 32) -> tuple[MoeConfi
 
 
 def _cpu_variants(table: dict, fp4: bool) -> list:
-    from kernels.moe import GPU_ONLY_VARIANTS
+    from pdflash_kernels.moe import GPU_ONLY_VARIANTS
 
     return [pytest.param(fp4, name, table[name], id=f"{'fp4' if fp4 else 'bf16'}-{name}") for name in table if name not in GPU_ONLY_VARIANTS]
 
 
 def _all_cpu_variants() -> list:
-    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16
+    from pdflash_kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16
 
     return _cpu_variants(SWEEP_VARIANTS, True) + _cpu_variants(SWEEP_VARIANTS_BF16, False)
 
@@ -200,8 +200,8 @@ def _all_cpu_variants() -> list:
 @needs_triton
 @pytest.mark.parametrize("fp4,name,fields", [pytest.param(False, "select", {}, id="bf16-select"), pytest.param(True, "select", dict(decode=0), id="fp4-select")] + _all_cpu_variants())
 def test_moe_kernel_matches_reference(fp4, name, fields, monkeypatch):
-    from kernels import runtime
-    from kernels.moe import moe_forward
+    from pdflash_kernels import runtime
+    from pdflash_kernels.moe import moe_forward
 
     monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)  # persistent variants: few programs, each looping
     # every variant with both activations would double the time: the epilogue is shared, alternate them instead
@@ -229,7 +229,7 @@ def test_split_k_sums_in_order_in_one_launch_or_two_and_rows_stay_invariant(fp4,
     others (and across the rows' padding); every counter back at zero; close to the reference."""
     import dataclasses
 
-    from kernels import linear, moe
+    from pdflash_kernels import linear, moe
 
     monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
     e, h, i, t, k = 6, 128, 64, 7, 2
@@ -263,7 +263,7 @@ def test_fused_combine_gives_the_separate_combines_bits(fp4, name, monkeypatch):
     """PDFLASH_MOE_FUSED_COMBINE: the down GEMM's last program per (token, n tile) sums the token's rows in slot order:
     the separate combine's bits, padding rows (no valid pair) zero, a dropped pair skipped, every counter back at zero;
     persistent, rastered and swapped grids alike."""
-    from kernels import linear, moe, runtime
+    from pdflash_kernels import linear, moe, runtime
 
     monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
     w = _experts(act=ACT_GPTOSS if fp4 else ACT_SILU, bias=fp4, fp4=fp4)
@@ -289,8 +289,8 @@ def test_scales_loaded_a_step_ahead_give_the_same_bits(name, monkeypatch):
     ahead falls past K, masked off) give the same bits as scales loaded in their own step."""
     import dataclasses
 
-    from kernels import runtime
-    from kernels.moe import SWEEP_VARIANTS, moe_forward
+    from pdflash_kernels import runtime
+    from pdflash_kernels.moe import SWEEP_VARIANTS, moe_forward
 
     monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
     w = _experts(h=96, i=64, act=ACT_GPTOSS, bias=True, fp4=True)
@@ -308,7 +308,7 @@ def test_scales_loaded_a_step_ahead_give_the_same_bits(name, monkeypatch):
 
 
 def _padded_scales(s: torch.Tensor) -> torch.Tensor:
-    """The same scales in rows padded to a multiple of 4 bytes (as kernels.mxfp4.ExpertLayout stores them), the padding
+    """The same scales in rows padded to a multiple of 4 bytes (as pdflash_kernels.mxfp4.ExpertLayout stores them), the padding
     255: a scale byte no weight of these tests uses (2^128), which would turn a product into inf or NaN if read."""
     e, r, g = s.shape
     buf = torch.full((e, r, -(-g // 4) * 4), 255, dtype=torch.uint8)
@@ -324,8 +324,8 @@ def test_scales_read_as_words_give_the_same_bits(decode, monkeypatch):
     read as nothing) over two K steps, the down GEMM's K = 128; rows that are not 4-byte aligned read bytes instead."""
     import dataclasses
 
-    from kernels import moe, runtime
-    from kernels.moe import A_JOIN, moe_forward
+    from pdflash_kernels import moe, runtime
+    from pdflash_kernels.moe import A_JOIN, moe_forward
 
     monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
     w = _experts(h=160, i=128, act=ACT_GPTOSS, bias=True, fp4=True)
@@ -350,7 +350,7 @@ def test_the_kernel_benchmark_times_mxfp4_experts_in_the_served_arena():
     """benchmarks/kernels.py's `as_served`: the same MXFP4 experts moved into one arena of ExpertLayout slices, as the
     verifier serves them: the same values, gpt-oss-20b's 90-byte scale rows stored in 92 (readable as words)."""
     from benchmarks.kernels import as_served
-    from kernels import moe
+    from pdflash_kernels import moe
 
     w1 = torch.randn(3, 2 * 64, 2880)
     w2 = torch.randn(3, 2880, 64)
@@ -370,7 +370,7 @@ def test_word_decode_gives_the_exact_bf16_weights():
     """Decode 4 (32-bit word loads, 8 values a word) gives mxfp4.dequantize's bf16 bits at every byte value and every
     scale byte it covers (0..FAST_DECODE_MAX_SCALE), subnormals included, at every K tile (the interpreter runs its
     emulated branch: the same pair words; tests/test_kernels_gpu.py checks the PTX branch)."""
-    from kernels.moe import DECODE_WORD, FAST_DECODE_MAX_SCALE, decode_fp4
+    from pdflash_kernels.moe import DECODE_WORD, FAST_DECODE_MAX_SCALE, decode_fp4
 
     n, k = 16, 256
     blocks = torch.stack([torch.arange(256, dtype=torch.uint8).roll(37 * r)[: k // 2] for r in range(n)])
@@ -391,7 +391,7 @@ def test_word_decode_falls_back_on_unaligned_weights():
     the same result: the choice depends on the weight tensors only, never on the tokens."""
     import dataclasses
 
-    from kernels.moe import SWEEP_VARIANTS, moe_forward
+    from pdflash_kernels.moe import SWEEP_VARIANTS, moe_forward
 
     w = _experts(fp4=True)
     arena = torch.zeros(w.w1.numel() + 1, dtype=torch.uint8)
@@ -412,7 +412,7 @@ def test_word_decode_falls_back_on_unaligned_weights():
 def test_fp4_weights_with_scales_above_two_are_decoded_exactly(name):
     """A block with |w| > 12 needs a scale byte > 128, which the bit-placing decoders cannot fold into one power of
     two: the weights say so (big_scales) and the kernel decodes them by exact selects, whatever the config asks."""
-    from kernels.moe import SWEEP_VARIANTS, moe_forward
+    from pdflash_kernels.moe import SWEEP_VARIANTS, moe_forward
 
     w = _experts(fp4=True)
     w1 = w.w1.clone()
@@ -432,8 +432,8 @@ def test_fp4_weights_with_scales_above_two_are_decoded_exactly(name):
 @needs_triton
 @pytest.mark.parametrize("fp4,name", [(False, None), (False, "swap64"), (True, "join_bf16_swap64"), (True, "join_bf16_persist")])
 def test_moe_kernel_slots_padding_and_interleaved_rows(fp4, name, monkeypatch):
-    from kernels import runtime
-    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward
+    from pdflash_kernels import runtime
+    from pdflash_kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward
 
     monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
     w = _experts(act=ACT_GPTOSS, bias=True, fp4=fp4)
@@ -457,7 +457,7 @@ def test_moe_kernel_slots_padding_and_interleaved_rows(fp4, name, monkeypatch):
 @pytest.mark.parametrize("name", ["join_bf16", "split_bf16", "join"])
 def test_moe_kernel_reduction_with_a_partial_last_k_step(name):
     """K = 96 with 64-wide K steps (as gpt-oss's K = 2880 with 128): the last step is half masked."""
-    from kernels.moe import SWEEP_VARIANTS, moe_forward
+    from pdflash_kernels.moe import SWEEP_VARIANTS, moe_forward
 
     g = torch.Generator().manual_seed(5)
     w1, w2 = (torch.randn(4, 64, 96, generator=g) * 0.2).bfloat16(), (torch.randn(4, 96, 32, generator=g) * 0.2).bfloat16()
@@ -487,8 +487,8 @@ def test_phases_give_the_one_phase_bits_and_wait_for_each_copy_group(fp4, fields
     align_fused give the same block phases."""
     import dataclasses
 
-    from kernels import linear, moe
-    from kernels.moe import align_fused, launch_gemm1, moe_forward
+    from pdflash_kernels import linear, moe
+    from pdflash_kernels.moe import align_fused, launch_gemm1, moe_forward
 
     monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
     fields = dict(fields)
@@ -556,7 +556,7 @@ def test_fp4_decodes_give_the_exact_bf16_weights(decode, a_load):
     """Every byte value at every scale byte the fast decodes cover (0..128; decode 0 reads scale 0 as 0) decodes to
     mxfp4.dequantize's bf16 value (bit for bit, but for decode 0's +0 where E2M1 code 8 means -0). Under the interpreter, fp32 -> bf16 casts flush subnormals (the GPU
     keeps them): decodes 0/1 are checked there on values of at least 2^-126 (tests/test_kernels_gpu.py: all)."""
-    from kernels.moe import FAST_DECODE_MAX_SCALE, decode_fp4
+    from pdflash_kernels.moe import FAST_DECODE_MAX_SCALE, decode_fp4
 
     n, k = 16, 512
     blocks = torch.stack([torch.arange(256, dtype=torch.uint8).roll(17 * i) for i in range(n)])
@@ -575,8 +575,8 @@ def test_fp4_decodes_give_the_exact_bf16_weights(decode, a_load):
 @needs_triton
 @pytest.mark.parametrize("fp4,name", [(True, "base"), (True, "join_bf16"), (True, "join_bf16_swap64"), (True, "join_bf16_persist"), (False, "swap64")])
 def test_moe_kernel_rows_do_not_depend_on_other_rows(fp4, name, monkeypatch):
-    from kernels import runtime
-    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward
+    from pdflash_kernels import runtime
+    from pdflash_kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward
 
     monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
     w = _experts(fp4=fp4)
@@ -593,7 +593,7 @@ def test_moe_kernel_rows_do_not_depend_on_other_rows(fp4, name, monkeypatch):
 def test_default_config_takes_the_sweep_winners(monkeypatch):
     import dataclasses
 
-    from kernels import moe
+    from pdflash_kernels import moe
 
     base1, base2 = moe.base_config(768, 2048, 8, True), moe.base_config(2048, 768, 8, True)
     assert moe.default_config(768, 2048, 8, True, gemm=1) == moe.variant_config(768, 2048, 8, True, moe.FP4_DEFAULT)
@@ -612,8 +612,8 @@ def test_default_config_takes_the_sweep_winners(monkeypatch):
 
 @needs_triton
 def test_linear_reduce_softmax_kernels():
-    from kernels.linear import matmul
-    from kernels.reduce import row_sum, softmax
+    from pdflash_kernels.linear import matmul
+    from pdflash_kernels.reduce import row_sum, softmax
 
     g = torch.Generator().manual_seed(0)
     a, w, b = torch.randn(9, 300, generator=g).bfloat16(), torch.randn(70, 300, generator=g).bfloat16(), torch.randn(70, generator=g).bfloat16()
@@ -634,7 +634,7 @@ def test_linear_reduce_softmax_kernels():
 def test_linear_in_one_launch_gives_the_two_launch_bits(m, n, k, monkeypatch):
     """PDFLASH_LINEAR_ONE_LAUNCH: the last program of a tile adds the K splits' partials in split order, as the second
     launch does: the same bits, and every tile counter back at zero afterwards (the next launch's precondition)."""
-    from kernels import linear
+    from pdflash_kernels import linear
 
     g = torch.Generator().manual_seed(m + n)
     a, w, b = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
@@ -650,7 +650,7 @@ def test_linear_in_one_launch_gives_the_two_launch_bits(m, n, k, monkeypatch):
 @needs_triton
 @pytest.mark.parametrize("window,sinks", [(None, False), (7, True)])
 def test_attention_kernel(window, sinks):
-    from kernels.attention import attention
+    from pdflash_kernels.attention import attention
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 5, 16, generator=g).bfloat16()
@@ -673,11 +673,11 @@ def test_installed_tiny_model_is_block_invariant_on_cpu(arch, tiny):
     forward or in blocks of 1 or 5 on a KV cache (the GPU test also covers real-shaped bf16 layers)."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    import kernels
+    import pdflash_kernels
     from pdflash.hf_compat import cache_kwarg
 
     model = AutoModelForCausalLM.from_pretrained(tiny.target(arch), dtype=torch.bfloat16).eval()
-    inst = kernels.install(model)
+    inst = pdflash_kernels.install(model)
     try:
         assert inst.exact, inst.summary()
         ids = torch.randint(0, 400, (1, 14), generator=torch.Generator().manual_seed(0))
@@ -708,7 +708,7 @@ def test_kernels_on_without_cuda_is_refused_in_one_line(monkeypatch):
 def test_linear_stages_option_is_checked_and_auto_follows_the_k_steps(monkeypatch):
     """PDFLASH_LINEAR_STAGES: 'auto' gives a split of 2 K steps 3 stages and a longer one 4 (pipeline depth only, never
     the tiles or the split); a bad value stops the import with a message naming the variable."""
-    from kernels import linear
+    from pdflash_kernels import linear
 
     monkeypatch.setattr(linear, "STAGES", "auto")
     linear.linear_config.cache_clear()
@@ -721,7 +721,7 @@ def test_linear_stages_option_is_checked_and_auto_follows_the_k_steps(monkeypatc
     _import_refuses("PDFLASH_LINEAR_STAGES", "fast")
 
 
-def _import_refuses(var: str, value: str, module: str = "kernels.linear") -> None:
+def _import_refuses(var: str, value: str, module: str = "pdflash_kernels.linear") -> None:
     """Importing `module` with `var`=`value` stops with a message that names the variable."""
     import os
     import subprocess
@@ -735,7 +735,7 @@ def _import_refuses(var: str, value: str, module: str = "kernels.linear") -> Non
 def test_pdl_is_on_by_default_only_where_every_cuda_device_is_sm90(monkeypatch):
     """Programmatic dependent launch (griddepcontrol: sm_90+) defaults to on where every CUDA device has it, off on a
     CPU or a mixed host; PDFLASH_PDL=0/1 overrides the default either way."""
-    from kernels import runtime
+    from pdflash_kernels import runtime
 
     caps = {0: (9, 0), 1: (8, 0)}
     monkeypatch.delenv("PDFLASH_PDL", raising=False)
@@ -761,7 +761,7 @@ def test_linear_split_fill_option_sets_fewer_splits_and_keeps_rows_invariant(mon
     """PDFLASH_LINEAR_SPLIT_FILL: 4 keeps the splits every build before stop 33 used; 1 (the default) splits K only while
     the programs stay within the SMs (the decode shapes benchmarks/linear_sweep.py --splits timed faster). Either way one
     split serves every M: rows alone and in a 40-row call are the same bits. A bad value stops the import."""
-    from kernels import linear
+    from pdflash_kernels import linear
 
     shapes = ((5120, 2048), (2048, 4096), (128, 2048), (4096, 2048), (5120, 2880), (2880, 4096), (32, 2880))
     linear.linear_config.cache_clear()
@@ -787,7 +787,7 @@ def test_linear_wide_tiles_above_the_threshold_give_the_16_row_tiles_bits(monkey
     """PDFLASH_LINEAR_WIDE_FROM: calls of more rows take 64-row tiles (one dot a weight tile) instead of 16-row tiles; a
     row's bits are the same in a 1-, 7-, 16-row call (16-row tiles) and in 17- to 80-row calls (64-row tiles), with and
     without a K split; 16 is the default, 0 never widens; a bad value stops the import."""
-    from kernels import linear
+    from pdflash_kernels import linear
 
     g = torch.Generator().manual_seed(7)
     a, w = torch.randn(80, 256, generator=g).bfloat16(), torch.randn(96, 256, generator=g).bfloat16()
@@ -814,7 +814,7 @@ def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):
     """PDFLASH_LINEAR_BLOCK_M: the tile height is one value for every call, so a row's bits never depend on M (here a
     16-row tile: rows alone, in a 7-row call and in a 40-row call, whose programs take four row tiles each, are the same
     bits; a 17-row call takes two); a bad value stops the import."""
-    from kernels import linear
+    from pdflash_kernels import linear
 
     g = torch.Generator().manual_seed(5)
     a, w = torch.randn(40, 256, generator=g).bfloat16(), torch.randn(96, 256, generator=g).bfloat16()
@@ -840,18 +840,18 @@ def test_linear_block_m_option_keeps_rows_invariant(monkeypatch):
         linear.linear_config.cache_clear()
     _import_refuses("PDFLASH_LINEAR_BLOCK_M", "48")
     _import_refuses("PDFLASH_LINEAR_BLOCK_M", "big")
-    _import_refuses("PDFLASH_PDL", "true")  # the on/off options (kernels.runtime.env_flag) take 0 or 1 only
+    _import_refuses("PDFLASH_PDL", "true")  # the on/off options (pdflash_kernels.runtime.env_flag) take 0 or 1 only
     _import_refuses("PDFLASH_PDL_TRIGGER", "end")
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "PDFLASH_PDL_TRIGGER"}  # the default: trigger after the wait
-    r = subprocess.run([sys.executable, "-c", "from kernels import runtime; print(runtime.PDL_TRIGGER)"], env=env,
+    r = subprocess.run([sys.executable, "-c", "from pdflash_kernels import runtime; print(runtime.PDL_TRIGGER)"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "after-wait", r.stderr[-2000:]
-    _import_refuses("PDFLASH_MOE_FUSED_COMBINE", "yes", "kernels.moe")
-    _import_refuses("PDFLASH_FP4_PAIR_WORDS", "on", "kernels.moe")
+    _import_refuses("PDFLASH_MOE_FUSED_COMBINE", "yes", "pdflash_kernels.moe")
+    _import_refuses("PDFLASH_FP4_PAIR_WORDS", "on", "pdflash_kernels.moe")
 
 
 @needs_triton
@@ -860,7 +860,7 @@ def test_split_kv_attention_gives_the_same_bits_for_any_program_count(window, si
     """The paged attention over a long context (3 KV segments): one program walking every segment, or several taking
     every P-th segment with the last one merging them in order, give the same bits; so do the non-paged layout, a
     query alone, and the query in a block; and all are close to the plain torch reference."""
-    from kernels.attention import PAGE, SEG, attention, paged_attention
+    from pdflash_kernels.attention import PAGE, SEG, attention, paged_attention
 
     g = torch.Generator().manual_seed(1)
     hq, hkv, d, s, t = 4, 2, 16, 2 * SEG + 40, 5
@@ -878,7 +878,7 @@ def test_split_kv_attention_gives_the_same_bits_for_any_program_count(window, si
     table = torch.cat([order, torch.zeros(4, dtype=torch.long)]).to(torch.int32).reshape(1, -1)  # room to spare
     outs = [paged_attention(q, kp, vp, table, pos, 0.25, window, sk, programs=n) for n in (1, 2, 3, 16)]
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
-    from kernels import attention as attn_mod
+    from pdflash_kernels import attention as attn_mod
 
     made = len(attn_mod._WORKSPACE[("cpu", None)])  # the split form's states: one buffer shared by later calls
     paged_attention(q[:, :, :1], kp, vp, table, pos[:, :1], 0.25, window, sk, programs=4)
@@ -886,7 +886,7 @@ def test_split_kv_attention_gives_the_same_bits_for_any_program_count(window, si
     assert torch.equal(attention(q, k, v, pos, 0.25, window, sk), outs[0])
     ref = attention_reference(q, k, v, pos[0], 0, 0.25, window, sk)
     assert (outs[0].float() - ref.float()).abs().max() < 0.02
-    _import_refuses("PDFLASH_ATTENTION_PROGRAMS", "many", "kernels.attention")
+    _import_refuses("PDFLASH_ATTENTION_PROGRAMS", "many", "pdflash_kernels.attention")
     short = pos - (s - 105)  # a context of one segment: program 0 holds it, the others have none
     one = paged_attention(q, kp, vp, table, short, 0.25, window, sk, programs=1)
     assert torch.equal(paged_attention(q, kp, vp, table, short, 0.25, window, sk, programs=4), one)
@@ -906,7 +906,7 @@ def test_moe_split_k_option_sets_every_default_config_and_refuses_other_values()
     import sys
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    code = ("from kernels import moe; print(moe.default_config(2880, 2880, 4, True).split_k, moe.default_config(768, 2048, 8, False, 2).split_k,"
+    code = ("from pdflash_kernels import moe; print(moe.default_config(2880, 2880, 4, True).split_k, moe.default_config(768, 2048, 8, False, 2).split_k,"
             " moe.default_config(2880, 2880, 4, True, 1, pair_words=True).split_k,"
             " moe.default_config(768, 2048, 8, True, 1, pair_words=True).split_k)")  # gpt-oss's shape, then Qwen3's
     for value, want in (("2", "2 2 2 2"), ("1", "1 1 1 1"), (None, "1 1 4 1")):
@@ -924,7 +924,7 @@ def test_moe_split_k_option_sets_every_default_config_and_refuses_other_values()
         assert r.returncode != 0 and "PDFLASH_MOE_SPLIT_WORKSPACE_MB must be a whole number" in r.stderr, bad
 
 
-# ---- pair words (kernels/mxfp4.py to_pair_words; decodes 5 and 6) ----------------------------------------------------
+# ---- pair words (pdflash_kernels/mxfp4.py to_pair_words; decodes 5 and 6) ----------------------------------------------------
 def test_pair_words_round_trip_and_decode_to_the_mxfp4_values():
     """to_pair_words permutes the bits inside each 4-byte word (a bijection: from_pair_words undoes it, the byte count is
     the same), and the kernels' rotate-and-mask decode of it (decode_pair_words, in torch) gives mxfp4.dequantize's
@@ -950,7 +950,7 @@ def test_pair_word_decodes_give_the_exact_bf16_weights(decode):
     """Decode 5 (one multiply by 2^(s-1): scale bytes 0..128) and decode 6 (two multiplies: 1..254, 0 reads as 0) of pair
     words give mxfp4.dequantize's bf16 bits at every byte value, at every K tile (the interpreter runs their emulated
     branch: the same rotations and masks; tests/test_kernels_gpu.py checks the PTX)."""
-    from kernels.moe import FAST_DECODE_MAX_SCALE, decode_fp4
+    from pdflash_kernels.moe import FAST_DECODE_MAX_SCALE, decode_fp4
 
     n, k = 16, 256
     blocks = torch.stack([torch.arange(256, dtype=torch.uint8).roll(37 * r)[: k // 2] for r in range(n)])
@@ -976,7 +976,7 @@ def test_pair_word_weights_give_the_nibble_order_bits(big):
     exact and the K order is the same. The torch reference reads pair words too."""
     import dataclasses
 
-    from kernels.moe import SWEEP_VARIANTS, moe_forward, resolve_decodes
+    from pdflash_kernels.moe import SWEEP_VARIANTS, moe_forward, resolve_decodes
 
     w = dataclasses.replace(_experts(fp4=True, bias=True, act=ACT_GPTOSS), big_scales=big)
     pw = _pair_weights(w)
@@ -995,7 +995,7 @@ def test_pair_word_weights_give_the_nibble_order_bits(big):
 
 @needs_triton
 def test_pair_word_weights_must_be_word_aligned():
-    from kernels.moe import SWEEP_VARIANTS, moe_forward
+    from pdflash_kernels.moe import SWEEP_VARIANTS, moe_forward
 
     pw = _pair_weights(_experts(fp4=True))
     arena = torch.zeros(pw.w1.numel() + 1, dtype=torch.uint8)
@@ -1010,7 +1010,7 @@ def test_pair_word_weights_must_be_word_aligned():
 
 
 def test_pair_words_default_config_comes_from_its_own_table(monkeypatch):
-    from kernels import moe
+    from pdflash_kernels import moe
 
     monkeypatch.setattr(moe, "PAIR_SHAPE_OVERRIDES", {(2, 64, 32): {"block_k": 32}})
     c = moe.default_config(64, 32, 2, True, gemm=2, pair_words=True)
@@ -1026,7 +1026,7 @@ def test_pair_words_default_config_comes_from_its_own_table(monkeypatch):
 
     for env, want in (({}, "True"), ({"PDFLASH_FP4_PAIR_WORDS": "0"}, "False")):  # on unless told otherwise
         base = {k: v for k, v in os.environ.items() if k != "PDFLASH_FP4_PAIR_WORDS"}
-        r = subprocess.run([sys.executable, "-c", "import kernels.moe as m; print(m.PAIR_WORDS)"], env={**base, **env},
+        r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.moe as m; print(m.PAIR_WORDS)"], env={**base, **env},
                            capture_output=True, text=True, timeout=120)
         assert r.stdout.strip() == want, r.stderr[-2000:]
 
@@ -1067,12 +1067,12 @@ def test_the_sweep_summary_picks_each_stored_format_by_the_whole_call():
 
 
 def test_with_sweep_winners_puts_the_printed_block_in_place(monkeypatch):
-    """benchmarks/with_sweep_winners.py: the block the sweep prints is executed over kernels.moe, so the winners' configs
+    """benchmarks/with_sweep_winners.py: the block the sweep prints is executed over pdflash_kernels.moe, so the winners' configs
     are what `variant_config` gives in that process (a GPU call can check them before they are pasted); a sweep output
     without the block is refused with a message."""
     from benchmarks import with_sweep_winners as w
     from benchmarks.kernels import sweep_summary
-    from kernels import moe
+    from pdflash_kernels import moe
 
     def row(model, variant, us, block_k=128, split_k=1):
         cfg = dict(decode=5, block_k=block_k, split_k=split_k)
@@ -1103,8 +1103,8 @@ def test_with_sweep_winners_puts_the_printed_block_in_place(monkeypatch):
 def test_k_split_over_the_warps_keeps_rows_invariant(name, monkeypatch):
     """MoeConfig.a_load 3/4 (each K step's values split over the warps, the partial tiles summed after the K loop): a
     token's output is the same bits alone and among 9 others, and near the one-dot form's (another summation order)."""
-    from kernels import runtime
-    from kernels.moe import SWEEP_VARIANTS, moe_forward
+    from pdflash_kernels import runtime
+    from pdflash_kernels.moe import SWEEP_VARIANTS, moe_forward
 
     monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
     w = _pair_weights(_experts(h=128, i=64, act=ACT_GPTOSS, bias=True, fp4=True))
@@ -1124,10 +1124,10 @@ def test_k_split_over_the_warps_keeps_rows_invariant(name, monkeypatch):
 
 @needs_triton
 def test_a_long_call_with_split_k_runs_in_token_chunks_with_the_one_calls_bits(monkeypatch):
-    """kernels.moe.token_chunk: with a K split, a call longer than the workspace cap allows runs as token chunks (its
+    """pdflash_kernels.moe.token_chunk: with a K split, a call longer than the workspace cap allows runs as token chunks (its
     split-K workspaces stay bounded); batch invariance makes the chunks' output the one call's, bit for bit, padding
     rows (n_valid) included. Without a split there is no chunking."""
-    from kernels import moe, runtime
+    from pdflash_kernels import moe, runtime
 
     monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
     w = _pair_weights(_experts(h=64, i=32, act=ACT_GPTOSS, bias=True, fp4=True))
@@ -1182,8 +1182,8 @@ def test_a_bf16_only_sweep_still_prints_its_shape_overrides():
 def test_split_k_over_a_reduction_with_a_masked_last_step_matches_the_reference(block_k, split, monkeypatch):
     """The swapped pair-word tile with K in ranges where the reduction is not a whole number of K steps (gpt-oss-20b's
     2880 against 128- or 256-wide steps): the last range's masked tail adds nothing, every range's partial is added."""
-    from kernels import moe, runtime
-    from kernels.reference import moe_reference
+    from pdflash_kernels import moe, runtime
+    from pdflash_kernels.reference import moe_reference
 
     monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
     w = _experts(h=96, i=32, act=ACT_GPTOSS, bias=True, fp4=True)

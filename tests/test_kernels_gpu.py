@@ -1,4 +1,4 @@
-"""kernels/ compiled on a CUDA GPU (skipped without one): each kernel against its torch reference over many
+"""pdflash_kernels/ compiled on a CUDA GPU (skipped without one): each kernel against its torch reference over many
 shapes, bit-identical rows whatever the other rows of the call, and an installed model (real layer shapes
 of Qwen3-30B-A3B, gpt-oss-20b and Mixtral-8x7B, few layers, random bf16 weights) whose logits for a
 position are bit-identical whether computed in one forward or in blocks of 1, 2, 4, 16 or 32.
@@ -25,8 +25,8 @@ SHAPES = {  # experts, top-k, hidden, expert width
 
 
 def _weights(model: str, fp4: bool, seed: int = 0):
-    from kernels import mxfp4
-    from kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights
+    from pdflash_kernels import mxfp4
+    from pdflash_kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights
 
     e, _, h, i = SHAPES[model]
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -46,10 +46,10 @@ def _weights(model: str, fp4: bool, seed: int = 0):
 
 
 def _pair(w):
-    """The same MXFP4 experts stored as pair words (kernels/mxfp4.py to_pair_words: decodes 5 and 6 read them)."""
+    """The same MXFP4 experts stored as pair words (pdflash_kernels/mxfp4.py to_pair_words: decodes 5 and 6 read them)."""
     import dataclasses
 
-    from kernels import mxfp4
+    from pdflash_kernels import mxfp4
 
     return dataclasses.replace(w, w1=mxfp4.to_pair_words(w.w1), w2=mxfp4.to_pair_words(w.w2), pair_words=True)
 
@@ -67,8 +67,8 @@ def _tokens(model: str, t: int, seed: int = 0):
 @pytest.mark.parametrize("fp4", [False, True])
 @pytest.mark.parametrize("t", [1, 16, 64])
 def test_moe_matches_reference(model, fp4, t):
-    from kernels.moe import MoeConfig, default_config, moe_forward
-    from kernels.reference import moe_reference
+    from pdflash_kernels.moe import MoeConfig, default_config, moe_forward
+    from pdflash_kernels.reference import moe_reference
 
     w = _weights(model, fp4)
     x, ids, wts = _tokens(model, t)
@@ -85,7 +85,7 @@ def test_moe_matches_reference(model, fp4, t):
 
 
 def _variant_params() -> list:
-    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16
+    from pdflash_kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16
 
     return [pytest.param(True, n, id=f"fp4-{n}") for n in SWEEP_VARIANTS] + [pytest.param(False, n, id=f"bf16-{n}") for n in SWEEP_VARIANTS_BF16]
 
@@ -93,9 +93,9 @@ def _variant_params() -> list:
 @pytest.mark.parametrize("fp4,name", _variant_params())
 @pytest.mark.parametrize("model", ["small", "qwen3-30b-a3b", "gpt-oss-20b"])
 def test_moe_variants_match_reference(model, fp4, name):
-    """Every GEMM variant the sweep times (kernels.moe.SWEEP_VARIANTS*), compiled, at 1 and 16 tokens."""
-    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward, variant_config
-    from kernels.reference import moe_reference
+    """Every GEMM variant the sweep times (pdflash_kernels.moe.SWEEP_VARIANTS*), compiled, at 1 and 16 tokens."""
+    from pdflash_kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward, variant_config
+    from pdflash_kernels.reference import moe_reference
 
     w = _weights(model, fp4)
     e, k, h, i = SHAPES[model]
@@ -116,8 +116,8 @@ def test_fp4_decodes_give_the_exact_bf16_weights(decode, a_load):
     """The GEMMs' weight decode on the GPU: every byte value at every scale byte a decode covers gives
     mxfp4.dequantize's bf16 value bit for bit, subnormals included (decode 0: scales 1..254, +0 for -0;
     decodes 1 and 3: 0..FAST_DECODE_MAX_SCALE)."""
-    from kernels import mxfp4
-    from kernels.moe import FAST_DECODE_MAX_SCALE, decode_fp4
+    from pdflash_kernels import mxfp4
+    from pdflash_kernels.moe import FAST_DECODE_MAX_SCALE, decode_fp4
 
     top = 254 if decode in (0, 6) else FAST_DECODE_MAX_SCALE
     lo = 1 if decode in (0, 6) else 0
@@ -135,7 +135,7 @@ def test_fp4_decodes_give_the_exact_bf16_weights(decode, a_load):
 
 @pytest.mark.parametrize("t", [1, 7, 64, 2048])
 def test_fused_align_equals_torch_align(t):
-    from kernels.moe import align, align_fused
+    from pdflash_kernels.moe import align, align_fused
 
     x, ids, _ = _tokens("qwen3-30b-a3b", t, seed=t)
     slots = torch.randperm(128, device=DEV).int()
@@ -157,7 +157,7 @@ def test_fused_align_equals_torch_align(t):
                                          (True, "pair_swap64_w2_k128_raster_split4"), (False, "persist_split4"),
                                          (False, "swap64_split4")])
 def test_moe_rows_are_bit_identical_whatever_the_other_rows(model, fp4, variant):
-    from kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward, variant_config
+    from pdflash_kernels.moe import SWEEP_VARIANTS, SWEEP_VARIANTS_BF16, moe_forward, variant_config
 
     w = _weights(model, fp4)
     if variant is not None and variant.startswith("pair"):
@@ -182,7 +182,7 @@ def test_moe_rows_are_bit_identical_whatever_the_other_rows(model, fp4, variant)
 def test_moe_split_k_in_one_launch_gives_the_two_launch_bits_also_replayed_in_a_graph(model, fp4, monkeypatch):
     """MoeConfig.split_k (2 ranges): the tiles' last programs add the partials (counters as semaphores) with the bits of
     the second-launch path, for 1..64 tokens, in a CUDA graph replayed many times, the counters back at zero."""
-    from kernels import linear, moe
+    from pdflash_kernels import linear, moe
 
     w = _weights(model, fp4)
     e, k, h, i = SHAPES[model]
@@ -218,7 +218,7 @@ def test_moe_two_phases_with_a_side_stream_copy_equal_one_phase_also_in_a_graph(
     pinned host memory on a side stream, a copy group at a time with an event each, while the resident experts' GEMMs
     run, and each group's phase waits for its copy's event; eagerly and replayed from a CUDA graph (the copies re-done
     each replay), the output's bits equal one phase over the finished slots."""
-    from kernels.moe import moe_forward
+    from pdflash_kernels.moe import moe_forward
 
     e = SHAPES[model][0]
     w = _weights(model, True)
@@ -270,7 +270,7 @@ LINEAR_SHAPES = [(4096, 2048), (512, 2048), (2048, 4096), (128, 2048), (4096, 28
 
 @pytest.mark.parametrize("n,k", LINEAR_SHAPES)
 def test_linear_matches_cublas_and_rows_are_invariant(n, k):
-    from kernels.linear import matmul
+    from pdflash_kernels.linear import matmul
 
     g = torch.Generator(device=DEV).manual_seed(n + k)
     a = torch.randn(256, k, generator=g, device=DEV).bfloat16()
@@ -289,7 +289,7 @@ def test_linear_wide_tiles_give_the_16_row_tiles_bits(n, k, monkeypatch):
     """PDFLASH_LINEAR_WIDE_FROM=16: calls of 17+ rows take 64-row tiles (wgmma on sm_90), calls of up to 16 rows 16-row
     tiles (mma.sync): the batch invariance rests on the two giving a row the same bits, checked here at every linear
     shape, 1..256 rows, with the bias."""
-    from kernels import linear
+    from pdflash_kernels import linear
 
     g = torch.Generator(device=DEV).manual_seed(n + k + 1)
     a = torch.randn(256, k, generator=g, device=DEV).bfloat16()
@@ -309,7 +309,7 @@ def test_linear_in_one_launch_gives_the_two_launch_bits_also_replayed_in_a_graph
     """PDFLASH_LINEAR_ONE_LAUNCH (the tile's last program adds the partials, an atomic counter as its semaphore):
     bit-identical to the two-launch path for 1..256 rows, in a CUDA graph replayed many times, with the counters
     back at zero after every launch."""
-    from kernels import linear
+    from pdflash_kernels import linear
 
     g = torch.Generator(device=DEV).manual_seed(n + k)
     a = torch.randn(256, k, generator=g, device=DEV).bfloat16()
@@ -336,7 +336,7 @@ def test_linear_in_one_launch_gives_the_two_launch_bits_also_replayed_in_a_graph
 
 @pytest.mark.parametrize("d", [8, 128, 2048, 2880, 151936])
 def test_reductions_rows_are_invariant(d):
-    from kernels.reduce import row_sum, softmax
+    from pdflash_kernels.reduce import row_sum, softmax
 
     x = torch.randn(256, d, device=DEV).bfloat16()
     s, m = row_sum(x, [-1], dtype=torch.float32), row_sum(x.float(), [-1], mean=True)
@@ -354,8 +354,8 @@ def test_reductions_rows_are_invariant(d):
 def test_fused_rms_norm_matches_the_op_by_op_path_and_rows_are_invariant(d, cast_first):
     """One launch for what transformers' RMSNorm runs as 8; rsqrt is Triton's, not torch's, so a value may be one
     bf16 step apart from the op-by-op path (how often is printed); rows are bit-identical whatever the others."""
-    from kernels import fused
-    from kernels.dispatch import InvariantMode
+    from pdflash_kernels import fused
+    from pdflash_kernels.dispatch import InvariantMode
 
     g = torch.Generator(device=DEV).manual_seed(d)
     x = (torch.randn(256, d, generator=g, device=DEV) * 3).bfloat16()
@@ -376,7 +376,7 @@ def test_fused_rms_norm_matches_the_op_by_op_path_and_rows_are_invariant(d, cast
 @pytest.mark.parametrize("hq,hk,d,half", [(32, 4, 128, False), (64, 8, 64, True), (32, 8, 128, False)])
 def test_fused_rotary_equals_the_op_by_op_path(hq, hk, d, half):
     """q and k in one launch, bit-identical to torch's elementwise formula (products and sums rounded alike)."""
-    from kernels import fused
+    from pdflash_kernels import fused
 
     g = torch.Generator(device=DEV).manual_seed(d)
     t = 32
@@ -407,8 +407,8 @@ def test_fused_rotary_equals_the_op_by_op_path(hq, hk, d, half):
 def test_fused_route_equals_the_op_by_op_path(e, k, softmax_first, norm, dtype):
     """Qwen3-MoE, gpt-oss and Mixtral routing in one launch: the same experts and bit-identical scores (distinct
     logits: torch.topk's order among tied values is its own), rows invariant."""
-    from kernels import fused
-    from kernels.dispatch import InvariantMode
+    from pdflash_kernels import fused
+    from pdflash_kernels.dispatch import InvariantMode
 
     g = torch.Generator(device=DEV).manual_seed(e)
     logits = torch.stack([(torch.randperm(e, generator=g, device=DEV) - e / 2) / 16 for _ in range(256)]).bfloat16()
@@ -431,8 +431,8 @@ def test_fused_route_equals_the_op_by_op_path(e, k, softmax_first, norm, dtype):
 @pytest.mark.parametrize("hq,hkv,d", [(32, 4, 128), (64, 8, 64)])
 @pytest.mark.parametrize("window,sinks", [(None, False), (128, True)])
 def test_attention_matches_reference_and_queries_are_invariant(hq, hkv, d, window, sinks):
-    from kernels.attention import attention
-    from kernels.reference import attention_reference
+    from pdflash_kernels.attention import attention
+    from pdflash_kernels.reference import attention_reference
 
     s = 700
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -473,7 +473,7 @@ def make_model(arch: str, layers: int = 2, seed: int = 0):
 def test_installed_model_logits_are_identical_in_blocks(arch, fmt):
     from transformers import DynamicCache
 
-    import kernels
+    import pdflash_kernels
     from pdflash.hf_compat import cache_kwarg
 
     model = make_model(arch)
@@ -481,7 +481,7 @@ def test_installed_model_logits_are_identical_in_blocks(arch, fmt):
     ids = torch.randint(0, 4096, (1, n), generator=torch.Generator().manual_seed(1)).to(DEV)
     with torch.inference_mode():
         stock = model(input_ids=ids[:, :64]).logits.float()
-    inst = kernels.install(model, experts_format=fmt)
+    inst = pdflash_kernels.install(model, experts_format=fmt)
     assert inst.exact, inst.summary()
     assert all(v.startswith("triton") and "not fused" not in v for v in inst.fused.values()) and len(inst.fused) == 3, inst.fused
     kw = cache_kwarg(model)
@@ -508,8 +508,8 @@ def test_split_kv_attention_has_one_program_bits_at_long_contexts(hq, hkv, d, wi
     """The paged attention at a 3000-position context: the split form (programs 2..16 per tile, the last merging the
     segments through the tile semaphore) gives the one-program bits, repeatedly (no stale partials, counters reset),
     for 1 query and blocks of 16 and 32; close to the reference."""
-    from kernels.attention import PAGE, paged_attention
-    from kernels.reference import attention_reference
+    from pdflash_kernels.attention import PAGE, paged_attention
+    from pdflash_kernels.reference import attention_reference
 
     s, t = 3000, 32
     g = torch.Generator(device=DEV).manual_seed(2)
@@ -543,7 +543,7 @@ def test_split_kv_attention_has_one_program_bits_at_long_contexts(hq, hkv, d, wi
 def test_fused_combine_gives_the_separate_combines_bits_also_replayed_in_a_graph(model, fp4, monkeypatch):
     """PDFLASH_MOE_FUSED_COMBINE (the down GEMM's last program per token and n tile sums the token's rows): the
     separate combine's bits for 1..64 rows, padding rows zero, repeated and replayed from a CUDA graph."""
-    from kernels import moe
+    from pdflash_kernels import moe
 
     w = _weights(model, fp4)
     e = SHAPES[model][0]
@@ -578,7 +578,7 @@ def test_pair_word_experts_give_the_nibble_order_bits(model, big):
     through the same tiles (decode 4; 0 with big scales): bit for bit, at 1, 16 and 64 tokens."""
     import dataclasses
 
-    from kernels.moe import default_config, moe_forward
+    from pdflash_kernels.moe import default_config, moe_forward
 
     w = dataclasses.replace(_weights(model, True), big_scales=big)
     pw = _pair(w)

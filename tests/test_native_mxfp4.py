@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kernels import mxfp4
-from kernels.installer import experts_modules
+from pdflash_kernels import mxfp4
+from pdflash_kernels.installer import experts_modules
 from pdflash.tiny import make_tiny_checkpoint
 from tests.conftest import DEVICE, DTYPE
 
@@ -198,7 +198,7 @@ def test_the_direct_reader_keeps_transformers_dtypes(native, dtype):
 def test_resident_mxfp4_kernels_read_the_checkpoint_bytes(native):
     """--experts mxfp4 without a cache (the kernels, here under Triton's interpreter): each layer's kernel weights are
     the checkpoint's bytes in one arena; the byte map is its slices."""
-    from kernels import runtime
+    from pdflash_kernels import runtime
 
     if not runtime.triton_usable("cpu"):
         pytest.skip("needs triton (its CPU interpreter)")

@@ -78,7 +78,7 @@ def test_offloaded_equals_resident_mxfp4_for_every_prefetch_mode(checkpoint, mon
         if "layer" in prefetch:
             assert st.prefetched > 0
         if prefetch == "none" and overlap and groups == 1:  # the experts move to another cache (of the other kind): the graphs are captured anew
-            from kernels.installer import serve_offloaded_experts
+            from pdflash_kernels.installer import serve_offloaded_experts
             from verifier_svc.expert_cache import new_cache
 
             old = [g for g in core.graphs._graphs.values()]

@@ -1,4 +1,4 @@
-"""kernels/offload.py: the Triton admission and fill kernels against their Python reference (on CPU machines under
+"""pdflash_kernels/offload.py: the Triton admission and fill kernels against their Python reference (on CPU machines under
 Triton's interpreter, TRITON_INTERPRET=1 set by conftest.py; on a GPU for real), and the reference's own rules."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from kernels import offload as ko
-from kernels import runtime
+from pdflash_kernels import offload as ko
+from pdflash_kernels import runtime
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not runtime.triton_usable(DEV), reason="needs Triton (CUDA or TRITON_INTERPRET=1)")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import runtime
-from kernels.attention import PAGE
+from pdflash_kernels import runtime
+from pdflash_kernels.attention import PAGE
 from pdflash.errors import ResourceExhausted
 from tests.conftest import DEVICE, DTYPE
 from verifier_svc.kv import KVPool, SequenceKV
@@ -59,7 +59,7 @@ def test_paged_verifier_equals_the_dynamic_cache_one_and_returns_its_pages(tiny)
     assert info["kv"].startswith("paged: ") and info["cuda_graphs"] == "off" and "segments of" in info["attention_kv_split"]
     assert info["attention"] == paged.runner.attention and info["layers"] == paged.runner.prenorm
     assert info["launches"] == "plain"  # programmatic dependent launch is a CUDA (sm_90+) launch option
-    from kernels import moe
+    from pdflash_kernels import moe
 
     want = {None: "K split per shape", 1: "K in one range"}.get(moe.SPLIT_K, f"K split {moe.SPLIT_K} ways")
     assert info["moe_gemms"].startswith(want)

@@ -1,4 +1,4 @@
-"""PDFLASH_PDL=1 (programmatic dependent launch, kernels.runtime.PDL) on a CUDA GPU (skipped without one): the
+"""PDFLASH_PDL=1 (programmatic dependent launch, pdflash_kernels.runtime.PDL) on a CUDA GPU (skipped without one): the
 verifier's graphed paged forward with every kernel launched early and waiting for the one before it gives the tokens
 of the plain launches, at block 1 and with drafted blocks, with either PDFLASH_PDL_TRIGGER. PDL is read at import, so each side runs in its own process.
 """
@@ -22,7 +22,7 @@ _SCRIPT = r"""
 import json, sys
 sys.path.insert(0, "tests")
 import test_gpu_verifier as drive
-from kernels import runtime
+from pdflash_kernels import runtime
 from pdflash.tiny import make_real_shape_checkpoint
 from verifier_svc.engine import PagedKVOptions, VerifierCore
 from verifier_svc.model import load_target

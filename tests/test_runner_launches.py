@@ -1,5 +1,5 @@
 """The verifier forward's launch savings (verifier_svc/runner.py): the rotary table gathered by position instead of the
-rotary module per forward, the paged KV write as one Triton launch (kernels.attention.paged_write), and a ceiling on a
+rotary module per forward, the paged KV write as one Triton launch (pdflash_kernels.attention.paged_write), and a ceiling on a
 qwen3_moe block-1 forward's launches (counted on the CPU as benchmarks/forward_launches.py counts them: Triton launches
 under the interpreter plus the aten ops that launch a kernel on CUDA)."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import runtime
-from kernels.attention import PAGE, paged_write, paged_write_reference
+from pdflash_kernels import runtime
+from pdflash_kernels.attention import PAGE, paged_write, paged_write_reference
 from verifier_svc.kv import KVPool, SequenceKV
 from verifier_svc.runner import ForwardRunner, RotaryTable, static_rope
 
@@ -145,13 +145,13 @@ def test_a_qwen3_block1_forward_stays_within_its_launches_and_the_table_changes_
     writes K/V with index_put_ and calls the decoder layers as they are (the stop-20 forward)."""
     import sys
 
-    import kernels
+    import pdflash_kernels
     from benchmarks.forward_launches import count_forward
     from verifier_svc.experts import ExpertsSeam
 
     runner_mod = sys.modules[ForwardRunner.__module__]
     model = _tiny("qwen3_moe", torch.bfloat16, layers=2)
-    inst = kernels.install(model, probe=False)
+    inst = pdflash_kernels.install(model, probe=False)
     try:
         seam = ExpertsSeam(model)
         outs, counts = [], None

@@ -351,9 +351,9 @@ def test_reset_stats_of_the_device_managed_cache_keeps_what_is_resident():
 
 
 def test_align_lengths_reach_every_compiled_form_of_the_moe_align():
-    """The warm-up's extra prefills: one prompt a form of the MoE align (kernels.moe.ALIGN_CHUNKS), whatever the experts
+    """The warm-up's extra prefills: one prompt a form of the MoE align (pdflash_kernels.moe.ALIGN_CHUNKS), whatever the experts
     a token; none for a dense model; none longer than half the context."""
-    from kernels.moe import ALIGN_CHUNKS, align_chunk
+    from pdflash_kernels.moe import ALIGN_CHUNKS, align_chunk
     from verifier_svc.warmup import align_lengths
 
     for k in (1, 2, 4, 8, 32):

@@ -10,8 +10,8 @@ are all loaded before anything can quantize them. Here instead:
   checkpoint's names to be the model's own; a checkpoint whose names transformers renames at load, such as
   Mixtral's `block_sparse_moe.experts.N.w1`, is left to `from_pretrained`: `plan` says so and why);
 - the experts are read per layer into the host store (`verifier_svc.expert_store`): gpt-oss's `*_blocks`/`*_scales`
-  byte for byte (`kernels.mxfp4.from_gpt_oss` only reshapes them), float experts (fused `gate_up_proj`/`down_proj`,
-  or one `experts.N.{gate,up,down}_proj.weight` per expert) quantized with `kernels.mxfp4.quantize`.
+  byte for byte (`pdflash_kernels.mxfp4.from_gpt_oss` only reshapes them), float experts (fused `gate_up_proj`/`down_proj`,
+  or one `experts.N.{gate,up,down}_proj.weight` per expert) quantized with `pdflash_kernels.mxfp4.quantize`.
 
 Peak host memory is the non-expert weights + the MXFP4 store + one expert's weights in flight; the mapped file
 pages of the layer being read also count in RSS until its file is closed (one layer of the checkpoint's experts).
@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from kernels import mxfp4
-from kernels.installer import _activation, experts_modules, num_experts_of
-from kernels.mxfp4 import ExpertLayout
+from pdflash_kernels import mxfp4
+from pdflash_kernels.installer import _activation, experts_modules, num_experts_of
+from pdflash_kernels.mxfp4 import ExpertLayout
 
 _MXFP4_PARTS = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
 

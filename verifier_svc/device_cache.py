@@ -2,7 +2,7 @@
 
 `verifier_svc.expert_cache.ExpertCache` decides on the host: each layer's forward stops once to read its routing back
 (one sync a layer, the forward cut into one graph per layer). This cache keeps its whole state in device tensors and
-makes every decision with `kernels.offload` (an admission kernel and a fill kernel that reads the pinned host store
+makes every decision with `pdflash_kernels.offload` (an admission kernel and a fill kernel that reads the pinned host store
 over PCIe), so the forward of an offloaded model needs no host step at all: it is captured whole, like a resident one.
 
 Layout: the slot pool is one partition of slots per MoE layer (sizes as even as the budget allows, never more than the
@@ -25,7 +25,7 @@ the forward (`collect`, called by the verifier core) into the same counters as t
 
 Arrivals (`arriving`, from the servicer's thread: a Verify has arrived, or the scheduler hinted an admitted demand with
 the `Prefetch` RPC): the projected union's first layers are admitted and filled as prefetches (the same
-`kernels.offload` admission and fill, on the CPU their references) on the cache's copy stream, before the forward that
+`pdflash_kernels.offload` admission and fill, on the CPU their references) on the cache's copy stream, before the forward that
 needs them starts. The state the forward's kernels read and write is not split between forwards and arrivals, so an
 arrival never runs while a forward is between `begin()` and `collect()` (the verifier core's brackets around every
 forward): then it is kept and issued by `collect()` on the forward's thread, right after that forward (on CUDA: ordered
@@ -45,8 +45,8 @@ import threading
 import numpy as np
 import torch
 
-from kernels import offload as ko
-from kernels import runtime
+from pdflash_kernels import offload as ko
+from pdflash_kernels import runtime
 from verifier_svc.expert_cache import CacheStats, check_slots
 from verifier_svc.expert_store import HostExpertStore
 from verifier_svc.guess_gate import GuessGate, LayerGate
@@ -114,11 +114,11 @@ class DeviceExpertCache:
         self._cuda = dev.type == "cuda"
         self._side = torch.cuda.Stream(dev) if self._cuda else None
         self._joins: set[int] = set()  # layers whose prefetch runs on the side stream (joined at their call)
-        # A layer's demand copies on the side stream while its resident experts' GEMMs run (kernels.moe two phases); the
+        # A layer's demand copies on the side stream while its resident experts' GEMMs run (pdflash_kernels.moe two phases); the
         # flagged experts' GEMMs wait for this layer's event. Set before the graphs capture (`--no-expert-fill-overlap`).
         self.fill_overlap = True
         # The misses of a layer in this many copy groups, each with its own copy launch and event, so a group's GEMMs run
-        # while the next group copies (kernels.moe phases; worth it where one slice's copy outlasts a launch by far, as
+        # while the next group copies (pdflash_kernels.moe phases; worth it where one slice's copy outlasts a launch by far, as
         # gpt-oss-20b's 13 MB). Opt-in until a GPU has timed it (PDFLASH_EXPERT_FILL_GROUPS, default 1); before capture.
         self.fill_groups = _fill_groups()
         self._filled = [[torch.cuda.Event() for _ in range(8)] for _ in self.layers] if self._cuda else []
@@ -141,7 +141,7 @@ class DeviceExpertCache:
         self.judge_guess = self._cuda  # on a CPU the "copies" are host memcpys: their times say nothing about PCIe
         self.guess_on = torch.ones(n_layers, dtype=torch.int32, device=dev)
         self._guess_flags = [1] * n_layers
-        self.guess_width = 0  # the next-layer guess: its router's top `guess_width` (0: auto, kernels.installer.guess_k); set
+        self.guess_width = 0  # the next-layer guess: its router's top `guess_width` (0: auto, pdflash_kernels.installer.guess_k); set
         # before the graphs capture
         # arrivals (see the module's docstring): their own scratch and code rows, their own copy stream
         self.arrival_share = arrival_share  # most of each layer's slots (and of all partition slots) one arrival takes
@@ -350,7 +350,7 @@ class DeviceExpertCache:
             self.layer_gate.reset()
             self._set_guess_flags()
 
-    # ---- the experts call (kernels.installer) ----------------------------------------------------------------
+    # ---- the experts call (pdflash_kernels.installer) ----------------------------------------------------------------
     def _overlaps(self, i: int, n: int) -> bool:
         """Whether layer i's misses copy while its resident experts compute (a layer whose partition holds all its
         experts misses only while cold: one phase there, no empty launches)."""
@@ -375,7 +375,7 @@ class DeviceExpertCache:
 
     def forward_experts(self, module, layer: int, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         valid_rows: torch.Tensor | None):
-        from kernels.installer import _predict_experts, offloaded_kernel
+        from pdflash_kernels.installer import _predict_experts, offloaded_kernel
 
         i = self._index[layer]
         n = module._pdflash_num_experts

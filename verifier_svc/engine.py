@@ -21,7 +21,7 @@ from pdflash.logging import get_logger
 from pdflash.validation import sampling_violations
 from pdflash.types import DraftResult, ExpertUnion, FinishReason, SamplingParams, union_bytes
 from verifier_svc.model import TargetModel
-from kernels.attention import PAGE
+from pdflash_kernels.attention import PAGE
 from verifier_svc.kv import SequenceKV
 from verifier_svc.session import Session, SessionStore
 from verifier_svc.verify import accept_greedy, accept_sampled, target_probs
@@ -86,7 +86,7 @@ class StepOutput:
 def _moe_gemms_info(moe) -> str:
     """Model info's `forward.moe_gemms`: how the MoE GEMMs split K (PDFLASH_MOE_SPLIT_K, else each shape's default)."""
     if moe.SPLIT_K is None:
-        text = ("K split per shape as kernels.moe's sweep defaults set it (MXFP4 pair words: 4 ranges, partials added in "
+        text = ("K split per shape as pdflash_kernels.moe's sweep defaults set it (MXFP4 pair words: 4 ranges, partials added in "
                 "order; Qwen3-30B-A3B's shapes and bf16: one range)")
     elif moe.SPLIT_K > 1:
         text = f"K split {moe.SPLIT_K} ways (PDFLASH_MOE_SPLIT_K), partials added in order"
@@ -151,7 +151,7 @@ class VerifierCore:
         the paged KV, the layer chain, the attention's form and its KV split, and the CUDA graphs' buckets."""
         if self.runner is None:
             return {}
-        from kernels import attention, moe, runtime
+        from pdflash_kernels import attention, moe, runtime
 
         return {"kv": f"paged: {self.pool.num_pages} pages of {PAGE} positions", "rotary": self.runner.rotary,
                 "layers": self.runner.prenorm, "attention": self.runner.attention,

@@ -100,8 +100,8 @@ class ExpertCache:
         self.store, self.device, self.eviction = store, torch.device(device), eviction
         kinds = {p.strip() for p in prefetch.split(",")}
         self.prefetch_union = "union" in kinds  # read by the verifier core when a verify arrives
-        self.layer_ahead = "layer" in kinds  # read by the experts forward (kernels.installer): predict layer l+1 at layer l
-        self.guess_width = 0  # that prediction: the next router's top `guess_width` experts (0: auto, kernels.installer.guess_k)
+        self.layer_ahead = "layer" in kinds  # read by the experts forward (pdflash_kernels.installer): predict layer l+1 at layer l
+        self.guess_width = 0  # that prediction: the next router's top `guess_width` experts (0: auto, pdflash_kernels.installer.guess_k)
         self.pool = torch.zeros(num_slots, store.slice_bytes, dtype=torch.uint8, device=self.device)
         self.weights = store.weights(self.pool)
         self._host_tables = {layer: torch.full((n,), -1, dtype=torch.int32) for layer, n in store.num_experts.items()}

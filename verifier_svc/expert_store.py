@@ -1,9 +1,9 @@
 """The host expert store: every routed expert of every MoE layer as one contiguous MXFP4 slice of one host
-arena (pinned when a GPU will read it), in `kernels.mxfp4.ExpertLayout` (the unit a GPU slot holds and one
+arena (pinned when a GPU will read it), in `pdflash_kernels.mxfp4.ExpertLayout` (the unit a GPU slot holds and one
 copy moves).
 
 Experts come from the checkpoint's safetensors one layer at a time (`verifier_svc.checkpoint`: gpt-oss's MXFP4
-`*_blocks`/`*_scales` byte for byte, float experts quantized with `kernels.mxfp4.quantize`), or from a loaded model
+`*_blocks`/`*_scales` byte for byte, float experts quantized with `pdflash_kernels.mxfp4.quantize`), or from a loaded model
 (`from_model`), rows kept as the model stores them (gate/up concatenated, or gpt-oss's interleave: the kernels read
 both). The byte map of an offloaded verifier is the slice size of every expert: what a verify's union moves, exactly.
 """
@@ -14,9 +14,9 @@ import dataclasses
 
 import torch
 
-from kernels.installer import expert_weights, experts_modules, num_experts_of
-from kernels.mxfp4 import ExpertLayout, big_scales, from_pair_words, to_pair_words
-from kernels.moe import ExpertWeights
+from pdflash_kernels.installer import expert_weights, experts_modules, num_experts_of
+from pdflash_kernels.mxfp4 import ExpertLayout, big_scales, from_pair_words, to_pair_words
+from pdflash_kernels.moe import ExpertWeights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +35,8 @@ class HostExpertStore:
                  device: torch.device | str = "cpu", pair_words: bool = False, convert_on: torch.device | str | None = None):
         """`device`: where the arena lies: the host (pinned with `pin`, for a GPU's cache to copy from), or a GPU itself
         (every expert resident there: `verifier_svc.model.resident_experts` then uses it as it is). `pair_words`: the
-        blocks are stored as pair words (kernels/mxfp4.py `to_pair_words`: the same bytes per slice, each 4-byte word's
-        bits rearranged for the GPU kernels' cheapest decode; `kernels.moe.pair_words_for(device)` says when);
+        blocks are stored as pair words (pdflash_kernels/mxfp4.py `to_pair_words`: the same bytes per slice, each 4-byte word's
+        bits rearranged for the GPU kernels' cheapest decode; `pdflash_kernels.moe.pair_words_for(device)` says when);
         `convert_on`: a GPU to rearrange host blocks on (a checkpoint's bytes), as they pass to the arena."""
         self.layout, self.num_experts, self.gate = layout, dict(sorted(num_experts.items())), gate
         self._row: dict[tuple[int, int], int] = {}
@@ -44,7 +44,7 @@ class HostExpertStore:
             for e in range(n):
                 self._row[(layer, e)] = len(self._row)
         self.arena = torch.zeros(len(self._row), layout.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
-        self.big_scales = False  # some scale byte > 128 (kernels.mxfp4.big_scales): the kernels decode exactly
+        self.big_scales = False  # some scale byte > 128 (pdflash_kernels.mxfp4.big_scales): the kernels decode exactly
         self.pair_words = pair_words
         self._convert_on = None if convert_on is None or torch.device(convert_on).type != "cuda" else torch.device(convert_on)
         self._slice_bytes = layout.nbytes  # (the layout recomputes it from its sections: read on every verify)
@@ -122,7 +122,7 @@ class HostExpertStore:
                    pair_words: bool = False, convert_on: torch.device | str | None = None) -> "HostExpertStore":
         """Quantize every experts module of a loaded transformers model into a new store (its arena on `device`).
         Experts already quantized on their module (`_pdflash_mxfp4`, `verifier_svc.model.quantize_experts`) are taken
-        as they are (`kernels.installer.expert_weights`)."""
+        as they are (`pdflash_kernels.installer.expert_weights`)."""
         modules = experts_modules(model)
         if not modules:
             raise ValueError(f"{type(model).__name__} has no experts modules")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from kernels.installer import experts_modules, num_experts_of
+from pdflash_kernels.installer import experts_modules, num_experts_of
 from pdflash.types import ExpertUnion
 
 IMPL_NAME = "pdflash_capture"

@@ -1,10 +1,10 @@
-"""A decoder layer's attention with its input side fused (kernels.qkv): merged q/k/v projection, one epilogue
+"""A decoder layer's attention with its input side fused (pdflash_kernels.qkv): merged q/k/v projection, one epilogue
 (per-head norms, rotary, the paged K/V write), the paged attention kernel, the output projection.
 
 The module's own forward, on the batch-invariant kernels, runs the three projections (two launches each), the two
 per-head norms, the rotary and the KV write: 10 launches before the attention kernel. `FusedAttention` runs 2. After
 the attention, the output projection's K partials are returned unsummed: the chain's residual add + norm adds them
-(`kernels.fused.add_rms_norm_partials`), one launch fewer again. It
+(`pdflash_kernels.fused.add_rms_norm_partials`), one launch fewer again. It
 reads the module's parts (projections, norms, scaling, sliding window, sinks) and is used only when `probe` has run
 the module and the fused form on the same input, through the runner's own paged KV pool (a past of 5 positions,
 then 3 more), and got the same output and the same keys and values in the pool, bit for bit.
@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import attention as attn_kernels
-from kernels import linear, qkv
-from kernels.installer import ForwardContext, _eps_of, _forward_ctx, forward_context, fused_norm_variant
+from pdflash_kernels import attention as attn_kernels
+from pdflash_kernels import linear, qkv
+from pdflash_kernels.installer import ForwardContext, _eps_of, _forward_ctx, forward_context, fused_norm_variant
 
 PROBE_ROWS = (5, 3)  # the probe's two steps: a past, then a block that attends to it
 
@@ -25,7 +25,7 @@ PROBE_ROWS = (5, 3)  # the probe's two steps: a past, then a block that attends 
 class FusedAttention:
     def __init__(self, module: nn.Module, cache_kw: str, parts, b, hq: int, hk: int, d: int, norms, sliding_window):
         self.module, self.cache_kw = module, cache_kw
-        self.parts, self.b = parts, b  # [(weight, its linear config)]: q|k|v merged (kernels.qkv.plan)
+        self.parts, self.b = parts, b  # [(weight, its linear config)]: q|k|v merged (pdflash_kernels.qkv.plan)
         self.hq, self.hk, self.d, self.norms = hq, hk, d, norms
         self.sliding_window = sliding_window
         self.sinks = getattr(module, "sinks", None)
@@ -63,7 +63,7 @@ class FusedAttention:
 
     def __call__(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """What `module(hidden_states=x, **kwargs)[0]` returns, as the output projection's K partials (its sum is left
-        to the residual add + norm after it: kernels.fused.add_rms_norm_partials), on the runner's paged cache
+        to the residual add + norm after it: pdflash_kernels.fused.add_rms_norm_partials), on the runner's paged cache
         (kwargs as the runner passes a layer: positions, cos/sin, the PagedLayerCache under its keyword), inside its
         forward context."""
         cache = kwargs[self.cache_kw]

@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from kernels.attention import PAGE
+from pdflash_kernels.attention import PAGE
 from pdflash.errors import ResourceExhausted
 
 

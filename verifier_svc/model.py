@@ -84,15 +84,15 @@ def model_name(directory: pathlib.Path) -> str:
 
 
 def pair_words_for(device: torch.device) -> bool:
-    """Whether the MXFP4 stores of a verifier on `device` hold pair words (`kernels.moe.pair_words_for`)."""
-    from kernels.moe import pair_words_for as wanted
+    """Whether the MXFP4 stores of a verifier on `device` hold pair words (`pdflash_kernels.moe.pair_words_for`)."""
+    from pdflash_kernels.moe import pair_words_for as wanted
 
     return wanted(device)
 
 
 def kernels_wanted(mode: str, device: torch.device) -> bool:
     """--kernels auto: on CUDA when triton imports; on: required (CUDA, or Triton's interpreter for tests)."""
-    from kernels import runtime
+    from pdflash_kernels import runtime
 
     if mode == "off":
         return False
@@ -106,9 +106,9 @@ def kernels_wanted(mode: str, device: torch.device) -> bool:
 
 
 def install_kernels(model, experts_format: str) -> dict:
-    import kernels
+    import pdflash_kernels
 
-    inst = kernels.install(model, experts_format=experts_format)
+    inst = pdflash_kernels.install(model, experts_format=experts_format)
     summary = inst.summary()
     if summary["batch_invariant"]:
         log.info("batch-invariant kernels installed", **summary)
@@ -182,7 +182,7 @@ def load_direct(direct: DirectLoad, directory: pathlib.Path, device: torch.devic
     """The model of a `verifier_svc.checkpoint.plan`: non-expert weights read by name, the experts read layer by layer
     into a host MXFP4 store, then served offloaded through a device cache of `cache_gb` GiB (> 0) or copied to the
     device whole for the kernels (0)."""
-    from kernels.installer import serve_offloaded_experts
+    from pdflash_kernels.installer import serve_offloaded_experts
     from tqdm import tqdm
 
     from verifier_svc.expert_cache import new_cache
@@ -230,7 +230,7 @@ def offload_experts(model, device: torch.device, cache_gb: float, prefetch: str 
                     mode: str = "device", eviction: str = "lru"):
     """Quantize the routed experts into a host store (pinned for a GPU), route the model's experts through a device
     cache of `cache_gb` GiB, and drop the experts' original weights."""
-    from kernels.installer import serve_offloaded_experts
+    from pdflash_kernels.installer import serve_offloaded_experts
     from verifier_svc.expert_cache import new_cache
     from verifier_svc.expert_store import HostExpertStore
 
@@ -252,7 +252,7 @@ def offload_experts(model, device: torch.device, cache_gb: float, prefetch: str 
 def resident_experts(model, store, device: torch.device) -> None:
     """Every expert of a `HostExpertStore` resident on `device` in one arena (the store's own when it lies there
     already), each experts module given its layer's rows of it: `wrap_model(..., experts="mxfp4")` then installs them
-    for the grouped MXFP4 kernel as they are (`kernels.installer.expert_weights` reads `_pdflash_mxfp4`)."""
+    for the grouped MXFP4 kernel as they are (`pdflash_kernels.installer.expert_weights` reads `_pdflash_mxfp4`)."""
     arena = store.arena if store.arena.device == torch.device(device) else store.arena.to(device)
     for layer, module in experts_modules(model).items():
         module._pdflash_mxfp4 = store.layer_weights(layer, arena)
@@ -268,11 +268,11 @@ def wrap_offloaded(model, directory: pathlib.Path, kernels: str, cache) -> Targe
 
 def quantize_experts(model) -> int:
     """Quantize a loaded model's routed experts to MXFP4 where they lie, as the store and the installer quantize them
-    (`kernels.installer.expert_weights`), and keep them on each experts module (`_pdflash_mxfp4`, which both MXFP4
+    (`pdflash_kernels.installer.expert_weights`), and keep them on each experts module (`_pdflash_mxfp4`, which both MXFP4
     serving paths then take as they are); the module's own float weights become their dequantization, its biases the
     bf16 the kernels read, in the model's dtype. So transformers' own forward of the model computes with exactly the
     weights an MXFP4 verifier of it reads (benchmarks' baselines on the same model). Returns the MXFP4 bytes held."""
-    from kernels.installer import expert_weights, set_float_experts
+    from pdflash_kernels.installer import expert_weights, set_float_experts
 
     total = 0
     for layer, module in experts_modules(model).items():

@@ -5,7 +5,7 @@ transformers' Llama-family decoder layers (Qwen3-MoE, Mixtral, gpt-oss, ...) all
     h = h + self_attn(input_layernorm(h)); h = h + mlp(post_attention_layernorm(h))
 
 so between two layers the residual add and the next norm are two launches over the same rows. `PreNormChain` runs
-the same modules in the same order but calls `kernels.fused.add_rms_norm` for "add, then norm" (the next layer's
+the same modules in the same order but calls `pdflash_kernels.fused.add_rms_norm` for "add, then norm" (the next layer's
 input norm, or the model's final norm after the last layer): the same bits, 2 launches fewer per layer. It is used
 only when a probe has traced one real layer's forward and seen exactly that dataflow (which parts it calls, in which
 order, on which tensors), has run the chain's own step on the same input with keys already in the cache and got the
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import fused, linear
-from kernels.installer import _eps_of, fused_norm_variant
+from pdflash_kernels import fused, linear
+from pdflash_kernels.installer import _eps_of, fused_norm_variant
 
 _PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 PROBE_PAST = 5  # keys in the probe's cache before its 3 rows: a step that did not pass the cache on would differ

@@ -18,9 +18,9 @@ import dataclasses
 
 import torch
 
-from kernels.attention import paged_write
-from kernels.dispatch import InvariantMode
-from kernels.installer import ForwardContext, forward_context
+from pdflash_kernels.attention import paged_write
+from pdflash_kernels.dispatch import InvariantMode
+from pdflash_kernels.installer import ForwardContext, forward_context
 from pdflash.hf_compat import cache_kwarg
 from verifier_svc.kv import SequenceKV
 from verifier_svc.prenorm import PreNormChain
@@ -74,7 +74,7 @@ class RotaryTable:
 
 class PagedLayerCache:
     """What transformers' attention modules call `cache.update(k, v, layer_idx)` on: writes the block's keys and
-    values at their slots (`kernels.attention.paged_write`: one launch for both pools) and returns the layer's pools."""
+    values at their slots (`pdflash_kernels.attention.paged_write`: one launch for both pools) and returns the layer's pools."""
 
     def __init__(self, pool, pages: torch.Tensor, offsets: torch.Tensor):
         self.pool, self.pages, self.offsets = pool, pages, offsets
@@ -123,7 +123,7 @@ class ForwardRunner:
     def _probe_chain(self) -> "PreNormChain | str":
         """verifier_svc.prenorm's chain if one real layer's forward shows its dataflow (the experts stubbed out: the
         probe touches no expert cache), else why not."""
-        from kernels.installer import experts_stubbed
+        from pdflash_kernels.installer import experts_stubbed
 
         layers = self.inner.layers[: self.num_layers]
         with torch.inference_mode(), InvariantMode(), experts_stubbed():
@@ -190,7 +190,7 @@ class ForwardRunner:
 
 
 def _served_by(model) -> list[tuple]:
-    from kernels.installer import experts_modules
+    from pdflash_kernels.installer import experts_modules
 
     return [(m, m._pdflash_offload[0]) for m in experts_modules(model).values() if getattr(m, "_pdflash_offload", None) is not None]
 
@@ -291,7 +291,7 @@ class _SegmentedGraph(_Graph):
     def split(self, module, offload, x, top_k_index, top_k_weights):
         """Called by the experts forward during the capture: the layer's routing mask ends the graph so far; the next
         graph starts with the experts kernels over the slot table the host will have refreshed before replaying it."""
-        from kernels.installer import offloaded_kernel, routing_mask
+        from pdflash_kernels.installer import offloaded_kernel, routing_mask
 
         cache, layer = offload
         mask = routing_mask(module, cache, x, top_k_index, valid_rows=self.valid)
@@ -303,7 +303,7 @@ class _SegmentedGraph(_Graph):
         return offloaded_kernel(x, top_k_index, top_k_weights, cache, n, cache.tables[layer], None, self.valid)
 
     def replay(self, n: int) -> None:
-        from kernels.installer import admit_layer, after_layer
+        from pdflash_kernels.installer import admit_layer, after_layer
 
         guess, held = None, None
         for i, graph in enumerate(self.graphs):

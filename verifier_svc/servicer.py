@@ -41,7 +41,7 @@ def cache_bytes(cache) -> int:
 
 
 def model_kernels_json(kernels: dict, forward: dict) -> str:
-    """VerifierModelInfo.kernels: the installed kernels (kernels.install's summary) and, with the paged forward, how a
+    """VerifierModelInfo.kernels: the installed kernels (pdflash_kernels.install's summary) and, with the paged forward, how a
     verify forward runs (VerifierCore.forward_info) under "forward"; "" when neither applies (transformers' own path)."""
     info = {**kernels, **({"forward": forward} if forward else {})}
     return json.dumps(info, sort_keys=True) if info else ""

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import mxfp4
-from kernels.moe import ACT_SILU, ExpertWeights
+from pdflash_kernels import mxfp4
+from pdflash_kernels.moe import ACT_SILU, ExpertWeights
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:

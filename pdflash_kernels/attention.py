@@ -14,7 +14,7 @@ free, since every segment is computed the same way and merged in the same order:
 - one program per tile (`programs` 1: prefills, the non-paged path) walks the segments itself and merges each into
   its running state as it goes;
 - `programs` P > 1 (paged verify forwards, T <= SPLIT_MAX_T): P programs per tile take every P-th segment and store
-  each segment's state; the tile's last program to finish (an atomic counter as a semaphore, as kernels/linear.py's
+  each segment's state; the tile's last program to finish (an atomic counter as a semaphore, as pdflash_kernels/linear.py's
   one-launch split-K) merges all of them in segment order. A long context is then walked by P programs at once
   instead of one, with the same bits.
 """
@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from kernels import linear, runtime
+from pdflash_kernels import linear, runtime
 
 triton, tl = runtime.triton, runtime.tl
 to_out = runtime.to_out if triton is not None else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import runtime
+from pdflash_kernels import runtime
 
 triton, tl = runtime.triton, runtime.tl
 to_out = runtime.to_out if triton is not None else None

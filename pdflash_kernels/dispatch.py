@@ -1,7 +1,7 @@
 """A torch dispatch mode that runs a model's dense matmuls and reductions on the batch-invariant kernels.
 
 Inside `InvariantMode`, every aten call that would pick its algorithm from the whole tensor's shape
-(linear/matmul/mm/addmm/bmm, sum/mean over a dimension, softmax/log-softmax) runs on `kernels.linear` / `kernels.reduce`
+(linear/matmul/mm/addmm/bmm, sum/mean over a dimension, softmax/log-softmax) runs on `pdflash_kernels.linear` / `pdflash_kernels.reduce`
 instead; everything else (elementwise ops, views, gathers, topk) is invariant already and runs as it
 is. (Under inference mode composite ops such as aten.linear reach the mode whole: they are taken over
 here, or they would run torch's kernels below the mode.) This covers linears, norms, routers and LM heads of any transformers model without per-model code.
@@ -17,7 +17,7 @@ import collections
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import linear, reduce, runtime
+from pdflash_kernels import linear, reduce, runtime
 
 aten = torch.ops.aten
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)

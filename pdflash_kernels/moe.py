@@ -4,7 +4,7 @@
                                      ->  gemm2: h @ w2^T, bias, * routing weight -> y[pair] (fp32)
                                      ->  combine: out[t] = sum over its k slots, in slot order -> bf16
 
-Weights are bf16 or MXFP4 (`kernels/mxfp4.py` layout), rows = output features, K contiguous, gate rows
+Weights are bf16 or MXFP4 (`pdflash_kernels/mxfp4.py` layout), rows = output features, K contiguous, gate rows
 then up rows (`UP_OFF` / `ROW_MUL` also read gpt-oss's interleaved rows in place). Experts are reached
 through a slot table (expert id -> slot index into the weight tensors' first dimension), so the same
 kernels run on all experts resident or on a GPU slot pool of offloaded ones.
@@ -23,13 +23,13 @@ import os
 
 import torch
 
-from kernels import linear, runtime
+from pdflash_kernels import linear, runtime
 
 triton, tl = runtime.triton, runtime.tl
 to_bf16, to_out = (runtime.to_bf16, runtime.to_out) if triton is not None else (None, None)
 
 # The combine (a token's k rows summed in slot order) in the down GEMM's launch: the last program to store one of a
-# token's pairs (per n tile; an atomic counter as a semaphore, as kernels/linear.py's one-launch split-K) sums them,
+# token's pairs (per n tile; an atomic counter as a semaphore, as pdflash_kernels/linear.py's one-launch split-K) sums them,
 # with the separate combine's arithmetic (the same bits); one launch fewer per MoE layer. Opt-in until the H200 has
 # measured it (PDFLASH_MOE_FUSED_COMBINE=1).
 FUSED_COMBINE = runtime.env_flag("PDFLASH_MOE_FUSED_COMBINE")
@@ -41,7 +41,7 @@ _SPLIT_K = os.environ.get("PDFLASH_MOE_SPLIT_K")
 if _SPLIT_K not in (None, "1", "2", "4"):
     raise ValueError(f"PDFLASH_MOE_SPLIT_K must be 1, 2 or 4 (unset: each shape's default), got {_SPLIT_K!r}")
 SPLIT_K: int | None = int(_SPLIT_K) if _SPLIT_K is not None else None
-# MXFP4 experts served on a GPU stored as pair words (kernels/mxfp4.py to_pair_words; decodes 5 and 6): "1" (the
+# MXFP4 experts served on a GPU stored as pair words (pdflash_kernels/mxfp4.py to_pair_words; decodes 5 and 6): "1" (the
 # default since stop 31: on the H200 the MoE call 1.08-1.83x faster per case, gpt-oss-24l end to end +9-11% tok/s with
 # every expert cached, the same output bits) or "0" (the nibble order, decodes 3/4). The stores
 # (verifier_svc.expert_store) ask `pair_words_for(device)`; a CPU verifier never uses them.
@@ -65,7 +65,7 @@ DECODE_F32_BITS = 1  # fp32, nibble bits placed into a float32 (code 1 = a subno
 DECODE_SCALED = 2  # tl.dot_scaled: Triton upcasts the packed weights itself (GPU only: not in Triton's interpreter)
 DECODE_BF16_BITS = 3  # bf16, nibble bits placed into a bf16 (code 1 = a subnormal), one bf16 multiply by 2^(s-1)
 DECODE_WORD = 4  # decode 3 on 32-bit words: 8 values per load element and 4 bf16x2 multiplies (weights in K order)
-DECODE_PAIR_WORDS = 5  # weights stored as pair words (kernels/mxfp4.py): 9 integer instructions + 4 multiplies a word
+DECODE_PAIR_WORDS = 5  # weights stored as pair words (pdflash_kernels/mxfp4.py): 9 integer instructions + 4 multiplies a word
 DECODE_PAIR_WORDS_EXACT = 6  # pair words, two multiplies a pair (2^126, then 2^(s-127)): exact for scale bytes 1..254
 PAIR_DECODES = (DECODE_PAIR_WORDS, DECODE_PAIR_WORDS_EXACT)  # the decodes of pair-word weights (ExpertWeights.pair_words)
 # Decodes 1, 3 and 4 multiply by 2^(s-1), a finite float only for scale bytes s <= 128 (groups with |w| <= 12): they are
@@ -152,7 +152,7 @@ SWEEP_VARIANTS: dict[str, dict] = {
     "word": dict(a_load=A_JOIN, decode=DECODE_WORD),
     "word_k256_raster": dict(a_load=A_JOIN, decode=DECODE_WORD, block_k=256, raster=1),
     "word_swap64_k256": dict(a_load=A_JOIN, decode=DECODE_WORD, swap_ab=True, block_n=64, block_k=256),
-    # pair words (decode 5: the weights stored with each 32-bit word's bits rearranged, kernels/mxfp4.py to_pair_words)
+    # pair words (decode 5: the weights stored with each 32-bit word's bits rearranged, pdflash_kernels/mxfp4.py to_pair_words)
     "pair": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS),
     "pair_raster": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, raster=1),
     "pair_k256_raster": dict(a_load=A_JOIN, decode=DECODE_PAIR_WORDS, block_k=256, raster=1),
@@ -566,7 +566,7 @@ if triton is not None:
     @triton.jit
     def _fp4_pair_words(w_ptr, s_raw, rows, row_ok, stride_wn, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
                         EMULATE: tl.constexpr, EXACT: tl.constexpr):
-        """Decode 5: weights stored as pair words (kernels/mxfp4.py `to_pair_words`), read as 32-bit words (8 values
+        """Decode 5: weights stored as pair words (pdflash_kernels/mxfp4.py `to_pair_words`), read as 32-bit words (8 values
         each) -> one [BN, BK] bf16 tile in K order. Per word: pair j = (values 2j, 2j + 1) is one rotation and one AND of
         the word (two of each for the last pair), then one bf16x2 multiply by 2^(s-1): 9 integer instructions and 4
         multiplies for 8 values, and each result register is already an MMA register pair (k, k + 1). Exact for scale
@@ -1370,7 +1370,7 @@ class ExpertWeights:
     # MXFP4 only: some scale byte is above 128 (a block with |w| > 12). The bit-placing decoders (1, 3) fold the
     # scale into one power of two that cannot go that high, so these weights are decoded by exact selects (0).
     big_scales: bool = False
-    # MXFP4 only: w1/w2 hold pair words (kernels/mxfp4.py to_pair_words), which only decodes 5 and 6 read; moe_forward
+    # MXFP4 only: w1/w2 hold pair words (pdflash_kernels/mxfp4.py to_pair_words), which only decodes 5 and 6 read; moe_forward
     # then runs every FP4 GEMM with decode 5 (6 where big_scales), whatever the config says (the stored format decides)
     pair_words: bool = False
 

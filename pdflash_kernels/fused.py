@@ -5,7 +5,7 @@ multiply = 8 launches; rotary: 5 per tensor; softmax-top-k routing: 6). In a CUD
 launch costs ~2 us whatever it does, those chains are most of a layer's time. Here each is one launch, one program
 per row, with the rounding points of the transformers formula it replaces:
 
-- `rms_norm`: x -> float32, mean of squares (the same chunked order as `kernels.reduce.row_sum`), + eps, rsqrt,
+- `rms_norm`: x -> float32, mean of squares (the same chunked order as `pdflash_kernels.reduce.row_sum`), + eps, rsqrt,
   then either `weight * y.to(x.dtype)` (Llama, Qwen3, Mixtral: `CAST_FIRST`) or `(weight * y).to(x.dtype)` (gpt-oss).
 - `rotary`: `x * cos + rotate_half(x) * sin` for q and k in one launch, each product rounded to the result dtype
   before the sum, as torch's elementwise ops round (also gpt-oss's half-width table: `first*cos - second*sin`,
@@ -14,17 +14,17 @@ per row, with the rounding points of the transformers formula it replaces:
   (Qwen3-MoE, Mixtral), or top-k of the logits -> softmax over them (gpt-oss). Ties go to the lower expert id.
 
 A row's result never depends on the other rows (no reduction across rows, fixed chunks per row), so these keep the
-forward batch-invariant. `kernels.installer` puts them under a model after a probe has shown which formula each
+forward batch-invariant. `pdflash_kernels.installer` puts them under a model after a probe has shown which formula each
 module computes (`rms_norm_variant`, `rotary_matches`, `route_variant`); a module that matches none keeps its own
-ops (which `kernels.dispatch` already makes invariant), and the install report says so.
+ops (which `pdflash_kernels.dispatch` already makes invariant), and the install report says so.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import linear, runtime
-from kernels.reduce import _block  # the chunk a row reduction steps by: RMSNorm's mean must add as row_sum does
+from pdflash_kernels import linear, runtime
+from pdflash_kernels.reduce import _block  # the chunk a row reduction steps by: RMSNorm's mean must add as row_sum does
 
 triton, tl = runtime.triton, runtime.tl
 
@@ -48,7 +48,7 @@ if triton is not None:
     @triton.jit
     def _load_x(x_ptr, bias_ptr, r, cols, M, D: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                 XROUND: tl.constexpr, EMULATE: tl.constexpr):
-        """Row r of x, or with SPLIT > 0 the row of a linear's output from its K partials (kernels.linear.partials at
+        """Row r of x, or with SPLIT > 0 the row of a linear's output from its K partials (pdflash_kernels.linear.partials at
         x_ptr, + bias, rounded as the linear stores it)."""
         if SPLIT == 0:
             x = tl.load(x_ptr + r * D + cols, mask=cols < D, other=0.0).to(tl.float32)
@@ -99,7 +99,7 @@ if triton is not None:
         """out = RMSNorm(x), or with HAS_RES: sum = x + res (rounded to x's dtype, stored) and out = RMSNorm(sum). x: a
         tensor, or with SPLIT > 0 a linear's K partials (_load_x). A row of one chunk (D <= BLOCK) is read once and
         kept in registers; a longer one is read again for the scaling (recomputed, not read back: another thread of
-        the program may have stored the sum). Either way the sum of squares adds as kernels.reduce._row_sum does."""
+        the program may have stored the sum). Either way the sum of squares adds as pdflash_kernels.reduce._row_sum does."""
         runtime.pdl_begin()
         r = tl.program_id(0).to(tl.int64)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -110,7 +110,7 @@ if triton is not None:
             inv = _inv_rms(acc, scale, eps)
             _row_out(x, w_ptr, out_ptr, r, cols, inv, D, CAST_FIRST, XROUND, OROUND, EMULATE)
         else:
-            for c in range(0, D, BLOCK):  # the order of kernels.reduce._row_sum over x.float().pow(2)
+            for c in range(0, D, BLOCK):  # the order of pdflash_kernels.reduce._row_sum over x.float().pow(2)
                 cols = c + tl.arange(0, BLOCK)
                 x = _row_in(x_ptr, bias_ptr, res_ptr, sum_ptr, r, cols, M, D, SPLIT, HAS_BIAS, HAS_RES, True, XROUND,
                             EMULATE)
@@ -176,7 +176,7 @@ if triton is not None:
             x = _load_x(ws_ptr, bias_ptr, r, e, M, E, SPLIT, HAS_BIAS, XROUND, EMULATE)
             tl.store(logits_ptr + r * E + e, x.to(logits_ptr.dtype.element_ty), mask=ok)
             x = tl.where(ok, x, -float("inf"))
-        if SOFTMAX_FIRST:  # kernels.reduce._row_softmax's steps over one chunk
+        if SOFTMAX_FIRST:  # pdflash_kernels.reduce._row_softmax's steps over one chunk
             mx = tl.max(tl.where(ok, x, -float("inf")), axis=0)
             ex = tl.where(ok, tl.exp(x - mx), 0.0)
             total = tl.sum(ex, axis=0)
@@ -192,7 +192,7 @@ if triton is not None:
             x = tl.where(e == pick, -float("inf"), x)
         kok = kk < K
         if SOFTMAX_FIRST:
-            if NORM:  # /= sum (kernels.reduce._row_sum's order over K values)
+            if NORM:  # /= sum (pdflash_kernels.reduce._row_sum's order over K values)
                 vals = vals / tl.sum(tl.where(kok, vals, 0.0), axis=0)
         else:  # softmax over the top-k logits
             mx = tl.max(tl.where(kok, vals, -float("inf")), axis=0)
@@ -220,7 +220,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 def add_rms_norm_partials(ws: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
                           eps: float, cast_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm` whose x is a linear's output given as its K partials (kernels.linear.partials: ws [S, rows, D],
+    """`add_rms_norm` whose x is a linear's output given as its K partials (pdflash_kernels.linear.partials: ws [S, rows, D],
     and the linear's bias): the linear's split-K sum, its bias and rounding (to residual's dtype, as the linear stores
     its output) done here, the same bits as `matmul` then `add_rms_norm`, one launch fewer."""
     if ws.shape[1:] != (residual.numel() // residual.shape[-1], residual.shape[-1]) or ws.dtype != torch.float32:
@@ -296,7 +296,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 def route_partials(ws: torch.Tensor, bias: torch.Tensor | None, logits_dtype: torch.dtype, top_k: int, softmax_first: bool,
                    norm: bool, score_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`route` of a router linear's output given as its K partials (kernels.linear.partials: ws [S, T, E], and the
+    """`route` of a router linear's output given as its K partials (pdflash_kernels.linear.partials: ws [S, T, E], and the
     linear's bias): -> (logits [T, E] of logits_dtype, the bits `matmul` stores; scores; ids), one launch."""
     _, t, e = ws.shape
     logits = torch.empty((t, e), dtype=logits_dtype, device=ws.device)

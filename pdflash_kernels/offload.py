@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from kernels import runtime
+from pdflash_kernels import runtime
 
 triton, tl = runtime.triton, runtime.tl
 

@@ -8,15 +8,15 @@ transformers' attention modules (Qwen3-MoE, gpt-oss, Llama-like) compute, on the
 which on the batch-invariant kernels is 3 projections of 2 launches each (the split-K partials, their sum), 2 norms,
 the rotary and the paged KV write: 10 launches, most of them tiny. Here:
 
-1. `kernels.linear.partials` of x against the three weights stacked (their rows one tensor, `merged_weight`), with
+1. `pdflash_kernels.linear.partials` of x against the three weights stacked (their rows one tensor, `merged_weight`), with
    the merged projection's tiles and K split (`merge_config`: linear_config of the merged width), which the three
-   projections then take when called one by one too (`kernels.linear.share_config` on the merged tensor, whose views
+   projections then take when called one by one too (`pdflash_kernels.linear.share_config` on the merged tensor, whose views
    their weights become), so every output column is the same sum in the same order either way. (Before stop 33 each
    projection kept its own config and only those that split K alike merged: Mixtral-8x7B's q ran apart from k|v, and
    with the K split rule 1 Qwen3-30B-A3B's and gpt-oss-20b's would have too. `qkv_rope_write` still takes two parts.)
 2. `qkv_rope_write`: one program per (token, head) of q, k and v adds the K partials in split order and the bias
-   (the bits the projection would store), applies the per-head RMSNorm (`kernels.fused._rms_norm_kernel`'s
-   arithmetic), the rotary (`kernels.fused._rotary_kernel`'s), and stores q, and k and v into the layer's page pools
+   (the bits the projection would store), applies the per-head RMSNorm (`pdflash_kernels.fused._rms_norm_kernel`'s
+   arithmetic), the rotary (`pdflash_kernels.fused._rotary_kernel`'s), and stores q, and k and v into the layer's page pools
    at the block's slots.
 
 Every value is rounded where the op-by-op path rounds it; `verifier_svc.attention` uses this only after a probe got
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import linear, runtime
-from kernels.fused import _ROUNDED, LAUNCH_OPTIONS, _inv_rms, _normed, _round
-from kernels.reduce import _block
+from pdflash_kernels import linear, runtime
+from pdflash_kernels.fused import _ROUNDED, LAUNCH_OPTIONS, _inv_rms, _normed, _round
+from pdflash_kernels.reduce import _block
 
 triton, tl = runtime.triton, runtime.tl
 

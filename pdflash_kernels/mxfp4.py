@@ -97,7 +97,7 @@ def from_gpt_oss(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
 # bf16x2 register (lower K index in the low half), the order the MMA's register pairs take. In that register a value's
 # magnitude bits go under the bf16 exponent's two low bits and the top mantissa bit (m -> bit 6, e0 -> 7, e1 -> 8 of its
 # half: code 1 becomes the bf16 subnormal 2^-127, every code the E2M1 value times 2^-126) and its sign to bit 15 of its
-# half; one bf16x2 multiply by 2^(s - 1) then gives the scaled values exactly (as kernels.moe's decodes 3 and 4).
+# half; one bf16x2 multiply by 2^(s - 1) then gives the scaled values exactly (as pdflash_kernels.moe's decodes 3 and 4).
 # The stored bits are placed so that each pair comes out of the word with one rotation and one AND:
 #   pair 0: w & 0x81C081C0;  pair 1: rotl(w, 4) & 0x81C081C0;  pair 2: rotl(w, 10) & 0x81C081C0;
 #   pair 3: (rotl(w, 6) & 0x80C080C0) | (rotl(w, 14) & 0x01000100)
@@ -175,7 +175,7 @@ def nibble_blocks(blocks: torch.Tensor, pair_words: bool) -> torch.Tensor:
 
 def decode_pair_words(words: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Pair words decoded the way the kernels do (rotations, masks, one multiply by 2^(s - 1) per bf16 pair), in torch:
-    the reference the kernel's decode is checked against. Scale bytes above 128 read as 128 (kernels.moe's fast decodes)."""
+    the reference the kernel's decode is checked against. Scale bytes above 128 read as 128 (pdflash_kernels.moe's fast decodes)."""
     b = words.contiguous().reshape(*words.shape[:-1], -1, 4).to(torch.int64)
     w = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
 
@@ -197,7 +197,7 @@ def decode_pair_words(words: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 # ---- the arena layout of one expert ------------------------------------------------------------------
 ALIGN = 256  # bytes; every section starts on it (full 128-byte lines, 16-byte vector loads)
-SCALE_ROW_ALIGN = 4  # bytes; a scale row is stored padded to a multiple (kernels.moe reads scales as 32-bit words:
+SCALE_ROW_ALIGN = 4  # bytes; a scale row is stored padded to a multiple (pdflash_kernels.moe reads scales as 32-bit words:
 # MoeConfig.s_words). gpt-oss-20b's rows of 2880 / 32 = 90 bytes are stored in 92; Qwen3's and Mixtral's need none.
 
 
@@ -338,5 +338,5 @@ class MXFP4Experts:
 
 def big_scales(*scales: torch.Tensor) -> bool:
     """Whether any E8M0 scale byte is above 128 (2^1: a block whose largest |w| exceeds 12). The kernels' fast
-    decoders cannot represent those blocks' scale and fall back to exact selects (kernels.moe)."""
+    decoders cannot represent those blocks' scale and fall back to exact selects (pdflash_kernels.moe)."""
     return any(bool((s > 128).any()) for s in scales)

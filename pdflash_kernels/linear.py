@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from kernels import runtime
+from pdflash_kernels import runtime
 
 triton, tl = runtime.triton, runtime.tl
 to_out = runtime.to_out if triton is not None else None
@@ -53,7 +53,7 @@ BLOCK_M = int(_BLOCK_M)
 # 1.02 / 1.25, gpt-oss-20b's o 0.79 / 0.83 / 1.66 -> 0.83 / 0.84 / 1.28 and qkv 1.13 / 1.17 / 1.69 -> 1.12 / 1.15 /
 # 1.48; only Qwen3's merged qkv lost at 64 rows (1.88 -> 2.11), which WIDE_FROM's 64-row tiles take back (1.13). Every
 # split gives invariant rows; another split gives other last bits. With 1, Qwen3-30B-A3B's q projection (4096 wide)
-# would split K 2 ways and its k/v (512) 8: merged (kernels.qkv), they all take the merged width's split instead
+# would split K 2 ways and its k/v (512) 8: merged (pdflash_kernels.qkv), they all take the merged width's split instead
 # (share_config). The GPU suite ran with it at stop 33 (benchmarks/results/gpu_runs_h200.md).
 _SPLIT_FILL = os.environ.get("PDFLASH_LINEAR_SPLIT_FILL", "1")
 if _SPLIT_FILL not in ("1", "2", "4"):
@@ -225,7 +225,7 @@ if triton is not None:
         tl.store(out_ptr + m.to(tl.int64) * stride_om + cols, to_out(acc, out_ptr, EMULATE), mask=ok)
 
 
-# Linears whose weights are views of one merged tensor (kernels.qkv: an attention's q/k/v stacked) run with the merged
+# Linears whose weights are views of one merged tensor (pdflash_kernels.qkv: an attention's q/k/v stacked) run with the merged
 # projection's config wherever they are called: the merged partials in the fused epilogue, and each module's own
 # projection one by one (verifier_svc.fused_attention's probe compares the two bit for bit), so every column is the same
 # sum in the same order either way. Keyed by the storage's address, with the K the config was made for (a K split is
@@ -270,7 +270,7 @@ def partials(a: torch.Tensor, b: torch.Tensor, cfg: LinearConfig | None = None) 
 @dataclasses.dataclass
 class Partials:
     """A linear's output not yet summed: its K partials [S, M, N] (`partials`) and its bias, for a consumer kernel that
-    adds them (kernels.fused.add_rms_norm_partials); `value()` is the output as `matmul` would have stored it."""
+    adds them (pdflash_kernels.fused.add_rms_norm_partials); `value()` is the output as `matmul` would have stored it."""
 
     ws: torch.Tensor
     bias: torch.Tensor | None

@@ -1,9 +1,9 @@
 """Put the batch-invariant kernels under a loaded transformers model, without per-model code.
 
 - experts: a function registered in transformers' `ALL_EXPERTS_FUNCTIONS` (the experts seam) runs every
-  experts module on `kernels.moe` (bf16 as loaded, or MXFP4 quantized at install);
-- attention: a function registered in transformers' `AttentionInterface` runs on `kernels.attention`;
-- linears, norms, routers, LM head: the model's forward runs inside `kernels.dispatch.InvariantMode`.
+  experts module on `pdflash_kernels.moe` (bf16 as loaded, or MXFP4 quantized at install);
+- attention: a function registered in transformers' `AttentionInterface` runs on `pdflash_kernels.attention`;
+- linears, norms, routers, LM head: the model's forward runs inside `pdflash_kernels.dispatch.InvariantMode`.
 
 `install` probes one small forward and reports what is covered; a part it cannot cover (an experts
 module with an activation it does not know, an aten reduction it does not take over) is named in the
@@ -22,10 +22,10 @@ import warnings
 import torch
 from torch import nn
 
-from kernels import attention as attn_kernels
-from kernels import fused, linear, mxfp4, runtime
-from kernels.dispatch import InvariantMode, Recorder
-from kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights, moe_forward
+from pdflash_kernels import attention as attn_kernels
+from pdflash_kernels import fused, linear, mxfp4, runtime
+from pdflash_kernels.dispatch import InvariantMode, Recorder
+from pdflash_kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights, moe_forward
 from pdflash.hf_compat import cache_kwarg
 
 EXPERTS_IMPL = "batch_invariant"
@@ -265,7 +265,7 @@ def offloaded_kernel(x, top_k_index, top_k_weights, cache, n: int, table: torch.
         CALLS["experts"] += 1
         return moe_forward(x, top_k_index, top_k_weights, cache.weights, n, slot_of_expert=table, n_valid=valid_rows,
                            phase_of_expert=phase, between=between, groups=groups)
-    from kernels.reference import moe_reference
+    from pdflash_kernels.reference import moe_reference
 
     if between is not None:
         for g in range(1, groups + 1):
@@ -370,7 +370,7 @@ def _register() -> None:
     AttentionInterface.register(ATTN_IMPL, _attention_forward)
 
 
-# ---- fused per-row steps (kernels.fused): RMSNorm modules, the rotary function, routers -------------------
+# ---- fused per-row steps (pdflash_kernels.fused): RMSNorm modules, the rotary function, routers -------------------
 def _eps_of(module: nn.Module) -> float | None:
     for attr in ("variance_epsilon", "eps"):
         v = getattr(module, attr, None)
@@ -462,7 +462,7 @@ _ROTARY_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("pdflash_fused
 
 
 def _patch_rotary(model: nn.Module) -> tuple[str, object | None]:
-    """Route the modeling module's `apply_rotary_pos_emb` through kernels.fused.rotary when an attention module of
+    """Route the modeling module's `apply_rotary_pos_emb` through pdflash_kernels.fused.rotary when an attention module of
     this model calls it (its forward is wrapped to say so); any other caller (another model of the architecture in
     the process, installed op by op or not at all) gets the original. -> (report, undo)."""
     import sys
@@ -531,7 +531,7 @@ def _route_reference(logits: torch.Tensor, k: int, softmax_first: bool, norm: bo
 
 def route_variant(router: nn.Module) -> tuple[bool, bool, torch.dtype] | None:
     """(softmax_first, norm, score dtype) of a router whose forward returns (logits, scores, ids), told by agreement
-    with one of kernels.fused.route's formulas on a probe (plain torch; the same expert ids, scores within bf16
+    with one of pdflash_kernels.fused.route's formulas on a probe (plain torch; the same expert ids, scores within bf16
     rounding: the formulas differ by far more), or None."""
     w, b = router.weight, getattr(router, "bias", None)
     g = torch.Generator().manual_seed(2)
@@ -585,7 +585,7 @@ def _fuse_each(modules: list, variant_of, forward, unit: str, undo: list) -> str
 
 
 def install_fused(model: nn.Module) -> tuple[dict[str, str], list]:
-    """Put kernels.fused under the model's RMSNorms, rotary function and routers, each after its probe.
+    """Put pdflash_kernels.fused under the model's RMSNorms, rotary function and routers, each after its probe.
     -> (report: part -> how it runs, undo callables)."""
     report, undo = {}, []
     norms = list(norm_modules(model).values())
@@ -654,7 +654,7 @@ def _set_attn_impl(model: nn.Module, name: str) -> str:
 
 def install(model: nn.Module, experts_format: str = "native", probe: bool = True, fuse: bool = True) -> Installation:
     """Install the kernels under `model` (on CUDA; on CPU only under TRITON_INTERPRET, for tests). `fuse`: also the
-    fused RMSNorm / rotary / routing kernels (kernels.fused; off only to compare against the op-by-op path)."""
+    fused RMSNorm / rotary / routing kernels (pdflash_kernels.fused; off only to compare against the op-by-op path)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
