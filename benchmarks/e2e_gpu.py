@@ -273,9 +273,9 @@ def dense_bytes(model) -> int:
 
 
 def copy_rate_bytes(device: torch.device) -> float:
-    """Bytes moved (read + write) per second by a large copy on the device (benchmarks.kernels.copy_rate on CUDA)."""
+    """Bytes moved (read + write) per second by a large copy on the device (benchmarks.kernel_bench.copy_rate on CUDA)."""
     if device.type == "cuda":
-        from benchmarks.kernels import copy_rate
+        from benchmarks.kernel_bench import copy_rate
 
         return copy_rate()
     src = torch.empty(256 << 20, dtype=torch.uint8)

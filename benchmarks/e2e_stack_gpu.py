@@ -52,7 +52,7 @@ from pdflash.client import Client  # noqa: E402
 from pdflash.defaults import default_drafter_dir, default_target_dir  # noqa: E402
 from pdflash.stack import Stack, StackSpec, free_ports  # noqa: E402
 
-COPY_RATE = 4.2e12  # bytes/s, the H200's device-to-device copy rate (read + write) as benchmarks/kernels.py measured it
+COPY_RATE = 4.2e12  # bytes/s, the H200's device-to-device copy rate (read + write) as benchmarks/kernel_bench.py measured it
 ARCHS = {"qwen3": "qwen3_moe", "gptoss": "gpt_oss"}
 EXPERTS = {"qwen3_moe": "native", "gpt_oss": "mxfp4"}  # gpt-oss as it ships: MXFP4 experts (resident)
 _ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the project's pdflash_kernels/, not benchmarks/kernels.py
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the project root first
 
 SLICES = {"gpt-oss-20b": 13_271_040, "qwen3-30b-a3b": 2_506_752}  # MXFP4 bytes of one expert (gate/up + down + scales)
 VARIANTS = [(1 << 16, 2048, 4), (1 << 16, 4096, 4), (1 << 16, 4096, 8), (1 << 15, 2048, 4), (1 << 14, 2048, 4),

@@ -48,7 +48,7 @@ if has tests; then
 fi
 if has sweep; then
   # the MoE GEMM variants on the decode shapes (~4 minutes with compiles); also kernels_sweep_h200.txt/.json in OUT
-  timeout ${SWEEP_S:-330} python3 benchmarks/kernels.py --out "$OUT" --sweep --skip-main 2>&1 | tee "$OUT/sweep.txt" | tail -40
+  timeout ${SWEEP_S:-330} python3 benchmarks/kernel_bench.py --out "$OUT" --sweep --skip-main 2>&1 | tee "$OUT/sweep.txt" | tail -40
 fi
 if has e2e; then  # the verify loop in process: demo, qwen3-8l, gptoss-24l (MXFP4 resident) by default (~4-5 min: run it alone)
   timeout ${E2E_S:-540} python3 benchmarks/e2e_gpu.py --out "$OUT" ${E2E_ARGS:-} > "$OUT/e2e.txt" 2>&1
@@ -80,7 +80,7 @@ PY
   echo "probe: exit $rc"
 fi
 if has kernels; then
-  timeout ${KERNELS_S:-200} python3 benchmarks/kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt" | tail -60
+  timeout ${KERNELS_S:-200} python3 benchmarks/kernel_bench.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt" | tail -60
 fi
 if has offload; then
   timeout ${OFFLOAD_S:-420} python3 benchmarks/offload.py --out "$OUT" ${OFFLOAD_ARGS:-} 2>&1 | tee "$OUT/offload.txt" | tail -40

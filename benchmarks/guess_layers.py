@@ -67,10 +67,41 @@ def study(model, prompt: list[int]) -> list[dict]:
                 new_cov.setdefault(back, {})[w] = round(held.sum().item() / max(1, new.sum().item()), 3)
         prev = (true[1:, :, None] == true[:-1, None, :]).any(-1).float().mean().item()
         cos = torch.nn.functional.cosine_similarity(inputs[l].float(), inputs[l + 1].float(), dim=-1).mean().item()
+        # The guess that skips what is resident: the best `b` of the router's experts that none of the `back` tokens
+        # before routed to (the cache's proxy), so every guessed expert is a copy; against the plain top-w guess's copies
+        # (its experts not resident). Per budget: copies per row, the share of them routed, the share of new experts held.
+        skip = {}
+        for back in LOOKBACKS:
+            seen = _seen(true, back, logits.shape[-1])
+            new = _new_experts(true, back)
+            for kind, budgets in (("top", WIDTHS), ("skip", (1, 2, 4, 8))):
+                for b in budgets:
+                    if b > logits.shape[-1]:
+                        continue
+                    if kind == "top":
+                        g = torch.topk(logits, b, dim=-1).indices
+                        copy = ~seen.gather(1, g)
+                    else:
+                        g = torch.topk(logits.masked_fill(seen, float("-inf")), b, dim=-1).indices
+                        copy = torch.isfinite(logits.masked_fill(seen, float("-inf")).gather(1, g))
+                    routed = (g[:, :, None] == true[:, None, :]).any(-1)
+                    held = (true[:, :, None] == torch.where(copy, g, -1)[:, None, :]).any(-1) & new
+                    skip.setdefault(back, {})[f"{kind}{b}"] = [
+                        round(copy.float().sum(-1).mean().item(), 2),
+                        round((routed & copy).sum().item() / max(1, copy.sum().item()), 3),
+                        round(held.sum().item() / max(1, new.sum().item()), 3)]
         rows.append(dict(layer=l + 1, input_cos=round(cos, 3), prev_token_overlap=round(prev, 3), top_k=true.shape[1],
                          by_width=by_width, new_share={b: round(_new_experts(true, b).float().mean().item(), 3) for b in LOOKBACKS},
-                         new_coverage=new_cov))
+                         new_coverage=new_cov, copies=skip))
     return rows
+
+
+def _seen(true: torch.Tensor, back: int, n: int) -> torch.Tensor:
+    """[rows, n] bool: the experts any of the `back` rows before each row routed to (the "resident" proxy)."""
+    seen = torch.zeros(true.shape[0], n, dtype=torch.bool)
+    for d in range(1, back + 1):
+        seen[d:].scatter_(1, true[:-d], True)
+    return seen
 
 
 def _new_experts(true: torch.Tensor, back: int) -> torch.Tensor:
@@ -115,6 +146,14 @@ def main() -> None:
         print("|---|---|" + "---|" * len(rows[0]["by_width"]))
         for r in rows:
             print(f"| {r['layer']} | {r['new_share'][back]} | " + " | ".join(str(v) for v in r["new_coverage"][back].values()) + " |")
+        keys = list(rows[0]["copies"][back])
+        print(f"\n# the guess's copies (its experts none of the {back} token(s) before routed to): topW = the router's best W, "
+              f"skipW = the best W of the experts not seen (every one a copy); cells: copies per row / their precision / "
+              f"share of the new experts held")
+        print("| layer | " + " | ".join(keys) + " |")
+        print("|---|" + "---|" * len(keys))
+        for r in rows:
+            print(f"| {r['layer']} | " + " | ".join(" / ".join(str(x) for x in r["copies"][back][k]) for k in keys) + " |")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"guess_layers_{args.model}_{args.device}.json"

@@ -11,7 +11,7 @@ loads split into synchronous ones (LDG: the step waits for a memory round trip a
 takes about that many issue slots per weight: an H200 issues ~1.05e12 warp instructions per second (132 SMs x 4
 schedulers x 1.98 GHz), and 60% of its ~4.2 TB/s copy rate on MXFP4 (0.53125 bytes per weight) is ~4.7e12 weights
 per second: <= 0.22 warp-instr/value with perfect overlap, so aim well below that. It does not replace timing on the
-GPU (`benchmarks/kernels.py --sweep`): latency, occupancy and the memory system are not modelled.
+GPU (`benchmarks/kernel_bench.py --sweep`): latency, occupancy and the memory system are not modelled.
 """
 
 from __future__ import annotations

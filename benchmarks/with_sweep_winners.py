@@ -1,7 +1,7 @@
 """Run pytest with a sweep's winners in place, before they are pasted into pdflash_kernels/moe.py: one GPU call can sweep the
 MoE GEMM variants, then check the winning configs end to end (bit-identical rows, block widths equal to block 1).
 
-    python benchmarks/kernels.py --out OUT --sweep --skip-main ... > OUT/sweep.txt
+    python benchmarks/kernel_bench.py --out OUT --sweep --skip-main ... > OUT/sweep.txt
     python benchmarks/with_sweep_winners.py OUT/sweep.txt -- tests/test_gpu_verifier.py -k "every_drafter"
 
 Reads the block the sweep prints after "# ---- paste into pdflash_kernels/moe.py" (PAIR_DEFAULT / PAIR_SHAPE_OVERRIDES /

@@ -126,7 +126,7 @@ def base_config(n: int, k: int, topk: int, fp4: bool) -> MoeConfig:
     while block_n > 32 and topk * triton_cdiv(n, block_n) < 2 * sms:
         block_n //= 2
     block_k = 128 if k % 128 == 0 else 64 if k % 64 == 0 else 32
-    # FP4: decode 1 (bit placement) was the fastest variant on the H200 at decode shapes (benchmarks/kernels.py --sweep)
+    # FP4: decode 1 (bit placement) was the fastest variant on the H200 at decode shapes (benchmarks/kernel_bench.py --sweep)
     return MoeConfig(block_m=16, block_n=block_n, block_k=block_k, num_warps=4, num_stages=4 if fp4 else 3,
                      decode=DECODE_F32_BITS if fp4 else DECODE_SELECT)
 
@@ -241,7 +241,7 @@ SWEEP_VARIANTS_BF16: dict[str, dict] = {
 GPU_ONLY_VARIANTS = frozenset({"scaled_swap64"})
 
 # ==== THE ONE PLACE TO SET THE SWEEP'S WINNERS =====================================================================
-# `python benchmarks/kernels.py --sweep` times the variants of `SWEEP_VARIANTS` / `SWEEP_VARIANTS_BF16` (below) on the
+# `python benchmarks/kernel_bench.py --sweep` times the variants of `SWEEP_VARIANTS` / `SWEEP_VARIANTS_BF16` (below) on the
 # decode shapes (pair-word variants on pair-word weights) and ends its output with a ready-made block for these names and
 # PAIR_DEFAULT / PAIR_SHAPE_OVERRIDES below, chosen by the whole MoE call's time. Fields are merged over base_config:
 #   FP4_DEFAULT / BF16_DEFAULT: for every GEMM of that weight format, e.g. FP4_DEFAULT = dict(SWEEP_VARIANTS["join_bf16"]);
@@ -349,7 +349,7 @@ def align_fused(
     sort: bool | None = None,
 ) -> Routing:
     """`align` as one Triton launch (the torch version below is ~28 small kernels: ~85 us of a decode layer). `chunk`:
-    the pairs one step sorts (a power of two, 64-1024; default `align_chunk`), for benchmarks/kernels.py. `sort`:
+    the pairs one step sorts (a power of two, 64-1024; default `align_chunk`), for benchmarks/kernel_bench.py. `sort`:
     rank a chunk's pairs by tl.sort (default on a GPU) or by a pairwise compare (default under the interpreter)."""
     t, topk = topk_ids.shape
     p = t * topk

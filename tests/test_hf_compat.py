@@ -89,13 +89,17 @@ def test_the_keyword_is_read_from_the_forward_signature():
 def test_no_package_of_ours_shadows_a_dependency():
     """Our top-level import names are not another installed distribution's: transformers 5.25 requires the hub's
     `kernels` package and imports it at `import transformers...activations`, so a top-level `kernels` of ours (the
-    name the Triton kernels had until stop 35) made every model import fail. Now they are `pdflash_kernels`."""
+    name the Triton kernels had until stop 35) made every model import fail. Now they are `pdflash_kernels`. The same
+    for the scripts of benchmarks/: `python benchmarks/X.py` puts that folder first on sys.path, so its file names are
+    import names too (benchmarks/kernels.py is now kernel_bench.py)."""
     import importlib
     import importlib.metadata as md
+    import pathlib
 
     ours = {"pdflash", "pdflash_kernels", "drafter_svc", "scheduler_svc", "verifier_svc", "training"}
+    ours |= {p.stem for p in (pathlib.Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py")}
     owners = md.packages_distributions()
-    clashes = {name: owners[name] for name in ours if set(owners.get(name, [])) - {"pdflash"}}
+    clashes = {name: owners[name] for name in sorted(ours) if set(owners.get(name, [])) - {"pdflash"}}
     assert not clashes, f"import names of ours also installed by other distributions: {clashes}"
     importlib.import_module("transformers.activations")  # imports the hub's `kernels` where it is installed
     importlib.import_module("transformers.integrations.hub_kernels")

@@ -347,9 +347,9 @@ def test_scales_read_as_words_give_the_same_bits(decode, monkeypatch):
 
 
 def test_the_kernel_benchmark_times_mxfp4_experts_in_the_served_arena():
-    """benchmarks/kernels.py's `as_served`: the same MXFP4 experts moved into one arena of ExpertLayout slices, as the
+    """benchmarks/kernel_bench.py's `as_served`: the same MXFP4 experts moved into one arena of ExpertLayout slices, as the
     verifier serves them: the same values, gpt-oss-20b's 90-byte scale rows stored in 92 (readable as words)."""
-    from benchmarks.kernels import as_served
+    from benchmarks.kernel_bench import as_served
     from pdflash_kernels import moe
 
     w1 = torch.randn(3, 2 * 64, 2880)
@@ -1044,10 +1044,10 @@ def test_env_flags_take_0_or_1_and_fall_back_to_their_default(monkeypatch):
 
 
 def test_the_sweep_summary_picks_each_stored_format_by_the_whole_call():
-    """benchmarks/kernels.py `sweep_summary`: the pair-word variants form their own format (PAIR_DEFAULT and its
+    """benchmarks/kernel_bench.py `sweep_summary`: the pair-word variants form their own format (PAIR_DEFAULT and its
     overrides), defaults and per-model overrides follow the whole call's time even where the GEMMs timed alone say
     otherwise, and an override writes its block_k out (it merges over the format's default)."""
-    from benchmarks.kernels import sweep_summary
+    from benchmarks.kernel_bench import sweep_summary
 
     def row(model, variant, decode, us, g1, g2, active=8, block_k=128):
         cfg = dict(decode=decode, block_k=block_k)
@@ -1071,7 +1071,7 @@ def test_with_sweep_winners_puts_the_printed_block_in_place(monkeypatch):
     are what `variant_config` gives in that process (a GPU call can check them before they are pasted); a sweep output
     without the block is refused with a message."""
     from benchmarks import with_sweep_winners as w
-    from benchmarks.kernels import sweep_summary
+    from benchmarks.kernel_bench import sweep_summary
     from pdflash_kernels import moe
 
     def row(model, variant, us, block_k=128, split_k=1):
@@ -1159,9 +1159,9 @@ def test_a_long_call_with_split_k_runs_in_token_chunks_with_the_one_calls_bits(m
 
 
 def test_a_bf16_only_sweep_still_prints_its_shape_overrides():
-    """benchmarks/kernels.py `sweep_summary` with bf16 variants alone: a model whose winner differs from the bf16 default
+    """benchmarks/kernel_bench.py `sweep_summary` with bf16 variants alone: a model whose winner differs from the bf16 default
     gets its SHAPE_OVERRIDES entries (fp4 False), with the default's fields it lacks written out."""
-    from benchmarks.kernels import sweep_summary
+    from benchmarks.kernel_bench import sweep_summary
 
     def row(model, variant, us, split_k=1):
         cfg = dict(block_k=128, split_k=split_k, persist=4 if variant.startswith("persist") else 0)

@@ -1,7 +1,7 @@
 """pdflash_kernels/ on the GPU: the grouped MoE kernel (MXFP4 and bf16) against transformers' default experts
 implementation (`grouped_mm`, bf16), and the batch-invariant dense matmul against cuBLAS.
 
-    python benchmarks/kernels.py [--out DIR] [--sweep [--skip-main] [--sweep-variants a,b] [--sweep-models m] [--sweep-jobs N]]
+    python benchmarks/kernel_bench.py [--out DIR] [--sweep [--skip-main] [--sweep-variants a,b] [--sweep-models m] [--sweep-jobs N]]
                                  [--align-only] [--align-baseline OLD_MOE_PY]
 
 Prints tables and writes kernels_h200.json / .md to --out (default benchmarks/results). `us` is GPU time: the
@@ -539,7 +539,7 @@ def main() -> None:
     result["linear"] = bench_linear()
     result["moe"] = bench_moe(rate)
     (out / "kernels_h200.json").write_text(json.dumps(result, indent=1))
-    md = [f"# kernels on {result['device']} (`python benchmarks/kernels.py`)", "",
+    md = [f"# kernels on {result['device']} (`python benchmarks/kernel_bench.py`)", "",
           f"Device copy {rate / 1e12:.2f} TB/s (read + write). Invariance: {result['invariance']}. MXFP4 experts stored "
           f"{'as pair words (decode 5; PDFLASH_FP4_PAIR_WORDS=0: the nibble order)' if _pair_words_served() else 'in nibble order (PDFLASH_FP4_PAIR_WORDS=0)'}.", "",
           "| model | weights | tokens/expert | active experts | us (graph) | eager us | transformers grouped_mm bf16 us (graph) | speedup | weight MB | GB/s | of copy rate |", "|---|---|---|---|---|---|---|---|---|---|---|"]
