@@ -158,7 +158,7 @@ def test_the_device_cache_applies_the_layer_gate_per_layer_and_no_token_changes(
     for min_precision, opted in ((0.0, True), (1.01, True), (1.01, False)):
         core = _core(tiny, "qwen3_moe", gb, prefetch="layer")
         cache = core.target.expert_cache
-        assert not cache.layer_gate_on  # opt-in (PDFLASH_EXPERT_GUESS_LAYERS=1)
+        assert cache.layer_gate_on  # the default (PDFLASH_EXPERT_GUESS_LAYERS=0 turns it off)
         cache.judge_guess, cache.layer_gate_on = True, opted
         cache.layer_gate = LayerGate(cache.layer_gate.layers, min_precision=min_precision, min_prefetched=0.0, probe_every=5)
         collect = cache.collect
@@ -170,4 +170,16 @@ def test_the_device_cache_applies_the_layer_gate_per_layer_and_no_token_changes(
     off, since = flags[1.01, True]
     assert off[1] == 0 or since == 0  # off but on a probe's forward
     assert 0 < prefetched[1.01, True] < prefetched[0.0, True] / 2
-    assert flags[1.01, False][0] == [1, 1] and prefetched[1.01, False] == prefetched[0.0, True]  # not opted in: unjudged
+    assert flags[1.01, False][0] == [1, 1] and prefetched[1.01, False] == prefetched[0.0, True]  # turned off: unjudged
+
+
+def test_layer_gate_is_on_by_default_and_the_variable_turns_it_off(tiny, monkeypatch):
+    """PDFLASH_EXPERT_GUESS_LAYERS: unset on (stop 35's H200 A/B), 0 off, anything else refused with the name."""
+    from tests.test_offload import _core, tiny_cache_gb
+
+    gb = tiny_cache_gb(_core(tiny, "qwen3_moe", 1.0), "device")
+    monkeypatch.setenv("PDFLASH_EXPERT_GUESS_LAYERS", "0")
+    assert not _core(tiny, "qwen3_moe", gb, prefetch="layer").target.expert_cache.layer_gate_on
+    monkeypatch.setenv("PDFLASH_EXPERT_GUESS_LAYERS", "yes")
+    with pytest.raises(ValueError, match="PDFLASH_EXPERT_GUESS_LAYERS"):
+        _core(tiny, "qwen3_moe", gb, prefetch="layer")
