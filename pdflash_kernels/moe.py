@@ -957,6 +957,15 @@ if triton is not None:
         else:
             return tile // (N_TILES * SPLIT), (tile // SPLIT) % N_TILES, tile % SPLIT
 
+    @triton.jit
+    def _grid_tile(N_TILES: tl.constexpr, SPLIT: tl.constexpr, RASTER: tl.constexpr):
+        """This program's (m block, n tile, split) on a launch grid of one program a tile: RASTER 0, a 2-D grid (m
+        blocks, n tiles) with the splits on a third axis; else a 1-D grid in `_split_tile`'s order."""
+        if RASTER == 0:
+            return tl.program_id(0), tl.program_id(1), tl.program_id(2) if SPLIT > 1 else 0
+        else:
+            return _split_tile(tl.program_id(0), N_TILES, SPLIT)
+
     @triton.jit(do_not_specialize=["P", "R"])
     def _moe_gemm1(
         x_ptr, stride_xm,
@@ -996,12 +1005,7 @@ if triton is not None:
                     )
                 tile += tl.num_programs(0)
         else:
-            if RASTER == 0:  # a 2-D grid (m blocks, n tiles), the splits on a third axis
-                pid_m = tl.program_id(0)
-                pid_n = tl.program_id(1)
-                pid_s = tl.program_id(2) if SPLIT > 1 else 0
-            else:  # a 1-D grid: consecutive programs walk the splits, then the n tiles, of one m block
-                pid_m, pid_n, pid_s = _split_tile(tl.program_id(0), N_TILES, SPLIT)
+            pid_m, pid_n, pid_s = _grid_tile(N_TILES, SPLIT, RASTER)
             if _block_live(block_phase_ptr, pid_m, nb, PHASE):
                 _gemm1_tile(
                     pid_m, pid_n, pid_s,
@@ -1177,12 +1181,7 @@ if triton is not None:
                     _zero_rows(valid_ptr, out_ptr, N, zt, P // TOPK, N, BLOCK_N, TOPK, TOPK_PAD, F32DOT)
                     zt += tl.num_programs(0)
         else:
-            if RASTER == 0:  # a 2-D grid (m blocks, n tiles), the splits on a third axis
-                pid_m = tl.program_id(0)
-                pid_n = tl.program_id(1)
-                pid_s = tl.program_id(2) if SPLIT > 1 else 0
-            else:  # a 1-D grid: consecutive programs walk the splits, then the n tiles, of one m block
-                pid_m, pid_n, pid_s = _split_tile(tl.program_id(0), N_TILES, SPLIT)
+            pid_m, pid_n, pid_s = _grid_tile(N_TILES, SPLIT, RASTER)
             if _block_live(block_phase_ptr, pid_m, nb, PHASE):
                 _gemm2_tile(
                     pid_m, pid_n, pid_s,
