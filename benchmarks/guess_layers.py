@@ -29,7 +29,9 @@ LOOKBACKS = (1, 4)  # "new" experts: not routed by the previous 1 / 4 tokens at 
 
 
 def study(model, prompt: list[int]) -> list[dict]:
-    """One forward; per guessed layer: {layer, input_cos, prev_token_overlap, by_width: {w: [precision, coverage]}}."""
+    """One forward; per guessed layer: {layer, input_cos, prev_token_overlap, by_width: {w: [precision, coverage]},
+    new_share: {back: share}, new_coverage: {back: {w: share}}, copies: {back: {"topW"/"skipW": [copies a row,
+    precision, new experts held]}}}."""
     from pdflash_kernels.installer import _predict_experts, routers
 
     rt = routers(model)
@@ -98,7 +100,7 @@ def study(model, prompt: list[int]) -> list[dict]:
 
 def _seen(true: torch.Tensor, back: int, n: int) -> torch.Tensor:
     """[rows, n] bool: the experts any of the `back` rows before each row routed to (the "resident" proxy)."""
-    seen = torch.zeros(true.shape[0], n, dtype=torch.bool)
+    seen = torch.zeros(true.shape[0], n, dtype=torch.bool, device=true.device)
     for d in range(1, back + 1):
         seen[d:].scatter_(1, true[:-d], True)
     return seen
