@@ -30,8 +30,7 @@ LOOKBACKS = (1, 4)  # "new" experts: not routed by the previous 1 / 4 tokens at 
 
 def study(model, prompt: list[int]) -> list[dict]:
     """One forward; per guessed layer: {layer, input_cos, prev_token_overlap, by_width: {w: [precision, coverage]},
-    new_share: {back: share}, new_coverage: {back: {w: share}}, copies: {back: {"topW"/"skipW": [copies a row,
-    precision, new experts held]}}}."""
+    new_share: {back: share}, copies: {back: {"topW"/"skipW": [copies a row, precision, new experts held]}}}."""
     from pdflash_kernels.installer import _predict_experts, routers
 
     rt = routers(model)
@@ -55,7 +54,7 @@ def study(model, prompt: list[int]) -> list[dict]:
         logits = (inputs[l].to(nxt.weight.dtype) @ nxt.weight.t()).float()
         if isinstance(getattr(nxt, "bias", None), torch.Tensor):
             logits = logits + nxt.bias.float()
-        by_width, new_cov = {}, {}
+        by_width = {}
         for w in WIDTHS:
             if w > logits.shape[-1]:
                 continue
@@ -63,38 +62,32 @@ def study(model, prompt: list[int]) -> list[dict]:
             precision = (g[:, :, None] == true[:, None, :]).any(-1).float().mean().item()
             coverage = (true[:, :, None] == g[:, None, :]).any(-1).float().mean().item()
             by_width[w] = [round(precision, 3), round(coverage, 3)]
-            for back in LOOKBACKS:  # the misses' proxy: experts none of the `back` tokens before routed to (same layer)
-                new = _new_experts(true, back)
-                held = (true[:, :, None] == g[:, None, :]).any(-1) & new
-                new_cov.setdefault(back, {})[w] = round(held.sum().item() / max(1, new.sum().item()), 3)
         prev = (true[1:, :, None] == true[:-1, None, :]).any(-1).float().mean().item()
         cos = torch.nn.functional.cosine_similarity(inputs[l].float(), inputs[l + 1].float(), dim=-1).mean().item()
-        # The guess that skips what is resident: the best `b` of the router's experts that none of the `back` tokens
-        # before routed to (the cache's proxy), so every guessed expert is a copy; against the plain top-w guess's copies
-        # (its experts not resident). Per budget: copies per row, the share of them routed, the share of new experts held.
-        skip = {}
+        # The experts new to a token (routed by none of the `back` tokens before it: what a cache of recent experts
+        # misses) and the guess's copies (its experts not seen): the router's best w (topW), or the best w of the experts
+        # not seen (skipW: every one a copy). Per guess: copies per row, the share of them routed, the share of the new
+        # experts they hold (for topW also the share of all new experts the guess holds: a held new expert is a copy).
+        new_share, copies = {}, {}
         for back in LOOKBACKS:
             seen = _seen(true, back, logits.shape[-1])
-            new = _new_experts(true, back)
-            for kind, budgets in (("top", WIDTHS), ("skip", (1, 2, 4, 8))):
+            new = ~seen.gather(1, true)
+            new_share[back] = round(new.float().mean().item(), 3)
+            unseen = logits.masked_fill(seen, float("-inf"))
+            for kind, scores, budgets in (("top", logits, WIDTHS), ("skip", unseen, (1, 2, 4, 8))):
                 for b in budgets:
                     if b > logits.shape[-1]:
                         continue
-                    if kind == "top":
-                        g = torch.topk(logits, b, dim=-1).indices
-                        copy = ~seen.gather(1, g)
-                    else:
-                        g = torch.topk(logits.masked_fill(seen, float("-inf")), b, dim=-1).indices
-                        copy = torch.isfinite(logits.masked_fill(seen, float("-inf")).gather(1, g))
+                    g = torch.topk(scores, b, dim=-1).indices
+                    copy = ~seen.gather(1, g)
                     routed = (g[:, :, None] == true[:, None, :]).any(-1)
                     held = (true[:, :, None] == torch.where(copy, g, -1)[:, None, :]).any(-1) & new
-                    skip.setdefault(back, {})[f"{kind}{b}"] = [
+                    copies.setdefault(back, {})[f"{kind}{b}"] = [
                         round(copy.float().sum(-1).mean().item(), 2),
                         round((routed & copy).sum().item() / max(1, copy.sum().item()), 3),
                         round(held.sum().item() / max(1, new.sum().item()), 3)]
         rows.append(dict(layer=l + 1, input_cos=round(cos, 3), prev_token_overlap=round(prev, 3), top_k=true.shape[1],
-                         by_width=by_width, new_share={b: round(_new_experts(true, b).float().mean().item(), 3) for b in LOOKBACKS},
-                         new_coverage=new_cov, copies=skip))
+                         by_width=by_width, new_share=new_share, copies=copies))
     return rows
 
 
@@ -104,17 +97,6 @@ def _seen(true: torch.Tensor, back: int, n: int) -> torch.Tensor:
     for d in range(1, back + 1):
         seen[d:].scatter_(1, true[:-d], True)
     return seen
-
-
-def _new_experts(true: torch.Tensor, back: int) -> torch.Tensor:
-    """[rows, k] bool: routed by this row and by none of the `back` rows before it (row 0 and the first rows: compared
-    with the rows there are)."""
-    new = torch.ones_like(true, dtype=torch.bool)
-    for d in range(1, back + 1):
-        seen = torch.zeros_like(new)
-        seen[d:] = (true[d:, :, None] == true[:-d, None, :]).any(-1)
-        new &= ~seen
-    return new
 
 
 def main() -> None:
@@ -142,20 +124,15 @@ def main() -> None:
         cells = " | ".join(f"{p} / {c}" for p, c in r["by_width"].values())
         print(f"| {r['layer']} | {r['input_cos']} | {r['prev_token_overlap']} | {cells} |")
     for back in LOOKBACKS:
-        print(f"\n# experts new to a token (not routed by the {back} token(s) before it, same layer): their share of its "
-              f"routed experts, and the share of them the guess holds at each width")
-        print("| layer | new share | " + " | ".join(f"w{w}" for w in rows[0]["by_width"]) + " |")
-        print("|---|---|" + "---|" * len(rows[0]["by_width"]))
-        for r in rows:
-            print(f"| {r['layer']} | {r['new_share'][back]} | " + " | ".join(str(v) for v in r["new_coverage"][back].values()) + " |")
         keys = list(rows[0]["copies"][back])
-        print(f"\n# the guess's copies (its experts none of the {back} token(s) before routed to): topW = the router's best W, "
-              f"skipW = the best W of the experts not seen (every one a copy); cells: copies per row / their precision / "
-              f"share of the new experts held")
-        print("| layer | " + " | ".join(keys) + " |")
-        print("|---|" + "---|" * len(keys))
+        print(f"\n# experts new to a token (routed by none of the {back} token(s) before it, same layer) and the guess's "
+              f"copies (its experts not seen): topW = the router's best W, skipW = the best W of the experts not seen; "
+              f"cells: copies per row / their precision / share of the new experts held")
+        print("| layer | new share | " + " | ".join(keys) + " |")
+        print("|---|---|" + "---|" * len(keys))
         for r in rows:
-            print(f"| {r['layer']} | " + " | ".join(" / ".join(str(x) for x in r["copies"][back][k]) for k in keys) + " |")
+            print(f"| {r['layer']} | {r['new_share'][back]} | "
+                  + " | ".join(" / ".join(str(x) for x in r["copies"][back][k]) for k in keys) + " |")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"guess_layers_{args.model}_{args.device}.json"

@@ -54,7 +54,7 @@ def test_guess_layers_measures_each_layer_guess_against_the_layers_own_routing()
         assert all(0.0 <= p <= 1.0 and 0.0 <= c <= 1.0 for p, c in r["by_width"].values())
         for back, share in r["new_share"].items():  # the experts new to a token, and the guess's copies
             if e in r["by_width"] and share > 0:
-                assert r["new_coverage"][back][e] == 1.0  # every expert guessed: every new one held
+                assert r["copies"][back][f"top{e}"][2] == 1.0  # every expert guessed: every new one held
             for name, (copies, precision, held) in r["copies"][back].items():
                 width = int(name.removeprefix("top").removeprefix("skip"))
                 assert 0.0 <= copies <= width and 0.0 <= precision <= 1.0 and 0.0 <= held <= 1.0
@@ -62,13 +62,13 @@ def test_guess_layers_measures_each_layer_guess_against_the_layers_own_routing()
                     assert copies == width  # enough unseen experts: each guessed one is a copy
 
 
-def test_guess_layers_new_experts_are_the_ones_no_earlier_token_routed():
+def test_guess_layers_seen_experts_are_the_ones_earlier_tokens_routed():
     import torch
 
-    from benchmarks.guess_layers import _new_experts, _seen
+    from benchmarks.guess_layers import _seen
 
     true = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 3]])
-    assert _new_experts(true, 1).tolist() == [[True, True], [False, True], [True, True], [True, False]]
-    assert _new_experts(true, 2).tolist() == [[True, True], [False, True], [True, False], [False, False]]
+    assert (~_seen(true, 1, 4).gather(1, true)).tolist() == [[True, True], [False, True], [True, True], [True, False]]
+    assert (~_seen(true, 2, 4).gather(1, true)).tolist() == [[True, True], [False, True], [True, False], [False, False]]
     assert _seen(true, 1, 4).tolist() == [[False] * 4, [True, True, False, False], [False, True, True, False],
                                           [True, False, False, True]]
