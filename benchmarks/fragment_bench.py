@@ -1,0 +1,138 @@
+"""The fragment-word MXFP4 GEMMs (pdflash_kernels/fragments.py) against the served MoE GEMMs (pdflash_kernels/moe.py, pair
+words, default configs) on the expert shapes of gpt-oss-20b, Qwen3-30B-A3B and Mixtral-8x7B.
+
+    python benchmarks/fragment_bench.py [--out benchmarks/results] [--variants 4x1w4,8x2w4] [--models gpt-oss-20b]
+
+Per (model, active experts, tokens per expert): the two GEMMs of one MoE layer (gate/up, then down) over the same
+routing blocks, CUDA-graph GPU time: `moe` = moe.launch_gemm1 + launch_gemm2 (what moe_forward runs between its align
+and its combine: the activation and routing weights included), `frag` = two frag_gemm calls (float32 outputs, no
+activation: a prototype of the GEMM core), each variant (`NTxKQSwW`: 16-row tiles a program, 64-column quads a K step,
+warps) and the best. Bytes: the FP4 weights and scales the active experts' GEMMs read; fraction: of the measured
+device-copy rate (read + write, as benchmarks/kernel_bench.py). Each variant's output is checked against
+`frag_gemm_reference` first. Writes fragment_h200.json / .md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.kernel_bench import MODELS, copy_rate, gpu_time_us, routing  # noqa: E402
+
+VARIANTS = ("4x1w4", "4x2w4", "8x1w4", "8x2w4", "4x4w4", "16x1w4", "8x1w8")
+
+
+def parse_variant(v: str) -> tuple[int, int, int]:
+    nt, rest = v.split("x")
+    kqs, w = rest.split("w")
+    return int(nt), int(kqs), int(w)
+
+
+def main() -> None:
+    from pdflash_kernels import fragments as F
+    from pdflash_kernels import mxfp4
+    from pdflash_kernels.moe import (ExpertWeights, _scale_words_ok, align_fused, default_config, launch_gemm1,
+                                     launch_gemm2, resolve_decodes)
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", default="1,4,16")
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    rate = copy_rate()
+    print(f"device copy rate {rate / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    torch.manual_seed(0)
+    for model in args.models.split(","):
+        e, k, h, i = MODELS[model]
+        with torch.device("cuda"):
+            w1 = torch.randn(e, 2 * i, h, dtype=torch.bfloat16) * 0.02
+            w2 = torch.randn(e, h, i, dtype=torch.bfloat16) * 0.02
+        b1, s1 = mxfp4.quantize(w1)
+        b2, s2 = mxfp4.quantize(w2)
+        del w1, w2
+        F.check_scales(s1), F.check_scales(s2)
+        fw1, fs1 = F.to_fragment_words(b1, s1)
+        fw2, fs2 = F.to_fragment_words(b2, s2)
+        pw = ExpertWeights(w1=mxfp4.to_pair_words(b1), w2=mxfp4.to_pair_words(b2), s1=s1, s2=s2, pair_words=True)
+        per_expert = b1[0].numel() + s1[0].numel() + b2[0].numel() + s2[0].numel()
+        c1 = default_config(i, h, k, True, gemm=1, pair_words=True)
+        c2 = default_config(h, i, k, True, gemm=2, pair_words=True)
+        c1, c2 = resolve_decodes(pw, c1, c2)
+        # as moe_forward: scale rows not 4-byte aligned (gpt-oss's 90 bytes) are read a byte at a time
+        c1, c2 = (dataclasses.replace(c, s_words=False) if c.s_words and not _scale_words_ok(sc) else c
+                  for c, sc in ((c1, s1), (c2, s2)))
+        for active in (8, 32, 128):
+            if active > e or active < k:
+                continue
+            for tpe in (int(t) for t in args.tokens.split(",")):
+                x, ids, wts = routing(e, k, h, active, tpe)
+                with torch.inference_mode():
+                    r = align_fused(ids, e, c1.block_m)
+                    bm = c1.block_m
+                    hbuf = torch.empty((r.max_blocks * bm, i), dtype=torch.bfloat16, device="cuda")
+                    ybuf = torch.empty((r.num_pairs, h), dtype=torch.float32, device="cuda")
+                    rw = wts.reshape(-1).contiguous()
+                    t_moe = gpu_time_us(lambda: (launch_gemm1(x, r, pw, hbuf, c1, k), launch_gemm2(hbuf, r, pw, ybuf, rw, c2)))
+                    hin = (torch.randn(r.max_blocks * bm, i, device="cuda") * 0.5).bfloat16()
+                    y1 = torch.zeros((r.max_blocks * bm, 2 * i), dtype=torch.float32, device="cuda")
+                    y2 = torch.zeros((r.max_blocks * bm, h), dtype=torch.float32, device="cuda")
+                    ref1 = F.frag_gemm_reference(x, r, b1, s1, k, True)
+                    ref2 = F.frag_gemm_reference(hin, r, b2, s2, k, False)
+                    per_variant = {}
+                    for v in variants:
+                        nt, kqs, nw = parse_variant(v)
+                        if nt % nw:
+                            continue
+                        y1.zero_(), y2.zero_()
+                        F.frag_gemm(x, r, fw1, fs1, k, True, y1, nt, kqs, nw)
+                        F.frag_gemm(hin, r, fw2, fs2, k, False, y2, nt, kqs, nw)
+                        err = max(float((y1 - ref1).abs().max() / ref1.abs().max().clamp(min=1e-6)),
+                                  float((y2 - ref2).abs().max() / ref2.abs().max().clamp(min=1e-6)))
+                        if err > 1e-3:
+                            raise AssertionError(f"{model} A={active} T={tpe} {v}: relative error {err:.2e}")
+                        per_variant[v] = gpu_time_us(lambda: (F.frag_gemm(x, r, fw1, fs1, k, True, y1, nt, kqs, nw),
+                                                              F.frag_gemm(hin, r, fw2, fs2, k, False, y2, nt, kqs, nw)))
+                best = min(per_variant, key=per_variant.get)
+                nbytes = active * per_expert
+                row = dict(model=model, active_experts=active, tokens_per_expert=tpe, weight_bytes=nbytes,
+                           moe_us=round(t_moe, 1), moe_fraction=round(nbytes / (t_moe * 1e-6) / rate, 3),
+                           frag_us=round(per_variant[best], 1), frag_variant=best,
+                           frag_fraction=round(nbytes / (per_variant[best] * 1e-6) / rate, 3),
+                           speedup=round(t_moe / per_variant[best], 2),
+                           variants={v: round(t, 1) for v, t in per_variant.items()})
+                rows.append(row)
+                print(f"{model:14s} A={active:3d} T={tpe:2d}  moe {t_moe:7.1f} us {row['moe_fraction']:.2f}  "
+                      f"frag {row['frag_us']:7.1f} us {row['frag_fraction']:.2f} ({best})  x{row['speedup']}  "
+                      + " ".join(f"{v}:{t:.0f}" for v, t in per_variant.items()), flush=True)
+        del b1, s1, b2, s2, fw1, fs1, fw2, fs2, pw
+        torch.cuda.empty_cache()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"device": torch.cuda.get_device_name(), "copy_rate_bytes_per_s": rate, "rows": rows}
+    (out / "fragment_h200.json").write_text(json.dumps(res, indent=1))
+    lines = [f"# Fragment-word MXFP4 GEMMs vs the served MoE GEMMs (`python benchmarks/fragment_bench.py`)", "",
+             f"{res['device']}; device copy {rate / 1e12:.2f} TB/s (read + write). Both GEMMs of a layer, CUDA-graph time; "
+             "fraction: weight bytes / time / copy rate.", "",
+             "| model | active experts | tokens/expert | weight MB | moe us | of copy | frag us | of copy | variant | speedup |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['active_experts']} | {r['tokens_per_expert']} | {r['weight_bytes'] / 1e6:.1f} | "
+                     f"{r['moe_us']} | {r['moe_fraction']:.2f} | {r['frag_us']} | {r['frag_fraction']:.2f} | "
+                     f"{r['frag_variant']} | {r['speedup']}x |")
+    (out / "fragment_h200.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
