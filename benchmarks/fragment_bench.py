@@ -7,7 +7,7 @@ Per (model, active experts, tokens per expert): the two GEMMs of one MoE layer (
 routing blocks, CUDA-graph GPU time: `moe` = moe.launch_gemm1 + launch_gemm2 (what moe_forward runs between its align
 and its combine: the activation and routing weights included), `frag` = two frag_gemm calls (float32 outputs, no
 activation: a prototype of the GEMM core), each variant (`NTxKQSwW`: 16-row tiles a program, 64-column quads a K step,
-warps) and the best. Bytes: the FP4 weights and scales the active experts' GEMMs read; fraction: of the measured
+warps; a trailing `p`: loads a step ahead, `s`: activations through shared memory) and the best. Bytes: the FP4 weights and scales the active experts' GEMMs read; fraction: of the measured
 device-copy rate (read + write, as benchmarks/kernel_bench.py). Each variant's output is checked against
 `frag_gemm_reference` first. Writes fragment_h200.json / .md under --out.
 """
@@ -27,13 +27,16 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.kernel_bench import MODELS, copy_rate, gpu_time_us, routing  # noqa: E402
 
-VARIANTS = ("4x1w4", "4x2w4", "8x1w4", "8x2w4", "4x4w4", "16x1w4", "8x1w8")
+VARIANTS = ("4x4w4", "8x2w4p", "16x1w4", "4x1w4s", "4x2w4s", "4x4w4s", "8x1w4s", "8x1w8s", "8x2w4s", "16x1w4s", "16x1w8s",
+            "4x2w4ps", "8x2w4ps", "8x1w8ps", "16x1w8ps")
 
 
-def parse_variant(v: str) -> tuple[int, int, int]:
-    nt, rest = v.split("x")
+def parse_variant(v: str) -> tuple[int, int, int, bool, bool]:
+    """"NTxKQSwW" (+ "p": prefetch, + "s": activations through shared memory) -> (nt, kqs, warps, prefetch, b_smem)."""
+    core = v.rstrip("ps")
+    nt, rest = core.split("x")
     kqs, w = rest.split("w")
-    return int(nt), int(kqs), int(w)
+    return int(nt), int(kqs), int(w), "p" in v[len(core):], "s" in v[len(core):]
 
 
 def main() -> None:
@@ -91,18 +94,18 @@ def main() -> None:
                     ref2 = F.frag_gemm_reference(hin, r, b2, s2, k, False)
                     per_variant = {}
                     for v in variants:
-                        nt, kqs, nw = parse_variant(v)
+                        nt, kqs, nw, pf, bs = parse_variant(v)
                         if nt % nw:
                             continue
                         y1.zero_(), y2.zero_()
-                        F.frag_gemm(x, r, fw1, fs1, k, True, y1, nt, kqs, nw)
-                        F.frag_gemm(hin, r, fw2, fs2, k, False, y2, nt, kqs, nw)
+                        F.frag_gemm(x, r, fw1, fs1, k, True, y1, nt, kqs, nw, pf, bs)
+                        F.frag_gemm(hin, r, fw2, fs2, k, False, y2, nt, kqs, nw, pf, bs)
                         err = max(float((y1 - ref1).abs().max() / ref1.abs().max().clamp(min=1e-6)),
                                   float((y2 - ref2).abs().max() / ref2.abs().max().clamp(min=1e-6)))
                         if err > 1e-3:
                             raise AssertionError(f"{model} A={active} T={tpe} {v}: relative error {err:.2e}")
-                        per_variant[v] = gpu_time_us(lambda: (F.frag_gemm(x, r, fw1, fs1, k, True, y1, nt, kqs, nw),
-                                                              F.frag_gemm(hin, r, fw2, fs2, k, False, y2, nt, kqs, nw)))
+                        per_variant[v] = gpu_time_us(lambda: (F.frag_gemm(x, r, fw1, fs1, k, True, y1, nt, kqs, nw, pf, bs),
+                                                              F.frag_gemm(hin, r, fw2, fs2, k, False, y2, nt, kqs, nw, pf, bs)))
                 best = min(per_variant, key=per_variant.get)
                 nbytes = active * per_expert
                 row = dict(model=model, active_experts=active, tokens_per_expert=tpe, weight_bytes=nbytes,

@@ -154,19 +154,47 @@ if gluon is not None:
         return gl.convert_layout(a, AL, assert_trivial=True)
 
     @gluon.jit
-    def _frag_step(acc, w_rows, s_rows, n_ok, kk, x_rows, x_ok, kb, q0, WL: gl.constexpr, AL: gl.constexpr,
-                   BL: gl.constexpr, BN: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr):
-        """One step of KQS quads starting at quad q0: load, decode, multiply-add into acc."""
+    def _frag_load(w_rows, s_rows, n_ok, kk, x_rows, x_ok, kb, q0):
+        """The words, scale words and activations of the KQS quads from quad q0."""
         q = gl.load(w_rows[:, None] + (q0 * 128 + kk)[None, :], mask=n_ok[:, None], other=0)
         sw = gl.load(s_rows[:, None] + (q0 * 8 + (kk // 128) * 8 + (kk % 128) // 16)[None, :], mask=n_ok[:, None], other=0)
-        a = _decode_quads(q, sw, kk, AL, BN, KQS, NT)
         b = gl.load(x_rows[None, :] + (q0 * 64 + kb)[:, None], mask=x_ok[None, :], other=0.0)
-        return mma_v2(a, b, acc)
+        return q, sw, b
+
+    @gluon.jit
+    def _frag_step(acc, w_rows, s_rows, n_ok, kk, x_rows, x_ok, kb, q0, AL: gl.constexpr, BN: gl.constexpr,
+                   NT: gl.constexpr, KQS: gl.constexpr):
+        """One step of KQS quads starting at quad q0: load, decode, multiply-add into acc."""
+        q, sw, b = _frag_load(w_rows, s_rows, n_ok, kk, x_rows, x_ok, kb, q0)
+        return mma_v2(_decode_quads(q, sw, kk, AL, BN, KQS, NT), b, acc)
+
+    @gluon.jit
+    def _x_tile(x_rows, x_ok, kx, q0):
+        """Activations [BM, KQS * 64] of the quads from q0, in a coalesced layout (16-byte loads along K)."""
+        return gl.load(x_rows[:, None] + (q0 * 64 + kx)[None, :], mask=x_ok[:, None], other=0.0)
+
+    @gluon.jit
+    def _b_operand(xs, xt, BL: gl.constexpr):
+        """The B operand from a coalesced activation tile through shared memory (one copy for all warps, read back with
+        ldmatrix): the barriers keep the previous step's reads before this store and this store before the reads."""
+        gl.thread_barrier()
+        xs.store(xt)
+        gl.thread_barrier()
+        return xs.permute([1, 0]).load(BL)
+
+    @gluon.jit
+    def _frag_step_smem(acc, w_rows, s_rows, n_ok, kk, xr_s, xok_s, kx, xs, q0, AL: gl.constexpr, BL: gl.constexpr,
+                        BN: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr):
+        q = gl.load(w_rows[:, None] + (q0 * 128 + kk)[None, :], mask=n_ok[:, None], other=0)
+        sw = gl.load(s_rows[:, None] + (q0 * 8 + (kk // 128) * 8 + (kk % 128) // 16)[None, :], mask=n_ok[:, None], other=0)
+        xt = _x_tile(xr_s, xok_s, kx, q0)
+        return mma_v2(_decode_quads(q, sw, kk, AL, BN, KQS, NT), _b_operand(xs, xt, BL), acc)
 
     @gluon.jit
     def _frag_gemm(x_ptr, stride_x, y_ptr, stride_y, pairs_ptr, slot_ptr, nblocks_ptr, w_ptr, stride_ws, s_ptr, stride_ss,
                    P, N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, ROWS_FROM_PAIRS: gl.constexpr,
-                   BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr):
+                   BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr,
+                   PREFETCH: gl.constexpr, B_SMEM: gl.constexpr):
         BN: gl.constexpr = NT * 16
         WL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
@@ -200,10 +228,52 @@ if gluon is not None:
         kb1 = gl.arange(0, 64, layout=gl.SliceLayout(1, BL))
         acc = gl.zeros([BN, BM], gl.float32, MMA)
         MAIN: gl.constexpr = QUADS // KQS * KQS
-        for q0 in range(0, MAIN, KQS):
-            acc = _frag_step(acc, w_rows, s_rows, n_ok, kk, x_rows, x_ok, kb, q0, WL, AL, BL, BN, NT, KQS)
-        for q0 in range(MAIN, QUADS):  # the quads a whole step does not cover, one at a time (same order for every row)
-            acc = _frag_step(acc, w_rows, s_rows, n_ok, kk1, x_rows, x_ok, kb1, q0, WL, AL, BL, BN, NT, 1)
+        if B_SMEM:  # activations loaded once for all warps: coalesced, through shared memory
+            XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+            SL: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+            mx = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
+            pair_s = gl.load(pairs_ptr + b * BM + mx)
+            xok_s = pair_s < P
+            if ROWS_FROM_PAIRS:
+                xr_s = gl.where(xok_s, pair_s // TOPK, 0)
+            else:
+                xr_s = b * BM + mx
+            xr_s = x_ptr + xr_s.to(gl.int64) * stride_x
+            kx = gl.arange(0, KQS * 64, layout=gl.SliceLayout(0, XL))
+            xs = gl.allocate_shared_memory(gl.bfloat16, [BM, KQS * 64], SL)
+            if PREFETCH and MAIN >= 2 * KQS:
+                q = gl.load(w_rows[:, None] + kk[None, :], mask=n_ok[:, None], other=0)
+                sw = gl.load(s_rows[:, None] + ((kk // 128) * 8 + (kk % 128) // 16)[None, :], mask=n_ok[:, None], other=0)
+                xt = _x_tile(xr_s, xok_s, kx, 0)
+                for q0 in range(KQS, MAIN, KQS):
+                    qn = gl.load(w_rows[:, None] + (q0 * 128 + kk)[None, :], mask=n_ok[:, None], other=0)
+                    swn = gl.load(s_rows[:, None] + (q0 * 8 + (kk // 128) * 8 + (kk % 128) // 16)[None, :],
+                                  mask=n_ok[:, None], other=0)
+                    xtn = _x_tile(xr_s, xok_s, kx, q0)
+                    acc = mma_v2(_decode_quads(q, sw, kk, AL, BN, KQS, NT), _b_operand(xs, xt, BL), acc)
+                    q, sw, xt = qn, swn, xtn
+                acc = mma_v2(_decode_quads(q, sw, kk, AL, BN, KQS, NT), _b_operand(xs, xt, BL), acc)
+            else:
+                for q0 in range(0, MAIN, KQS):
+                    acc = _frag_step_smem(acc, w_rows, s_rows, n_ok, kk, xr_s, xok_s, kx, xs, q0, AL, BL, BN, NT, KQS)
+            if MAIN < QUADS:
+                kx1 = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
+                xs1 = gl.allocate_shared_memory(gl.bfloat16, [BM, 64], SL)
+                for q0 in range(MAIN, QUADS):
+                    acc = _frag_step_smem(acc, w_rows, s_rows, n_ok, kk1, xr_s, xok_s, kx1, xs1, q0, AL, BL, BN, NT, 1)
+        elif PREFETCH and MAIN >= 2 * KQS:  # each step's loads issued before the step before it decodes and multiplies
+            q, sw, xb = _frag_load(w_rows, s_rows, n_ok, kk, x_rows, x_ok, kb, 0)
+            for q0 in range(KQS, MAIN, KQS):
+                qn, swn, xbn = _frag_load(w_rows, s_rows, n_ok, kk, x_rows, x_ok, kb, q0)
+                acc = mma_v2(_decode_quads(q, sw, kk, AL, BN, KQS, NT), xb, acc)
+                q, sw, xb = qn, swn, xbn
+            acc = mma_v2(_decode_quads(q, sw, kk, AL, BN, KQS, NT), xb, acc)
+        else:
+            for q0 in range(0, MAIN, KQS):
+                acc = _frag_step(acc, w_rows, s_rows, n_ok, kk, x_rows, x_ok, kb, q0, AL, BN, NT, KQS)
+        if not B_SMEM:
+            for q0 in range(MAIN, QUADS):  # the quads a whole step does not cover, one at a time (same order for every row)
+                acc = _frag_step(acc, w_rows, s_rows, n_ok, kk1, x_rows, x_ok, kb1, q0, AL, BN, NT, 1)
         nr = gl.program_id(1) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
         mr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
         pr = gl.load(pairs_ptr + b * BM + mr)
@@ -213,10 +283,13 @@ if gluon is not None:
 
 def frag_gemm(x: torch.Tensor, r: Routing, words: torch.Tensor, swords: torch.Tensor, topk: int,
               rows_from_pairs: bool = True, y: torch.Tensor | None = None, nt: int = 4, kqs: int = 1,
-              num_warps: int = 4) -> torch.Tensor:
+              num_warps: int = 4, prefetch: bool = False, b_smem: bool = False) -> torch.Tensor:
     """y [max_blocks * BM, N] float32 (rows of unused block slots untouched) = `frag_gemm_reference` on CUDA.
     words/swords: `to_fragment_words` of the slots' weights ([S, N/16, K/64, 8, 4, 4], [S, N/16, K/64, 8]). Tiles: `nt`
-    16-row tiles a program (a multiple of num_warps), `kqs` 64-column quads a K step (a power of two). Every choice sums
+    16-row tiles a program (a multiple of num_warps), `kqs` 64-column quads a K step (a power of two); `prefetch`: each
+    step's loads issued before the previous step's decode and MMAs (registers double-buffered); `b_smem`: the
+    activations loaded once a step for all warps (coalesced) and read as the B operand from shared memory, instead of
+    each warp loading its own B fragments from global memory (32-bit loads, 8 rows each). Every choice sums
     K in the same order (one quad after another, each MMA's 16 columns in the hardware's fixed order), and no choice
     depends on the routing: a row's bits do not depend on the other rows of the call."""
     if gluon is None:
@@ -237,7 +310,8 @@ def frag_gemm(x: torch.Tensor, r: Routing, words: torch.Tensor, swords: torch.Te
     grid = (r.max_blocks, triton_cdiv(ntiles, nt))
     _frag_gemm[grid](x, x.stride(0), y, y.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks, words, words.stride(0),
                      swords, swords.stride(0), r.num_pairs, N=n, K=k, TOPK=topk, ROWS_FROM_PAIRS=rows_from_pairs, BM=bm,
-                     NT=nt, KQS=kqs, W=num_warps, num_warps=num_warps)
+                     NT=nt, KQS=kqs, W=num_warps, PREFETCH=prefetch, B_SMEM=b_smem,
+                     num_warps=num_warps)
     return y
 
 

@@ -104,9 +104,9 @@ needs_gluon = pytest.mark.skipif(F.gluon is None, reason="needs Triton's Gluon")
 
 
 @needs_gluon
-@pytest.mark.parametrize("n,k,nt,kqs,warps", [(5760, 2880, 4, 1, 4), (2880, 2880, 8, 2, 4), (1536, 2048, 8, 4, 4),
-                                               (80, 320, 4, 2, 4)])
-def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, nt, kqs, warps):
+@pytest.mark.parametrize("n,k,nt,kqs,warps,pf,bs", [(5760, 2880, 4, 1, 4, False, False), (2880, 2880, 8, 2, 4, True, False),
+                                                     (1536, 2048, 8, 4, 4, False, True), (80, 320, 4, 2, 4, True, True)])
+def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, nt, kqs, warps, pf, bs):
     """The A operand's layout change is checked trivial at compile time (no shuffles, no shared memory round trip)."""
     os.environ.pop("TRITON_INTERPRET", None)  # (compiling needs no GPU; the interpreter is not involved)
     import triton
@@ -116,13 +116,16 @@ def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, nt, kqs, w
     sig = {"x_ptr": "*bf16", "stride_x": "i32", "y_ptr": "*fp32", "stride_y": "i32", "pairs_ptr": "*i32", "slot_ptr": "*i32",
            "nblocks_ptr": "*i32", "w_ptr": "*i32", "stride_ws": "i32", "s_ptr": "*i32", "stride_ss": "i32", "P": "i32",
            "N": "constexpr", "K": "constexpr", "TOPK": "constexpr", "ROWS_FROM_PAIRS": "constexpr", "BM": "constexpr",
-           "NT": "constexpr", "KQS": "constexpr", "W": "constexpr"}
-    const = dict(N=n, K=k, TOPK=4, ROWS_FROM_PAIRS=True, BM=16, NT=nt, KQS=kqs, W=warps)
+           "NT": "constexpr", "KQS": "constexpr", "W": "constexpr", "PREFETCH": "constexpr", "B_SMEM": "constexpr"}
+    const = dict(N=n, K=k, TOPK=4, ROWS_FROM_PAIRS=True, BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf, B_SMEM=bs)
     kern = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps})
-    assert kern.metadata.shared == 0
     ptx = kern.asm["ptx"]
-    assert "mma.sync.aligned.m16n8k16" in ptx and "shfl" not in ptx and "ld.shared" not in ptx
+    assert "mma.sync.aligned.m16n8k16" in ptx and "shfl" not in ptx
+    if bs:  # only the activations pass through shared memory, read back with ldmatrix
+        assert kern.metadata.shared <= 2 * 16 * kqs * 64 * 2 and "ldmatrix" in ptx
+    else:
+        assert kern.metadata.shared == 0 and "ld.shared" not in ptx
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -142,26 +145,29 @@ def _gpu_case(e, k, h, n, tokens, seed=0):
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("e,k,h,n,tokens,nt,kqs,warps", [
-    (32, 4, 2880, 5760, 3, 4, 1, 4), (32, 4, 2880, 2880, 16, 8, 2, 4), (128, 8, 2048, 1536, 40, 8, 4, 4),
-    (8, 2, 320, 80, 33, 4, 2, 4), (8, 2, 320, 80, 7, 8, 1, 8)])
-def test_kernel_matches_reference(e, k, h, n, tokens, nt, kqs, warps):
+@pytest.mark.parametrize("e,k,h,n,tokens,nt,kqs,warps,pf,bs", [
+    (32, 4, 2880, 5760, 3, 4, 1, 4, False, False), (32, 4, 2880, 2880, 16, 8, 2, 4, True, False),
+    (128, 8, 2048, 1536, 40, 8, 4, 4, False, False), (8, 2, 320, 80, 33, 4, 2, 4, True, False),
+    (8, 2, 320, 80, 7, 8, 1, 8, False, False), (8, 2, 320, 80, 7, 4, 1, 4, True, False),
+    (32, 4, 2880, 5760, 21, 4, 1, 4, False, True), (32, 4, 2880, 2880, 16, 8, 2, 4, True, True),
+    (128, 8, 2048, 1536, 40, 16, 1, 8, True, True), (8, 2, 320, 80, 33, 4, 2, 4, False, True)])
+def test_kernel_matches_reference(e, k, h, n, tokens, nt, kqs, warps, pf, bs):
     b, s, words, sw, x, ids, r = _gpu_case(e, k, h, n, tokens)
     ref = F.frag_gemm_reference(x, r, b, s, k)
-    y = F.frag_gemm(x, r, words, sw, k, nt=nt, kqs=kqs, num_warps=warps)
+    y = F.frag_gemm(x, r, words, sw, k, nt=nt, kqs=kqs, num_warps=warps, prefetch=pf, b_smem=bs)
     err = (y - ref).abs().max() / ref.abs().max()
     assert float(err) < 1e-4, float(err)  # float32 sums of exact weights, in another order
     hin = torch.randn(r.max_blocks * 16, h, device="cuda").bfloat16()  # the down GEMM's form: rows are block rows
     ref2 = F.frag_gemm_reference(hin, r, b, s, k, rows_from_pairs=False)
-    y2 = F.frag_gemm(hin, r, words, sw, k, rows_from_pairs=False, nt=nt, kqs=kqs, num_warps=warps)
+    y2 = F.frag_gemm(hin, r, words, sw, k, rows_from_pairs=False, nt=nt, kqs=kqs, num_warps=warps, prefetch=pf, b_smem=bs)
     assert float((y2 - ref2).abs().max() / ref2.abs().max()) < 1e-4
 
 
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("nt,kqs", [(4, 1), (8, 2)])
-def test_kernel_rows_are_bit_identical_whatever_the_other_rows(nt, kqs):
+@pytest.mark.parametrize("nt,kqs,pf,bs", [(4, 1, False, False), (8, 2, True, False), (8, 2, True, True), (4, 1, False, True)])
+def test_kernel_rows_are_bit_identical_whatever_the_other_rows(nt, kqs, pf, bs):
     """Token 0 alone, then with 1..63 random other tokens (routed to the same and other experts): its pairs' output
     rows keep their bits."""
     from pdflash_kernels.moe import align_fused
@@ -170,7 +176,7 @@ def test_kernel_rows_are_bit_identical_whatever_the_other_rows(nt, kqs):
     b, s, words, sw, x, ids, r = _gpu_case(e, k, h, n, 1)
     def rows_of_token0(x, ids):
         r = align_fused(ids, e, 16)
-        y = F.frag_gemm(x, r, words, sw, k, nt=nt, kqs=kqs)
+        y = F.frag_gemm(x, r, words, sw, k, nt=nt, kqs=kqs, prefetch=pf, b_smem=bs)
         pos = {int(p): i for i, p in enumerate(r.sorted_pairs.tolist()) if int(p) < r.num_pairs}
         return torch.stack([y[pos[j]] for j in range(k)])  # pairs 0..k-1 are token 0's
     alone = rows_of_token0(x, ids)
