@@ -7,8 +7,6 @@ kernel against its reference, and each row's bits whatever the other rows of the
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -106,9 +104,9 @@ needs_gluon = pytest.mark.skipif(F.gluon is None, reason="needs Triton's Gluon")
 @needs_gluon
 @pytest.mark.parametrize("n,k,nt,kqs,warps,pf,bs", [(5760, 2880, 4, 1, 4, False, False), (2880, 2880, 8, 2, 4, True, False),
                                                      (1536, 2048, 8, 4, 4, False, True), (80, 320, 4, 2, 4, True, True)])
-def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, nt, kqs, warps, pf, bs):
+def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, nt, kqs, warps, pf, bs, monkeypatch):
     """The A operand's layout change is checked trivial at compile time (no shuffles, no shared memory round trip)."""
-    os.environ.pop("TRITON_INTERPRET", None)  # (compiling needs no GPU; the interpreter is not involved)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (compiling needs no GPU; the interpreter is not involved)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
