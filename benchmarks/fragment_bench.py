@@ -1,15 +1,18 @@
-"""The fragment-word MXFP4 GEMMs (pdflash_kernels/fragments.py) against the served MoE GEMMs (pdflash_kernels/moe.py, pair
-words, default configs) on the expert shapes of gpt-oss-20b, Qwen3-30B-A3B and Mixtral-8x7B.
+"""The MoE call on MXFP4 fragment words (pdflash_kernels/fragments.py) against the served pair-word MoE call
+(pdflash_kernels/moe.py `moe_forward`, default configs) and transformers' bf16 `grouped_mm`, on the expert shapes of
+gpt-oss-20b, Qwen3-30B-A3B and Mixtral-8x7B: issue 12's benchmark rows for the fragment path.
 
-    python benchmarks/fragment_bench.py [--out benchmarks/results] [--variants 4x1w4,8x2w4] [--models gpt-oss-20b]
+    python benchmarks/fragment_bench.py [--out benchmarks/results] [--models gpt-oss-20b] [--tokens 1,4,16]
+    python benchmarks/fragment_bench.py --sweep [--variants 4x4w4,8x4w4p]
 
-Per (model, active experts, tokens per expert): the two GEMMs of one MoE layer (gate/up, then down) over the same
-routing blocks, CUDA-graph GPU time: `moe` = moe.launch_gemm1 + launch_gemm2 (what moe_forward runs between its align
-and its combine: the activation and routing weights included), `frag` = two frag_gemm calls (float32 outputs, no
-activation: a prototype of the GEMM core), each variant (`NTxKQSwW`: 16-row tiles a program, 64-column quads a K step,
-warps; a trailing `p`: loads a step ahead, `s`: activations through shared memory) and the best. Bytes: the FP4 weights and scales the active experts' GEMMs read; fraction: of the measured
-device-copy rate (read + write, as benchmarks/kernel_bench.py). Each variant's output is checked against
-`frag_gemm_reference` first. Writes fragment_h200.json / .md under --out.
+Default: per (model, active experts 8-128, tokens per expert), the whole call (routing, both GEMMs, combine), CUDA-graph
+GPU time, each output checked against pdflash_kernels.reference.moe_reference first (2% of the largest output, as
+tests/test_kernels_gpu.py); bytes: the MXFP4 weights, scales and biases the active experts read; fractions: of the
+measured device-copy rate (read + write, as benchmarks/kernel_bench.py). Writes fragment_h200.json / .md.
+--sweep: the two GEMMs alone (`frag_gemm`: float32 outputs, no activation) for each tile variant (`NTxKQSwW`: 16-row
+tiles a program, 64-column quads a K step, warps; a trailing `p`: loads a step ahead) against moe.launch_gemm1 +
+launch_gemm2 over the same routing blocks; each variant checked against `frag_gemm_reference`. Writes
+fragment_sweep_h200.json / .md (the source of `fragments.FRAG_SHAPES`).
 """
 
 from __future__ import annotations
@@ -27,30 +30,23 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.kernel_bench import MODELS, copy_rate, gpu_time_us, routing  # noqa: E402
 
-VARIANTS = ("4x4w4", "8x2w4p", "16x1w4", "4x1w4s", "4x2w4s", "4x4w4s", "8x1w4s", "8x1w8s", "8x2w4s", "16x1w4s", "16x1w8s",
-            "4x2w4ps", "8x2w4ps", "8x1w8ps", "16x1w8ps")
+VARIANTS = ("4x4w4", "4x8w4", "8x4w4", "4x4w4p", "8x2w4p", "8x4w4p", "4x8w4p", "8x4w8")
 
 
-def parse_variant(v: str) -> tuple[int, int, int, bool, bool]:
-    """"NTxKQSwW" (+ "p": prefetch, + "s": activations through shared memory) -> (nt, kqs, warps, prefetch, b_smem)."""
-    core = v.rstrip("ps")
+def parse_variant(v: str) -> tuple[int, int, int, bool]:
+    """"NTxKQSwW" (+ "p": loads a step ahead) -> (nt, kqs, warps, prefetch)."""
+    core = v.rstrip("p")
     nt, rest = core.split("x")
     kqs, w = rest.split("w")
-    return int(nt), int(kqs), int(w), "p" in v[len(core):], "s" in v[len(core):]
+    return int(nt), int(kqs), int(w), core != v
 
 
-def main() -> None:
+def sweep_gemms(args) -> None:
     from pdflash_kernels import fragments as F
     from pdflash_kernels import mxfp4
     from pdflash_kernels.moe import (ExpertWeights, _scale_words_ok, align_fused, default_config, launch_gemm1,
                                      launch_gemm2, resolve_decodes)
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--tokens", default="1,4,16")
-    args = ap.parse_args()
     variants = args.variants.split(",")
     rate = copy_rate()
     print(f"device copy rate {rate / 1e12:.2f} TB/s", flush=True)
@@ -94,18 +90,18 @@ def main() -> None:
                     ref2 = F.frag_gemm_reference(hin, r, b2, s2, k, False)
                     per_variant = {}
                     for v in variants:
-                        nt, kqs, nw, pf, bs = parse_variant(v)
+                        nt, kqs, nw, pf = parse_variant(v)
                         if nt % nw:
                             continue
                         y1.zero_(), y2.zero_()
-                        F.frag_gemm(x, r, fw1, fs1, k, True, y1, nt, kqs, nw, pf, bs)
-                        F.frag_gemm(hin, r, fw2, fs2, k, False, y2, nt, kqs, nw, pf, bs)
+                        F.frag_gemm(x, r, fw1, fs1, k, True, y1, nt, kqs, nw, pf)
+                        F.frag_gemm(hin, r, fw2, fs2, k, False, y2, nt, kqs, nw, pf)
                         err = max(float((y1 - ref1).abs().max() / ref1.abs().max().clamp(min=1e-6)),
                                   float((y2 - ref2).abs().max() / ref2.abs().max().clamp(min=1e-6)))
                         if err > 1e-3:
                             raise AssertionError(f"{model} A={active} T={tpe} {v}: relative error {err:.2e}")
-                        per_variant[v] = gpu_time_us(lambda: (F.frag_gemm(x, r, fw1, fs1, k, True, y1, nt, kqs, nw, pf, bs),
-                                                              F.frag_gemm(hin, r, fw2, fs2, k, False, y2, nt, kqs, nw, pf, bs)))
+                        per_variant[v] = gpu_time_us(lambda: (F.frag_gemm(x, r, fw1, fs1, k, True, y1, nt, kqs, nw, pf),
+                                                              F.frag_gemm(hin, r, fw2, fs2, k, False, y2, nt, kqs, nw, pf)))
                 best = min(per_variant, key=per_variant.get)
                 nbytes = active * per_expert
                 row = dict(model=model, active_experts=active, tokens_per_expert=tpe, weight_bytes=nbytes,
@@ -123,7 +119,7 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "copy_rate_bytes_per_s": rate, "rows": rows}
-    (out / "fragment_h200.json").write_text(json.dumps(res, indent=1))
+    (out / "fragment_sweep_h200.json").write_text(json.dumps(res, indent=1))
     lines = [f"# Fragment-word MXFP4 GEMMs vs the served MoE GEMMs (`python benchmarks/fragment_bench.py`)", "",
              f"{res['device']}; device copy {rate / 1e12:.2f} TB/s (read + write). Both GEMMs of a layer, CUDA-graph time; "
              "fraction: weight bytes / time / copy rate.", "",
@@ -133,8 +129,85 @@ def main() -> None:
         lines.append(f"| {r['model']} | {r['active_experts']} | {r['tokens_per_expert']} | {r['weight_bytes'] / 1e6:.1f} | "
                      f"{r['moe_us']} | {r['moe_fraction']:.2f} | {r['frag_us']} | {r['frag_fraction']:.2f} | "
                      f"{r['frag_variant']} | {r['speedup']}x |")
+    (out / "fragment_sweep_h200.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def whole_call(args) -> None:
+    """The issue's benchmark rows for the fragment path: the whole MoE call (routing, both GEMMs, combine), CUDA-graph
+    time, against the served pair-word moe_forward and transformers' grouped_mm (bf16), on the same experts."""
+    from benchmarks.kernel_bench import as_served, hf_experts
+    from pdflash_kernels import fragments as F
+    from pdflash_kernels.installer import expert_weights
+    from pdflash_kernels.moe import moe_forward
+    from pdflash_kernels.reference import moe_reference
+
+    rate = copy_rate()
+    print(f"device copy rate {rate / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for model in args.models.split(","):
+        e, k, h, i = MODELS[model]
+        mod = hf_experts(model)
+        cases = []
+        with torch.inference_mode():
+            for active in (8, 32, 128):
+                if active > e or active < k:
+                    continue
+                for tpe in (int(t) for t in args.tokens.split(",")):
+                    x, ids, wts = routing(e, k, h, active, tpe)
+                    cases.append((active, tpe, x, ids, wts, gpu_time_us(lambda: mod(x, ids, wts))))
+        w = as_served(expert_weights(mod, "mxfp4"))
+        fw = F.FragmentExperts.from_weights(w)
+        bias = (2 * i + h) * 2 if w.b1 is not None else 0
+        per = 2 * i * h // 2 + 2 * i * h // 32 + h * i // 2 + h * i // 32 + bias
+        for active, tpe, x, ids, wts, t_hf in cases:
+            with torch.inference_mode():
+                ref = moe_reference(x, ids, wts, w, e).float()
+                got = F.fragment_moe(x, ids, wts, fw, e).float()
+                err = float((got - ref).abs().max() / ref.abs().max())
+                if err > 0.02:
+                    raise AssertionError(f"{model} A={active} T={tpe}: fragment_moe is {err:.3g} off the reference")
+                t_moe = gpu_time_us(lambda: moe_forward(x, ids, wts, w, e))
+                t_frag = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
+            nbytes = active * per
+            row = dict(model=model, weights="mxfp4", tokens_per_expert=tpe, active_experts=active, weight_bytes=nbytes,
+                       torch_bf16_us=round(t_hf, 1), moe_us=round(t_moe, 1), frag_us=round(t_frag, 1),
+                       moe_hbm_fraction=round(nbytes / (t_moe * 1e-6) / rate, 3),
+                       hbm_fraction=round(nbytes / (t_frag * 1e-6) / rate, 3),
+                       speedup=round(t_hf / t_frag, 2), moe_speedup=round(t_hf / t_moe, 2), max_rel_error=round(err, 5),
+                       config="x".join(str(v) for v in F.frag_config(h, i)))
+            rows.append(row)
+            print(f"{model:14s} A={active:3d} T={tpe:2d}  hf {t_hf:7.1f}  moe {t_moe:7.1f} ({row['moe_hbm_fraction']:.2f}, "
+                  f"x{row['moe_speedup']})  frag {t_frag:7.1f} ({row['hbm_fraction']:.2f}, x{row['speedup']})", flush=True)
+        del mod, w, fw, cases
+        torch.cuda.empty_cache()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"device": torch.cuda.get_device_name(), "copy_rate_bytes_per_s": rate, "moe": rows}
+    (out / "fragment_h200.json").write_text(json.dumps(res, indent=1))
+    lines = ["# The MoE call on fragment words (`python benchmarks/fragment_bench.py`)", "",
+             f"{res['device']}; device copy {rate / 1e12:.2f} TB/s (read + write). Whole call (routing, both GEMMs, "
+             "combine), CUDA-graph time. frag: `pdflash_kernels.fragments.fragment_moe`; moe: the served "
+             "`moe_forward` (pair words); transformers: `grouped_mm`, bf16. Fractions: MXFP4 weight bytes / time / copy rate.", "",
+             "| model | active experts | tokens/expert | weight MB | transformers us | moe us | of copy | x | frag us | of copy | x |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['active_experts']} | {r['tokens_per_expert']} | {r['weight_bytes'] / 1e6:.1f} | "
+                     f"{r['torch_bf16_us']} | {r['moe_us']} | {r['moe_hbm_fraction']:.2f} | {r['moe_speedup']} | "
+                     f"{r['frag_us']} | {r['hbm_fraction']:.2f} | {r['speedup']} |")
     (out / "fragment_h200.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--sweep", action="store_true", help="the GEMM variants alone (fragment_sweep_h200.*) instead")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", default="1,4,16")
+    args = ap.parse_args()
+    sweep_gemms(args) if args.sweep else whole_call(args)
 
 
 if __name__ == "__main__":

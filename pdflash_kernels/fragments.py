@@ -30,6 +30,8 @@ compiles for sm_90 on a CPU machine (tests/test_kernels.py) but runs only on CUD
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pdflash_kernels import mxfp4
@@ -60,6 +62,12 @@ def _check(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[int, int]:
     if tuple(scales.shape) != (*blocks.shape[:-1], k // mxfp4.GROUP):
         raise ValueError(f"scales {tuple(scales.shape)} do not match blocks {tuple(blocks.shape)}")
     return n, k
+
+
+def check_scales(scales: torch.Tensor) -> None:
+    """The fast decode's bound: every scale byte <= FAST_DECODE_MAX_SCALE (|w| <= 12 in its group)."""
+    if scales.numel() and int(scales.max()) > FAST_DECODE_MAX_SCALE:
+        raise ValueError(f"a scale byte is above {FAST_DECODE_MAX_SCALE}: fragment words take the fast decode only")
 
 
 def to_fragment_words(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,19 +162,11 @@ if gluon is not None:
         return gl.convert_layout(a, AL, assert_trivial=True)
 
     @gluon.jit
-    def _frag_load(w_rows, s_rows, n_ok, kk, x_rows, x_ok, kb, q0):
-        """The words, scale words and activations of the KQS quads from quad q0."""
+    def _quads(w_rows, s_rows, n_ok, kk, q0):
+        """The words and scale words of KQS quads from quad q0 (rows past N read as zero)."""
         q = gl.load(w_rows[:, None] + (q0 * 128 + kk)[None, :], mask=n_ok[:, None], other=0)
         sw = gl.load(s_rows[:, None] + (q0 * 8 + (kk // 128) * 8 + (kk % 128) // 16)[None, :], mask=n_ok[:, None], other=0)
-        b = gl.load(x_rows[None, :] + (q0 * 64 + kb)[:, None], mask=x_ok[None, :], other=0.0)
-        return q, sw, b
-
-    @gluon.jit
-    def _frag_step(acc, w_rows, s_rows, n_ok, kk, x_rows, x_ok, kb, q0, AL: gl.constexpr, BN: gl.constexpr,
-                   NT: gl.constexpr, KQS: gl.constexpr):
-        """One step of KQS quads starting at quad q0: load, decode, multiply-add into acc."""
-        q, sw, b = _frag_load(w_rows, s_rows, n_ok, kk, x_rows, x_ok, kb, q0)
-        return mma_v2(_decode_quads(q, sw, kk, AL, BN, KQS, NT), b, acc)
+        return q, sw
 
     @gluon.jit
     def _x_tile(x_rows, x_ok, kx, q0):
@@ -183,139 +183,285 @@ if gluon is not None:
         return xs.permute([1, 0]).load(BL)
 
     @gluon.jit
-    def _frag_step_smem(acc, w_rows, s_rows, n_ok, kk, xr_s, xok_s, kx, xs, q0, AL: gl.constexpr, BL: gl.constexpr,
-                        BN: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr):
-        q = gl.load(w_rows[:, None] + (q0 * 128 + kk)[None, :], mask=n_ok[:, None], other=0)
-        sw = gl.load(s_rows[:, None] + (q0 * 8 + (kk // 128) * 8 + (kk % 128) // 16)[None, :], mask=n_ok[:, None], other=0)
-        xt = _x_tile(xr_s, xok_s, kx, q0)
-        return mma_v2(_decode_quads(q, sw, kk, AL, BN, KQS, NT), _b_operand(xs, xt, BL), acc)
+    def _k_range(acc_g, acc_u, wg, sg, wu, su, n_ok, kk, xr, xok, kx, xs, Q0: gl.constexpr, Q1: gl.constexpr,
+                 AL: gl.constexpr, BL: gl.constexpr, BN: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr,
+                 TWO: gl.constexpr, PREFETCH: gl.constexpr):
+        """Quads Q0 .. Q1 (a whole number of KQS-quad steps) into acc_g (rows wg) and, when TWO, acc_u (rows wu), one
+        shared B operand a step. PREFETCH: each step's global loads issued before the previous step's decode and MMAs."""
+        if PREFETCH and Q1 - Q0 >= 2 * KQS:
+            qg, tg = _quads(wg, sg, n_ok, kk, Q0)
+            qu, tu = qg, tg
+            if TWO:
+                qu, tu = _quads(wu, su, n_ok, kk, Q0)
+            xt = _x_tile(xr, xok, kx, Q0)
+            for q0 in range(Q0 + KQS, Q1, KQS):
+                qgn, tgn = _quads(wg, sg, n_ok, kk, q0)
+                qun, tun = qgn, tgn
+                if TWO:
+                    qun, tun = _quads(wu, su, n_ok, kk, q0)
+                xtn = _x_tile(xr, xok, kx, q0)
+                b = _b_operand(xs, xt, BL)
+                acc_g = mma_v2(_decode_quads(qg, tg, kk, AL, BN, KQS, NT), b, acc_g)
+                if TWO:
+                    acc_u = mma_v2(_decode_quads(qu, tu, kk, AL, BN, KQS, NT), b, acc_u)
+                qg, tg, qu, tu, xt = qgn, tgn, qun, tun, xtn
+            b = _b_operand(xs, xt, BL)
+            acc_g = mma_v2(_decode_quads(qg, tg, kk, AL, BN, KQS, NT), b, acc_g)
+            if TWO:
+                acc_u = mma_v2(_decode_quads(qu, tu, kk, AL, BN, KQS, NT), b, acc_u)
+        else:
+            for q0 in range(Q0, Q1, KQS):
+                qg, tg = _quads(wg, sg, n_ok, kk, q0)
+                b = _b_operand(xs, _x_tile(xr, xok, kx, q0), BL)
+                acc_g = mma_v2(_decode_quads(qg, tg, kk, AL, BN, KQS, NT), b, acc_g)
+                if TWO:
+                    qu, tu = _quads(wu, su, n_ok, kk, q0)
+                    acc_u = mma_v2(_decode_quads(qu, tu, kk, AL, BN, KQS, NT), b, acc_u)
+        return acc_g, acc_u
 
     @gluon.jit
-    def _frag_gemm(x_ptr, stride_x, y_ptr, stride_y, pairs_ptr, slot_ptr, nblocks_ptr, w_ptr, stride_ws, s_ptr, stride_ss,
-                   P, N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, ROWS_FROM_PAIRS: gl.constexpr,
-                   BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr,
-                   PREFETCH: gl.constexpr, B_SMEM: gl.constexpr):
+    def _frag_gemm(x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr,
+                   w_ptr, stride_ws, s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, P, alpha, limit,
+                   N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, PHASE: gl.constexpr,
+                   BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr):
+        """One program: routing block program_id(0) x NT 16-row weight tiles from program_id(1) * NT. EPI 0: y (float32)
+        at the block's rows = x[pair // TOPK] @ w^T (EPI 3: x[block row] @ w^T); EPI 1 (gate/up, rows [gates; ups] as `gate_up_order` stores
+        them, N = I): h (bf16) at the block's rows = act(gate (+ bias), up (+ bias)) of x[pair // TOPK]; EPI 2 (down):
+        y (float32) at row `pair` = (h[block row] @ w^T (+ bias)) * routing weight. Rounded where moe's kernels round:
+        bf16 after each projection and bias."""
         BN: gl.constexpr = NT * 16
         WL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
         AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+        SL: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
         QUADS: gl.constexpr = K // 64
-        b = gl.program_id(0)
-        if b >= gl.load(nblocks_ptr):
-            return
-        slot = gl.load(slot_ptr + b)
-        if slot < 0:
-            return
-        # rows of this routing block (the MMA's N side)
-        mb = gl.arange(0, BM, layout=gl.SliceLayout(0, BL))
-        pair = gl.load(pairs_ptr + b * BM + mb)
-        x_ok = pair < P
-        if ROWS_FROM_PAIRS:
-            xr = gl.where(x_ok, pair // TOPK, 0)
-        else:
-            xr = b * BM + mb
-        x_rows = x_ptr + xr.to(gl.int64) * stride_x
-        kb = gl.arange(0, KQS * 64, layout=gl.SliceLayout(1, BL))
-        # weight tiles of this program (the MMA's M side): NT 16-row tiles
-        tiles = gl.program_id(1) * NT + gl.arange(0, NT, layout=gl.SliceLayout(1, WL))
-        n_ok = tiles < N // 16
-        tiles = gl.where(n_ok, tiles, 0)
-        w_rows = w_ptr + slot.to(gl.int64) * stride_ws + tiles.to(gl.int64) * (QUADS * 128)
-        s_rows = s_ptr + slot.to(gl.int64) * stride_ss + tiles.to(gl.int64) * (QUADS * 8)
-        kk = gl.arange(0, KQS * 128, layout=gl.SliceLayout(0, WL))
-        kk1 = gl.arange(0, 128, layout=gl.SliceLayout(0, WL))
-        kb1 = gl.arange(0, 64, layout=gl.SliceLayout(1, BL))
-        acc = gl.zeros([BN, BM], gl.float32, MMA)
         MAIN: gl.constexpr = QUADS // KQS * KQS
-        if B_SMEM:  # activations loaded once for all warps: coalesced, through shared memory
-            XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
-            SL: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+        TWO: gl.constexpr = EPI == 1
+        b = gl.program_id(0)
+        live = b < gl.load(nblocks_ptr)
+        if PHASE != 0:
+            live = live & (gl.load(phase_ptr + b) == PHASE - 1)
+        slot = gl.load(slot_ptr + b)
+        if live & (slot >= 0):
+            # the block's rows (the MMA's N side), loaded once a step for all warps through shared memory
             mx = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
-            pair_s = gl.load(pairs_ptr + b * BM + mx)
-            xok_s = pair_s < P
-            if ROWS_FROM_PAIRS:
-                xr_s = gl.where(xok_s, pair_s // TOPK, 0)
+            pair_x = gl.load(pairs_ptr + b * BM + mx)
+            xok = pair_x < P
+            if EPI >= 2:  # the down GEMM's input (and EPI 3's): the block's own rows
+                xr = b * BM + mx
             else:
-                xr_s = b * BM + mx
-            xr_s = x_ptr + xr_s.to(gl.int64) * stride_x
-            kx = gl.arange(0, KQS * 64, layout=gl.SliceLayout(0, XL))
-            xs = gl.allocate_shared_memory(gl.bfloat16, [BM, KQS * 64], SL)
-            if PREFETCH and MAIN >= 2 * KQS:
-                q = gl.load(w_rows[:, None] + kk[None, :], mask=n_ok[:, None], other=0)
-                sw = gl.load(s_rows[:, None] + ((kk // 128) * 8 + (kk % 128) // 16)[None, :], mask=n_ok[:, None], other=0)
-                xt = _x_tile(xr_s, xok_s, kx, 0)
-                for q0 in range(KQS, MAIN, KQS):
-                    qn = gl.load(w_rows[:, None] + (q0 * 128 + kk)[None, :], mask=n_ok[:, None], other=0)
-                    swn = gl.load(s_rows[:, None] + (q0 * 8 + (kk // 128) * 8 + (kk % 128) // 16)[None, :],
-                                  mask=n_ok[:, None], other=0)
-                    xtn = _x_tile(xr_s, xok_s, kx, q0)
-                    acc = mma_v2(_decode_quads(q, sw, kk, AL, BN, KQS, NT), _b_operand(xs, xt, BL), acc)
-                    q, sw, xt = qn, swn, xtn
-                acc = mma_v2(_decode_quads(q, sw, kk, AL, BN, KQS, NT), _b_operand(xs, xt, BL), acc)
-            else:
-                for q0 in range(0, MAIN, KQS):
-                    acc = _frag_step_smem(acc, w_rows, s_rows, n_ok, kk, xr_s, xok_s, kx, xs, q0, AL, BL, BN, NT, KQS)
-            if MAIN < QUADS:
+                xr = gl.where(xok, pair_x // TOPK, 0)
+            xr = x_ptr + xr.to(gl.int64) * stride_x
+            # the program's weight tiles (the MMA's M side); gate/up: the matching up tiles N / 16 tiles further
+            tiles = gl.program_id(1) * NT + gl.arange(0, NT, layout=gl.SliceLayout(1, WL))
+            n_ok = tiles < N // 16
+            tiles = gl.where(n_ok, tiles, 0).to(gl.int64)
+            wg = w_ptr + slot.to(gl.int64) * stride_ws + tiles * (QUADS * 128)
+            sg = s_ptr + slot.to(gl.int64) * stride_ss + tiles * (QUADS * 8)
+            wu = wg + (N // 16) * (QUADS * 128)
+            su = sg + (N // 16) * (QUADS * 8)
+            acc_g = gl.zeros([BN, BM], gl.float32, MMA)
+            acc_u = acc_g
+            if MAIN > 0:
+                kk = gl.arange(0, KQS * 128, layout=gl.SliceLayout(0, WL))
+                kx = gl.arange(0, KQS * 64, layout=gl.SliceLayout(0, XL))
+                xs = gl.allocate_shared_memory(gl.bfloat16, [BM, KQS * 64], SL)
+                acc_g, acc_u = _k_range(acc_g, acc_u, wg, sg, wu, su, n_ok, kk, xr, xok, kx, xs, 0, MAIN,
+                                        AL, BL, BN, NT, KQS, TWO, PREFETCH)
+            if MAIN < QUADS:  # the quads a whole step does not cover, one at a time (the same order for every row)
+                kk1 = gl.arange(0, 128, layout=gl.SliceLayout(0, WL))
                 kx1 = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
                 xs1 = gl.allocate_shared_memory(gl.bfloat16, [BM, 64], SL)
-                for q0 in range(MAIN, QUADS):
-                    acc = _frag_step_smem(acc, w_rows, s_rows, n_ok, kk1, xr_s, xok_s, kx1, xs1, q0, AL, BL, BN, NT, 1)
-        elif PREFETCH and MAIN >= 2 * KQS:  # each step's loads issued before the step before it decodes and multiplies
-            q, sw, xb = _frag_load(w_rows, s_rows, n_ok, kk, x_rows, x_ok, kb, 0)
-            for q0 in range(KQS, MAIN, KQS):
-                qn, swn, xbn = _frag_load(w_rows, s_rows, n_ok, kk, x_rows, x_ok, kb, q0)
-                acc = mma_v2(_decode_quads(q, sw, kk, AL, BN, KQS, NT), xb, acc)
-                q, sw, xb = qn, swn, xbn
-            acc = mma_v2(_decode_quads(q, sw, kk, AL, BN, KQS, NT), xb, acc)
-        else:
-            for q0 in range(0, MAIN, KQS):
-                acc = _frag_step(acc, w_rows, s_rows, n_ok, kk, x_rows, x_ok, kb, q0, AL, BN, NT, KQS)
-        if not B_SMEM:
-            for q0 in range(MAIN, QUADS):  # the quads a whole step does not cover, one at a time (same order for every row)
-                acc = _frag_step(acc, w_rows, s_rows, n_ok, kk1, x_rows, x_ok, kb1, q0, AL, BN, NT, 1)
-        nr = gl.program_id(1) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-        mr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
-        pr = gl.load(pairs_ptr + b * BM + mr)
-        out = y_ptr + (b * BM + mr).to(gl.int64)[None, :] * stride_y + nr[:, None]
-        gl.store(out, acc, mask=(pr < P)[None, :] & (nr < N)[:, None])
+                acc_g, acc_u = _k_range(acc_g, acc_u, wg, sg, wu, su, n_ok, kk1, xr, xok, kx1, xs1, MAIN, QUADS,
+                                        AL, BL, BN, NT, 1, TWO, False)
+            # epilogue: acc [BN, BM], column m = the block's row m
+            j = gl.program_id(1) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+            j_ok = j < N
+            mr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
+            pair = gl.load(pairs_ptr + b * BM + mr)
+            p_ok = pair < P
+            mask = j_ok[:, None] & p_ok[None, :]
+            rows = (b * BM + mr).to(gl.int64)
+            if EPI == 0 or EPI == 3:
+                gl.store(out_ptr + rows[None, :] * stride_o + j[:, None], acc_g, mask=mask)
+            elif EPI == 1:
+                g = acc_g.to(gl.bfloat16).to(gl.float32)
+                u = acc_u.to(gl.bfloat16).to(gl.float32)
+                if HAS_BIAS:
+                    bg = gl.load(b_ptr + slot * stride_b + j * ROW_MUL, mask=j_ok, other=0.0).to(gl.float32)
+                    bu = gl.load(b_ptr + slot * stride_b + j * ROW_MUL + UP_OFF, mask=j_ok, other=0.0).to(gl.float32)
+                    g = (g + bg[:, None]).to(gl.bfloat16).to(gl.float32)
+                    u = (u + bu[:, None]).to(gl.bfloat16).to(gl.float32)
+                if ACT == 0:
+                    h = g / (1.0 + gl.exp(-g)) * u
+                else:
+                    g = gl.minimum(g, limit)
+                    u = gl.minimum(gl.maximum(u, -limit), limit)
+                    h = (u + 1.0) * (g / (1.0 + gl.exp(-alpha * g)))
+                gl.store(out_ptr + rows[None, :] * stride_o + j[:, None], h.to(gl.bfloat16), mask=mask)
+            else:
+                y = acc_g.to(gl.bfloat16).to(gl.float32)
+                if HAS_BIAS:
+                    bb = gl.load(b_ptr + slot * stride_b + j, mask=j_ok, other=0.0).to(gl.float32)
+                    y = (y + bb[:, None]).to(gl.bfloat16).to(gl.float32)
+                rw = gl.load(rw_ptr + pair, mask=p_ok, other=0.0).to(gl.float32)
+                y = y * rw[None, :]
+                gl.store(out_ptr + pair.to(gl.int64)[None, :] * stride_o + j[:, None], y, mask=mask)
+
+
+def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, nt: int, kqs: int, num_warps: int,
+            prefetch: bool, phase: int = 0, bias=None, act: int = 0, row_mul: int = 1, up_off: int = 0,
+            rw=None, alpha: float = 1.702, limit: float = 7.0):
+    if gluon is None:
+        raise RuntimeError("the fragment GEMMs need Triton's Gluon (triton >= 3.5)")
+    if x.device.type != "cuda":
+        raise RuntimeError("the fragment GEMMs run on CUDA only; frag_gemm_reference / the moe reference are their CPU form")
+    quads = words.shape[2]
+    k = quads * QUAD
+    if x.shape[1] != k or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        raise ValueError(f"activations must be bf16 [rows, {k}] with unit column stride, got {x.dtype} {tuple(x.shape)}")
+    if words.dtype != torch.int32 or swords.dtype != torch.int32 or words.stride(-1) != 1:
+        raise ValueError("words/swords must be to_fragment_words' int32 tensors")
+    if nt % num_warps or kqs & (kqs - 1):
+        raise ValueError(f"nt ({nt}) must be a multiple of num_warps ({num_warps}) and kqs ({kqs}) a power of two")
+    bm = r.sorted_pairs.numel() // r.max_blocks
+    if phase and r.block_phase is None:
+        raise ValueError(f"phase {phase}: a routing made with phase_of_expert")
+    grid = (r.max_blocks, triton_cdiv(n // 16, nt))
+    b = bias if bias is not None else x
+    _frag_gemm[grid](x, x.stride(0), out, out.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks,
+                     r.block_phase if phase else r.block_slot, words, words.stride(0), swords, swords.stride(0),
+                     b, b.stride(0), rw if rw is not None else x, r.num_pairs, float(alpha), float(limit),
+                     N=n, K=k, TOPK=topk, EPI=epi, ACT=act, HAS_BIAS=bias is not None, ROW_MUL=row_mul, UP_OFF=up_off,
+                     PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=prefetch, num_warps=num_warps)
+    return out
 
 
 def frag_gemm(x: torch.Tensor, r: Routing, words: torch.Tensor, swords: torch.Tensor, topk: int,
-              rows_from_pairs: bool = True, y: torch.Tensor | None = None, nt: int = 4, kqs: int = 1,
-              num_warps: int = 4, prefetch: bool = False, b_smem: bool = False) -> torch.Tensor:
-    """y [max_blocks * BM, N] float32 (rows of unused block slots untouched) = `frag_gemm_reference` on CUDA.
-    words/swords: `to_fragment_words` of the slots' weights ([S, N/16, K/64, 8, 4, 4], [S, N/16, K/64, 8]). Tiles: `nt`
-    16-row tiles a program (a multiple of num_warps), `kqs` 64-column quads a K step (a power of two); `prefetch`: each
-    step's loads issued before the previous step's decode and MMAs (registers double-buffered); `b_smem`: the
-    activations loaded once a step for all warps (coalesced) and read as the B operand from shared memory, instead of
-    each warp loading its own B fragments from global memory (32-bit loads, 8 rows each). Every choice sums
+              rows_from_pairs: bool = True, y: torch.Tensor | None = None, nt: int = 4, kqs: int = 4,
+              num_warps: int = 4, prefetch: bool = False) -> torch.Tensor:
+    """y [max_blocks * BM, N] float32 (rows of unused block slots untouched) = `frag_gemm_reference` on CUDA: the GEMM
+    core alone (no activation, no routing weight). words/swords: `to_fragment_words` of the slots' weights
+    ([S, N/16, K/64, 8, 4, 4], [S, N/16, K/64, 8]). `rows_from_pairs` False: x's rows are the block rows (the down
+    GEMM's input). Tiles: `nt` 16-row tiles a program (a multiple of num_warps), `kqs` 64-column quads a K step (a
+    power of two); `prefetch`: each step's loads issued before the previous step's decode and MMAs. Every choice sums
     K in the same order (one quad after another, each MMA's 16 columns in the hardware's fixed order), and no choice
     depends on the routing: a row's bits do not depend on the other rows of the call."""
-    if gluon is None:
-        raise RuntimeError("frag_gemm needs Triton's Gluon (triton >= 3.5)")
-    if x.device.type != "cuda":
-        raise RuntimeError("frag_gemm runs on CUDA only; frag_gemm_reference is its CPU form")
-    s, ntiles, quads = words.shape[0], words.shape[1], words.shape[2]
-    n, k = ntiles * 16, quads * QUAD
-    if x.shape[1] != k or x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        raise ValueError(f"x must be bf16 [rows, {k}] with unit column stride, got {x.dtype} {tuple(x.shape)}")
-    if words.dtype != torch.int32 or not words.is_contiguous() or swords.shape != (s, ntiles, quads, 8):
-        raise ValueError("words/swords must be to_fragment_words' contiguous int32 tensors")
-    if nt % num_warps:
-        raise ValueError(f"nt ({nt}) must be a multiple of num_warps ({num_warps})")
+    n = words.shape[1] * 16
     bm = r.sorted_pairs.numel() // r.max_blocks
     if y is None:
         y = torch.zeros((r.max_blocks * bm, n), dtype=torch.float32, device=x.device)
-    grid = (r.max_blocks, triton_cdiv(ntiles, nt))
-    _frag_gemm[grid](x, x.stride(0), y, y.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks, words, words.stride(0),
-                     swords, swords.stride(0), r.num_pairs, N=n, K=k, TOPK=topk, ROWS_FROM_PAIRS=rows_from_pairs, BM=bm,
-                     NT=nt, KQS=kqs, W=num_warps, PREFETCH=prefetch, B_SMEM=b_smem,
-                     num_warps=num_warps)
-    return y
+    if not rows_from_pairs and x.shape[0] < r.max_blocks * bm:
+        raise ValueError(f"block-row activations need {r.max_blocks * bm} rows, got {x.shape[0]}")
+    return _launch(x, r, words, swords, y, n, topk, 0 if rows_from_pairs else 3, nt, kqs, num_warps, prefetch)
 
 
-def check_scales(scales: torch.Tensor) -> None:
-    """The fast decode's bound: every scale byte <= FAST_DECODE_MAX_SCALE (|w| <= 12 in its group)."""
-    if int(scales.max()) > FAST_DECODE_MAX_SCALE:
-        raise ValueError(f"a scale byte is above {FAST_DECODE_MAX_SCALE}: fragment words take the fast decode only")
+# ---- the MoE call on fragment words ----------------------------------------------------------------------------------
+# (16-row tiles a program, 64-column quads a K step, warps, loads a step ahead) for both GEMMs of a layer, by its (hidden,
+# expert width): the best summed time over 1/4/16 tokens per expert and 8-128 experts on the H200
+# (benchmarks/fragment_bench.py, benchmarks/results/fragment_h200.json). From the static shape only (batch invariance).
+FRAG_SHAPES = {(2880, 2880): (8, 4, 4, True), (2048, 768): (4, 4, 4, False), (4096, 14336): (4, 8, 4, False)}
+FRAG_DEFAULT = (4, 4, 4, False)
+
+
+def frag_config(hidden: int, inter: int) -> tuple[int, int, int, bool]:
+    return FRAG_SHAPES.get((hidden, inter), FRAG_DEFAULT)
+
+
+def gate_up_order(inter: int, row_mul: int, up_off: int) -> torch.Tensor:
+    """w1's rows as the fragment GEMM takes them: the I gate rows, then the I up rows (gpt-oss interleaves them: row_mul
+    2, up_off 1), so a program's gate tiles and up tiles are I / 16 tiles apart and its activation needs no exchange."""
+    j = torch.arange(inter)
+    return torch.cat([j * row_mul, j * row_mul + up_off])
+
+
+@dataclasses.dataclass
+class FragmentExperts:
+    """One layer's MXFP4 experts as fragment words (first dimension = slot): w1 [S, 2I/16, H/64, 8, 4, 4] int32 in
+    `gate_up_order`, s1 [S, 2I/16, H/64, 8]; w2 [S, H/16, I/64, 8, 4, 4], s2 [S, H/16, I/64, 8]; biases as
+    pdflash_kernels.moe.ExpertWeights keeps them (b1 in w1's original row order, read at j * row_mul (+ up_off))."""
+
+    w1: torch.Tensor
+    s1: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+    b1: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+    row_mul: int = 1
+    up_off: int = 0
+    act: int = 0
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @property
+    def intermediate(self) -> int:
+        return self.w1.shape[1] * 8
+
+    @property
+    def hidden(self) -> int:
+        return self.w2.shape[1] * 16
+
+    @classmethod
+    def from_weights(cls, w) -> "FragmentExperts":
+        """From MXFP4 `pdflash_kernels.moe.ExpertWeights` (nibble order or pair words); refuses scale bytes above 128."""
+        if not w.fp4:
+            raise ValueError("fragment words hold MXFP4 experts; these are not")
+        rows = gate_up_order(w.intermediate, w.row_mul, w.up_offset).to(w.w1.device)
+        b1 = mxfp4.nibble_blocks(w.w1.contiguous(), w.pair_words)[:, rows]
+        s1 = w.s1.contiguous()[:, rows]
+        b2 = mxfp4.nibble_blocks(w.w2.contiguous(), w.pair_words)
+        s2 = w.s2.contiguous()
+        check_scales(s1), check_scales(s2)
+        f1, t1 = to_fragment_words(b1, s1)
+        f2, t2 = to_fragment_words(b2, s2)
+        return cls(f1, t1, f2, t2, w.b1, w.b2, w.row_mul, w.up_offset, w.act, w.alpha, w.limit)
+
+    def to_weights(self):
+        """The same experts as nibble-order `ExpertWeights` (rows back in their original order): the reference's input."""
+        from pdflash_kernels.moe import ExpertWeights
+
+        b1, s1 = from_fragment_words(self.w1, self.s1)
+        b2, s2 = from_fragment_words(self.w2, self.s2)
+        rows = gate_up_order(self.intermediate, self.row_mul, self.up_off).to(b1.device)
+        ob1, os1 = torch.empty_like(b1), torch.empty_like(s1)
+        ob1[:, rows], os1[:, rows] = b1, s1
+        return ExpertWeights(ob1, b2, os1, s2, self.b1, self.b2, self.row_mul, self.up_off, self.act, self.alpha, self.limit)
+
+
+def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, fw: FragmentExperts,
+                 num_experts: int, slot_of_expert: torch.Tensor | None = None, n_valid: torch.Tensor | None = None,
+                 phase_of_expert: torch.Tensor | None = None, between=None, groups: int = 1,
+                 config: tuple[int, int, int, bool] | None = None) -> torch.Tensor:
+    """pdflash_kernels.moe.moe_forward on fragment words (CUDA): x [T, H] bf16, topk ids/weights [T, k] -> [T, H]. The
+    same routing (`align_fused`, blocks of 16 pairs), phases (`phase_of_expert`, `between`, `groups`: copy groups of
+    an expert cache computed as they arrive, bit-identical to one phase) and combine (a token's k slots summed in slot
+    order); the two GEMMs are `_frag_gemm`'s gate/up (activation fused) and down (routing weight fused)."""
+    from pdflash_kernels import moe as _moe
+
+    t, hdim = x.shape
+    topk = topk_ids.shape[1]
+    inter = fw.intermediate
+    if hdim != fw.hidden:
+        raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
+    nt, kqs, nw, pf = config or frag_config(hdim, inter)
+    x = x.contiguous()
+    r = _moe.align_fused(topk_ids, num_experts, 16, slot_of_expert, n_valid, phase_of_expert)
+    phases = tuple(range(1, groups + 2)) if phase_of_expert is not None else (0,)
+    dev = x.device
+    h = torch.empty((r.max_blocks * 16, inter), dtype=torch.bfloat16, device=dev)
+    y = torch.empty((r.num_pairs, hdim), dtype=torch.float32, device=dev)
+    rw = topk_weights.reshape(-1).contiguous()
+    out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
+    for ph in phases:
+        if ph >= 2 and between is not None:
+            between(ph - 1)
+        _launch(x, r, fw.w1, fw.s1, h, inter, topk, 1, nt, kqs, nw, pf, ph, fw.b1, fw.act, fw.row_mul, fw.up_off,
+                alpha=fw.alpha, limit=fw.limit)
+        _launch(h, r, fw.w2, fw.s2, y, hdim, topk, 2, nt, kqs, nw, pf, ph, fw.b2, rw=rw)
+    block = min(1024, _moe.triton_next_pow2(hdim))
+    _moe._moe_combine[(t, triton_cdiv(hdim, block))](y, r.pair_valid, out, hdim, TOPK=topk, BLOCK=block, EMULATE=False,
+                                                      **_moe.runtime.pdl_launch())
+    return out

@@ -98,32 +98,63 @@ def test_reference_is_the_dense_product_of_each_pair():
     assert seen == ids.numel()
 
 
+def test_fragment_experts_round_trip_the_gate_up_order():
+    """from_weights puts w1's rows in gate_up_order (gpt-oss's interleaved rows too); to_weights restores them."""
+    from pdflash_kernels.moe import ACT_GPTOSS, ExpertWeights
+
+    s, i, h = 3, 64, 128
+    b1, s1 = _mx(s, 2 * i, h, seed=4)
+    b2, s2 = _mx(s, h, i, seed=5)
+    for kw in ({}, dict(row_mul=2, up_off=1, act=ACT_GPTOSS)):
+        w = ExpertWeights(b1, b2, s1, s2, **kw)
+        fw = F.FragmentExperts.from_weights(w)
+        assert fw.intermediate == i and fw.hidden == h
+        back = fw.to_weights()
+        assert torch.equal(back.w1, b1) and torch.equal(back.s1, s1) and torch.equal(back.w2, b2) and torch.equal(back.s2, s2)
+        order = F.gate_up_order(i, w.row_mul, w.up_offset)
+        gates, ups = F.from_fragment_words(fw.w1, fw.s1)[0].split(i, dim=1)
+        assert torch.equal(gates, b1[:, order[:i]]) and torch.equal(ups, b1[:, order[i:]])
+    w = ExpertWeights(mxfp4.to_pair_words(b1), mxfp4.to_pair_words(b2), s1, s2, pair_words=True)
+    assert torch.equal(F.FragmentExperts.from_weights(w).to_weights().w1, b1)  # pair-word weights are read as such
+
+
+def test_fragment_experts_refuse_what_the_fast_decode_cannot_hold():
+    from pdflash_kernels.moe import ExpertWeights
+
+    b1, s1 = _mx(2, 32, 64)
+    b2, s2 = _mx(2, 64, 16 * 4)
+    s1[0, 0, 0] = 200
+    with pytest.raises(ValueError, match="above 128"):
+        F.FragmentExperts.from_weights(ExpertWeights(b1, b2[:, :, :16], s1, s2[:, :, :1]))
+    with pytest.raises(ValueError, match="MXFP4"):
+        F.FragmentExperts.from_weights(ExpertWeights(torch.zeros(2, 32, 64).bfloat16(), torch.zeros(2, 64, 16).bfloat16()))
+
+
 needs_gluon = pytest.mark.skipif(F.gluon is None, reason="needs Triton's Gluon")
+SIG = {"x_ptr": "*bf16", "stride_x": "i32", "out_ptr": "*fp32", "stride_o": "i32", "pairs_ptr": "*i32", "slot_ptr": "*i32",
+       "nblocks_ptr": "*i32", "phase_ptr": "*i32", "w_ptr": "*i32", "stride_ws": "i32", "s_ptr": "*i32", "stride_ss": "i32",
+       "b_ptr": "*bf16", "stride_b": "i32", "rw_ptr": "*bf16", "P": "i32", "alpha": "fp32", "limit": "fp32"}
 
 
 @needs_gluon
-@pytest.mark.parametrize("n,k,nt,kqs,warps,pf,bs", [(5760, 2880, 4, 1, 4, False, False), (2880, 2880, 8, 2, 4, True, False),
-                                                     (1536, 2048, 8, 4, 4, False, True), (80, 320, 4, 2, 4, True, True)])
-def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, nt, kqs, warps, pf, bs, monkeypatch):
-    """The A operand's layout change is checked trivial at compile time (no shuffles, no shared memory round trip)."""
+@pytest.mark.parametrize("n,k,nt,kqs,warps,pf,epi", [(5760, 2880, 4, 1, 4, False, 0), (2880, 2880, 8, 4, 4, True, 1),
+                                                     (2048, 768, 4, 4, 4, False, 2), (80, 320, 4, 2, 4, True, 3)])
+def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, nt, kqs, warps, pf, epi, monkeypatch):
+    """The A operand's layout change is checked trivial at compile time (no shuffles; shared memory holds only the
+    activation tile, read back with ldmatrix)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (compiling needs no GPU; the interpreter is not involved)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    sig = {"x_ptr": "*bf16", "stride_x": "i32", "y_ptr": "*fp32", "stride_y": "i32", "pairs_ptr": "*i32", "slot_ptr": "*i32",
-           "nblocks_ptr": "*i32", "w_ptr": "*i32", "stride_ws": "i32", "s_ptr": "*i32", "stride_ss": "i32", "P": "i32",
-           "N": "constexpr", "K": "constexpr", "TOPK": "constexpr", "ROWS_FROM_PAIRS": "constexpr", "BM": "constexpr",
-           "NT": "constexpr", "KQS": "constexpr", "W": "constexpr", "PREFETCH": "constexpr", "B_SMEM": "constexpr"}
-    const = dict(N=n, K=k, TOPK=4, ROWS_FROM_PAIRS=True, BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf, B_SMEM=bs)
+    const = dict(N=n, K=k, TOPK=4, EPI=epi, ACT=1, HAS_BIAS=epi in (1, 2), ROW_MUL=2, UP_OFF=1, PHASE=1 if epi == 2 else 0,
+                 BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf)
+    sig = dict(SIG, out_ptr="*bf16" if epi == 1 else "*fp32", **{c: "constexpr" for c in const})
     kern = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps})
     ptx = kern.asm["ptx"]
-    assert "mma.sync.aligned.m16n8k16" in ptx and "shfl" not in ptx
-    if bs:  # only the activations pass through shared memory, read back with ldmatrix
-        assert kern.metadata.shared <= 2 * 16 * kqs * 64 * 2 and "ldmatrix" in ptx
-    else:
-        assert kern.metadata.shared == 0 and "ld.shared" not in ptx
+    assert "mma.sync.aligned.m16n8k16" in ptx and "shfl" not in ptx and "ldmatrix" in ptx
+    assert kern.metadata.shared <= 2 * 16 * kqs * 64 * 2
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -143,38 +174,36 @@ def _gpu_case(e, k, h, n, tokens, seed=0):
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("e,k,h,n,tokens,nt,kqs,warps,pf,bs", [
-    (32, 4, 2880, 5760, 3, 4, 1, 4, False, False), (32, 4, 2880, 2880, 16, 8, 2, 4, True, False),
-    (128, 8, 2048, 1536, 40, 8, 4, 4, False, False), (8, 2, 320, 80, 33, 4, 2, 4, True, False),
-    (8, 2, 320, 80, 7, 8, 1, 8, False, False), (8, 2, 320, 80, 7, 4, 1, 4, True, False),
-    (32, 4, 2880, 5760, 21, 4, 1, 4, False, True), (32, 4, 2880, 2880, 16, 8, 2, 4, True, True),
-    (128, 8, 2048, 1536, 40, 16, 1, 8, True, True), (8, 2, 320, 80, 33, 4, 2, 4, False, True)])
-def test_kernel_matches_reference(e, k, h, n, tokens, nt, kqs, warps, pf, bs):
+@pytest.mark.parametrize("e,k,h,n,tokens,nt,kqs,warps,pf", [
+    (32, 4, 2880, 5760, 3, 4, 1, 4, False), (32, 4, 2880, 2880, 16, 8, 4, 4, True), (128, 8, 2048, 1536, 40, 4, 4, 4, False),
+    (8, 2, 320, 80, 33, 4, 2, 4, True), (8, 2, 320, 80, 7, 8, 1, 8, False), (8, 2, 4096, 128, 21, 4, 8, 4, False)])
+def test_kernel_matches_reference(e, k, h, n, tokens, nt, kqs, warps, pf):
     b, s, words, sw, x, ids, r = _gpu_case(e, k, h, n, tokens)
     ref = F.frag_gemm_reference(x, r, b, s, k)
-    y = F.frag_gemm(x, r, words, sw, k, nt=nt, kqs=kqs, num_warps=warps, prefetch=pf, b_smem=bs)
+    y = F.frag_gemm(x, r, words, sw, k, nt=nt, kqs=kqs, num_warps=warps, prefetch=pf)
     err = (y - ref).abs().max() / ref.abs().max()
     assert float(err) < 1e-4, float(err)  # float32 sums of exact weights, in another order
     hin = torch.randn(r.max_blocks * 16, h, device="cuda").bfloat16()  # the down GEMM's form: rows are block rows
     ref2 = F.frag_gemm_reference(hin, r, b, s, k, rows_from_pairs=False)
-    y2 = F.frag_gemm(hin, r, words, sw, k, rows_from_pairs=False, nt=nt, kqs=kqs, num_warps=warps, prefetch=pf, b_smem=bs)
+    y2 = F.frag_gemm(hin, r, words, sw, k, rows_from_pairs=False, nt=nt, kqs=kqs, num_warps=warps, prefetch=pf)
     assert float((y2 - ref2).abs().max() / ref2.abs().max()) < 1e-4
 
 
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("nt,kqs,pf,bs", [(4, 1, False, False), (8, 2, True, False), (8, 2, True, True), (4, 1, False, True)])
-def test_kernel_rows_are_bit_identical_whatever_the_other_rows(nt, kqs, pf, bs):
+@pytest.mark.parametrize("nt,kqs,pf", [(4, 1, False), (8, 4, True)])
+def test_kernel_rows_are_bit_identical_whatever_the_other_rows(nt, kqs, pf):
     """Token 0 alone, then with 1..63 random other tokens (routed to the same and other experts): its pairs' output
     rows keep their bits."""
     from pdflash_kernels.moe import align_fused
 
     e, k, h, n = 32, 4, 2880, 2880
     b, s, words, sw, x, ids, r = _gpu_case(e, k, h, n, 1)
+
     def rows_of_token0(x, ids):
         r = align_fused(ids, e, 16)
-        y = F.frag_gemm(x, r, words, sw, k, nt=nt, kqs=kqs, prefetch=pf, b_smem=bs)
+        y = F.frag_gemm(x, r, words, sw, k, nt=nt, kqs=kqs, prefetch=pf)
         pos = {int(p): i for i, p in enumerate(r.sorted_pairs.tolist()) if int(p) < r.num_pairs}
         return torch.stack([y[pos[j]] for j in range(k)])  # pairs 0..k-1 are token 0's
     alone = rows_of_token0(x, ids)
@@ -183,3 +212,55 @@ def test_kernel_rows_are_bit_identical_whatever_the_other_rows(nt, kqs, pf, bs):
         xo = torch.cat([x, torch.randn(others, h, generator=g, device="cuda").bfloat16()])
         io = torch.cat([ids, torch.stack([torch.randperm(e, generator=g, device="cuda")[:k] for _ in range(others)])])
         assert torch.equal(rows_of_token0(xo, io), alone), others
+
+
+MOE_SHAPES = {  # experts, top-k, hidden, expert width, gpt-oss form (interleaved gate/up rows, biases, clamped SwiGLU)
+    "gpt-oss-20b": (32, 4, 2880, 2880, True),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, False),
+    "small": (8, 2, 320, 192, True),
+}
+
+
+def _moe_case(model, tokens, seed=0):
+    from pdflash_kernels.moe import ACT_GPTOSS, ExpertWeights
+
+    e, k, h, i, gptoss = MOE_SHAPES[model]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b1, s1 = mxfp4.quantize(torch.randn(e, 2 * i, h, generator=g, device="cuda") * 0.02)
+    b2, s2 = mxfp4.quantize(torch.randn(e, h, i, generator=g, device="cuda") * 0.02)
+    kw = dict(row_mul=2, up_off=1, act=ACT_GPTOSS,
+              b1=(torch.randn(e, 2 * i, generator=g, device="cuda") * 0.02).bfloat16(),
+              b2=(torch.randn(e, h, generator=g, device="cuda") * 0.02).bfloat16()) if gptoss else {}
+    w = ExpertWeights(b1, b2, s1, s2, **kw)
+    x = torch.randn(tokens, h, generator=g, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=g, device="cuda")[:k] for _ in range(tokens)])
+    wts = torch.softmax(torch.randn(tokens, k, generator=g, device="cuda"), -1).bfloat16()
+    return e, w, F.FragmentExperts.from_weights(w), x, ids, wts
+
+
+@cuda
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,tokens", [("gpt-oss-20b", 5), ("qwen3-30b-a3b", 17), ("small", 40)])
+def test_fragment_moe_matches_the_moe_reference(model, tokens):
+    from pdflash_kernels.reference import moe_reference
+
+    e, w, fw, x, ids, wts = _moe_case(model, tokens)
+    ref = moe_reference(x, ids, wts, w, e).float()
+    out = F.fragment_moe(x, ids, wts, fw, e).float()
+    assert float((out - ref).abs().max()) <= 0.02 * float(ref.abs().max())  # tests/test_kernels_gpu.py's bound
+
+
+@cuda
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b"])
+def test_fragment_moe_rows_are_bit_identical_for_any_batch_and_phases(model):
+    """A token's output row keeps its bits with 0..63 other tokens in the call, and when the experts are computed in
+    copy groups (phases) as an expert cache brings them."""
+    e, w, fw, x, ids, wts = _moe_case(model, 64, seed=3)
+    full = F.fragment_moe(x, ids, wts, fw, e)
+    for n in (1, 2, 7, 16, 33):
+        assert torch.equal(F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e), full[:n]), n
+    phase = torch.randint(0, 3, (e,), device="cuda", dtype=torch.int8)
+    assert torch.equal(F.fragment_moe(x, ids, wts, fw, e, phase_of_expert=phase, groups=2), full)
