@@ -4,6 +4,7 @@ gpt-oss-20b, Qwen3-30B-A3B and Mixtral-8x7B: issue 12's benchmark rows for the f
 
     python benchmarks/fragment_bench.py [--out benchmarks/results] [--models gpt-oss-20b] [--tokens 1,4,16]
     python benchmarks/fragment_bench.py --sweep [--variants 4x4w4,8x4w4p]
+    python benchmarks/fragment_bench.py --fused-sweep [--variants 4x4w4,8x4w4ps4] [--tokens 1,16]
 
 Default: per (model, active experts 8-128, tokens per expert), the whole call (routing, both GEMMs, combine), CUDA-graph
 GPU time, each output checked against pdflash_kernels.reference.moe_reference first (2% of the largest output, as
@@ -12,7 +13,10 @@ measured device-copy rate (read + write, as benchmarks/kernel_bench.py). Writes 
 --sweep: the two GEMMs alone (`frag_gemm`: float32 outputs, no activation) for each tile variant (`NTxKQSwW`: 16-row
 tiles a program, 64-column quads a K step, warps; a trailing `p`: loads a step ahead) against moe.launch_gemm1 +
 launch_gemm2 over the same routing blocks; each variant checked against `frag_gemm_reference`. Writes
-fragment_sweep_h200.json / .md (the source of `fragments.FRAG_SHAPES`).
+fragment_sweep_h200.json / .md.
+--fused-sweep: fragment_moe's own launches (gate/up with the activation, down with bias and routing weight) each alone
+per tile variant (`FragTile` names; "sS": K split in S ranges), writes fragment_fused_sweep_h200.json / .md and prints
+each shape's winners (the source of `fragments.FRAG_SHAPES`), then runs the default whole-call rows with them.
 """
 
 from __future__ import annotations
@@ -31,14 +35,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.kernel_bench import MODELS, copy_rate, gpu_time_us, routing  # noqa: E402
 
 VARIANTS = ("4x4w4", "4x8w4", "8x4w4", "4x4w4p", "8x2w4p", "8x4w4p", "4x8w4p", "8x4w8")
-
-
-def parse_variant(v: str) -> tuple[int, int, int, bool]:
-    """"NTxKQSwW" (+ "p": loads a step ahead) -> (nt, kqs, warps, prefetch)."""
-    core = v.rstrip("p")
-    nt, rest = core.split("x")
-    kqs, w = rest.split("w")
-    return int(nt), int(kqs), int(w), core != v
+# --fused-sweep: the gate/up GEMM (activation fused) and the down GEMM (routing weight fused) of fragment_moe, each alone
+FUSED_VARIANTS = ("4x4w4", "4x8w4", "8x4w4", "8x2w4p", "4x4w4p", "8x4w4p", "4x8w4p", "8x8w8",
+                  "4x4w4s2", "4x8w4s2", "8x4w4s2", "8x4w4ps2", "4x4w4s4", "8x4w4s4", "8x4w4ps4", "8x2w4ps4", "4x8w4s4")
 
 
 def sweep_gemms(args) -> None:
@@ -90,18 +89,18 @@ def sweep_gemms(args) -> None:
                     ref2 = F.frag_gemm_reference(hin, r, b2, s2, k, False)
                     per_variant = {}
                     for v in variants:
-                        nt, kqs, nw, pf = parse_variant(v)
-                        if nt % nw:
+                        tile = F.FragTile.parse(v)
+                        if tile.nt % tile.warps:
                             continue
                         y1.zero_(), y2.zero_()
-                        F.frag_gemm(x, r, fw1, fs1, k, True, y1, nt, kqs, nw, pf)
-                        F.frag_gemm(hin, r, fw2, fs2, k, False, y2, nt, kqs, nw, pf)
+                        F.frag_gemm(x, r, fw1, fs1, k, True, y1, tile)
+                        F.frag_gemm(hin, r, fw2, fs2, k, False, y2, tile)
                         err = max(float((y1 - ref1).abs().max() / ref1.abs().max().clamp(min=1e-6)),
                                   float((y2 - ref2).abs().max() / ref2.abs().max().clamp(min=1e-6)))
                         if err > 1e-3:
                             raise AssertionError(f"{model} A={active} T={tpe} {v}: relative error {err:.2e}")
-                        per_variant[v] = gpu_time_us(lambda: (F.frag_gemm(x, r, fw1, fs1, k, True, y1, nt, kqs, nw, pf),
-                                                              F.frag_gemm(hin, r, fw2, fs2, k, False, y2, nt, kqs, nw, pf)))
+                        per_variant[v] = gpu_time_us(lambda: (F.frag_gemm(x, r, fw1, fs1, k, True, y1, tile),
+                                                              F.frag_gemm(hin, r, fw2, fs2, k, False, y2, tile)))
                 best = min(per_variant, key=per_variant.get)
                 nbytes = active * per_expert
                 row = dict(model=model, active_experts=active, tokens_per_expert=tpe, weight_bytes=nbytes,
@@ -131,6 +130,95 @@ def sweep_gemms(args) -> None:
                      f"{r['frag_variant']} | {r['speedup']}x |")
     (out / "fragment_sweep_h200.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _served(model):
+    from benchmarks.kernel_bench import as_served, hf_experts
+    from pdflash_kernels.installer import expert_weights
+
+    mod = hf_experts(model)
+    return mod, as_served(expert_weights(mod, "mxfp4"))
+
+
+def fused_sweep(args) -> dict:
+    """fragment_moe's two launches each alone, per tile variant: the gate/up GEMM with its activation (EPI 1) and the
+    down GEMM with bias and routing weight (EPI 2), over the same routing blocks; each model's winner per GEMM is the
+    least summed time over its cases. Checks the whole call with every variant pair it times against the reference
+    first. Writes fragment_fused_sweep_h200.json / .md; returns {(hidden, width): (gate/up tile, down tile)}."""
+    from pdflash_kernels import fragments as F
+    from pdflash_kernels.moe import align_fused
+    from pdflash_kernels.reference import moe_reference
+
+    variants = [F.FragTile.parse(v) for v in args.variants.split(",")]
+    rows, winners = [], {}
+    torch.manual_seed(0)
+    for model in args.models.split(","):
+        e, k, h, i = MODELS[model]
+        mod, w = _served(model)
+        del mod
+        fw = F.FragmentExperts.from_weights(w)
+        sums = {1: {}, 2: {}}
+        for active in (8, 32, 128):
+            if active > e or active < k:
+                continue
+            for tpe in (int(t) for t in args.tokens.split(",")):
+                x, ids, wts = routing(e, k, h, active, tpe)
+                with torch.inference_mode():
+                    ref = moe_reference(x, ids, wts, w, e).float()
+                    r = align_fused(ids, e, 16)
+                    hbuf = torch.empty((r.max_blocks * 16, i), dtype=torch.bfloat16, device="cuda")
+                    ybuf = torch.empty((r.num_pairs, h), dtype=torch.float32, device="cuda")
+                    rw = wts.reshape(-1).contiguous()
+                    times = {1: {}, 2: {}}
+                    for tile in variants:
+                        if tile.nt % tile.warps or tile.nt % 2:
+                            continue
+                        got = F.fragment_moe(x, ids, wts, fw, e, config=(tile, tile)).float()
+                        err = float((got - ref).abs().max() / ref.abs().max())
+                        if err > 0.02:
+                            raise AssertionError(f"{model} A={active} T={tpe} {tile}: {err:.3g} off the reference")
+                        times[1][str(tile)] = gpu_time_us(lambda: F._launch(
+                            x, r, fw.w1, fw.s1, hbuf, i, k, 1, tile, 0, fw.b1, fw.act, fw.row_mul, fw.up_off,
+                            alpha=fw.alpha, limit=fw.limit))
+                        times[2][str(tile)] = gpu_time_us(lambda: F._launch(hbuf, r, fw.w2, fw.s2, ybuf, h, k, 2, tile, 0,
+                                                                            fw.b2, rw=rw))
+                for g in (1, 2):
+                    for v, t in times[g].items():
+                        sums[g][v] = sums[g].get(v, 0.0) + t
+                b1, b2 = min(times[1], key=times[1].get), min(times[2], key=times[2].get)
+                rows.append(dict(model=model, active_experts=active, tokens_per_expert=tpe, gate_up_best=b1,
+                                 gate_up_us=round(times[1][b1], 1), down_best=b2, down_us=round(times[2][b2], 1),
+                                 gate_up={v: round(t, 1) for v, t in times[1].items()},
+                                 down={v: round(t, 1) for v, t in times[2].items()}))
+                print(f"{model:14s} A={active:3d} T={tpe:2d}  gate/up {b1} {times[1][b1]:.1f} us  down {b2} "
+                      f"{times[2][b2]:.1f} us | " + " ".join(f"{v}:{times[1][v]:.0f}/{times[2][v]:.0f}" for v in times[1]),
+                      flush=True)
+        win = (min(sums[1], key=sums[1].get), min(sums[2], key=sums[2].get))
+        winners[(h, i)] = tuple(F.FragTile.parse(v) for v in win)
+        print(f"{model}: winners gate/up {win[0]} ({sums[1][win[0]]:.1f} us summed), down {win[1]} "
+              f"({sums[2][win[1]]:.1f} us)", flush=True)
+        del w, fw
+        torch.cuda.empty_cache()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"device": torch.cuda.get_device_name(), "rows": rows,
+           "winners": {f"{hh}x{ii}": [str(t) for t in ts] for (hh, ii), ts in winners.items()}}
+    (out / "fragment_fused_sweep_h200.json").write_text(json.dumps(res, indent=1))
+    lines = ["# fragment_moe's two GEMMs, tile variants (`python benchmarks/fragment_bench.py --fused-sweep`)", "",
+             f"{res['device']}. Each launch alone, CUDA-graph time: gate/up = the gate and up GEMM with the activation "
+             "fused (bf16 out), down = the down GEMM with bias and routing weight (float32 out). Tile NTxKQSwW, p: loads a "
+             "step ahead, sS: K split in S ranges.", "",
+             "| model | active experts | tokens/expert | gate/up best | us | down best | us |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['active_experts']} | {r['tokens_per_expert']} | {r['gate_up_best']} | "
+                     f"{r['gate_up_us']} | {r['down_best']} | {r['down_us']} |")
+    lines += ["", "Winners (least time summed over the cases): " + ", ".join(
+        f"{k}: gate/up {v[0]}, down {v[1]}" for k, v in res["winners"].items())]
+    (out / "fragment_fused_sweep_h200.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print("FRAG_SHAPES = {" + ", ".join(f"({hh}, {ii}): (FragTile.parse({str(a)!r}), FragTile.parse({str(b)!r}))"
+                                         for (hh, ii), (a, b) in winners.items()) + "}")
+    return winners
 
 
 def whole_call(args) -> None:
@@ -175,7 +263,7 @@ def whole_call(args) -> None:
                        moe_hbm_fraction=round(nbytes / (t_moe * 1e-6) / rate, 3),
                        hbm_fraction=round(nbytes / (t_frag * 1e-6) / rate, 3),
                        speedup=round(t_hf / t_frag, 2), moe_speedup=round(t_hf / t_moe, 2), max_rel_error=round(err, 5),
-                       config="x".join(str(v) for v in F.frag_config(h, i)))
+                       config=",".join(str(v) for v in F.frag_config(h, i)))
             rows.append(row)
             print(f"{model:14s} A={active:3d} T={tpe:2d}  hf {t_hf:7.1f}  moe {t_moe:7.1f} ({row['moe_hbm_fraction']:.2f}, "
                   f"x{row['moe_speedup']})  frag {t_frag:7.1f} ({row['hbm_fraction']:.2f}, x{row['speedup']})", flush=True)
@@ -189,12 +277,12 @@ def whole_call(args) -> None:
              f"{res['device']}; device copy {rate / 1e12:.2f} TB/s (read + write). Whole call (routing, both GEMMs, "
              "combine), CUDA-graph time. frag: `pdflash_kernels.fragments.fragment_moe`; moe: the served "
              "`moe_forward` (pair words); transformers: `grouped_mm`, bf16. Fractions: MXFP4 weight bytes / time / copy rate.", "",
-             "| model | active experts | tokens/expert | weight MB | transformers us | moe us | of copy | x | frag us | of copy | x |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | active experts | tokens/expert | weight MB | transformers us | moe us | of copy | x | frag us | of copy | x | tiles |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['active_experts']} | {r['tokens_per_expert']} | {r['weight_bytes'] / 1e6:.1f} | "
                      f"{r['torch_bf16_us']} | {r['moe_us']} | {r['moe_hbm_fraction']:.2f} | {r['moe_speedup']} | "
-                     f"{r['frag_us']} | {r['hbm_fraction']:.2f} | {r['speedup']} |")
+                     f"{r['frag_us']} | {r['hbm_fraction']:.2f} | {r['speedup']} | {r['config']} |")
     (out / "fragment_h200.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -203,11 +291,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--sweep", action="store_true", help="the GEMM variants alone (fragment_sweep_h200.*) instead")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--fused-sweep", action="store_true",
+                    help="fragment_moe's gate/up and down launches per tile variant (fragment_fused_sweep_h200.*), then "
+                         "the whole call with each model's winners (fragment_h200.*)")
+    ap.add_argument("--variants", default=None)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default="1,4,16")
     args = ap.parse_args()
-    sweep_gemms(args) if args.sweep else whole_call(args)
+    if args.sweep:
+        args.variants = args.variants or ",".join(VARIANTS)
+        sweep_gemms(args)
+        return
+    if args.fused_sweep:
+        from pdflash_kernels import fragments as F
+
+        args.variants = args.variants or ",".join(FUSED_VARIANTS)
+        F.FRAG_SHAPES.update(fused_sweep(args))
+    whole_call(args)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ bytes as the blocks and scales (a permutation): slice sizes and the byte map are
 
 The GEMM (`frag_gemm`): y[block row] = x[row] @ w[slot]^T over routing blocks (pdflash_kernels.moe.Routing), the
 weights as the MMA's M side (16 output features a tile) and the block's BM rows as its N side (two n8 tiles). Batch
-invariant: each row's sums run over K in one fixed order whatever the other rows (no split of K, no atomics). Scale
+invariant: each row's sums run over K in one fixed order whatever the other rows (a K split, `FragTile.split`, is
+static by shape, and its partial sums are added in range order by whichever program of the tile comes last). Scale
 bytes above 128 are not supported (the fast decode's bound, as `pdflash_kernels.moe.FAST_DECODE_MAX_SCALE`): `frag_gemm`
 refuses them.
 Without a GPU: `to_fragment_words` / `from_fragment_words` and `frag_gemm_reference` (torch) run anywhere; the kernel
@@ -31,6 +32,8 @@ compiles for sm_90 on a CPU machine (tests/test_kernels.py) but runs only on CUD
 from __future__ import annotations
 
 import dataclasses
+import re
+import typing
 
 import torch
 
@@ -183,53 +186,41 @@ if gluon is not None:
         return xs.permute([1, 0]).load(BL)
 
     @gluon.jit
-    def _k_range(acc_g, acc_u, wg, sg, wu, su, n_ok, kk, xr, xok, kx, xs, Q0: gl.constexpr, Q1: gl.constexpr,
-                 AL: gl.constexpr, BL: gl.constexpr, BN: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr,
-                 TWO: gl.constexpr, PREFETCH: gl.constexpr):
-        """Quads Q0 .. Q1 (a whole number of KQS-quad steps) into acc_g (rows wg) and, when TWO, acc_u (rows wu), one
-        shared B operand a step. PREFETCH: each step's global loads issued before the previous step's decode and MMAs."""
-        if PREFETCH and Q1 - Q0 >= 2 * KQS:
-            qg, tg = _quads(wg, sg, n_ok, kk, Q0)
-            qu, tu = qg, tg
-            if TWO:
-                qu, tu = _quads(wu, su, n_ok, kk, Q0)
-            xt = _x_tile(xr, xok, kx, Q0)
-            for q0 in range(Q0 + KQS, Q1, KQS):
-                qgn, tgn = _quads(wg, sg, n_ok, kk, q0)
-                qun, tun = qgn, tgn
-                if TWO:
-                    qun, tun = _quads(wu, su, n_ok, kk, q0)
+    def _k_range(acc, w_rows, s_rows, n_ok, kk, xr, xok, kx, xs, q_lo, q_hi, AL: gl.constexpr, BL: gl.constexpr,
+                 BN: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, PREFETCH: gl.constexpr):
+        """Quads q_lo .. q_hi (at least one whole KQS-quad step, a whole number of them) into acc, one B operand a step.
+        PREFETCH: each step's global loads issued before the previous step's decode and MMAs."""
+        if PREFETCH:
+            q, t = _quads(w_rows, s_rows, n_ok, kk, q_lo)
+            xt = _x_tile(xr, xok, kx, q_lo)
+            for q0 in range(q_lo + KQS, q_hi, KQS):
+                qn, tn = _quads(w_rows, s_rows, n_ok, kk, q0)
                 xtn = _x_tile(xr, xok, kx, q0)
-                b = _b_operand(xs, xt, BL)
-                acc_g = mma_v2(_decode_quads(qg, tg, kk, AL, BN, KQS, NT), b, acc_g)
-                if TWO:
-                    acc_u = mma_v2(_decode_quads(qu, tu, kk, AL, BN, KQS, NT), b, acc_u)
-                qg, tg, qu, tu, xt = qgn, tgn, qun, tun, xtn
-            b = _b_operand(xs, xt, BL)
-            acc_g = mma_v2(_decode_quads(qg, tg, kk, AL, BN, KQS, NT), b, acc_g)
-            if TWO:
-                acc_u = mma_v2(_decode_quads(qu, tu, kk, AL, BN, KQS, NT), b, acc_u)
+                acc = mma_v2(_decode_quads(q, t, kk, AL, BN, KQS, NT), _b_operand(xs, xt, BL), acc)
+                q, t, xt = qn, tn, xtn
+            acc = mma_v2(_decode_quads(q, t, kk, AL, BN, KQS, NT), _b_operand(xs, xt, BL), acc)
         else:
-            for q0 in range(Q0, Q1, KQS):
-                qg, tg = _quads(wg, sg, n_ok, kk, q0)
-                b = _b_operand(xs, _x_tile(xr, xok, kx, q0), BL)
-                acc_g = mma_v2(_decode_quads(qg, tg, kk, AL, BN, KQS, NT), b, acc_g)
-                if TWO:
-                    qu, tu = _quads(wu, su, n_ok, kk, q0)
-                    acc_u = mma_v2(_decode_quads(qu, tu, kk, AL, BN, KQS, NT), b, acc_u)
-        return acc_g, acc_u
+            for q0 in range(q_lo, q_hi, KQS):
+                q, t = _quads(w_rows, s_rows, n_ok, kk, q0)
+                acc = mma_v2(_decode_quads(q, t, kk, AL, BN, KQS, NT), _b_operand(xs, _x_tile(xr, xok, kx, q0), BL), acc)
+        return acc
 
     @gluon.jit
     def _frag_gemm(x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr,
-                   w_ptr, stride_ws, s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, P, alpha, limit,
+                   w_ptr, stride_ws, s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit,
                    N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr,
                    HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, PHASE: gl.constexpr,
-                   BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr):
-        """One program: routing block program_id(0) x NT 16-row weight tiles from program_id(1) * NT. EPI 0: y (float32)
-        at the block's rows = x[pair // TOPK] @ w^T (EPI 3: x[block row] @ w^T); EPI 1 (gate/up, rows [gates; ups] as `gate_up_order` stores
-        them, N = I): h (bf16) at the block's rows = act(gate (+ bias), up (+ bias)) of x[pair // TOPK]; EPI 2 (down):
-        y (float32) at row `pair` = (h[block row] @ w^T (+ bias)) * routing weight. Rounded where moe's kernels round:
-        bf16 after each projection and bias."""
+                   BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
+                   SPLIT: gl.constexpr, SS: gl.constexpr):
+        """One program: routing block program_id(0) x NT 16-row weight tiles (program_id(1)) x K range program_id(2).
+        EPI 0: y (float32) at the block's rows = x[pair // TOPK] @ w^T (EPI 3: x[block row] @ w^T); EPI 1 (gate/up,
+        rows [gates; ups] as `gate_up_order` stores them, N = I): the program's tiles are NT / 2 gate tiles and the NT / 2
+        up tiles I / 16 tiles further (one A operand), h (bf16) at the block's rows = act(gate (+ bias), up (+ bias)) of
+        x[pair // TOPK]; EPI 2 (down): y (float32) at row `pair` = (h[block row] @ w^T (+ bias)) * routing weight.
+        Rounded where moe's kernels round: bf16 after each projection and bias. SPLIT > 1: K's whole KQS-quad steps cut
+        into ranges of SS steps (the quads past the last whole step in the last range), each program's float32 partial
+        sums into ws [SPLIT, R, weight rows]; the tile's last program (a counter in cnt as a semaphore) adds them in
+        range order from zero and runs the epilogue: the same bits whichever program is last."""
         BN: gl.constexpr = NT * 16
         WL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
@@ -240,6 +231,7 @@ if gluon is not None:
         QUADS: gl.constexpr = K // 64
         MAIN: gl.constexpr = QUADS // KQS * KQS
         TWO: gl.constexpr = EPI == 1
+        TPP: gl.constexpr = NT // 2 if TWO else NT  # output tiles a program
         b = gl.program_id(0)
         live = b < gl.load(nblocks_ptr)
         if PHASE != 0:
@@ -255,55 +247,111 @@ if gluon is not None:
             else:
                 xr = gl.where(xok, pair_x // TOPK, 0)
             xr = x_ptr + xr.to(gl.int64) * stride_x
-            # the program's weight tiles (the MMA's M side); gate/up: the matching up tiles N / 16 tiles further
-            tiles = gl.program_id(1) * NT + gl.arange(0, NT, layout=gl.SliceLayout(1, WL))
-            n_ok = tiles < N // 16
-            tiles = gl.where(n_ok, tiles, 0).to(gl.int64)
-            wg = w_ptr + slot.to(gl.int64) * stride_ws + tiles * (QUADS * 128)
-            sg = s_ptr + slot.to(gl.int64) * stride_ss + tiles * (QUADS * 8)
-            wu = wg + (N // 16) * (QUADS * 128)
-            su = sg + (N // 16) * (QUADS * 8)
-            acc_g = gl.zeros([BN, BM], gl.float32, MMA)
-            acc_u = acc_g
+            # the program's weight tiles (the MMA's M side): gate/up, NT / 2 gate tiles then their up tiles
+            ti = gl.arange(0, NT, layout=gl.SliceLayout(1, WL))
+            if TWO:
+                tiles = gl.program_id(1) * TPP + ti % TPP
+                n_ok = tiles < N // 16
+                tiles = gl.where(n_ok, tiles, 0) + (ti // TPP) * (N // 16)
+            else:
+                tiles = gl.program_id(1) * NT + ti
+                n_ok = tiles < N // 16
+                tiles = gl.where(n_ok, tiles, 0)
+            tiles = tiles.to(gl.int64)
+            w_rows = w_ptr + slot.to(gl.int64) * stride_ws + tiles * (QUADS * 128)
+            s_rows = s_ptr + slot.to(gl.int64) * stride_ss + tiles * (QUADS * 8)
+            acc = gl.zeros([BN, BM], gl.float32, MMA)
+            if SPLIT == 1:
+                q_lo = 0
+                q_main = MAIN
+                last = True
+            else:
+                pid_s = gl.program_id(2)
+                q_lo = pid_s * (SS * KQS)
+                q_main = gl.minimum(q_lo + SS * KQS, MAIN)
+                last = pid_s == SPLIT - 1
             if MAIN > 0:
                 kk = gl.arange(0, KQS * 128, layout=gl.SliceLayout(0, WL))
                 kx = gl.arange(0, KQS * 64, layout=gl.SliceLayout(0, XL))
                 xs = gl.allocate_shared_memory(gl.bfloat16, [BM, KQS * 64], SL)
-                acc_g, acc_u = _k_range(acc_g, acc_u, wg, sg, wu, su, n_ok, kk, xr, xok, kx, xs, 0, MAIN,
-                                        AL, BL, BN, NT, KQS, TWO, PREFETCH)
+                acc = _k_range(acc, w_rows, s_rows, n_ok, kk, xr, xok, kx, xs, q_lo, q_main, AL, BL, BN, NT, KQS,
+                               PREFETCH)
             if MAIN < QUADS:  # the quads a whole step does not cover, one at a time (the same order for every row)
                 kk1 = gl.arange(0, 128, layout=gl.SliceLayout(0, WL))
                 kx1 = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
                 xs1 = gl.allocate_shared_memory(gl.bfloat16, [BM, 64], SL)
-                acc_g, acc_u = _k_range(acc_g, acc_u, wg, sg, wu, su, n_ok, kk1, xr, xok, kx1, xs1, MAIN, QUADS,
-                                        AL, BL, BN, NT, 1, TWO, False)
-            # epilogue: acc [BN, BM], column m = the block's row m
-            j = gl.program_id(1) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-            j_ok = j < N
+                if last:
+                    acc = _k_range(acc, w_rows, s_rows, n_ok, kk1, xr, xok, kx1, xs1, MAIN, QUADS, AL, BL, BN, NT, 1,
+                                   False)
+            # the program's output: acc [BN, BM], row = weight row (tile * 16 + r), column m = the block's row m
             mr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
             pair = gl.load(pairs_ptr + b * BM + mr)
             p_ok = pair < P
-            mask = j_ok[:, None] & p_ok[None, :]
             rows = (b * BM + mr).to(gl.int64)
-            if EPI == 0 or EPI == 3:
-                gl.store(out_ptr + rows[None, :] * stride_o + j[:, None], acc_g, mask=mask)
-            elif EPI == 1:
-                g = acc_g.to(gl.bfloat16).to(gl.float32)
-                u = acc_u.to(gl.bfloat16).to(gl.float32)
-                if HAS_BIAS:
-                    bg = gl.load(b_ptr + slot * stride_b + j * ROW_MUL, mask=j_ok, other=0.0).to(gl.float32)
-                    bu = gl.load(b_ptr + slot * stride_b + j * ROW_MUL + UP_OFF, mask=j_ok, other=0.0).to(gl.float32)
-                    g = (g + bg[:, None]).to(gl.bfloat16).to(gl.float32)
-                    u = (u + bu[:, None]).to(gl.bfloat16).to(gl.float32)
-                if ACT == 0:
-                    h = g / (1.0 + gl.exp(-g)) * u
+            go = True
+            if SPLIT > 1:  # partial sums into ws; the tile's last program adds them in range order
+                jr = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+                if TWO:
+                    wrow = (gl.program_id(1) * TPP * 16 + jr % (TPP * 16)) + (jr // (TPP * 16)) * N
+                    wr_ok = (gl.program_id(1) * TPP * 16 + jr % (TPP * 16)) < N
+                    NW: gl.constexpr = 2 * N
                 else:
-                    g = gl.minimum(g, limit)
-                    u = gl.minimum(gl.maximum(u, -limit), limit)
-                    h = (u + 1.0) * (g / (1.0 + gl.exp(-alpha * g)))
-                gl.store(out_ptr + rows[None, :] * stride_o + j[:, None], h.to(gl.bfloat16), mask=mask)
+                    wrow = gl.program_id(1) * BN + jr
+                    wr_ok = wrow < N
+                    NW: gl.constexpr = N
+                wmask = wr_ok[:, None] & p_ok[None, :]
+                wofs = rows[None, :] * NW + wrow[:, None]
+                gl.store(ws_ptr + pid_s.to(gl.int64) * R * NW + wofs, acc, mask=wmask)
+                gl.thread_barrier()  # every thread's partial stored before the count is released
+                tile = b * gl.num_programs(1) + gl.program_id(1)
+                arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                go = arrived == SPLIT - 1
+                if go:
+                    acc = gl.zeros([BN, BM], gl.float32, MMA)
+                    for s in range(SPLIT):
+                        acc += gl.load(ws_ptr + s * R * NW + wofs, mask=wmask, other=0.0, cache_modifier=".cg")
+                    gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+            if go:
+                _epilogue(acc, out_ptr, stride_o, b_ptr, stride_b, rw_ptr, slot, pair, p_ok, rows, alpha, limit,
+                          N, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, BN, BM, TPP, W, MMA)
+
+    @gluon.jit
+    def _epilogue(acc, out_ptr, stride_o, b_ptr, stride_b, rw_ptr, slot, pair, p_ok, rows, alpha, limit,
+                  N: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr,
+                  UP_OFF: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, TPP: gl.constexpr, W: gl.constexpr,
+                  MMA: gl.constexpr):
+        if EPI == 1:  # gate rows [0, BN / 2) and up rows [BN / 2, BN) of acc apart, through shared memory
+            EL: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [1, W], [0, 1])
+            ESL: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+            es = gl.allocate_shared_memory(gl.float32, [BN, BM], ESL)
+            es.store(acc)
+            gl.thread_barrier()
+            g = es.slice(0, TPP * 16).load(EL).to(gl.bfloat16).to(gl.float32)
+            u = es.slice(TPP * 16, TPP * 16).load(EL).to(gl.bfloat16).to(gl.float32)
+            j = gl.program_id(1) * (TPP * 16) + gl.arange(0, TPP * 16, layout=gl.SliceLayout(1, EL))
+            j_ok = j < N
+            re = gl.convert_layout(rows, gl.SliceLayout(0, EL))
+            mask = j_ok[:, None] & gl.convert_layout(p_ok, gl.SliceLayout(0, EL))[None, :]
+            if HAS_BIAS:
+                bg = gl.load(b_ptr + slot * stride_b + j * ROW_MUL, mask=j_ok, other=0.0).to(gl.float32)
+                bu = gl.load(b_ptr + slot * stride_b + j * ROW_MUL + UP_OFF, mask=j_ok, other=0.0).to(gl.float32)
+                g = (g + bg[:, None]).to(gl.bfloat16).to(gl.float32)
+                u = (u + bu[:, None]).to(gl.bfloat16).to(gl.float32)
+            if ACT == 0:
+                h = g / (1.0 + gl.exp(-g)) * u
             else:
-                y = acc_g.to(gl.bfloat16).to(gl.float32)
+                g = gl.minimum(g, limit)
+                u = gl.minimum(gl.maximum(u, -limit), limit)
+                h = (u + 1.0) * (g / (1.0 + gl.exp(-alpha * g)))
+            gl.store(out_ptr + re[None, :] * stride_o + j[:, None], h.to(gl.bfloat16), mask=mask)
+        else:
+            j = gl.program_id(1) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+            j_ok = j < N
+            mask = j_ok[:, None] & p_ok[None, :]
+            if EPI == 0 or EPI == 3:
+                gl.store(out_ptr + rows[None, :] * stride_o + j[:, None], acc, mask=mask)
+            else:
+                y = acc.to(gl.bfloat16).to(gl.float32)
                 if HAS_BIAS:
                     bb = gl.load(b_ptr + slot * stride_b + j, mask=j_ok, other=0.0).to(gl.float32)
                     y = (y + bb[:, None]).to(gl.bfloat16).to(gl.float32)
@@ -312,9 +360,42 @@ if gluon is not None:
                 gl.store(out_ptr + pair.to(gl.int64)[None, :] * stride_o + j[:, None], y, mask=mask)
 
 
-def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, nt: int, kqs: int, num_warps: int,
-            prefetch: bool, phase: int = 0, bias=None, act: int = 0, row_mul: int = 1, up_off: int = 0,
-            rw=None, alpha: float = 1.702, limit: float = 7.0):
+class FragTile(typing.NamedTuple):
+    """One fragment GEMM's tiling: `nt` 16-row weight tiles a program (a multiple of `warps`; gate/up: half gate tiles,
+    half up tiles, so even), `kqs` 64-column quads a K step (a power of two), `prefetch` (each step's loads issued
+    before the previous step's decode and MMAs), `split` (K's whole steps cut into that many ranges, one program each,
+    their float32 partial sums added in range order by the tile's last program). Written "NTxKQSwW" + "p" (prefetch)
+    + "sS" (split S), e.g. "8x4w4p" or "4x8w4s2"."""
+
+    nt: int = 4
+    kqs: int = 4
+    warps: int = 4
+    prefetch: bool = False
+    split: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> "FragTile":
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)(p?)(?:s(\d+))?", text.strip())
+        if m is None:
+            raise ValueError(f"{text!r}: a fragment tile is NTxKQSwW with an optional p (prefetch) and sS (split S)")
+        return cls(int(m[1]), int(m[2]), int(m[3]), m[4] == "p", int(m[5] or 1))
+
+    def __str__(self) -> str:
+        return f"{self.nt}x{self.kqs}w{self.warps}{'p' if self.prefetch else ''}{f's{self.split}' if self.split > 1 else ''}"
+
+
+def split_plan(quads: int, kqs: int, split: int) -> tuple[int, int]:
+    """(ranges, whole KQS-quad steps a range) for K of `quads` quads: at most `split` ranges, every one non-empty (the
+    quads past the last whole step go with the last range). From the static shape only."""
+    steps = quads // kqs
+    if split <= 1 or steps <= 1:
+        return 1, max(steps, 1)
+    per = triton_cdiv(steps, min(split, steps))
+    return triton_cdiv(steps, per), per
+
+
+def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, tile: FragTile, phase: int = 0, bias=None,
+            act: int = 0, row_mul: int = 1, up_off: int = 0, rw=None, alpha: float = 1.702, limit: float = 7.0):
     if gluon is None:
         raise RuntimeError("the fragment GEMMs need Triton's Gluon (triton >= 3.5)")
     if x.device.type != "cuda":
@@ -325,49 +406,68 @@ def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, nt: 
         raise ValueError(f"activations must be bf16 [rows, {k}] with unit column stride, got {x.dtype} {tuple(x.shape)}")
     if words.dtype != torch.int32 or swords.dtype != torch.int32 or words.stride(-1) != 1:
         raise ValueError("words/swords must be to_fragment_words' int32 tensors")
-    if nt % num_warps or kqs & (kqs - 1):
-        raise ValueError(f"nt ({nt}) must be a multiple of num_warps ({num_warps}) and kqs ({kqs}) a power of two")
+    nt, kqs, num_warps, prefetch, split = tile
+    if nt % num_warps or kqs & (kqs - 1) or (epi == 1 and nt % 2):
+        raise ValueError(f"tile {tile}: nt must be a multiple of the warps (and even for gate/up), kqs a power of two")
     bm = r.sorted_pairs.numel() // r.max_blocks
     if phase and r.block_phase is None:
         raise ValueError(f"phase {phase}: a routing made with phase_of_expert")
-    grid = (r.max_blocks, triton_cdiv(n // 16, nt))
+    per_program = nt // 2 if epi == 1 else nt
+    grid = (r.max_blocks, triton_cdiv(n // 16, per_program))
+    split, ss = split_plan(quads, kqs, split)
+    ws, cnt, rows = x, r.block_slot, 0  # (not read with one range)
+    if split > 1:
+        from pdflash_kernels import linear
+
+        rows = r.max_blocks * bm
+        ws = torch.empty((split, rows, words.shape[1] * 16), dtype=torch.float32, device=x.device)
+        tiles = grid[0] * grid[1]
+        cnt = linear._counters(x.device, tiles)
+        if cnt is None:  # more tiles than a counter region (or none made yet in a capture): zeroed counters of its own
+            cnt = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+        grid = (*grid, split)
     b = bias if bias is not None else x
     _frag_gemm[grid](x, x.stride(0), out, out.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks,
                      r.block_phase if phase else r.block_slot, words, words.stride(0), swords, swords.stride(0),
-                     b, b.stride(0), rw if rw is not None else x, r.num_pairs, float(alpha), float(limit),
+                     b, b.stride(0), rw if rw is not None else x, ws, cnt, rows, r.num_pairs, float(alpha), float(limit),
                      N=n, K=k, TOPK=topk, EPI=epi, ACT=act, HAS_BIAS=bias is not None, ROW_MUL=row_mul, UP_OFF=up_off,
-                     PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=prefetch, num_warps=num_warps)
+                     PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=prefetch, SPLIT=split, SS=ss,
+                     num_warps=num_warps)
     return out
 
 
 def frag_gemm(x: torch.Tensor, r: Routing, words: torch.Tensor, swords: torch.Tensor, topk: int,
-              rows_from_pairs: bool = True, y: torch.Tensor | None = None, nt: int = 4, kqs: int = 4,
-              num_warps: int = 4, prefetch: bool = False) -> torch.Tensor:
+              rows_from_pairs: bool = True, y: torch.Tensor | None = None, tile: FragTile | str = FragTile()
+              ) -> torch.Tensor:
     """y [max_blocks * BM, N] float32 (rows of unused block slots untouched) = `frag_gemm_reference` on CUDA: the GEMM
     core alone (no activation, no routing weight). words/swords: `to_fragment_words` of the slots' weights
     ([S, N/16, K/64, 8, 4, 4], [S, N/16, K/64, 8]). `rows_from_pairs` False: x's rows are the block rows (the down
-    GEMM's input). Tiles: `nt` 16-row tiles a program (a multiple of num_warps), `kqs` 64-column quads a K step (a
-    power of two); `prefetch`: each step's loads issued before the previous step's decode and MMAs. Every choice sums
-    K in the same order (one quad after another, each MMA's 16 columns in the hardware's fixed order), and no choice
-    depends on the routing: a row's bits do not depend on the other rows of the call."""
+    GEMM's input). `tile`: a `FragTile`. Every tile sums K in the same order for every row (one quad after another,
+    each MMA's 16 columns in the hardware's fixed order; a split adds its ranges' partial sums in range order), and no
+    choice depends on the routing: a row's bits do not depend on the other rows of the call."""
+    tile = FragTile.parse(tile) if isinstance(tile, str) else tile
     n = words.shape[1] * 16
     bm = r.sorted_pairs.numel() // r.max_blocks
     if y is None:
         y = torch.zeros((r.max_blocks * bm, n), dtype=torch.float32, device=x.device)
     if not rows_from_pairs and x.shape[0] < r.max_blocks * bm:
         raise ValueError(f"block-row activations need {r.max_blocks * bm} rows, got {x.shape[0]}")
-    return _launch(x, r, words, swords, y, n, topk, 0 if rows_from_pairs else 3, nt, kqs, num_warps, prefetch)
+    return _launch(x, r, words, swords, y, n, topk, 0 if rows_from_pairs else 3, tile)
 
 
 # ---- the MoE call on fragment words ----------------------------------------------------------------------------------
-# (16-row tiles a program, 64-column quads a K step, warps, loads a step ahead) for both GEMMs of a layer, by its (hidden,
-# expert width): the best summed time over 1/4/16 tokens per expert and 8-128 experts on the H200
-# (benchmarks/fragment_bench.py, benchmarks/results/fragment_h200.json). From the static shape only (batch invariance).
-FRAG_SHAPES = {(2880, 2880): (8, 4, 4, True), (2048, 768): (4, 4, 4, False), (4096, 14336): (4, 8, 4, False)}
-FRAG_DEFAULT = (4, 4, 4, False)
+# (gate/up tile, down tile) of a layer, by its (hidden, expert width): the best summed time over 1/4/16 tokens per
+# expert and 8-128 experts on the H200 (benchmarks/fragment_bench.py --fused-sweep,
+# benchmarks/results/fragment_fused_sweep_h200.json). From the static shape only (batch invariance).
+FRAG_SHAPES: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
+    (2880, 2880): (FragTile(8, 4, 4, True), FragTile(8, 4, 4, True)),
+    (2048, 768): (FragTile(4, 4, 4), FragTile(4, 4, 4)),
+    (4096, 14336): (FragTile(4, 8, 4), FragTile(4, 8, 4)),
+}
+FRAG_DEFAULT = (FragTile(4, 4, 4), FragTile(4, 4, 4))
 
 
-def frag_config(hidden: int, inter: int) -> tuple[int, int, int, bool]:
+def frag_config(hidden: int, inter: int) -> tuple[FragTile, FragTile]:
     return FRAG_SHAPES.get((hidden, inter), FRAG_DEFAULT)
 
 
@@ -434,7 +534,7 @@ class FragmentExperts:
 def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, fw: FragmentExperts,
                  num_experts: int, slot_of_expert: torch.Tensor | None = None, n_valid: torch.Tensor | None = None,
                  phase_of_expert: torch.Tensor | None = None, between=None, groups: int = 1,
-                 config: tuple[int, int, int, bool] | None = None) -> torch.Tensor:
+                 config: tuple[FragTile, FragTile] | None = None) -> torch.Tensor:
     """pdflash_kernels.moe.moe_forward on fragment words (CUDA): x [T, H] bf16, topk ids/weights [T, k] -> [T, H]. The
     same routing (`align_fused`, blocks of 16 pairs), phases (`phase_of_expert`, `between`, `groups`: copy groups of
     an expert cache computed as they arrive, bit-identical to one phase) and combine (a token's k slots summed in slot
@@ -446,7 +546,7 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     inter = fw.intermediate
     if hdim != fw.hidden:
         raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
-    nt, kqs, nw, pf = config or frag_config(hdim, inter)
+    t1, t2 = config or frag_config(hdim, inter)
     x = x.contiguous()
     r = _moe.align_fused(topk_ids, num_experts, 16, slot_of_expert, n_valid, phase_of_expert)
     phases = tuple(range(1, groups + 2)) if phase_of_expert is not None else (0,)
@@ -458,9 +558,9 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     for ph in phases:
         if ph >= 2 and between is not None:
             between(ph - 1)
-        _launch(x, r, fw.w1, fw.s1, h, inter, topk, 1, nt, kqs, nw, pf, ph, fw.b1, fw.act, fw.row_mul, fw.up_off,
-                alpha=fw.alpha, limit=fw.limit)
-        _launch(h, r, fw.w2, fw.s2, y, hdim, topk, 2, nt, kqs, nw, pf, ph, fw.b2, rw=rw)
+        _launch(x, r, fw.w1, fw.s1, h, inter, topk, 1, t1, ph, fw.b1, fw.act, fw.row_mul, fw.up_off, alpha=fw.alpha,
+                limit=fw.limit)
+        _launch(h, r, fw.w2, fw.s2, y, hdim, topk, 2, t2, ph, fw.b2, rw=rw)
     block = min(1024, _moe.triton_next_pow2(hdim))
     _moe._moe_combine[(t, triton_cdiv(hdim, block))](y, r.pair_valid, out, hdim, TOPK=topk, BLOCK=block, EMULATE=False,
                                                       **_moe.runtime.pdl_launch())

@@ -133,28 +133,32 @@ def test_fragment_experts_refuse_what_the_fast_decode_cannot_hold():
 needs_gluon = pytest.mark.skipif(F.gluon is None, reason="needs Triton's Gluon")
 SIG = {"x_ptr": "*bf16", "stride_x": "i32", "out_ptr": "*fp32", "stride_o": "i32", "pairs_ptr": "*i32", "slot_ptr": "*i32",
        "nblocks_ptr": "*i32", "phase_ptr": "*i32", "w_ptr": "*i32", "stride_ws": "i32", "s_ptr": "*i32", "stride_ss": "i32",
-       "b_ptr": "*bf16", "stride_b": "i32", "rw_ptr": "*bf16", "P": "i32", "alpha": "fp32", "limit": "fp32"}
+       "b_ptr": "*bf16", "stride_b": "i32", "rw_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "R": "i32",
+       "P": "i32", "alpha": "fp32", "limit": "fp32"}
 
 
 @needs_gluon
-@pytest.mark.parametrize("n,k,nt,kqs,warps,pf,epi", [(5760, 2880, 4, 1, 4, False, 0), (2880, 2880, 8, 4, 4, True, 1),
-                                                     (2048, 768, 4, 4, 4, False, 2), (80, 320, 4, 2, 4, True, 3)])
-def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, nt, kqs, warps, pf, epi, monkeypatch):
+@pytest.mark.parametrize("n,k,tile,epi", [(5760, 2880, "4x1w4", 0), (2880, 2880, "8x4w4p", 1), (2048, 768, "4x4w4", 2),
+                                         (80, 320, "4x2w4p", 3), (2880, 2880, "8x4w4ps4", 1), (14336, 4096, "4x8w4s2", 2)])
+def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, tile, epi, monkeypatch):
     """The A operand's layout change is checked trivial at compile time (no shuffles; shared memory holds only the
-    activation tile, read back with ldmatrix)."""
+    activation tile, read back with ldmatrix, and for gate/up the epilogue's exchange of the gate and up rows)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (compiling needs no GPU; the interpreter is not involved)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    nt, kqs, warps, pf, split = F.FragTile.parse(tile)
+    split, ss = F.split_plan(k // 64, kqs, split)
     const = dict(N=n, K=k, TOPK=4, EPI=epi, ACT=1, HAS_BIAS=epi in (1, 2), ROW_MUL=2, UP_OFF=1, PHASE=1 if epi == 2 else 0,
-                 BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf)
+                 BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf, SPLIT=split, SS=ss)
     sig = dict(SIG, out_ptr="*bf16" if epi == 1 else "*fp32", **{c: "constexpr" for c in const})
     kern = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps})
     ptx = kern.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16" in ptx and "shfl" not in ptx and "ldmatrix" in ptx
-    assert kern.metadata.shared <= 2 * 16 * kqs * 64 * 2
+    assert kern.metadata.shared <= 2 * 16 * kqs * 64 * 2 + (nt * 16 * 16 * 4 if epi == 1 else 0)
+    assert ("atom.global" in ptx) == (split > 1)  # the split's counter
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -174,26 +178,27 @@ def _gpu_case(e, k, h, n, tokens, seed=0):
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("e,k,h,n,tokens,nt,kqs,warps,pf", [
-    (32, 4, 2880, 5760, 3, 4, 1, 4, False), (32, 4, 2880, 2880, 16, 8, 4, 4, True), (128, 8, 2048, 1536, 40, 4, 4, 4, False),
-    (8, 2, 320, 80, 33, 4, 2, 4, True), (8, 2, 320, 80, 7, 8, 1, 8, False), (8, 2, 4096, 128, 21, 4, 8, 4, False)])
-def test_kernel_matches_reference(e, k, h, n, tokens, nt, kqs, warps, pf):
+@pytest.mark.parametrize("e,k,h,n,tokens,tile", [
+    (32, 4, 2880, 5760, 3, "4x1w4"), (32, 4, 2880, 2880, 16, "8x4w4p"), (128, 8, 2048, 1536, 40, "4x4w4"),
+    (8, 2, 320, 80, 33, "4x2w4p"), (8, 2, 320, 80, 7, "8x1w8"), (8, 2, 4096, 128, 21, "4x8w4"),
+    (32, 4, 2880, 2880, 9, "8x4w4ps4"), (8, 2, 4096, 128, 21, "4x8w4s3"), (8, 2, 320, 80, 33, "4x1w4ps2")])
+def test_kernel_matches_reference(e, k, h, n, tokens, tile):
     b, s, words, sw, x, ids, r = _gpu_case(e, k, h, n, tokens)
     ref = F.frag_gemm_reference(x, r, b, s, k)
-    y = F.frag_gemm(x, r, words, sw, k, nt=nt, kqs=kqs, num_warps=warps, prefetch=pf)
+    y = F.frag_gemm(x, r, words, sw, k, tile=tile)
     err = (y - ref).abs().max() / ref.abs().max()
     assert float(err) < 1e-4, float(err)  # float32 sums of exact weights, in another order
     hin = torch.randn(r.max_blocks * 16, h, device="cuda").bfloat16()  # the down GEMM's form: rows are block rows
     ref2 = F.frag_gemm_reference(hin, r, b, s, k, rows_from_pairs=False)
-    y2 = F.frag_gemm(hin, r, words, sw, k, rows_from_pairs=False, nt=nt, kqs=kqs, num_warps=warps, prefetch=pf)
+    y2 = F.frag_gemm(hin, r, words, sw, k, rows_from_pairs=False, tile=tile)
     assert float((y2 - ref2).abs().max() / ref2.abs().max()) < 1e-4
 
 
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("nt,kqs,pf", [(4, 1, False), (8, 4, True)])
-def test_kernel_rows_are_bit_identical_whatever_the_other_rows(nt, kqs, pf):
+@pytest.mark.parametrize("tile", ["4x1w4", "8x4w4p", "8x4w4ps4", "4x2w4s3"])
+def test_kernel_rows_are_bit_identical_whatever_the_other_rows(tile):
     """Token 0 alone, then with 1..63 random other tokens (routed to the same and other experts): its pairs' output
     rows keep their bits."""
     from pdflash_kernels.moe import align_fused
@@ -203,7 +208,7 @@ def test_kernel_rows_are_bit_identical_whatever_the_other_rows(nt, kqs, pf):
 
     def rows_of_token0(x, ids):
         r = align_fused(ids, e, 16)
-        y = F.frag_gemm(x, r, words, sw, k, nt=nt, kqs=kqs, prefetch=pf)
+        y = F.frag_gemm(x, r, words, sw, k, tile=tile)
         pos = {int(p): i for i, p in enumerate(r.sorted_pairs.tolist()) if int(p) < r.num_pairs}
         return torch.stack([y[pos[j]] for j in range(k)])  # pairs 0..k-1 are token 0's
     alone = rows_of_token0(x, ids)
@@ -241,26 +246,49 @@ def _moe_case(model, tokens, seed=0):
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("model,tokens", [("gpt-oss-20b", 5), ("qwen3-30b-a3b", 17), ("small", 40)])
-def test_fragment_moe_matches_the_moe_reference(model, tokens):
+@pytest.mark.parametrize("model,tokens,tiles", [("gpt-oss-20b", 5, None), ("qwen3-30b-a3b", 17, None), ("small", 40, None),
+                                                ("gpt-oss-20b", 5, "8x4w4ps4,8x4w4ps4"), ("small", 40, "4x1w4s2,4x2w4ps3"),
+                                                ("qwen3-30b-a3b", 17, "8x2w4,4x4w4s2")])
+def test_fragment_moe_matches_the_moe_reference(model, tokens, tiles):
     from pdflash_kernels.reference import moe_reference
 
     e, w, fw, x, ids, wts = _moe_case(model, tokens)
     ref = moe_reference(x, ids, wts, w, e).float()
-    out = F.fragment_moe(x, ids, wts, fw, e).float()
+    config = tuple(F.FragTile.parse(t) for t in tiles.split(",")) if tiles else None
+    out = F.fragment_moe(x, ids, wts, fw, e, config=config).float()
     assert float((out - ref).abs().max()) <= 0.02 * float(ref.abs().max())  # tests/test_kernels_gpu.py's bound
 
 
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b"])
-def test_fragment_moe_rows_are_bit_identical_for_any_batch_and_phases(model):
+@pytest.mark.parametrize("model,tiles", [("gpt-oss-20b", None), ("qwen3-30b-a3b", None),
+                                         ("gpt-oss-20b", "8x4w4ps4,8x2w4ps4"), ("qwen3-30b-a3b", "4x4w4s2,4x4w4ps2")])
+def test_fragment_moe_rows_are_bit_identical_for_any_batch_and_phases(model, tiles):
     """A token's output row keeps its bits with 0..63 other tokens in the call, and when the experts are computed in
-    copy groups (phases) as an expert cache brings them."""
+    copy groups (phases) as an expert cache brings them; with K split too."""
     e, w, fw, x, ids, wts = _moe_case(model, 64, seed=3)
-    full = F.fragment_moe(x, ids, wts, fw, e)
+    config = tuple(F.FragTile.parse(t) for t in tiles.split(",")) if tiles else None
+    full = F.fragment_moe(x, ids, wts, fw, e, config=config)
     for n in (1, 2, 7, 16, 33):
-        assert torch.equal(F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e), full[:n]), n
+        assert torch.equal(F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e, config=config), full[:n]), n
     phase = torch.randint(0, 3, (e,), device="cuda", dtype=torch.int8)
-    assert torch.equal(F.fragment_moe(x, ids, wts, fw, e, phase_of_expert=phase, groups=2), full)
+    assert torch.equal(F.fragment_moe(x, ids, wts, fw, e, phase_of_expert=phase, groups=2, config=config), full)
+
+
+def test_frag_tile_names_and_split_plans():
+    t = F.FragTile.parse("8x4w4ps4")
+    assert t == F.FragTile(8, 4, 4, True, 4) and str(t) == "8x4w4ps4"
+    assert str(F.FragTile.parse("4x8w4")) == "4x8w4" and F.FragTile.parse("4x8w4s2").split == 2
+    with pytest.raises(ValueError, match="NTxKQSwW"):
+        F.FragTile.parse("8x4")
+    # (ranges, whole steps a range): every range non-empty, ranges x steps covers every whole step
+    for quads in range(1, 240):
+        for kqs in (1, 2, 4, 8):
+            for split in (1, 2, 3, 4, 8):
+                n, per = F.split_plan(quads, kqs, split)
+                steps = quads // kqs
+                assert 1 <= n <= max(1, split)
+                if n > 1:
+                    assert (n - 1) * per < steps <= n * per
+    assert F.split_plan(45, 4, 4) == (4, 3)  # gpt-oss: 11 whole steps of 4 quads (+ 1 quad) in 3 + 3 + 3 + 2 (+ 1)
