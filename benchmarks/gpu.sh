@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|fragments|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite, 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -44,7 +44,7 @@ if [[ " $STEPS " == *" suite "* ]]; then  # the whole suite (~ minutes with 8 wo
   echo "suite: exit $rc" | tee -a "$OUT/gpu_suite.txt"
 fi
 if has tests; then
-  timeout ${TESTS_S:-540} python3 -m pytest -v -p no:cacheprovider --timeout=300 --durations=12 ${TEST_FILES:-tests/test_kernels_gpu.py tests/test_gpu_verifier.py tests/test_drafter_gpu.py tests/test_offload_gpu.py} 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
+  timeout ${TESTS_S:-540} python3 -m pytest -v -p no:cacheprovider --timeout=300 --durations=12 ${TEST_FILES:-tests/test_kernels_gpu.py tests/test_fragments.py tests/test_gpu_verifier.py tests/test_drafter_gpu.py tests/test_offload_gpu.py} 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
 fi
 if has sweep; then
   # the MoE GEMM variants on the decode shapes (~4 minutes with compiles); also kernels_sweep_h200.txt/.json in OUT
@@ -78,6 +78,10 @@ for r in d["rows"]:
     print(f'{r["shape"]:22s} A{r["A"]:3d} T{r["T"]:2d} BN{r["BN"]:3d} BK{r["BK"]:4d} {r["mode"]:8s} {r["us"]:8.1f} us {r["frac"]:.2f}')
 PY
   echo "probe: exit $rc"
+fi
+if has fragments; then  # the fragment-word MoE call: its GPU tests, then its tiles swept and the whole call (~4 min)
+  timeout ${FRAG_TESTS_S:-180} python3 -m pytest -q -p no:cacheprovider tests/test_fragments.py > "$OUT/fragment_tests.txt" 2>&1; tail -3 "$OUT/fragment_tests.txt"
+  timeout ${FRAG_S:-390} python3 benchmarks/fragment_bench.py --fused-sweep --tokens ${FRAG_TOKENS:-1,16} --out "$OUT" 2>&1 | tee "$OUT/fragment_fused.log" | grep -v "^|" | tail -20
 fi
 if has kernels; then
   timeout ${KERNELS_S:-200} python3 benchmarks/kernel_bench.py --out "$OUT" 2>&1 | tee "$OUT/kernels.txt" | tail -60

@@ -473,6 +473,18 @@ def frag_config(hidden: int, inter: int) -> tuple[FragTile, FragTile]:
     return FRAG_SHAPES.get((hidden, inter), FRAG_DEFAULT)
 
 
+def token_chunk(topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile) -> int:
+    """The most tokens one fragment_moe launch sequence takes: unbounded without a K split; with one, as many as keep
+    the split workspaces (ranges x rows x weight rows x 4 bytes, topk rows a token) under moe.SPLIT_WORKSPACE_BYTES
+    (PDFLASH_MOE_SPLIT_WORKSPACE_MB), at least 16. From the static shape only."""
+    from pdflash_kernels.moe import SPLIT_WORKSPACE_BYTES
+
+    s1 = split_plan(hidden // QUAD, t1.kqs, t1.split)[0]
+    s2 = split_plan(inter // QUAD, t2.kqs, t2.split)[0]
+    per_token = topk * 4 * max(s1 * 2 * inter if s1 > 1 else 0, s2 * hidden if s2 > 1 else 0)
+    return max(16, SPLIT_WORKSPACE_BYTES // per_token) if per_token else 1 << 62
+
+
 def gate_up_order(inter: int, row_mul: int, up_off: int) -> torch.Tensor:
     """w1's rows as the fragment GEMM takes them: the I gate rows, then the I up rows (gpt-oss interleaves them: row_mul
     2, up_off 1), so a program's gate tiles and up tiles are I / 16 tiles apart and its activation needs no exchange."""
@@ -480,11 +492,20 @@ def gate_up_order(inter: int, row_mul: int, up_off: int) -> torch.Tensor:
     return torch.cat([j * row_mul, j * row_mul + up_off])
 
 
+def fragments_fit(hidden: int, inter: int) -> str | None:
+    """Why experts of this shape cannot be held as fragment words (None: they can): both GEMMs' K a multiple of 64."""
+    if hidden % QUAD or inter % QUAD:
+        return f"hidden ({hidden}) and expert width ({inter}) must be multiples of {QUAD}"
+    return None
+
+
 @dataclasses.dataclass
 class FragmentExperts:
     """One layer's MXFP4 experts as fragment words (first dimension = slot): w1 [S, 2I/16, H/64, 8, 4, 4] int32 in
     `gate_up_order`, s1 [S, 2I/16, H/64, 8]; w2 [S, H/16, I/64, 8, 4, 4], s2 [S, H/16, I/64, 8]; biases as
-    pdflash_kernels.moe.ExpertWeights keeps them (b1 in w1's original row order, read at j * row_mul (+ up_off))."""
+    pdflash_kernels.moe.ExpertWeights keeps them (b1 in w1's original row order, read at j * row_mul (+ up_off)).
+    The served form on a GPU (verifier_svc.expert_store's "fragments" format): `pdflash_kernels.moe.moe_forward` runs
+    `fragment_moe` on it, `pdflash_kernels.reference.moe_reference` reads it through `to_weights`."""
 
     w1: torch.Tensor
     s1: torch.Tensor
@@ -497,6 +518,14 @@ class FragmentExperts:
     act: int = 0
     alpha: float = 1.702
     limit: float = 7.0
+    big_scales: bool = False  # (never true: scale bytes above 128 are refused; kept for the caches' bookkeeping)
+    fragments: typing.ClassVar[bool] = True  # what moe_forward dispatches on
+    fp4: typing.ClassVar[bool] = True
+    pair_words: typing.ClassVar[bool] = False
+
+    @property
+    def up_offset(self) -> int:
+        return self.up_off
 
     @property
     def intermediate(self) -> int:
@@ -549,6 +578,15 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     if hdim != fw.hidden:
         raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
     t1, t2 = config or frag_config(hdim, inter)
+    chunk = token_chunk(topk, hdim, inter, t1, t2)
+    if t > chunk:  # a K split's workspace grows with the rows: token chunks, the same bits (batch invariance)
+        outs = []
+        for s0 in range(0, t, chunk):
+            nv = None if n_valid is None else n_valid - s0
+            outs.append(fragment_moe(x[s0:s0 + chunk], topk_ids[s0:s0 + chunk], topk_weights[s0:s0 + chunk], fw,
+                                     num_experts, slot_of_expert, nv, phase_of_expert, between if s0 == 0 else None,
+                                     groups, (t1, t2)))
+        return torch.cat(outs)
     x = x.contiguous()
     r = _moe.align_fused(topk_ids, num_experts, 16, slot_of_expert, n_valid, phase_of_expert)
     phases = tuple(range(1, groups + 2)) if phase_of_expert is not None else (0,)
@@ -567,3 +605,76 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     _moe._moe_combine[(t, triton_cdiv(hdim, block))](y, r.pair_valid, out, hdim, TOPK=topk, BLOCK=block, EMULATE=False,
                                                       **_moe.runtime.pdl_launch())
     return out
+
+
+# ---- fragment words in an expert arena (verifier_svc.expert_store's "fragments" format) ---------------------------------
+# An expert's slice keeps mxfp4.ExpertLayout's sections and sizes: w1_blocks holds w1's fragment words (rows in
+# gate_up_order), the first 2I * H / 32 bytes of w1_scales its scale words (the section's row padding is unused), the
+# same for w2; biases as they are. So the byte map, the slot pool and every copy are unchanged.
+_SECTIONS = (("w1_blocks", "w1_scales", True), ("w2_blocks", "w2_scales", False))
+
+
+def _section_shapes(layout, first: bool) -> tuple[int, int]:
+    h, i = layout.hidden, layout.intermediate
+    return (2 * i, h) if first else (h, i)
+
+
+def to_fragment_parts(parts: dict[str, torch.Tensor], row_mul: int, up_off: int) -> dict[str, torch.Tensor]:
+    """Nibble-order parts of experts (w1_blocks [.., 2I, H/2], w1_scales [.., 2I, H/32], w2_blocks, w2_scales; leading
+    dimensions any) -> the bytes each section holds in the fragments format ([.., bytes] uint8). Refuses scale bytes
+    above 128 (`check_scales`)."""
+    out = {}
+    for bname, sname, first in _SECTIONS:
+        b, sc = parts[bname], parts[sname]
+        if first:
+            order = gate_up_order(b.shape[-2] // 2, row_mul, up_off).to(b.device)
+            b, sc = b[..., order, :], sc[..., order, :]
+        check_scales(sc)
+        words, swords = to_fragment_words(b.contiguous(), sc.contiguous())
+        lead = words.shape[:-5]
+        out[bname] = words.view(torch.uint8).reshape(*lead, -1)
+        out[sname] = swords.view(torch.uint8).reshape(*lead, -1)
+    return out
+
+
+def from_fragment_parts(raw: dict[str, torch.Tensor], layout, row_mul: int, up_off: int) -> dict[str, torch.Tensor]:
+    """`to_fragment_parts`' inverse: the sections' bytes ([.., bytes] uint8) -> nibble-order parts."""
+    out = {}
+    for bname, sname, first in _SECTIONS:
+        n, k = _section_shapes(layout, first)
+        lead = raw[bname].shape[:-1]
+        words = raw[bname].contiguous().view(torch.int32).reshape(*lead, n // 16, k // QUAD, 8, 4, 4)
+        swords = raw[sname][..., : n * k // 32].contiguous().view(torch.int32).reshape(*lead, n // 16, k // QUAD, 8)
+        b, sc = from_fragment_words(words, swords)
+        if first:
+            order = gate_up_order(n // 2, row_mul, up_off).to(b.device)
+            ob, osc = torch.empty_like(b), torch.empty_like(sc)
+            ob[..., order, :], osc[..., order, :] = b, sc
+            b, sc = ob, osc
+        out[bname], out[sname] = b, sc
+    return out
+
+
+def section_bytes(pool: torch.Tensor, layout, name: str) -> torch.Tensor:
+    """A section's fragment-format bytes in every row of an arena / slot pool [S, >= nbytes] (a view)."""
+    first = name.startswith("w1")
+    n, k = _section_shapes(layout, first)
+    size = n * k // (32 if name.endswith("_scales") else 2)
+    off = layout.offsets[name]
+    return pool[:, off:off + size]
+
+
+def fragment_experts_over(pool: torch.Tensor, layout, row_mul: int, up_off: int, act: int, alpha: float,
+                          limit: float) -> FragmentExperts:
+    """FragmentExperts viewing an arena or slot pool [S, >= nbytes] uint8 in the fragments format (no copy)."""
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.stride(1) != 1 or pool.stride(0) % 4:
+        raise ValueError(f"a fragments arena is uint8 [S, bytes] with 4-byte aligned rows, got {pool.dtype} "
+                         f"{tuple(pool.shape)} strides {pool.stride()}")
+    t = {}
+    for bname, sname, first in _SECTIONS:
+        n, k = _section_shapes(layout, first)
+        t[bname] = section_bytes(pool, layout, bname).view(torch.int32).unflatten(1, (n // 16, k // QUAD, 8, 4, 4))
+        t[sname] = section_bytes(pool, layout, sname).view(torch.int32).unflatten(1, (n // 16, k // QUAD, 8))
+    v = layout.views(pool)
+    return FragmentExperts(t["w1_blocks"], t["w1_scales"], t["w2_blocks"], t["w2_scales"], v.get("b1"), v.get("b2"),
+                           row_mul, up_off, act, alpha, limit)

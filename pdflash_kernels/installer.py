@@ -674,14 +674,17 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
         module._pdflash_num_experts = num_experts_of(module)
         if getattr(module, "_pdflash_offload", None) is not None:
             store = getattr(module._pdflash_offload[0], "store", None)  # (cache, layer)
-            report[layer] = f"triton mxfp4 (offloaded: expert cache{', pair words' if getattr(store, 'pair_words', False) else ''})"
+            fmt = {"pair_words": ", pair words", "fragments": ", fragment words"}.get(getattr(store, "format", ""), "")
+            report[layer] = f"triton mxfp4 (offloaded: expert cache{fmt})"
             continue
         w = expert_weights(module, experts_format)
         if isinstance(w, str):
             report[layer] = f"transformers {prev_experts} ({w})"
             continue
         module._pdflash_weights = w
-        report[layer] = f"triton {'mxfp4' if w.fp4 else str(w.w1.dtype).removeprefix('torch.')}" + (" (pair words)" if w.fp4 and w.pair_words else "")
+        report[layer] = (f"triton {'mxfp4' if w.fp4 else str(w.w1.dtype).removeprefix('torch.')}"
+                         + (" (pair words)" if w.fp4 and w.pair_words else "")
+                         + (" (fragment words)" if getattr(w, "fragments", False) else ""))
         if w.fp4:
             _drop_native(module, w)
     if report:
@@ -751,6 +754,8 @@ def set_float_experts(module: nn.Module, w: ExpertWeights, dtype: torch.dtype, b
 
 def _forget(module: nn.Module) -> None:
     w = module.__dict__.pop("_pdflash_weights", None)
+    if getattr(w, "fragments", False):
+        w = w.to_weights()
     if w is not None and w.fp4:  # give the module float weights back (dequantized: MXFP4 is lossy)
         set_float_experts(module, w, module.gate_up_proj.dtype)
         for name in ("pdflash_w1_blocks", "pdflash_w1_scales", "pdflash_w2_blocks", "pdflash_w2_scales"):

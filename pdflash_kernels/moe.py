@@ -55,6 +55,31 @@ def pair_words_for(device) -> bool:
     """Whether MXFP4 experts served on `device` are stored as pair words: on a GPU (the Triton kernels), when enabled."""
     return PAIR_WORDS and torch.device(device).type == "cuda"
 
+
+# MXFP4 experts served on a GPU as tensor-core fragment words (pdflash_kernels/fragments.py, the Gluon kernel):
+# PDFLASH_FP4_FRAGMENTS "1" (the default since stop 37: on the H200 the whole MoE call 1.14-1.35x faster than pair words
+# at <= 16 tokens per expert, benchmarks/results/fragment_h200.md) or "0" (pair words / nibbles as above). Only where the
+# shape fits (hidden and expert width multiples of 64) and Gluon is installed; a store that meets a scale byte above 128
+# falls back to pair words (verifier_svc.expert_store).
+_FRAGMENTS = os.environ.get("PDFLASH_FP4_FRAGMENTS", "1")
+if _FRAGMENTS not in ("0", "1"):
+    raise ValueError(f"PDFLASH_FP4_FRAGMENTS must be 0 or 1, got {_FRAGMENTS!r}")
+FRAGMENTS = _FRAGMENTS == "1"
+
+
+def expert_format_for(device, layout=None) -> str:
+    """The format of the MXFP4 expert stores served on `device` (verifier_svc.expert_store.FORMATS): "fragments" on a
+    GPU when enabled, Gluon is there and the experts' shape (`layout`: mxfp4.ExpertLayout; None: any) fits; else
+    "pair_words" on a GPU when enabled; else "nibbles"."""
+    if torch.device(device).type != "cuda":
+        return "nibbles"
+    if FRAGMENTS:
+        from pdflash_kernels import fragments
+
+        if fragments.gluon is not None and (layout is None or fragments.fragments_fit(layout.hidden, layout.intermediate) is None):
+            return "fragments"
+    return "pair_words" if PAIR_WORDS else "nibbles"
+
 ACT_SILU = 0
 ACT_GPTOSS = 1  # clamp(gate, max=limit), clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1)
 
@@ -1555,7 +1580,17 @@ def moe_forward(
     caller makes the stream wait for that group's copies) and both GEMMs run over its experts' blocks. A pair's rows
     are computed by the same program form either way and every token's output is summed in slot order by whichever
     program stores its last pair (or by the combine launch), so the output is bit-identical to one phase; each group's
-    copies overlap the GEMMs of the experts before it."""
+    copies overlap the GEMMs of the experts before it.
+
+    `w` may be pdflash_kernels.fragments.FragmentExperts (the fragments format): the call is then `fragment_moe`'s,
+    with its own tiles (config / config2 do not apply; `warmup` returns None at once)."""
+    if getattr(w, "fragments", False):
+        if warmup:
+            return None
+        from pdflash_kernels.fragments import fragment_moe
+
+        return fragment_moe(x, topk_ids, topk_weights, w, num_experts, slot_of_expert, n_valid, phase_of_expert, between,
+                            groups)
     t, hdim = x.shape
     topk = topk_ids.shape[1]
     inter = w.intermediate

@@ -34,6 +34,8 @@ def moe_reference(
     slot_of_expert: torch.Tensor | None = None,
     n_valid: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if getattr(w, "fragments", False):  # fragment words (pdflash_kernels/fragments.py): the same values
+        w = w.to_weights()
     t, _ = x.shape
     topk = topk_ids.shape[1]
     nv = t if n_valid is None else int(n_valid)

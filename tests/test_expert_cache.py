@@ -322,6 +322,85 @@ def test_a_pair_word_store_holds_the_same_slices_in_pair_words_and_serves_the_sa
     assert torch.equal(pw.slice(layer, 0), pw.slice(layer, 1))
 
 
+def test_a_fragment_store_holds_the_same_slices_as_fragment_words_and_serves_the_same_experts(store):
+    """The fragments format (a GPU verifier's store with Gluon, PDFLASH_FP4_FRAGMENTS=1): the same slice sizes and byte
+    map; each slice's weights and scales are pdflash_kernels.fragments.to_fragment_parts of the nibble-order store's
+    (biases as they are); its weights are FragmentExperts over the arena (no copy) that give back the nibble-order
+    experts, and the torch reference serves the same outputs from them. put_expert converts nibble-order parts."""
+    from pdflash_kernels import fragments as F
+
+    model = store.model
+    fs = HostExpertStore.from_model(model, fmt="fragments")
+    assert fs.format == "fragments" and not fs.pair_words and not fs.demoted
+    assert fs.byte_map() == store.byte_map() and fs.slice_bytes == store.slice_bytes
+    g = store.gate
+    layer = next(iter(store.num_experts))
+    n = store.num_experts[layer]
+    w, wf = store.layer_weights(layer), fs.layer_weights(layer)
+    assert isinstance(wf, F.FragmentExperts) and wf.w1.data_ptr() == fs.slice(layer, 0).data_ptr()  # a view
+    back = wf.to_weights()
+    for name in ("w1", "s1", "w2", "s2", "b1", "b2"):
+        a, b = getattr(w, name), getattr(back, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    nib = {k: v for k, v in store.layout.views(store.arena).items() if not k.startswith("b")}
+    raw = F.to_fragment_parts(nib, g.row_mul, g.up_off)
+    for name, want in raw.items():
+        assert torch.equal(F.section_bytes(fs.arena, fs.layout, name), want), name
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, store.layout.hidden, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(n, generator=gen)[:2] for _ in range(3)])
+    wts = torch.softmax(torch.randn(3, 2, generator=gen), -1)
+    assert torch.equal(moe_reference(x, ids, wts, wf, n), moe_reference(x, ids, wts, w, n))
+    parts = {k: v[0] for k, v in store.layout.views(store.slice(layer, 1).reshape(1, -1)).items()}
+    fs.put_expert(layer, 0, parts)  # nibble-order parts (a checkpoint's bytes) into the fragment store
+    assert torch.equal(fs.slice(layer, 0), fs.slice(layer, 1))
+
+
+def test_a_fragment_store_turns_into_pair_words_when_a_scale_byte_is_above_128(store):
+    """Fragment words decode scale bytes up to 128 only (|w| <= 12 a group): a store that meets a larger one while
+    loading turns every slice into pair words (`demoted`), layers put before it included, and serves the same experts."""
+    from pdflash_kernels import mxfp4
+
+    model = store.model
+    fs = HostExpertStore.from_model(model, fmt="fragments")
+    layers = list(store.num_experts)
+    parts = {k: v[0].clone() for k, v in store.layout.views(store.slice(layers[-1], 0).reshape(1, -1)).items()}
+    parts["w2_scales"][0, 0] = 140  # (a group of weights up to 6 * 2^13)
+    fs.put_expert(layers[-1], 0, parts)
+    assert fs.demoted and fs.format == "pair_words" and fs.big_scales
+    for layer in layers:
+        w, wp = store.layer_weights(layer), fs.layer_weights(layer)
+        assert wp.pair_words and wp.big_scales
+        e0 = 1 if layer == layers[-1] else 0  # (expert 0 of the last layer was replaced)
+        assert torch.equal(mxfp4.nibble_blocks(wp.w1, True)[e0:], w.w1[e0:])
+        assert torch.equal(wp.s1[e0:], w.s1[e0:]) and torch.equal(wp.s2[e0:], w.s2[e0:])
+    assert int(fs.layer_weights(layers[-1]).s2[0, 0, 0]) == 140
+    with pytest.raises(ValueError, match="multiples of 64"):
+        from pdflash_kernels.mxfp4 import ExpertLayout
+        from verifier_svc.expert_store import GateLayout
+
+        HostExpertStore(ExpertLayout(64, 32, False), {0: 2}, GateLayout(1, 32, 0, 1.0, 7.0), fmt="fragments")
+
+
+def test_the_store_format_a_device_gets(monkeypatch):
+    """CPU: nibbles. A GPU: fragment words where Gluon is installed and the shape fits (PDFLASH_FP4_FRAGMENTS=1, the
+    default), else pair words (PDFLASH_FP4_PAIR_WORDS=1, the default), else nibbles; other values refused at import."""
+    from pdflash_kernels import fragments, moe
+    from pdflash_kernels.mxfp4 import ExpertLayout
+
+    assert moe.expert_format_for("cpu") == "nibbles"
+    monkeypatch.setattr(fragments, "gluon", object())
+    assert moe.expert_format_for("cuda", ExpertLayout(2880, 2880, True)) == "fragments"
+    assert moe.expert_format_for("cuda", ExpertLayout(2880, 2880 + 32, True)) == "pair_words"  # does not fit
+    monkeypatch.setattr(moe, "FRAGMENTS", False)
+    assert moe.expert_format_for("cuda", ExpertLayout(2880, 2880, True)) == "pair_words"
+    monkeypatch.setattr(moe, "PAIR_WORDS", False)
+    assert moe.expert_format_for("cuda") == "nibbles"
+    from tests.test_kernels import _import_refuses
+
+    _import_refuses("PDFLASH_FP4_FRAGMENTS", "yes", "pdflash_kernels.moe")
+
+
 def test_the_installation_report_names_pair_words(tiny):
     """The model info's kernels JSON says which stored form the MXFP4 experts take (an operator can tell a GPU store's
     pair words from the nibble order): resident experts and an expert cache over a pair-word store."""
@@ -347,12 +426,19 @@ def test_the_installation_report_names_pair_words(tiny):
     finally:
         del module._pdflash_mxfp4
     pw = HostExpertStore.from_model(model, pair_words=True)
+    fs = HostExpertStore.from_model(model, fmt="fragments")
     serve_offloaded_experts(model, new_cache(pw, 1e9, CPU, prefetch=""))
     import pdflash_kernels
 
     inst = pdflash_kernels.install(model, experts_format="mxfp4", probe=False)
     try:
         assert inst.experts[layer] == "triton mxfp4 (offloaded: expert cache, pair words)"
+    finally:
+        inst.uninstall()
+    serve_offloaded_experts(model, new_cache(fs, 1e9, CPU, prefetch=""))
+    inst = pdflash_kernels.install(model, experts_format="mxfp4", probe=False)
+    try:
+        assert inst.experts[layer] == "triton mxfp4 (offloaded: expert cache, fragment words)"
     finally:
         inst.uninstall()
 

@@ -58,6 +58,27 @@ def test_offloaded_equals_every_expert_cached(tiny, arch, mode):
     assert st.bytes_moved == (st.misses + st.prefetched) * cache.store.slice_bytes
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_a_fragment_word_store_serves_the_same_tokens(tiny, arch, monkeypatch):
+    """A store in the fragments format (what a GPU verifier with Gluon holds): through the device cache far smaller than
+    the experts, the same greedy tokens as the nibble-order store with every expert cached, at block 1 and with drafts."""
+    import tests.test_gpu_verifier as drive
+    from pdflash_kernels import moe
+
+    drive.NEW = 24
+    full = _core(tiny, arch, BIG)
+    prompt = list(range(3, 40))
+    want = _run(full, prompt, _no_drafts)
+    assert full.target.expert_cache.store.format == "nibbles"
+    monkeypatch.setattr(moe, "expert_format_for", lambda device, layout=None: "fragments")
+    small = _core(tiny, arch, tiny_cache_gb(full, "device"))
+    cache = small.target.expert_cache
+    assert cache.store.format == "fragments" and cache.store.byte_map() == full.target.expert_cache.store.byte_map()
+    assert _run(small, prompt, _no_drafts) == want
+    assert _run(small, prompt, _replay(want, 3, small.target.vocab_size), width=8) == want
+    assert cache.stats.evictions > 0
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_prefetch_of_a_wrong_projection_changes_nothing(tiny, mode):
     from pdflash.types import DraftResult, union_bytes

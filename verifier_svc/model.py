@@ -83,11 +83,11 @@ def model_name(directory: pathlib.Path) -> str:
     return directory.name
 
 
-def pair_words_for(device: torch.device) -> bool:
-    """Whether the MXFP4 stores of a verifier on `device` hold pair words (`pdflash_kernels.moe.pair_words_for`)."""
-    from pdflash_kernels.moe import pair_words_for as wanted
+def expert_format_for(device: torch.device, layout=None) -> str:
+    """The format of the MXFP4 stores of a verifier on `device` (`pdflash_kernels.moe.expert_format_for`)."""
+    from pdflash_kernels.moe import expert_format_for as wanted
 
-    return wanted(device)
+    return wanted(device, layout)
 
 
 def kernels_wanted(mode: str, device: torch.device) -> bool:
@@ -196,7 +196,7 @@ def load_direct(direct: DirectLoad, directory: pathlib.Path, device: torch.devic
     gate = GateLayout(first.row_mul, first.up_off, first.act, first.alpha, first.limit)
     offload = cache_gb > 0
     store = HostExpertStore(first.layout, direct.num_experts, gate, pin=offload and device.type == "cuda",
-                            pair_words=pair_words_for(device), convert_on=device)
+                            fmt=expert_format_for(device, first.layout), convert_on=device)
     cache = None
     if offload:  # sized (and refused when too small) before the experts are read
         cache = new_cache(store, cache_gb, device, prefetch, mode, eviction=eviction)
@@ -210,7 +210,9 @@ def load_direct(direct: DirectLoad, directory: pathlib.Path, device: torch.devic
                 store.put_expert(layer, e, parts)
             bar.update()
     t_experts = time.perf_counter()
-    model, byte_map = direct.model, store.byte_map()
+    model, byte_map, store_format = direct.model, store.byte_map(), store.format
+    if store.demoted:
+        log.warning("expert store demoted to pair words", why="a scale byte above 128, which fragment words cannot decode")
     if offload:
         serve_offloaded_experts(model, cache)
         target = wrap_offloaded(model.to(device), directory, kernels, cache)
@@ -218,7 +220,7 @@ def load_direct(direct: DirectLoad, directory: pathlib.Path, device: torch.devic
         resident_experts(model, store, device)
         del store
         target = wrap_model(model.to(device), directory, kernels, "mxfp4", byte_map=byte_map)
-    log.info("experts loaded", source=source, pair_words=pair_words_for(device), experts=sum(direct.num_experts.values()), layers=len(direct.forms),
+    log.info("experts loaded", source=source, expert_format=store_format, experts=sum(direct.num_experts.values()), layers=len(direct.forms),
              store_bytes=sum(sum(v) for v in byte_map.values()), slice_bytes=first.layout.nbytes,
              resident="offloaded" if offload else str(device), cache_slots=cache.num_slots if cache else None,
              seconds_weights=round(t_rest - t0, 2), seconds_store_alloc=round(t_alloc - t_rest, 2),
@@ -240,10 +242,10 @@ def offload_experts(model, device: torch.device, cache_gb: float, prefetch: str 
     layers = len(experts_modules(model))
     with tqdm(total=layers, desc="quantizing experts to MXFP4 (host store)", unit="layer", leave=False) as bar:
         store = HostExpertStore.from_model(model, pin=device.type == "cuda", progress=lambda _layer: bar.update(),
-                                           pair_words=pair_words_for(device), convert_on=device)
+                                           fmt=lambda layout: expert_format_for(device, layout), convert_on=device)
     cache = new_cache(store, cache_gb, device, prefetch, mode, time_copies=time_copies, eviction=eviction)
     serve_offloaded_experts(model, cache)
-    log.info("experts offloaded", pair_words=store.pair_words, experts=sum(store.num_experts.values()), store_bytes=store.total_bytes,
+    log.info("experts offloaded", expert_format=store.format, experts=sum(store.num_experts.values()), store_bytes=store.total_bytes,
              slice_bytes=store.slice_bytes, cache_slots=cache.num_slots, cache_bytes=cache.pool.numel(),
              seconds=round(time.perf_counter() - t0, 2))
     return cache
@@ -299,7 +301,7 @@ def serve_mxfp4(model, directory: pathlib.Path, kernels: str = "auto") -> Target
 
     dev = next(model.parameters()).device
     if kernels_wanted(kernels, dev):
-        store = HostExpertStore.from_model(model, device=dev, pair_words=pair_words_for(dev))
+        store = HostExpertStore.from_model(model, device=dev, fmt=lambda layout: expert_format_for(dev, layout))
         resident_experts(model, store, dev)
         return wrap_model(model, directory, kernels, "mxfp4", byte_map=store.byte_map())
     cache = offload_experts(model, dev, 1e9, prefetch="")  # 1e9 GiB: a slot for every expert
