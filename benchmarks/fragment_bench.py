@@ -137,7 +137,7 @@ def _served(model):
     from pdflash_kernels.installer import expert_weights
 
     mod = hf_experts(model)
-    return mod, as_served(expert_weights(mod, "mxfp4"))
+    return mod, as_served(expert_weights(mod, "mxfp4"), pair_words=True)
 
 
 def fused_sweep(args) -> dict:
@@ -244,7 +244,7 @@ def whole_call(args) -> None:
                 for tpe in (int(t) for t in args.tokens.split(",")):
                     x, ids, wts = routing(e, k, h, active, tpe)
                     cases.append((active, tpe, x, ids, wts, gpu_time_us(lambda: mod(x, ids, wts))))
-        w = as_served(expert_weights(mod, "mxfp4"))
+        w = as_served(expert_weights(mod, "mxfp4"), pair_words=True)
         fw = F.FragmentExperts.from_weights(w)
         bias = (2 * i + h) * 2 if w.b1 is not None else 0
         per = 2 * i * h // 2 + 2 * i * h // 32 + h * i // 2 + h * i // 32 + bias

@@ -132,10 +132,21 @@ def as_served(w, pair_words: bool | None = None):
 
     if not w.fp4:
         return w
-    from pdflash_kernels.moe import pair_words_for
+    from pdflash_kernels.moe import expert_format_for, pair_words_for
 
     q = MXFP4Experts(w.w1, w.s1, w.w2, w.s2, w.b1, w.b2)
-    views = q.layout().views(q.to_arena(device=w.w1.device))
+    layout = q.layout()
+    arena = q.to_arena(device=w.w1.device)
+    if pair_words is None and expert_format_for(w.w1.device, layout) == "fragments":
+        # the verifier's default on a GPU with Gluon (verifier_svc.expert_store's fragments format): the same arena's
+        # weight and scale sections rewritten as fragment words, read by pdflash_kernels.fragments.fragment_moe
+        from pdflash_kernels import fragments as F
+
+        nib = {k: v for k, v in layout.views(arena).items() if not k.startswith("b")}
+        for name, b in F.to_fragment_parts(nib, w.row_mul, w.up_offset).items():
+            F.section_bytes(arena, layout, name).copy_(b)
+        return F.fragment_experts_over(arena, layout, w.row_mul, w.up_offset, w.act, w.alpha, w.limit)
+    views = layout.views(arena)
     served = dataclasses.replace(w, w1=views["w1_blocks"], s1=views["w1_scales"], w2=views["w2_blocks"], s2=views["w2_scales"],
                                  b1=views.get("b1"), b2=views.get("b2"))
     return as_pair_words(served) if (pair_words_for(w.w1.device) if pair_words is None else pair_words) else served
@@ -145,6 +156,17 @@ def _pair_words_served() -> bool:
     from pdflash_kernels.moe import pair_words_for
 
     return pair_words_for("cuda")
+
+
+def _served_format_note() -> str:
+    from pdflash_kernels.moe import expert_format_for
+
+    fmt = expert_format_for("cuda")
+    if fmt == "fragments":
+        return ("as fragment words (pdflash_kernels/fragments.py, the Gluon kernel; PDFLASH_FP4_FRAGMENTS=0: pair words) "
+                "where the shape fits")
+    return ("as pair words (decode 5; PDFLASH_FP4_PAIR_WORDS=0: the nibble order)" if _pair_words_served()
+            else "in nibble order (PDFLASH_FP4_PAIR_WORDS=0)")
 
 
 def as_pair_words(w):
@@ -251,15 +273,16 @@ def bench_align(baseline: str | None = None) -> list[dict]:
 
 
 def invariance_check() -> dict:
-    """Row 0 alone vs inside calls of 2..256 rows, for the MoE kernel (both formats) and the matmul."""
+    """Row 0 alone vs inside calls of 2..256 rows, for the MoE kernel (bf16, MXFP4 in nibble order, and MXFP4 as the
+    verifier serves it: `as_served`) and the matmul."""
     from pdflash_kernels.installer import expert_weights
     from pdflash_kernels.linear import matmul
     from pdflash_kernels.moe import moe_forward
 
     checked, ok = 0, True
     mod = hf_experts("qwen3-30b-a3b")
-    for fmt in ("native", "mxfp4"):
-        w = expert_weights(mod, fmt)
+    for fmt in ("native", "mxfp4", "served"):
+        w = as_served(expert_weights(mod, "mxfp4")) if fmt == "served" else expert_weights(mod, fmt)
         x, ids, wts = routing(128, 8, 2048, 128, 16)  # 256 tokens
         alone = moe_forward(x[:1], ids[:1], wts[:1], w, 128)
         for t in (2, 5, 16, 64, 256):
@@ -541,7 +564,7 @@ def main() -> None:
     (out / "kernels_h200.json").write_text(json.dumps(result, indent=1))
     md = [f"# kernels on {result['device']} (`python benchmarks/kernel_bench.py`)", "",
           f"Device copy {rate / 1e12:.2f} TB/s (read + write). Invariance: {result['invariance']}. MXFP4 experts stored "
-          f"{'as pair words (decode 5; PDFLASH_FP4_PAIR_WORDS=0: the nibble order)' if _pair_words_served() else 'in nibble order (PDFLASH_FP4_PAIR_WORDS=0)'}.", "",
+          f"{_served_format_note()}.", "",
           "| model | weights | tokens/expert | active experts | us (graph) | eager us | transformers grouped_mm bf16 us (graph) | speedup | weight MB | GB/s | of copy rate |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["moe"]:
         md.append(f"| {r['model']} | {r['weights']} | {r['tokens_per_expert']} | {r['active_experts']} | {r['us']} | {r['eager_us']} | {r['torch_bf16_us']} | {r['speedup']}x | {r['weight_bytes'] / 1e6:.1f} | {r['gbps']} | {r['hbm_fraction']:.0%} |")
