@@ -459,7 +459,7 @@ def frag_gemm(x: torch.Tensor, r: Routing, words: torch.Tensor, swords: torch.Te
 # (gate/up tile, down tile) of a layer, by its (hidden, expert width): the best summed time over 1/4/16 tokens per
 # expert and 8-128 experts on the H200 (benchmarks/fragment_bench.py --fused-sweep,
 # benchmarks/results/fragment_fused_sweep_h200.json). From the static shape only (batch invariance).
-# Stop 37 (benchmarks/results/stop37_gpu/call1): gpt-oss-20b 8x2w4p / 4x4w4p, Qwen3-30B-A3B 4x4w4 / 4x4w4, Mixtral-8x7B
+# Stop 36 (benchmarks/results/stop36_gpu/call5): gpt-oss-20b 8x2w4p / 4x4w4p, Qwen3-30B-A3B 4x4w4 / 4x4w4, Mixtral-8x7B
 # 4x4w4 / 4x4w4s4 (its down GEMM's K of 14336 in 4 ranges: 87-93 us against 113-135 unsplit).
 FRAG_SHAPES: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
     (2880, 2880): (FragTile(8, 2, 4, True), FragTile(4, 4, 4, True)),
