@@ -40,6 +40,21 @@ FUSED_VARIANTS = ("4x4w4", "4x8w4", "8x4w4", "8x2w4p", "4x4w4p", "8x4w4p", "4x8w
                   "4x4w4s2", "4x8w4s2", "8x4w4s2", "8x4w4ps2", "4x4w4s4", "8x4w4s4", "8x4w4ps4", "8x2w4ps4", "4x8w4s4")
 
 
+def _cases(e: int, k: int, tokens: str):
+    """(active experts, tokens per expert) of a model with e experts, top-k: 8 / 32 / 128 experts where they exist."""
+    for active in (8, 32, 128):
+        if k <= active <= e:
+            for tpe in (int(t) for t in tokens.split(",")):
+                yield active, tpe
+
+
+def _write(out: pathlib.Path, stem: str, res: dict, lines: list[str]) -> None:
+    """OUT/stem.json (the rows) and OUT/stem.md (the table), printed."""
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def sweep_gemms(args) -> None:
     from pdflash_kernels import fragments as F
     from pdflash_kernels import mxfp4
@@ -70,55 +85,51 @@ def sweep_gemms(args) -> None:
         # as moe_forward: scale rows not 4-byte aligned (gpt-oss's 90 bytes) are read a byte at a time
         c1, c2 = (dataclasses.replace(c, s_words=False) if c.s_words and not _scale_words_ok(sc) else c
                   for c, sc in ((c1, s1), (c2, s2)))
-        for active in (8, 32, 128):
-            if active > e or active < k:
-                continue
-            for tpe in (int(t) for t in args.tokens.split(",")):
-                x, ids, wts = routing(e, k, h, active, tpe)
-                with torch.inference_mode():
-                    r = align_fused(ids, e, c1.block_m)
-                    bm = c1.block_m
-                    hbuf = torch.empty((r.max_blocks * bm, i), dtype=torch.bfloat16, device="cuda")
-                    ybuf = torch.empty((r.num_pairs, h), dtype=torch.float32, device="cuda")
-                    rw = wts.reshape(-1).contiguous()
-                    t_moe = gpu_time_us(lambda: (launch_gemm1(x, r, pw, hbuf, c1, k), launch_gemm2(hbuf, r, pw, ybuf, rw, c2)))
-                    hin = (torch.randn(r.max_blocks * bm, i, device="cuda") * 0.5).bfloat16()
-                    y1 = torch.zeros((r.max_blocks * bm, 2 * i), dtype=torch.float32, device="cuda")
-                    y2 = torch.zeros((r.max_blocks * bm, h), dtype=torch.float32, device="cuda")
-                    ref1 = F.frag_gemm_reference(x, r, b1, s1, k, True)
-                    ref2 = F.frag_gemm_reference(hin, r, b2, s2, k, False)
-                    per_variant = {}
-                    for v in variants:
-                        tile = F.FragTile.parse(v)
-                        if tile.nt % tile.warps:
-                            continue
-                        y1.zero_(), y2.zero_()
-                        F.frag_gemm(x, r, fw1, fs1, k, True, y1, tile)
-                        F.frag_gemm(hin, r, fw2, fs2, k, False, y2, tile)
-                        err = max(float((y1 - ref1).abs().max() / ref1.abs().max().clamp(min=1e-6)),
-                                  float((y2 - ref2).abs().max() / ref2.abs().max().clamp(min=1e-6)))
-                        if err > 1e-3:
-                            raise AssertionError(f"{model} A={active} T={tpe} {v}: relative error {err:.2e}")
-                        per_variant[v] = gpu_time_us(lambda: (F.frag_gemm(x, r, fw1, fs1, k, True, y1, tile),
-                                                              F.frag_gemm(hin, r, fw2, fs2, k, False, y2, tile)))
-                best = min(per_variant, key=per_variant.get)
-                nbytes = active * per_expert
-                row = dict(model=model, active_experts=active, tokens_per_expert=tpe, weight_bytes=nbytes,
-                           moe_us=round(t_moe, 1), moe_fraction=round(nbytes / (t_moe * 1e-6) / rate, 3),
-                           frag_us=round(per_variant[best], 1), frag_variant=best,
-                           frag_fraction=round(nbytes / (per_variant[best] * 1e-6) / rate, 3),
-                           speedup=round(t_moe / per_variant[best], 2),
-                           variants={v: round(t, 1) for v, t in per_variant.items()})
-                rows.append(row)
-                print(f"{model:14s} A={active:3d} T={tpe:2d}  moe {t_moe:7.1f} us {row['moe_fraction']:.2f}  "
-                      f"frag {row['frag_us']:7.1f} us {row['frag_fraction']:.2f} ({best})  x{row['speedup']}  "
-                      + " ".join(f"{v}:{t:.0f}" for v, t in per_variant.items()), flush=True)
+        for active, tpe in _cases(e, k, args.tokens):
+            x, ids, wts = routing(e, k, h, active, tpe)
+            with torch.inference_mode():
+                r = align_fused(ids, e, c1.block_m)
+                bm = c1.block_m
+                hbuf = torch.empty((r.max_blocks * bm, i), dtype=torch.bfloat16, device="cuda")
+                ybuf = torch.empty((r.num_pairs, h), dtype=torch.float32, device="cuda")
+                rw = wts.reshape(-1).contiguous()
+                t_moe = gpu_time_us(lambda: (launch_gemm1(x, r, pw, hbuf, c1, k), launch_gemm2(hbuf, r, pw, ybuf, rw, c2)))
+                hin = (torch.randn(r.max_blocks * bm, i, device="cuda") * 0.5).bfloat16()
+                y1 = torch.zeros((r.max_blocks * bm, 2 * i), dtype=torch.float32, device="cuda")
+                y2 = torch.zeros((r.max_blocks * bm, h), dtype=torch.float32, device="cuda")
+                ref1 = F.frag_gemm_reference(x, r, b1, s1, k, True)
+                ref2 = F.frag_gemm_reference(hin, r, b2, s2, k, False)
+                per_variant = {}
+                for v in variants:
+                    tile = F.FragTile.parse(v)
+                    if tile.nt % tile.warps:
+                        continue
+                    y1.zero_(), y2.zero_()
+                    F.frag_gemm(x, r, fw1, fs1, k, True, y1, tile)
+                    F.frag_gemm(hin, r, fw2, fs2, k, False, y2, tile)
+                    err = max(float((y1 - ref1).abs().max() / ref1.abs().max().clamp(min=1e-6)),
+                              float((y2 - ref2).abs().max() / ref2.abs().max().clamp(min=1e-6)))
+                    if err > 1e-3:
+                        raise AssertionError(f"{model} A={active} T={tpe} {v}: relative error {err:.2e}")
+                    per_variant[v] = gpu_time_us(lambda: (F.frag_gemm(x, r, fw1, fs1, k, True, y1, tile),
+                                                          F.frag_gemm(hin, r, fw2, fs2, k, False, y2, tile)))
+            best = min(per_variant, key=per_variant.get)
+            nbytes = active * per_expert
+            row = dict(model=model, active_experts=active, tokens_per_expert=tpe, weight_bytes=nbytes,
+                       moe_us=round(t_moe, 1), moe_fraction=round(nbytes / (t_moe * 1e-6) / rate, 3),
+                       frag_us=round(per_variant[best], 1), frag_variant=best,
+                       frag_fraction=round(nbytes / (per_variant[best] * 1e-6) / rate, 3),
+                       speedup=round(t_moe / per_variant[best], 2),
+                       variants={v: round(t, 1) for v, t in per_variant.items()})
+            rows.append(row)
+            print(f"{model:14s} A={active:3d} T={tpe:2d}  moe {t_moe:7.1f} us {row['moe_fraction']:.2f}  "
+                  f"frag {row['frag_us']:7.1f} us {row['frag_fraction']:.2f} ({best})  x{row['speedup']}  "
+                  + " ".join(f"{v}:{t:.0f}" for v, t in per_variant.items()), flush=True)
         del b1, s1, b2, s2, fw1, fs1, fw2, fs2, pw
         torch.cuda.empty_cache()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "copy_rate_bytes_per_s": rate, "rows": rows}
-    (out / "fragment_sweep_h200.json").write_text(json.dumps(res, indent=1))
     lines = [f"# Fragment-word MXFP4 GEMMs vs the served MoE GEMMs (`python benchmarks/fragment_bench.py`)", "",
              f"{res['device']}; device copy {rate / 1e12:.2f} TB/s (read + write). Both GEMMs of a layer, CUDA-graph time; "
              "fraction: weight bytes / time / copy rate.", "",
@@ -128,8 +139,7 @@ def sweep_gemms(args) -> None:
         lines.append(f"| {r['model']} | {r['active_experts']} | {r['tokens_per_expert']} | {r['weight_bytes'] / 1e6:.1f} | "
                      f"{r['moe_us']} | {r['moe_fraction']:.2f} | {r['frag_us']} | {r['frag_fraction']:.2f} | "
                      f"{r['frag_variant']} | {r['speedup']}x |")
-    (out / "fragment_sweep_h200.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    _write(out, "fragment_sweep_h200", res, lines)
 
 
 def _served(model):
@@ -158,41 +168,38 @@ def fused_sweep(args) -> dict:
         del mod
         fw = F.FragmentExperts.from_weights(w)
         sums = {1: {}, 2: {}}
-        for active in (8, 32, 128):
-            if active > e or active < k:
-                continue
-            for tpe in (int(t) for t in args.tokens.split(",")):
-                x, ids, wts = routing(e, k, h, active, tpe)
-                with torch.inference_mode():
-                    ref = moe_reference(x, ids, wts, w, e).float()
-                    r = align_fused(ids, e, 16)
-                    hbuf = torch.empty((r.max_blocks * 16, i), dtype=torch.bfloat16, device="cuda")
-                    ybuf = torch.empty((r.num_pairs, h), dtype=torch.float32, device="cuda")
-                    rw = wts.reshape(-1).contiguous()
-                    times = {1: {}, 2: {}}
-                    for tile in variants:
-                        if tile.nt % tile.warps or tile.nt % 2:
-                            continue
-                        got = F.fragment_moe(x, ids, wts, fw, e, config=(tile, tile)).float()
-                        err = float((got - ref).abs().max() / ref.abs().max())
-                        if err > 0.02:
-                            raise AssertionError(f"{model} A={active} T={tpe} {tile}: {err:.3g} off the reference")
-                        times[1][str(tile)] = gpu_time_us(lambda: F._launch(
-                            x, r, fw.w1, fw.s1, hbuf, i, k, 1, tile, 0, fw.b1, fw.act, fw.row_mul, fw.up_off,
-                            alpha=fw.alpha, limit=fw.limit))
-                        times[2][str(tile)] = gpu_time_us(lambda: F._launch(hbuf, r, fw.w2, fw.s2, ybuf, h, k, 2, tile, 0,
-                                                                            fw.b2, rw=rw))
-                for g in (1, 2):
-                    for v, t in times[g].items():
-                        sums[g][v] = sums[g].get(v, 0.0) + t
-                b1, b2 = min(times[1], key=times[1].get), min(times[2], key=times[2].get)
-                rows.append(dict(model=model, active_experts=active, tokens_per_expert=tpe, gate_up_best=b1,
-                                 gate_up_us=round(times[1][b1], 1), down_best=b2, down_us=round(times[2][b2], 1),
-                                 gate_up={v: round(t, 1) for v, t in times[1].items()},
-                                 down={v: round(t, 1) for v, t in times[2].items()}))
-                print(f"{model:14s} A={active:3d} T={tpe:2d}  gate/up {b1} {times[1][b1]:.1f} us  down {b2} "
-                      f"{times[2][b2]:.1f} us | " + " ".join(f"{v}:{times[1][v]:.0f}/{times[2][v]:.0f}" for v in times[1]),
-                      flush=True)
+        for active, tpe in _cases(e, k, args.tokens):
+            x, ids, wts = routing(e, k, h, active, tpe)
+            with torch.inference_mode():
+                ref = moe_reference(x, ids, wts, w, e).float()
+                r = align_fused(ids, e, 16)
+                hbuf = torch.empty((r.max_blocks * 16, i), dtype=torch.bfloat16, device="cuda")
+                ybuf = torch.empty((r.num_pairs, h), dtype=torch.float32, device="cuda")
+                rw = wts.reshape(-1).contiguous()
+                times = {1: {}, 2: {}}
+                for tile in variants:
+                    if tile.nt % tile.warps or tile.nt % 2:
+                        continue
+                    got = F.fragment_moe(x, ids, wts, fw, e, config=(tile, tile)).float()
+                    err = float((got - ref).abs().max() / ref.abs().max())
+                    if err > 0.02:
+                        raise AssertionError(f"{model} A={active} T={tpe} {tile}: {err:.3g} off the reference")
+                    times[1][str(tile)] = gpu_time_us(lambda: F._launch(
+                        x, r, fw.w1, fw.s1, hbuf, i, k, 1, tile, 0, fw.b1, fw.act, fw.row_mul, fw.up_off,
+                        alpha=fw.alpha, limit=fw.limit))
+                    times[2][str(tile)] = gpu_time_us(lambda: F._launch(hbuf, r, fw.w2, fw.s2, ybuf, h, k, 2, tile, 0,
+                                                                        fw.b2, rw=rw))
+            for g in (1, 2):
+                for v, t in times[g].items():
+                    sums[g][v] = sums[g].get(v, 0.0) + t
+            b1, b2 = min(times[1], key=times[1].get), min(times[2], key=times[2].get)
+            rows.append(dict(model=model, active_experts=active, tokens_per_expert=tpe, gate_up_best=b1,
+                             gate_up_us=round(times[1][b1], 1), down_best=b2, down_us=round(times[2][b2], 1),
+                             gate_up={v: round(t, 1) for v, t in times[1].items()},
+                             down={v: round(t, 1) for v, t in times[2].items()}))
+            print(f"{model:14s} A={active:3d} T={tpe:2d}  gate/up {b1} {times[1][b1]:.1f} us  down {b2} "
+                  f"{times[2][b2]:.1f} us | " + " ".join(f"{v}:{times[1][v]:.0f}/{times[2][v]:.0f}" for v in times[1]),
+                  flush=True)
         win = (min(sums[1], key=sums[1].get), min(sums[2], key=sums[2].get))
         winners[(h, i)] = tuple(F.FragTile.parse(v) for v in win)
         print(f"{model}: winners gate/up {win[0]} ({sums[1][win[0]]:.1f} us summed), down {win[1]} "
@@ -203,7 +210,6 @@ def fused_sweep(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "rows": rows,
            "winners": {f"{hh}x{ii}": [str(t) for t in ts] for (hh, ii), ts in winners.items()}}
-    (out / "fragment_fused_sweep_h200.json").write_text(json.dumps(res, indent=1))
     lines = ["# fragment_moe's two GEMMs, tile variants (`python benchmarks/fragment_bench.py --fused-sweep`)", "",
              f"{res['device']}. Each launch alone, CUDA-graph time: gate/up = the gate and up GEMM with the activation "
              "fused (bf16 out), down = the down GEMM with bias and routing weight (float32 out). Tile NTxKQSwW, p: loads a "
@@ -214,8 +220,7 @@ def fused_sweep(args) -> dict:
                      f"{r['gate_up_us']} | {r['down_best']} | {r['down_us']} |")
     lines += ["", "Winners (least time summed over the cases): " + ", ".join(
         f"{k}: gate/up {v[0]}, down {v[1]}" for k, v in res["winners"].items())]
-    (out / "fragment_fused_sweep_h200.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    _write(out, "fragment_fused_sweep_h200", res, lines)
     print("FRAG_SHAPES = {" + ", ".join(f"({hh}, {ii}): (FragTile.parse({str(a)!r}), FragTile.parse({str(b)!r}))"
                                          for (hh, ii), (a, b) in winners.items()) + "}")
     return winners
@@ -238,12 +243,9 @@ def whole_call(args) -> None:
         mod = hf_experts(model)
         cases = []
         with torch.inference_mode():
-            for active in (8, 32, 128):
-                if active > e or active < k:
-                    continue
-                for tpe in (int(t) for t in args.tokens.split(",")):
-                    x, ids, wts = routing(e, k, h, active, tpe)
-                    cases.append((active, tpe, x, ids, wts, gpu_time_us(lambda: mod(x, ids, wts))))
+            for active, tpe in _cases(e, k, args.tokens):
+                x, ids, wts = routing(e, k, h, active, tpe)
+                cases.append((active, tpe, x, ids, wts, gpu_time_us(lambda: mod(x, ids, wts))))
         w = as_served(expert_weights(mod, "mxfp4"), pair_words=True)
         fw = F.FragmentExperts.from_weights(w)
         bias = (2 * i + h) * 2 if w.b1 is not None else 0
@@ -272,7 +274,6 @@ def whole_call(args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "copy_rate_bytes_per_s": rate, "moe": rows}
-    (out / "fragment_h200.json").write_text(json.dumps(res, indent=1))
     lines = ["# The MoE call on fragment words (`python benchmarks/fragment_bench.py`)", "",
              f"{res['device']}; device copy {rate / 1e12:.2f} TB/s (read + write). Whole call (routing, both GEMMs, "
              "combine), CUDA-graph time. frag: `pdflash_kernels.fragments.fragment_moe`; moe: the served "
@@ -283,8 +284,7 @@ def whole_call(args) -> None:
         lines.append(f"| {r['model']} | {r['active_experts']} | {r['tokens_per_expert']} | {r['weight_bytes'] / 1e6:.1f} | "
                      f"{r['torch_bf16_us']} | {r['moe_us']} | {r['moe_hbm_fraction']:.2f} | {r['moe_speedup']} | "
                      f"{r['frag_us']} | {r['hbm_fraction']:.2f} | {r['speedup']} | {r['config']} |")
-    (out / "fragment_h200.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    _write(out, "fragment_h200", res, lines)
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ import typing
 import torch
 
 from pdflash_kernels import mxfp4
-from pdflash_kernels.moe import FAST_DECODE_MAX_SCALE, Routing, triton_cdiv
+from pdflash_kernels.moe import FAST_DECODE_MAX_SCALE, Routing, pair_word_decode_asm, triton_cdiv
 
 try:  # Gluon (Triton >= 3.5): explicit layouts. Optional like Triton itself.
     from triton.experimental import gluon
@@ -47,6 +47,7 @@ try:  # Gluon (Triton >= 3.5): explicit layouts. Optional like Triton itself.
 except Exception:  # pragma: no cover - depends on the install
     gluon = gl = mma_v2 = None
 
+_FRAG_ASM = pair_word_decode_asm("$9", "$10")  # decode 5, rows g ($9) and g + 8 ($10) with their own scales
 QUAD = 64  # K values of one fragment quad (four 16-column tiles)
 WORDS_PER_QUAD = 128  # words of one 16-row x 64-column quad (32 lanes x 4 tiles)
 
@@ -135,6 +136,7 @@ def frag_gemm_reference(x: torch.Tensor, r: Routing, blocks: torch.Tensor, scale
 
 
 if gluon is not None:
+    _FRAG_ASM = gl.constexpr(_FRAG_ASM)  # (a jit function reads a global only as a constexpr)
 
     @gluon.jit
     def _decode_quads(q, sw, kk, AL: gl.constexpr, BN: gl.constexpr, KQS: gl.constexpr, NT: gl.constexpr):
@@ -145,15 +147,7 @@ if gluon is not None:
         c0 = ((s0 + 126) << 7) | ((s0 + 126) << 23)  # bf16x2 2^(s - 1) in both halves
         c1 = ((s1 + 126) << 7) | ((s1 + 126) << 23)
         v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
-            """{
-            .reg .b32 r, t, u, z;
-            mov.b32 z, 0x80008000;
-            and.b32 r, $8, 0x81C081C0; fma.rn.bf16x2 r, r, $9, z; mov.b32 {$0, $1}, r;
-            shf.l.wrap.b32 t, $8, $8, 4; and.b32 r, t, 0x81C081C0; fma.rn.bf16x2 r, r, $10, z; mov.b32 {$2, $3}, r;
-            shf.l.wrap.b32 t, $8, $8, 10; and.b32 r, t, 0x81C081C0; fma.rn.bf16x2 r, r, $9, z; mov.b32 {$4, $5}, r;
-            shf.l.wrap.b32 t, $8, $8, 6; and.b32 r, t, 0x80C080C0; shf.l.wrap.b32 u, $8, $8, 14; and.b32 u, u, 0x01000100;
-            or.b32 r, r, u; fma.rn.bf16x2 r, r, $10, z; mov.b32 {$6, $7}, r;
-            }""",
+            _FRAG_ASM,
             "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [q, c0, c1], dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
         # pairs: a0 = (row g, cols 2t..) v0 v1; a1 = (g + 8) v2 v3; a2 = (g, 2t + 8..) v4 v5; a3 = (g + 8, 2t + 8..) v6 v7
         h0 = gl.join(gl.join(v0, v1), gl.join(v4, v5))  # [..., e, j]

@@ -80,6 +80,26 @@ def expert_format_for(device, layout=None) -> str:
             return "fragments"
     return "pair_words" if PAIR_WORDS else "nibbles"
 
+def pair_word_decode_asm(scale_a: str = "$9", scale_b: str = "$9") -> str:
+    """Decode 5 of one 32-bit pair word ($8) into its 8 bf16 values ($0..$7, pairs p0..p3 in the word's order): per
+    pair a rotation, one AND (one more AND and OR for the last) and one bf16x2 multiply by the operand holding 2^(s-1)
+    in both halves, `scale_a` for pairs 0 and 2, `scale_b` for pairs 1 and 3 (pdflash_kernels/fragments.py: the
+    fragment's rows g and g + 8, which have their own scales)."""
+    return f"""{{
+            .reg .b32 r, t, u, z;
+            mov.b32 z, 0x80008000;
+            and.b32 r, $8, 0x81C081C0; fma.rn.bf16x2 r, r, {scale_a}, z; mov.b32 {{$0, $1}}, r;
+            shf.l.wrap.b32 t, $8, $8, 4; and.b32 r, t, 0x81C081C0; fma.rn.bf16x2 r, r, {scale_b}, z; mov.b32 {{$2, $3}}, r;
+            shf.l.wrap.b32 t, $8, $8, 10; and.b32 r, t, 0x81C081C0; fma.rn.bf16x2 r, r, {scale_a}, z; mov.b32 {{$4, $5}}, r;
+            shf.l.wrap.b32 t, $8, $8, 6; and.b32 r, t, 0x80C080C0; shf.l.wrap.b32 u, $8, $8, 14; and.b32 u, u, 0x01000100;
+            or.b32 r, r, u; fma.rn.bf16x2 r, r, {scale_b}, z; mov.b32 {{$6, $7}}, r;
+            }}"""
+
+
+PAIR_WORD_ASM = pair_word_decode_asm()
+if runtime.triton is not None:  # (a jit function reads a global only as a constexpr)
+    PAIR_WORD_ASM = runtime.triton.language.constexpr(PAIR_WORD_ASM)
+
 ACT_SILU = 0
 ACT_GPTOSS = 1  # clamp(gate, max=limit), clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1)
 
@@ -650,15 +670,7 @@ if triton is not None:
             c = e * 0x00800080  # the bf16x2 multiplier 2^(s-1) in both halves, once per scale group
             c = tl.reshape(tl.broadcast_to(c[:, :, None], (BN, BLOCK_K // 32, 4)), (BN, BW))
             v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-                """{
-                .reg .b32 r, t, u, z;
-                mov.b32 z, 0x80008000;
-                and.b32 r, $8, 0x81C081C0; fma.rn.bf16x2 r, r, $9, z; mov.b32 {$0, $1}, r;
-                shf.l.wrap.b32 t, $8, $8, 4; and.b32 r, t, 0x81C081C0; fma.rn.bf16x2 r, r, $9, z; mov.b32 {$2, $3}, r;
-                shf.l.wrap.b32 t, $8, $8, 10; and.b32 r, t, 0x81C081C0; fma.rn.bf16x2 r, r, $9, z; mov.b32 {$4, $5}, r;
-                shf.l.wrap.b32 t, $8, $8, 6; and.b32 r, t, 0x80C080C0; shf.l.wrap.b32 u, $8, $8, 14; and.b32 u, u, 0x01000100;
-                or.b32 r, r, u; fma.rn.bf16x2 r, r, $9, z; mov.b32 {$6, $7}, r;
-                }""",
+                PAIR_WORD_ASM,
                 "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [q, c],
                 dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
             )

@@ -211,8 +211,7 @@ def load_direct(direct: DirectLoad, directory: pathlib.Path, device: torch.devic
             bar.update()
     t_experts = time.perf_counter()
     model, byte_map, store_format = direct.model, store.byte_map(), store.format
-    if store.demoted:
-        log.warning("expert store demoted to pair words", why="a scale byte above 128, which fragment words cannot decode")
+    _warn_demoted(store)
     if offload:
         serve_offloaded_experts(model, cache)
         target = wrap_offloaded(model.to(device), directory, kernels, cache)
@@ -226,6 +225,12 @@ def load_direct(direct: DirectLoad, directory: pathlib.Path, device: torch.devic
              seconds_weights=round(t_rest - t0, 2), seconds_store_alloc=round(t_alloc - t_rest, 2),
              seconds_experts=round(t_experts - t_alloc, 2), seconds=round(time.perf_counter() - t0, 2))
     return target
+
+
+def _warn_demoted(store) -> None:
+    if store.demoted:
+        log.warning("MXFP4 experts stored as pair words, not fragment words",
+                    why="a scale byte above 128 (a weight group beyond +-12), which fragment words cannot decode")
 
 
 def offload_experts(model, device: torch.device, cache_gb: float, prefetch: str = "union,layer", time_copies: bool = False,
@@ -243,6 +248,7 @@ def offload_experts(model, device: torch.device, cache_gb: float, prefetch: str 
     with tqdm(total=layers, desc="quantizing experts to MXFP4 (host store)", unit="layer", leave=False) as bar:
         store = HostExpertStore.from_model(model, pin=device.type == "cuda", progress=lambda _layer: bar.update(),
                                            fmt=lambda layout: expert_format_for(device, layout), convert_on=device)
+    _warn_demoted(store)
     cache = new_cache(store, cache_gb, device, prefetch, mode, time_copies=time_copies, eviction=eviction)
     serve_offloaded_experts(model, cache)
     log.info("experts offloaded", expert_format=store.format, experts=sum(store.num_experts.values()), store_bytes=store.total_bytes,
@@ -302,6 +308,7 @@ def serve_mxfp4(model, directory: pathlib.Path, kernels: str = "auto") -> Target
     dev = next(model.parameters()).device
     if kernels_wanted(kernels, dev):
         store = HostExpertStore.from_model(model, device=dev, fmt=lambda layout: expert_format_for(dev, layout))
+        _warn_demoted(store)
         resident_experts(model, store, dev)
         return wrap_model(model, directory, kernels, "mxfp4", byte_map=store.byte_map())
     cache = offload_experts(model, dev, 1e9, prefetch="")  # 1e9 GiB: a slot for every expert
