@@ -37,7 +37,8 @@ from benchmarks.kernel_bench import MODELS, copy_rate, gpu_time_us, routing  # n
 VARIANTS = ("4x4w4", "4x8w4", "8x4w4", "4x4w4p", "8x2w4p", "8x4w4p", "4x8w4p", "8x4w8")
 # --fused-sweep: the gate/up GEMM (activation fused) and the down GEMM (routing weight fused) of fragment_moe, each alone
 FUSED_VARIANTS = ("4x4w4", "4x8w4", "8x4w4", "8x2w4p", "4x4w4p", "8x4w4p", "4x8w4p", "8x8w8",
-                  "4x4w4s2", "4x8w4s2", "8x4w4s2", "8x4w4ps2", "4x4w4s4", "8x4w4s4", "8x4w4ps4", "8x2w4ps4", "4x8w4s4")
+                  "4x4w4s2", "4x8w4s2", "8x4w4s2", "8x4w4ps2", "4x4w4s4", "8x4w4s4", "8x4w4ps4", "8x2w4ps4", "4x8w4s4",
+                  "8x2w4pp", "4x4w4pp", "4x2w4pp")
 
 
 def _cases(e: int, k: int, tokens: str):

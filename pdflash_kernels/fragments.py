@@ -159,16 +159,18 @@ if gluon is not None:
         return gl.convert_layout(a, AL, assert_trivial=True)
 
     @gluon.jit
-    def _quads(w_rows, s_rows, n_ok, kk, q0):
-        """The words and scale words of KQS quads from quad q0 (rows past N read as zero)."""
-        q = gl.load(w_rows[:, None] + (q0 * 128 + kk)[None, :], mask=n_ok[:, None], other=0)
-        sw = gl.load(s_rows[:, None] + (q0 * 8 + (kk // 128) * 8 + (kk % 128) // 16)[None, :], mask=n_ok[:, None], other=0)
+    def _quads(w_rows, s_rows, n_ok, kk, q0, live=True):
+        """The words and scale words of KQS quads from quad q0 (rows past N, and every row where not `live`, read as
+        zero: no memory traffic)."""
+        ok = n_ok[:, None] & live
+        q = gl.load(w_rows[:, None] + (q0 * 128 + kk)[None, :], mask=ok, other=0)
+        sw = gl.load(s_rows[:, None] + (q0 * 8 + (kk // 128) * 8 + (kk % 128) // 16)[None, :], mask=ok, other=0)
         return q, sw
 
     @gluon.jit
-    def _x_tile(x_rows, x_ok, kx, q0):
+    def _x_tile(x_rows, x_ok, kx, q0, live=True):
         """Activations [BM, KQS * 64] of the quads from q0, in a coalesced layout (16-byte loads along K)."""
-        return gl.load(x_rows[:, None] + (q0 * 64 + kx)[None, :], mask=x_ok[:, None], other=0.0)
+        return gl.load(x_rows[:, None] + (q0 * 64 + kx)[None, :], mask=x_ok[:, None] & live, other=0.0)
 
     @gluon.jit
     def _b_operand(xs, xt, BL: gl.constexpr):
@@ -183,8 +185,19 @@ if gluon is not None:
     def _k_range(acc, w_rows, s_rows, n_ok, kk, xr, xok, kx, xs, q_lo, q_hi, AL: gl.constexpr, BL: gl.constexpr,
                  BN: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, PREFETCH: gl.constexpr):
         """Quads q_lo .. q_hi (at least one whole KQS-quad step, a whole number of them) into acc, one B operand a step.
-        PREFETCH: each step's global loads issued before the previous step's decode and MMAs."""
-        if PREFETCH:
+        PREFETCH 1: each step's global loads issued before the previous step's decode and MMAs; 2: two steps ahead (the
+        loads past q_hi masked off). The same MMAs in the same order either way."""
+        if PREFETCH == 2:
+            q, t = _quads(w_rows, s_rows, n_ok, kk, q_lo)
+            xt = _x_tile(xr, xok, kx, q_lo)
+            q1, t1 = _quads(w_rows, s_rows, n_ok, kk, q_lo + KQS, q_lo + KQS < q_hi)
+            xt1 = _x_tile(xr, xok, kx, q_lo + KQS, q_lo + KQS < q_hi)
+            for q0 in range(q_lo + 2 * KQS, q_hi + 2 * KQS, KQS):  # computes step q0 - 2 KQS
+                qn, tn = _quads(w_rows, s_rows, n_ok, kk, q0, q0 < q_hi)
+                xtn = _x_tile(xr, xok, kx, q0, q0 < q_hi)
+                acc = mma_v2(_decode_quads(q, t, kk, AL, BN, KQS, NT), _b_operand(xs, xt, BL), acc)
+                q, t, xt, q1, t1, xt1 = q1, t1, xt1, qn, tn, xtn
+        elif PREFETCH:
             q, t = _quads(w_rows, s_rows, n_ok, kk, q_lo)
             xt = _x_tile(xr, xok, kx, q_lo)
             for q0 in range(q_lo + KQS, q_hi, KQS):
@@ -357,25 +370,25 @@ if gluon is not None:
 class FragTile(typing.NamedTuple):
     """One fragment GEMM's tiling: `nt` 16-row weight tiles a program (a multiple of `warps`; gate/up: half gate tiles,
     half up tiles, so even), `kqs` 64-column quads a K step (a power of two), `prefetch` (each step's loads issued
-    before the previous step's decode and MMAs), `split` (K's whole steps cut into that many ranges, one program each,
+    before the previous step's decode and MMAs; 2: two steps before), `split` (K's whole steps cut into that many ranges, one program each,
     their float32 partial sums added in range order by the tile's last program). Written "NTxKQSwW" + "p" (prefetch)
     + "sS" (split S), e.g. "8x4w4p" or "4x8w4s2"."""
 
     nt: int = 4
     kqs: int = 4
     warps: int = 4
-    prefetch: bool = False
+    prefetch: int = 0
     split: int = 1
 
     @classmethod
     def parse(cls, text: str) -> "FragTile":
-        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)(p?)(?:s(\d+))?", text.strip())
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)(p{0,2})(?:s(\d+))?", text.strip())
         if m is None:
-            raise ValueError(f"{text!r}: a fragment tile is NTxKQSwW with an optional p (prefetch) and sS (split S)")
-        return cls(int(m[1]), int(m[2]), int(m[3]), m[4] == "p", int(m[5] or 1))
+            raise ValueError(f"{text!r}: a fragment tile is NTxKQSwW with an optional p / pp (prefetch) and sS (split S)")
+        return cls(int(m[1]), int(m[2]), int(m[3]), len(m[4]), int(m[5] or 1))
 
     def __str__(self) -> str:
-        return f"{self.nt}x{self.kqs}w{self.warps}{'p' if self.prefetch else ''}{f's{self.split}' if self.split > 1 else ''}"
+        return f"{self.nt}x{self.kqs}w{self.warps}{'p' * int(self.prefetch)}{f's{self.split}' if self.split > 1 else ''}"
 
 
 def split_plan(quads: int, kqs: int, split: int) -> tuple[int, int]:
@@ -425,7 +438,7 @@ def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, tile
                      r.block_phase if phase else r.block_slot, words, words.stride(0), swords, swords.stride(0),
                      b, b.stride(0), rw if rw is not None else x, ws, cnt, rows, r.num_pairs, float(alpha), float(limit),
                      N=n, K=k, TOPK=topk, EPI=epi, ACT=act, HAS_BIAS=bias is not None, ROW_MUL=row_mul, UP_OFF=up_off,
-                     PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=prefetch, SPLIT=split, SS=ss,
+                     PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=int(prefetch), SPLIT=split, SS=ss,
                      num_warps=num_warps)
     return out
 
@@ -456,7 +469,7 @@ def frag_gemm(x: torch.Tensor, r: Routing, words: torch.Tensor, swords: torch.Te
 # Stop 36 (benchmarks/results/stop36_gpu/call5): gpt-oss-20b 8x2w4p / 4x4w4p, Qwen3-30B-A3B 4x4w4 / 4x4w4, Mixtral-8x7B
 # 4x4w4 / 4x4w4s4 (its down GEMM's K of 14336 in 4 ranges: 87-93 us against 113-135 unsplit).
 FRAG_SHAPES: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
-    (2880, 2880): (FragTile(8, 2, 4, True), FragTile(4, 4, 4, True)),
+    (2880, 2880): (FragTile(8, 2, 4, 1), FragTile(4, 4, 4, 1)),
     (2048, 768): (FragTile(4, 4, 4), FragTile(4, 4, 4)),
     (4096, 14336): (FragTile(4, 4, 4), FragTile(4, 4, 4, False, 4)),
 }

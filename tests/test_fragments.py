@@ -139,7 +139,8 @@ SIG = {"x_ptr": "*bf16", "stride_x": "i32", "out_ptr": "*fp32", "stride_o": "i32
 
 @needs_gluon
 @pytest.mark.parametrize("n,k,tile,epi", [(5760, 2880, "4x1w4", 0), (2880, 2880, "8x4w4p", 1), (2048, 768, "4x4w4", 2),
-                                         (80, 320, "4x2w4p", 3), (2880, 2880, "8x4w4ps4", 1), (14336, 4096, "4x8w4s2", 2)])
+                                         (80, 320, "4x2w4p", 3), (2880, 2880, "8x4w4ps4", 1), (14336, 4096, "4x8w4s2", 2),
+                                         (2880, 2880, "8x2w4pp", 1), (768, 2048, "4x4w4pps2", 2)])
 def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, tile, epi, monkeypatch):
     """The A operand's layout change is checked trivial at compile time (no shuffles; shared memory holds only the
     activation tile, read back with ldmatrix, and for gate/up the epilogue's exchange of the gate and up rows)."""
@@ -181,7 +182,8 @@ def _gpu_case(e, k, h, n, tokens, seed=0):
 @pytest.mark.parametrize("e,k,h,n,tokens,tile", [
     (32, 4, 2880, 5760, 3, "4x1w4"), (32, 4, 2880, 2880, 16, "8x4w4p"), (128, 8, 2048, 1536, 40, "4x4w4"),
     (8, 2, 320, 80, 33, "4x2w4p"), (8, 2, 320, 80, 7, "8x1w8"), (8, 2, 4096, 128, 21, "4x8w4"),
-    (32, 4, 2880, 2880, 9, "8x4w4ps4"), (8, 2, 4096, 128, 21, "4x8w4s3"), (8, 2, 320, 80, 33, "4x1w4ps2")])
+    (32, 4, 2880, 2880, 9, "8x4w4ps4"), (8, 2, 4096, 128, 21, "4x8w4s3"), (8, 2, 320, 80, 33, "4x1w4ps2"),
+    (32, 4, 2880, 2880, 9, "8x2w4pp"), (8, 2, 320, 80, 33, "4x2w4pps2"), (8, 2, 320, 80, 7, "4x1w4pp")])
 def test_kernel_matches_reference(e, k, h, n, tokens, tile):
     b, s, words, sw, x, ids, r = _gpu_case(e, k, h, n, tokens)
     ref = F.frag_gemm_reference(x, r, b, s, k)
@@ -197,7 +199,7 @@ def test_kernel_matches_reference(e, k, h, n, tokens, tile):
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["4x1w4", "8x4w4p", "8x4w4ps4", "4x2w4s3"])
+@pytest.mark.parametrize("tile", ["4x1w4", "8x4w4p", "8x4w4ps4", "4x2w4s3", "8x2w4pps3"])
 def test_kernel_rows_are_bit_identical_whatever_the_other_rows(tile):
     """Token 0 alone, then with 1..63 random other tokens (routed to the same and other experts): its pairs' output
     rows keep their bits."""
@@ -278,7 +280,8 @@ def test_fragment_moe_rows_are_bit_identical_for_any_batch_and_phases(model, til
 
 def test_frag_tile_names_and_split_plans():
     t = F.FragTile.parse("8x4w4ps4")
-    assert t == F.FragTile(8, 4, 4, True, 4) and str(t) == "8x4w4ps4"
+    assert t == F.FragTile(8, 4, 4, 1, 4) and str(t) == "8x4w4ps4"
+    assert F.FragTile.parse("8x2w4pps2") == F.FragTile(8, 2, 4, 2, 2) and str(F.FragTile(8, 2, 4, 2, 2)) == "8x2w4pps2"
     assert str(F.FragTile.parse("4x8w4")) == "4x8w4" and F.FragTile.parse("4x8w4s2").split == 2
     with pytest.raises(ValueError, match="NTxKQSwW"):
         F.FragTile.parse("8x4")

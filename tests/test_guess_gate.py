@@ -142,15 +142,17 @@ def test_the_layer_gate_keeps_the_layers_whose_guesses_are_used_and_probes_the_o
     assert g.on == [True, True, True] and g.precision(1) is None
 
 
-def test_the_device_cache_applies_the_layer_gate_per_layer_and_no_token_changes(tiny):
+def test_the_device_cache_applies_the_layer_gate_per_layer_and_no_token_changes(tiny, monkeypatch):
     """The device-managed cache on the CPU with its guess judged (the time gate fed equal timings, so it stays on): with
     a layer gate no layer can fail (precision >= 0) the guessed layer keeps its flag; with one every judged layer fails
     (>= 1.01) its flag goes to 0 and it prefetches a fraction of what it did (probes, 1 in 5 guessing forwards). The
     tokens equal a cache without prefetch either way."""
+    import tests.test_gpu_verifier as drive
     from tests.test_gpu_verifier import _no_drafts, _run
     from tests.test_offload import _core, tiny_cache_gb
     from verifier_svc.guess_gate import LayerGate
 
+    monkeypatch.setattr(drive, "NEW", 256)  # (its counts are for 256 new tokens, whatever another module set)
     gb = tiny_cache_gb(_core(tiny, "qwen3_moe", 1.0), "device")
     prompt = list(range(3, 40))
     want = _run(_core(tiny, "qwen3_moe", gb, prefetch="none"), prompt, _no_drafts)

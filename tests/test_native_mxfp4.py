@@ -109,7 +109,7 @@ def _greedy_reference(native, prompt: list[int], new: int) -> tuple[list[int], t
     return ids[len(prompt):], first
 
 
-def test_offloaded_equals_resident_and_transformers_reference(native):
+def test_offloaded_equals_resident_and_transformers_reference(native, monkeypatch):
     """Greedy with a cache of 9 of the 16 experts (evicting every forward) == every expert cached, on the checkpoint's
     own bytes; both == transformers' float32 forward of the dequantized weights token for token here, and the logits
     agree to 2e-2 of their range (our experts round to bf16 after each projection, as the kernels do; transformers
@@ -117,7 +117,7 @@ def test_offloaded_equals_resident_and_transformers_reference(native):
     import tests.test_gpu_verifier as drive
     from tests.test_gpu_verifier import _no_drafts, _replay, _run
 
-    drive.NEW = 16
+    monkeypatch.setattr(drive, "NEW", 16)
     full = _core(_load(native))
     small = _core(_load(native, 9.5 * full.target.expert_cache.store.slice_bytes / 2**30))
     cache = small.target.expert_cache

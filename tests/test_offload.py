@@ -23,6 +23,15 @@ BIG = 1.0  # GiB: every expert of a tiny model fits
 MODES = ["device", "host"]  # who decides what the cache holds (verifier_svc.device_cache / expert_cache)
 
 
+@pytest.fixture(autouse=True)
+def _short_runs(monkeypatch):
+    """24 new tokens a request in this module's runs (`tests.test_gpu_verifier.NEW`), restored after each test: a
+    module that set it for good changed the runs of every test after it (tests/test_guess_gate.py's counts)."""
+    import tests.test_gpu_verifier as drive
+
+    monkeypatch.setattr(drive, "NEW", 24)
+
+
 def tiny_cache_gb(core, mode: str = "host") -> float:
     """Of the 16 experts of two layers: every forward evicts. host: room for 9 (one layer's 8, the minimum, + 1);
     device: 12 (the overflow range of 8 + a partition of 2 per layer)."""
@@ -43,7 +52,6 @@ def _core(tiny, arch, cache_gb, prefetch="union,layer", mode="device", eviction=
 def test_offloaded_equals_every_expert_cached(tiny, arch, mode):
     import tests.test_gpu_verifier as drive
 
-    drive.NEW = 24
     full = _core(tiny, arch, BIG, mode=mode)
     small = _core(tiny, arch, tiny_cache_gb(full, mode), mode=mode)
     cache = small.target.expert_cache
@@ -65,7 +73,6 @@ def test_a_fragment_word_store_serves_the_same_tokens(tiny, arch, monkeypatch):
     import tests.test_gpu_verifier as drive
     from pdflash_kernels import moe
 
-    drive.NEW = 24
     full = _core(tiny, arch, BIG)
     prompt = list(range(3, 40))
     want = _run(full, prompt, _no_drafts)

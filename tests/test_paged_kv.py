@@ -40,7 +40,7 @@ def test_pool_pages_are_handed_out_and_back():
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # interpreted Triton, five prefills of a page-crossing prompt: ~600 s on a 2-core CPU
 @pytest.mark.skipif(not runtime.triton_usable("cpu"), reason="needs triton (interpreted on CPU)")
-def test_paged_verifier_equals_the_dynamic_cache_one_and_returns_its_pages(tiny):
+def test_paged_verifier_equals_the_dynamic_cache_one_and_returns_its_pages(tiny, monkeypatch):
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
@@ -49,7 +49,7 @@ def test_paged_verifier_equals_the_dynamic_cache_one_and_returns_its_pages(tiny)
     from verifier_svc.engine import PagedKVOptions, VerifierCore
     from verifier_svc.model import load_target
 
-    drive.NEW = 10  # (every forward runs under Triton's interpreter: 16 new tokens took ~600 s on a 2-core CPU)
+    monkeypatch.setattr(drive, "NEW", 10)  # (every forward runs under Triton's interpreter: 16 new tokens took ~600 s on a 2-core CPU)
     target = load_target(tiny.target("qwen3_moe"), "cpu", "bfloat16", kernels="on")
     dynamic = VerifierCore(target, max_block_size=32)
     paged = VerifierCore(target, max_block_size=32, paged_kv=PagedKVOptions(mode="on", kv_cache_gb=0.01))
