@@ -461,6 +461,9 @@ class _NullStore:
     def weights(self, pool):
         return dataclasses.make_dataclass("W", ["big_scales"])(False)
 
+    def refresh(self, w, pool):
+        return w
+
 
 def replay_real(trace, num_experts: dict[int, int], slots: int, eviction: str, prefetch: bool) -> dict | None:
     """The trace through a real ExpertCache (None: the cache is smaller than the trace's widest lookup)."""

@@ -57,8 +57,9 @@ def pair_words_for(device) -> bool:
 
 
 # MXFP4 experts served on a GPU as tensor-core fragment words (pdflash_kernels/fragments.py, the Gluon kernel):
-# PDFLASH_FP4_FRAGMENTS "1" (the default since stop 36: on the H200 the whole MoE call 1.14-1.35x faster than pair words
-# at <= 16 tokens per expert, benchmarks/results/fragment_h200.md) or "0" (pair words / nibbles as above). Only where the
+# PDFLASH_FP4_FRAGMENTS "1" (the default since stop 36: on the H200 the whole MoE call 1.14-1.38x faster than pair words
+# at <= 16 tokens per expert, except Qwen3-30B-A3B at 8 experts and 4-16 tokens (1.02x, 0.90x); benchmarks/results/
+# kernels_h200.md against stop 35's, gpu_runs_h200.md "Stop 36") or "0" (pair words / nibbles as above). Only where the
 # shape fits (hidden and expert width multiples of 64) and Gluon is installed; a store that meets a scale byte above 128
 # falls back to pair words (verifier_svc.expert_store).
 _FRAGMENTS = os.environ.get("PDFLASH_FP4_FRAGMENTS", "1")

@@ -382,6 +382,30 @@ def test_a_fragment_store_turns_into_pair_words_when_a_scale_byte_is_above_128(s
         HostExpertStore(ExpertLayout(64, 32, False), {0: 2}, GateLayout(1, 32, 0, 1.0, 7.0), fmt="fragments")
 
 
+def test_a_cache_made_before_the_store_turned_into_pair_words_reads_pair_words():
+    """A verifier sizes its expert cache before it reads the experts (verifier_svc.model.load_direct): when the store
+    turns into pair words while loading, the cache's weights follow at its next lookup (else the pool's pair-word
+    slices would be read as fragment words)."""
+    from pdflash_kernels import fragments as F
+    from pdflash_kernels import mxfp4
+    from pdflash_kernels.mxfp4 import ExpertLayout
+    from verifier_svc.expert_store import GateLayout
+
+    store = HostExpertStore(ExpertLayout(64, 64, False), {0: 4, 1: 4}, GateLayout(1, 64, 0, 1.0, 7.0), fmt="fragments")
+    cache = ExpertCache(store, 5, CPU, need=1)
+    assert isinstance(cache.weights, F.FragmentExperts)
+    b1, s1 = mxfp4.quantize(torch.randn(128, 64) * 0.05)
+    b2, s2 = mxfp4.quantize(torch.randn(64, 64) * 0.05)
+    s2[3, 1] = 150
+    store.put_expert(1, 2, dict(w1_blocks=b1, w1_scales=s1, w2_blocks=b2, w2_scales=s2))
+    assert store.demoted
+    cache.lookup(1, [2])
+    w = cache.weights
+    assert not getattr(w, "fragments", False) and w.pair_words and w.big_scales
+    slot = int(cache.lookup(1, [2])[2])
+    assert torch.equal(mxfp4.nibble_blocks(w.w2[slot], True), b2) and torch.equal(w.s2[slot], s2)
+
+
 def test_the_store_format_a_device_gets(monkeypatch):
     """CPU: nibbles. A GPU: fragment words where Gluon is installed and the shape fits (PDFLASH_FP4_FRAGMENTS=1, the
     default), else pair words (PDFLASH_FP4_PAIR_WORDS=1, the default), else nibbles; other values refused at import."""

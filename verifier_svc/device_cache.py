@@ -380,7 +380,7 @@ class DeviceExpertCache:
 
         i = self._index[layer]
         n = module._pdflash_num_experts
-        self.weights.big_scales = self.store.big_scales  # the store may have been filled after this cache was made
+        self.weights = self.store.refresh(self.weights, self.pool)  # the store may have been filled after this cache was made
         valid = None
         if not self._cuda and valid_rows is not None:
             valid = int(valid_rows)

@@ -250,7 +250,7 @@ class ExpertCache:
         """Make `experts` of `layer` resident and pinned; returns the layer's slot table (device int32 [E]), valid on
         the current stream once the copies the layer needs are done (the stream waits for them)."""
         experts = sorted(set(int(e) for e in experts))
-        self.weights.big_scales = self.store.big_scales  # the store may have been filled after this cache was made
+        self.weights = self.store.refresh(self.weights, self.pool)  # the store may have been filled after this cache was made
         if self._cyclic:
             self._routed(layer, experts)
         for e in experts:  # pin the resident ones first: a miss below must not evict them

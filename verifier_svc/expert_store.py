@@ -95,21 +95,18 @@ class HostExpertStore:
         first = self._row[(layer, 0)]
         rows = slice(first, first + self.num_experts[layer])
         dev = self.arena.device
-        if self.format == "fragments" and big_scales(w.s1, w.s2):
+        big = big_scales(w.s1, w.s2)
+        if self.format == "fragments" and big:
             self._demote()
         if self.format == "fragments":
-            parts = dict(w1_blocks=nibble_blocks(w.w1, w.pair_words), w1_scales=w.s1,
-                         w2_blocks=nibble_blocks(w.w2, w.pair_words), w2_scales=w.s2)
-            self._put_fragments(self.arena[rows], parts)
-            if self.layout.has_bias:
-                views["b1"][rows] = w.b1.to(dev)
-                views["b2"][rows] = w.b2.to(dev)
-            return
-        views["w1_blocks"][rows] = self._blocks(w.w1, w.pair_words).to(dev)
-        views["w1_scales"][rows] = w.s1.to(dev)
-        views["w2_blocks"][rows] = self._blocks(w.w2, w.pair_words).to(dev)
-        views["w2_scales"][rows] = w.s2.to(dev)
-        self.big_scales = self.big_scales or big_scales(w.s1, w.s2)
+            self._put_fragments(self.arena[rows], dict(w1_blocks=nibble_blocks(w.w1, w.pair_words), w1_scales=w.s1,
+                                                       w2_blocks=nibble_blocks(w.w2, w.pair_words), w2_scales=w.s2))
+        else:
+            views["w1_blocks"][rows] = self._blocks(w.w1, w.pair_words).to(dev)
+            views["w1_scales"][rows] = w.s1.to(dev)
+            views["w2_blocks"][rows] = self._blocks(w.w2, w.pair_words).to(dev)
+            views["w2_scales"][rows] = w.s2.to(dev)
+        self.big_scales = self.big_scales or big
         if self.layout.has_bias:
             views["b1"][rows] = w.b1.to(dev)
             views["b2"][rows] = w.b2.to(dev)
@@ -151,6 +148,14 @@ class HostExpertStore:
         return ExpertWeights(v["w1_blocks"], v["w2_blocks"], v["w1_scales"], v["w2_scales"], v.get("b1"), v.get("b2"),
                              row_mul=g.row_mul, up_off=g.up_off, act=g.act, alpha=g.alpha, limit=g.limit,
                              big_scales=self.big_scales, pair_words=self.pair_words)
+
+    def refresh(self, w, pool: torch.Tensor):
+        """`w`, this store's weights over `pool` made earlier (a cache made before the experts were read), as the store
+        is now: made again where the store changed its format while loading (`demoted`), with its big_scales flag."""
+        if getattr(w, "fragments", False) != (self.format == "fragments"):
+            w = self.weights(pool)
+        w.big_scales = self.big_scales
+        return w
 
     def _blocks(self, blocks: torch.Tensor, pair_words: bool = False) -> torch.Tensor:
         """Blocks (pair words when `pair_words`) in this store's format (nibbles or pair words)."""
