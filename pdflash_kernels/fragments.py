@@ -26,7 +26,7 @@ static by shape, and its partial sums are added in range order by whichever prog
 bytes above 128 are not supported (the fast decode's bound, as `pdflash_kernels.moe.FAST_DECODE_MAX_SCALE`): `frag_gemm`
 refuses them.
 Without a GPU: `to_fragment_words` / `from_fragment_words` and `frag_gemm_reference` (torch) run anywhere; the kernel
-compiles for sm_90 on a CPU machine (tests/test_kernels.py) but runs only on CUDA.
+compiles for sm_90 on a CPU machine (tests/test_fragments.py) but runs only on CUDA.
 """
 
 from __future__ import annotations
@@ -340,8 +340,8 @@ if gluon is not None:
             re = gl.convert_layout(rows, gl.SliceLayout(0, EL))
             mask = j_ok[:, None] & gl.convert_layout(p_ok, gl.SliceLayout(0, EL))[None, :]
             if HAS_BIAS:
-                bg = gl.load(b_ptr + slot * stride_b + j * ROW_MUL, mask=j_ok, other=0.0).to(gl.float32)
-                bu = gl.load(b_ptr + slot * stride_b + j * ROW_MUL + UP_OFF, mask=j_ok, other=0.0).to(gl.float32)
+                bg = gl.load(b_ptr + slot.to(gl.int64) * stride_b + j * ROW_MUL, mask=j_ok, other=0.0).to(gl.float32)
+                bu = gl.load(b_ptr + slot.to(gl.int64) * stride_b + j * ROW_MUL + UP_OFF, mask=j_ok, other=0.0).to(gl.float32)
                 g = (g + bg[:, None]).to(gl.bfloat16).to(gl.float32)
                 u = (u + bu[:, None]).to(gl.bfloat16).to(gl.float32)
             if ACT == 0:
@@ -360,7 +360,7 @@ if gluon is not None:
             else:
                 y = acc.to(gl.bfloat16).to(gl.float32)
                 if HAS_BIAS:
-                    bb = gl.load(b_ptr + slot * stride_b + j, mask=j_ok, other=0.0).to(gl.float32)
+                    bb = gl.load(b_ptr + slot.to(gl.int64) * stride_b + j, mask=j_ok, other=0.0).to(gl.float32)
                     y = (y + bb[:, None]).to(gl.bfloat16).to(gl.float32)
                 rw = gl.load(rw_ptr + pair, mask=p_ok, other=0.0).to(gl.float32)
                 y = y * rw[None, :]
@@ -370,9 +370,9 @@ if gluon is not None:
 class FragTile(typing.NamedTuple):
     """One fragment GEMM's tiling: `nt` 16-row weight tiles a program (a multiple of `warps`; gate/up: half gate tiles,
     half up tiles, so even), `kqs` 64-column quads a K step (a power of two), `prefetch` (each step's loads issued
-    before the previous step's decode and MMAs; 2: two steps before), `split` (K's whole steps cut into that many ranges, one program each,
-    their float32 partial sums added in range order by the tile's last program). Written "NTxKQSwW" + "p" (prefetch)
-    + "sS" (split S), e.g. "8x4w4p" or "4x8w4s2"."""
+    before the previous step's decode and MMAs; 2: two steps before), `split` (K's whole steps cut into that many
+    ranges, one program each, their float32 partial sums added in range order by the tile's last program). Written
+    "NTxKQSwW" + "p" or "pp" (prefetch 1 or 2) + "sS" (split S), e.g. "8x4w4p" or "4x8w4pps2"."""
 
     nt: int = 4
     kqs: int = 4

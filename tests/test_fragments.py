@@ -2,8 +2,9 @@
 
 CPU: the layout against PTX's m16n8k16 A-fragment rule (decoded word by word, independently of the inverse), round
 trips, the reference against a dense matmul, and the kernel compiled for sm_90 (its operand layout change must move
-no data: `convert_layout(..., assert_trivial=True)`, and it uses no shared memory). GPU (skipped without CUDA): the
-kernel against its reference, and each row's bits whatever the other rows of the call."""
+no data: `convert_layout(..., assert_trivial=True)`; shared memory only for the activation tile and the gate/up
+exchange). GPU (skipped without CUDA): the kernel against its reference for every tile form (K splits too), each row's
+bits whatever the other rows of the call, and fragment_moe against the MoE reference, bit-identical for any batch."""
 
 from __future__ import annotations
 
@@ -276,6 +277,31 @@ def test_fragment_moe_rows_are_bit_identical_for_any_batch_and_phases(model, til
         assert torch.equal(F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e, config=config), full[:n]), n
     phase = torch.randint(0, 3, (e,), device="cuda", dtype=torch.int8)
     assert torch.equal(F.fragment_moe(x, ids, wts, fw, e, phase_of_expert=phase, groups=2, config=config), full)
+
+
+@cuda
+@needs_gluon
+@pytest.mark.gpu
+def test_fragment_moe_reads_slots_past_two_gib_of_a_pool():
+    """An expert cache's slot pool: one row per slot, a whole expert slice long, so a bias row lies slot x slice bytes
+    in (a 10 GB pool of gpt-oss-20b slices at 100%). Experts in the last slots of a pool whose bias rows are 2 MiB
+    apart (offsets past 2**31 elements) give the bits of the same experts at slots 0..E-1."""
+    import dataclasses
+
+    e, w, fw, x, ids, wts = _moe_case("small", 9, seed=5)
+    slots, row = 2100, 1 << 20  # bias element offsets up to 2100 * 2**20 > 2**31
+    first = slots - e
+    far = {}
+    for name in ("w1", "s1", "w2", "s2"):
+        t = getattr(fw, name)
+        far[name] = torch.zeros(slots, *t.shape[1:], dtype=t.dtype, device="cuda")
+        far[name][first:] = t
+    rows = torch.zeros(slots, row, dtype=torch.bfloat16, device="cuda")
+    far["b1"], far["b2"] = rows[:, : fw.b1.shape[1]], rows[:, fw.b1.shape[1] : fw.b1.shape[1] + fw.b2.shape[1]]
+    far["b1"][first:], far["b2"][first:] = fw.b1, fw.b2
+    at = torch.arange(first, slots, dtype=torch.int32, device="cuda")
+    out = F.fragment_moe(x, ids, wts, dataclasses.replace(fw, **far), e, slot_of_expert=at)
+    assert torch.equal(out, F.fragment_moe(x, ids, wts, fw, e))
 
 
 def test_frag_tile_names_and_split_plans():
