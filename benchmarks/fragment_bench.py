@@ -260,16 +260,28 @@ def whole_call(args) -> None:
                     raise AssertionError(f"{model} A={active} T={tpe}: fragment_moe is {err:.3g} off the reference")
                 t_moe = gpu_time_us(lambda: moe_forward(x, ids, wts, w, e))
                 t_frag = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
+                t_plain = None
+                if args.pdl_ab and F.PDL_MODE:  # the two GEMMs launched plainly (routing and combine keep PDL)
+                    with_pdl = F.fragment_moe(x, ids, wts, fw, e)
+                    mode, F.PDL_MODE = F.PDL_MODE, 0
+                    try:
+                        if not torch.equal(F.fragment_moe(x, ids, wts, fw, e), with_pdl):
+                            raise AssertionError(f"{model} A={active} T={tpe}: PDL launches changed the output bits")
+                        t_plain = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
+                    finally:
+                        F.PDL_MODE = mode
             nbytes = active * per
             row = dict(model=model, weights="mxfp4", tokens_per_expert=tpe, active_experts=active, weight_bytes=nbytes,
                        torch_bf16_us=round(t_hf, 1), moe_us=round(t_moe, 1), frag_us=round(t_frag, 1),
                        moe_hbm_fraction=round(nbytes / (t_moe * 1e-6) / rate, 3),
                        hbm_fraction=round(nbytes / (t_frag * 1e-6) / rate, 3),
                        speedup=round(t_hf / t_frag, 2), moe_speedup=round(t_hf / t_moe, 2), max_rel_error=round(err, 5),
-                       config=",".join(str(v) for v in F.frag_config(h, i)))
+                       config=",".join(str(v) for v in F.frag_config(h, i)), frag_pdl=F.PDL_MODE,
+                       frag_plain_us=None if t_plain is None else round(t_plain, 1))
             rows.append(row)
             print(f"{model:14s} A={active:3d} T={tpe:2d}  hf {t_hf:7.1f}  moe {t_moe:7.1f} ({row['moe_hbm_fraction']:.2f}, "
-                  f"x{row['moe_speedup']})  frag {t_frag:7.1f} ({row['hbm_fraction']:.2f}, x{row['speedup']})", flush=True)
+                  f"x{row['moe_speedup']})  frag {t_frag:7.1f} ({row['hbm_fraction']:.2f}, x{row['speedup']})"
+                  + ("" if t_plain is None else f"  frag without PDL {t_plain:7.1f}"), flush=True)
         del mod, w, fw, cases
         torch.cuda.empty_cache()
     out = pathlib.Path(args.out)
@@ -284,7 +296,11 @@ def whole_call(args) -> None:
     for r in rows:
         lines.append(f"| {r['model']} | {r['active_experts']} | {r['tokens_per_expert']} | {r['weight_bytes'] / 1e6:.1f} | "
                      f"{r['torch_bf16_us']} | {r['moe_us']} | {r['moe_hbm_fraction']:.2f} | {r['moe_speedup']} | "
-                     f"{r['frag_us']} | {r['hbm_fraction']:.2f} | {r['speedup']} | {r['config']} |")
+                     f"{r['frag_us']} | {r['hbm_fraction']:.2f} | {r['speedup']} | {r['config']} |"
+                     + ("" if r["frag_plain_us"] is None else f" {r['frag_plain_us']} |"))
+    if any(r["frag_plain_us"] is not None for r in rows):  # --pdl-ab: one more column
+        lines[4] += " frag us, GEMMs without PDL |"
+        lines[5] += "---|"
     _write(out, "fragment_h200", res, lines)
 
 
@@ -298,6 +314,8 @@ def main() -> None:
     ap.add_argument("--variants", default=None)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default="1,4,16")
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="also time the whole call with the two fragment GEMMs launched without PDL (bits checked equal)")
     args = ap.parse_args()
     if args.sweep:
         args.variants = args.variants or ",".join(VARIANTS)

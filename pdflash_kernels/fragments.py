@@ -37,7 +37,7 @@ import typing
 
 import torch
 
-from pdflash_kernels import mxfp4
+from pdflash_kernels import mxfp4, runtime
 from pdflash_kernels.moe import FAST_DECODE_MAX_SCALE, Routing, pair_word_decode_asm, triton_cdiv
 
 try:  # Gluon (Triton >= 3.5): explicit layouts. Optional like Triton itself.
@@ -50,6 +50,13 @@ except Exception:  # pragma: no cover - depends on the install
 _FRAG_ASM = pair_word_decode_asm("$9", "$10")  # decode 5, rows g ($9) and g + 8 ($10) with their own scales
 QUAD = 64  # K values of one fragment quad (four 16-column tiles)
 WORDS_PER_QUAD = 128  # words of one 16-row x 64-column quad (32 lanes x 4 tiles)
+# Programmatic dependent launch for the two GEMMs, as the Triton kernels have it (pdflash_kernels.runtime.PDL, on by default
+# on sm_90+): each program first waits for the kernel before it (griddepcontrol.wait: the routing, a copy group's fill
+# or the gate/up GEMM wrote what it reads), then lets the next kernel launch (PDFLASH_PDL_TRIGGER's order), so a
+# launch's latency hides under the previous kernel's tail. The arithmetic is untouched. PDFLASH_FP4_FRAGMENTS_PDL=0
+# launches these two plainly while the rest keeps PDL.
+PDL_MODE = (1 if runtime.PDL_TRIGGER == "after-wait" else 2) if runtime.PDL and runtime.env_flag(
+    "PDFLASH_FP4_FRAGMENTS_PDL", default=True) else 0
 
 
 def _codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -213,12 +220,25 @@ if gluon is not None:
         return acc
 
     @gluon.jit
+    def _pdl_begin(MODE: gl.constexpr):
+        """A program's first statement: MODE 1 waits for the previous kernel, then lets the next launch; 2 the other
+        order; 0 nothing (pdflash_kernels.runtime.pdl_begin for Gluon)."""
+        if MODE == 1:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+        elif MODE == 2:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _frag_gemm(x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr,
                    w_ptr, stride_ws, s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit,
                    N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr,
                    HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, PHASE: gl.constexpr,
                    BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
-                   SPLIT: gl.constexpr, SS: gl.constexpr):
+                   SPLIT: gl.constexpr, SS: gl.constexpr, PDL: gl.constexpr = 0):
         """One program: routing block program_id(0) x NT 16-row weight tiles (program_id(1)) x K range program_id(2).
         EPI 0: y (float32) at the block's rows = x[pair // TOPK] @ w^T (EPI 3: x[block row] @ w^T); EPI 1 (gate/up,
         rows [gates; ups] as `gate_up_order` stores them, N = I): the program's tiles are NT / 2 gate tiles and the NT / 2
@@ -228,6 +248,7 @@ if gluon is not None:
         into ranges of SS steps (the quads past the last whole step in the last range), each program's float32 partial
         sums into ws [SPLIT, R, weight rows]; the tile's last program (a counter in cnt as a semaphore) adds them in
         range order from zero and runs the epilogue: the same bits whichever program is last."""
+        _pdl_begin(PDL)  # before any load: the routing and the slots' copies come from the kernels before
         BN: gl.constexpr = NT * 16
         WL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
@@ -439,7 +460,7 @@ def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, tile
                      b, b.stride(0), rw if rw is not None else x, ws, cnt, rows, r.num_pairs, float(alpha), float(limit),
                      N=n, K=k, TOPK=topk, EPI=epi, ACT=act, HAS_BIAS=bias is not None, ROW_MUL=row_mul, UP_OFF=up_off,
                      PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=int(prefetch), SPLIT=split, SS=ss,
-                     num_warps=num_warps)
+                     PDL=PDL_MODE, num_warps=num_warps, **({"launch_pdl": True} if PDL_MODE else {}))
     return out
 
 

@@ -163,6 +163,30 @@ def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, tile, epi,
     assert ("atom.global" in ptx) == (split > 1)  # the split's counter
 
 
+@needs_gluon
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_kernel_waits_for_the_kernel_before_it_first_under_pdl(mode, monkeypatch):
+    """PDL (F.PDL_MODE): 1 = griddepcontrol.wait, then launch_dependents, both before the program's first global load (the
+    routing and the slots' copies are the previous kernels' writes); 2 = the other order; 0 = neither."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    const = dict(N=2048, K=768, TOPK=8, EPI=2, ACT=0, HAS_BIAS=False, ROW_MUL=1, UP_OFF=0, PHASE=0, BM=16, NT=4, KQS=4,
+                 W=4, PREFETCH=0, SPLIT=1, SS=3, PDL=mode)
+    sig = dict(SIG, out_ptr="*fp32", **{c: "constexpr" for c in const})
+    ptx = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4}).asm["ptx"]
+    body = ptx[ptx.index(".entry"):]
+    if mode == 0:
+        assert "griddepcontrol" not in body
+        return
+    wait, launch, load = body.index("griddepcontrol.wait"), body.index("griddepcontrol.launch_dependents"), body.index("ld.global")
+    assert max(wait, launch) < load
+    assert (wait < launch) == (mode == 1)
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
