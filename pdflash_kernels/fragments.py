@@ -361,8 +361,9 @@ if gluon is not None:
             re = gl.convert_layout(rows, gl.SliceLayout(0, EL))
             mask = j_ok[:, None] & gl.convert_layout(p_ok, gl.SliceLayout(0, EL))[None, :]
             if HAS_BIAS:
-                bg = gl.load(b_ptr + slot.to(gl.int64) * stride_b + j * ROW_MUL, mask=j_ok, other=0.0).to(gl.float32)
-                bu = gl.load(b_ptr + slot.to(gl.int64) * stride_b + j * ROW_MUL + UP_OFF, mask=j_ok, other=0.0).to(gl.float32)
+                brow = b_ptr + slot.to(gl.int64) * stride_b  # (a slot pool's rows are whole slices apart: int64)
+                bg = gl.load(brow + j * ROW_MUL, mask=j_ok, other=0.0).to(gl.float32)
+                bu = gl.load(brow + j * ROW_MUL + UP_OFF, mask=j_ok, other=0.0).to(gl.float32)
                 g = (g + bg[:, None]).to(gl.bfloat16).to(gl.float32)
                 u = (u + bu[:, None]).to(gl.bfloat16).to(gl.float32)
             if ACT == 0:

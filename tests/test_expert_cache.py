@@ -451,20 +451,13 @@ def test_the_installation_report_names_pair_words(tiny):
         del module._pdflash_mxfp4
     pw = HostExpertStore.from_model(model, pair_words=True)
     fs = HostExpertStore.from_model(model, fmt="fragments")
-    serve_offloaded_experts(model, new_cache(pw, 1e9, CPU, prefetch=""))
-    import pdflash_kernels
-
-    inst = pdflash_kernels.install(model, experts_format="mxfp4", probe=False)
-    try:
-        assert inst.experts[layer] == "triton mxfp4 (offloaded: expert cache, pair words)"
-    finally:
-        inst.uninstall()
-    serve_offloaded_experts(model, new_cache(fs, 1e9, CPU, prefetch=""))
-    inst = pdflash_kernels.install(model, experts_format="mxfp4", probe=False)
-    try:
-        assert inst.experts[layer] == "triton mxfp4 (offloaded: expert cache, fragment words)"
-    finally:
-        inst.uninstall()
+    for store, words in ((pw, "pair words"), (fs, "fragment words")):
+        serve_offloaded_experts(model, new_cache(store, 1e9, CPU, prefetch=""))
+        inst = pdflash_kernels.install(model, experts_format="mxfp4", probe=False)
+        try:
+            assert inst.experts[layer] == f"triton mxfp4 (offloaded: expert cache, {words})"
+        finally:
+            inst.uninstall()
 
 
 def test_the_device_cache_guesses_asynchronously_unless_told_not_to(monkeypatch):
