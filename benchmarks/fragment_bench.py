@@ -232,6 +232,7 @@ def whole_call(args) -> None:
     time, against the served pair-word moe_forward and transformers' grouped_mm (bf16), on the same experts."""
     from benchmarks.kernel_bench import as_served, hf_experts
     from pdflash_kernels import fragments as F
+    from pdflash_kernels import runtime
     from pdflash_kernels.installer import expert_weights
     from pdflash_kernels.moe import moe_forward
     from pdflash_kernels.reference import moe_reference
@@ -259,12 +260,16 @@ def whole_call(args) -> None:
                 if err > 0.02:
                     raise AssertionError(f"{model} A={active} T={tpe}: fragment_moe is {err:.3g} off the reference")
                 t_moe = gpu_time_us(lambda: moe_forward(x, ids, wts, w, e))
-                t_frag = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
                 t_plain = None
-                if args.pdl_ab and F.PDL_MODE:  # the two GEMMs launched plainly (routing and combine keep PDL)
-                    with_pdl = F.fragment_moe(x, ids, wts, fw, e)
-                    mode, F.PDL_MODE = F.PDL_MODE, 0
+                if not (args.pdl_ab and runtime.PDL):
+                    t_frag = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
+                else:  # frag_us with the two GEMMs' PDL on, frag_plain_us without it
+                    mode = F.PDL_MODE
                     try:
+                        F.PDL_MODE = 1 if runtime.PDL_TRIGGER == "after-wait" else 2
+                        with_pdl = F.fragment_moe(x, ids, wts, fw, e)
+                        t_frag = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
+                        F.PDL_MODE = 0
                         if not torch.equal(F.fragment_moe(x, ids, wts, fw, e), with_pdl):
                             raise AssertionError(f"{model} A={active} T={tpe}: PDL launches changed the output bits")
                         t_plain = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
@@ -276,7 +281,7 @@ def whole_call(args) -> None:
                        moe_hbm_fraction=round(nbytes / (t_moe * 1e-6) / rate, 3),
                        hbm_fraction=round(nbytes / (t_frag * 1e-6) / rate, 3),
                        speedup=round(t_hf / t_frag, 2), moe_speedup=round(t_hf / t_moe, 2), max_rel_error=round(err, 5),
-                       config=",".join(str(v) for v in F.frag_config(h, i)), frag_pdl=F.PDL_MODE,
+                       config=",".join(str(v) for v in F.frag_config(h, i)), frag_pdl=int(t_plain is not None or F.PDL_MODE != 0),
                        frag_plain_us=None if t_plain is None else round(t_plain, 1))
             rows.append(row)
             print(f"{model:14s} A={active:3d} T={tpe:2d}  hf {t_hf:7.1f}  moe {t_moe:7.1f} ({row['moe_hbm_fraction']:.2f}, "
@@ -315,7 +320,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--pdl-ab", action="store_true",
-                    help="also time the whole call with the two fragment GEMMs launched without PDL (bits checked equal)")
+                    help="time the whole call with the two fragment GEMMs launched with PDL and without it (bits checked "
+                         "equal; where pdflash_kernels.runtime.PDL is on)")
     args = ap.parse_args()
     if args.sweep:
         args.variants = args.variants or ",".join(VARIANTS)

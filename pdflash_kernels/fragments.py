@@ -53,10 +53,12 @@ WORDS_PER_QUAD = 128  # words of one 16-row x 64-column quad (32 lanes x 4 tiles
 # Programmatic dependent launch for the two GEMMs, as the Triton kernels have it (pdflash_kernels.runtime.PDL, on by default
 # on sm_90+): each program first waits for the kernel before it (griddepcontrol.wait: the routing, a copy group's fill
 # or the gate/up GEMM wrote what it reads), then lets the next kernel launch (PDFLASH_PDL_TRIGGER's order), so a
-# launch's latency hides under the previous kernel's tail. The arithmetic is untouched. PDFLASH_FP4_FRAGMENTS_PDL=0
-# launches these two plainly while the rest keeps PDL.
+# launch's latency hides under the previous kernel's tail. The arithmetic is untouched. Opt-in (PDFLASH_FP4_FRAGMENTS_PDL=1,
+# where runtime.PDL is on) until a GPU has run the verifier and the offloaded path with it: on the H200 (stop 37) the
+# fragment tests passed with it, bit-identical, and the whole MoE call ran 1.4-2.1 us faster in 4 of 5 cases
+# (`benchmarks/fragment_bench.py --pdl-ab`); the end-to-end and offload GPU tests have not run with it yet.
 PDL_MODE = (1 if runtime.PDL_TRIGGER == "after-wait" else 2) if runtime.PDL and runtime.env_flag(
-    "PDFLASH_FP4_FRAGMENTS_PDL", default=True) else 0
+    "PDFLASH_FP4_FRAGMENTS_PDL", default=False) else 0
 
 
 def _codes(blocks: torch.Tensor) -> torch.Tensor:
