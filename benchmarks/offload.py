@@ -4,6 +4,7 @@ offloading the same experts to CPU memory (PEER: plain `generate`, what a Python
 
     python benchmarks/offload.py [--models gpt-oss-24l qwen3-48l] [--caches 0.1 0.25 1.0] [--new-tokens 64]
                                  [--prompts 2] [--peer-tokens 4] [--layer-scale 1.0] [--out benchmarks/results]
+    python benchmarks/offload.py --merge RUN1/offload_h200.json RUN2/offload_h200.json ... [--out benchmarks/results]
 
 Targets: gpt-oss-20b layer shapes (24 layers, 32 experts top-4, H = I = 2880) and Qwen3-30B-A3B layer shapes (48
 layers, 128 experts top-8), random bf16 weights built on the GPU, experts quantized to MXFP4 into the host store.
@@ -286,6 +287,43 @@ def write(args, meta: dict, rows: list[dict]) -> None:
     print("\n".join(md))
 
 
+ROW_KEY = ("model", "system", "layer_scale", "mode", "cache_fraction", "prefetch", "guess_width", "overlap", "width", "block",
+           "drafter")
+
+
+def merge(paths: list[str]) -> tuple[dict, list[dict]]:
+    """Several runs' offload_h200.json (e.g. one model or cache size per device call) -> one table's (meta, rows): a
+    model's rows together, larger caches first (file order among equals), PEER last; a row whose key (ROW_KEY) an
+    earlier file already has left out (each run repeats its 100% rows); meta's
+    per-model maps joined, the commands listed. Runs with different prompts, new tokens or layer scale are refused: one
+    table states one setting."""
+    meta: dict = {}
+    rows: list[dict] = []
+    seen = set()
+    commands = []
+    for path in paths:
+        data = json.loads(pathlib.Path(path).read_text())
+        m = data["meta"]
+        for k in ("new_tokens", "prompts", "layer_scale", "device"):
+            if k in meta and m.get(k) != meta[k]:
+                raise SystemExit(f"--merge: {path} has {k} {m.get(k)!r}, an earlier file {meta[k]!r}: one table, one setting")
+        for k, v in m.items():
+            if isinstance(v, dict):
+                meta.setdefault(k, {}).update(v)
+            elif k != "command":
+                meta.setdefault(k, v)
+        commands.append(m.get("command", path))
+        for r in data["rows"]:
+            key = tuple(r.get(k) for k in ROW_KEY)
+            if key not in seen:
+                seen.add(key)
+                rows.append(r)
+    meta["command"] = " ; ".join(commands)
+    models = list(dict.fromkeys(r["model"] for r in rows))  # a model's rows together: larger caches first, PEER last
+    rows.sort(key=lambda r: (models.index(r["model"]), r["system"] != "OURS", -(r.get("cache_fraction") or 0.0)))
+    return meta, rows
+
+
 def _overlap(text: str) -> str:
     parts = text.split("+")
     if text in ("on", "off") or all(p == "async" or (p[:1] == "g" and p[1:].isdigit() and 1 <= int(p[1:]) <= 8) for p in parts):
@@ -323,7 +361,15 @@ def main(argv=None) -> int:
     ap.add_argument("--layer-scale", type=float, default=1.0,
                     help="multiply every layer's output projections by this (build): consecutive hidden states stay close, "
                          "as in trained models, so the layer guess can predict routing; the rows say so")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                    help="write one table (offload_h200.json/.md under --out) from several runs' offload_h200.json instead of "
+                         "running: each row once, in file order")
     args = ap.parse_args(argv)
+    if args.merge:
+        meta, rows = merge(args.merge)
+        args.prompts, args.new_tokens = meta["prompts"], meta["new_tokens"]
+        write(args, meta, rows)
+        return 0
     global DEVICE
     DEVICE = torch.device(args.device)
     if DEVICE.type != "cuda":

@@ -72,3 +72,29 @@ def test_guess_layers_seen_experts_are_the_ones_earlier_tokens_routed():
     assert (~_seen(true, 2, 4).gather(1, true)).tolist() == [[True, True], [False, True], [True, False], [False, False]]
     assert _seen(true, 1, 4).tolist() == [[False] * 4, [True, True, False, False], [False, True, True, False],
                                           [True, False, False, True]]
+
+
+def test_merge_joins_runs_into_one_table_and_refuses_mixed_settings(tmp_path):
+    """`--merge`: stop 37's three device runs give back the committed table, row for row (each run's repeated 100% rows
+    once); runs made with other prompt counts are refused."""
+    import pathlib
+
+    from benchmarks.offload import ROW_KEY, main
+
+    res = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    runs = [res / "stop37_gpu" / c / "offload_h200.json" for c in ("call3", "call5/g", "call5/q")]
+    assert main(["--merge", *map(str, runs), "--out", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "offload_h200.json").read_text())
+    want = json.loads((res / "offload_h200.json").read_text())
+    key = lambda r: tuple(r.get(k) for k in ROW_KEY)  # noqa: E731
+    assert [key(r) for r in got["rows"]] == [key(r) for r in want["rows"]]
+    assert got["rows"] == want["rows"]
+    assert len({key(r) for r in got["rows"]}) == len(got["rows"]) == 25
+    assert got["meta"]["pinned_h2d_bytes_per_s"].keys() == {"gpt-oss-24l", "qwen3-48l"}
+    assert got["meta"]["command"].count("python benchmarks/offload.py") == 3
+    assert "| qwen3-48l | OURS device | 10% |" in (tmp_path / "offload_h200.md").read_text()
+    other = json.loads(runs[0].read_text())
+    other["meta"]["prompts"] = 3
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="prompts"):
+        main(["--merge", str(runs[1]), str(tmp_path / "other.json"), "--out", str(tmp_path / "bad")])
