@@ -187,6 +187,17 @@ def test_kernel_waits_for_the_kernel_before_it_first_under_pdl(mode, monkeypatch
     assert (wait < launch) == (mode == 1)
 
 
+def test_the_gemms_pdl_is_opt_in_and_a_bad_value_is_refused():
+    """PDFLASH_FP4_FRAGMENTS_PDL: off unless set to 1 (and runtime.PDL on); anything but 0/1 stops the import."""
+    import os
+
+    from tests.test_kernels import _import_refuses
+
+    if "PDFLASH_FP4_FRAGMENTS_PDL" not in os.environ:
+        assert F._PDL_ASKED is False and F.PDL_MODE == 0
+    _import_refuses("PDFLASH_FP4_FRAGMENTS_PDL", "yes", "pdflash_kernels.fragments")
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
