@@ -266,7 +266,7 @@ def whole_call(args) -> None:
                 else:  # frag_us with the two GEMMs' PDL on, frag_plain_us without it
                     mode = F.PDL_MODE
                     try:
-                        F.PDL_MODE = 1 if runtime.PDL_TRIGGER == "after-wait" else 2
+                        F.PDL_MODE = F.PDL_ON
                         with_pdl = F.fragment_moe(x, ids, wts, fw, e)
                         t_frag = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
                         F.PDL_MODE = 0

@@ -294,9 +294,8 @@ ROW_KEY = ("model", "system", "layer_scale", "mode", "cache_fraction", "prefetch
 def merge(paths: list[str]) -> tuple[dict, list[dict]]:
     """Several runs' offload_h200.json (e.g. one model or cache size per device call) -> one table's (meta, rows): a
     model's rows together, larger caches first (file order among equals), PEER last; a row whose key (ROW_KEY) an
-    earlier file already has left out (each run repeats its 100% rows); meta's
-    per-model maps joined, the commands listed. Runs with different prompts, new tokens or layer scale are refused: one
-    table states one setting."""
+    earlier file already has left out (each run repeats its 100% rows); meta's per-model maps joined, the commands
+    listed. Runs with different prompts, new tokens, layer scale or device are refused: one table states one setting."""
     meta: dict = {}
     rows: list[dict] = []
     seen = set()
@@ -363,7 +362,7 @@ def main(argv=None) -> int:
                          "as in trained models, so the layer guess can predict routing; the rows say so")
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="write one table (offload_h200.json/.md under --out) from several runs' offload_h200.json instead of "
-                         "running: each row once, in file order")
+                         "running: each row once, a model's rows together (larger caches first, PEER last)")
     args = ap.parse_args(argv)
     if args.merge:
         meta, rows = merge(args.merge)

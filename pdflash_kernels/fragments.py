@@ -58,7 +58,8 @@ WORDS_PER_QUAD = 128  # words of one 16-row x 64-column quad (32 lanes x 4 tiles
 # fragment tests passed with it, bit-identical, and the whole MoE call ran 1.4-2.1 us faster in 4 of 5 cases
 # (`benchmarks/fragment_bench.py --pdl-ab`); the end-to-end and offload GPU tests have not run with it yet.
 _PDL_ASKED = runtime.env_flag("PDFLASH_FP4_FRAGMENTS_PDL", default=False)  # (read everywhere: a bad value stops the import)
-PDL_MODE = (1 if runtime.PDL_TRIGGER == "after-wait" else 2) if runtime.PDL and _PDL_ASKED else 0
+PDL_ON = 1 if runtime.PDL_TRIGGER == "after-wait" else 2  # `_pdl_begin`'s mode when on (benchmarks/fragment_bench.py --pdl-ab)
+PDL_MODE = PDL_ON if runtime.PDL and _PDL_ASKED else 0
 
 
 def _codes(blocks: torch.Tensor) -> torch.Tensor:
