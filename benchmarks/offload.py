@@ -162,7 +162,8 @@ def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", g
     `overlap` (device cache): "on", a layer's misses copy while its resident experts compute (--expert-fill-overlap), the
     next layer waiting for the guess's copies; "off"; or "+"-joined: "async" (the next layer waits only for the guess's
     admission, PDFLASH_EXPERT_GUESS_ASYNC: the server's default),
-    "gN" (the misses in N copy groups, PDFLASH_EXPERT_FILL_GROUPS), e.g. "async+g3"."""
+    "gN" (the misses in N copy groups, PDFLASH_EXPERT_FILL_GROUPS), "abort" (the guess's copies abortable by the next
+    layer's admission, PDFLASH_EXPERT_GUESS_ABORT), e.g. "async+g3", "async+abort"."""
     from pdflash_kernels.installer import experts_modules
     from verifier_svc.expert_cache import min_slots, new_cache
 
@@ -183,6 +184,7 @@ def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", g
         parts = set(overlap.split("+"))
         cache.fill_overlap = "off" not in parts
         cache.guess_async = "async" in parts
+        cache.guess_abort = "abort" in parts
         cache.fill_groups = next((int(p[1:]) for p in parts if p[:1] == "g" and p[1:].isdigit()), 1)
     for layer, module in experts_modules(core.target.model).items():  # a rebind: serving the model anew would reset
         module._pdflash_offload = (cache, layer)  # its experts implementation, dropping the seam's route capture
@@ -198,8 +200,10 @@ def measure(core, prompts, new: int, block: int, propose, cost_aware: bool = Tru
     cache = core.target.expert_cache
     cache.copy_ms()  # forget earlier copies
     sync()
+    aborted = getattr(cache, "aborted", 0)  # (prefills' aborts included: a count, not in any rate)
     r = core_run(core, prompts, new, block, propose, on_prefill=cache.copy_ms, cost_aware=cost_aware)  # (after each prefill: forget its copies)
     r["stats"], r["copy_ms"] = r["decode_cache"], cache.copy_ms()
+    r["aborted"] = getattr(cache, "aborted", 0) - aborted
     return r
 
 
@@ -325,9 +329,10 @@ def merge(paths: list[str]) -> tuple[dict, list[dict]]:
 
 def _overlap(text: str) -> str:
     parts = text.split("+")
-    if text in ("on", "off") or all(p == "async" or (p[:1] == "g" and p[1:].isdigit() and 1 <= int(p[1:]) <= 8) for p in parts):
+    if text in ("on", "off") or all(p in ("async", "abort") or (p[:1] == "g" and p[1:].isdigit() and 1 <= int(p[1:]) <= 8)
+                                     for p in parts):
         return text
-    raise argparse.ArgumentTypeError(f"{text!r}: on, off, or +-joined async / g1..g8 (e.g. async+g3)")
+    raise argparse.ArgumentTypeError(f"{text!r}: on, off, or +-joined async / abort / g1..g8 (e.g. async+g3, async+abort)")
 
 
 def main(argv=None) -> int:
@@ -351,7 +356,9 @@ def main(argv=None) -> int:
                     help="device cache: copy a layer's misses while its resident experts compute (on, --expert-fill-overlap) "
                          "or before its GEMMs (off); with it, +-joined: async (the next-layer guess does not hold up the "
                          "next layer, PDFLASH_EXPERT_GUESS_ASYNC; async is the server's default and this option's), gN (the "
-                         "misses in N copy groups, PDFLASH_EXPERT_FILL_GROUPS=N), e.g. async+g3; compared at each cache "
+                         "misses in N copy groups, PDFLASH_EXPERT_FILL_GROUPS=N), abort (the guess's copies stopped by the "
+                         "next layer's admission where it did not route to them, PDFLASH_EXPERT_GUESS_ABORT), e.g. "
+                         "async+g3, async+abort; compared at each cache "
                          "size below 100%%")
     ap.add_argument("--widths", nargs="+", default=["cost"], choices=["cost", "growth"],
                     help="the drafted rows' width rule: cost (the growth rule capped by round time, what the stack does "
@@ -454,6 +461,7 @@ def main(argv=None) -> int:
                     "copy_ms_per_round": round(copy_s * 1e3 / r["rounds"], 3),
                     "identical": r["outputs"] == reference["outputs"],
                     "stats": dataclasses.asdict(st),
+                    "guesses_aborted": r["aborted"],
                 }
                 rows.append(row)
                 print({k: v for k, v in row.items() if k != "stats"}, flush=True)

@@ -66,6 +66,28 @@ def test_offloaded_equals_every_expert_cached(tiny, arch, mode):
     assert st.bytes_moved == (st.misses + st.prefetched) * cache.store.slice_bytes
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_aborting_wrong_guesses_changes_no_token_and_the_counters_still_add_up(tiny, arch, monkeypatch):
+    """PDFLASH_EXPERT_GUESS_ABORT on the device cache (on a CPU its admission rule runs as on the GPU: each layer frees
+    the slots of this forward's guesses it did not route to). The guess takes every router pick, so many are wrong."""
+    monkeypatch.setenv("PDFLASH_EXPERT_GUESS_ABORT", "1")
+    full = _core(tiny, arch, BIG)
+    small = _core(tiny, arch, tiny_cache_gb(full, "device"))
+    cache = small.target.expert_cache
+    assert cache.guess_abort
+    cache.guess_width = 8
+    prompt = list(range(3, 40))
+    want = _run(full, prompt, _no_drafts)
+    assert _run(small, prompt, _no_drafts) == want
+    assert _run(small, prompt, _replay(want, 3, small.target.vocab_size), width=8) == want
+    st = cache.stats
+    assert cache.aborted > 0 and st.hits + st.misses == st.lookups
+    # a host copy is whole before any abort: every prefetch moved its slice, an aborted one's counts as wasted
+    assert st.bytes_moved == (st.misses + st.prefetched) * cache.store.slice_bytes
+    assert st.wasted_bytes >= cache.aborted * cache.store.slice_bytes
+    assert int((cache.owner >= 0).sum()) <= sum(cache.sizes)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_a_fragment_word_store_serves_the_same_tokens(tiny, arch, monkeypatch):
     """A store in the fragments format (what a GPU verifier with Gluon holds): through the device cache far smaller than

@@ -24,7 +24,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _core(d, cache_gb: float, prefetch: str = "union,layer", mode: str = "device", overlap: bool = True,
-          guess_async: bool = False, groups: int = 1):
+          guess_async: bool = False, groups: int = 1, abort: bool = False):
     from verifier_svc.engine import PagedKVOptions, VerifierCore
     from verifier_svc.model import load_target
 
@@ -34,6 +34,9 @@ def _core(d, cache_gb: float, prefetch: str = "union,layer", mode: str = "device
         target.expert_cache.fill_overlap = overlap  # (before the graphs capture)
         target.expert_cache.guess_async = guess_async
         target.expert_cache.fill_groups = groups
+        target.expert_cache.guess_abort = abort
+        if abort:  # every router pick guessed: many wrong guesses, each stopped by the next layer's admission
+            target.expert_cache.guess_width = 64
     return VerifierCore(target, max_block_size=16, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2))
 
 
@@ -55,26 +58,31 @@ def test_offloaded_equals_resident_mxfp4_for_every_prefetch_mode(checkpoint, mon
     del probe
     # (device mode copies a layer's misses while its resident experts compute, --expert-fill-overlap; False: copies first;
     # guess_async: the next layer waits only for the guess's admission, PDFLASH_EXPERT_GUESS_ASYNC; groups: the misses
-    # in that many copy groups, PDFLASH_EXPERT_FILL_GROUPS)
+    # in that many copy groups, PDFLASH_EXPERT_FILL_GROUPS; abort: the guess's copies abortable, PDFLASH_EXPERT_GUESS_ABORT)
     runs = [("union,layer", "device", True, False, 1), ("none", "device", True, False, 1), ("union", "device", True, False, 1),
             ("layer", "device", True, False, 1), ("union,layer", "host", True, False, 1),
             ("union,layer", "device", False, False, 1), ("none", "device", False, False, 1),
             ("union,layer", "device", True, True, 1), ("layer", "device", True, True, 3), ("none", "device", True, False, 3)]
-    for prefetch, mode, overlap, guess_async, groups in runs:
+    runs = [r + (False,) for r in runs] + [("union,layer", "device", True, True, 1, True), ("layer", "device", True, True, 3, True)]
+    for prefetch, mode, overlap, guess_async, groups, abort in runs:
         # device mode: the overflow range (one layer's experts) + partitions of about half a layer each: still evicts
         core = _core(checkpoint, small_gb if mode == "host" else small_gb + per_layer * store.slice_bytes / 2**30, prefetch, mode,
-                     overlap, guess_async, groups)
+                     overlap, guess_async, groups, abort)
         assert core.graphs is not None and getattr(core.target.expert_cache, "device_managed", False) == (mode == "device")
         cache = core.target.expert_cache
         kept = sum(cache.sizes) if mode == "device" else cache.num_slots  # (device: + an overflow range, not kept)
         assert kept < sum(store.num_experts.values())
         for i, (p, ref) in enumerate(zip(prompts, refs)):
             if i == 0 or prefetch in ("union,layer", "none"):
-                assert _run(core, p, _no_drafts) == ref, (prefetch, mode, overlap, guess_async, groups)
-            assert _run(core, p, _replay(ref, 3, vocab), width=16) == ref, (prefetch, mode, overlap, guess_async, groups)
+                assert _run(core, p, _no_drafts) == ref, (prefetch, mode, overlap, guess_async, groups, abort)
+            assert _run(core, p, _replay(ref, 3, vocab), width=16) == ref, (prefetch, mode, overlap, guess_async, groups, abort)
         st = cache.stats
         assert st.evictions > 0 and st.hits + st.misses == st.lookups
-        assert st.bytes_moved == (st.misses + st.prefetched) * store.slice_bytes
+        if abort:  # an aborted guess moved part of its slice
+            assert cache.aborted > 0
+            assert st.misses * store.slice_bytes < st.bytes_moved <= (st.misses + st.prefetched) * store.slice_bytes
+        else:
+            assert st.bytes_moved == (st.misses + st.prefetched) * store.slice_bytes
         if "layer" in prefetch:
             assert st.prefetched > 0
         if prefetch == "none" and overlap and groups == 1:  # the experts move to another cache (of the other kind): the graphs are captured anew
@@ -90,6 +98,32 @@ def test_offloaded_equals_resident_mxfp4_for_every_prefetch_mode(checkpoint, mon
             del moved, old
         del core, cache
         torch.cuda.empty_cache()
+
+
+def test_an_abortable_fill_stops_mid_copy_when_another_stream_sets_its_flag():
+    """The abortable fill reads its flag while it runs: a 256 MiB slice copying from pinned memory on a side stream is
+    stopped by a flag set from the main stream ~0.5 ms in. It stops part way, every word it wrote is the arena's, and
+    `moved` counts exactly the words written."""
+    from pdflash_kernels import offload as ko
+
+    words = 64 << 20
+    arena = torch.randint(1, 255, (1, words * 4), dtype=torch.uint8).pin_memory()  # no zero byte: written words show
+    pool = torch.zeros(1, words * 4, dtype=torch.uint8, device="cuda")
+    eff = torch.zeros(1, dtype=torch.int32, device="cuda")
+    flags = torch.ones(1, dtype=torch.int8, device="cuda")
+    stop = torch.zeros(1, dtype=torch.int8, device="cuda")
+    moved = torch.zeros(1, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        ko.fill(arena, pool, 0, eff, flags, stop=stop, moved=moved)
+    torch.cuda._sleep(1_000_000)  # (~0.5 ms at H200 clocks; the copy takes ~5 ms)
+    stop.fill_(1)
+    torch.cuda.synchronize()
+    written = pool.view(torch.int32)[0] != 0
+    n = int(written.sum())
+    assert 0 < n < words and n == int(moved[0])
+    assert torch.equal(pool.view(torch.int32)[0][written].cpu(), arena.view(torch.int32)[0][written.cpu()])
 
 
 def test_arrivals_from_another_thread_change_no_token_on_the_device_cache(checkpoint):

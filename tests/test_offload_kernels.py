@@ -54,18 +54,27 @@ def test_admit_kernel_equals_reference(seed):
     inflight = seed % 3 == 0  # (fill -1 for demand hits on prefetched, unused slots)
     groups = 1 + seed % 4  # (a demand's copies split into copy groups)
     scratch = base + c + 7
+    # abortable guesses on half the seeds: a prefetch sets its copies' stop flags to 0; a demand aborts the guessed
+    # experts (this forward's prefetch fill row) it does not route to
+    rng = random.Random(seed + 1000)
+    stop = torch.tensor([rng.randrange(2) for _ in range(n)], dtype=torch.int8) if seed % 2 else None
+    guessed = (torch.tensor([int(rng.random() < 0.4) for _ in range(n)], dtype=torch.int8)
+               if stop is not None and not prefetch else None)
     ref = [t.clone() for t in state]
     eff_r, fill_r = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int8)
-    ko.admit_reference(ids, valid, extra, *ref[:4], ref[4], eff_r, fill_r, tick, base, scratch, prefetch, inflight, groups)
+    stop_r = stop.clone() if stop is not None else None
+    ko.admit_reference(ids, valid, extra, *ref[:4], ref[4], eff_r, fill_r, tick, base, scratch, prefetch, inflight, groups,
+                       guessed=guessed, stop=stop_r)
     dev = [t.clone().to(DEV) for t in state]
     eff, fl = torch.zeros(n, dtype=torch.int32, device=DEV), torch.zeros(n, dtype=torch.int8, device=DEV)
     mark = torch.zeros(n, dtype=torch.int8, device=DEV)
     order = torch.zeros(ko._pow2(c), dtype=torch.int32, device=DEV)
+    stop_d = stop.clone().to(DEV) if stop is not None else None
     ko.admit(ids.to(DEV), torch.tensor([valid], dtype=torch.int32, device=DEV), None if extra is None else extra.to(DEV),
              mark, *dev[:4], dev[4], eff, fl, order, torch.tensor([tick], device=DEV), base, scratch, prefetch, inflight,
-             groups)
-    for name, a, b in zip(("table", "owner", "last", "unused", "codes"), ref, dev):
-        assert torch.equal(a, b.cpu()), name
+             groups, None if guessed is None else guessed.to(DEV), stop_d)
+    for name, a, b in zip(("table", "owner", "last", "unused", "codes", "stop"), ref + [stop_r], dev + [stop_d]):
+        assert (a is None and b is None) or torch.equal(a, b.cpu()), name
     assert torch.equal(fill_r, fl.cpu())
     needed = set(ids[:valid].reshape(-1).tolist()) | (set(torch.nonzero(extra).reshape(-1).tolist()) if extra is not None else set())
     for e in needed:  # the slot table the experts kernel reads: equal wherever an expert is needed
@@ -137,6 +146,59 @@ def test_fill_copies_only_flagged_slices():
     pool.zero_()
     ko.fill(arena, pool, 2, eff, flags, chunk_words=1024, group=2)
     assert torch.equal(pool[4].cpu(), arena[2]) and not pool[2].any() and not pool[0].any()
+
+
+def test_a_demand_aborts_the_guesses_it_does_not_route_to_and_reuses_their_slots():
+    """Abortable guesses: this forward's prefetch for the layer copied experts 2 and 3 (its fill row); the layer routes to
+    3 and 4. Guess 2 is aborted before the slot choice: stop[2] = 1, its slot freed and given to the miss 4 (whose copy
+    the device cache queues behind the guess's); guess 3 is a hit on an unused prefetched slot (in flight: fill -1).
+    A prefetch admission resets its copies' flags; an expert already stopped is skipped by the host fill."""
+    n, base, scratch = 6, 0, 50
+    table = torch.tensor([0, -1, 1, 2, -1, -1], dtype=torch.int32)  # 0 in slot 0 (used), 2 and 3 guessed into 1 and 2
+    owner = torch.tensor([0, 2, 3], dtype=torch.int32)
+    last = torch.tensor([1, 5, 5], dtype=torch.int64)
+    unused = torch.tensor([0, 1, 1], dtype=torch.int8)
+    codes = torch.zeros(n, dtype=torch.int32)
+    eff, fill = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int8)
+    guessed = torch.tensor([0, 0, 1, 1, 0, 0], dtype=torch.int8)
+    stop = torch.zeros(n, dtype=torch.int8)
+    ko.admit_reference(torch.tensor([[3, 4]]), None, None, table, owner, last, unused, codes, eff, fill, 6, base, scratch,
+                       False, inflight=True, guessed=guessed, stop=stop)
+    assert stop.tolist() == [0, 0, 1, 0, 0, 0] and codes[2] == ko.ABORTED
+    assert owner.tolist() == [0, 4, 3] and int(table[2]) == -1 and int(table[4]) == 1 and int(table[0]) == 0
+    assert fill.tolist() == [0, 0, 0, -1, 1, 0] and codes[4] == ko.ROUTED | ko.MISS  # the freed slot: no eviction
+    assert codes[3] == ko.ROUTED | ko.HIT | ko.PREFETCH_USED and unused.tolist() == [0, 0, 0]
+    # the next forward's guess for this layer: 2 again, into a free slot... none is free, so the LRU one (slot 0)
+    ko.admit_reference(torch.tensor([[2]]), None, None, table, owner, last, unused, codes.zero_(), eff, fill, 7, base,
+                       scratch, True, stop=stop)
+    assert stop.tolist() == [0] * n and fill.tolist()[2] == 1 and int(table[2]) == 0 and unused.tolist()[0] == 1
+    arena = torch.arange(n * 8, dtype=torch.uint8).reshape(n, 8)
+    pool = torch.zeros(3, 8, dtype=torch.uint8)
+    moved = torch.zeros(n, dtype=torch.int32)
+    stop[2] = 1  # (stopped before the host copy started: nothing copied, nothing moved)
+    ko.fill_reference(arena, pool, 0, eff, fill, stop=stop, moved=moved)
+    assert not pool.any() and not moved.any()
+    stop[2] = 0
+    ko.fill_reference(arena, pool, 0, eff, fill, stop=stop, moved=moved)
+    assert torch.equal(pool[0], arena[2]) and moved.tolist() == [0, 0, 2, 0, 0, 0]
+
+
+@needs_triton
+def test_an_abortable_fill_reports_the_words_it_moved_and_a_stopped_one_copies_nothing():
+    rows, words = 6, 5000
+    arena = torch.randint(0, 255, (rows, words * 4), dtype=torch.uint8)
+    if DEV == "cuda":
+        arena = arena.pin_memory()
+    pool = torch.zeros(5, words * 4, dtype=torch.uint8, device=DEV)
+    eff = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEV)
+    flags = torch.tensor([1, 0, 1], dtype=torch.int8, device=DEV)
+    stop = torch.tensor([0, 0, 1], dtype=torch.int8, device=DEV)  # expert 2: stopped before its copy
+    moved = torch.zeros(3, dtype=torch.int32, device=DEV)
+    ko.fill(arena, pool, 2, eff, flags, chunk_words=1024, block_words=256, stop=stop, moved=moved)
+    assert torch.equal(pool[4].cpu(), arena[2]) and not pool[2].any() and not pool[0].any()
+    assert moved.tolist() == [words, 0, 0]
+    with pytest.raises(ValueError, match="stop and moved go together"):
+        ko.fill(arena, pool, 2, eff, flags, stop=stop)
 
 
 @pytest.mark.parametrize("name,value", [("PDFLASH_FILL_CHUNK_WORDS", "100"), ("PDFLASH_FILL_BLOCK_WORDS", "big"),

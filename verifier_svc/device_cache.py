@@ -18,7 +18,10 @@ Per experts call (layer l, all on the device):
    The guess runs while it pays: `verifier_svc.guess_gate` compares forwards with and without it (ms per token) and
    sets `guess_on`, device flags the captured forwards read (off: the guess's rows count as none), one per layer: the
    cache-wide decision and (unless PDFLASH_EXPERT_GUESS_LAYERS=0) the layer's own precision
-   (`guess_gate.LayerGate`: a layer whose guesses go unused stops);
+   (`guess_gate.LayerGate`: a layer whose guesses go unused stops). With `guess_abort` (PDFLASH_EXPERT_GUESS_ABORT) the
+   guess's copies are abortable: layer l + 1's demand admission stops the copies of guessed experts it did not route
+   to and frees their slots (`pdflash_kernels.offload`, "Abortable guesses"), so a wrong guess costs only link time
+   that was idle while layer l finished and layer l + 1's attention and router ran;
 3. the grouped kernel over the pool through layer l's slot table.
 Each call ORs what happened to each expert into `codes` (zeroed when a forward starts); the host decodes them after
 the forward (`collect`, called by the verifier core) into the same counters as the host-side cache (`CacheStats`).
@@ -99,8 +102,13 @@ class DeviceExpertCache:
         self.unused = torch.zeros(n_layers, c_max, dtype=torch.int8, device=dev)
         # the forward's per-expert codes and the arrivals' (`arr_codes`): one tensor, so `collect` reads both back in one
         # copy (views made here, before any graph captures them)
-        self._all_codes = torch.zeros(2, n_layers, e_max, dtype=torch.int32, device=dev)
+        # row 2: the words each in-forward prefetch copy moved, with abortable guesses (`moved`; an aborted copy moves part
+        # of its slice)
+        self._all_codes = torch.zeros(3, n_layers, e_max, dtype=torch.int32, device=dev)
         self.codes = self._all_codes[0]
+        self.moved = self._all_codes[2]
+        self._forward_rows = self._all_codes[0::2]  # zeroed when a forward starts
+        self.stop = torch.zeros(n_layers, e_max, dtype=torch.int8, device=dev)  # abortable guesses' flags
         self.eff = torch.zeros(n_layers, e_max, dtype=torch.int32, device=dev)
         self.fills = torch.zeros(2, n_layers, e_max, dtype=torch.int8, device=dev)  # [demand, prefetch] rows
         self.marks = torch.zeros(2, n_layers, e_max, dtype=torch.int8, device=dev)
@@ -131,6 +139,11 @@ class DeviceExpertCache:
         # before the graphs capture.
         self.guess_async = runtime.env_flag("PDFLASH_EXPERT_GUESS_ASYNC", default=True)
         self._admitted = [torch.cuda.Event() for _ in self.layers] if self._cuda else []
+        # Abortable guesses (see the module's docstring): on the GPU only with the asynchronous guess, whose copies may
+        # still run when the next layer admits; on a CPU the same admission rule runs (the guess's copies are done by
+        # then, so an abort only frees the slot), so CI covers it. Set before the graphs capture.
+        self.guess_abort = runtime.env_flag("PDFLASH_EXPERT_GUESS_ABORT", default=False)
+        self.aborted = 0  # guesses aborted since the last reset_stats (not a CacheStats field: the round's proto has none)
         self._stats = CacheStats()
         self.time_copies = False  # the copies run inside the forward's kernels: no separate copy timing
         self.gate = GuessGate()  # whether the next-layer guess pays (measured); its decision is `guess_on`
@@ -295,11 +308,12 @@ class DeviceExpertCache:
         # One copy back for both rows. The arrivals' are final too: the forward waited for the ones issued before it, and
         # those arriving while it runs are kept (`_pending`), not issued, until the end of this call.
         both = self._all_codes.cpu().numpy()
-        st = self._decode(both[0])
+        st = self._decode(both[0], both[2] if self.guess_abort else None)
         with self._lock:
             arrivals = self._decode(both[1])
             self.arr_codes.zero_()
             self._stats = self._stats.plus(st).plus(arrivals)
+            self.aborted += int(np.count_nonzero(both[0] & ko.ABORTED))
             if self.layer_ahead and self.judge_guess:  # this forward ran the guess if the flag was on: judge it, set the flags
                 was = self.gate.on
                 per_token = ms / tokens if ms is not None and tokens > 0 else None
@@ -322,14 +336,17 @@ class DeviceExpertCache:
             self._guess_flags = flags
             self.guess_on.copy_(torch.tensor(flags, dtype=torch.int32))
 
-    def _decode(self, codes: np.ndarray | torch.Tensor) -> CacheStats:
+    def _decode(self, codes: np.ndarray | torch.Tensor, moved: np.ndarray | None = None) -> CacheStats:
+        """`moved` (abortable guesses): the words each prefetch of this forward copied, an aborted one's part of its slice;
+        its bytes count moved and, for an aborted guess, wasted. Without it every prefetch moved its whole slice."""
         codes = codes.numpy() if isinstance(codes, torch.Tensor) else codes  # (host memory; numpy: ~5 us a count)
         count = lambda bit: int(np.count_nonzero(codes & bit))  # noqa: E731
-        misses, prefetched = count(ko.MISS), count(ko.PREFETCHED)
+        misses, prefetched, sb = count(ko.MISS), count(ko.PREFETCHED), self.store.slice_bytes
+        ahead = prefetched * sb if moved is None else 4 * int(moved.sum(dtype=np.int64))
+        lost = 0 if moved is None else 4 * int(moved[(codes & ko.ABORTED) != 0].sum(dtype=np.int64))
         return CacheStats(lookups=count(ko.ROUTED), hits=count(ko.HIT), misses=misses, evictions=count(ko.EVICTED),
                           prefetched=prefetched, prefetch_used=count(ko.PREFETCH_USED),
-                          bytes_moved=(misses + prefetched) * self.store.slice_bytes,
-                          wasted_bytes=count(ko.WASTED) * self.store.slice_bytes)
+                          bytes_moved=misses * sb + ahead, wasted_bytes=count(ko.WASTED) * sb + lost)
 
     def reset_stats(self) -> None:
         """Zero the counters and the per-expert codes, forget which slots were prefetched and not yet used and the last
@@ -341,7 +358,8 @@ class DeviceExpertCache:
                 torch.cuda.current_stream(self.device).wait_stream(self._copy)
                 self._issued = False
             self._stats = CacheStats()
-            self.codes.zero_()
+            self.aborted = 0
+            self._forward_rows.zero_()
             self.unused.zero_()
             self._proj_host.zero_()
             self.proj.zero_()
@@ -358,21 +376,30 @@ class DeviceExpertCache:
         return self._cuda and self.fill_overlap and self.sizes[i] < n
 
     def _admit(self, i: int, which: int, ids, valid_rows, valid: int | None, extra, prefetch: bool, fill: bool = True,
-               inflight: bool = False, admitted: torch.cuda.Event | None = None, groups: int = 1) -> None:
+               inflight: bool = False, admitted: torch.cuda.Event | None = None, groups: int = 1,
+               abortable: bool = False) -> None:
+        """abortable: a prefetch's copies can be stopped (it sets their flags and reports the words moved); a demand
+        aborts this forward's guesses for its layer that it does not route to."""
         args = (self.table[i], self.owner[i, : self.sizes[i]], self.last[i, : self.sizes[i]], self.unused[i, : self.sizes[i]],
                 self.codes[i], self.effs[i] if prefetch else self.eff[i], self.fills[which, i])
         n = self.store.num_experts[self.layers[i]]
         args = tuple(a[:n] if k in (0, 4, 5, 6) else a for k, a in enumerate(args))
+        stop = self.stop[i, :n] if abortable else None
+        guessed = self.fills[1, i, :n] if abortable and not prefetch else None
+        moved = self.moved[i, :n] if abortable and prefetch else None
         if self._cuda:
             ko.admit(ids, valid_rows, extra, self.marks[which, i, :n], *args, self.order[which, i], self.tick,
-                     self.bases[i], self.overflow, prefetch, inflight, groups)
+                     self.bases[i], self.overflow, prefetch, inflight, groups, guessed, stop)
             if admitted is not None:
                 admitted.record(torch.cuda.current_stream(self.device))
             if fill:
-                ko.fill(self.store.arena, self.pool, self._rows[i], args[5], args[6])
+                ko.fill(self.store.arena, self.pool, self._rows[i], args[5], args[6], stop=stop if prefetch else None,
+                        moved=moved)
         else:
-            ko.admit_reference(ids, valid, extra, *args, int(self.tick), self.bases[i], self.overflow, prefetch)
-            ko.fill_reference(self.store.arena, self.pool, self._rows[i], args[5], args[6])
+            ko.admit_reference(ids, valid, extra, *args, int(self.tick), self.bases[i], self.overflow, prefetch,
+                               guessed=guessed, stop=stop)
+            ko.fill_reference(self.store.arena, self.pool, self._rows[i], args[5], args[6], stop=stop if prefetch else None,
+                              moved=moved)
 
     def forward_experts(self, module, layer: int, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         valid_rows: torch.Tensor | None):
@@ -389,7 +416,7 @@ class DeviceExpertCache:
                 with self._lock:
                     self._in_flight = True
             self.tick.add_(1)
-            self.codes.zero_()
+            self._forward_rows.zero_()  # the codes and the prefetches' moved words
             self._joins.clear()
         cur = torch.cuda.current_stream(self.device) if self._cuda else None
         overlap = self._overlaps(i, n)
@@ -402,8 +429,11 @@ class DeviceExpertCache:
         groups = self.fill_groups if overlap else 1
         if self._cuda and not 1 <= groups <= len(self._filled[i]):
             raise ValueError(f"fill_groups {groups}: a layer's copies go in 1 to {len(self._filled[i])} groups")
+        # abort this forward's wrong guesses for this layer: on the GPU where they may still copy (the asynchronous
+        # guess), on a CPU always (the same rule, so CI runs it)
+        abort = self.guess_abort and i > 0 and (early or not self._cuda)
         self._admit(i, 0, top_k_index, valid_rows, valid, None, prefetch=False, fill=not overlap, inflight=early,
-                    groups=groups)
+                    groups=groups, abortable=abort)
         phase = between = None
         if overlap:  # this layer's misses copy on the side stream while its resident experts compute (phases)
             self._side.wait_stream(cur)
@@ -437,7 +467,7 @@ class DeviceExpertCache:
                 n1 = self.store.num_experts[self.layers[i + 1]]
                 ahead = self._cuda and self.guess_async and self._overlaps(i + 1, n1)
                 self._admit(i + 1, 1, guess, g_rows, g_valid, extra, prefetch=True,
-                            admitted=self._admitted[i + 1] if ahead else None)
+                            admitted=self._admitted[i + 1] if ahead else None, abortable=self.guess_abort)
         return offloaded_kernel(x, top_k_index, top_k_weights, self, n, self.eff[i, :n], valid, valid_rows, phase, between,
                                 groups)
 
