@@ -101,9 +101,10 @@ def test_offloaded_equals_resident_mxfp4_for_every_prefetch_mode(checkpoint, mon
 
 
 def test_an_abortable_fill_stops_mid_copy_when_another_stream_sets_its_flag():
-    """The abortable fill reads its flag while it runs: a 256 MiB slice copying from pinned memory on a side stream is
-    stopped by a flag set from the main stream ~0.5 ms in. It stops part way, every word it wrote is the arena's, and
-    `moved` counts exactly the words written."""
+    """The abortable fill reads its flag while it runs: a 256 MiB slice copying from pinned memory on one stream (64
+    programs, all resident at once) is stopped by a flag another stream sets ~1 ms in. It stops part way, every word it
+    wrote is the arena's, and `moved` counts exactly the words written. (Two explicit streams: the legacy default stream
+    would wait for the copy.)"""
     from pdflash_kernels import offload as ko
 
     words = 64 << 20
@@ -113,16 +114,22 @@ def test_an_abortable_fill_stops_mid_copy_when_another_stream_sets_its_flag():
     flags = torch.ones(1, dtype=torch.int8, device="cuda")
     stop = torch.zeros(1, dtype=torch.int8, device="cuda")
     moved = torch.zeros(1, dtype=torch.int32, device="cuda")
-    side = torch.cuda.Stream()
+    stop.fill_(1)  # compiled before the timed copy (stopped at once: nothing copied)
+    ko.fill(arena, pool, 0, eff, flags, chunk_words=1 << 20, stop=stop, moved=moved)
     torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        ko.fill(arena, pool, 0, eff, flags, stop=stop, moved=moved)
-    torch.cuda._sleep(1_000_000)  # (~0.5 ms at H200 clocks; the copy takes ~5 ms)
-    stop.fill_(1)
+    assert int(moved[0]) == 0 and not pool.any()
+    stop.zero_()
+    copier, setter = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(copier):
+        ko.fill(arena, pool, 0, eff, flags, chunk_words=1 << 20, stop=stop, moved=moved)
+    with torch.cuda.stream(setter):
+        torch.cuda._sleep(2_000_000)  # (~1 ms at H200 clocks; the whole copy takes ~5 ms)
+        stop.fill_(1)
     torch.cuda.synchronize()
     written = pool.view(torch.int32)[0] != 0
     n = int(written.sum())
-    assert 0 < n < words and n == int(moved[0])
+    assert 0 < n < words and n == int(moved[0]), (n, words, int(moved[0]))
     assert torch.equal(pool.view(torch.int32)[0][written].cpu(), arena.view(torch.int32)[0][written.cpu()])
 
 
