@@ -474,15 +474,15 @@ def test_the_device_cache_guesses_asynchronously_unless_told_not_to(monkeypatch)
         DeviceExpertCache(store, 4 + 6, CPU, need=4)
 
 
-def test_the_device_cache_aborts_wrong_guesses_only_when_told_to(monkeypatch):
-    """PDFLASH_EXPERT_GUESS_ABORT: off by default (until the H200 has timed it); 1 turns it on; another value is refused."""
+def test_the_device_cache_aborts_wrong_guesses_unless_told_not_to(monkeypatch):
+    """PDFLASH_EXPERT_GUESS_ABORT: on by default since stop 38's H200 A/B; 0 turns it off; another value is refused."""
     from verifier_svc.device_cache import DeviceExpertCache
 
     store = _three_layer_store()
     monkeypatch.delenv("PDFLASH_EXPERT_GUESS_ABORT", raising=False)
-    assert DeviceExpertCache(store, 4 + 6, CPU, need=4).guess_abort is False
-    monkeypatch.setenv("PDFLASH_EXPERT_GUESS_ABORT", "1")
     assert DeviceExpertCache(store, 4 + 6, CPU, need=4).guess_abort is True
+    monkeypatch.setenv("PDFLASH_EXPERT_GUESS_ABORT", "0")
+    assert DeviceExpertCache(store, 4 + 6, CPU, need=4).guess_abort is False
     monkeypatch.setenv("PDFLASH_EXPERT_GUESS_ABORT", "yes")
     with pytest.raises(ValueError, match="PDFLASH_EXPERT_GUESS_ABORT must be 0 or 1"):
         DeviceExpertCache(store, 4 + 6, CPU, need=4)

@@ -129,7 +129,7 @@ def test_an_abortable_fill_stops_mid_copy_when_another_stream_sets_its_flag():
     torch.cuda.synchronize()
     written = pool.view(torch.int32)[0] != 0
     n = int(written.sum())
-    assert 0 < n < words and n == int(moved[0]), (n, words, int(moved[0]))
+    assert 0 < n < words and n == int(moved[0]), f"written {n} of {words} words, moved {int(moved[0])}"
     assert torch.equal(pool.view(torch.int32)[0][written].cpu(), arena.view(torch.int32)[0][written.cpu()])
 
 
