@@ -120,6 +120,9 @@ def test_an_abortable_fill_stops_mid_copy_when_another_stream_sets_its_flag():
     assert int(moved[0]) == 0 and not pool.any()
     stop.zero_()
     copier, setter = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(setter):  # every kernel the timed part launches loaded first: a lazily loaded kernel's first
+        torch.cuda._sleep(1)  # launch waits for the device to idle (CUDA_MODULE_LOADING=LAZY), i.e. for the whole copy
+        stop.fill_(0)
     torch.cuda.synchronize()
     with torch.cuda.stream(copier):
         ko.fill(arena, pool, 0, eff, flags, chunk_words=1 << 20, stop=stop, moved=moved)
