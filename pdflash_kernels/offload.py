@@ -291,14 +291,18 @@ if triton is not None:
             src = src_ptr + (first_row + e).to(tl.int64) * words
             dst = dst_ptr + slot * words
             if STOP:  # abortable: stop[e] read before every step (written by the next layer's admission meanwhile)
+                # Every thread reads the flag, then the program takes their max: one value for the whole program (each
+                # thread's own read could see the flag turn at a different step, and the program's warps would leave
+                # the loop at different steps: `moved` would miscount and the loop would not be uniform).
+                flag = stop_ptr + e + tl.zeros((128,), tl.int32)
                 off = lo * 0
-                live = tl.load(stop_ptr + e, volatile=True) == 0
+                live = tl.max(tl.load(flag, volatile=True).to(tl.int32), axis=0) == 0
                 while live & (off < CHUNK):
                     o = lo + off + tl.arange(0, BLOCK)
                     m = o < words
                     tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
                     off += BLOCK
-                    live = tl.load(stop_ptr + e, volatile=True) == 0
+                    live = tl.max(tl.load(flag, volatile=True).to(tl.int32), axis=0) == 0
                 done = tl.maximum(tl.minimum(lo + off, words) - lo, 0)
                 tl.atomic_add(moved_ptr + e, done.to(tl.int32))
             else:
