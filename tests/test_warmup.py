@@ -337,6 +337,7 @@ def test_reset_stats_of_the_device_managed_cache_keeps_what_is_resident():
 
     core = _core(demo_dir(), experts="mxfp4", expert_cache_gb=1.0, expert_cache_mode="device", expert_prefetch="union")
     cache = core.target.expert_cache
+    cache.guess_abort = False  # (else each layer frees the prefetches it did not route to: none would be left unused)
     pre = core.prefill(PrefillInput("r", (5, 6), SamplingParams(), 8, ignore_eos=True))
     # project the experts the prompt did not route: the union prefetch brings them in, no forward uses them
     wrong = {l: frozenset(range(cache.store.num_experts[l])) - pre.routed_union.get(l, frozenset()) for l in core.target.moe_layers}
