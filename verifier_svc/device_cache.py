@@ -142,9 +142,10 @@ class DeviceExpertCache:
         # Abortable guesses (see the module's docstring): on the GPU only with the asynchronous guess, whose copies may
         # still run when the next layer admits; on a CPU the same admission rule runs (the guess's copies are done by
         # then, so an abort only frees the slot), so CI covers it. On by default since stop 38's H200 A/B (gpt-oss-24l
-        # shapes at 25% and 10% caches: 8 of 8 rows faster than without it in the same run, +0.1..+3.3%, 0.81-0.82 ->
-        # 0.86-0.87 of the PCIe bound at 10%; Qwen3-48l at 10% within -1..+1.7%); PDFLASH_EXPERT_GUESS_ABORT=0 turns it
-        # off. Set before the graphs capture.
+        # shapes at 25% and 10% caches: 12 of 12 rows faster than without it in the same run, +0.1..+3.3%; 25% rows
+        # 0.82-0.83 -> 0.84-0.85 of the PCIe bound in the last run; Qwen3-48l at 10% within -1..+1.7%;
+        # benchmarks/results/offload_abort_h200.md); PDFLASH_EXPERT_GUESS_ABORT=0 turns it off. Set before the graphs
+        # capture.
         self.guess_abort = runtime.env_flag("PDFLASH_EXPERT_GUESS_ABORT", default=True)
         self.aborted = 0  # guesses aborted since the last reset_stats (not a CacheStats field: the round's proto has none)
         self._stats = CacheStats()
