@@ -156,7 +156,7 @@ def offloaded_core(model, name: str):
     return VerifierCore(target, max_block_size=16, max_tokens_limit=4096, paged_kv=PagedKVOptions(kv_cache_gb=4))
 
 
-def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", guess_width: int = 0, overlap: str = "async"):
+def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", guess_width: int = 0, overlap: str = "async+abort"):
     """A fresh cache (`mode`: device- or host-managed) holding `fraction` of the experts (at least one layer's), the
     modules routed through it; its next-layer guess takes the router's top `guess_width` (0: auto, pdflash_kernels.installer.guess_k);
     `overlap` (device cache): "on", a layer's misses copy while its resident experts compute (--expert-fill-overlap), the
@@ -267,7 +267,8 @@ def write(args, meta: dict, rows: list[dict]) -> None:
           "prefetch: what streams ahead (union: the verify's projected union; layer: layer l + 1's router on layer l's input). "
           "guess: how many of that router's top experts per row the layer guess fetches (auto: a quarter of its top_k, at least 1). "
           "overlap (device cache): on, a layer's misses copy while its resident experts compute; off, they copy before its GEMMs; "
-          "async (the server's default), on and the next layer waits only for the guess's admission, not its copies. "
+          "async, on and the next layer waits only for the guess's admission, not its copies; +abort, the next layer stops "
+          "the copies of guessed experts it does not route to (async+abort: the server's default since stop 38). "
           "width: the drafted rows' width rule (cost: the growth rule capped by measured round prices, as the stack does for "
           "offloaded experts; growth: the growth rule alone). "
           + (f"Layer outputs scaled x{meta['layer_scale']} at build (--layer-scale: each layer moves the residual stream "
@@ -352,13 +353,13 @@ def main(argv=None) -> int:
     ap.add_argument("--guess-widths", nargs="+", type=int, default=[0],
                     help="with layer prefetch, how many of the next router's top experts the guess fetches (0 = auto: a quarter of "
                          "its top_k, at least 1; the cache's guess_width, --expert-guess-width), compared at each cache size below 100%%")
-    ap.add_argument("--overlaps", nargs="+", default=["async"], type=_overlap,
+    ap.add_argument("--overlaps", nargs="+", default=["async+abort"], type=_overlap,
                     help="device cache: copy a layer's misses while its resident experts compute (on, --expert-fill-overlap) "
                          "or before its GEMMs (off); with it, +-joined: async (the next-layer guess does not hold up the "
-                         "next layer, PDFLASH_EXPERT_GUESS_ASYNC; async is the server's default and this option's), gN (the "
+                         "next layer, PDFLASH_EXPERT_GUESS_ASYNC), gN (the "
                          "misses in N copy groups, PDFLASH_EXPERT_FILL_GROUPS=N), abort (the guess's copies stopped by the "
                          "next layer's admission where it did not route to them, PDFLASH_EXPERT_GUESS_ABORT), e.g. "
-                         "async+g3, async+abort; compared at each cache "
+                         "async+g3, async+abort (the server's default and this option's); compared at each cache "
                          "size below 100%%")
     ap.add_argument("--widths", nargs="+", default=["cost"], choices=["cost", "growth"],
                     help="the drafted rows' width rule: cost (the growth rule capped by round time, what the stack does "
