@@ -200,10 +200,8 @@ def measure(core, prompts, new: int, block: int, propose, cost_aware: bool = Tru
     cache = core.target.expert_cache
     cache.copy_ms()  # forget earlier copies
     sync()
-    aborted = getattr(cache, "aborted", 0)  # (prefills' aborts included: a count, not in any rate)
     r = core_run(core, prompts, new, block, propose, on_prefill=cache.copy_ms, cost_aware=cost_aware)  # (after each prefill: forget its copies)
     r["stats"], r["copy_ms"] = r["decode_cache"], cache.copy_ms()
-    r["aborted"] = getattr(cache, "aborted", 0) - aborted
     return r
 
 
@@ -462,7 +460,7 @@ def main(argv=None) -> int:
                     "copy_ms_per_round": round(copy_s * 1e3 / r["rounds"], 3),
                     "identical": r["outputs"] == reference["outputs"],
                     "stats": dataclasses.asdict(st),
-                    "guesses_aborted": r["aborted"],
+                    "guesses_aborted": st.prefetch_aborted,
                 }
                 rows.append(row)
                 print({k: v for k, v in row.items() if k != "stats"}, flush=True)

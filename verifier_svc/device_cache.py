@@ -147,7 +147,6 @@ class DeviceExpertCache:
         # benchmarks/results/offload_abort_h200.md); PDFLASH_EXPERT_GUESS_ABORT=0 turns it off. Set before the graphs
         # capture.
         self.guess_abort = runtime.env_flag("PDFLASH_EXPERT_GUESS_ABORT", default=True)
-        self.aborted = 0  # guesses aborted since the last reset_stats (not a CacheStats field: the round's proto has none)
         self._stats = CacheStats()
         self.time_copies = False  # the copies run inside the forward's kernels: no separate copy timing
         self.gate = GuessGate()  # whether the next-layer guess pays (measured); its decision is `guess_on`
@@ -317,7 +316,6 @@ class DeviceExpertCache:
             arrivals = self._decode(both[1])
             self.arr_codes.zero_()
             self._stats = self._stats.plus(st).plus(arrivals)
-            self.aborted += int(np.count_nonzero(both[0] & ko.ABORTED))
             if self.layer_ahead and self.judge_guess:  # this forward ran the guess if the flag was on: judge it, set the flags
                 was = self.gate.on
                 per_token = ms / tokens if ms is not None and tokens > 0 else None
@@ -350,7 +348,8 @@ class DeviceExpertCache:
         lost = 0 if moved is None else 4 * int(moved[(codes & ko.ABORTED) != 0].sum(dtype=np.int64))
         return CacheStats(lookups=count(ko.ROUTED), hits=count(ko.HIT), misses=misses, evictions=count(ko.EVICTED),
                           prefetched=prefetched, prefetch_used=count(ko.PREFETCH_USED),
-                          bytes_moved=misses * sb + ahead, wasted_bytes=count(ko.WASTED) * sb + lost)
+                          bytes_moved=misses * sb + ahead, wasted_bytes=count(ko.WASTED) * sb + lost,
+                          prefetch_aborted=count(ko.ABORTED))
 
     def reset_stats(self) -> None:
         """Zero the counters and the per-expert codes, forget which slots were prefetched and not yet used and the last
@@ -362,7 +361,6 @@ class DeviceExpertCache:
                 torch.cuda.current_stream(self.device).wait_stream(self._copy)
                 self._issued = False
             self._stats = CacheStats()
-            self.aborted = 0
             self._forward_rows.zero_()
             self.unused.zero_()
             self._proj_host.zero_()

@@ -50,7 +50,8 @@ class CacheStats:
     prefetched: int = 0  # slices copied ahead of need
     prefetch_used: int = 0  # of those, asked for by a forward before eviction
     bytes_moved: int = 0  # host -> device, demand and prefetch
-    wasted_bytes: int = 0  # prefetched, evicted unused
+    wasted_bytes: int = 0  # prefetched, evicted unused (device cache: and the part an aborted guess copied)
+    prefetch_aborted: int = 0  # device cache: guesses the next layer did not route to, their copies stopped (of prefetched)
 
     # (field by field: dataclasses.astuple deep-copies, ~20 us a call, several calls a verify)
     def minus(self, other: "CacheStats") -> "CacheStats":

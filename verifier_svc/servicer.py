@@ -122,6 +122,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         m.expert_cache_prefetched.inc(st.prefetched)
         m.expert_cache_prefetch_used.inc(st.prefetch_used)
         m.expert_cache_wasted_bytes.inc(st.wasted_bytes)
+        m.expert_cache_prefetch_aborted.inc(st.prefetch_aborted)
 
     async def GetModelInfo(self, request, context):
         await self._ready(context)

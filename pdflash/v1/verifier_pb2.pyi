@@ -170,7 +170,7 @@ class VerifyResult(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., routed_union: _Optional[_Iterable[_Union[_common_pb2.LayerExperts, _Mapping]]] = ..., routed_bytes: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., expert_cache: _Optional[_Union[ExpertCacheRound, _Mapping]] = ...) -> None: ...
 
 class ExpertCacheRound(_message.Message):
-    __slots__ = ("lookups", "hits", "misses", "evictions", "prefetched", "prefetch_used", "bytes_moved", "wasted_bytes")
+    __slots__ = ("lookups", "hits", "misses", "evictions", "prefetched", "prefetch_used", "bytes_moved", "wasted_bytes", "prefetch_aborted")
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class ExpertCacheRound(_message.Message):
     PREFETCH_USED_FIELD_NUMBER: _ClassVar[int]
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     WASTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_ABORTED_FIELD_NUMBER: _ClassVar[int]
     lookups: int
     hits: int
     misses: int
@@ -187,7 +188,8 @@ class ExpertCacheRound(_message.Message):
     prefetch_used: int
     bytes_moved: int
     wasted_bytes: int
-    def __init__(self, lookups: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., prefetched: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., wasted_bytes: _Optional[int] = ...) -> None: ...
+    prefetch_aborted: int
+    def __init__(self, lookups: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., prefetched: _Optional[int] = ..., prefetch_used: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., wasted_bytes: _Optional[int] = ..., prefetch_aborted: _Optional[int] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id",)
