@@ -175,7 +175,7 @@ class VerifierMetrics(_Metrics):
         self.expert_cache_prefetch_used = self._counter("expert_cache_prefetch_used", "Prefetched experts a forward used before eviction.")
         self.expert_cache_wasted_bytes = self._counter("expert_cache_wasted_bytes", "Prefetched expert bytes evicted unused.")
         self.expert_cache_prefetch_aborted = self._counter(
-            "expert_cache_prefetch_aborted", "Next-layer guesses the layer did not route to, their copies stopped part way.")
+            "expert_cache_prefetch_aborted", "Next-layer guesses the layer did not route to: copies stopped (on a GPU part way), slots freed.")
         self.sessions_alive = self._gauge("sessions_alive", "Verifier sessions (KV caches) currently held.")
         self.prefetch_requests = self._counter(
             "prefetch_requests", "Prefetch hints answered, by outcome (queued, no_expert_cache, disabled, stale).", ("outcome",)
