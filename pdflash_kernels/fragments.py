@@ -68,9 +68,11 @@ PDL_MODE = PDL_ON if runtime.PDL and _PDL_ASKED else 0
 # Under PDL mode 1 (wait, then trigger: the default trigger) the down GEMM's programs start while the gate/up GEMM still
 # runs, so before their wait they can ask L2 for their own weight tiles (`prefetch.global.L2`): its slot ids are the
 # routing's, written before the gate/up GEMM passed its own wait, so they are visible; a prefetch only warms L2 (the
-# point of coherence: never stale bytes), the loads after the wait are unchanged. PDFLASH_FP4_FRAGMENTS_L2_PREFETCH=0
-# turns it off; on by default where PDFLASH_FP4_FRAGMENTS_PDL is (opt-in itself): not timed on a GPU yet.
-L2_PREFETCH = runtime.env_flag("PDFLASH_FP4_FRAGMENTS_L2_PREFETCH", default=True)
+# point of coherence: never stale bytes), the loads after the wait are unchanged. Opt-in
+# (PDFLASH_FP4_FRAGMENTS_L2_PREFETCH=1, with PDFLASH_FP4_FRAGMENTS_PDL=1): written at stop 38 with no device time left,
+# it compiles for sm_90 (tests/test_fragments.py) but has not run on a GPU. The next session times it with
+# `benchmarks/fragment_bench.py --pdl-ab` with and without it (benchmarks/results/gpu_runs_h200.md, stop 38).
+L2_PREFETCH = runtime.env_flag("PDFLASH_FP4_FRAGMENTS_L2_PREFETCH", default=False)
 
 
 def _codes(blocks: torch.Tensor) -> torch.Tensor:
