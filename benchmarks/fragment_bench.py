@@ -261,7 +261,19 @@ def whole_call(args) -> None:
                     raise AssertionError(f"{model} A={active} T={tpe}: fragment_moe is {err:.3g} off the reference")
                 t_moe = gpu_time_us(lambda: moe_forward(x, ids, wts, w, e))
                 t_plain = None
-                if not (args.pdl_ab and runtime.PDL):
+                if args.l2_ab and runtime.PDL and F.PDL_ON == 1:  # frag_us with PDL and the down GEMM's L2 prefetch,
+                    mode, pf = F.PDL_MODE, F.L2_PREFETCH  # frag_plain_us with PDL alone
+                    try:
+                        F.PDL_MODE, F.L2_PREFETCH = F.PDL_ON, True
+                        with_pf = F.fragment_moe(x, ids, wts, fw, e)
+                        t_frag = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
+                        F.L2_PREFETCH = False
+                        if not torch.equal(F.fragment_moe(x, ids, wts, fw, e), with_pf):
+                            raise AssertionError(f"{model} A={active} T={tpe}: the L2 prefetch changed the output bits")
+                        t_plain = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
+                    finally:
+                        F.PDL_MODE, F.L2_PREFETCH = mode, pf
+                elif not (args.pdl_ab and runtime.PDL):
                     t_frag = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
                 else:  # frag_us with the two GEMMs' PDL on, frag_plain_us without it
                     mode = F.PDL_MODE
@@ -286,12 +298,14 @@ def whole_call(args) -> None:
             rows.append(row)
             print(f"{model:14s} A={active:3d} T={tpe:2d}  hf {t_hf:7.1f}  moe {t_moe:7.1f} ({row['moe_hbm_fraction']:.2f}, "
                   f"x{row['moe_speedup']})  frag {t_frag:7.1f} ({row['hbm_fraction']:.2f}, x{row['speedup']})"
-                  + ("" if t_plain is None else f"  frag without PDL {t_plain:7.1f}"), flush=True)
+                  + ("" if t_plain is None else f"  frag without {'the L2 prefetch' if args.l2_ab else 'PDL'} {t_plain:7.1f}"),
+                  flush=True)
         del mod, w, fw, cases
         torch.cuda.empty_cache()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    res = {"device": torch.cuda.get_device_name(), "copy_rate_bytes_per_s": rate, "moe": rows}
+    res = {"device": torch.cuda.get_device_name(), "copy_rate_bytes_per_s": rate, "moe": rows,
+           "ab": "l2" if args.l2_ab else "pdl" if args.pdl_ab else None}
     lines = ["# The MoE call on fragment words (`python benchmarks/fragment_bench.py`)", "",
              f"{res['device']}; device copy {rate / 1e12:.2f} TB/s (read + write). Whole call (routing, both GEMMs, "
              "combine), CUDA-graph time. frag: `pdflash_kernels.fragments.fragment_moe`; moe: the served "
@@ -303,8 +317,9 @@ def whole_call(args) -> None:
                      f"{r['torch_bf16_us']} | {r['moe_us']} | {r['moe_hbm_fraction']:.2f} | {r['moe_speedup']} | "
                      f"{r['frag_us']} | {r['hbm_fraction']:.2f} | {r['speedup']} | {r['config']} |"
                      + ("" if r["frag_plain_us"] is None else f" {r['frag_plain_us']} |"))
-    if any(r["frag_plain_us"] is not None for r in rows):  # --pdl-ab: one more column
-        lines[4] += " frag us, GEMMs without PDL |"
+    if any(r["frag_plain_us"] is not None for r in rows):  # --pdl-ab / --l2-ab: one more column
+        lines[4] += (" frag us, PDL without the down GEMM's L2 prefetch (frag us: with it) |" if res.get("ab") == "l2"
+                     else " frag us, GEMMs without PDL |")
         lines[5] += "---|"
     _write(out, "fragment_h200", res, lines)
 
@@ -322,6 +337,9 @@ def main() -> None:
     ap.add_argument("--pdl-ab", action="store_true",
                     help="time the whole call with the two fragment GEMMs launched with PDL and without it (bits checked "
                          "equal; where pdflash_kernels.runtime.PDL is on)")
+    ap.add_argument("--l2-ab", action="store_true",
+                    help="time the whole call under PDL (mode 1) with the down GEMM's L2 prefetch "
+                         "(PDFLASH_FP4_FRAGMENTS_L2_PREFETCH) and without it, bits checked equal")
     args = ap.parse_args()
     if args.sweep:
         args.variants = args.variants or ",".join(VARIANTS)

@@ -71,7 +71,7 @@ PDL_MODE = PDL_ON if runtime.PDL and _PDL_ASKED else 0
 # point of coherence: never stale bytes), the loads after the wait are unchanged. Opt-in
 # (PDFLASH_FP4_FRAGMENTS_L2_PREFETCH=1, with PDFLASH_FP4_FRAGMENTS_PDL=1): written at stop 38 with no device time left,
 # it compiles for sm_90 (tests/test_fragments.py) but has not run on a GPU. The next session times it with
-# `benchmarks/fragment_bench.py --pdl-ab` with and without it (benchmarks/results/gpu_runs_h200.md, stop 38).
+# `benchmarks/fragment_bench.py --l2-ab` (benchmarks/results/gpu_runs_h200.md, stop 38).
 L2_PREFETCH = runtime.env_flag("PDFLASH_FP4_FRAGMENTS_L2_PREFETCH", default=False)
 
 
