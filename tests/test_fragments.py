@@ -350,6 +350,29 @@ def test_fragment_moe_rows_are_bit_identical_for_any_batch_and_phases(model, til
 @cuda
 @needs_gluon
 @pytest.mark.gpu
+@pytest.mark.parametrize("model,tiles", [("gpt-oss-20b", None), ("qwen3-30b-a3b", None), ("qwen3-30b-a3b", "4x4w4s2,4x4w4ps2")])
+def test_the_down_gemms_l2_prefetch_under_pdl_changes_no_bit(model, tiles, monkeypatch):
+    """PDFLASH_FP4_FRAGMENTS_L2_PREFETCH (PDL mode 1): the same bits as PDL alone and as no PDL, with phases too."""
+    from pdflash_kernels import runtime
+
+    if not runtime.PDL or F.PDL_ON != 1:
+        pytest.skip("needs PDL (sm_90+) with the after-wait trigger")
+    e, w, fw, x, ids, wts = _moe_case(model, 33, seed=4)
+    config = tuple(F.FragTile.parse(t) for t in tiles.split(",")) if tiles else None
+    phase = torch.randint(0, 3, (e,), device="cuda", dtype=torch.int8)
+    outs = []
+    for mode, pf in ((0, False), (1, False), (1, True)):
+        monkeypatch.setattr(F, "PDL_MODE", mode)
+        monkeypatch.setattr(F, "L2_PREFETCH", pf)
+        outs.append((F.fragment_moe(x, ids, wts, fw, e, config=config),
+                     F.fragment_moe(x, ids, wts, fw, e, phase_of_expert=phase, groups=2, config=config)))
+    for a, b in outs[1:]:
+        assert torch.equal(a, outs[0][0]) and torch.equal(b, outs[0][1])
+
+
+@cuda
+@needs_gluon
+@pytest.mark.gpu
 def test_fragment_moe_reads_slots_past_two_gib_of_a_pool():
     """An expert cache's slot pool: one row per slot, a whole expert slice long, so a bias row lies slot x slice bytes
     in (a 10 GB pool of gpt-oss-20b slices at 100%). Experts in the last slots of a pool whose bias rows are 2 MiB
