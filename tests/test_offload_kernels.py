@@ -7,6 +7,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pdflash_kernels import offload as ko
 from pdflash_kernels import runtime
@@ -215,3 +217,56 @@ def test_fill_shape_and_group_variables_refuse_bad_values_with_their_name(name, 
             ko._words(name, 2048)
     monkeypatch.delenv(name)
     assert ko._words("PDFLASH_FILL_CHUNK_WORDS", 1 << 16) == 1 << 16 and device_cache._fill_groups() == 1
+
+
+def _layer_run(steps, n: int, c: int, abort: bool):
+    """One layer's slots through forwards of (guess, routing) pairs, as the device cache drives them on a CPU: the guess's
+    prefetch admission and fill, then the demand admission (aborting the guess's unrouted experts when `abort`) and
+    fill. Checks after each forward: the table and the owners agree, no slot holds two experts, and every routed
+    expert's slot (partition or overflow) holds that expert's bytes."""
+    base, scratch = 0, c
+    arena = torch.arange(n, dtype=torch.int32).repeat_interleave(4).reshape(n, 4).view(torch.uint8) + 1
+    pool = torch.zeros(c + n, arena.shape[1], dtype=torch.uint8)
+    table = torch.full((n,), -1, dtype=torch.int32)
+    owner, last = torch.full((c,), -1, dtype=torch.int32), torch.zeros(c, dtype=torch.int64)
+    unused, stop, moved = torch.zeros(c, dtype=torch.int8), torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.int32)
+    aborted = 0
+    for tick, (guess, routed) in enumerate(steps, start=1):
+        codes = torch.zeros(n, dtype=torch.int32)
+        g_eff, g_fill = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int8)
+        ko.admit_reference(torch.tensor([guess]), None, None, table, owner, last, unused, codes, g_eff, g_fill, tick, base,
+                           scratch, True, stop=stop if abort else None)
+        ko.fill_reference(arena, pool, 0, g_eff, g_fill, stop=stop if abort else None, moved=moved if abort else None)
+        eff, fill = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int8)
+        ko.admit_reference(torch.tensor([routed]), None, None, table, owner, last, unused, codes, eff, fill, tick, base,
+                           scratch, False, inflight=True, guessed=g_fill if abort else None, stop=stop if abort else None)
+        ko.fill_reference(arena, pool, 0, eff, fill)
+        aborted += int(((codes & ko.ABORTED) != 0).sum())
+        held = {int(o) for o in owner if o >= 0}
+        assert len(held) == int((owner >= 0).sum())  # no expert in two slots
+        for e in range(n):
+            s = int(table[e])
+            assert (s >= 0) == (e in held) and (s < 0 or int(owner[s - base]) == e)
+        for e in set(routed):
+            assert torch.equal(pool[int(eff[e])], arena[e]), (tick, e)
+            assert not codes[e] & ko.ABORTED
+        for e in range(n):  # an aborted guess: not resident, its flag set; with aborts every copied wrong guess is one
+            if codes[e] & ko.ABORTED:
+                assert abort and int(table[e]) == -1 and int(stop[e]) == 1 and e not in routed
+            elif abort and int(g_fill[e]) == 1 and e not in routed:
+                raise AssertionError(f"forward {tick}: guess {e} copied, not routed, not aborted")
+    return aborted
+
+
+@given(st.data())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_aborting_guesses_keeps_every_slot_consistent_and_every_routed_expert_exact(data):
+    """Property: over random forwards, with and without aborts, the slot state stays consistent and the experts
+    kernel reads each routed expert's own bytes; with aborts, every wrong guess is aborted."""
+    n = data.draw(st.sampled_from([4, 8, 16, 32]))
+    k = data.draw(st.integers(1, min(4, n)))
+    c = data.draw(st.integers(1, n))
+    picks = st.lists(st.integers(0, n - 1), min_size=k, max_size=k, unique=True)
+    steps = data.draw(st.lists(st.tuples(picks, picks), min_size=1, max_size=12))
+    assert _layer_run(steps, n, c, abort=False) == 0
+    _layer_run(steps, n, c, abort=True)
