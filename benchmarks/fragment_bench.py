@@ -227,6 +227,25 @@ def fused_sweep(args) -> dict:
     return winners
 
 
+def _ab(module, call, on: dict, off: dict, what: str) -> tuple[float, float]:
+    """us of `call` with the module's settings `on`, then with `off` applied on top; the outputs' bits must be equal.
+    The settings are restored after."""
+    saved = {k: getattr(module, k) for k in {**on, **off}}
+    try:
+        for k, v in on.items():
+            setattr(module, k, v)
+        first = call()
+        t_on = gpu_time_us(call)
+        for k, v in off.items():
+            setattr(module, k, v)
+        if not torch.equal(call(), first):
+            raise AssertionError(f"{what} changed the output bits")
+        return t_on, gpu_time_us(call)
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
 def whole_call(args) -> None:
     """The issue's benchmark rows for the fragment path: the whole MoE call (routing, both GEMMs, combine), CUDA-graph
     time, against the served pair-word moe_forward and transformers' grouped_mm (bf16), on the same experts."""
@@ -261,32 +280,15 @@ def whole_call(args) -> None:
                     raise AssertionError(f"{model} A={active} T={tpe}: fragment_moe is {err:.3g} off the reference")
                 t_moe = gpu_time_us(lambda: moe_forward(x, ids, wts, w, e))
                 t_plain = None
-                if args.l2_ab and runtime.PDL and F.PDL_ON == 1:  # frag_us with PDL and the down GEMM's L2 prefetch,
-                    mode, pf = F.PDL_MODE, F.L2_PREFETCH  # frag_plain_us with PDL alone
-                    try:
-                        F.PDL_MODE, F.L2_PREFETCH = F.PDL_ON, True
-                        with_pf = F.fragment_moe(x, ids, wts, fw, e)
-                        t_frag = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
-                        F.L2_PREFETCH = False
-                        if not torch.equal(F.fragment_moe(x, ids, wts, fw, e), with_pf):
-                            raise AssertionError(f"{model} A={active} T={tpe}: the L2 prefetch changed the output bits")
-                        t_plain = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
-                    finally:
-                        F.PDL_MODE, F.L2_PREFETCH = mode, pf
-                elif not (args.pdl_ab and runtime.PDL):
-                    t_frag = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
-                else:  # frag_us with the two GEMMs' PDL on, frag_plain_us without it
-                    mode = F.PDL_MODE
-                    try:
-                        F.PDL_MODE = F.PDL_ON
-                        with_pdl = F.fragment_moe(x, ids, wts, fw, e)
-                        t_frag = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
-                        F.PDL_MODE = 0
-                        if not torch.equal(F.fragment_moe(x, ids, wts, fw, e), with_pdl):
-                            raise AssertionError(f"{model} A={active} T={tpe}: PDL launches changed the output bits")
-                        t_plain = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
-                    finally:
-                        F.PDL_MODE = mode
+                call = lambda: F.fragment_moe(x, ids, wts, fw, e)  # noqa: E731
+                what = f"{model} A={active} T={tpe}"
+                if args.l2_ab and runtime.PDL and F.PDL_ON == 1:  # PDL with the down GEMM's L2 prefetch vs PDL alone
+                    t_frag, t_plain = _ab(F, call, {"PDL_MODE": F.PDL_ON, "L2_PREFETCH": True}, {"L2_PREFETCH": False},
+                                          f"{what}: the L2 prefetch")
+                elif args.pdl_ab and runtime.PDL:  # the two GEMMs' PDL on vs off
+                    t_frag, t_plain = _ab(F, call, {"PDL_MODE": F.PDL_ON}, {"PDL_MODE": 0}, f"{what}: PDL launches")
+                else:
+                    t_frag = gpu_time_us(call)
             nbytes = active * per
             row = dict(model=model, weights="mxfp4", tokens_per_expert=tpe, active_experts=active, weight_bytes=nbytes,
                        torch_bf16_us=round(t_hf, 1), moe_us=round(t_moe, 1), frag_us=round(t_frag, 1),

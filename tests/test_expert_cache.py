@@ -460,29 +460,18 @@ def test_the_installation_report_names_pair_words(tiny):
             inst.uninstall()
 
 
-def test_the_device_cache_guesses_asynchronously_unless_told_not_to(monkeypatch):
-    """PDFLASH_EXPERT_GUESS_ASYNC: on by default since stop 31's H200 A/B; 0 turns it off; another value is refused."""
+@pytest.mark.parametrize("name,attr", [("PDFLASH_EXPERT_GUESS_ASYNC", "guess_async"),
+                                       ("PDFLASH_EXPERT_GUESS_ABORT", "guess_abort")])
+def test_the_device_cache_guess_flags_are_on_unless_told_not_to(name, attr, monkeypatch):
+    """PDFLASH_EXPERT_GUESS_ASYNC (on since stop 31's H200 A/B) and PDFLASH_EXPERT_GUESS_ABORT (stop 38's): unset on, 0
+    off, another value refused with the name."""
     from verifier_svc.device_cache import DeviceExpertCache
 
     store = _three_layer_store()
-    monkeypatch.delenv("PDFLASH_EXPERT_GUESS_ASYNC", raising=False)
-    assert DeviceExpertCache(store, 4 + 6, CPU, need=4).guess_async is True
-    monkeypatch.setenv("PDFLASH_EXPERT_GUESS_ASYNC", "0")
-    assert DeviceExpertCache(store, 4 + 6, CPU, need=4).guess_async is False
-    monkeypatch.setenv("PDFLASH_EXPERT_GUESS_ASYNC", "on")
-    with pytest.raises(ValueError, match="PDFLASH_EXPERT_GUESS_ASYNC must be 0 or 1"):
-        DeviceExpertCache(store, 4 + 6, CPU, need=4)
-
-
-def test_the_device_cache_aborts_wrong_guesses_unless_told_not_to(monkeypatch):
-    """PDFLASH_EXPERT_GUESS_ABORT: on by default since stop 38's H200 A/B; 0 turns it off; another value is refused."""
-    from verifier_svc.device_cache import DeviceExpertCache
-
-    store = _three_layer_store()
-    monkeypatch.delenv("PDFLASH_EXPERT_GUESS_ABORT", raising=False)
-    assert DeviceExpertCache(store, 4 + 6, CPU, need=4).guess_abort is True
-    monkeypatch.setenv("PDFLASH_EXPERT_GUESS_ABORT", "0")
-    assert DeviceExpertCache(store, 4 + 6, CPU, need=4).guess_abort is False
-    monkeypatch.setenv("PDFLASH_EXPERT_GUESS_ABORT", "yes")
-    with pytest.raises(ValueError, match="PDFLASH_EXPERT_GUESS_ABORT must be 0 or 1"):
+    monkeypatch.delenv(name, raising=False)
+    assert getattr(DeviceExpertCache(store, 4 + 6, CPU, need=4), attr) is True
+    monkeypatch.setenv(name, "0")
+    assert getattr(DeviceExpertCache(store, 4 + 6, CPU, need=4), attr) is False
+    monkeypatch.setenv(name, "on")
+    with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
         DeviceExpertCache(store, 4 + 6, CPU, need=4)

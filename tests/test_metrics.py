@@ -121,3 +121,22 @@ def test_negative_port_disables():
 def test_two_services_in_one_process_do_not_collide():
     # Separate registries: building a second set of the same metrics must not raise.
     DrafterMetrics(), DrafterMetrics(), VerifierMetrics(), VerifierMetrics()
+
+
+def test_the_verifier_adds_each_forwards_cache_counters_to_its_metrics():
+    """A verify's expert-cache counters (CacheStats) land in the pdflash_expert_cache_* series, one to one."""
+    import time
+    from types import SimpleNamespace
+
+    from verifier_svc.expert_cache import CacheStats
+    from verifier_svc.servicer import VerifierServicer
+
+    m = VerifierMetrics()
+    st = CacheStats(lookups=9, hits=5, misses=4, evictions=3, prefetched=6, prefetch_used=2, bytes_moved=1000,
+                    wasted_bytes=300, prefetch_aborted=2)
+    VerifierServicer._observe(SimpleNamespace(metrics=m), SimpleNamespace(expert_cache=st, routed_union={}),
+                              time.perf_counter(), prefill=False)
+    value = lambda name: m.registry.get_sample_value(f"pdflash_{name}_total")  # noqa: E731
+    assert (value("expert_cache_hits"), value("expert_cache_misses"), value("expert_cache_evictions")) == (5, 4, 3)
+    assert (value("expert_cache_prefetched"), value("expert_cache_prefetch_used"), value("expert_bytes_moved")) == (6, 2, 1000)
+    assert (value("expert_cache_wasted_bytes"), value("expert_cache_prefetch_aborted")) == (300, 2)
