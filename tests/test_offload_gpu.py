@@ -40,64 +40,89 @@ def _core(d, cache_gb: float, prefetch: str = "union,layer", mode: str = "device
     return VerifierCore(target, max_block_size=16, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2))
 
 
-def test_offloaded_equals_resident_mxfp4_for_every_prefetch_mode(checkpoint, monkeypatch):
+# (prefetch, mode, overlap, guess_async, groups, abort). Device mode copies a layer's misses while its resident experts
+# compute (--expert-fill-overlap; False: copies first); guess_async: the next layer waits only for the guess's admission
+# (PDFLASH_EXPERT_GUESS_ASYNC); groups: the misses in that many copy groups (PDFLASH_EXPERT_FILL_GROUPS); abort: the
+# guess's copies abortable (PDFLASH_EXPERT_GUESS_ABORT), with every router pick guessed so many guesses are wrong.
+RUNS = [("union,layer", "device", True, False, 1, False), ("none", "device", True, False, 1, False),
+        ("union", "device", True, False, 1, False), ("layer", "device", True, False, 1, False),
+        ("union,layer", "host", True, False, 1, False), ("union,layer", "device", False, False, 1, False),
+        ("none", "device", False, False, 1, False), ("union,layer", "device", True, True, 1, False),
+        ("layer", "device", True, True, 3, False), ("none", "device", True, False, 3, False),
+        ("union,layer", "device", True, True, 1, True), ("layer", "device", True, True, 3, True)]
+
+
+def _run_id(run) -> str:
+    prefetch, mode, overlap, guess_async, groups, abort = run
+    return "-".join([prefetch.replace(",", "+"), mode, "overlap" if overlap else "serial"] + (["async"] if guess_async else [])
+                    + ([f"g{groups}"] if groups > 1 else []) + (["abort"] if abort else []))
+
+
+@pytest.fixture(scope="module")
+def resident(checkpoint):
+    """The reference: greedy block-1 output of the same MXFP4 experts all resident, 2 prompts x 96 tokens; and the
+    cache size that holds one layer's experts + 3 slots."""
     import tests.test_gpu_verifier as drive
 
-    monkeypatch.setattr(drive, "NEW", 96)
-    resident = _core(checkpoint, 0.0)
-    assert resident.target.expert_cache is None and resident.target.experts_format == "mxfp4"
-    vocab = resident.target.vocab_size
-    prompts = _prompts(vocab, 2)
-    refs = [_run(resident, p, _no_drafts) for p in prompts]
-    del resident
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(drive, "NEW", 96)
+        core = _core(checkpoint, 0.0)
+        assert core.target.expert_cache is None and core.target.experts_format == "mxfp4"
+        vocab = core.target.vocab_size
+        prompts = _prompts(vocab, 2)
+        refs = [_run(core, p, _no_drafts) for p in prompts]
+    del core
     torch.cuda.empty_cache()
     probe = _core(checkpoint, 100.0)
     store = probe.target.expert_cache.store
     per_layer = max(store.num_experts.values())
     small_gb = (per_layer + 3) * store.slice_bytes / 2**30  # one layer's experts + 3: every forward evicts
     del probe
-    # (device mode copies a layer's misses while its resident experts compute, --expert-fill-overlap; False: copies first;
-    # guess_async: the next layer waits only for the guess's admission, PDFLASH_EXPERT_GUESS_ASYNC; groups: the misses
-    # in that many copy groups, PDFLASH_EXPERT_FILL_GROUPS; abort: the guess's copies abortable, PDFLASH_EXPERT_GUESS_ABORT)
-    runs = [("union,layer", "device", True, False, 1), ("none", "device", True, False, 1), ("union", "device", True, False, 1),
-            ("layer", "device", True, False, 1), ("union,layer", "host", True, False, 1),
-            ("union,layer", "device", False, False, 1), ("none", "device", False, False, 1),
-            ("union,layer", "device", True, True, 1), ("layer", "device", True, True, 3), ("none", "device", True, False, 3)]
-    runs = [r + (False,) for r in runs] + [("union,layer", "device", True, True, 1, True), ("layer", "device", True, True, 3, True)]
-    for prefetch, mode, overlap, guess_async, groups, abort in runs:
-        # device mode: the overflow range (one layer's experts) + partitions of about half a layer each: still evicts
-        core = _core(checkpoint, small_gb if mode == "host" else small_gb + per_layer * store.slice_bytes / 2**30, prefetch, mode,
-                     overlap, guess_async, groups, abort)
-        assert core.graphs is not None and getattr(core.target.expert_cache, "device_managed", False) == (mode == "device")
-        cache = core.target.expert_cache
-        kept = sum(cache.sizes) if mode == "device" else cache.num_slots  # (device: + an overflow range, not kept)
-        assert kept < sum(store.num_experts.values())
-        for i, (p, ref) in enumerate(zip(prompts, refs)):
-            if i == 0 or prefetch in ("union,layer", "none"):
-                assert _run(core, p, _no_drafts) == ref, (prefetch, mode, overlap, guess_async, groups, abort)
-            assert _run(core, p, _replay(ref, 3, vocab), width=16) == ref, (prefetch, mode, overlap, guess_async, groups, abort)
-        st = cache.stats
-        assert st.evictions > 0 and st.hits + st.misses == st.lookups
-        if abort:  # an aborted guess moved part of its slice
-            assert 0 < st.prefetch_aborted <= st.prefetched
-            assert st.misses * store.slice_bytes < st.bytes_moved <= (st.misses + st.prefetched) * store.slice_bytes
-        else:
-            assert st.bytes_moved == (st.misses + st.prefetched) * store.slice_bytes
-        if "layer" in prefetch:
-            assert st.prefetched > 0
-        if prefetch == "none" and overlap and groups == 1:  # the experts move to another cache (of the other kind): the graphs are captured anew
-            from pdflash_kernels.installer import serve_offloaded_experts
-            from verifier_svc.expert_cache import new_cache
+    torch.cuda.empty_cache()
+    return vocab, prompts, refs, store.slice_bytes, per_layer, small_gb
 
-            old = [g for g in core.graphs._graphs.values()]
-            moved = new_cache(cache.store, 0, "cuda", "union,layer", "host", slots=cache.num_slots + 2)
-            serve_offloaded_experts(core.target.model, moved, drop_native=False)
-            core.target.expert_cache = moved
-            assert _run(core, prompts[1], _replay(refs[1], 3, vocab), width=16) == refs[1]
-            assert moved.stats.lookups > 0 and not any(g in old for g in core.graphs._graphs.values())
-            del moved, old
-        del core, cache
-        torch.cuda.empty_cache()
+
+@pytest.mark.parametrize("run", RUNS, ids=_run_id)
+def test_offloaded_equals_resident_mxfp4_for_every_prefetch_mode(checkpoint, resident, run, monkeypatch):
+    import tests.test_gpu_verifier as drive
+
+    monkeypatch.setattr(drive, "NEW", 96)
+    vocab, prompts, refs, slice_bytes, per_layer, small_gb = resident
+    prefetch, mode, overlap, guess_async, groups, abort = run
+    # device mode: the overflow range (one layer's experts) + partitions of about half a layer each: still evicts
+    core = _core(checkpoint, small_gb if mode == "host" else small_gb + per_layer * slice_bytes / 2**30, prefetch, mode,
+                 overlap, guess_async, groups, abort)
+    assert core.graphs is not None and getattr(core.target.expert_cache, "device_managed", False) == (mode == "device")
+    cache = core.target.expert_cache
+    store = cache.store
+    kept = sum(cache.sizes) if mode == "device" else cache.num_slots  # (device: + an overflow range, not kept)
+    assert kept < sum(store.num_experts.values())
+    for i, (p, ref) in enumerate(zip(prompts, refs)):
+        if i == 0 or prefetch in ("union,layer", "none"):
+            assert _run(core, p, _no_drafts) == ref, run
+        assert _run(core, p, _replay(ref, 3, vocab), width=16) == ref, run
+    st = cache.stats
+    assert st.evictions > 0 and st.hits + st.misses == st.lookups
+    if abort:  # an aborted guess moved part of its slice
+        assert 0 < st.prefetch_aborted <= st.prefetched
+        assert st.misses * store.slice_bytes < st.bytes_moved <= (st.misses + st.prefetched) * store.slice_bytes
+    else:
+        assert st.bytes_moved == (st.misses + st.prefetched) * store.slice_bytes
+    if "layer" in prefetch:
+        assert st.prefetched > 0
+    if prefetch == "none" and overlap and groups == 1:  # the experts move to another cache (of the other kind): the graphs are captured anew
+        from pdflash_kernels.installer import serve_offloaded_experts
+        from verifier_svc.expert_cache import new_cache
+
+        old = [g for g in core.graphs._graphs.values()]
+        moved = new_cache(cache.store, 0, "cuda", "union,layer", "host", slots=cache.num_slots + 2)
+        serve_offloaded_experts(core.target.model, moved, drop_native=False)
+        core.target.expert_cache = moved
+        assert _run(core, prompts[1], _replay(refs[1], 3, vocab), width=16) == refs[1]
+        assert moved.stats.lookups > 0 and not any(g in old for g in core.graphs._graphs.values())
+        del moved, old
+    del core, cache
+    torch.cuda.empty_cache()
 
 
 def test_an_abortable_fill_stops_mid_copy_when_another_stream_sets_its_flag():
