@@ -163,7 +163,8 @@ def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", g
     next layer waiting for the guess's copies; "off"; or "+"-joined: "async" (the next layer waits only for the guess's
     admission, PDFLASH_EXPERT_GUESS_ASYNC: the server's default),
     "gN" (the misses in N copy groups, PDFLASH_EXPERT_FILL_GROUPS), "abort" (the guess's copies abortable by the next
-    layer's admission, PDFLASH_EXPERT_GUESS_ABORT), e.g. "async+g3", "async+abort"."""
+    layer's admission, PDFLASH_EXPERT_GUESS_ABORT), "misses" (the guess's width counts copies: the router's picks best
+    first until that many are not resident, PDFLASH_EXPERT_GUESS_MISSES), e.g. "async+g3", "async+abort+misses"."""
     from pdflash_kernels.installer import experts_modules
     from verifier_svc.expert_cache import min_slots, new_cache
 
@@ -185,6 +186,7 @@ def use_cache(core, fraction: float, mode: str, prefetch: str = "union,layer", g
         cache.fill_overlap = "off" not in parts
         cache.guess_async = "async" in parts
         cache.guess_abort = "abort" in parts
+        cache.guess_misses = "misses" in parts
         cache.fill_groups = next((int(p[1:]) for p in parts if p[:1] == "g" and p[1:].isdigit()), 1)
     for layer, module in experts_modules(core.target.model).items():  # a rebind: serving the model anew would reset
         module._pdflash_offload = (cache, layer)  # its experts implementation, dropping the seam's route capture
@@ -328,10 +330,11 @@ def merge(paths: list[str]) -> tuple[dict, list[dict]]:
 
 def _overlap(text: str) -> str:
     parts = text.split("+")
-    if text in ("on", "off") or all(p in ("async", "abort") or (p[:1] == "g" and p[1:].isdigit() and 1 <= int(p[1:]) <= 8)
+    if text in ("on", "off") or all(p in ("async", "abort", "misses") or (p[:1] == "g" and p[1:].isdigit() and 1 <= int(p[1:]) <= 8)
                                      for p in parts):
         return text
-    raise argparse.ArgumentTypeError(f"{text!r}: on, off, or +-joined async / abort / g1..g8 (e.g. async+g3, async+abort)")
+    raise argparse.ArgumentTypeError(f"{text!r}: on, off, or +-joined async / abort / misses / g1..g8 (e.g. async+g3, "
+                                     "async+abort+misses)")
 
 
 def main(argv=None) -> int:
@@ -356,7 +359,9 @@ def main(argv=None) -> int:
                          "or before its GEMMs (off); with it, +-joined: async (the next-layer guess does not hold up the "
                          "next layer, PDFLASH_EXPERT_GUESS_ASYNC), gN (the "
                          "misses in N copy groups, PDFLASH_EXPERT_FILL_GROUPS=N), abort (the guess's copies stopped by the "
-                         "next layer's admission where it did not route to them, PDFLASH_EXPERT_GUESS_ABORT), e.g. "
+                         "next layer's admission where it did not route to them, PDFLASH_EXPERT_GUESS_ABORT), misses (the guess's width "
+                         "counts copies: the router's picks best first until that many are not resident, "
+                         "PDFLASH_EXPERT_GUESS_MISSES), e.g. "
                          "async+g3, async+abort (the server's default and this option's); compared at each cache "
                          "size below 100%%")
     ap.add_argument("--widths", nargs="+", default=["cost"], choices=["cost", "growth"],

@@ -282,16 +282,30 @@ def guess_k(top_k: int, width: int) -> int:
     return min(width, top_k) if width > 0 else max(1, top_k // 4)
 
 
-def _predict_experts(x: torch.Tensor, router: nn.Module, width: int | None = None) -> torch.Tensor:
+def _predict_experts(x: torch.Tensor, router: nn.Module, width: int | None = None,
+                     table: torch.Tensor | None = None) -> torch.Tensor:
     """The experts a router (weight [E, H], optional bias, top_k) would pick for rows x: the top-k of its logits
     (softmax and the renormalisation keep the order), [rows, k]. width (the cache's `guess_width`, `guess_k`): only
-    that many of the best per row; None: all top_k."""
+    that many of the best per row; None: all top_k.
+
+    `table` (the next layer's slot table row [E]: slot, or -1 when not resident; the device cache's
+    `guess_misses`): width counts copies, not picks. Each row takes its picks best first until `guess_k` of them
+    are not resident, so the guess spends its copies on experts the layer lacks rather than on ones it already holds
+    (a resident pick on the way stays in: the guess's admission keeps it from being evicted). The rest of the row
+    repeats its best pick ([rows, k], graph-safe: no host sync)."""
     w, b = router.weight, getattr(router, "bias", None)
     logits = x.reshape(-1, x.shape[-1]).to(w.dtype) @ w.t()
     if isinstance(b, torch.Tensor):
         logits = logits + b
     k = min(router.top_k, logits.shape[-1])
-    return torch.topk(logits.float(), k if width is None else guess_k(k, width), dim=-1).indices
+    if width is None:
+        return torch.topk(logits.float(), k, dim=-1).indices
+    if table is None:
+        return torch.topk(logits.float(), guess_k(k, width), dim=-1).indices
+    ranked = torch.topk(logits.float(), k, dim=-1).indices  # best first
+    absent = (table[ranked] < 0).to(torch.int32)
+    keep = (torch.cumsum(absent, dim=-1) - absent) < guess_k(k, width)  # the absent picks before this one, < width
+    return torch.where(keep, ranked, ranked[:, :1])
 
 
 def routers(model: nn.Module) -> dict[int, nn.Module]:

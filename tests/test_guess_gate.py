@@ -100,6 +100,36 @@ def test_a_guess_width_keeps_the_routers_best_picks_in_order():
     assert torch.equal(_predict_experts(x, router, 7), full)
 
 
+def test_a_guess_counting_copies_takes_the_best_picks_until_that_many_are_absent():
+    """guess_misses: with the next layer's slot table, each row walks the router's ranking until `width` picks are not
+    resident; the resident picks on the way stay in, the rest of the row repeats its best pick."""
+    from types import SimpleNamespace
+
+    from pdflash_kernels.installer import _predict_experts
+
+    g = torch.Generator().manual_seed(1)
+    router = SimpleNamespace(weight=torch.randn(16, 32, generator=g), bias=torch.randn(16, generator=g), top_k=6)
+    x = torch.randn(40, 32, generator=g)
+    ranked = _predict_experts(x, router)
+    for width in (0, 1, 2, 6):
+        for trial in range(5):
+            table = torch.where(torch.rand(16, generator=g) < 0.5, torch.arange(16) + 100, torch.full((16,), -1))
+            got = _predict_experts(x, router, width, table)
+            assert got.shape == ranked.shape
+            w = max(1, 6 // 4) if width == 0 else width
+            for row, picks in zip(got.tolist(), ranked.tolist()):
+                want, absent = [], 0
+                for e in picks:  # the spec, one row at a time
+                    if absent == w:
+                        break
+                    want.append(e)
+                    absent += int(table[e]) < 0
+                assert row[: len(want)] == want and set(row[len(want):]) <= {picks[0]}
+    # nothing resident: the plain top-width; everything resident: the whole ranking (no copy, every pick protected)
+    assert torch.equal(_predict_experts(x, router, 2, torch.full((16,), -1)), torch.cat([ranked[:, :2]] + [ranked[:, :1]] * 4, 1))
+    assert torch.equal(_predict_experts(x, router, 2, torch.arange(16)), ranked)
+
+
 @pytest.mark.parametrize("mode", ["device", "host"])
 def test_a_narrower_guess_fetches_fewer_experts_and_no_token_changes(tiny, mode):
     """The tiny qwen3_moe routes top-2 of 8 experts a layer: guessing both of the next router's picks, then only its best

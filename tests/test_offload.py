@@ -47,12 +47,13 @@ def _core(tiny, arch, cache_gb, prefetch="union,layer", mode="device", eviction=
                         max_block_size=8)
 
 
-@pytest.mark.parametrize("mode,wide", [("device", False), ("host", False), ("device", True)])
+@pytest.mark.parametrize("mode,wide", [("device", False), ("host", False), ("device", True), ("device", "misses")])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_offloaded_equals_every_expert_cached(tiny, arch, mode, wide):
     """wide: the device cache's next-layer guess takes every router pick, so many guesses are wrong and the next layer
     aborts them (PDFLASH_EXPERT_GUESS_ABORT, the default; on a CPU its admission rule runs as on the GPU: the layer
-    frees the slots of this forward's guesses it did not route to)."""
+    frees the slots of this forward's guesses it did not route to); "misses": one copy a row, the router's best absent
+    pick (PDFLASH_EXPERT_GUESS_MISSES)."""
     full = _core(tiny, arch, BIG, mode=mode)
     small = _core(tiny, arch, tiny_cache_gb(full, mode), mode=mode)
     cache = small.target.expert_cache
@@ -60,7 +61,8 @@ def test_offloaded_equals_every_expert_cached(tiny, arch, mode, wide):
     assert small.target.byte_map == cache.store.byte_map() and small.target.experts_format == "mxfp4"
     if wide:
         assert cache.guess_abort
-        cache.guess_width = 8
+        cache.guess_misses = wide == "misses"
+        cache.guess_width = 1 if cache.guess_misses else 8  # (the tiny models route top-2: width 1 walks past residents)
     prompt = list(range(3, 40))
     want = _run(full, prompt, _no_drafts)
     assert _run(small, prompt, _no_drafts) == want

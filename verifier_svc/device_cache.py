@@ -147,6 +147,11 @@ class DeviceExpertCache:
         # benchmarks/results/offload_abort_h200.md); PDFLASH_EXPERT_GUESS_ABORT=0 turns it off. Set before the graphs
         # capture.
         self.guess_abort = runtime.env_flag("PDFLASH_EXPERT_GUESS_ABORT", default=True)
+        # The guess's width counts copies, not picks (pdflash_kernels.installer._predict_experts with the next layer's
+        # table): each row takes the router's picks best first until `guess_width` of them are not resident. Without
+        # it a guess whose best pick is already resident copies nothing and the link idles through the next layer's
+        # attention and router. PDFLASH_EXPERT_GUESS_MISSES; set before the graphs capture.
+        self.guess_misses = runtime.env_flag("PDFLASH_EXPERT_GUESS_MISSES", default=False)
         self._stats = CacheStats()
         self.time_copies = False  # the copies run inside the forward's kernels: no separate copy timing
         self.gate = GuessGate()  # whether the next-layer guess pays (measured); its decision is `guess_on`
@@ -452,7 +457,10 @@ class DeviceExpertCache:
                 self._side.wait_stream(torch.cuda.current_stream(self.device))
                 self._joins.add(i + 1)
             with torch.cuda.stream(self._side) if self._cuda else _nullcontext():
-                guess = _predict_experts(x, nxt, self.guess_width) if nxt is not None else None
+                n1 = self.store.num_experts[self.layers[i + 1]]
+                guess = None
+                if nxt is not None:
+                    guess = _predict_experts(x, nxt, self.guess_width, self.table[i + 1, :n1] if self.guess_misses else None)
                 g_rows, g_valid = valid_rows, valid
                 if guess is not None:  # the gate: off, the guess's rows count as none (a device flag: graph-safe)
                     if self._cuda:
@@ -466,7 +474,6 @@ class DeviceExpertCache:
                 extra = None
                 if self.prefetch_union and guess is None:
                     extra = self.proj[i + 1, : self.store.num_experts[self.layers[i + 1]]]
-                n1 = self.store.num_experts[self.layers[i + 1]]
                 ahead = self._cuda and self.guess_async and self._overlaps(i + 1, n1)
                 self._admit(i + 1, 1, guess, g_rows, g_valid, extra, prefetch=True,
                             admitted=self._admitted[i + 1] if ahead else None, abortable=self.guess_abort)
