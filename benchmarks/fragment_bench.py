@@ -282,10 +282,7 @@ def whole_call(args) -> None:
                 t_plain = None
                 call = lambda: F.fragment_moe(x, ids, wts, fw, e)  # noqa: E731
                 what = f"{model} A={active} T={tpe}"
-                if args.l2_ab and runtime.PDL and F.PDL_ON == 1:  # PDL with the down GEMM's L2 prefetch vs PDL alone
-                    t_frag, t_plain = _ab(F, call, {"PDL_MODE": F.PDL_ON, "L2_PREFETCH": True}, {"L2_PREFETCH": False},
-                                          f"{what}: the L2 prefetch")
-                elif args.pdl_ab and runtime.PDL:  # the two GEMMs' PDL on vs off
+                if args.pdl_ab and runtime.PDL:  # the two GEMMs' PDL on vs off
                     t_frag, t_plain = _ab(F, call, {"PDL_MODE": F.PDL_ON}, {"PDL_MODE": 0}, f"{what}: PDL launches")
                 else:
                     t_frag = gpu_time_us(call)
@@ -300,14 +297,14 @@ def whole_call(args) -> None:
             rows.append(row)
             print(f"{model:14s} A={active:3d} T={tpe:2d}  hf {t_hf:7.1f}  moe {t_moe:7.1f} ({row['moe_hbm_fraction']:.2f}, "
                   f"x{row['moe_speedup']})  frag {t_frag:7.1f} ({row['hbm_fraction']:.2f}, x{row['speedup']})"
-                  + ("" if t_plain is None else f"  frag without {'the L2 prefetch' if args.l2_ab else 'PDL'} {t_plain:7.1f}"),
+                  + ("" if t_plain is None else f"  frag without PDL {t_plain:7.1f}"),
                   flush=True)
         del mod, w, fw, cases
         torch.cuda.empty_cache()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "copy_rate_bytes_per_s": rate, "moe": rows,
-           "ab": "l2" if args.l2_ab else "pdl" if args.pdl_ab else None}
+           "ab": "pdl" if args.pdl_ab else None}
     lines = ["# The MoE call on fragment words (`python benchmarks/fragment_bench.py`)", "",
              f"{res['device']}; device copy {rate / 1e12:.2f} TB/s (read + write). Whole call (routing, both GEMMs, "
              "combine), CUDA-graph time. frag: `pdflash_kernels.fragments.fragment_moe`; moe: the served "
@@ -319,9 +316,8 @@ def whole_call(args) -> None:
                      f"{r['torch_bf16_us']} | {r['moe_us']} | {r['moe_hbm_fraction']:.2f} | {r['moe_speedup']} | "
                      f"{r['frag_us']} | {r['hbm_fraction']:.2f} | {r['speedup']} | {r['config']} |"
                      + ("" if r["frag_plain_us"] is None else f" {r['frag_plain_us']} |"))
-    if any(r["frag_plain_us"] is not None for r in rows):  # --pdl-ab / --l2-ab: one more column
-        lines[4] += (" frag us, PDL without the down GEMM's L2 prefetch (frag us: with it) |" if res.get("ab") == "l2"
-                     else " frag us, GEMMs without PDL |")
+    if any(r["frag_plain_us"] is not None for r in rows):  # --pdl-ab: one more column
+        lines[4] += " frag us, GEMMs without PDL |"
         lines[5] += "---|"
     _write(out, "fragment_h200", res, lines)
 
@@ -339,9 +335,6 @@ def main() -> None:
     ap.add_argument("--pdl-ab", action="store_true",
                     help="time the whole call with the two fragment GEMMs launched with PDL and without it (bits checked "
                          "equal; where pdflash_kernels.runtime.PDL is on)")
-    ap.add_argument("--l2-ab", action="store_true",
-                    help="time the whole call under PDL (mode 1) with the down GEMM's L2 prefetch "
-                         "(PDFLASH_FP4_FRAGMENTS_L2_PREFETCH) and without it, bits checked equal")
     args = ap.parse_args()
     if args.sweep:
         args.variants = args.variants or ",".join(VARIANTS)

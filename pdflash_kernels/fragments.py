@@ -59,20 +59,15 @@ WORDS_PER_QUAD = 128  # words of one 16-row x 64-column quad (32 lanes x 4 tiles
 # on sm_90+): each program first waits for the kernel before it (griddepcontrol.wait: the routing, a copy group's fill
 # or the gate/up GEMM wrote what it reads), then lets the next kernel launch (PDFLASH_PDL_TRIGGER's order), so a
 # launch's latency hides under the previous kernel's tail. The arithmetic is untouched. Opt-in (PDFLASH_FP4_FRAGMENTS_PDL=1,
-# where runtime.PDL is on) until a GPU has run the verifier and the offloaded path with it: on the H200 (stop 37) the
-# fragment tests passed with it, bit-identical, and the whole MoE call ran 1.4-2.1 us faster in 4 of 5 cases
-# (`benchmarks/fragment_bench.py --pdl-ab`); the end-to-end and offload GPU tests have not run with it yet.
+# where runtime.PDL is on): on the H200 the fragment tests (stop 38) and the offload identity tests (stop 39) pass with
+# it, bit-identical, and the whole MoE call alone runs 1.4-2.1 us faster in 4 of 5 cases (stop 37,
+# `benchmarks/fragment_bench.py --pdl-ab`), but end to end it did not pay: gpt-oss-24l resident, block 1, forward
+# 2.394 / 2.298 ms with it against 2.311 / 2.168 ms without, two runs in each order (stop 39,
+# benchmarks/results/gpu_runs_h200.md). (A down GEMM that asked L2 for its weights before its wait, stop 38, ran
+# -0.5..+10.1 us slower than PDL alone and was removed.)
 _PDL_ASKED = runtime.env_flag("PDFLASH_FP4_FRAGMENTS_PDL", default=False)  # (read everywhere: a bad value stops the import)
 PDL_ON = 1 if runtime.PDL_TRIGGER == "after-wait" else 2  # `_pdl_begin`'s mode when on (benchmarks/fragment_bench.py --pdl-ab)
 PDL_MODE = PDL_ON if runtime.PDL and _PDL_ASKED else 0
-# Under PDL mode 1 (wait, then trigger: the default trigger) the down GEMM's programs start while the gate/up GEMM still
-# runs, so before their wait they can ask L2 for their own weight tiles (`prefetch.global.L2`): its slot ids are the
-# routing's, written before the gate/up GEMM passed its own wait, so they are visible; a prefetch only warms L2 (the
-# point of coherence: never stale bytes), the loads after the wait are unchanged. Opt-in
-# (PDFLASH_FP4_FRAGMENTS_L2_PREFETCH=1, with PDFLASH_FP4_FRAGMENTS_PDL=1): written at stop 38 with no device time left,
-# it compiles for sm_90 (tests/test_fragments.py) but has not run on a GPU. The next session times it with
-# `benchmarks/fragment_bench.py --l2-ab` (benchmarks/results/gpu_runs_h200.md, stop 38).
-L2_PREFETCH = runtime.env_flag("PDFLASH_FP4_FRAGMENTS_L2_PREFETCH", default=False)
 
 
 def _codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -249,46 +244,12 @@ if gluon is not None:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _l2_prefetch(w_ptr, stride_ws, s_ptr, stride_ss, slot_ptr, nblocks_ptr, N: gl.constexpr, QUADS: gl.constexpr,
-                     NT: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr, SS: gl.constexpr, KQS: gl.constexpr):
-        """Ask L2 for the weight and scale lines this program's tiles will read (its block's slot, its NT tiles, its K
-        range): one `prefetch.global.L2` per 128-byte line, nothing loaded into registers."""
-        b = gl.program_id(0)
-        if b < gl.load(nblocks_ptr):
-            slot = gl.load(slot_ptr + b)
-            if slot >= 0:
-                PL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [W, 1], [1, 0])
-                WLINES: gl.constexpr = QUADS * 4  # a tile row's words: QUADS * 128, 32 a line
-                SLINES: gl.constexpr = (QUADS * 8 + 31) // 32
-                BLK: gl.constexpr = _next_pow2(WLINES)
-                tiles = gl.program_id(1) * NT + gl.arange(0, NT, layout=gl.SliceLayout(1, PL))
-                t_ok = tiles < N // 16
-                tiles = gl.where(t_ok, tiles, 0).to(gl.int64)
-                j = gl.arange(0, BLK, layout=gl.SliceLayout(0, PL))
-                lo = 0
-                hi = WLINES
-                if SPLIT > 1:  # this program's quads only (the last range also the quads past the last whole step)
-                    lo = gl.program_id(2) * (SS * KQS * 4)
-                    hi = gl.where(gl.program_id(2) == SPLIT - 1, WLINES, gl.minimum(lo + SS * KQS * 4, WLINES))
-                w_rows = w_ptr + slot.to(gl.int64) * stride_ws + tiles * (QUADS * 128)
-                ok = t_ok[:, None] & (j[None, :] >= lo) & (j[None, :] < hi)
-                addr = gl.where(ok, w_rows[:, None] + (j * 32)[None, :], w_rows[:, None])
-                gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [addr], dtype=gl.int32,
-                                          is_pure=False, pack=1)
-                s_rows = s_ptr + slot.to(gl.int64) * stride_ss + tiles * (QUADS * 8)
-                sj = gl.arange(0, _next_pow2(SLINES), layout=gl.SliceLayout(0, PL))
-                sok = t_ok[:, None] & (sj[None, :] < SLINES)
-                saddr = gl.where(sok, s_rows[:, None] + (sj * 32)[None, :], s_rows[:, None])
-                gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [saddr], dtype=gl.int32,
-                                          is_pure=False, pack=1)
-
-    @gluon.jit
     def _frag_gemm(x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr,
                    w_ptr, stride_ws, s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit,
                    N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr,
                    HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, PHASE: gl.constexpr,
                    BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
-                   SPLIT: gl.constexpr, SS: gl.constexpr, PDL: gl.constexpr = 0, L2PF: gl.constexpr = 0):
+                   SPLIT: gl.constexpr, SS: gl.constexpr, PDL: gl.constexpr = 0):
         """One program: routing block program_id(0) x NT 16-row weight tiles (program_id(1)) x K range program_id(2).
         EPI 0: y (float32) at the block's rows = x[pair // TOPK] @ w^T (EPI 3: x[block row] @ w^T); EPI 1 (gate/up,
         rows [gates; ups] as `gate_up_order` stores them, N = I): the program's tiles are NT / 2 gate tiles and the NT / 2
@@ -298,8 +259,6 @@ if gluon is not None:
         into ranges of SS steps (the quads past the last whole step in the last range), each program's float32 partial
         sums into ws [SPLIT, R, weight rows]; the tile's last program (a counter in cnt as a semaphore) adds them in
         range order from zero and runs the epilogue: the same bits whichever program is last."""
-        if L2PF:  # (the down GEMM under PDL mode 1 only: see L2_PREFETCH)
-            _l2_prefetch(w_ptr, stride_ws, s_ptr, stride_ss, slot_ptr, nblocks_ptr, N, K // 64, NT, W, SPLIT, SS, KQS)
         _pdl_begin(PDL)  # before any other load: the routing and the slots' copies come from the kernels before
         BN: gl.constexpr = NT * 16
         WL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
@@ -513,7 +472,7 @@ def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, tile
                      b, b.stride(0), rw if rw is not None else x, ws, cnt, rows, r.num_pairs, float(alpha), float(limit),
                      N=n, K=k, TOPK=topk, EPI=epi, ACT=act, HAS_BIAS=bias is not None, ROW_MUL=row_mul, UP_OFF=up_off,
                      PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=int(prefetch), SPLIT=split, SS=ss,
-                     PDL=PDL_MODE, L2PF=int(L2_PREFETCH and PDL_MODE == 1 and epi == 2), num_warps=num_warps,
+                     PDL=PDL_MODE, num_warps=num_warps,
                      **({"launch_pdl": True} if PDL_MODE else {}))
     return out
 

@@ -460,15 +460,18 @@ def test_the_installation_report_names_pair_words(tiny):
             inst.uninstall()
 
 
-@pytest.mark.parametrize("name,attr", [("PDFLASH_EXPERT_GUESS_ASYNC", "guess_async"),
-                                       ("PDFLASH_EXPERT_GUESS_ABORT", "guess_abort")])
-def test_the_device_cache_guess_flags_are_on_unless_told_not_to(name, attr, monkeypatch):
-    """PDFLASH_EXPERT_GUESS_ASYNC (on since stop 31's H200 A/B) and PDFLASH_EXPERT_GUESS_ABORT (stop 38's): unset on, 0
-    off, another value refused with the name."""
+@pytest.mark.parametrize("name,attr,default", [("PDFLASH_EXPERT_GUESS_ASYNC", "guess_async", True),
+                                               ("PDFLASH_EXPERT_GUESS_ABORT", "guess_abort", True),
+                                               ("PDFLASH_EXPERT_GUESS_MISSES", "guess_misses", False)])
+def test_the_device_cache_guess_flags_follow_their_variables(name, attr, default, monkeypatch):
+    """PDFLASH_EXPERT_GUESS_ASYNC (on since stop 31's H200 A/B), PDFLASH_EXPERT_GUESS_ABORT (stop 38's) and
+    PDFLASH_EXPERT_GUESS_MISSES (opt-in, stop 39): unset their default, 1 on, 0 off, another value refused with the name."""
     from verifier_svc.device_cache import DeviceExpertCache
 
     store = _three_layer_store()
     monkeypatch.delenv(name, raising=False)
+    assert getattr(DeviceExpertCache(store, 4 + 6, CPU, need=4), attr) is default
+    monkeypatch.setenv(name, "1")
     assert getattr(DeviceExpertCache(store, 4 + 6, CPU, need=4), attr) is True
     monkeypatch.setenv(name, "0")
     assert getattr(DeviceExpertCache(store, 4 + 6, CPU, need=4), attr) is False

@@ -187,39 +187,6 @@ def test_kernel_waits_for_the_kernel_before_it_first_under_pdl(mode, monkeypatch
     assert (wait < launch) == (mode == 1)
 
 
-@needs_gluon
-@pytest.mark.parametrize("n,k,kqs,split", [(2048, 768, 4, 1), (2880, 2880, 4, 1), (4096, 14336, 8, 2)])
-def test_the_down_gemm_asks_l2_for_its_weight_lines_before_its_wait(n, k, kqs, split, monkeypatch):
-    """L2PF (the down GEMM under PDL mode 1, F.L2_PREFETCH): `prefetch.global.L2` of its tiles' weight and scale lines
-    before griddepcontrol.wait, the same loads after it as without (the prefetch only warms L2)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    split, ss = F.split_plan(k // 64, kqs, split)
-
-    def ptx(l2pf):
-        const = dict(N=n, K=k, TOPK=8, EPI=2, ACT=0, HAS_BIAS=False, ROW_MUL=1, UP_OFF=0, PHASE=0, BM=16, NT=4, KQS=kqs,
-                     W=4, PREFETCH=0, SPLIT=split, SS=ss, PDL=1, L2PF=l2pf)
-        sig = dict(SIG, out_ptr="*fp32", **{c: "constexpr" for c in const})
-        p = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4}).asm["ptx"]
-        return p[p.index(".entry"):]
-
-    on, off = ptx(1), ptx(0)
-    assert "prefetch.global.L2" not in off
-    wait = on.index("griddepcontrol.wait")
-    assert 0 < on.index("prefetch.global.L2") < wait and on.rindex("prefetch.global.L2") < wait
-    assert on[wait:].count("ld.global") == off[off.index("griddepcontrol.wait"):].count("ld.global")
-
-
-def test_the_down_gemms_l2_prefetch_variable_refuses_a_bad_value():
-    from tests.test_kernels import _import_refuses
-
-    _import_refuses("PDFLASH_FP4_FRAGMENTS_L2_PREFETCH", "on", "pdflash_kernels.fragments")
-
-
 def test_the_gemms_pdl_is_opt_in_and_a_bad_value_is_refused():
     """PDFLASH_FP4_FRAGMENTS_PDL: off unless set to 1 (and runtime.PDL on); anything but 0/1 stops the import."""
     import os
@@ -345,29 +312,6 @@ def test_fragment_moe_rows_are_bit_identical_for_any_batch_and_phases(model, til
         assert torch.equal(F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e, config=config), full[:n]), n
     phase = torch.randint(0, 3, (e,), device="cuda", dtype=torch.int8)
     assert torch.equal(F.fragment_moe(x, ids, wts, fw, e, phase_of_expert=phase, groups=2, config=config), full)
-
-
-@cuda
-@needs_gluon
-@pytest.mark.gpu
-@pytest.mark.parametrize("model,tiles", [("gpt-oss-20b", None), ("qwen3-30b-a3b", None), ("qwen3-30b-a3b", "4x4w4s2,4x4w4ps2")])
-def test_the_down_gemms_l2_prefetch_under_pdl_changes_no_bit(model, tiles, monkeypatch):
-    """PDFLASH_FP4_FRAGMENTS_L2_PREFETCH (PDL mode 1): the same bits as PDL alone and as no PDL, with phases too."""
-    from pdflash_kernels import runtime
-
-    if not runtime.PDL or F.PDL_ON != 1:
-        pytest.skip("needs PDL (sm_90+) with the after-wait trigger")
-    e, w, fw, x, ids, wts = _moe_case(model, 33, seed=4)
-    config = tuple(F.FragTile.parse(t) for t in tiles.split(",")) if tiles else None
-    phase = torch.randint(0, 3, (e,), device="cuda", dtype=torch.int8)
-    outs = []
-    for mode, pf in ((0, False), (1, False), (1, True)):
-        monkeypatch.setattr(F, "PDL_MODE", mode)
-        monkeypatch.setattr(F, "L2_PREFETCH", pf)
-        outs.append((F.fragment_moe(x, ids, wts, fw, e, config=config),
-                     F.fragment_moe(x, ids, wts, fw, e, phase_of_expert=phase, groups=2, config=config)))
-    for a, b in outs[1:]:
-        assert torch.equal(a, outs[0][0]) and torch.equal(b, outs[0][1])
 
 
 @cuda

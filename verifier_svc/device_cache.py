@@ -150,7 +150,10 @@ class DeviceExpertCache:
         # The guess's width counts copies, not picks (pdflash_kernels.installer._predict_experts with the next layer's
         # table): each row takes the router's picks best first until `guess_width` of them are not resident. Without
         # it a guess whose best pick is already resident copies nothing and the link idles through the next layer's
-        # attention and router. PDFLASH_EXPERT_GUESS_MISSES; set before the graphs capture.
+        # attention and router. Opt-in (PDFLASH_EXPERT_GUESS_MISSES=1): on the H200 (stop 39,
+        # benchmarks/results/offload_misses_h200.md) it raised prefetch coverage (gpt-oss-24l shapes 0.18 -> 0.20-0.24 on 6 of 8 rows,
+        # Qwen3-48l 0.01-0.04 -> 0.13-0.18) but not tok/s (gpt-oss -1.9..+0.4% at 25% and 10% caches, Qwen3 -13..+1.8%):
+        # with random routing the picks after the best are poor guesses. Set before the graphs capture.
         self.guess_misses = runtime.env_flag("PDFLASH_EXPERT_GUESS_MISSES", default=False)
         self._stats = CacheStats()
         self.time_copies = False  # the copies run inside the forward's kernels: no separate copy timing
