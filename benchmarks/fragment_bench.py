@@ -5,6 +5,7 @@ gpt-oss-20b, Qwen3-30B-A3B and Mixtral-8x7B: issue 12's benchmark rows for the f
     python benchmarks/fragment_bench.py [--out benchmarks/results] [--models gpt-oss-20b] [--tokens 1,4,16]
     python benchmarks/fragment_bench.py --sweep [--variants 4x4w4,8x4w4p]
     python benchmarks/fragment_bench.py --fused-sweep [--variants 4x4w4,8x4w4ps4] [--tokens 1,16]
+    python benchmarks/fragment_bench.py --in-forward 8
 
 Default: per (model, active experts 8-128, tokens per expert), the whole call (routing, both GEMMs, combine), CUDA-graph
 GPU time, each output checked against pdflash_kernels.reference.moe_reference first (2% of the largest output, as
@@ -17,6 +18,10 @@ fragment_sweep_h200.json / .md.
 --fused-sweep: fragment_moe's own launches (gate/up with the activation, down with bias and routing weight) each alone
 per tile variant (`FragTile` names; "sS": K split in S ranges), writes fragment_fused_sweep_h200.json / .md and prints
 each shape's winners (the source of `fragments.FRAG_SHAPES`), then runs the default whole-call rows with them.
+--in-forward N: each whole-call row also timed as a verify forward pays it (`kernel_bench.gpu_time_us_each`): N copies
+of the experts (fragment words and transformers' module alike), one call on each back to back in one CUDA graph, the
+time over N. The default rows replay one call's graph again and again: a graph launch per call, and weights that fit
+L2 (Qwen3's 8 experts: 20 MB) read from it on every replay after the first.
 """
 
 from __future__ import annotations
@@ -249,7 +254,9 @@ def _ab(module, call, on: dict, off: dict, what: str) -> tuple[float, float]:
 def whole_call(args) -> None:
     """The issue's benchmark rows for the fragment path: the whole MoE call (routing, both GEMMs, combine), CUDA-graph
     time, against the served pair-word moe_forward and transformers' grouped_mm (bf16), on the same experts."""
-    from benchmarks.kernel_bench import as_served, hf_experts
+    import copy
+
+    from benchmarks.kernel_bench import as_served, gpu_time_us_each, hf_experts
     from pdflash_kernels import fragments as F
     from pdflash_kernels import runtime
     from pdflash_kernels.installer import expert_weights
@@ -262,16 +269,22 @@ def whole_call(args) -> None:
     for model in args.models.split(","):
         e, k, h, i = MODELS[model]
         mod = hf_experts(model)
+        n_copies = max(0, args.in_forward)
+        mods = [mod] + [copy.deepcopy(mod) for _ in range(n_copies - 1)]
         cases = []
         with torch.inference_mode():
             for active, tpe in _cases(e, k, args.tokens):
                 x, ids, wts = routing(e, k, h, active, tpe)
-                cases.append((active, tpe, x, ids, wts, gpu_time_us(lambda: mod(x, ids, wts))))
+                t_hf_fwd = gpu_time_us_each([lambda m=m: m(x, ids, wts) for m in mods]) if n_copies else None
+                cases.append((active, tpe, x, ids, wts, gpu_time_us(lambda: mod(x, ids, wts)), t_hf_fwd))
+        del mods
         w = as_served(expert_weights(mod, "mxfp4"), pair_words=True)
         fw = F.FragmentExperts.from_weights(w)
+        fws = [fw] + [dataclasses.replace(fw, **{n: getattr(fw, n).clone() for n in ("w1", "s1", "w2", "s2", "b1", "b2")
+                                                  if getattr(fw, n) is not None}) for _ in range(n_copies - 1)]
         bias = (2 * i + h) * 2 if w.b1 is not None else 0
         per = 2 * i * h // 2 + 2 * i * h // 32 + h * i // 2 + h * i // 32 + bias
-        for active, tpe, x, ids, wts, t_hf in cases:
+        for active, tpe, x, ids, wts, t_hf, t_hf_fwd in cases:
             with torch.inference_mode():
                 ref = moe_reference(x, ids, wts, w, e).float()
                 got = F.fragment_moe(x, ids, wts, fw, e).float()
@@ -286,6 +299,7 @@ def whole_call(args) -> None:
                     t_frag, t_plain = _ab(F, call, {"PDL_MODE": F.PDL_ON}, {"PDL_MODE": 0}, f"{what}: PDL launches")
                 else:
                     t_frag = gpu_time_us(call)
+                t_fwd = gpu_time_us_each([lambda f=f: F.fragment_moe(x, ids, wts, f, e) for f in fws]) if n_copies else None
             nbytes = active * per
             row = dict(model=model, weights="mxfp4", tokens_per_expert=tpe, active_experts=active, weight_bytes=nbytes,
                        torch_bf16_us=round(t_hf, 1), moe_us=round(t_moe, 1), frag_us=round(t_frag, 1),
@@ -294,31 +308,45 @@ def whole_call(args) -> None:
                        speedup=round(t_hf / t_frag, 2), moe_speedup=round(t_hf / t_moe, 2), max_rel_error=round(err, 5),
                        config=",".join(str(v) for v in F.frag_config(h, i)), frag_pdl=int(t_plain is not None or F.PDL_MODE != 0),
                        frag_plain_us=None if t_plain is None else round(t_plain, 1))
+            if t_fwd is not None:  # --in-forward: the same call inside a longer graph, weights not L2-hot
+                row.update(in_forward_copies=n_copies, forward_us=round(t_fwd, 1), torch_bf16_forward_us=round(t_hf_fwd, 1),
+                           forward_hbm_fraction=round(nbytes / (t_fwd * 1e-6) / rate, 3),
+                           forward_speedup=round(t_hf_fwd / t_fwd, 2))
             rows.append(row)
             print(f"{model:14s} A={active:3d} T={tpe:2d}  hf {t_hf:7.1f}  moe {t_moe:7.1f} ({row['moe_hbm_fraction']:.2f}, "
                   f"x{row['moe_speedup']})  frag {t_frag:7.1f} ({row['hbm_fraction']:.2f}, x{row['speedup']})"
-                  + ("" if t_plain is None else f"  frag without PDL {t_plain:7.1f}"),
+                  + ("" if t_plain is None else f"  frag without PDL {t_plain:7.1f}")
+                  + ("" if t_fwd is None else f"  in a forward: hf {t_hf_fwd:7.1f} frag {t_fwd:7.1f} "
+                     f"({row['forward_hbm_fraction']:.2f}, x{row['forward_speedup']})"),
                   flush=True)
-        del mod, w, fw, cases
+        del mod, w, fw, fws, cases
         torch.cuda.empty_cache()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "copy_rate_bytes_per_s": rate, "moe": rows,
-           "ab": "pdl" if args.pdl_ab else None}
+           "ab": "pdl" if args.pdl_ab else None, "in_forward_copies": args.in_forward or None}
     lines = ["# The MoE call on fragment words (`python benchmarks/fragment_bench.py`)", "",
              f"{res['device']}; device copy {rate / 1e12:.2f} TB/s (read + write). Whole call (routing, both GEMMs, "
              "combine), CUDA-graph time. frag: `pdflash_kernels.fragments.fragment_moe`; moe: the served "
-             "`moe_forward` (pair words); transformers: `grouped_mm`, bf16. Fractions: MXFP4 weight bytes / time / copy rate.", "",
+             "`moe_forward` (pair words); transformers: `grouped_mm`, bf16. Fractions: MXFP4 weight bytes / time / copy rate."
+             + (f" In a forward (--in-forward {args.in_forward}): one call on each of {args.in_forward} copies of the "
+                "experts back to back in one graph, the time over the calls (no graph launch a call, weights not L2-hot)."
+                if args.in_forward else ""), "",
              "| model | active experts | tokens/expert | weight MB | transformers us | moe us | of copy | x | frag us | of copy | x | tiles |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['active_experts']} | {r['tokens_per_expert']} | {r['weight_bytes'] / 1e6:.1f} | "
                      f"{r['torch_bf16_us']} | {r['moe_us']} | {r['moe_hbm_fraction']:.2f} | {r['moe_speedup']} | "
                      f"{r['frag_us']} | {r['hbm_fraction']:.2f} | {r['speedup']} | {r['config']} |"
-                     + ("" if r["frag_plain_us"] is None else f" {r['frag_plain_us']} |"))
+                     + ("" if r["frag_plain_us"] is None else f" {r['frag_plain_us']} |")
+                     + ("" if "forward_us" not in r else f" {r['torch_bf16_forward_us']} | {r['forward_us']} | "
+                        f"{r['forward_hbm_fraction']:.2f} | {r['forward_speedup']} |"))
     if any(r["frag_plain_us"] is not None for r in rows):  # --pdl-ab: one more column
         lines[4] += " frag us, GEMMs without PDL |"
         lines[5] += "---|"
+    if args.in_forward:  # four more
+        lines[4] += " in a forward: transformers us | frag us | of copy | x |"
+        lines[5] += "---|---|---|---|"
     _write(out, "fragment_h200", res, lines)
 
 
@@ -332,10 +360,15 @@ def main() -> None:
     ap.add_argument("--variants", default=None)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default="1,4,16")
+    ap.add_argument("--in-forward", type=int, default=0, metavar="N",
+                    help="also time each whole call as a verify forward pays it: N copies of the experts, one call on each "
+                         "back to back in one CUDA graph, the time over N (8: several times L2 on every shape)")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="time the whole call with the two fragment GEMMs launched with PDL and without it (bits checked "
                          "equal; where pdflash_kernels.runtime.PDL is on)")
     args = ap.parse_args()
+    if args.in_forward == 1 or args.in_forward < 0:
+        ap.error("--in-forward: 2 or more copies (0: off)")
     if args.sweep:
         args.variants = args.variants or ",".join(VARIANTS)
         sweep_gemms(args)

@@ -64,6 +64,38 @@ def gpu_time_us(fn, reps: int = 50) -> float:
     return a.elapsed_time(b) * 1e3 / reps
 
 
+def gpu_time_us_each(fns, reps: int = 20) -> float:
+    """GPU time of one call inside a longer graph, as a verify forward runs it: the calls `fns` (the same call on
+    different copies of its weights, together several times L2) captured back to back in one CUDA graph, replayed; the
+    time over len(fns). Unlike `gpu_time_us` no graph launch is paid per call and a call's weights are not L2-hot from
+    its previous replay (a forward reads every other layer's weights between two calls of one layer)."""
+    try:
+        for fn in fns:
+            fn()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for fn in fns:
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for fn in fns:
+                fn()
+    except Exception as e:  # noqa: BLE001
+        print("  (not capturable:", type(e).__name__, str(e)[:80], "- eager time)")
+        return sum(cuda_time_us(fn) for fn in fns) / len(fns)
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps / len(fns)
+
+
 def cuda_time_us(fn, reps: int = 30, warmup: int = 5) -> float:
     """Wall time of one call as the host issues it (launch overhead included): CUDA-event median."""
     for _ in range(warmup):
