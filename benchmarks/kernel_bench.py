@@ -40,35 +40,15 @@ MODELS = {  # experts, top-k, hidden, expert width
 def gpu_time_us(fn, reps: int = 50) -> float:
     """GPU time of one call: the call captured in a CUDA graph, replayed back to back (host overhead excluded,
     as in the verifier's graphed forwards). Falls back to eager timing when the call cannot be captured."""
-    try:
-        fn()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-    except Exception as e:  # noqa: BLE001
-        print("  (not capturable:", type(e).__name__, str(e)[:80], "- eager time)")
-        return cuda_time_us(fn)
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / reps
+    return gpu_time_us_each([fn], reps)
 
 
 def gpu_time_us_each(fns, reps: int = 20) -> float:
     """GPU time of one call inside a longer graph, as a verify forward runs it: the calls `fns` (the same call on
     different copies of its weights, together several times L2) captured back to back in one CUDA graph, replayed; the
-    time over len(fns). Unlike `gpu_time_us` no graph launch is paid per call and a call's weights are not L2-hot from
-    its previous replay (a forward reads every other layer's weights between two calls of one layer)."""
+    time over len(fns); eager timing where they cannot be captured. With more than one call, unlike `gpu_time_us`,
+    no graph launch is paid per call and a call's weights are not L2-hot from its previous replay (a forward reads
+    every other layer's weights between two calls of one layer)."""
     try:
         for fn in fns:
             fn()
