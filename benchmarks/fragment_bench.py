@@ -269,7 +269,7 @@ def whole_call(args) -> None:
     for model in args.models.split(","):
         e, k, h, i = MODELS[model]
         mod = hf_experts(model)
-        n_copies = max(0, args.in_forward)
+        n_copies = args.in_forward
         mods = [mod] + [copy.deepcopy(mod) for _ in range(n_copies - 1)]
         cases = []
         with torch.inference_mode():

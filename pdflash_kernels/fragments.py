@@ -41,14 +41,9 @@ from pdflash_kernels import mxfp4, runtime
 from pdflash_kernels.moe import FAST_DECODE_MAX_SCALE, Routing, pair_word_decode_asm, triton_cdiv
 
 try:  # Gluon (Triton >= 3.5): explicit layouts. Optional like Triton itself.
-    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-
-    @triton.constexpr_function
-    def _next_pow2(n):
-        return triton.next_power_of_2(int(n))
 except Exception:  # pragma: no cover - depends on the install
     gluon = gl = mma_v2 = None
 
@@ -259,7 +254,7 @@ if gluon is not None:
         into ranges of SS steps (the quads past the last whole step in the last range), each program's float32 partial
         sums into ws [SPLIT, R, weight rows]; the tile's last program (a counter in cnt as a semaphore) adds them in
         range order from zero and runs the epilogue: the same bits whichever program is last."""
-        _pdl_begin(PDL)  # before any other load: the routing and the slots' copies come from the kernels before
+        _pdl_begin(PDL)  # before any load: the routing and the slots' copies come from the kernels before
         BN: gl.constexpr = NT * 16
         WL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
@@ -472,8 +467,7 @@ def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, tile
                      b, b.stride(0), rw if rw is not None else x, ws, cnt, rows, r.num_pairs, float(alpha), float(limit),
                      N=n, K=k, TOPK=topk, EPI=epi, ACT=act, HAS_BIAS=bias is not None, ROW_MUL=row_mul, UP_OFF=up_off,
                      PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=int(prefetch), SPLIT=split, SS=ss,
-                     PDL=PDL_MODE, num_warps=num_warps,
-                     **({"launch_pdl": True} if PDL_MODE else {}))
+                     PDL=PDL_MODE, num_warps=num_warps, **({"launch_pdl": True} if PDL_MODE else {}))
     return out
 
 

@@ -149,6 +149,26 @@ def test_a_narrower_guess_fetches_fewer_experts_and_no_token_changes(tiny, mode)
     assert 0 < prefetched[1] < prefetched[2]
 
 
+def test_a_guess_counting_copies_prefetches_more_than_one_counting_picks_and_no_token_changes(tiny):
+    """The device cache's `guess_misses` reaches the guess: with the best pick already resident a width-1 guess copies
+    nothing, one counting copies takes the next absent pick, so it prefetches more; the tokens are a cache's without
+    prefetch either way."""
+    from tests.test_gpu_verifier import _no_drafts, _run
+    from tests.test_offload import _core, tiny_cache_gb
+
+    gb = tiny_cache_gb(_core(tiny, "qwen3_moe", 1.0), "device")
+    prompt = list(range(3, 40))
+    want = _run(_core(tiny, "qwen3_moe", gb, prefetch="none"), prompt, _no_drafts)
+    prefetched = {}
+    for misses in (False, True):
+        core = _core(tiny, "qwen3_moe", gb, prefetch="layer")
+        cache = core.target.expert_cache
+        cache.guess_width, cache.guess_misses = 1, misses
+        assert _run(core, prompt, _no_drafts) == want
+        prefetched[misses] = cache.stats.prefetched
+    assert 0 < prefetched[False] < prefetched[True]
+
+
 def test_the_layer_gate_keeps_the_layers_whose_guesses_are_used_and_probes_the_others():
     """LayerGate: a layer whose guesses are used (layer 0) keeps guessing, one whose guesses go unused (layer 1) stops
     once it has enough prefetches to judge, a layer that prefetches nothing is never judged (layer 2); every

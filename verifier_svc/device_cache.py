@@ -151,8 +151,8 @@ class DeviceExpertCache:
         # table): each row takes the router's picks best first until `guess_width` of them are not resident. Without
         # it a guess whose best pick is already resident copies nothing and the link idles through the next layer's
         # attention and router. Opt-in (PDFLASH_EXPERT_GUESS_MISSES=1): on the H200 (stop 39,
-        # benchmarks/results/offload_misses_h200.md) it raised prefetch coverage (gpt-oss-24l shapes 0.18 -> 0.20-0.24 on 6 of 8 rows,
-        # Qwen3-48l 0.01-0.04 -> 0.13-0.18) but not tok/s (gpt-oss -1.9..+0.4% at 25% and 10% caches, Qwen3 -13..+1.8%):
+        # benchmarks/results/offload_misses_h200.md) it raised prefetch coverage (gpt-oss-24l shapes 0.18 -> 0.20-0.24
+        # on 6 of 8 rows, Qwen3-48l 0.01-0.04 -> 0.13-0.18) but not tok/s (gpt-oss -1.9..+0.4% at 25% and 10% caches, Qwen3 -13..+1.8%):
         # with random routing the picks after the best are poor guesses. Set before the graphs capture.
         self.guess_misses = runtime.env_flag("PDFLASH_EXPERT_GUESS_MISSES", default=False)
         self._stats = CacheStats()
@@ -461,9 +461,8 @@ class DeviceExpertCache:
                 self._joins.add(i + 1)
             with torch.cuda.stream(self._side) if self._cuda else _nullcontext():
                 n1 = self.store.num_experts[self.layers[i + 1]]
-                guess = None
-                if nxt is not None:
-                    guess = _predict_experts(x, nxt, self.guess_width, self.table[i + 1, :n1] if self.guess_misses else None)
+                table = self.table[i + 1, :n1] if self.guess_misses else None  # (the guess counts copies of absent experts)
+                guess = _predict_experts(x, nxt, self.guess_width, table) if nxt is not None else None
                 g_rows, g_valid = valid_rows, valid
                 if guess is not None:  # the gate: off, the guess's rows count as none (a device flag: graph-safe)
                     if self._cuda:
@@ -476,7 +475,7 @@ class DeviceExpertCache:
                 # better of the two.
                 extra = None
                 if self.prefetch_union and guess is None:
-                    extra = self.proj[i + 1, : self.store.num_experts[self.layers[i + 1]]]
+                    extra = self.proj[i + 1, :n1]
                 ahead = self._cuda and self.guess_async and self._overlaps(i + 1, n1)
                 self._admit(i + 1, 1, guess, g_rows, g_valid, extra, prefetch=True,
                             admitted=self._admitted[i + 1] if ahead else None, abortable=self.guess_abort)
