@@ -5,7 +5,7 @@ gpt-oss-20b, Qwen3-30B-A3B and Mixtral-8x7B: issue 12's benchmark rows for the f
     python benchmarks/fragment_bench.py [--out benchmarks/results] [--models gpt-oss-20b] [--tokens 1,4,16]
     python benchmarks/fragment_bench.py --sweep [--variants 4x4w4,8x4w4p]
     python benchmarks/fragment_bench.py --fused-sweep [--variants 4x4w4,8x4w4ps4] [--tokens 1,16]
-    python benchmarks/fragment_bench.py --in-forward 8
+    python benchmarks/fragment_bench.py --in-forward 8 [--one-launch-ab]
 
 Default: per (model, active experts 8-128, tokens per expert), the whole call (routing, both GEMMs, combine), CUDA-graph
 GPU time, each output checked against pdflash_kernels.reference.moe_reference first (2% of the largest output, as
@@ -22,6 +22,8 @@ each shape's winners (the source of `fragments.FRAG_SHAPES`), then runs the defa
 of the experts (fragment words and transformers' module alike), one call on each back to back in one CUDA graph, the
 time over N. The default rows replay one call's graph again and again: a graph launch per call, and weights that fit
 L2 (Qwen3's 8 experts: 20 MB) read from it on every replay after the first.
+--one-launch-ab: the whole call as served (calls of up to 128 pairs in one launch, `fragments.fragment_moe_one`) and in
+four launches (routing, gate/up, down, combine), the outputs checked bit-identical.
 """
 
 from __future__ import annotations
@@ -295,11 +297,21 @@ def whole_call(args) -> None:
                 t_plain = None
                 call = lambda: F.fragment_moe(x, ids, wts, fw, e)  # noqa: E731
                 what = f"{model} A={active} T={tpe}"
+                t_fwd_four = None
                 if args.pdl_ab and runtime.PDL:  # the two GEMMs' PDL on vs off
                     t_frag, t_plain = _ab(F, call, {"PDL_MODE": F.PDL_ON}, {"PDL_MODE": 0}, f"{what}: PDL launches")
+                elif args.one_launch_ab:  # the call in one launch vs four (bits checked equal)
+                    t_frag, t_plain = _ab(F, call, {"ONE_LAUNCH_PAIRS": 128}, {"ONE_LAUNCH_PAIRS": 0}, f"{what}: one launch")
                 else:
                     t_frag = gpu_time_us(call)
-                t_fwd = gpu_time_us_each([lambda f=f: F.fragment_moe(x, ids, wts, f, e) for f in fws]) if n_copies else None
+                fwd = [lambda f=f: F.fragment_moe(x, ids, wts, f, e) for f in fws]
+                t_fwd = gpu_time_us_each(fwd) if n_copies else None
+                if n_copies and args.one_launch_ab:
+                    saved, F.ONE_LAUNCH_PAIRS = F.ONE_LAUNCH_PAIRS, 0
+                    try:
+                        t_fwd_four = gpu_time_us_each(fwd)
+                    finally:
+                        F.ONE_LAUNCH_PAIRS = saved
             nbytes = active * per
             row = dict(model=model, weights="mxfp4", tokens_per_expert=tpe, active_experts=active, weight_bytes=nbytes,
                        torch_bf16_us=round(t_hf, 1), moe_us=round(t_moe, 1), frag_us=round(t_frag, 1),
@@ -312,10 +324,14 @@ def whole_call(args) -> None:
                 row.update(in_forward_copies=n_copies, forward_us=round(t_fwd, 1), torch_bf16_forward_us=round(t_hf_fwd, 1),
                            forward_hbm_fraction=round(nbytes / (t_fwd * 1e-6) / rate, 3),
                            forward_speedup=round(t_hf_fwd / t_fwd, 2))
+                if t_fwd_four is not None:
+                    row.update(forward_four_launch_us=round(t_fwd_four, 1))
             rows.append(row)
             print(f"{model:14s} A={active:3d} T={tpe:2d}  hf {t_hf:7.1f}  moe {t_moe:7.1f} ({row['moe_hbm_fraction']:.2f}, "
                   f"x{row['moe_speedup']})  frag {t_frag:7.1f} ({row['hbm_fraction']:.2f}, x{row['speedup']})"
-                  + ("" if t_plain is None else f"  frag without PDL {t_plain:7.1f}")
+                  + ("" if t_plain is None else f"  frag {'four launches' if args.one_launch_ab else 'without PDL'} "
+                                                 f"{t_plain:7.1f}")
+                  + ("" if t_fwd_four is None else f"  in a forward, four launches {t_fwd_four:7.1f}")
                   + ("" if t_fwd is None else f"  in a forward: hf {t_hf_fwd:7.1f} frag {t_fwd:7.1f} "
                      f"({row['forward_hbm_fraction']:.2f}, x{row['forward_speedup']})"),
                   flush=True)
@@ -324,7 +340,7 @@ def whole_call(args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "copy_rate_bytes_per_s": rate, "moe": rows,
-           "ab": "pdl" if args.pdl_ab else None, "in_forward_copies": args.in_forward or None}
+           "ab": "pdl" if args.pdl_ab else "one-launch" if args.one_launch_ab else None, "in_forward_copies": args.in_forward or None}
     lines = ["# The MoE call on fragment words (`python benchmarks/fragment_bench.py`)", "",
              f"{res['device']}; device copy {rate / 1e12:.2f} TB/s (read + write). Whole call (routing, both GEMMs, "
              "combine), CUDA-graph time. frag: `pdflash_kernels.fragments.fragment_moe`; moe: the served "
@@ -341,12 +357,16 @@ def whole_call(args) -> None:
                      + ("" if r["frag_plain_us"] is None else f" {r['frag_plain_us']} |")
                      + ("" if "forward_us" not in r else f" {r['torch_bf16_forward_us']} | {r['forward_us']} | "
                         f"{r['forward_hbm_fraction']:.2f} | {r['forward_speedup']} |"))
-    if any(r["frag_plain_us"] is not None for r in rows):  # --pdl-ab: one more column
-        lines[4] += " frag us, GEMMs without PDL |"
+    if any(r["frag_plain_us"] is not None for r in rows):  # --pdl-ab / --one-launch-ab: one more column
+        lines[4] += " frag us, four launches |" if args.one_launch_ab else " frag us, GEMMs without PDL |"
         lines[5] += "---|"
-    if args.in_forward:  # four more
+    if args.in_forward:  # four more (five with --one-launch-ab)
         lines[4] += " in a forward: transformers us | frag us | of copy | x |"
         lines[5] += "---|---|---|---|"
+        if args.one_launch_ab:
+            lines[4] += " in a forward: frag us, four launches |"
+            lines[5] += "---|"
+            lines[6:] = [ln + f" {r.get('forward_four_launch_us')} |" for ln, r in zip(lines[6:], rows)]
     _write(out, "fragment_h200", res, lines)
 
 
@@ -366,7 +386,12 @@ def main() -> None:
     ap.add_argument("--pdl-ab", action="store_true",
                     help="time the whole call with the two fragment GEMMs launched with PDL and without it (bits checked "
                          "equal; where pdflash_kernels.runtime.PDL is on)")
+    ap.add_argument("--one-launch-ab", action="store_true",
+                    help="time the whole call in one launch (fragments.fragment_moe_one, calls of up to 128 pairs) and in "
+                         "four (bits checked equal); with --in-forward, both as a forward pays them")
     args = ap.parse_args()
+    if args.pdl_ab and args.one_launch_ab:
+        ap.error("--pdl-ab and --one-launch-ab: one A/B at a time")
     if args.in_forward == 1 or args.in_forward < 0:
         ap.error("--in-forward: 2 or more copies (0: off)")
     if args.sweep:

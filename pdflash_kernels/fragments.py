@@ -32,6 +32,7 @@ compiles for sm_90 on a CPU machine (tests/test_fragments.py) but runs only on C
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import typing
 
@@ -63,6 +64,15 @@ WORDS_PER_QUAD = 128  # words of one 16-row x 64-column quad (32 lanes x 4 tiles
 _PDL_ASKED = runtime.env_flag("PDFLASH_FP4_FRAGMENTS_PDL", default=False)  # (read everywhere: a bad value stops the import)
 PDL_ON = 1 if runtime.PDL_TRIGGER == "after-wait" else 2  # `_pdl_begin`'s mode when on (benchmarks/fragment_bench.py --pdl-ab)
 PDL_MODE = PDL_ON if runtime.PDL and _PDL_ASKED else 0
+# The whole MoE call in one launch (`fragment_moe_one`: routing, gate/up, down and combine; programs take work tickets) for
+# calls of at most this many (token, expert) pairs; longer calls, calls computed in copy groups (an expert cache still
+# copying) and tiles with a K split take the four launches. Every output bit is the four launches' (the same tile
+# programs), so the cut may depend on the token count. PDFLASH_FP4_ONE_LAUNCH_PAIRS: 0 turns it off; at most 128.
+_ONE = os.environ.get("PDFLASH_FP4_ONE_LAUNCH_PAIRS", "128")
+if not (_ONE.isdigit() and int(_ONE) <= 128):
+    raise ValueError(f"PDFLASH_FP4_ONE_LAUNCH_PAIRS must be a number of pairs from 0 (off) to 128, got {_ONE!r}")
+ONE_LAUNCH_PAIRS = int(_ONE)
+ONE_LAUNCH_PER_SM = 4  # programs an SM in the one-launch grid (at most one per ticket)
 
 
 def _codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -181,8 +191,12 @@ if gluon is not None:
         return q, sw
 
     @gluon.jit
-    def _x_tile(x_rows, x_ok, kx, q0, live=True):
-        """Activations [BM, KQS * 64] of the quads from q0, in a coalesced layout (16-byte loads along K)."""
+    def _x_tile(x_rows, x_ok, kx, q0, live=True, CG: gl.constexpr = False):
+        """Activations [BM, KQS * 64] of the quads from q0, in a coalesced layout (16-byte loads along K). CG: from L2
+        (rows another program of the same launch wrote)."""
+        if CG:
+            return gl.load(x_rows[:, None] + (q0 * 64 + kx)[None, :], mask=x_ok[:, None] & live, other=0.0,
+                           cache_modifier=".cg")
         return gl.load(x_rows[:, None] + (q0 * 64 + kx)[None, :], mask=x_ok[:, None] & live, other=0.0)
 
     @gluon.jit
@@ -196,33 +210,96 @@ if gluon is not None:
 
     @gluon.jit
     def _k_range(acc, w_rows, s_rows, n_ok, kk, xr, xok, kx, xs, q_lo, q_hi, AL: gl.constexpr, BL: gl.constexpr,
-                 BN: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, PREFETCH: gl.constexpr):
+                 BN: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, PREFETCH: gl.constexpr, CG: gl.constexpr = False):
         """Quads q_lo .. q_hi (at least one whole KQS-quad step, a whole number of them) into acc, one B operand a step.
         PREFETCH 1: each step's global loads issued before the previous step's decode and MMAs; 2: two steps ahead (the
         loads past q_hi masked off). The same MMAs in the same order either way."""
         if PREFETCH == 2:
             q, t = _quads(w_rows, s_rows, n_ok, kk, q_lo)
-            xt = _x_tile(xr, xok, kx, q_lo)
+            xt = _x_tile(xr, xok, kx, q_lo, CG=CG)
             q1, t1 = _quads(w_rows, s_rows, n_ok, kk, q_lo + KQS, q_lo + KQS < q_hi)
-            xt1 = _x_tile(xr, xok, kx, q_lo + KQS, q_lo + KQS < q_hi)
+            xt1 = _x_tile(xr, xok, kx, q_lo + KQS, q_lo + KQS < q_hi, CG=CG)
             for q0 in range(q_lo + 2 * KQS, q_hi + 2 * KQS, KQS):  # computes step q0 - 2 KQS
                 qn, tn = _quads(w_rows, s_rows, n_ok, kk, q0, q0 < q_hi)
-                xtn = _x_tile(xr, xok, kx, q0, q0 < q_hi)
+                xtn = _x_tile(xr, xok, kx, q0, q0 < q_hi, CG=CG)
                 acc = mma_v2(_decode_quads(q, t, kk, AL, BN, KQS, NT), _b_operand(xs, xt, BL), acc)
                 q, t, xt, q1, t1, xt1 = q1, t1, xt1, qn, tn, xtn
         elif PREFETCH:
             q, t = _quads(w_rows, s_rows, n_ok, kk, q_lo)
-            xt = _x_tile(xr, xok, kx, q_lo)
+            xt = _x_tile(xr, xok, kx, q_lo, CG=CG)
             for q0 in range(q_lo + KQS, q_hi, KQS):
                 qn, tn = _quads(w_rows, s_rows, n_ok, kk, q0)
-                xtn = _x_tile(xr, xok, kx, q0)
+                xtn = _x_tile(xr, xok, kx, q0, CG=CG)
                 acc = mma_v2(_decode_quads(q, t, kk, AL, BN, KQS, NT), _b_operand(xs, xt, BL), acc)
                 q, t, xt = qn, tn, xtn
             acc = mma_v2(_decode_quads(q, t, kk, AL, BN, KQS, NT), _b_operand(xs, xt, BL), acc)
         else:
             for q0 in range(q_lo, q_hi, KQS):
                 q, t = _quads(w_rows, s_rows, n_ok, kk, q0)
-                acc = mma_v2(_decode_quads(q, t, kk, AL, BN, KQS, NT), _b_operand(xs, _x_tile(xr, xok, kx, q0), BL), acc)
+                acc = mma_v2(_decode_quads(q, t, kk, AL, BN, KQS, NT), _b_operand(xs, _x_tile(xr, xok, kx, q0, CG=CG), BL),
+                             acc)
+        return acc
+
+    @gluon.constexpr_function
+    def _layout(name, warps):
+        """The fragment GEMMs' layouts for `warps` warps: "w" weight words, "mma" the MMA's accumulator, "a" / "b" its
+        operands, "x" activation rows, "s" the activation tile's shared-memory swizzle."""
+        warps = int(getattr(warps, "value", warps))
+        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+        return {"w": lambda: gl.BlockedLayout([1, 4], [1, 32], [warps, 1], [1, 0]), "mma": lambda: mma,
+                "a": lambda: gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+                "b": lambda: gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
+                "x": lambda: gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0]),
+                "s": lambda: gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])}[name]()
+
+    @gluon.jit
+    def _weight_tiles(w_ptr, stride_ws, s_ptr, stride_ss, slot, pid_n, N: gl.constexpr, QUADS: gl.constexpr,
+                      NT: gl.constexpr, TWO: gl.constexpr, TPP: gl.constexpr, WL: gl.constexpr):
+        """A program's NT weight tiles (the MMA's M side) in slot `slot`, tile group pid_n: each tile's first word and
+        first scale word, and which tiles lie inside N. TWO (gate/up): NT / 2 gate tiles, then their up tiles N / 16
+        tiles further."""
+        ti = gl.arange(0, NT, layout=gl.SliceLayout(1, WL))
+        if TWO:
+            tiles = pid_n * TPP + ti % TPP
+            n_ok = tiles < N // 16
+            tiles = gl.where(n_ok, tiles, 0) + (ti // TPP) * (N // 16)
+        else:
+            tiles = pid_n * NT + ti
+            n_ok = tiles < N // 16
+            tiles = gl.where(n_ok, tiles, 0)
+        tiles = tiles.to(gl.int64)
+        w_rows = w_ptr + slot.to(gl.int64) * stride_ws + tiles * (QUADS * 128)
+        s_rows = s_ptr + slot.to(gl.int64) * stride_ss + tiles * (QUADS * 8)
+        return w_rows, s_rows, n_ok
+
+    @gluon.jit
+    def _tile_sums(xr, xok, w_rows, s_rows, n_ok, q_lo, q_main, last, BN: gl.constexpr, BM: gl.constexpr,
+                   NT: gl.constexpr, KQS: gl.constexpr, QUADS: gl.constexpr, PREFETCH: gl.constexpr, W: gl.constexpr,
+                   CG: gl.constexpr = False):
+        """acc [BN, BM] float32 (MMA layout) = the tiles' weights x the rows' activations over quads q_lo .. q_main in
+        KQS-quad steps, then (where `last`) the quads past the last whole step one at a time: the same order for every
+        row. xr / xok: the rows' activation pointers and mask (XL's row slice)."""
+        WL: gl.constexpr = _layout("w", W)
+        MMA: gl.constexpr = _layout("mma", W)
+        AL: gl.constexpr = _layout("a", W)
+        BL: gl.constexpr = _layout("b", W)
+        XL: gl.constexpr = _layout("x", W)
+        SL: gl.constexpr = _layout("s", W)
+        QMAIN: gl.constexpr = QUADS // KQS * KQS
+        acc = gl.zeros([BN, BM], gl.float32, MMA)
+        if QMAIN > 0:
+            kk = gl.arange(0, KQS * 128, layout=gl.SliceLayout(0, WL))
+            kx = gl.arange(0, KQS * 64, layout=gl.SliceLayout(0, XL))
+            xs = gl.allocate_shared_memory(gl.bfloat16, [BM, KQS * 64], SL)
+            acc = _k_range(acc, w_rows, s_rows, n_ok, kk, xr, xok, kx, xs, q_lo, q_main, AL, BL, BN, NT, KQS, PREFETCH,
+                           CG)
+        if QMAIN < QUADS:  # the quads a whole step does not cover, one at a time (the same order for every row)
+            kk1 = gl.arange(0, 128, layout=gl.SliceLayout(0, WL))
+            kx1 = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
+            xs1 = gl.allocate_shared_memory(gl.bfloat16, [BM, 64], SL)
+            if last:
+                acc = _k_range(acc, w_rows, s_rows, n_ok, kk1, xr, xok, kx1, xs1, QMAIN, QUADS, AL, BL, BN, NT, 1,
+                               False, CG)
         return acc
 
     @gluon.jit
@@ -256,12 +333,12 @@ if gluon is not None:
         range order from zero and runs the epilogue: the same bits whichever program is last."""
         _pdl_begin(PDL)  # before any load: the routing and the slots' copies come from the kernels before
         BN: gl.constexpr = NT * 16
-        WL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
-        AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
-        SL: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+        WL: gl.constexpr = _layout("w", W)
+        MMA: gl.constexpr = _layout("mma", W)
+        AL: gl.constexpr = _layout("a", W)
+        BL: gl.constexpr = _layout("b", W)
+        XL: gl.constexpr = _layout("x", W)
+        SL: gl.constexpr = _layout("s", W)
         QUADS: gl.constexpr = K // 64
         MAIN: gl.constexpr = QUADS // KQS * KQS
         TWO: gl.constexpr = EPI == 1
@@ -281,20 +358,8 @@ if gluon is not None:
             else:
                 xr = gl.where(xok, pair_x // TOPK, 0)
             xr = x_ptr + xr.to(gl.int64) * stride_x
-            # the program's weight tiles (the MMA's M side): gate/up, NT / 2 gate tiles then their up tiles
-            ti = gl.arange(0, NT, layout=gl.SliceLayout(1, WL))
-            if TWO:
-                tiles = gl.program_id(1) * TPP + ti % TPP
-                n_ok = tiles < N // 16
-                tiles = gl.where(n_ok, tiles, 0) + (ti // TPP) * (N // 16)
-            else:
-                tiles = gl.program_id(1) * NT + ti
-                n_ok = tiles < N // 16
-                tiles = gl.where(n_ok, tiles, 0)
-            tiles = tiles.to(gl.int64)
-            w_rows = w_ptr + slot.to(gl.int64) * stride_ws + tiles * (QUADS * 128)
-            s_rows = s_ptr + slot.to(gl.int64) * stride_ss + tiles * (QUADS * 8)
-            acc = gl.zeros([BN, BM], gl.float32, MMA)
+            w_rows, s_rows, n_ok = _weight_tiles(w_ptr, stride_ws, s_ptr, stride_ss, slot, gl.program_id(1), N, QUADS, NT,
+                                                 TWO, TPP, WL)
             if SPLIT == 1:
                 q_lo = 0
                 q_main = MAIN
@@ -304,19 +369,7 @@ if gluon is not None:
                 q_lo = pid_s * (SS * KQS)
                 q_main = gl.minimum(q_lo + SS * KQS, MAIN)
                 last = pid_s == SPLIT - 1
-            if MAIN > 0:
-                kk = gl.arange(0, KQS * 128, layout=gl.SliceLayout(0, WL))
-                kx = gl.arange(0, KQS * 64, layout=gl.SliceLayout(0, XL))
-                xs = gl.allocate_shared_memory(gl.bfloat16, [BM, KQS * 64], SL)
-                acc = _k_range(acc, w_rows, s_rows, n_ok, kk, xr, xok, kx, xs, q_lo, q_main, AL, BL, BN, NT, KQS,
-                               PREFETCH)
-            if MAIN < QUADS:  # the quads a whole step does not cover, one at a time (the same order for every row)
-                kk1 = gl.arange(0, 128, layout=gl.SliceLayout(0, WL))
-                kx1 = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
-                xs1 = gl.allocate_shared_memory(gl.bfloat16, [BM, 64], SL)
-                if last:
-                    acc = _k_range(acc, w_rows, s_rows, n_ok, kk1, xr, xok, kx1, xs1, MAIN, QUADS, AL, BL, BN, NT, 1,
-                                   False)
+            acc = _tile_sums(xr, xok, w_rows, s_rows, n_ok, q_lo, q_main, last, BN, BM, NT, KQS, QUADS, PREFETCH, W)
             # the program's output: acc [BN, BM], row = weight row (tile * 16 + r), column m = the block's row m
             mr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
             pair = gl.load(pairs_ptr + b * BM + mr)
@@ -347,10 +400,10 @@ if gluon is not None:
                     gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
             if go:
                 _epilogue(acc, out_ptr, stride_o, b_ptr, stride_b, rw_ptr, slot, pair, p_ok, rows, alpha, limit,
-                          N, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, BN, BM, TPP, W, MMA)
+                          gl.program_id(1), N, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, BN, BM, TPP, W, MMA)
 
     @gluon.jit
-    def _epilogue(acc, out_ptr, stride_o, b_ptr, stride_b, rw_ptr, slot, pair, p_ok, rows, alpha, limit,
+    def _epilogue(acc, out_ptr, stride_o, b_ptr, stride_b, rw_ptr, slot, pair, p_ok, rows, alpha, limit, pid_n,
                   N: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr,
                   UP_OFF: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, TPP: gl.constexpr, W: gl.constexpr,
                   MMA: gl.constexpr):
@@ -362,7 +415,7 @@ if gluon is not None:
             gl.thread_barrier()
             g = es.slice(0, TPP * 16).load(EL).to(gl.bfloat16).to(gl.float32)
             u = es.slice(TPP * 16, TPP * 16).load(EL).to(gl.bfloat16).to(gl.float32)
-            j = gl.program_id(1) * (TPP * 16) + gl.arange(0, TPP * 16, layout=gl.SliceLayout(1, EL))
+            j = pid_n * (TPP * 16) + gl.arange(0, TPP * 16, layout=gl.SliceLayout(1, EL))
             j_ok = j < N
             re = gl.convert_layout(rows, gl.SliceLayout(0, EL))
             mask = j_ok[:, None] & gl.convert_layout(p_ok, gl.SliceLayout(0, EL))[None, :]
@@ -380,7 +433,7 @@ if gluon is not None:
                 h = (u + 1.0) * (g / (1.0 + gl.exp(-alpha * g)))
             gl.store(out_ptr + re[None, :] * stride_o + j[:, None], h.to(gl.bfloat16), mask=mask)
         else:
-            j = gl.program_id(1) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+            j = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
             j_ok = j < N
             mask = j_ok[:, None] & p_ok[None, :]
             if EPI == 0 or EPI == 3:
@@ -393,6 +446,188 @@ if gluon is not None:
                 rw = gl.load(rw_ptr + pair, mask=p_ok, other=0.0).to(gl.float32)
                 y = y * rw[None, :]
                 gl.store(out_ptr + pair.to(gl.int64)[None, :] * stride_o + j[:, None], y, mask=mask)
+
+
+    # ---- the whole MoE call in one launch (small calls: `fragment_moe_one`) ----------------------------------------------
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _larger(a, b):
+        return gl.maximum(a, b)
+
+    @gluon.jit
+    def _reduce_add(x, axis: gl.constexpr):
+        """gl.sum with a Gluon combine function (Triton's own is an interpreted function where TRITON_INTERPRET is set,
+        as in the CPU tests that compile this kernel for sm_90)."""
+        return gl.reduce(x, axis, _add)
+
+    @gluon.jit
+    def _reduce_max(x, axis: gl.constexpr):
+        return gl.reduce(x, axis, _larger)
+    @gluon.jit
+    def _pair_ids(ids_ptr, p, P, nv, E: gl.constexpr, TOPK: gl.constexpr):
+        """Pairs p (token * TOPK + slot): kept (an expert id in [0, E) of a row below nv) and the sort key (E: dropped)."""
+        k = gl.load(ids_ptr + p, mask=p < P, other=E).to(gl.int32)
+        ok = (p < P) & (k >= 0) & (k < E) & (p // TOPK < nv)
+        return ok, gl.where(ok, k, E)
+
+    @gluon.jit
+    def _combine_tile(y_ptr, stride_y, out_ptr, stride_out, ids_ptr, ctr_ptr, pair, p_ok, j, P, nv, E: gl.constexpr,
+                      TOPK: gl.constexpr, H: gl.constexpr, TB: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
+                      MMA: gl.constexpr):
+        """After a down tile's rows are stored: the last program to store one of a token's pairs in this column tile
+        (a counter a token and tile, as pdflash_kernels.moe's fused combine) sums the token's rows in slot order from zero
+        (`_moe_combine`'s arithmetic) into out (bf16)."""
+        tok = pair // TOPK
+        need = gl.zeros([BM], gl.int32, gl.SliceLayout(0, MMA))
+        for s in gl.static_range(TOPK):
+            vq, kq = _pair_ids(ids_ptr, tok * TOPK + s, P, nv, E, TOPK)
+            need += vq.to(gl.int32)
+        gl.thread_barrier()  # every thread's rows stored before the counts are released
+        arrived = gl.atomic_add(ctr_ptr + tok * TB + j, gl.full([BM], 1, gl.int32, gl.SliceLayout(0, MMA)), mask=p_ok,
+                                sem="acq_rel", scope="gpu")
+        fin = p_ok & (arrived == need - 1)
+        gl.thread_barrier()
+        n = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        n_ok = n < H
+        acc = gl.zeros([BN, BM], gl.float32, MMA)
+        for s in gl.static_range(TOPK):
+            q = tok * TOPK + s
+            vq, kq = _pair_ids(ids_ptr, q, P, nv, E, TOPK)
+            acc += gl.load(y_ptr + q.to(gl.int64)[None, :] * stride_y + n[:, None], mask=(fin & vq)[None, :] & n_ok[:, None],
+                           other=0.0, cache_modifier=".cg")  # (from L2: other programs wrote them)
+        gl.store(out_ptr + tok.to(gl.int64)[None, :] * stride_out + n[:, None], acc.to(gl.bfloat16),
+                 mask=fin[None, :] & n_ok[:, None])
+
+    @gluon.jit
+    def _frag_moe_one(x_ptr, stride_x, ids_ptr, nvalid_ptr, slot_ptr, rw_ptr,
+                      w1_ptr, stride_w1, s1_ptr, stride_s1, b1_ptr, stride_b1,
+                      w2_ptr, stride_w2, s2_ptr, stride_s2, b2_ptr, stride_b2,
+                      h_ptr, stride_h, y_ptr, stride_y, out_ptr, stride_out, cnt_ptr, T, P, MB, alpha, limit,
+                      H: gl.constexpr, I: gl.constexpr, E: gl.constexpr, TOPK: gl.constexpr, PP: gl.constexpr,
+                      JC: gl.constexpr, HAS_NVALID: gl.constexpr, HAS_SLOT: gl.constexpr, ACT: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, BM: gl.constexpr,
+                      NT1: gl.constexpr, KQS1: gl.constexpr, PF1: gl.constexpr,
+                      NT2: gl.constexpr, KQS2: gl.constexpr, PF2: gl.constexpr, W: gl.constexpr):
+        """`fragment_moe` (routing, gate/up, down, combine) in one launch of programs that take work tickets.
+
+        Every program first groups the call's P <= PP pairs by expert itself, as `align` does (blocks of BM pairs in
+        expert order, pairs in index order): a pair's place among its expert's pairs and each expert's first block come
+        from a PP x JC compare a step. Tickets (cnt[0], fetched one ahead): [0, nA) are gate/up tiles (block-major,
+        TA a block), [nA, nA + nB) down tiles (TB a block). A gate/up tile stores its h rows and counts itself in
+        cnt[2 + block]; a down tile waits for its block's TA, runs, stores its pairs' rows of y and the combine's last
+        arrival sums each token (cnt[2 + MB + token * TB + tile]). Gate/up tickets all come before down tickets and a
+        program takes a ticket only when the one before is done, so a waiting program only waits for programs that
+        run: no deadlock whatever the grid. Each tile is `_frag_gemm`'s program of the same FragTile (the same MMAs in
+        the same order, the same roundings), so every output bit equals the four-launch call's. The last program to
+        finish (cnt[1]) zeroes the counters for the next launch; program 0 zeroes the rows of tokens with no kept
+        pair."""
+        WL: gl.constexpr = _layout("w", W)
+        MMA: gl.constexpr = _layout("mma", W)
+        XL: gl.constexpr = _layout("x", W)
+        RL: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [W, 1], [1, 0])
+        RI: gl.constexpr = gl.SliceLayout(1, RL)
+        RJ: gl.constexpr = gl.SliceLayout(0, RL)
+        TPP1: gl.constexpr = NT1 // 2
+        TA: gl.constexpr = (I // 16 + TPP1 - 1) // TPP1
+        TB: gl.constexpr = (H // 16 + NT2 - 1) // NT2
+        Q1: gl.constexpr = H // 64
+        Q2: gl.constexpr = I // 64
+        t = gl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")  # this program's first ticket, under the routing
+        nv = T
+        if HAS_NVALID:
+            nv = gl.load(nvalid_ptr)
+        # ---- the routing: block and place of each pair
+        pi = gl.arange(0, PP, layout=RI)
+        vi, ki = _pair_ids(ids_ptr, pi, P, nv, E, TOPK)
+        if HAS_SLOT:
+            sl = gl.load(slot_ptr + gl.minimum(ki, E - 1), mask=vi, other=0).to(gl.int32)
+        else:
+            sl = ki
+        before = gl.zeros([PP], gl.int32, RI)  # the pair's expert's pairs before it
+        bstart = gl.zeros([PP], gl.int32, RI)  # its expert's first block
+        nblocks = P * 0
+        for c in gl.static_range(PP // JC):
+            pj = c * JC + gl.arange(0, JC, layout=RJ)
+            vj, kj = _pair_ids(ids_ptr, pj, P, nv, E, TOPK)
+            same = (ki[:, None] == kj[None, :]) & vi[:, None] & vj[None, :]
+            before += _reduce_add((same & (pj[None, :] < pi[:, None])).to(gl.int32), axis=1)
+            first = vj & (_reduce_add((same & (pi[:, None] < pj[None, :])).to(gl.int32), axis=0) == 0)
+            nblk = gl.where(first, (_reduce_add(same.to(gl.int32), axis=0) + BM - 1) // BM, 0)  # at each expert's first pair
+            bstart += _reduce_add(gl.where(kj[None, :] < ki[:, None], nblk[None, :], 0), axis=1)
+            nblocks += _reduce_add(nblk, axis=0)
+        blk = gl.convert_layout(gl.where(vi, bstart + before // BM, -1), RJ)
+        place = gl.convert_layout(before % BM, RJ)
+        slot_j = gl.convert_layout(sl, RJ)
+        pj = gl.arange(0, PP, layout=RJ)
+        mb = gl.arange(0, BM, layout=RI)
+        mx = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
+        mr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
+        na = nblocks * TA
+        total = na + nblocks * TB
+        # ---- the tiles
+        while t < total:
+            nxt = gl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")  # the next ticket, fetched under this tile
+            down = t >= na
+            u = gl.where(down, t - na, t)
+            per = gl.where(down, TB, TA)
+            b = u // per
+            j = u % per
+            hit = (blk[None, :] == b) & (place[None, :] == mb[:, None])  # [BM, PP]: row m of block b is that pair
+            pair = _reduce_add(gl.where(hit, pj[None, :], 0), axis=1) + gl.where(_reduce_max(hit.to(gl.int32), axis=1) > 0, 0, P)
+            slot = _reduce_max(gl.where(blk == b, slot_j, -1), axis=0)
+            pair_x = gl.convert_layout(pair, gl.SliceLayout(1, XL))
+            xok = pair_x < P
+            pair_r = gl.convert_layout(pair, gl.SliceLayout(0, MMA))
+            p_ok = pair_r < P
+            rows = (b * BM + mr).to(gl.int64)
+            if down:
+                ready = gl.atomic_add(cnt_ptr + 2 + b, 0, sem="acquire", scope="gpu")
+                while ready < TA:  # the block's gate/up tiles (taken before this ticket, so running or done)
+                    ready = gl.atomic_add(cnt_ptr + 2 + b, 0, sem="acquire", scope="gpu")
+                gl.thread_barrier()
+                xr2 = h_ptr + (b * BM + mx).to(gl.int64) * stride_h
+                w_rows2, s_rows2, n_ok2 = _weight_tiles(w2_ptr, stride_w2, s2_ptr, stride_s2, slot, j, H, Q2, NT2, False,
+                                                     NT2, WL)
+                acc2 = _tile_sums(xr2, xok, w_rows2, s_rows2, n_ok2, 0, Q2 // KQS2 * KQS2, True, NT2 * 16, BM, NT2, KQS2, Q2,
+                                 PF2, W, True)
+                _epilogue(acc2, y_ptr, stride_y, b2_ptr, stride_b2, rw_ptr, slot, pair_r, p_ok, rows, alpha, limit, j, H, 2,
+                          ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT2 * 16, BM, NT2, W, MMA)
+                _combine_tile(y_ptr, stride_y, out_ptr, stride_out, ids_ptr, cnt_ptr + 2 + MB, pair_r, p_ok, j, P, nv, E,
+                              TOPK, H, TB, NT2 * 16, BM, MMA)
+            else:
+                xr1 = x_ptr + gl.where(xok, pair_x // TOPK, 0).to(gl.int64) * stride_x
+                w_rows1, s_rows1, n_ok1 = _weight_tiles(w1_ptr, stride_w1, s1_ptr, stride_s1, slot, j, I, Q1, NT1, True,
+                                                     TPP1, WL)
+                acc1 = _tile_sums(xr1, xok, w_rows1, s_rows1, n_ok1, 0, Q1 // KQS1 * KQS1, True, NT1 * 16, BM, NT1, KQS1, Q1,
+                                 PF1, W)
+                _epilogue(acc1, h_ptr, stride_h, b1_ptr, stride_b1, rw_ptr, slot, pair_r, p_ok, rows, alpha, limit, j, I, 1,
+                          ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT1 * 16, BM, TPP1, W, MMA)
+                gl.thread_barrier()  # every thread's h rows stored before the tile counts itself done
+                gl.atomic_add(cnt_ptr + 2 + b, 1, sem="release", scope="gpu")
+            t = nxt
+        ZL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
+        if gl.program_id(0) == 0:  # the rows of tokens with no kept pair (padding rows of a bucketed call): zeros
+            for t0 in range(0, T, 16):
+                tk = t0 + gl.arange(0, 16, layout=gl.SliceLayout(1, ZL))
+                kept = gl.zeros([16], gl.int32, gl.SliceLayout(1, ZL))
+                for s in gl.static_range(TOPK):
+                    vq, kq = _pair_ids(ids_ptr, tk * TOPK + s, P, nv, E, TOPK)
+                    kept += vq.to(gl.int32)
+                none = (tk < T) & (kept == 0)
+                for c0 in range(0, H, 128):
+                    cols = c0 + gl.arange(0, 128, layout=gl.SliceLayout(0, ZL))
+                    gl.store(out_ptr + tk.to(gl.int64)[:, None] * stride_out + cols[None, :],
+                             gl.zeros([16, 128], gl.bfloat16, ZL), mask=none[:, None] & (cols < H)[None, :])
+        gl.thread_barrier()
+        done = gl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        if done == gl.num_programs(0) - 1:  # every other program has left its loop: the counters back to zero
+            used = 2 + MB + T * TB
+            for c0 in range(0, used, 128):
+                ci = c0 + gl.arange(0, 128, layout=gl.SliceLayout(0, ZL))
+                gl.store(cnt_ptr + ci, gl.zeros([128], gl.int32, gl.SliceLayout(0, ZL)), mask=ci < used)
 
 
 class FragTile(typing.NamedTuple):
@@ -597,6 +832,66 @@ class FragmentExperts:
         return ExpertWeights(ob1, b2, os1, s2, self.b1, self.b2, self.row_mul, self.up_off, self.act, self.alpha, self.limit)
 
 
+def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile,
+                       phased: bool = False) -> str | None:
+    """Why a call of this shape takes the four launches rather than `fragment_moe_one` (None: it can take one)."""
+    if tokens * topk > ONE_LAUNCH_PAIRS:
+        return f"{tokens * topk} pairs (one launch takes at most {ONE_LAUNCH_PAIRS}: PDFLASH_FP4_ONE_LAUNCH_PAIRS)"
+    if phased:
+        return "computed in copy groups as an expert cache brings them"
+    if split_plan(hidden // QUAD, t1.kqs, t1.split)[0] > 1 or split_plan(inter // QUAD, t2.kqs, t2.split)[0] > 1:
+        return f"tiles {t1} / {t2} split K"
+    if t1.warps != t2.warps:
+        return f"tiles {t1} / {t2} have different warp counts"
+    return None
+
+
+def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, fw: FragmentExperts,
+                     num_experts: int, slot_of_expert: torch.Tensor | None = None, n_valid: torch.Tensor | None = None,
+                     config: tuple[FragTile, FragTile] | None = None) -> torch.Tensor | None:
+    """`fragment_moe` in one launch (`_frag_moe_one`): the same output bits. None where the call cannot take it
+    (`one_launch_refusal`, or no counter region to be had: inside the first CUDA-graph capture of a device)."""
+    from pdflash_kernels import linear
+    from pdflash_kernels import moe as _moe
+
+    if gluon is None or x.device.type != "cuda":
+        raise RuntimeError("the one-launch MoE call runs on CUDA with Triton's Gluon; the moe reference is its CPU form")
+    t, hdim = x.shape
+    topk = topk_ids.shape[1]
+    inter = fw.intermediate
+    t1, t2 = config or frag_config(hdim, inter)
+    if one_launch_refusal(t, topk, hdim, inter, t1, t2) is not None:
+        return None
+    p = t * topk
+    mb = _moe.max_blocks(p, num_experts, 16)
+    ta, tb = triton_cdiv(inter // 16, t1.nt // 2), triton_cdiv(hdim // 16, t2.nt)
+    cnt = linear._counters(x.device, 2 + mb + t * tb)
+    if cnt is None:
+        return None
+    x = x.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    pp = max(16, _moe.triton_next_pow2(p))
+    dev = x.device
+    h = torch.empty((mb * 16, inter), dtype=torch.bfloat16, device=dev)
+    y = torch.empty((p, hdim), dtype=torch.float32, device=dev)
+    out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
+    rw = topk_weights.reshape(-1).contiguous()
+    b1 = fw.b1 if fw.b1 is not None else x
+    b2 = fw.b2 if fw.b2 is not None else x
+    grid = (min(mb * (ta + tb), ONE_LAUNCH_PER_SM * runtime.sm_count(dev.index)),)
+    _frag_moe_one[grid](x, x.stride(0), ids, n_valid if n_valid is not None else ids,
+                        slot_of_expert if slot_of_expert is not None else ids, rw,
+                        fw.w1, fw.w1.stride(0), fw.s1, fw.s1.stride(0), b1, b1.stride(0),
+                        fw.w2, fw.w2.stride(0), fw.s2, fw.s2.stride(0), b2, b2.stride(0),
+                        h, h.stride(0), y, y.stride(0), out, out.stride(0), cnt, t, p, mb, float(fw.alpha),
+                        float(fw.limit), H=hdim, I=inter, E=num_experts, TOPK=topk, PP=pp, JC=min(pp, 32),
+                        HAS_NVALID=n_valid is not None, HAS_SLOT=slot_of_expert is not None, ACT=fw.act,
+                        HAS_BIAS=fw.b1 is not None, ROW_MUL=fw.row_mul, UP_OFF=fw.up_off, BM=16,
+                        NT1=t1.nt, KQS1=t1.kqs, PF1=int(t1.prefetch), NT2=t2.nt, KQS2=t2.kqs, PF2=int(t2.prefetch),
+                        W=t1.warps, num_warps=t1.warps)
+    return out
+
+
 def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, fw: FragmentExperts,
                  num_experts: int, slot_of_expert: torch.Tensor | None = None, n_valid: torch.Tensor | None = None,
                  phase_of_expert: torch.Tensor | None = None, between=None, groups: int = 1,
@@ -613,6 +908,10 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     if hdim != fw.hidden:
         raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
     t1, t2 = config or frag_config(hdim, inter)
+    if phase_of_expert is None and x.device.type == "cuda" and one_launch_refusal(t, topk, hdim, inter, t1, t2) is None:
+        out = fragment_moe_one(x, topk_ids, topk_weights, fw, num_experts, slot_of_expert, n_valid, (t1, t2))
+        if out is not None:
+            return out
     chunk = token_chunk(topk, hdim, inter, t1, t2)
     if t > chunk:  # a K split's workspace grows with the rows: token chunks, the same bits (batch invariance)
         outs = []

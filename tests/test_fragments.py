@@ -356,3 +356,127 @@ def test_frag_tile_names_and_split_plans():
                 if n > 1:
                     assert (n - 1) * per < steps <= n * per
     assert F.split_plan(45, 4, 4) == (4, 3)  # gpt-oss: 11 whole steps of 4 quads (+ 1 quad) in 3 + 3 + 3 + 2 (+ 1)
+
+
+# ---- the whole call in one launch (fragments.fragment_moe_one) ---------------------------------------------------------
+ONE_SIG = {"x_ptr": "*bf16", "stride_x": "i32", "ids_ptr": "*i64", "nvalid_ptr": "*i32", "slot_ptr": "*i32",
+           "rw_ptr": "*bf16", "w1_ptr": "*i32", "stride_w1": "i32", "s1_ptr": "*i32", "stride_s1": "i32", "b1_ptr": "*bf16",
+           "stride_b1": "i32", "w2_ptr": "*i32", "stride_w2": "i32", "s2_ptr": "*i32", "stride_s2": "i32",
+           "b2_ptr": "*bf16", "stride_b2": "i32", "h_ptr": "*bf16", "stride_h": "i32", "y_ptr": "*fp32", "stride_y": "i32",
+           "out_ptr": "*bf16", "stride_out": "i32", "cnt_ptr": "*i32", "T": "i32", "P": "i32", "MB": "i32",
+           "alpha": "fp32", "limit": "fp32"}
+
+
+@needs_gluon
+@pytest.mark.parametrize("h,i,e,k,tiles,pairs,gptoss", [(2048, 768, 128, 8, "4x4w4,4x4w4", 8, False),
+                                                        (2048, 768, 128, 8, "4x4w4,4x4w4", 128, False),
+                                                        (2880, 2880, 32, 4, "8x2w4p,4x4w4p", 64, True),
+                                                        (320, 192, 8, 2, "4x4w4,4x4w4", 33, True)])
+def test_one_launch_kernel_compiles_for_sm90(h, i, e, k, tiles, pairs, gptoss, monkeypatch):
+    """The one-launch call compiles for sm_90 with both tiles' MMAs, its ticket / block / combine counters as GPU-scope
+    atomics (acquire on the down tiles' wait) and nothing spilled to local memory, for 8 to 128 pairs."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from pdflash_kernels.moe import triton_next_pow2
+
+    t1, t2 = (F.FragTile.parse(t) for t in tiles.split(","))
+    pp = max(16, triton_next_pow2(pairs))
+    const = dict(H=h, I=i, E=e, TOPK=k, PP=pp, JC=min(pp, 32), HAS_NVALID=True, HAS_SLOT=True, ACT=int(gptoss),
+                 HAS_BIAS=gptoss, ROW_MUL=2 if gptoss else 1, UP_OFF=int(gptoss), BM=16, NT1=t1.nt, KQS1=t1.kqs,
+                 PF1=t1.prefetch, NT2=t2.nt, KQS2=t2.kqs, PF2=t2.prefetch, W=t1.warps)
+    sig = dict(ONE_SIG, **{c: "constexpr" for c in const})
+    kern = triton.compile(GluonASTSource(F._frag_moe_one, sig, const), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": t1.warps})
+    ptx = kern.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16" in ptx and "atom.global.gpu.acq_rel" in ptx and "atom.global.gpu.release" in ptx
+    assert "ld.global.gpu.acquire" in ptx or "atom.global.gpu.acquire" in ptx  # the down tiles' wait (an add of 0: a load)
+    assert "st.local" not in ptx and "ld.local" not in ptx
+
+
+def test_one_launch_takes_small_unsplit_calls_in_one_copy_group(monkeypatch):
+    q = (F.FragTile(4, 4, 4), F.FragTile(4, 4, 4))
+    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 128)
+    assert F.one_launch_refusal(16, 8, 2048, 768, *q) is None
+    assert "129 pairs" in F.one_launch_refusal(43, 3, 2048, 768, *q)
+    assert "copy groups" in F.one_launch_refusal(1, 8, 2048, 768, *q, phased=True)
+    assert "split K" in F.one_launch_refusal(1, 2, 4096, 14336, *F.frag_config(4096, 14336))  # Mixtral's down GEMM
+    assert "warp" in F.one_launch_refusal(1, 8, 2048, 768, F.FragTile(4, 4, 4), F.FragTile(8, 4, 8))
+    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 0)
+    assert "PDFLASH_FP4_ONE_LAUNCH_PAIRS" in F.one_launch_refusal(1, 8, 2048, 768, *q)
+
+
+def test_one_launch_pairs_setting_is_checked():
+    import subprocess
+    import sys
+
+    for bad in ("129", "-1", "many"):
+        r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.fragments"], capture_output=True, text=True,
+                           env={**__import__("os").environ, "PDFLASH_FP4_ONE_LAUNCH_PAIRS": bad})
+        assert r.returncode != 0 and "PDFLASH_FP4_ONE_LAUNCH_PAIRS" in r.stderr, bad
+
+
+def _four_launches(monkeypatch, *args, **kw):
+    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 0)
+    try:
+        return F.fragment_moe(*args, **kw)
+    finally:
+        monkeypatch.undo()
+
+
+@cuda
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small"])
+def test_one_launch_is_bit_identical_to_the_four_launches(model, monkeypatch):
+    """Every output bit of the one-launch call equals the four launches' (routing, gate/up, down, combine): 1 to 128
+    pairs, tokens sharing experts (a block full, an expert over several blocks), dropped ids, padding rows (n_valid),
+    experts at other slots, and again and again (its counters are back at zero after each call)."""
+    e, w, fw, x, ids, wts = _moe_case(model, 64, seed=11)
+    k = ids.shape[1]
+    for n in sorted({1, 2, 3, 5, 128 // k // 2, 128 // k}):
+        one = F.fragment_moe_one(x[:n], ids[:n], wts[:n], fw, e)
+        assert one is not None
+        assert torch.equal(one, _four_launches(monkeypatch, x[:n], ids[:n], wts[:n], fw, e)), n
+    n = 128 // k
+    crowd = ids[:1].expand(n, k).contiguous()  # every token to the same k experts: n pairs an expert, ceil(n / 16) blocks
+    assert torch.equal(F.fragment_moe_one(x[:n], crowd, wts[:n], fw, e), _four_launches(monkeypatch, x[:n], crowd, wts[:n], fw, e))
+    dropped = ids[:9].clone()
+    dropped[2, 0] = -1
+    dropped[4, :] = e  # a token with no kept pair: zeros
+    nv = torch.tensor([7], dtype=torch.int32, device="cuda")  # rows 7, 8: padding
+    one = F.fragment_moe_one(x[:9], dropped, wts[:9], fw, e, n_valid=nv)
+    assert torch.equal(one, _four_launches(monkeypatch, x[:9], dropped, wts[:9], fw, e, n_valid=nv))
+    assert not one[4].any() and not one[7:].any()
+    perm = torch.randperm(e, device="cuda")
+    moved = {name: torch.empty_like(getattr(fw, name)) for name in ("w1", "s1", "w2", "s2", "b1", "b2")
+             if getattr(fw, name) is not None}
+    for name, t in moved.items():
+        t[perm] = getattr(fw, name)
+    import dataclasses
+
+    fw2 = dataclasses.replace(fw, **moved)
+    at = perm.to(torch.int32)
+    again = [F.fragment_moe_one(x[:5], ids[:5], wts[:5], fw2, e, slot_of_expert=at) for _ in range(3)]
+    first = _four_launches(monkeypatch, x[:5], ids[:5], wts[:5], fw, e)
+    assert all(torch.equal(a, first) for a in again)
+
+
+@cuda
+@needs_gluon
+@pytest.mark.gpu
+def test_one_launch_replays_in_a_cuda_graph():
+    """Captured once (as the verifier captures its forward) and replayed on new tokens: the eager call's bits."""
+    e, w, fw, x, ids, wts = _moe_case("qwen3-30b-a3b", 32, seed=13)
+    xs, is_, ws = x[:4].clone(), ids[:4].clone(), wts[:4].clone()
+    F.fragment_moe(xs, is_, ws, fw, e)  # warm: compiled, counters made
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = F.fragment_moe(xs, is_, ws, fw, e)
+    for s0 in (4, 12, 20):
+        xs.copy_(x[s0:s0 + 4]), is_.copy_(ids[s0:s0 + 4]), ws.copy_(wts[s0:s0 + 4])
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, F.fragment_moe_one(x[s0:s0 + 4], ids[s0:s0 + 4], wts[s0:s0 + 4], fw, e)), s0
