@@ -72,7 +72,6 @@ _ONE = os.environ.get("PDFLASH_FP4_ONE_LAUNCH_PAIRS", "128")
 if not (_ONE.isdigit() and int(_ONE) <= 128):
     raise ValueError(f"PDFLASH_FP4_ONE_LAUNCH_PAIRS must be a number of pairs from 0 (off) to 128, got {_ONE!r}")
 ONE_LAUNCH_PAIRS = int(_ONE)
-ONE_LAUNCH_PER_SM = 4  # programs an SM in the one-launch grid (at most one per ticket)
 
 
 def _codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -476,30 +475,36 @@ if gluon is not None:
     @gluon.jit
     def _combine_tile(y_ptr, stride_y, out_ptr, stride_out, ids_ptr, ctr_ptr, pair, p_ok, j, P, nv, E: gl.constexpr,
                       TOPK: gl.constexpr, H: gl.constexpr, TB: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
-                      MMA: gl.constexpr):
+                      W: gl.constexpr):
         """After a down tile's rows are stored: the last program to store one of a token's pairs in this column tile
         (a counter a token and tile, as pdflash_kernels.moe's fused combine) sums the token's rows in slot order from zero
-        (`_moe_combine`'s arithmetic) into out (bf16)."""
+        (`_moe_combine`'s arithmetic) into out (bf16). Rows along dim 0, 8 contiguous columns a thread; the slots' loads
+        four at a time (registers: all TOPK in flight would cap the kernel's occupancy)."""
+        CL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+        pair = gl.convert_layout(pair, gl.SliceLayout(1, CL))
+        p_ok = gl.convert_layout(p_ok, gl.SliceLayout(1, CL))
         tok = pair // TOPK
-        need = gl.zeros([BM], gl.int32, gl.SliceLayout(0, MMA))
+        need = gl.zeros([BM], gl.int32, gl.SliceLayout(1, CL))
         for s in gl.static_range(TOPK):
             vq, kq = _pair_ids(ids_ptr, tok * TOPK + s, P, nv, E, TOPK)
             need += vq.to(gl.int32)
         gl.thread_barrier()  # every thread's rows stored before the counts are released
-        arrived = gl.atomic_add(ctr_ptr + tok * TB + j, gl.full([BM], 1, gl.int32, gl.SliceLayout(0, MMA)), mask=p_ok,
+        arrived = gl.atomic_add(ctr_ptr + tok * TB + j, gl.full([BM], 1, gl.int32, gl.SliceLayout(1, CL)), mask=p_ok,
                                 sem="acq_rel", scope="gpu")
         fin = p_ok & (arrived == need - 1)
         gl.thread_barrier()
-        n = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        n = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, CL))
         n_ok = n < H
-        acc = gl.zeros([BN, BM], gl.float32, MMA)
-        for s in gl.static_range(TOPK):
-            q = tok * TOPK + s
-            vq, kq = _pair_ids(ids_ptr, q, P, nv, E, TOPK)
-            acc += gl.load(y_ptr + q.to(gl.int64)[None, :] * stride_y + n[:, None], mask=(fin & vq)[None, :] & n_ok[:, None],
-                           other=0.0, cache_modifier=".cg")  # (from L2: other programs wrote them)
-        gl.store(out_ptr + tok.to(gl.int64)[None, :] * stride_out + n[:, None], acc.to(gl.bfloat16),
-                 mask=fin[None, :] & n_ok[:, None])
+        acc = gl.zeros([BM, BN], gl.float32, CL)
+        G: gl.constexpr = 4 if TOPK % 4 == 0 else 1
+        for g in range(TOPK // G):
+            for s in gl.static_range(G):
+                q = tok * TOPK + g * G + s
+                vq, kq = _pair_ids(ids_ptr, q, P, nv, E, TOPK)
+                acc += gl.load(y_ptr + (q * stride_y)[:, None] + n[None, :], mask=(fin & vq)[:, None] & n_ok[None, :],
+                               other=0.0, cache_modifier=".cg")  # (from L2: other programs wrote them)
+        gl.store(out_ptr + (tok * stride_out)[:, None] + n[None, :], acc.to(gl.bfloat16),
+                 mask=fin[:, None] & n_ok[None, :])
 
     @gluon.jit
     def _frag_moe_one(x_ptr, stride_x, ids_ptr, nvalid_ptr, slot_ptr, rw_ptr,
@@ -511,19 +516,20 @@ if gluon is not None:
                       HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, BM: gl.constexpr,
                       NT1: gl.constexpr, KQS1: gl.constexpr, PF1: gl.constexpr,
                       NT2: gl.constexpr, KQS2: gl.constexpr, PF2: gl.constexpr, W: gl.constexpr):
-        """`fragment_moe` (routing, gate/up, down, combine) in one launch of programs that take work tickets.
+        """`fragment_moe` (routing, gate/up, down, combine) in one launch: a program a tile, each taking a work ticket.
 
         Every program first groups the call's P <= PP pairs by expert itself, as `align` does (blocks of BM pairs in
         expert order, pairs in index order): a pair's place among its expert's pairs and each expert's first block come
-        from a PP x JC compare a step. Tickets (cnt[0], fetched one ahead): [0, nA) are gate/up tiles (block-major,
-        TA a block), [nA, nA + nB) down tiles (TB a block). A gate/up tile stores its h rows and counts itself in
-        cnt[2 + block]; a down tile waits for its block's TA, runs, stores its pairs' rows of y and the combine's last
-        arrival sums each token (cnt[2 + MB + token * TB + tile]). Gate/up tickets all come before down tickets and a
-        program takes a ticket only when the one before is done, so a waiting program only waits for programs that
-        run: no deadlock whatever the grid. Each tile is `_frag_gemm`'s program of the same FragTile (the same MMAs in
-        the same order, the same roundings), so every output bit equals the four-launch call's. The last program to
-        finish (cnt[1]) zeroes the counters for the next launch; program 0 zeroes the rows of tokens with no kept
-        pair."""
+        from a PP x JC compare a step. Tickets (cnt[0], in the order programs start): [0, nA) are gate/up tiles
+        (block-major, TA a block), [nA, nA + nB) down tiles (TB a block), the rest have nothing to do. A gate/up tile
+        stores its h rows and counts itself in cnt[2 + block]; a down tile waits for its block's TA, runs, stores its
+        pairs' rows of y, and the last arrival of each token sums it (cnt[2 + MB + token * TB + tile]). Every gate/up
+        ticket is taken before any down ticket, by a program that has started, so a waiting program only waits for
+        programs that run: no deadlock whatever the grid and the SMs' occupancy. Each tile is `_frag_gemm`'s program
+        of the same FragTile (the same MMAs in the same order, the same roundings), so every output bit equals the
+        four-launch call's. The last program to finish (cnt[1]) zeroes the counters for the next launch; program 0
+        zeroes the rows of tokens with no kept pair. One tile a program, not a loop over tickets: a loop kept both
+        roles' invariants live (128 registers against 93 on Qwen3's shapes, 80 for a GEMM alone)."""
         WL: gl.constexpr = _layout("w", W)
         MMA: gl.constexpr = _layout("mma", W)
         XL: gl.constexpr = _layout("x", W)
@@ -535,7 +541,7 @@ if gluon is not None:
         TB: gl.constexpr = (H // 16 + NT2 - 1) // NT2
         Q1: gl.constexpr = H // 64
         Q2: gl.constexpr = I // 64
-        t = gl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")  # this program's first ticket, under the routing
+        t = gl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")  # this program's ticket, fetched under the routing
         nv = T
         if HAS_NVALID:
             nv = gl.load(nvalid_ptr)
@@ -549,7 +555,7 @@ if gluon is not None:
         before = gl.zeros([PP], gl.int32, RI)  # the pair's expert's pairs before it
         bstart = gl.zeros([PP], gl.int32, RI)  # its expert's first block
         nblocks = P * 0
-        for c in gl.static_range(PP // JC):
+        for c in range(PP // JC):  # (a loop, not unrolled: registers)
             pj = c * JC + gl.arange(0, JC, layout=RJ)
             vj, kj = _pair_ids(ids_ptr, pj, P, nv, E, TOPK)
             same = (ki[:, None] == kj[None, :]) & vi[:, None] & vj[None, :]
@@ -558,18 +564,19 @@ if gluon is not None:
             nblk = gl.where(first, (_reduce_add(same.to(gl.int32), axis=0) + BM - 1) // BM, 0)  # at each expert's first pair
             bstart += _reduce_add(gl.where(kj[None, :] < ki[:, None], nblk[None, :], 0), axis=1)
             nblocks += _reduce_add(nblk, axis=0)
-        blk = gl.convert_layout(gl.where(vi, bstart + before // BM, -1), RJ)
-        place = gl.convert_layout(before % BM, RJ)
-        slot_j = gl.convert_layout(sl, RJ)
-        pj = gl.arange(0, PP, layout=RJ)
-        mb = gl.arange(0, BM, layout=RI)
+        # what a tile looks up: [BM, PP] with the pairs across the threads (one a thread at PP = 32 W)
+        LL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, W], [1, 0])
+        blk = gl.convert_layout(gl.where(vi, bstart + before // BM, -1), gl.SliceLayout(0, LL))
+        place = gl.convert_layout(before % BM, gl.SliceLayout(0, LL))
+        slot_j = gl.convert_layout(sl, gl.SliceLayout(0, LL))
+        pj = gl.arange(0, PP, layout=gl.SliceLayout(0, LL))
+        mb = gl.arange(0, BM, layout=gl.SliceLayout(1, LL))
         mx = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
         mr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
         na = nblocks * TA
         total = na + nblocks * TB
         # ---- the tiles
-        while t < total:
-            nxt = gl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")  # the next ticket, fetched under this tile
+        if t < total:
             down = t >= na
             u = gl.where(down, t - na, t)
             per = gl.where(down, TB, TA)
@@ -596,7 +603,7 @@ if gluon is not None:
                 _epilogue(acc2, y_ptr, stride_y, b2_ptr, stride_b2, rw_ptr, slot, pair_r, p_ok, rows, alpha, limit, j, H, 2,
                           ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT2 * 16, BM, NT2, W, MMA)
                 _combine_tile(y_ptr, stride_y, out_ptr, stride_out, ids_ptr, cnt_ptr + 2 + MB, pair_r, p_ok, j, P, nv, E,
-                              TOPK, H, TB, NT2 * 16, BM, MMA)
+                              TOPK, H, TB, NT2 * 16, BM, W)
             else:
                 xr1 = x_ptr + gl.where(xok, pair_x // TOPK, 0).to(gl.int64) * stride_x
                 w_rows1, s_rows1, n_ok1 = _weight_tiles(w1_ptr, stride_w1, s1_ptr, stride_s1, slot, j, I, Q1, NT1, True,
@@ -607,7 +614,6 @@ if gluon is not None:
                           ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT1 * 16, BM, TPP1, W, MMA)
                 gl.thread_barrier()  # every thread's h rows stored before the tile counts itself done
                 gl.atomic_add(cnt_ptr + 2 + b, 1, sem="release", scope="gpu")
-            t = nxt
         ZL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
         if gl.program_id(0) == 0:  # the rows of tokens with no kept pair (padding rows of a bucketed call): zeros
             for t0 in range(0, T, 16):
@@ -878,13 +884,13 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     rw = topk_weights.reshape(-1).contiguous()
     b1 = fw.b1 if fw.b1 is not None else x
     b2 = fw.b2 if fw.b2 is not None else x
-    grid = (min(mb * (ta + tb), ONE_LAUNCH_PER_SM * runtime.sm_count(dev.index)),)
+    grid = (mb * (ta + tb),)  # a program a ticket: as many as the most tiles a call of this size can have
     _frag_moe_one[grid](x, x.stride(0), ids, n_valid if n_valid is not None else ids,
                         slot_of_expert if slot_of_expert is not None else ids, rw,
                         fw.w1, fw.w1.stride(0), fw.s1, fw.s1.stride(0), b1, b1.stride(0),
                         fw.w2, fw.w2.stride(0), fw.s2, fw.s2.stride(0), b2, b2.stride(0),
                         h, h.stride(0), y, y.stride(0), out, out.stride(0), cnt, t, p, mb, float(fw.alpha),
-                        float(fw.limit), H=hdim, I=inter, E=num_experts, TOPK=topk, PP=pp, JC=min(pp, 32),
+                        float(fw.limit), H=hdim, I=inter, E=num_experts, TOPK=topk, PP=pp, JC=min(pp, 16),
                         HAS_NVALID=n_valid is not None, HAS_SLOT=slot_of_expert is not None, ACT=fw.act,
                         HAS_BIAS=fw.b1 is not None, ROW_MUL=fw.row_mul, UP_OFF=fw.up_off, BM=16,
                         NT1=t1.nt, KQS1=t1.kqs, PF1=int(t1.prefetch), NT2=t2.nt, KQS2=t2.kqs, PF2=int(t2.prefetch),

@@ -384,7 +384,7 @@ def test_one_launch_kernel_compiles_for_sm90(h, i, e, k, tiles, pairs, gptoss, m
 
     t1, t2 = (F.FragTile.parse(t) for t in tiles.split(","))
     pp = max(16, triton_next_pow2(pairs))
-    const = dict(H=h, I=i, E=e, TOPK=k, PP=pp, JC=min(pp, 32), HAS_NVALID=True, HAS_SLOT=True, ACT=int(gptoss),
+    const = dict(H=h, I=i, E=e, TOPK=k, PP=pp, JC=min(pp, 16), HAS_NVALID=True, HAS_SLOT=True, ACT=int(gptoss),
                  HAS_BIAS=gptoss, ROW_MUL=2 if gptoss else 1, UP_OFF=int(gptoss), BM=16, NT1=t1.nt, KQS1=t1.kqs,
                  PF1=t1.prefetch, NT2=t2.nt, KQS2=t2.kqs, PF2=t2.prefetch, W=t1.warps)
     sig = dict(ONE_SIG, **{c: "constexpr" for c in const})
