@@ -64,10 +64,11 @@ WORDS_PER_QUAD = 128  # words of one 16-row x 64-column quad (32 lanes x 4 tiles
 _PDL_ASKED = runtime.env_flag("PDFLASH_FP4_FRAGMENTS_PDL", default=False)  # (read everywhere: a bad value stops the import)
 PDL_ON = 1 if runtime.PDL_TRIGGER == "after-wait" else 2  # `_pdl_begin`'s mode when on (benchmarks/fragment_bench.py --pdl-ab)
 PDL_MODE = PDL_ON if runtime.PDL and _PDL_ASKED else 0
-# The whole MoE call in one launch (`fragment_moe_one`: routing, gate/up, down and combine; programs take work tickets) for
-# calls of at most this many (token, expert) pairs; longer calls, calls computed in copy groups (an expert cache still
-# copying) and tiles with a K split take the four launches. Every output bit is the four launches' (the same tile
-# programs), so the cut may depend on the token count. PDFLASH_FP4_ONE_LAUNCH_PAIRS: 0 turns it off; at most 128.
+# The MoE call's gate/up GEMM, down GEMM and combine in one launch after the routing's (`fragment_moe_one`: programs take
+# work tickets; down tiles wait for their block's gate/up tiles) for calls of at most this many (token, expert) pairs;
+# longer calls, calls computed in copy groups (an expert cache still copying) and tiles with a K split take the four
+# launches. Every output bit is the four launches' (the same tile programs), so the cut may depend on the token count.
+# PDFLASH_FP4_ONE_LAUNCH_PAIRS: 0 turns it off; at most 128.
 _ONE = os.environ.get("PDFLASH_FP4_ONE_LAUNCH_PAIRS", "128")
 if not (_ONE.isdigit() and int(_ONE) <= 128):
     raise ValueError(f"PDFLASH_FP4_ONE_LAUNCH_PAIRS must be a number of pairs from 0 (off) to 128, got {_ONE!r}")
@@ -453,41 +454,25 @@ if gluon is not None:
         return a + b
 
     @gluon.jit
-    def _larger(a, b):
-        return gl.maximum(a, b)
-
-    @gluon.jit
     def _reduce_add(x, axis: gl.constexpr):
         """gl.sum with a Gluon combine function (Triton's own is an interpreted function where TRITON_INTERPRET is set,
-        as in the CPU tests that compile this kernel for sm_90)."""
+        as in the CPU tests that compile these kernels for sm_90)."""
         return gl.reduce(x, axis, _add)
 
     @gluon.jit
-    def _reduce_max(x, axis: gl.constexpr):
-        return gl.reduce(x, axis, _larger)
-    @gluon.jit
-    def _pair_ids(ids_ptr, p, P, nv, E: gl.constexpr, TOPK: gl.constexpr):
-        """Pairs p (token * TOPK + slot): kept (an expert id in [0, E) of a row below nv) and the sort key (E: dropped)."""
-        k = gl.load(ids_ptr + p, mask=p < P, other=E).to(gl.int32)
-        ok = (p < P) & (k >= 0) & (k < E) & (p // TOPK < nv)
-        return ok, gl.where(ok, k, E)
-
-    @gluon.jit
-    def _combine_tile(y_ptr, stride_y, out_ptr, stride_out, ids_ptr, ctr_ptr, pair, p_ok, j, P, nv, E: gl.constexpr,
-                      TOPK: gl.constexpr, H: gl.constexpr, TB: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
-                      W: gl.constexpr):
+    def _combine_tile(y_ptr, stride_y, out_ptr, stride_out, valid_ptr, ctr_ptr, pair, p_ok, j, P, TOPK: gl.constexpr,
+                      H: gl.constexpr, TB: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, W: gl.constexpr):
         """After a down tile's rows are stored: the last program to store one of a token's pairs in this column tile
         (a counter a token and tile, as pdflash_kernels.moe's fused combine) sums the token's rows in slot order from zero
         (`_moe_combine`'s arithmetic) into out (bf16). Rows along dim 0, 8 contiguous columns a thread; the slots' loads
-        four at a time (registers: all TOPK in flight would cap the kernel's occupancy)."""
+        four at a time (all eight in flight took 224 registers on Qwen3's shapes and capped the kernel's occupancy)."""
         CL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
         pair = gl.convert_layout(pair, gl.SliceLayout(1, CL))
         p_ok = gl.convert_layout(p_ok, gl.SliceLayout(1, CL))
-        tok = pair // TOPK
+        tok = gl.where(p_ok, pair // TOPK, 0)
         need = gl.zeros([BM], gl.int32, gl.SliceLayout(1, CL))
         for s in gl.static_range(TOPK):
-            vq, kq = _pair_ids(ids_ptr, tok * TOPK + s, P, nv, E, TOPK)
-            need += vq.to(gl.int32)
+            need += gl.load(valid_ptr + tok * TOPK + s, mask=p_ok, other=0).to(gl.int32)
         gl.thread_barrier()  # every thread's rows stored before the counts are released
         arrived = gl.atomic_add(ctr_ptr + tok * TB + j, gl.full([BM], 1, gl.int32, gl.SliceLayout(1, CL)), mask=p_ok,
                                 sem="acq_rel", scope="gpu")
@@ -500,94 +485,58 @@ if gluon is not None:
         for g in range(TOPK // G):
             for s in gl.static_range(G):
                 q = tok * TOPK + g * G + s
-                vq, kq = _pair_ids(ids_ptr, q, P, nv, E, TOPK)
+                vq = gl.load(valid_ptr + q, mask=fin, other=0) != 0
                 acc += gl.load(y_ptr + (q * stride_y)[:, None] + n[None, :], mask=(fin & vq)[:, None] & n_ok[None, :],
                                other=0.0, cache_modifier=".cg")  # (from L2: other programs wrote them)
         gl.store(out_ptr + (tok * stride_out)[:, None] + n[None, :], acc.to(gl.bfloat16),
                  mask=fin[:, None] & n_ok[None, :])
 
     @gluon.jit
-    def _frag_moe_one(x_ptr, stride_x, ids_ptr, nvalid_ptr, slot_ptr, rw_ptr,
+    def _frag_moe_one(x_ptr, stride_x, pairs_ptr, slot_ptr, nblocks_ptr, valid_ptr, rw_ptr,
                       w1_ptr, stride_w1, s1_ptr, stride_s1, b1_ptr, stride_b1,
                       w2_ptr, stride_w2, s2_ptr, stride_s2, b2_ptr, stride_b2,
                       h_ptr, stride_h, y_ptr, stride_y, out_ptr, stride_out, cnt_ptr, T, P, MB, alpha, limit,
-                      H: gl.constexpr, I: gl.constexpr, E: gl.constexpr, TOPK: gl.constexpr, PP: gl.constexpr,
-                      JC: gl.constexpr, HAS_NVALID: gl.constexpr, HAS_SLOT: gl.constexpr, ACT: gl.constexpr,
-                      HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, BM: gl.constexpr,
+                      H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, BM: gl.constexpr,
                       NT1: gl.constexpr, KQS1: gl.constexpr, PF1: gl.constexpr,
                       NT2: gl.constexpr, KQS2: gl.constexpr, PF2: gl.constexpr, W: gl.constexpr):
-        """`fragment_moe` (routing, gate/up, down, combine) in one launch: a program a tile, each taking a work ticket.
+        """`fragment_moe`'s gate/up, down and combine in one launch over `align`'s routing blocks: a program a tile,
+        each taking a work ticket.
 
-        Every program first groups the call's P <= PP pairs by expert itself, as `align` does (blocks of BM pairs in
-        expert order, pairs in index order): a pair's place among its expert's pairs and each expert's first block come
-        from a PP x JC compare a step. Tickets (cnt[0], in the order programs start): [0, nA) are gate/up tiles
-        (block-major, TA a block), [nA, nA + nB) down tiles (TB a block), the rest have nothing to do. A gate/up tile
-        stores its h rows and counts itself in cnt[2 + block]; a down tile waits for its block's TA, runs, stores its
-        pairs' rows of y, and the last arrival of each token sums it (cnt[2 + MB + token * TB + tile]). Every gate/up
-        ticket is taken before any down ticket, by a program that has started, so a waiting program only waits for
-        programs that run: no deadlock whatever the grid and the SMs' occupancy. Each tile is `_frag_gemm`'s program
-        of the same FragTile (the same MMAs in the same order, the same roundings), so every output bit equals the
-        four-launch call's. The last program to finish (cnt[1]) zeroes the counters for the next launch; program 0
-        zeroes the rows of tokens with no kept pair. One tile a program, not a loop over tickets: a loop kept both
-        roles' invariants live (128 registers against 93 on Qwen3's shapes, 80 for a GEMM alone)."""
+        Tickets (cnt[0], in the order programs start): [0, nA) are gate/up tiles (block-major, TA a block), [nA, nA + nB)
+        down tiles (TB a block), the rest have nothing to do. A gate/up tile stores its h rows and counts itself in
+        cnt[2 + block]; a down tile waits for its block's TA, runs, stores its pairs' rows of y, and the last arrival of
+        each token sums it (cnt[2 + MB + token * TB + tile]). Every gate/up ticket is taken before any down ticket, by a
+        program that has started, so a waiting program only waits for programs that run: no deadlock whatever the grid
+        and the SMs' occupancy. Each tile is `_frag_gemm`'s program of the same FragTile (the same MMAs in the same
+        order, the same roundings), so every output bit equals the four-launch call's. The last program to finish
+        (cnt[1]) zeroes the counters for the next launch; program 0 zeroes the rows of tokens with no kept pair.
+        One tile a program, not a loop over tickets: a loop kept both roles' invariants live (128 registers against 93
+        on Qwen3's shapes; a GEMM alone takes 80). (Grouping the pairs in every program instead of `align` cost ~5 us a
+        call on the H200: benchmarks/results/stop40_gpu/one_launch_probe_call5.txt.)"""
         WL: gl.constexpr = _layout("w", W)
         MMA: gl.constexpr = _layout("mma", W)
         XL: gl.constexpr = _layout("x", W)
-        RL: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [W, 1], [1, 0])
-        RI: gl.constexpr = gl.SliceLayout(1, RL)
-        RJ: gl.constexpr = gl.SliceLayout(0, RL)
         TPP1: gl.constexpr = NT1 // 2
         TA: gl.constexpr = (I // 16 + TPP1 - 1) // TPP1
         TB: gl.constexpr = (H // 16 + NT2 - 1) // NT2
         Q1: gl.constexpr = H // 64
         Q2: gl.constexpr = I // 64
-        t = gl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")  # this program's ticket, fetched under the routing
-        nv = T
-        if HAS_NVALID:
-            nv = gl.load(nvalid_ptr)
-        # ---- the routing: block and place of each pair
-        pi = gl.arange(0, PP, layout=RI)
-        vi, ki = _pair_ids(ids_ptr, pi, P, nv, E, TOPK)
-        if HAS_SLOT:
-            sl = gl.load(slot_ptr + gl.minimum(ki, E - 1), mask=vi, other=0).to(gl.int32)
-        else:
-            sl = ki
-        before = gl.zeros([PP], gl.int32, RI)  # the pair's expert's pairs before it
-        bstart = gl.zeros([PP], gl.int32, RI)  # its expert's first block
-        nblocks = P * 0
-        for c in range(PP // JC):  # (a loop, not unrolled: registers)
-            pj = c * JC + gl.arange(0, JC, layout=RJ)
-            vj, kj = _pair_ids(ids_ptr, pj, P, nv, E, TOPK)
-            same = (ki[:, None] == kj[None, :]) & vi[:, None] & vj[None, :]
-            before += _reduce_add((same & (pj[None, :] < pi[:, None])).to(gl.int32), axis=1)
-            first = vj & (_reduce_add((same & (pi[:, None] < pj[None, :])).to(gl.int32), axis=0) == 0)
-            nblk = gl.where(first, (_reduce_add(same.to(gl.int32), axis=0) + BM - 1) // BM, 0)  # at each expert's first pair
-            bstart += _reduce_add(gl.where(kj[None, :] < ki[:, None], nblk[None, :], 0), axis=1)
-            nblocks += _reduce_add(nblk, axis=0)
-        # what a tile looks up: [BM, PP] with the pairs across the threads (one a thread at PP = 32 W)
-        LL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, W], [1, 0])
-        blk = gl.convert_layout(gl.where(vi, bstart + before // BM, -1), gl.SliceLayout(0, LL))
-        place = gl.convert_layout(before % BM, gl.SliceLayout(0, LL))
-        slot_j = gl.convert_layout(sl, gl.SliceLayout(0, LL))
-        pj = gl.arange(0, PP, layout=gl.SliceLayout(0, LL))
-        mb = gl.arange(0, BM, layout=gl.SliceLayout(1, LL))
-        mx = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
-        mr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
+        t = gl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")  # this program's ticket
+        nblocks = gl.load(nblocks_ptr)
         na = nblocks * TA
-        total = na + nblocks * TB
-        # ---- the tiles
-        if t < total:
+        if t < na + nblocks * TB:
             down = t >= na
             u = gl.where(down, t - na, t)
             per = gl.where(down, TB, TA)
             b = u // per
             j = u % per
-            hit = (blk[None, :] == b) & (place[None, :] == mb[:, None])  # [BM, PP]: row m of block b is that pair
-            pair = _reduce_add(gl.where(hit, pj[None, :], 0), axis=1) + gl.where(_reduce_max(hit.to(gl.int32), axis=1) > 0, 0, P)
-            slot = _reduce_max(gl.where(blk == b, slot_j, -1), axis=0)
-            pair_x = gl.convert_layout(pair, gl.SliceLayout(1, XL))
+            slot = gl.load(slot_ptr + b)
+            mx = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
+            pair_x = gl.load(pairs_ptr + b * BM + mx)
             xok = pair_x < P
-            pair_r = gl.convert_layout(pair, gl.SliceLayout(0, MMA))
+            mr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
+            pair_r = gl.load(pairs_ptr + b * BM + mr)
             p_ok = pair_r < P
             rows = (b * BM + mr).to(gl.int64)
             if down:
@@ -597,39 +546,39 @@ if gluon is not None:
                 gl.thread_barrier()
                 xr2 = h_ptr + (b * BM + mx).to(gl.int64) * stride_h
                 w_rows2, s_rows2, n_ok2 = _weight_tiles(w2_ptr, stride_w2, s2_ptr, stride_s2, slot, j, H, Q2, NT2, False,
-                                                     NT2, WL)
-                acc2 = _tile_sums(xr2, xok, w_rows2, s_rows2, n_ok2, 0, Q2 // KQS2 * KQS2, True, NT2 * 16, BM, NT2, KQS2, Q2,
-                                 PF2, W, True)
-                _epilogue(acc2, y_ptr, stride_y, b2_ptr, stride_b2, rw_ptr, slot, pair_r, p_ok, rows, alpha, limit, j, H, 2,
-                          ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT2 * 16, BM, NT2, W, MMA)
-                _combine_tile(y_ptr, stride_y, out_ptr, stride_out, ids_ptr, cnt_ptr + 2 + MB, pair_r, p_ok, j, P, nv, E,
-                              TOPK, H, TB, NT2 * 16, BM, W)
+                                                        NT2, WL)
+                acc2 = _tile_sums(xr2, xok, w_rows2, s_rows2, n_ok2, 0, Q2 // KQS2 * KQS2, True, NT2 * 16, BM, NT2, KQS2,
+                                  Q2, PF2, W, True)
+                _epilogue(acc2, y_ptr, stride_y, b2_ptr, stride_b2, rw_ptr, slot, pair_r, p_ok, rows, alpha, limit, j, H,
+                          2, ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT2 * 16, BM, NT2, W, MMA)
+                _combine_tile(y_ptr, stride_y, out_ptr, stride_out, valid_ptr, cnt_ptr + 2 + MB, pair_r, p_ok, j, P, TOPK,
+                              H, TB, NT2 * 16, BM, W)
             else:
                 xr1 = x_ptr + gl.where(xok, pair_x // TOPK, 0).to(gl.int64) * stride_x
                 w_rows1, s_rows1, n_ok1 = _weight_tiles(w1_ptr, stride_w1, s1_ptr, stride_s1, slot, j, I, Q1, NT1, True,
-                                                     TPP1, WL)
-                acc1 = _tile_sums(xr1, xok, w_rows1, s_rows1, n_ok1, 0, Q1 // KQS1 * KQS1, True, NT1 * 16, BM, NT1, KQS1, Q1,
-                                 PF1, W)
-                _epilogue(acc1, h_ptr, stride_h, b1_ptr, stride_b1, rw_ptr, slot, pair_r, p_ok, rows, alpha, limit, j, I, 1,
-                          ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT1 * 16, BM, TPP1, W, MMA)
+                                                        TPP1, WL)
+                acc1 = _tile_sums(xr1, xok, w_rows1, s_rows1, n_ok1, 0, Q1 // KQS1 * KQS1, True, NT1 * 16, BM, NT1, KQS1,
+                                  Q1, PF1, W)
+                _epilogue(acc1, h_ptr, stride_h, b1_ptr, stride_b1, rw_ptr, slot, pair_r, p_ok, rows, alpha, limit, j, I,
+                          1, ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT1 * 16, BM, TPP1, W, MMA)
                 gl.thread_barrier()  # every thread's h rows stored before the tile counts itself done
                 gl.atomic_add(cnt_ptr + 2 + b, 1, sem="release", scope="gpu")
         ZL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
         if gl.program_id(0) == 0:  # the rows of tokens with no kept pair (padding rows of a bucketed call): zeros
+            KP: gl.constexpr = 16 if TOPK <= 16 else TOPK
             for t0 in range(0, T, 16):
                 tk = t0 + gl.arange(0, 16, layout=gl.SliceLayout(1, ZL))
-                kept = gl.zeros([16], gl.int32, gl.SliceLayout(1, ZL))
-                for s in gl.static_range(TOPK):
-                    vq, kq = _pair_ids(ids_ptr, tk * TOPK + s, P, nv, E, TOPK)
-                    kept += vq.to(gl.int32)
-                none = (tk < T) & (kept == 0)
+                kk = gl.arange(0, KP, layout=gl.SliceLayout(0, ZL))
+                kept = gl.load(valid_ptr + tk[:, None] * TOPK + kk[None, :], mask=(tk < T)[:, None] & (kk < TOPK)[None, :],
+                               other=0).to(gl.int32)
+                none = (tk < T) & (_reduce_add(kept, 1) == 0)
                 for c0 in range(0, H, 128):
                     cols = c0 + gl.arange(0, 128, layout=gl.SliceLayout(0, ZL))
                     gl.store(out_ptr + tk.to(gl.int64)[:, None] * stride_out + cols[None, :],
                              gl.zeros([16, 128], gl.bfloat16, ZL), mask=none[:, None] & (cols < H)[None, :])
         gl.thread_barrier()
         done = gl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if done == gl.num_programs(0) - 1:  # every other program has left its loop: the counters back to zero
+        if done == gl.num_programs(0) - 1:  # every other program has finished: the counters back to zero
             used = 2 + MB + T * TB
             for c0 in range(0, used, 128):
                 ci = c0 + gl.arange(0, 128, layout=gl.SliceLayout(0, ZL))
@@ -855,8 +804,9 @@ def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: Frag
 def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, fw: FragmentExperts,
                      num_experts: int, slot_of_expert: torch.Tensor | None = None, n_valid: torch.Tensor | None = None,
                      config: tuple[FragTile, FragTile] | None = None) -> torch.Tensor | None:
-    """`fragment_moe` in one launch (`_frag_moe_one`): the same output bits. None where the call cannot take it
-    (`one_launch_refusal`, or no counter region to be had: inside the first CUDA-graph capture of a device)."""
+    """`fragment_moe` in two launches: the routing (`align_fused`), then `_frag_moe_one` (gate/up, down and combine).
+    The same output bits. None where the call cannot take it (`one_launch_refusal`, or no counter region to be had:
+    inside the first CUDA-graph capture on a device)."""
     from pdflash_kernels import linear
     from pdflash_kernels import moe as _moe
 
@@ -865,6 +815,8 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     t, hdim = x.shape
     topk = topk_ids.shape[1]
     inter = fw.intermediate
+    if hdim != fw.hidden:
+        raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
     t1, t2 = config or frag_config(hdim, inter)
     if one_launch_refusal(t, topk, hdim, inter, t1, t2) is not None:
         return None
@@ -875,8 +827,7 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     if cnt is None:
         return None
     x = x.contiguous()
-    ids = topk_ids.reshape(-1).contiguous()
-    pp = max(16, _moe.triton_next_pow2(p))
+    r = _moe.align_fused(topk_ids, num_experts, 16, slot_of_expert, n_valid)
     dev = x.device
     h = torch.empty((mb * 16, inter), dtype=torch.bfloat16, device=dev)
     y = torch.empty((p, hdim), dtype=torch.float32, device=dev)
@@ -885,16 +836,13 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     b1 = fw.b1 if fw.b1 is not None else x
     b2 = fw.b2 if fw.b2 is not None else x
     grid = (mb * (ta + tb),)  # a program a ticket: as many as the most tiles a call of this size can have
-    _frag_moe_one[grid](x, x.stride(0), ids, n_valid if n_valid is not None else ids,
-                        slot_of_expert if slot_of_expert is not None else ids, rw,
+    _frag_moe_one[grid](x, x.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks, r.pair_valid, rw,
                         fw.w1, fw.w1.stride(0), fw.s1, fw.s1.stride(0), b1, b1.stride(0),
                         fw.w2, fw.w2.stride(0), fw.s2, fw.s2.stride(0), b2, b2.stride(0),
                         h, h.stride(0), y, y.stride(0), out, out.stride(0), cnt, t, p, mb, float(fw.alpha),
-                        float(fw.limit), H=hdim, I=inter, E=num_experts, TOPK=topk, PP=pp, JC=min(pp, 16),
-                        HAS_NVALID=n_valid is not None, HAS_SLOT=slot_of_expert is not None, ACT=fw.act,
-                        HAS_BIAS=fw.b1 is not None, ROW_MUL=fw.row_mul, UP_OFF=fw.up_off, BM=16,
-                        NT1=t1.nt, KQS1=t1.kqs, PF1=int(t1.prefetch), NT2=t2.nt, KQS2=t2.kqs, PF2=int(t2.prefetch),
-                        W=t1.warps, num_warps=t1.warps)
+                        float(fw.limit), H=hdim, I=inter, TOPK=topk, ACT=fw.act, HAS_BIAS=fw.b1 is not None,
+                        ROW_MUL=fw.row_mul, UP_OFF=fw.up_off, BM=16, NT1=t1.nt, KQS1=t1.kqs, PF1=int(t1.prefetch),
+                        NT2=t2.nt, KQS2=t2.kqs, PF2=int(t2.prefetch), W=t1.warps, num_warps=t1.warps)
     return out
 
 

@@ -1,0 +1,70 @@
+"""Where the one-launch MoE call's time goes (a probe, not a benchmark): kernel variants made by editing
+pdflash_kernels/fragments.py's source in memory, each timed on the same call (CUDA-graph time)."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.kernel_bench import MODELS, as_served, gpu_time_us, hf_experts, routing  # noqa: E402
+
+SRC = (ROOT / "pdflash_kernels" / "fragments.py").read_text()
+SLEEP = '                    gl.inline_asm_elementwise("nanosleep.u32 128; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)\n'
+WAIT = "                    ready = gl.atomic_add(cnt_ptr + 2 + b, 0, sem=\"acquire\", scope=\"gpu\")\n"
+VARIANTS = {
+    "base": [],
+    "sleep": [(WAIT, WAIT + SLEEP)],
+    "up_only": [("        if t < na + nblocks * TB:\n", "        if t < na:\n")],
+    "down_nowait": [("        if t < na + nblocks * TB:\n", "        if (t >= na) & (t < na + nblocks * TB):\n"),
+                    ("while ready < TA:", "while ready < 0:")],
+    "no_combine": [("                _combine_tile(y_ptr,", "                if False:\n                    _combine_tile(y_ptr,")],
+    "prologue": [("        if t < na + nblocks * TB:\n", "        if t < 0:\n")],
+}
+
+
+def load(name, edits):
+    src = SRC
+    for a, b in edits:
+        assert a in src, (name, a)
+        src = src.replace(a, b, 1)
+    path = pathlib.Path(f"/tmp/frag_{name}.py")
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"frag_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    from pdflash_kernels import fragments as F
+    from pdflash_kernels.installer import expert_weights
+
+    mods = {n: load(n, e) for n, e in VARIANTS.items()}
+    for model, active, tpe in (("qwen3-30b-a3b", 8, 1), ("qwen3-30b-a3b", 32, 1), ("gpt-oss-20b", 8, 1), ("gpt-oss-20b", 8, 4)):
+        e, k, h, i = MODELS[model]
+        w = as_served(expert_weights(hf_experts(model), "mxfp4"), pair_words=True)
+        fw = F.FragmentExperts.from_weights(w)
+        x, ids, wts = routing(e, k, h, active, tpe)
+        with torch.inference_mode():
+            saved, F.ONE_LAUNCH_PAIRS = F.ONE_LAUNCH_PAIRS, 0
+            four = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
+            F.ONE_LAUNCH_PAIRS = saved
+            ref = F.fragment_moe(x, ids, wts, fw, e)
+            row = [f"{model} A={active} T={x.shape[0]}: four {four:6.1f}"]
+            for n, m in mods.items():
+                fwm = m.FragmentExperts(*[getattr(fw, f) for f in ("w1", "s1", "w2", "s2", "b1", "b2", "row_mul", "up_off", "act",
+                                                                     "alpha", "limit")])
+                call = lambda: m.fragment_moe_one(x, ids, wts, fwm, e)  # noqa: E731
+                out = call()
+                same = "=" if n in ("base", "sleep") and torch.equal(out, ref) else ("!" if n in ("base", "sleep") else "")
+                row.append(f"{n} {gpu_time_us(call):6.1f}{same}")
+            print("  ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
