@@ -22,8 +22,9 @@ each shape's winners (the source of `fragments.FRAG_SHAPES`), then runs the defa
 of the experts (fragment words and transformers' module alike), one call on each back to back in one CUDA graph, the
 time over N. The default rows replay one call's graph again and again: a graph launch per call, and weights that fit
 L2 (Qwen3's 8 experts: 20 MB) read from it on every replay after the first.
---one-launch-ab: the whole call as served (calls of up to 128 pairs in one launch, `fragments.fragment_moe_one`) and in
-four launches (routing, gate/up, down, combine), the outputs checked bit-identical.
+--one-launch-ab: the whole call with its GEMMs and combine in one launch (`fragments.fragment_moe_one`, calls of up to 128
+pairs, on every shape whatever `fragments.ONE_LAUNCH_SHAPES` says) and in four launches (routing, gate/up, down,
+combine), the outputs checked bit-identical.
 """
 
 from __future__ import annotations
@@ -305,13 +306,16 @@ def whole_call(args) -> None:
                 else:
                     t_frag = gpu_time_us(call)
                 fwd = [lambda f=f: F.fragment_moe(x, ids, wts, f, e) for f in fws]
-                t_fwd = gpu_time_us_each(fwd) if n_copies else None
-                if n_copies and args.one_launch_ab:
-                    saved, F.ONE_LAUNCH_PAIRS = F.ONE_LAUNCH_PAIRS, 0
-                    try:
+                saved = F.ONE_LAUNCH_PAIRS
+                try:
+                    if args.one_launch_ab:  # the in-forward rows too: one launch (every shape), then four
+                        F.ONE_LAUNCH_PAIRS = 128
+                    t_fwd = gpu_time_us_each(fwd) if n_copies else None
+                    if n_copies and args.one_launch_ab:
+                        F.ONE_LAUNCH_PAIRS = 0
                         t_fwd_four = gpu_time_us_each(fwd)
-                    finally:
-                        F.ONE_LAUNCH_PAIRS = saved
+                finally:
+                    F.ONE_LAUNCH_PAIRS = saved
             nbytes = active * per
             row = dict(model=model, weights="mxfp4", tokens_per_expert=tpe, active_experts=active, weight_bytes=nbytes,
                        torch_bf16_us=round(t_hf, 1), moe_us=round(t_moe, 1), frag_us=round(t_frag, 1),

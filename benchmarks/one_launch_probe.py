@@ -1,5 +1,11 @@
-"""Where the one-launch MoE call's time goes (a probe, not a benchmark): kernel variants made by editing
-pdflash_kernels/fragments.py's source in memory, each timed on the same call (CUDA-graph time)."""
+"""Where the one-launch MoE call's time goes (a probe, not a benchmark): `fragments.fragment_moe_one` variants made by
+editing pdflash_kernels/fragments.py's source (copies in /tmp), each timed on the same call (CUDA-graph time) beside
+the four launches. base: as served; sleep: the down tiles' wait with nanosleep; up_only: gate/up tiles only;
+down_nowait: down tiles only, not waiting (reads stale h: time only); no_combine: no fused combine; prologue: tickets,
+block count and the counters' reset, no tile. `=` after a time: bits equal to the four launches.
+
+    python benchmarks/one_launch_probe.py   (on the GPU machine; ~1 minute)
+"""
 from __future__ import annotations
 
 import importlib.util
@@ -45,6 +51,8 @@ def main():
     from pdflash_kernels.installer import expert_weights
 
     mods = {n: load(n, e) for n, e in VARIANTS.items()}
+    for m in mods.values():
+        m.ONE_LAUNCH_PAIRS = 128  # every shape
     for model, active, tpe in (("qwen3-30b-a3b", 8, 1), ("qwen3-30b-a3b", 32, 1), ("gpt-oss-20b", 8, 1), ("gpt-oss-20b", 8, 4)):
         e, k, h, i = MODELS[model]
         w = as_served(expert_weights(hf_experts(model), "mxfp4"), pair_words=True)

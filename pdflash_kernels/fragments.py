@@ -65,14 +65,25 @@ _PDL_ASKED = runtime.env_flag("PDFLASH_FP4_FRAGMENTS_PDL", default=False)  # (re
 PDL_ON = 1 if runtime.PDL_TRIGGER == "after-wait" else 2  # `_pdl_begin`'s mode when on (benchmarks/fragment_bench.py --pdl-ab)
 PDL_MODE = PDL_ON if runtime.PDL and _PDL_ASKED else 0
 # The MoE call's gate/up GEMM, down GEMM and combine in one launch after the routing's (`fragment_moe_one`: programs take
-# work tickets; down tiles wait for their block's gate/up tiles) for calls of at most this many (token, expert) pairs;
-# longer calls, calls computed in copy groups (an expert cache still copying) and tiles with a K split take the four
-# launches. Every output bit is the four launches' (the same tile programs), so the cut may depend on the token count.
-# PDFLASH_FP4_ONE_LAUNCH_PAIRS: 0 turns it off; at most 128.
-_ONE = os.environ.get("PDFLASH_FP4_ONE_LAUNCH_PAIRS", "128")
-if not (_ONE.isdigit() and int(_ONE) <= 128):
+# work tickets; down tiles wait for their block's gate/up tiles) for calls of at most a shape's number of (token, expert)
+# pairs (ONE_LAUNCH_SHAPES, by (hidden, expert width): where the H200 measured it faster; other shapes 0, off); longer
+# calls, calls computed in copy groups (an expert cache still copying) and tiles with a K split take the four launches.
+# Every output bit is the four launches' (the same tile programs), so the cut may depend on the token count.
+# Measured (stop 40, benchmarks/results/fragment_one_launch_h200.md, `fragment_bench.py --in-forward 8 --one-launch-ab`),
+# whole call one launch / four, in a forward: gpt-oss-20b 51.4 / 57.3 us (8 experts, 1 token each) to 158.4 / 162.9 us
+# (32 experts); Qwen3-30B-A3B slower, 29.1 / 25.1 us (8 experts, 1 token each): its tiles run 3-5 us longer inside the
+# one launch (`benchmarks/one_launch_probe.py`), more than the launches it saves.
+# PDFLASH_FP4_ONE_LAUNCH_PAIRS: the cut for every shape (0: off everywhere; at most 128).
+ONE_LAUNCH_SHAPES: dict[tuple[int, int], int] = {(2880, 2880): 128}
+_ONE = os.environ.get("PDFLASH_FP4_ONE_LAUNCH_PAIRS")
+if _ONE is not None and not (_ONE.isdigit() and int(_ONE) <= 128):
     raise ValueError(f"PDFLASH_FP4_ONE_LAUNCH_PAIRS must be a number of pairs from 0 (off) to 128, got {_ONE!r}")
-ONE_LAUNCH_PAIRS = int(_ONE)
+ONE_LAUNCH_PAIRS: int | None = int(_ONE) if _ONE is not None else None  # None: ONE_LAUNCH_SHAPES
+
+
+def one_launch_pairs(hidden: int, inter: int) -> int:
+    """The most (token, expert) pairs a call of this expert shape takes in `fragment_moe_one` (0: none)."""
+    return ONE_LAUNCH_PAIRS if ONE_LAUNCH_PAIRS is not None else ONE_LAUNCH_SHAPES.get((hidden, inter), 0)
 
 
 def _codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -790,8 +801,10 @@ class FragmentExperts:
 def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile,
                        phased: bool = False) -> str | None:
     """Why a call of this shape takes the four launches rather than `fragment_moe_one` (None: it can take one)."""
-    if tokens * topk > ONE_LAUNCH_PAIRS:
-        return f"{tokens * topk} pairs (one launch takes at most {ONE_LAUNCH_PAIRS}: PDFLASH_FP4_ONE_LAUNCH_PAIRS)"
+    most = one_launch_pairs(hidden, inter)
+    if tokens * topk > most:
+        return (f"{tokens * topk} pairs (one launch takes at most {most} on experts of {hidden} x {inter}: "
+                "ONE_LAUNCH_SHAPES, PDFLASH_FP4_ONE_LAUNCH_PAIRS)")
     if phased:
         return "computed in copy groups as an expert cache brings them"
     if split_plan(hidden // QUAD, t1.kqs, t1.split)[0] > 1 or split_plan(inter // QUAD, t2.kqs, t2.split)[0] > 1:

@@ -420,24 +420,32 @@ def test_one_launch_takes_small_unsplit_calls_in_one_copy_group(monkeypatch):
     assert "warp" in F.one_launch_refusal(1, 8, 2048, 768, F.FragTile(4, 4, 4), F.FragTile(8, 4, 8))
     monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 0)
     assert "PDFLASH_FP4_ONE_LAUNCH_PAIRS" in F.one_launch_refusal(1, 8, 2048, 768, *q)
+    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", None)  # unset: by shape, where it was measured faster
+    gptoss = F.frag_config(2880, 2880)
+    assert F.one_launch_refusal(32, 4, 2880, 2880, *gptoss) is None and "129 pairs" in F.one_launch_refusal(43, 3, 2880, 2880, *gptoss)
+    assert "at most 0" in F.one_launch_refusal(1, 8, 2048, 768, *F.frag_config(2048, 768))
 
 
 def test_one_launch_pairs_setting_is_checked():
+    import os
     import subprocess
     import sys
 
     for bad in ("129", "-1", "many"):
         r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.fragments"], capture_output=True, text=True,
-                           env={**__import__("os").environ, "PDFLASH_FP4_ONE_LAUNCH_PAIRS": bad})
+                           env={**os.environ, "PDFLASH_FP4_ONE_LAUNCH_PAIRS": bad})
         assert r.returncode != 0 and "PDFLASH_FP4_ONE_LAUNCH_PAIRS" in r.stderr, bad
+    r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.fragments as F; print(F.one_launch_pairs(2048, 768))"],
+                       capture_output=True, text=True, env={**os.environ, "PDFLASH_FP4_ONE_LAUNCH_PAIRS": "64"})
+    assert r.stdout.strip() == "64", r.stderr
 
 
-def _four_launches(monkeypatch, *args, **kw):
-    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 0)
+def _four_launches(*args, **kw):
+    saved, F.ONE_LAUNCH_PAIRS = F.ONE_LAUNCH_PAIRS, 0
     try:
         return F.fragment_moe(*args, **kw)
     finally:
-        monkeypatch.undo()
+        F.ONE_LAUNCH_PAIRS = saved
 
 
 @cuda
@@ -448,21 +456,22 @@ def test_one_launch_is_bit_identical_to_the_four_launches(model, monkeypatch):
     """Every output bit of the one-launch call equals the four launches' (routing, gate/up, down, combine): 1 to 128
     pairs, tokens sharing experts (a block full, an expert over several blocks), dropped ids, padding rows (n_valid),
     experts at other slots, and again and again (its counters are back at zero after each call)."""
+    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 128)  # every shape (by default only those measured faster)
     e, w, fw, x, ids, wts = _moe_case(model, 64, seed=11)
     k = ids.shape[1]
     for n in sorted({1, 2, 3, 5, 128 // k // 2, 128 // k}):
         one = F.fragment_moe_one(x[:n], ids[:n], wts[:n], fw, e)
         assert one is not None
-        assert torch.equal(one, _four_launches(monkeypatch, x[:n], ids[:n], wts[:n], fw, e)), n
+        assert torch.equal(one, _four_launches(x[:n], ids[:n], wts[:n], fw, e)), n
     n = 128 // k
     crowd = ids[:1].expand(n, k).contiguous()  # every token to the same k experts: n pairs an expert, ceil(n / 16) blocks
-    assert torch.equal(F.fragment_moe_one(x[:n], crowd, wts[:n], fw, e), _four_launches(monkeypatch, x[:n], crowd, wts[:n], fw, e))
+    assert torch.equal(F.fragment_moe_one(x[:n], crowd, wts[:n], fw, e), _four_launches(x[:n], crowd, wts[:n], fw, e))
     dropped = ids[:9].clone()
     dropped[2, 0] = -1
     dropped[4, :] = e  # a token with no kept pair: zeros
     nv = torch.tensor([7], dtype=torch.int32, device="cuda")  # rows 7, 8: padding
     one = F.fragment_moe_one(x[:9], dropped, wts[:9], fw, e, n_valid=nv)
-    assert torch.equal(one, _four_launches(monkeypatch, x[:9], dropped, wts[:9], fw, e, n_valid=nv))
+    assert torch.equal(one, _four_launches(x[:9], dropped, wts[:9], fw, e, n_valid=nv))
     assert not one[4].any() and not one[7:].any()
     perm = torch.randperm(e, device="cuda")
     moved = {name: torch.empty_like(getattr(fw, name)) for name in ("w1", "s1", "w2", "s2", "b1", "b2")
@@ -474,7 +483,7 @@ def test_one_launch_is_bit_identical_to_the_four_launches(model, monkeypatch):
     fw2 = dataclasses.replace(fw, **moved)
     at = perm.to(torch.int32)
     again = [F.fragment_moe_one(x[:5], ids[:5], wts[:5], fw2, e, slot_of_expert=at) for _ in range(3)]
-    first = _four_launches(monkeypatch, x[:5], ids[:5], wts[:5], fw, e)
+    first = _four_launches(x[:5], ids[:5], wts[:5], fw, e)
     assert all(torch.equal(a, first) for a in again)
 
 
@@ -482,8 +491,10 @@ def test_one_launch_is_bit_identical_to_the_four_launches(model, monkeypatch):
 @needs_gluon
 @pytest.mark.gpu
 def test_one_launch_replays_in_a_cuda_graph():
-    """Captured once (as the verifier captures its forward) and replayed on new tokens: the eager call's bits."""
-    e, w, fw, x, ids, wts = _moe_case("qwen3-30b-a3b", 32, seed=13)
+    """Captured once (as the verifier captures its forward) and replayed on new tokens: the eager call's bits (and
+    the four launches')."""
+    e, w, fw, x, ids, wts = _moe_case("gpt-oss-20b", 32, seed=13)
+    assert F.one_launch_refusal(4, 4, 2880, 2880, *F.frag_config(2880, 2880)) is None  # (taken by default)
     xs, is_, ws = x[:4].clone(), ids[:4].clone(), wts[:4].clone()
     F.fragment_moe(xs, is_, ws, fw, e)  # warm: compiled, counters made
     g = torch.cuda.CUDAGraph()
@@ -494,3 +505,4 @@ def test_one_launch_replays_in_a_cuda_graph():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, F.fragment_moe_one(x[s0:s0 + 4], ids[s0:s0 + 4], wts[s0:s0 + 4], fw, e)), s0
+        assert torch.equal(out, _four_launches(x[s0:s0 + 4], ids[s0:s0 + 4], wts[s0:s0 + 4], fw, e)), s0
