@@ -351,7 +351,9 @@ def whole_call(args) -> None:
              "`moe_forward` (pair words); transformers: `grouped_mm`, bf16. Fractions: MXFP4 weight bytes / time / copy rate."
              + (f" In a forward (--in-forward {args.in_forward}): one call on each of {args.in_forward} copies of the "
                 "experts back to back in one graph, the time over the calls (no graph launch a call, weights not L2-hot)."
-                if args.in_forward else ""), "",
+                if args.in_forward else "")
+             + (" --one-launch-ab: frag = the GEMMs and combine in one launch on every shape (`fragment_moe_one`, "
+                "calls of up to 128 pairs), beside the four launches; bits checked equal." if args.one_launch_ab else ""), "",
              "| model | active experts | tokens/expert | weight MB | transformers us | moe us | of copy | x | frag us | of copy | x | tiles |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
