@@ -75,7 +75,7 @@ PDL_MODE = PDL_ON if runtime.PDL and _PDL_ASKED else 0
 # one launch (`benchmarks/one_launch_probe.py`), more than the launches it saves.
 # PDFLASH_FP4_ONE_LAUNCH_PAIRS: the cut for every shape (0: off everywhere; at most 128).
 ONE_LAUNCH_SHAPES: dict[tuple[int, int], int] = {(2880, 2880): 128}
-_ONE = os.environ.get("PDFLASH_FP4_ONE_LAUNCH_PAIRS")
+_ONE = os.environ.get("PDFLASH_FP4_ONE_LAUNCH_PAIRS") or None  # (empty, as compose.gpu.yaml passes it unset: by shape)
 if _ONE is not None and not (_ONE.isdigit() and int(_ONE) <= 128):
     raise ValueError(f"PDFLASH_FP4_ONE_LAUNCH_PAIRS must be a number of pairs from 0 (off) to 128, got {_ONE!r}")
 ONE_LAUNCH_PAIRS: int | None = int(_ONE) if _ONE is not None else None  # None: ONE_LAUNCH_SHAPES

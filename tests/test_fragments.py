@@ -438,6 +438,9 @@ def test_one_launch_pairs_setting_is_checked():
     r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.fragments as F; print(F.one_launch_pairs(2048, 768))"],
                        capture_output=True, text=True, env={**os.environ, "PDFLASH_FP4_ONE_LAUNCH_PAIRS": "64"})
     assert r.stdout.strip() == "64", r.stderr
+    r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.fragments as F; print(F.one_launch_pairs(2880, 2880))"],
+                       capture_output=True, text=True, env={**os.environ, "PDFLASH_FP4_ONE_LAUNCH_PAIRS": ""})
+    assert r.stdout.strip() == "128", r.stderr  # empty (compose.gpu.yaml's default) = unset: by shape
 
 
 def _four_launches(*args, **kw):
