@@ -2,7 +2,8 @@
 editing pdflash_kernels/fragments.py's source (copies in /tmp), each timed on the same call (CUDA-graph time) beside
 the four launches. base: as served; sleep: the down tiles' wait with nanosleep; up_only: gate/up tiles only;
 down_nowait: down tiles only, not waiting (reads stale h: time only); no_combine: no fused combine; prologue: tickets,
-block count and the counters' reset, no tile. `=` after a time: bits equal to the four launches.
+block count and the counters' reset, no tile; pid_roles: roles by program id instead of a ticket (timing only: safe
+while programs start in id order). `=` after a time: bits equal to the four launches.
 
     python benchmarks/one_launch_probe.py   (on the GPU machine; ~1 minute)
 """
@@ -29,6 +30,9 @@ VARIANTS = {
                     ("while ready < TA:", "while ready < 0:")],
     "no_combine": [("                _combine_tile(y_ptr,", "                if False:\n                    _combine_tile(y_ptr,")],
     "prologue": [("        if t < na + nblocks * TB:\n", "        if t < 0:\n")],
+    # roles by program id, no ticket (safe only while the GPU starts programs in id order: timing only)
+    "pid_roles": [('        t = gl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")  # this program\'s ticket\n',
+                   "        t = gl.program_id(0)\n")],
 }
 
 
@@ -69,7 +73,8 @@ def main():
                                                                      "alpha", "limit")])
                 call = lambda: m.fragment_moe_one(x, ids, wts, fwm, e)  # noqa: E731
                 out = call()
-                same = "=" if n in ("base", "sleep") and torch.equal(out, ref) else ("!" if n in ("base", "sleep") else "")
+                checked = n in ("base", "sleep", "pid_roles")
+                same = "=" if checked and torch.equal(out, ref) else ("!" if checked else "")
                 row.append(f"{n} {gpu_time_us(call):6.1f}{same}")
             print("  ".join(row), flush=True)
 
