@@ -802,6 +802,8 @@ def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: Frag
                        phased: bool = False) -> str | None:
     """Why a call of this shape takes the four launches rather than `fragment_moe_one` (None: it can take one)."""
     most = one_launch_pairs(hidden, inter)
+    if tokens * topk == 0:
+        return "no pairs"
     if tokens * topk > most:
         return (f"{tokens * topk} pairs (one launch takes at most {most} on experts of {hidden} x {inter}: "
                 "ONE_LAUNCH_SHAPES, PDFLASH_FP4_ONE_LAUNCH_PAIRS)")
@@ -831,8 +833,8 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     if hdim != fw.hidden:
         raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
     t1, t2 = config or frag_config(hdim, inter)
-    if one_launch_refusal(t, topk, hdim, inter, t1, t2) is not None:
-        return None
+    if one_launch_refusal(t, topk, hdim, inter, t1, t2) is not None or (fw.b1 is None) != (fw.b2 is None):
+        return None  # (one HAS_BIAS for both GEMMs)
     p = t * topk
     mb = _moe.max_blocks(p, num_experts, 16)
     ta, tb = triton_cdiv(inter // 16, t1.nt // 2), triton_cdiv(hdim // 16, t2.nt)
