@@ -9,6 +9,7 @@ while programs start in id order). `=` after a time: bits equal to the four laun
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import pathlib
 import sys
@@ -69,8 +70,7 @@ def main():
             ref = F.fragment_moe(x, ids, wts, fw, e)
             row = [f"{model} A={active} T={x.shape[0]}: four {four:6.1f}"]
             for n, m in mods.items():
-                fwm = m.FragmentExperts(*[getattr(fw, f) for f in ("w1", "s1", "w2", "s2", "b1", "b2", "row_mul", "up_off", "act",
-                                                                     "alpha", "limit")])
+                fwm = m.FragmentExperts(**{f.name: getattr(fw, f.name) for f in dataclasses.fields(fw)})
                 call = lambda: m.fragment_moe_one(x, ids, wts, fwm, e)  # noqa: E731
                 out = call()
                 checked = n in ("base", "sleep", "pid_roles")

@@ -71,8 +71,9 @@ PDL_MODE = PDL_ON if runtime.PDL and _PDL_ASKED else 0
 # Every output bit is the four launches' (the same tile programs), so the cut may depend on the token count.
 # Measured (stop 40, benchmarks/results/fragment_one_launch_h200.md, `fragment_bench.py --in-forward 8 --one-launch-ab`),
 # whole call one launch / four, in a forward: gpt-oss-20b 51.4 / 57.3 us (8 experts, 1 token each) to 158.4 / 162.9 us
-# (32 experts); Qwen3-30B-A3B slower, 29.1 / 25.1 us (8 experts, 1 token each): its tiles run 3-5 us longer inside the
-# one launch (`benchmarks/one_launch_probe.py`), more than the launches it saves.
+# (32 experts); Qwen3-30B-A3B slower, 29.1 / 25.1 us (8 experts, 1 token each): its gate/up tiles alone take 12.2 us
+# past the launch's skeleton and its down tiles 7.3 (`benchmarks/one_launch_probe.py`), against 10.1 and 6.5 us for the
+# separate launches whole, launch included (`fragment_fused_sweep_h200.md`): more than the launches it saves.
 # PDFLASH_FP4_ONE_LAUNCH_PAIRS: the cut for every shape (0: off everywhere; at most 128).
 ONE_LAUNCH_SHAPES: dict[tuple[int, int], int] = {(2880, 2880): 128}
 _ONE = os.environ.get("PDFLASH_FP4_ONE_LAUNCH_PAIRS") or None  # (empty, as compose.gpu.yaml passes it unset: by shape)
@@ -346,10 +347,7 @@ if gluon is not None:
         BN: gl.constexpr = NT * 16
         WL: gl.constexpr = _layout("w", W)
         MMA: gl.constexpr = _layout("mma", W)
-        AL: gl.constexpr = _layout("a", W)
-        BL: gl.constexpr = _layout("b", W)
         XL: gl.constexpr = _layout("x", W)
-        SL: gl.constexpr = _layout("s", W)
         QUADS: gl.constexpr = K // 64
         MAIN: gl.constexpr = QUADS // KQS * KQS
         TWO: gl.constexpr = EPI == 1
@@ -522,9 +520,10 @@ if gluon is not None:
         and the SMs' occupancy. Each tile is `_frag_gemm`'s program of the same FragTile (the same MMAs in the same
         order, the same roundings), so every output bit equals the four-launch call's. The last program to finish
         (cnt[1]) zeroes the counters for the next launch; program 0 zeroes the rows of tokens with no kept pair.
-        One tile a program, not a loop over tickets: a loop kept both roles' invariants live (128 registers against 93
-        on Qwen3's shapes; a GEMM alone takes 80). (Grouping the pairs in every program instead of `align` cost ~5 us a
-        call on the H200: benchmarks/results/stop40_gpu/one_launch_probe_call5.txt.)"""
+        One tile a program, not a loop over tickets: a loop kept both roles' invariants live (ptxas -v, an earlier form
+        of this kernel on Qwen3's shapes: 128 registers with the loop, 93 without; now 88, a GEMM alone 80). (Grouping
+        the pairs in every program instead of `align` cost ~5 us a call on the H200:
+        benchmarks/results/stop40_gpu/one_launch_probe_call5.txt.)"""
         WL: gl.constexpr = _layout("w", W)
         MMA: gl.constexpr = _layout("mma", W)
         XL: gl.constexpr = _layout("x", W)
@@ -798,8 +797,7 @@ class FragmentExperts:
         return ExpertWeights(ob1, b2, os1, s2, self.b1, self.b2, self.row_mul, self.up_off, self.act, self.alpha, self.limit)
 
 
-def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile,
-                       phased: bool = False) -> str | None:
+def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile) -> str | None:
     """Why a call of this shape takes the four launches rather than `fragment_moe_one` (None: it can take one)."""
     most = one_launch_pairs(hidden, inter)
     if tokens * topk == 0:
@@ -807,8 +805,6 @@ def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: Frag
     if tokens * topk > most:
         return (f"{tokens * topk} pairs (one launch takes at most {most} on experts of {hidden} x {inter}: "
                 "ONE_LAUNCH_SHAPES, PDFLASH_FP4_ONE_LAUNCH_PAIRS)")
-    if phased:
-        return "computed in copy groups as an expert cache brings them"
     if split_plan(hidden // QUAD, t1.kqs, t1.split)[0] > 1 or split_plan(inter // QUAD, t2.kqs, t2.split)[0] > 1:
         return f"tiles {t1} / {t2} split K"
     if t1.warps != t2.warps:
@@ -877,7 +873,7 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     if hdim != fw.hidden:
         raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
     t1, t2 = config or frag_config(hdim, inter)
-    if phase_of_expert is None and x.device.type == "cuda" and one_launch_refusal(t, topk, hdim, inter, t1, t2) is None:
+    if phase_of_expert is None and x.device.type == "cuda":  # (copy groups: the four launches, `between` among them)
         out = fragment_moe_one(x, topk_ids, topk_weights, fw, num_experts, slot_of_expert, n_valid, (t1, t2))
         if out is not None:
             return out

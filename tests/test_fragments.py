@@ -410,13 +410,12 @@ def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, gptoss, monkeypatch
     assert regs[0] <= 1.25 * regs[1], regs
 
 
-def test_one_launch_takes_small_unsplit_calls_in_one_copy_group(monkeypatch):
+def test_one_launch_takes_small_unsplit_calls(monkeypatch):
     q = (F.FragTile(4, 4, 4), F.FragTile(4, 4, 4))
     monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 128)
     assert F.one_launch_refusal(16, 8, 2048, 768, *q) is None
     assert "129 pairs" in F.one_launch_refusal(43, 3, 2048, 768, *q)
     assert F.one_launch_refusal(0, 8, 2048, 768, *q) == "no pairs"
-    assert "copy groups" in F.one_launch_refusal(1, 8, 2048, 768, *q, phased=True)
     assert "split K" in F.one_launch_refusal(1, 2, 4096, 14336, *F.frag_config(4096, 14336))  # Mixtral's down GEMM
     assert "warp" in F.one_launch_refusal(1, 8, 2048, 768, F.FragTile(4, 4, 4), F.FragTile(8, 4, 8))
     monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 0)
