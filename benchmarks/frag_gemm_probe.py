@@ -1,0 +1,112 @@
+"""Where a fragment GEMM's time goes (a probe, not a benchmark): the served gate/up and down launches of
+`pdflash_kernels.fragments` alone, in variants made by editing fragments.py's source (copies in /tmp), timed as a
+forward pays them (`gpu_time_us_each` over 4 copies of the experts: no graph launch a call, weights not L2-hot).
+base: as served; nox: the B operand a constant instead of the activation tile staged through shared memory (no barrier,
+no ldmatrix; timing only); nodecode: the FP4 decode replaced by register moves (timing only); nox_nodecode: both (about
+the weight loads and the MMAs alone). Beside them the
+same weight bytes read by a device copy (`clone`, read + write) as the floor. Fractions: weight bytes / time / copy
+rate, as benchmarks/kernel_bench.py.
+
+    python benchmarks/frag_gemm_probe.py   (on the GPU machine; ~1 minute)
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.kernel_bench import MODELS, as_served, copy_rate, gpu_time_us_each, hf_experts, routing  # noqa: E402
+
+SRC = (ROOT / "pdflash_kernels" / "fragments.py").read_text()
+BAR = "        gl.thread_barrier()\n        xs.store(xt)\n        gl.thread_barrier()\n"
+ASM = '_FRAG_ASM = pair_word_decode_asm("$9", "$10")'
+MOVS = '_FRAG_ASM = "{ mov.b32 {$0, $1}, $8; mov.b32 {$2, $3}, $9; mov.b32 {$4, $5}, $10; mov.b32 {$6, $7}, $8; }"'
+NOX = "        return gl.full([xt.shape[1], xt.shape[0]], 1.0, gl.bfloat16, BL)\n"
+VARIANTS = {
+    "base": [],
+    "nox": [(BAR + "        return xs.permute([1, 0]).load(BL)\n", NOX)],
+    "nodecode": [(ASM, MOVS)],
+    "nox_nodecode": [(BAR + "        return xs.permute([1, 0]).load(BL)\n", NOX), (ASM, MOVS)],
+}
+CASES = (("gpt-oss-20b", 8, 1), ("gpt-oss-20b", 32, 1), ("qwen3-30b-a3b", 32, 1), ("qwen3-30b-a3b", 128, 1),
+         ("qwen3-30b-a3b", 128, 16))
+
+
+def load(name, edits):
+    src = SRC
+    for a, b in edits:
+        assert a in src, (name, a)
+        src = src.replace(a, b, 1)
+    path = pathlib.Path(f"/tmp/fragg_{name}.py")
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"fragg_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    from pdflash_kernels import fragments as F
+    from pdflash_kernels.installer import expert_weights
+    from pdflash_kernels.moe import align_fused
+
+    mods = {n: load(n, e) for n, e in VARIANTS.items()}
+    rate = copy_rate()
+    rows = []
+    for model, active, tpe in CASES:
+        e, k, h, i = MODELS[model]
+        w = as_served(expert_weights(hf_experts(model), "mxfp4"), pair_words=True)
+        fw0 = F.FragmentExperts.from_weights(w)
+        del w
+        copies = [fw0] + [dataclasses.replace(fw0, **{n: getattr(fw0, n).clone() for n in ("w1", "s1", "w2", "s2")})
+                          for _ in range(3)]
+        t1, t2 = F.frag_config(h, i)
+        x, ids, wts = routing(e, k, h, active, tpe)
+        with torch.inference_mode():
+            r = align_fused(ids, e, 16)
+            hbuf = torch.zeros((r.max_blocks * 16, i), dtype=torch.bfloat16, device="cuda")
+            ybuf = torch.empty((r.num_pairs, h), dtype=torch.float32, device="cuda")
+            rw = wts.reshape(-1).contiguous()
+            b1 = active * (fw0.w1[0].numel() + fw0.s1[0].numel()) * 4  # int32 words
+            b2 = active * (fw0.w2[0].numel() + fw0.s2[0].numel()) * 4
+            src1 = torch.empty(b1, dtype=torch.uint8, device="cuda")
+            src2 = torch.empty(b2, dtype=torch.uint8, device="cuda")
+            row = dict(model=model, active_experts=active, tokens_per_expert=tpe, gate_up_tile=str(t1),
+                       down_tile=str(t2), gate_up_mb=round(b1 / 1e6, 1), down_mb=round(b2 / 1e6, 1),
+                       copy_gate_up_us=round(gpu_time_us_each([src1.clone] * 4), 1),
+                       copy_down_us=round(gpu_time_us_each([src2.clone] * 4), 1))
+            for n, m in mods.items():
+                g = [lambda fw=fw: m._launch(x, r, fw.w1, fw.s1, hbuf, i, k, 1, t1, 0, fw.b1, fw.act, fw.row_mul,
+                                             fw.up_off, alpha=fw.alpha, limit=fw.limit) for fw in copies]
+                d = [lambda fw=fw: m._launch(hbuf, r, fw.w2, fw.s2, ybuf, h, k, 2, t2, 0, fw.b2, rw=rw) for fw in copies]
+                row[f"{n}_gate_up_us"] = round(gpu_time_us_each(g), 1)
+                row[f"{n}_down_us"] = round(gpu_time_us_each(d), 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del copies, fw0
+        torch.cuda.empty_cache()
+    print(f"\ncopy rate {rate / 1e12:.2f} TB/s; us (fraction of the copy rate on the weight bytes)")
+    head = ["case", "GEMM", "tile", "MB", "copy (2x bytes)"] + list(VARIANTS)
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in rows:
+        for g, key in (("gate/up", "gate_up"), ("down", "down")):
+            mb = r[f"{key}_mb"]
+            cells = [f"{r['model']} A={r['active_experts']} T={r['tokens_per_expert']}", g, r[f"{key}_tile"], str(mb),
+                     f"{r[f'copy_{key}_us']}"]
+            cells += [f"{r[f'{n}_{key}_us']} ({mb * 1e6 / (r[f'{n}_{key}_us'] * 1e-6) / rate:.2f})" for n in VARIANTS]
+            print("| " + " | ".join(cells) + " |")
+    out = pathlib.Path(os.environ.get("OUT", "/tmp"))
+    (out / "frag_gemm_probe.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                          "copy_rate": rate, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
