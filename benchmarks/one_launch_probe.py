@@ -3,9 +3,10 @@ editing pdflash_kernels/fragments.py's source (copies in /tmp), each timed on th
 the four launches. base: as served; sleep: the down tiles' wait with nanosleep; up_only: gate/up tiles only;
 down_nowait: down tiles only, not waiting (reads stale h: time only); no_combine: no fused combine; prologue: tickets,
 block count and the counters' reset, no tile; pid_roles: roles by program id instead of a ticket (timing only: safe
-while programs start in id order). `=` after a time: bits equal to the four launches.
+while programs start in id order); ticket_unused: the ticket taken, roles by program id; padded: the ticket, the done
+count and each block's count in cache lines of their own; pid_padded: both. Each case is timed twice, in two rounds. `=` after a time: bits equal to the four launches.
 
-    python benchmarks/one_launch_probe.py   (on the GPU machine; ~1 minute)
+    python benchmarks/one_launch_probe.py [variant ...]   (on the GPU machine; ~1 minute; default every variant)
 """
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ from benchmarks.kernel_bench import MODELS, as_served, gpu_time_us, hf_experts, 
 SRC = (ROOT / "pdflash_kernels" / "fragments.py").read_text()
 SLEEP = '                    gl.inline_asm_elementwise("nanosleep.u32 128; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)\n'
 WAIT = "                    ready = gl.atomic_add(cnt_ptr + 2 + b, 0, sem=\"acquire\", scope=\"gpu\")\n"
+TICKET = '        t = gl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")  # this program\'s ticket\n'
+PADDED = [("cnt_ptr + 2 + b,", "cnt_ptr + 64 + b * 32,"), ("cnt_ptr + 2 + MB,", "cnt_ptr + 64 + MB * 32,"),
+          ("gl.atomic_add(cnt_ptr + 1, 1,", "gl.atomic_add(cnt_ptr + 32, 1,"),
+          ("used = 2 + MB + T * TB", "used = 64 + MB * 32 + T * TB"),
+          ("linear._counters(x.device, 2 + mb + t * tb)", "linear._counters(x.device, 64 + 32 * mb + t * tb)")]
 VARIANTS = {
     "base": [],
     "sleep": [(WAIT, WAIT + SLEEP)],
@@ -32,8 +38,13 @@ VARIANTS = {
     "no_combine": [("                _combine_tile(y_ptr,", "                if False:\n                    _combine_tile(y_ptr,")],
     "prologue": [("        if t < na + nblocks * TB:\n", "        if t < 0:\n")],
     # roles by program id, no ticket (safe only while the GPU starts programs in id order: timing only)
-    "pid_roles": [('        t = gl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")  # this program\'s ticket\n',
-                   "        t = gl.program_id(0)\n")],
+    "pid_roles": [(TICKET, "        t = gl.program_id(0)\n")],
+    # the ticket taken but not used (roles by program id): the atomic's own cost
+    "ticket_unused": [(TICKET, '        tkt = gl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")\n        t = gl.program_id(0)\n')],
+    # the ticket, the done count and each block's count in 128-byte lines of their own (the waiting tiles' reads and the
+    # gate/up tiles' releases off the ticket's line)
+    "padded": PADDED,
+    "pid_padded": PADDED + [(TICKET, "        t = gl.program_id(0)\n")],
 }
 
 
@@ -41,7 +52,7 @@ def load(name, edits):
     src = SRC
     for a, b in edits:
         assert a in src, (name, a)
-        src = src.replace(a, b, 1)
+        src = src.replace(a, b)  # (every occurrence)
     path = pathlib.Path(f"/tmp/frag_{name}.py")
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(f"frag_{name}", path)
@@ -55,7 +66,8 @@ def main():
     from pdflash_kernels import fragments as F
     from pdflash_kernels.installer import expert_weights
 
-    mods = {n: load(n, e) for n, e in VARIANTS.items()}
+    names = sys.argv[1:] or list(VARIANTS)
+    mods = {n: load(n, VARIANTS[n]) for n in names}
     for m in mods.values():
         m.ONE_LAUNCH_PAIRS = 128  # every shape
     for model, active, tpe in (("qwen3-30b-a3b", 8, 1), ("qwen3-30b-a3b", 32, 1), ("gpt-oss-20b", 8, 1), ("gpt-oss-20b", 8, 4)):
@@ -68,15 +80,20 @@ def main():
             four = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
             F.ONE_LAUNCH_PAIRS = saved
             ref = F.fragment_moe(x, ids, wts, fw, e)
-            row = [f"{model} A={active} T={x.shape[0]}: four {four:6.1f}"]
-            for n, m in mods.items():
-                fwm = m.FragmentExperts(**{f.name: getattr(fw, f.name) for f in dataclasses.fields(fw)})
-                call = lambda: m.fragment_moe_one(x, ids, wts, fwm, e)  # noqa: E731
-                out = call()
-                checked = n in ("base", "sleep", "pid_roles")
-                same = "=" if checked and torch.equal(out, ref) else ("!" if checked else "")
-                row.append(f"{n} {gpu_time_us(call):6.1f}{same}")
-            print("  ".join(row), flush=True)
+            for rnd in range(2):
+                if rnd:
+                    F.ONE_LAUNCH_PAIRS = 0
+                    four = gpu_time_us(lambda: F.fragment_moe(x, ids, wts, fw, e))
+                    F.ONE_LAUNCH_PAIRS = saved
+                row = [f"{model} A={active} T={x.shape[0]}: four {four:6.1f}"]
+                for n, m in mods.items():
+                    fwm = m.FragmentExperts(**{f.name: getattr(fw, f.name) for f in dataclasses.fields(fw)})
+                    call = lambda: m.fragment_moe_one(x, ids, wts, fwm, e)  # noqa: E731
+                    out = call()
+                    checked = n in ("base", "sleep", "pid_roles", "ticket_unused", "padded", "pid_padded")
+                    same = "=" if checked and torch.equal(out, ref) else ("!" if checked else "")
+                    row.append(f"{n} {gpu_time_us(call):6.1f}{same}")
+                print("  ".join(row), flush=True)
 
 
 if __name__ == "__main__":
