@@ -49,9 +49,10 @@ FUSED_VARIANTS = ("4x4w4", "4x8w4", "8x4w4", "8x2w4p", "4x4w4p", "8x4w4p", "4x8w
                   "8x2w4pp", "4x4w4pp", "4x2w4pp")
 
 
-def _cases(e: int, k: int, tokens: str):
-    """(active experts, tokens per expert) of a model with e experts, top-k: 8 / 32 / 128 experts where they exist."""
-    for active in (8, 32, 128):
+def _cases(e: int, k: int, tokens: str, active_list: str = "8,32,128"):
+    """(active experts, tokens per expert) of a model with e experts, top-k: 8 / 32 / 128 experts (`active_list`) where
+    they exist (at least k, at most e)."""
+    for active in (int(a) for a in active_list.split(",")):
         if k <= active <= e:
             for tpe in (int(t) for t in tokens.split(",")):
                 yield active, tpe
@@ -94,7 +95,7 @@ def sweep_gemms(args) -> None:
         # as moe_forward: scale rows not 4-byte aligned (gpt-oss's 90 bytes) are read a byte at a time
         c1, c2 = (dataclasses.replace(c, s_words=False) if c.s_words and not _scale_words_ok(sc) else c
                   for c, sc in ((c1, s1), (c2, s2)))
-        for active, tpe in _cases(e, k, args.tokens):
+        for active, tpe in _cases(e, k, args.tokens, args.active):
             x, ids, wts = routing(e, k, h, active, tpe)
             with torch.inference_mode():
                 r = align_fused(ids, e, c1.block_m)
@@ -177,7 +178,7 @@ def fused_sweep(args) -> dict:
         del mod
         fw = F.FragmentExperts.from_weights(w)
         sums = {1: {}, 2: {}}
-        for active, tpe in _cases(e, k, args.tokens):
+        for active, tpe in _cases(e, k, args.tokens, args.active):
             x, ids, wts = routing(e, k, h, active, tpe)
             with torch.inference_mode():
                 ref = moe_reference(x, ids, wts, w, e).float()
@@ -276,7 +277,7 @@ def whole_call(args) -> None:
         mods = [mod] + [copy.deepcopy(mod) for _ in range(n_copies - 1)]
         cases = []
         with torch.inference_mode():
-            for active, tpe in _cases(e, k, args.tokens):
+            for active, tpe in _cases(e, k, args.tokens, args.active):
                 x, ids, wts = routing(e, k, h, active, tpe)
                 t_hf_fwd = gpu_time_us_each([lambda m=m: m(x, ids, wts) for m in mods]) if n_copies else None
                 cases.append((active, tpe, x, ids, wts, gpu_time_us(lambda: mod(x, ids, wts)), t_hf_fwd))
@@ -386,6 +387,7 @@ def main() -> None:
     ap.add_argument("--variants", default=None)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default="1,4,16")
+    ap.add_argument("--active", default="8,32,128", help="active experts a call (those a model has, at least its top-k)")
     ap.add_argument("--in-forward", type=int, default=0, metavar="N",
                     help="also time each whole call as a verify forward pays it: N copies of the experts, one call on each "
                          "back to back in one CUDA graph, the time over N (8: several times L2 on every shape)")
