@@ -65,26 +65,34 @@ _PDL_ASKED = runtime.env_flag("PDFLASH_FP4_FRAGMENTS_PDL", default=False)  # (re
 PDL_ON = 1 if runtime.PDL_TRIGGER == "after-wait" else 2  # `_pdl_begin`'s mode when on (benchmarks/fragment_bench.py --pdl-ab)
 PDL_MODE = PDL_ON if runtime.PDL and _PDL_ASKED else 0
 # The MoE call's gate/up GEMM, down GEMM and combine in one launch after the routing's (`fragment_moe_one`: programs take
-# work tickets; down tiles wait for their block's gate/up tiles) for calls of at most a shape's number of (token, expert)
-# pairs (ONE_LAUNCH_SHAPES, by (hidden, expert width): where the H200 measured it faster; other shapes 0, off); longer
-# calls, calls computed in copy groups (an expert cache still copying) and tiles with a K split take the four launches.
-# Every output bit is the four launches' (the same tile programs), so the cut may depend on the token count.
-# Measured (stop 40, benchmarks/results/fragment_one_launch_h200.md, `fragment_bench.py --in-forward 8 --one-launch-ab`),
-# whole call one launch / four, in a forward: gpt-oss-20b 51.4 / 57.3 us (8 experts, 1 token each) to 158.4 / 162.9 us
-# (32 experts); Qwen3-30B-A3B slower, 29.1 / 25.1 us (8 experts, 1 token each): its gate/up tiles alone take 12.2 us
-# past the launch's skeleton and its down tiles 7.3 (`benchmarks/one_launch_probe.py`), against 10.1 and 6.5 us for the
-# separate launches whole, launch included (`fragment_fused_sweep_h200.md`): more than the launches it saves.
-# PDFLASH_FP4_ONE_LAUNCH_PAIRS: the cut for every shape (0: off everywhere; at most 128).
-ONE_LAUNCH_SHAPES: dict[tuple[int, int], int] = {(2880, 2880): 128}
+# work tickets; down tiles wait for their block's gate/up tiles) for calls whose number of (token, expert) pairs lies
+# in a shape's range (ONE_LAUNCH_SHAPES, by (hidden, expert width): where the H200 measured it faster; other shapes
+# none); other calls, calls computed in copy groups (an expert cache still copying) and tiles with a K split take the
+# four launches. Every output bit is the four launches' (the same tile programs), so the cut may depend on the token
+# count. Measured in a forward (`fragment_bench.py --in-forward 8 --one-launch-ab`), whole call one launch / four:
+# gpt-oss-20b 51.4 / 57.4 us (8 experts, 1 token each) to 84.8 / 94.5 us (16 experts) and 158.4 / 162.9 us (32
+# experts), but 50.0 / 40.8 us at 4 pairs (one token's top-4, a block-1 forward: its 180 down tiles are resident beside
+# the gate/up tiles and wait there), so gpt-oss takes 8 to 128 pairs (stop 41, fragment_one_launch_h200.md; end to end
+# gpt-oss-24l's block-1 forward was 0.19 ms slower with one launch at 4 pairs, its block-16 forward 0.24 ms faster:
+# benchmarks/results/gpu_runs_h200.md). Qwen3-30B-A3B is slower in one launch, 29.1 / 25.1 us (8 experts, 1 token
+# each): the tickets (one atomic on one address a program, ~450 programs) delay the tiles ~5 us
+# (`benchmarks/one_launch_probe.py`, stop 41: 22.8 us with roles by program id, which is not safe without a ticket).
+# PDFLASH_FP4_ONE_LAUNCH_PAIRS=N: 1 to N pairs on every shape (0: off everywhere; N at most 128).
+ONE_LAUNCH_SHAPES: dict[tuple[int, int], tuple[int, int]] = {(2880, 2880): (8, 128)}
 _ONE = os.environ.get("PDFLASH_FP4_ONE_LAUNCH_PAIRS") or None  # (empty, as compose.gpu.yaml passes it unset: by shape)
 if _ONE is not None and not (_ONE.isdigit() and int(_ONE) <= 128):
     raise ValueError(f"PDFLASH_FP4_ONE_LAUNCH_PAIRS must be a number of pairs from 0 (off) to 128, got {_ONE!r}")
 ONE_LAUNCH_PAIRS: int | None = int(_ONE) if _ONE is not None else None  # None: ONE_LAUNCH_SHAPES
 
 
+def one_launch_range(hidden: int, inter: int) -> tuple[int, int]:
+    """(fewest, most) (token, expert) pairs a call of this expert shape takes in `fragment_moe_one` (most 0: none)."""
+    return (1, ONE_LAUNCH_PAIRS) if ONE_LAUNCH_PAIRS is not None else ONE_LAUNCH_SHAPES.get((hidden, inter), (1, 0))
+
+
 def one_launch_pairs(hidden: int, inter: int) -> int:
     """The most (token, expert) pairs a call of this expert shape takes in `fragment_moe_one` (0: none)."""
-    return ONE_LAUNCH_PAIRS if ONE_LAUNCH_PAIRS is not None else ONE_LAUNCH_SHAPES.get((hidden, inter), 0)
+    return one_launch_range(hidden, inter)[1]
 
 
 def _codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -799,12 +807,15 @@ class FragmentExperts:
 
 def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile) -> str | None:
     """Why a call of this shape takes the four launches rather than `fragment_moe_one` (None: it can take one)."""
-    most = one_launch_pairs(hidden, inter)
+    fewest, most = one_launch_range(hidden, inter)
     if tokens * topk == 0:
         return "no pairs"
     if tokens * topk > most:
         return (f"{tokens * topk} pairs (one launch takes at most {most} on experts of {hidden} x {inter}: "
                 "ONE_LAUNCH_SHAPES, PDFLASH_FP4_ONE_LAUNCH_PAIRS)")
+    if tokens * topk < fewest:
+        return (f"{tokens * topk} pairs (one launch takes at least {fewest} on experts of {hidden} x {inter}, where "
+                "fewer ran faster in four: ONE_LAUNCH_SHAPES)")
     if split_plan(hidden // QUAD, t1.kqs, t1.split)[0] > 1 or split_plan(inter // QUAD, t2.kqs, t2.split)[0] > 1:
         return f"tiles {t1} / {t2} split K"
     if t1.warps != t2.warps:

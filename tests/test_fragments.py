@@ -423,7 +423,11 @@ def test_one_launch_takes_small_unsplit_calls(monkeypatch):
     monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", None)  # unset: by shape, where it was measured faster
     gptoss = F.frag_config(2880, 2880)
     assert F.one_launch_refusal(32, 4, 2880, 2880, *gptoss) is None and "129 pairs" in F.one_launch_refusal(43, 3, 2880, 2880, *gptoss)
+    assert F.one_launch_refusal(2, 4, 2880, 2880, *gptoss) is None  # 8 pairs
+    assert "at least 8" in F.one_launch_refusal(1, 4, 2880, 2880, *gptoss)  # one token's top-4: four launches ran faster
     assert "at most 0" in F.one_launch_refusal(1, 8, 2048, 768, *F.frag_config(2048, 768))
+    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 128)  # set: 1 to 128 pairs on every shape
+    assert F.one_launch_refusal(1, 4, 2880, 2880, *gptoss) is None and F.one_launch_range(2048, 768) == (1, 128)
 
 
 def test_one_launch_pairs_setting_is_checked():
