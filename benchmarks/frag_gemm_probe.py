@@ -4,10 +4,11 @@ forward pays them (`gpu_time_us_each` over 4 copies of the experts: no graph lau
 base: as served; nox: the B operand a constant instead of the activation tile staged through shared memory (no barrier,
 no ldmatrix; timing only); nodecode: the FP4 decode replaced by register moves (timing only); nox_nodecode: both (about
 the weight loads and the MMAs alone). Beside them the
-same weight bytes read by a device copy (`clone`, read + write) as the floor. Fractions: weight bytes / time / copy
-rate, as benchmarks/kernel_bench.py.
+same weight bytes read by a device copy (`clone`, read + write). Fractions: weight bytes / time / copy rate, as
+benchmarks/kernel_bench.py. --tiles: other FragTile names timed on both GEMMs with the served source (e.g. the staged
+tiles, "4x4w4a3"), each output first checked bit-identical to its register-path twin (the same name without "aS").
 
-    python benchmarks/frag_gemm_probe.py   (on the GPU machine; ~1 minute)
+    python benchmarks/frag_gemm_probe.py [--variants base,nodecode] [--tiles 4x4w4a3,8x2w4a4]   (GPU; ~1-2 minutes)
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ VARIANTS = {
     "nodecode": [(ASM, MOVS)],
     "nox_nodecode": [(BAR + "        return xs.permute([1, 0]).load(BL)\n", NOX), (ASM, MOVS)],
 }
-CASES = (("gpt-oss-20b", 8, 1), ("gpt-oss-20b", 32, 1), ("qwen3-30b-a3b", 32, 1), ("qwen3-30b-a3b", 128, 1),
-         ("qwen3-30b-a3b", 128, 16))
+CASES = (("gpt-oss-20b", 8, 1), ("gpt-oss-20b", 32, 1), ("qwen3-30b-a3b", 8, 1), ("qwen3-30b-a3b", 32, 1),
+         ("qwen3-30b-a3b", 128, 1), ("qwen3-30b-a3b", 128, 16))
 
 
 def load(name, edits):
@@ -54,11 +55,19 @@ def load(name, edits):
 
 
 def main():
+    import argparse
+
     from pdflash_kernels import fragments as F
     from pdflash_kernels.installer import expert_weights
     from pdflash_kernels.moe import align_fused
 
-    mods = {n: load(n, e) for n, e in VARIANTS.items()}
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="source variants (base, nox, nodecode, nox_nodecode)")
+    ap.add_argument("--tiles", default="", help="FragTile names timed on both GEMMs as well")
+    args = ap.parse_args()
+    names = [n for n in args.variants.split(",") if n]
+    mods = {n: load(n, VARIANTS[n]) for n in names}
+    tiles = [F.FragTile.parse(t) for t in args.tiles.split(",") if t]
     rate = copy_rate()
     rows = []
     for model, active, tpe in CASES:
@@ -89,19 +98,38 @@ def main():
                 d = [lambda fw=fw: m._launch(hbuf, r, fw.w2, fw.s2, ybuf, h, k, 2, t2, 0, fw.b2, rw=rw) for fw in copies]
                 row[f"{n}_gate_up_us"] = round(gpu_time_us_each(g), 1)
                 row[f"{n}_down_us"] = round(gpu_time_us_each(d), 1)
+            for t in tiles:
+                if t.nt % 2 == 0:  # gate/up (half gate, half up tiles)
+                    g = [lambda fw=fw, t=t: F._launch(x, r, fw.w1, fw.s1, hbuf, i, k, 1, t, 0, fw.b1, fw.act, fw.row_mul,
+                                                      fw.up_off, alpha=fw.alpha, limit=fw.limit) for fw in copies]
+                    g[0]()
+                    first = hbuf.clone()
+                    F._launch(x, r, fw0.w1, fw0.s1, hbuf, i, k, 1, t._replace(stages=0), 0, fw0.b1, fw0.act, fw0.row_mul,
+                              fw0.up_off, alpha=fw0.alpha, limit=fw0.limit)
+                    row[f"{t}_gate_up_same_bits"] = bool(torch.equal(first, hbuf))
+                    row[f"{t}_gate_up_us"] = round(gpu_time_us_each(g), 1)
+                d = [lambda fw=fw, t=t: F._launch(hbuf, r, fw.w2, fw.s2, ybuf, h, k, 2, t, 0, fw.b2, rw=rw) for fw in copies]
+                d[0]()
+                first = ybuf.clone()
+                F._launch(hbuf, r, fw0.w2, fw0.s2, ybuf, h, k, 2, t._replace(stages=0), 0, fw0.b2, rw=rw)
+                row[f"{t}_down_same_bits"] = bool(torch.equal(first, ybuf))
+                row[f"{t}_down_us"] = round(gpu_time_us_each(d), 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
         del copies, fw0
         torch.cuda.empty_cache()
     print(f"\ncopy rate {rate / 1e12:.2f} TB/s; us (fraction of the copy rate on the weight bytes)")
-    head = ["case", "GEMM", "tile", "MB", "copy (2x bytes)"] + list(VARIANTS)
+    cols = names + [str(t) for t in tiles]
+    head = ["case", "GEMM", "tile", "MB", "copy (2x bytes)"] + cols
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
         for g, key in (("gate/up", "gate_up"), ("down", "down")):
             mb = r[f"{key}_mb"]
             cells = [f"{r['model']} A={r['active_experts']} T={r['tokens_per_expert']}", g, r[f"{key}_tile"], str(mb),
                      f"{r[f'copy_{key}_us']}"]
-            cells += [f"{r[f'{n}_{key}_us']} ({mb * 1e6 / (r[f'{n}_{key}_us'] * 1e-6) / rate:.2f})" for n in VARIANTS]
+            cells += [f"{r[f'{n}_{key}_us']} ({mb * 1e6 / (r[f'{n}_{key}_us'] * 1e-6) / rate:.2f})"
+                      f"{'' if r.get(f'{n}_{key}_same_bits', True) else ' BITS DIFFER'}"
+                      if f"{n}_{key}_us" in r else "-" for n in cols]
             print("| " + " | ".join(cells) + " |")
     out = pathlib.Path(os.environ.get("OUT", "/tmp"))
     (out / "frag_gemm_probe.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),

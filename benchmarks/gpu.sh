@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|fragments|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|fragments|staged|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite, 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -82,6 +82,13 @@ fi
 if has fragments; then  # the fragment-word MoE call: its GPU tests, then its tiles swept and the whole call (~4 min)
   timeout ${FRAG_TESTS_S:-180} python3 -m pytest -q -p no:cacheprovider tests/test_fragments.py > "$OUT/fragment_tests.txt" 2>&1; tail -3 "$OUT/fragment_tests.txt"
   timeout ${FRAG_S:-390} python3 benchmarks/fragment_bench.py --fused-sweep --tokens ${FRAG_TOKENS:-1,16} --out "$OUT" 2>&1 | tee "$OUT/fragment_fused.log" | grep -v "^|" | tail -20
+fi
+if [[ " $STEPS " == *" staged "* ]]; then  # the staged tiles (a cp.async ring, FragTile "aS"): their GPU tests, then timed beside the served ones (not in `all`)
+  timeout ${STAGED_TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_fragments.py \
+    -k "staged or matches_reference or whatever_the_other_rows" > "$OUT/staged_tests.txt" 2>&1; tail -3 "$OUT/staged_tests.txt"
+  OUT="$OUT" timeout ${STAGED_S:-300} python3 benchmarks/frag_gemm_probe.py --variants base \
+    --tiles ${STAGED_TILES:-4x4w4a2,4x4w4a3,4x4w4a4,8x2w4a3,8x2w4a4,4x8w4a2,4x8w4a3} > "$OUT/staged_probe.txt" 2>&1
+  tail -16 "$OUT/staged_probe.txt"
 fi
 if has onelaunch; then  # the MoE GEMMs and combine in one launch against four (bits checked equal), then the probe (~4 min)
   timeout ${ONE_S:-300} python3 benchmarks/fragment_bench.py --models qwen3-30b-a3b,gpt-oss-20b --tokens 1,4,16 --in-forward 8 \

@@ -44,9 +44,9 @@ from pdflash_kernels.moe import FAST_DECODE_MAX_SCALE, Routing, pair_word_decode
 try:  # Gluon (Triton >= 3.5): explicit layouts. Optional like Triton itself.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 except Exception:  # pragma: no cover - depends on the install
-    gluon = gl = mma_v2 = None
+    gluon = gl = mma_v2 = async_copy = None
 
 _FRAG_ASM = pair_word_decode_asm("$9", "$10")  # decode 5, rows g ($9) and g + 8 ($10) with their own scales
 QUAD = 64  # K values of one fragment quad (four 16-column tiles)
@@ -260,6 +260,68 @@ if gluon is not None:
                              acc)
         return acc
 
+    @gluon.jit
+    def _ring_copy(ring, sring, xring, slot, w_rows, s_rows, n_ok, n_ok_s, kk, ks, xr, xok, kx, q0, live,
+                   KQS: gl.constexpr, CG: gl.constexpr):
+        """Asynchronous copies of the KQS quads from quad q0 into ring slot `slot`: the words (each thread copies the
+        16 bytes it later reads), a scale word for each thread's 4 words, the activation tile. Masked off (rows past
+        N, padding rows, every row where not `live`): zero-filled, no memory traffic. One commit group."""
+        ok = n_ok[:, None] & live
+        # 16-byte copies: every row of words starts 512-byte aligned, every activation row 16-byte aligned (`_launch`
+        # checks the stride), each thread's 4 words / 8 values contiguous
+        wp = gl.max_contiguous(gl.multiple_of(w_rows[:, None] + (q0 * 128 + kk)[None, :], [16, 16]), [1, 4])
+        async_copy.async_copy_global_to_shared(ring.index(slot), wp, mask=ok, cache_modifier=".cg")
+        async_copy.async_copy_global_to_shared(
+            sring.index(slot), s_rows[:, None] + (q0 * 8 + (ks // 32) * 8 + (ks % 32) // 4)[None, :],
+            mask=n_ok_s[:, None] & live)
+        xp = gl.max_contiguous(gl.multiple_of(xr[:, None] + (q0 * 64 + kx)[None, :], [16, 16]), [1, 8])
+        if CG:
+            async_copy.async_copy_global_to_shared(xring.index(slot), xp, mask=xok[:, None] & live, cache_modifier=".cg")
+        else:
+            async_copy.async_copy_global_to_shared(xring.index(slot), xp, mask=xok[:, None] & live)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _k_range_async(acc, w_rows, s_rows, n_ok, kk, xr, xok, kx, q_lo, q_hi, AL: gl.constexpr, BL: gl.constexpr,
+                       BN: gl.constexpr, BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, STAGES: gl.constexpr,
+                       W: gl.constexpr, CG: gl.constexpr = False):
+        """`_k_range` with a ring of STAGES K steps in shared memory filled by cp.async (FragTile.stages): STAGES - 1
+        steps' weights, scale words and activations in flight while one step is decoded and multiplied, without the
+        registers a register prefetch holds. The same MMAs in the same order as `_k_range` (the same bits)."""
+        WL: gl.constexpr = _layout("w", W)
+        S3: gl.constexpr = _layout("s3", W)  # [NT, KQS * 32, 4]: a thread's scale word, spread over its 4 words
+        SWL: gl.constexpr = gl.SliceLayout(2, S3)
+        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])  # (a slot's)
+        ring = gl.allocate_shared_memory(gl.int32, [STAGES, NT, KQS * 128], PLAIN)
+        sring = gl.allocate_shared_memory(gl.int32, [STAGES, NT, KQS * 32], PLAIN)
+        xring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, KQS * 64], _layout("s", W))
+        ks = gl.arange(0, KQS * 32, layout=gl.SliceLayout(0, SWL))
+        n_ok_s = gl.convert_layout(n_ok, gl.SliceLayout(1, SWL))
+        s_rows_s = gl.convert_layout(s_rows, gl.SliceLayout(1, SWL))
+        zero3 = gl.zeros([NT, KQS * 32, 4], gl.int32, S3)  # (a shape to broadcast to)
+        steps = (q_hi - q_lo) // KQS
+        for i in gl.static_range(STAGES - 1):  # the first STAGES - 1 steps in flight
+            _ring_copy(ring, sring, xring, i, w_rows, s_rows_s, n_ok, n_ok_s, kk, ks, xr, xok, kx, q_lo + i * KQS,
+                       i < steps, KQS, CG)
+        for i in range(steps):
+            # step i's group is complete (STAGES - 2 committed after it); the compiler's barrier after the wait (its
+            # shared-memory hazard pass; tests/test_fragments.py checks it is there) makes every thread's copies of
+            # step i visible to all and puts every read of step i - 1 before the copies below
+            async_copy.wait_group(STAGES - 2)
+            nxt = i + STAGES - 1  # into the slot step i - 1 read
+            _ring_copy(ring, sring, xring, nxt % STAGES, w_rows, s_rows_s, n_ok, n_ok_s, kk, ks, xr, xok, kx,
+                       q_lo + nxt * KQS, nxt < steps, KQS, CG)
+            cur = i % STAGES
+            q = ring.index(cur).load(WL)
+            sw = sring.index(cur).load(SWL)
+            sw, _ = gl.broadcast(gl.expand_dims(sw, 2), zero3)
+            sw = gl.convert_layout(gl.reshape(sw, [NT, KQS * 128]), WL, assert_trivial=True)
+            b = xring.index(cur).permute([1, 0]).load(BL)
+            acc = mma_v2(_decode_quads(q, sw, kk, AL, BN, KQS, NT), b, acc)
+        async_copy.wait_group(0)  # the masked copies past the last step too: nothing lands after the ring is freed
+        gl.thread_barrier()  # (every thread's, before shared memory the ring held is reused by the epilogue or K tail)
+        return acc
+
     @gluon.constexpr_function
     def _layout(name, warps):
         """The fragment GEMMs' layouts for `warps` warps: "w" weight words, "mma" the MMA's accumulator, "a" / "b" its
@@ -270,7 +332,8 @@ if gluon is not None:
                 "a": lambda: gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
                 "b": lambda: gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
                 "x": lambda: gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0]),
-                "s": lambda: gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])}[name]()
+                "s": lambda: gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]),
+                "s3": lambda: gl.BlockedLayout([1, 1, 4], [1, 32, 1], [warps, 1, 1], [2, 1, 0])}[name]()
 
     @gluon.jit
     def _weight_tiles(w_ptr, stride_ws, s_ptr, stride_ss, slot, pid_n, N: gl.constexpr, QUADS: gl.constexpr,
@@ -295,7 +358,7 @@ if gluon is not None:
     @gluon.jit
     def _tile_sums(xr, xok, w_rows, s_rows, n_ok, q_lo, q_main, last, BN: gl.constexpr, BM: gl.constexpr,
                    NT: gl.constexpr, KQS: gl.constexpr, QUADS: gl.constexpr, PREFETCH: gl.constexpr, W: gl.constexpr,
-                   CG: gl.constexpr = False):
+                   CG: gl.constexpr = False, STAGES: gl.constexpr = 0):
         """acc [BN, BM] float32 (MMA layout) = the tiles' weights x the rows' activations over quads q_lo .. q_main in
         KQS-quad steps, then (where `last`) the quads past the last whole step one at a time: the same order for every
         row. xr / xok: the rows' activation pointers and mask (XL's row slice)."""
@@ -310,9 +373,13 @@ if gluon is not None:
         if QMAIN > 0:
             kk = gl.arange(0, KQS * 128, layout=gl.SliceLayout(0, WL))
             kx = gl.arange(0, KQS * 64, layout=gl.SliceLayout(0, XL))
-            xs = gl.allocate_shared_memory(gl.bfloat16, [BM, KQS * 64], SL)
-            acc = _k_range(acc, w_rows, s_rows, n_ok, kk, xr, xok, kx, xs, q_lo, q_main, AL, BL, BN, NT, KQS, PREFETCH,
-                           CG)
+            if STAGES > 0:
+                acc = _k_range_async(acc, w_rows, s_rows, n_ok, kk, xr, xok, kx, q_lo, q_main, AL, BL, BN, BM, NT, KQS,
+                                     STAGES, W, CG)
+            else:
+                xs = gl.allocate_shared_memory(gl.bfloat16, [BM, KQS * 64], SL)
+                acc = _k_range(acc, w_rows, s_rows, n_ok, kk, xr, xok, kx, xs, q_lo, q_main, AL, BL, BN, NT, KQS,
+                               PREFETCH, CG)
         if QMAIN < QUADS:  # the quads a whole step does not cover, one at a time (the same order for every row)
             kk1 = gl.arange(0, 128, layout=gl.SliceLayout(0, WL))
             kx1 = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
@@ -341,7 +408,7 @@ if gluon is not None:
                    N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr,
                    HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, PHASE: gl.constexpr,
                    BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
-                   SPLIT: gl.constexpr, SS: gl.constexpr, PDL: gl.constexpr = 0):
+                   SPLIT: gl.constexpr, SS: gl.constexpr, PDL: gl.constexpr = 0, STAGES: gl.constexpr = 0):
         """One program: routing block program_id(0) x NT 16-row weight tiles (program_id(1)) x K range program_id(2).
         EPI 0: y (float32) at the block's rows = x[pair // TOPK] @ w^T (EPI 3: x[block row] @ w^T); EPI 1 (gate/up,
         rows [gates; ups] as `gate_up_order` stores them, N = I): the program's tiles are NT / 2 gate tiles and the NT / 2
@@ -386,7 +453,8 @@ if gluon is not None:
                 q_lo = pid_s * (SS * KQS)
                 q_main = gl.minimum(q_lo + SS * KQS, MAIN)
                 last = pid_s == SPLIT - 1
-            acc = _tile_sums(xr, xok, w_rows, s_rows, n_ok, q_lo, q_main, last, BN, BM, NT, KQS, QUADS, PREFETCH, W)
+            acc = _tile_sums(xr, xok, w_rows, s_rows, n_ok, q_lo, q_main, last, BN, BM, NT, KQS, QUADS, PREFETCH, W,
+                             False, STAGES)
             # the program's output: acc [BN, BM], row = weight row (tile * 16 + r), column m = the block's row m
             mr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
             pair = gl.load(pairs_ptr + b * BM + mr)
@@ -516,7 +584,8 @@ if gluon is not None:
                       H: gl.constexpr, I: gl.constexpr, TOPK: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr,
                       ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, BM: gl.constexpr,
                       NT1: gl.constexpr, KQS1: gl.constexpr, PF1: gl.constexpr,
-                      NT2: gl.constexpr, KQS2: gl.constexpr, PF2: gl.constexpr, W: gl.constexpr):
+                      NT2: gl.constexpr, KQS2: gl.constexpr, PF2: gl.constexpr, W: gl.constexpr, ST1: gl.constexpr = 0,
+                      ST2: gl.constexpr = 0):
         """`fragment_moe`'s gate/up, down and combine in one launch over `align`'s routing blocks: a program a tile,
         each taking a work ticket.
 
@@ -566,7 +635,7 @@ if gluon is not None:
                 w_rows2, s_rows2, n_ok2 = _weight_tiles(w2_ptr, stride_w2, s2_ptr, stride_s2, slot, j, H, Q2, NT2, False,
                                                         NT2, WL)
                 acc2 = _tile_sums(xr2, xok, w_rows2, s_rows2, n_ok2, 0, Q2 // KQS2 * KQS2, True, NT2 * 16, BM, NT2, KQS2,
-                                  Q2, PF2, W, True)
+                                  Q2, PF2, W, True, ST2)
                 _epilogue(acc2, y_ptr, stride_y, b2_ptr, stride_b2, rw_ptr, slot, pair_r, p_ok, rows, alpha, limit, j, H,
                           2, ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT2 * 16, BM, NT2, W, MMA)
                 _combine_tile(y_ptr, stride_y, out_ptr, stride_out, valid_ptr, cnt_ptr + 2 + MB, pair_r, p_ok, j, P, TOPK,
@@ -576,7 +645,7 @@ if gluon is not None:
                 w_rows1, s_rows1, n_ok1 = _weight_tiles(w1_ptr, stride_w1, s1_ptr, stride_s1, slot, j, I, Q1, NT1, True,
                                                         TPP1, WL)
                 acc1 = _tile_sums(xr1, xok, w_rows1, s_rows1, n_ok1, 0, Q1 // KQS1 * KQS1, True, NT1 * 16, BM, NT1, KQS1,
-                                  Q1, PF1, W)
+                                  Q1, PF1, W, False, ST1)
                 _epilogue(acc1, h_ptr, stride_h, b1_ptr, stride_b1, rw_ptr, slot, pair_r, p_ok, rows, alpha, limit, j, I,
                           1, ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT1 * 16, BM, TPP1, W, MMA)
                 gl.thread_barrier()  # every thread's h rows stored before the tile counts itself done
@@ -607,24 +676,30 @@ class FragTile(typing.NamedTuple):
     """One fragment GEMM's tiling: `nt` 16-row weight tiles a program (a multiple of `warps`; gate/up: half gate tiles,
     half up tiles, so even), `kqs` 64-column quads a K step (a power of two), `prefetch` (each step's loads issued
     before the previous step's decode and MMAs; 2: two steps before), `split` (K's whole steps cut into that many
-    ranges, one program each, their float32 partial sums added in range order by the tile's last program). Written
-    "NTxKQSwW" + "p" or "pp" (prefetch 1 or 2) + "sS" (split S), e.g. "8x4w4p" or "4x8w4pps2"."""
+    ranges, one program each, their float32 partial sums added in range order by the tile's last program), `stages`
+    (0: loads into registers as `prefetch` says; S >= 2: a ring of S steps in shared memory filled by asynchronous
+    copies (cp.async), S - 1 steps in flight while one is computed: weights, scale words and activations; `prefetch`
+    then unused). Written "NTxKQSwW" + "p" or "pp" (prefetch 1 or 2) or "aS" (S stages) + "sS" (split S), e.g.
+    "8x4w4p", "4x8w4pps2" or "4x4w4a4"."""
 
     nt: int = 4
     kqs: int = 4
     warps: int = 4
     prefetch: int = 0
     split: int = 1
+    stages: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "FragTile":
-        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)(p{0,2})(?:s(\d+))?", text.strip())
-        if m is None:
-            raise ValueError(f"{text!r}: a fragment tile is NTxKQSwW with an optional p / pp (prefetch) and sS (split S)")
-        return cls(int(m[1]), int(m[2]), int(m[3]), len(m[4]), int(m[5] or 1))
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)(?:(p{1,2})|a(\d+))?(?:s(\d+))?", text.strip())
+        if m is None or (m[5] is not None and int(m[5]) < 2):
+            raise ValueError(f"{text!r}: a fragment tile is NTxKQSwW with an optional p / pp (prefetch) or aS (S >= 2 "
+                             "stages of asynchronous copies), and sS (split S)")
+        return cls(int(m[1]), int(m[2]), int(m[3]), len(m[4] or ""), int(m[6] or 1), int(m[5] or 0))
 
     def __str__(self) -> str:
-        return f"{self.nt}x{self.kqs}w{self.warps}{'p' * int(self.prefetch)}{f's{self.split}' if self.split > 1 else ''}"
+        pf = f"a{self.stages}" if self.stages else "p" * int(self.prefetch)
+        return f"{self.nt}x{self.kqs}w{self.warps}{pf}{f's{self.split}' if self.split > 1 else ''}"
 
 
 def split_plan(quads: int, kqs: int, split: int) -> tuple[int, int]:
@@ -635,6 +710,16 @@ def split_plan(quads: int, kqs: int, split: int) -> tuple[int, int]:
         return 1, max(steps, 1)
     per = triton_cdiv(steps, min(split, steps))
     return triton_cdiv(steps, per), per
+
+
+def _check_async(tile: FragTile, *operands: torch.Tensor) -> None:
+    """The asynchronous copies of a staged tile (`FragTile.stages`) move 16 bytes at a time: the activation rows and
+    every slot's weight words must start 16-byte aligned (true of torch's allocations and of the expert arenas'
+    slices; a view that is not is refused rather than faulting)."""
+    for t in operands:
+        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            raise ValueError(f"tile {tile} copies 16-byte pieces: a {tuple(t.shape)} operand starts or steps "
+                             f"{t.data_ptr() % 16} / {(t.stride(0) * t.element_size()) % 16} bytes off 16")
 
 
 def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, tile: FragTile, phase: int = 0, bias=None,
@@ -649,9 +734,11 @@ def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, tile
         raise ValueError(f"activations must be bf16 [rows, {k}] with unit column stride, got {x.dtype} {tuple(x.shape)}")
     if words.dtype != torch.int32 or swords.dtype != torch.int32 or words.stride(-1) != 1:
         raise ValueError("words/swords must be to_fragment_words' int32 tensors")
-    nt, kqs, num_warps, prefetch, split = tile
+    nt, kqs, num_warps, prefetch, split, stages = tile
     if nt % num_warps or kqs & (kqs - 1) or (epi == 1 and nt % 2):
         raise ValueError(f"tile {tile}: nt must be a multiple of the warps (and even for gate/up), kqs a power of two")
+    if stages:
+        _check_async(tile, x, words)
     bm = r.sorted_pairs.numel() // r.max_blocks
     if phase and r.block_phase is None:
         raise ValueError(f"phase {phase}: a routing made with phase_of_expert")
@@ -675,7 +762,7 @@ def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, tile
                      b, b.stride(0), rw if rw is not None else x, ws, cnt, rows, r.num_pairs, float(alpha), float(limit),
                      N=n, K=k, TOPK=topk, EPI=epi, ACT=act, HAS_BIAS=bias is not None, ROW_MUL=row_mul, UP_OFF=up_off,
                      PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=int(prefetch), SPLIT=split, SS=ss,
-                     PDL=PDL_MODE, num_warps=num_warps, **({"launch_pdl": True} if PDL_MODE else {}))
+                     PDL=PDL_MODE, STAGES=stages, num_warps=num_warps, **({"launch_pdl": True} if PDL_MODE else {}))
     return out
 
 
@@ -849,6 +936,8 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     if cnt is None:
         return None
     x = x.contiguous()
+    if t1.stages or t2.stages:
+        _check_async(t1 if t1.stages else t2, x, fw.w1, fw.w2)
     r = _moe.align_fused(topk_ids, num_experts, 16, slot_of_expert, n_valid)
     dev = x.device
     h = torch.empty((mb * 16, inter), dtype=torch.bfloat16, device=dev)
@@ -864,7 +953,8 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                         h, h.stride(0), y, y.stride(0), out, out.stride(0), cnt, t, p, mb, float(fw.alpha),
                         float(fw.limit), H=hdim, I=inter, TOPK=topk, ACT=fw.act, HAS_BIAS=fw.b1 is not None,
                         ROW_MUL=fw.row_mul, UP_OFF=fw.up_off, BM=16, NT1=t1.nt, KQS1=t1.kqs, PF1=int(t1.prefetch),
-                        NT2=t2.nt, KQS2=t2.kqs, PF2=int(t2.prefetch), W=t1.warps, num_warps=t1.warps)
+                        NT2=t2.nt, KQS2=t2.kqs, PF2=int(t2.prefetch), W=t1.warps, ST1=t1.stages, ST2=t2.stages,
+                        num_warps=t1.warps)
     return out
 
 
