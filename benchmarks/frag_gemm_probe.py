@@ -104,14 +104,14 @@ def main():
                                                       fw.up_off, alpha=fw.alpha, limit=fw.limit) for fw in copies]
                     g[0]()
                     first = hbuf.clone()
-                    F._launch(x, r, fw0.w1, fw0.s1, hbuf, i, k, 1, t._replace(stages=0), 0, fw0.b1, fw0.act, fw0.row_mul,
+                    F._launch(x, r, fw0.w1, fw0.s1, hbuf, i, k, 1, t._replace(stages=0, xring=0), 0, fw0.b1, fw0.act, fw0.row_mul,
                               fw0.up_off, alpha=fw0.alpha, limit=fw0.limit)
                     row[f"{t}_gate_up_same_bits"] = bool(torch.equal(first, hbuf))
                     row[f"{t}_gate_up_us"] = round(gpu_time_us_each(g), 1)
                 d = [lambda fw=fw, t=t: F._launch(hbuf, r, fw.w2, fw.s2, ybuf, h, k, 2, t, 0, fw.b2, rw=rw) for fw in copies]
                 d[0]()
                 first = ybuf.clone()
-                F._launch(hbuf, r, fw0.w2, fw0.s2, ybuf, h, k, 2, t._replace(stages=0), 0, fw0.b2, rw=rw)
+                F._launch(hbuf, r, fw0.w2, fw0.s2, ybuf, h, k, 2, t._replace(stages=0, xring=0), 0, fw0.b2, rw=rw)
                 row[f"{t}_down_same_bits"] = bool(torch.equal(first, ybuf))
                 row[f"{t}_down_us"] = round(gpu_time_us_each(d), 1)
             rows.append(row)

@@ -262,9 +262,9 @@ if gluon is not None:
 
     @gluon.jit
     def _ring_copy(ring, sring, xring, slot, w_rows, s_rows, n_ok, n_ok_s, kk, ks, xr, xok, kx, q0, live,
-                   KQS: gl.constexpr, CG: gl.constexpr):
+                   KQS: gl.constexpr, CG: gl.constexpr, XRING: gl.constexpr):
         """Asynchronous copies of the KQS quads from quad q0 into ring slot `slot`: the words (each thread copies the
-        16 bytes it later reads), a scale word for each thread's 4 words, the activation tile. Masked off (rows past
+        16 bytes it later reads), a scale word for each thread's 4 words, the activation tile (XRING). Masked off (rows past
         N, padding rows, every row where not `live`): zero-filled, no memory traffic. One commit group."""
         ok = n_ok[:, None] & live
         # 16-byte copies: every row of words starts 512-byte aligned, every activation row 16-byte aligned (`_launch`
@@ -274,27 +274,34 @@ if gluon is not None:
         async_copy.async_copy_global_to_shared(
             sring.index(slot), s_rows[:, None] + (q0 * 8 + (ks // 32) * 8 + (ks % 32) // 4)[None, :],
             mask=n_ok_s[:, None] & live)
-        xp = gl.max_contiguous(gl.multiple_of(xr[:, None] + (q0 * 64 + kx)[None, :], [16, 16]), [1, 8])
-        if CG:
-            async_copy.async_copy_global_to_shared(xring.index(slot), xp, mask=xok[:, None] & live, cache_modifier=".cg")
-        else:
-            async_copy.async_copy_global_to_shared(xring.index(slot), xp, mask=xok[:, None] & live)
+        if XRING:
+            xp = gl.max_contiguous(gl.multiple_of(xr[:, None] + (q0 * 64 + kx)[None, :], [16, 16]), [1, 8])
+            if CG:
+                async_copy.async_copy_global_to_shared(xring.index(slot), xp, mask=xok[:, None] & live,
+                                                       cache_modifier=".cg")
+            else:
+                async_copy.async_copy_global_to_shared(xring.index(slot), xp, mask=xok[:, None] & live)
         async_copy.commit_group()
 
     @gluon.jit
     def _k_range_async(acc, w_rows, s_rows, n_ok, kk, xr, xok, kx, q_lo, q_hi, AL: gl.constexpr, BL: gl.constexpr,
                        BN: gl.constexpr, BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, STAGES: gl.constexpr,
-                       W: gl.constexpr, CG: gl.constexpr = False):
+                       XRING: gl.constexpr, W: gl.constexpr, CG: gl.constexpr = False):
         """`_k_range` with a ring of STAGES K steps in shared memory filled by cp.async (FragTile.stages): STAGES - 1
-        steps' weights, scale words and activations in flight while one step is decoded and multiplied, without the
-        registers a register prefetch holds. The same MMAs in the same order as `_k_range` (the same bits)."""
+        steps' weights and scale words (and with XRING the activation tiles; else each step's activations are loaded a
+        step ahead into registers and staged through shared memory as `_k_range` does) in flight while one step is
+        decoded and multiplied, without the registers a register prefetch holds. The same MMAs in the same order as
+        `_k_range` (the same bits)."""
         WL: gl.constexpr = _layout("w", W)
         S3: gl.constexpr = _layout("s3", W)  # [NT, KQS * 32, 4]: a thread's scale word, spread over its 4 words
         SWL: gl.constexpr = gl.SliceLayout(2, S3)
         PLAIN: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])  # (a slot's)
         ring = gl.allocate_shared_memory(gl.int32, [STAGES, NT, KQS * 128], PLAIN)
         sring = gl.allocate_shared_memory(gl.int32, [STAGES, NT, KQS * 32], PLAIN)
-        xring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, KQS * 64], _layout("s", W))
+        if XRING:
+            xring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, KQS * 64], _layout("s", W))
+        else:
+            xring = gl.allocate_shared_memory(gl.bfloat16, [BM, KQS * 64], _layout("s", W))  # (one step's staging)
         ks = gl.arange(0, KQS * 32, layout=gl.SliceLayout(0, SWL))
         n_ok_s = gl.convert_layout(n_ok, gl.SliceLayout(1, SWL))
         s_rows_s = gl.convert_layout(s_rows, gl.SliceLayout(1, SWL))
@@ -302,7 +309,9 @@ if gluon is not None:
         steps = (q_hi - q_lo) // KQS
         for i in gl.static_range(STAGES - 1):  # the first STAGES - 1 steps in flight
             _ring_copy(ring, sring, xring, i, w_rows, s_rows_s, n_ok, n_ok_s, kk, ks, xr, xok, kx, q_lo + i * KQS,
-                       i < steps, KQS, CG)
+                       i < steps, KQS, CG, XRING)
+        if not XRING:
+            xt = _x_tile(xr, xok, kx, q_lo, CG=CG)
         for i in range(steps):
             # step i's group is complete (STAGES - 2 committed after it); the compiler's barrier after the wait (its
             # shared-memory hazard pass; tests/test_fragments.py checks it is there) makes every thread's copies of
@@ -310,13 +319,18 @@ if gluon is not None:
             async_copy.wait_group(STAGES - 2)
             nxt = i + STAGES - 1  # into the slot step i - 1 read
             _ring_copy(ring, sring, xring, nxt % STAGES, w_rows, s_rows_s, n_ok, n_ok_s, kk, ks, xr, xok, kx,
-                       q_lo + nxt * KQS, nxt < steps, KQS, CG)
+                       q_lo + nxt * KQS, nxt < steps, KQS, CG, XRING)
             cur = i % STAGES
             q = ring.index(cur).load(WL)
             sw = sring.index(cur).load(SWL)
             sw, _ = gl.broadcast(gl.expand_dims(sw, 2), zero3)
             sw = gl.convert_layout(gl.reshape(sw, [NT, KQS * 128]), WL, assert_trivial=True)
-            b = xring.index(cur).permute([1, 0]).load(BL)
+            if XRING:
+                b = xring.index(cur).permute([1, 0]).load(BL)
+            else:
+                xtn = _x_tile(xr, xok, kx, q_lo + (i + 1) * KQS, i + 1 < steps, CG=CG)
+                b = _b_operand(xring, xt, BL)
+                xt = xtn
             acc = mma_v2(_decode_quads(q, sw, kk, AL, BN, KQS, NT), b, acc)
         async_copy.wait_group(0)  # the masked copies past the last step too: nothing lands after the ring is freed
         gl.thread_barrier()  # (every thread's, before shared memory the ring held is reused by the epilogue or K tail)
@@ -358,7 +372,7 @@ if gluon is not None:
     @gluon.jit
     def _tile_sums(xr, xok, w_rows, s_rows, n_ok, q_lo, q_main, last, BN: gl.constexpr, BM: gl.constexpr,
                    NT: gl.constexpr, KQS: gl.constexpr, QUADS: gl.constexpr, PREFETCH: gl.constexpr, W: gl.constexpr,
-                   CG: gl.constexpr = False, STAGES: gl.constexpr = 0):
+                   CG: gl.constexpr = False, STAGES: gl.constexpr = 0, XRING: gl.constexpr = 0):
         """acc [BN, BM] float32 (MMA layout) = the tiles' weights x the rows' activations over quads q_lo .. q_main in
         KQS-quad steps, then (where `last`) the quads past the last whole step one at a time: the same order for every
         row. xr / xok: the rows' activation pointers and mask (XL's row slice)."""
@@ -375,7 +389,7 @@ if gluon is not None:
             kx = gl.arange(0, KQS * 64, layout=gl.SliceLayout(0, XL))
             if STAGES > 0:
                 acc = _k_range_async(acc, w_rows, s_rows, n_ok, kk, xr, xok, kx, q_lo, q_main, AL, BL, BN, BM, NT, KQS,
-                                     STAGES, W, CG)
+                                     STAGES, XRING, W, CG)
             else:
                 xs = gl.allocate_shared_memory(gl.bfloat16, [BM, KQS * 64], SL)
                 acc = _k_range(acc, w_rows, s_rows, n_ok, kk, xr, xok, kx, xs, q_lo, q_main, AL, BL, BN, NT, KQS,
@@ -408,7 +422,8 @@ if gluon is not None:
                    N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr,
                    HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, PHASE: gl.constexpr,
                    BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
-                   SPLIT: gl.constexpr, SS: gl.constexpr, PDL: gl.constexpr = 0, STAGES: gl.constexpr = 0):
+                   SPLIT: gl.constexpr, SS: gl.constexpr, PDL: gl.constexpr = 0, STAGES: gl.constexpr = 0,
+                   XRING: gl.constexpr = 0):
         """One program: routing block program_id(0) x NT 16-row weight tiles (program_id(1)) x K range program_id(2).
         EPI 0: y (float32) at the block's rows = x[pair // TOPK] @ w^T (EPI 3: x[block row] @ w^T); EPI 1 (gate/up,
         rows [gates; ups] as `gate_up_order` stores them, N = I): the program's tiles are NT / 2 gate tiles and the NT / 2
@@ -454,7 +469,7 @@ if gluon is not None:
                 q_main = gl.minimum(q_lo + SS * KQS, MAIN)
                 last = pid_s == SPLIT - 1
             acc = _tile_sums(xr, xok, w_rows, s_rows, n_ok, q_lo, q_main, last, BN, BM, NT, KQS, QUADS, PREFETCH, W,
-                             False, STAGES)
+                             False, STAGES, XRING)
             # the program's output: acc [BN, BM], row = weight row (tile * 16 + r), column m = the block's row m
             mr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
             pair = gl.load(pairs_ptr + b * BM + mr)
@@ -585,7 +600,7 @@ if gluon is not None:
                       ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, BM: gl.constexpr,
                       NT1: gl.constexpr, KQS1: gl.constexpr, PF1: gl.constexpr,
                       NT2: gl.constexpr, KQS2: gl.constexpr, PF2: gl.constexpr, W: gl.constexpr, ST1: gl.constexpr = 0,
-                      ST2: gl.constexpr = 0):
+                      ST2: gl.constexpr = 0, XR1: gl.constexpr = 0, XR2: gl.constexpr = 0):
         """`fragment_moe`'s gate/up, down and combine in one launch over `align`'s routing blocks: a program a tile,
         each taking a work ticket.
 
@@ -635,7 +650,7 @@ if gluon is not None:
                 w_rows2, s_rows2, n_ok2 = _weight_tiles(w2_ptr, stride_w2, s2_ptr, stride_s2, slot, j, H, Q2, NT2, False,
                                                         NT2, WL)
                 acc2 = _tile_sums(xr2, xok, w_rows2, s_rows2, n_ok2, 0, Q2 // KQS2 * KQS2, True, NT2 * 16, BM, NT2, KQS2,
-                                  Q2, PF2, W, True, ST2)
+                                  Q2, PF2, W, True, ST2, XR2)
                 _epilogue(acc2, y_ptr, stride_y, b2_ptr, stride_b2, rw_ptr, slot, pair_r, p_ok, rows, alpha, limit, j, H,
                           2, ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT2 * 16, BM, NT2, W, MMA)
                 _combine_tile(y_ptr, stride_y, out_ptr, stride_out, valid_ptr, cnt_ptr + 2 + MB, pair_r, p_ok, j, P, TOPK,
@@ -645,7 +660,7 @@ if gluon is not None:
                 w_rows1, s_rows1, n_ok1 = _weight_tiles(w1_ptr, stride_w1, s1_ptr, stride_s1, slot, j, I, Q1, NT1, True,
                                                         TPP1, WL)
                 acc1 = _tile_sums(xr1, xok, w_rows1, s_rows1, n_ok1, 0, Q1 // KQS1 * KQS1, True, NT1 * 16, BM, NT1, KQS1,
-                                  Q1, PF1, W, False, ST1)
+                                  Q1, PF1, W, False, ST1, XR1)
                 _epilogue(acc1, h_ptr, stride_h, b1_ptr, stride_b1, rw_ptr, slot, pair_r, p_ok, rows, alpha, limit, j, I,
                           1, ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT1 * 16, BM, TPP1, W, MMA)
                 gl.thread_barrier()  # every thread's h rows stored before the tile counts itself done
@@ -677,10 +692,11 @@ class FragTile(typing.NamedTuple):
     half up tiles, so even), `kqs` 64-column quads a K step (a power of two), `prefetch` (each step's loads issued
     before the previous step's decode and MMAs; 2: two steps before), `split` (K's whole steps cut into that many
     ranges, one program each, their float32 partial sums added in range order by the tile's last program), `stages`
-    (0: loads into registers as `prefetch` says; S >= 2: a ring of S steps in shared memory filled by asynchronous
-    copies (cp.async), S - 1 steps in flight while one is computed: weights, scale words and activations; `prefetch`
-    then unused). Written "NTxKQSwW" + "p" or "pp" (prefetch 1 or 2) or "aS" (S stages) + "sS" (split S), e.g.
-    "8x4w4p", "4x8w4pps2" or "4x4w4a4"."""
+    (0: loads into registers as `prefetch` says; S >= 2: a ring of S K steps in shared memory filled by asynchronous
+    copies (cp.async), S - 1 steps in flight while one is computed: the weights and scale words, and with `xring` the
+    activation tiles too (else those a step ahead in registers); `prefetch` then unused). Written "NTxKQSwW" + "p" or
+    "pp" (prefetch 1 or 2) or "aS" (S stages) or "aaS" (S stages, activations in the ring) + "sS" (split S), e.g.
+    "8x4w4p", "4x8w4pps2", "4x4w4a4" or "8x2w4aa3s2"."""
 
     nt: int = 4
     kqs: int = 4
@@ -688,17 +704,19 @@ class FragTile(typing.NamedTuple):
     prefetch: int = 0
     split: int = 1
     stages: int = 0
+    xring: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "FragTile":
-        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)(?:(p{1,2})|a(\d+))?(?:s(\d+))?", text.strip())
-        if m is None or (m[5] is not None and int(m[5]) < 2):
-            raise ValueError(f"{text!r}: a fragment tile is NTxKQSwW with an optional p / pp (prefetch) or aS (S >= 2 "
-                             "stages of asynchronous copies), and sS (split S)")
-        return cls(int(m[1]), int(m[2]), int(m[3]), len(m[4] or ""), int(m[6] or 1), int(m[5] or 0))
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)(?:(p{1,2})|(a{1,2})(\d+))?(?:s(\d+))?", text.strip())
+        if m is None or (m[6] is not None and int(m[6]) < 2):
+            raise ValueError(f"{text!r}: a fragment tile is NTxKQSwW with an optional p / pp (prefetch) or aS / aaS (S >= "
+                             "2 stages of asynchronous copies; aa: the activations too), and sS (split S)")
+        return cls(int(m[1]), int(m[2]), int(m[3]), len(m[4] or ""), int(m[7] or 1), int(m[6] or 0),
+                   int(len(m[5] or "") == 2))
 
     def __str__(self) -> str:
-        pf = f"a{self.stages}" if self.stages else "p" * int(self.prefetch)
+        pf = f"{'aa' if self.xring else 'a'}{self.stages}" if self.stages else "p" * int(self.prefetch)
         return f"{self.nt}x{self.kqs}w{self.warps}{pf}{f's{self.split}' if self.split > 1 else ''}"
 
 
@@ -734,7 +752,7 @@ def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, tile
         raise ValueError(f"activations must be bf16 [rows, {k}] with unit column stride, got {x.dtype} {tuple(x.shape)}")
     if words.dtype != torch.int32 or swords.dtype != torch.int32 or words.stride(-1) != 1:
         raise ValueError("words/swords must be to_fragment_words' int32 tensors")
-    nt, kqs, num_warps, prefetch, split, stages = tile
+    nt, kqs, num_warps, prefetch, split, stages, xring = tile
     if nt % num_warps or kqs & (kqs - 1) or (epi == 1 and nt % 2):
         raise ValueError(f"tile {tile}: nt must be a multiple of the warps (and even for gate/up), kqs a power of two")
     if stages:
@@ -762,7 +780,7 @@ def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, tile
                      b, b.stride(0), rw if rw is not None else x, ws, cnt, rows, r.num_pairs, float(alpha), float(limit),
                      N=n, K=k, TOPK=topk, EPI=epi, ACT=act, HAS_BIAS=bias is not None, ROW_MUL=row_mul, UP_OFF=up_off,
                      PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=int(prefetch), SPLIT=split, SS=ss,
-                     PDL=PDL_MODE, STAGES=stages, num_warps=num_warps, **({"launch_pdl": True} if PDL_MODE else {}))
+                     PDL=PDL_MODE, STAGES=stages, XRING=xring, num_warps=num_warps, **({"launch_pdl": True} if PDL_MODE else {}))
     return out
 
 
@@ -954,7 +972,7 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                         float(fw.limit), H=hdim, I=inter, TOPK=topk, ACT=fw.act, HAS_BIAS=fw.b1 is not None,
                         ROW_MUL=fw.row_mul, UP_OFF=fw.up_off, BM=16, NT1=t1.nt, KQS1=t1.kqs, PF1=int(t1.prefetch),
                         NT2=t2.nt, KQS2=t2.kqs, PF2=int(t2.prefetch), W=t1.warps, ST1=t1.stages, ST2=t2.stages,
-                        num_warps=t1.warps)
+                        XR1=t1.xring, XR2=t2.xring, num_warps=t1.warps)
     return out
 
 

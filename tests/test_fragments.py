@@ -144,8 +144,8 @@ SIG = {"x_ptr": "*bf16", "stride_x": "i32", "out_ptr": "*fp32", "stride_o": "i32
 @pytest.mark.parametrize("n,k,tile,epi", [(5760, 2880, "4x1w4", 0), (2880, 2880, "8x4w4p", 1), (2048, 768, "4x4w4", 2),
                                          (80, 320, "4x2w4p", 3), (2880, 2880, "8x4w4ps4", 1), (14336, 4096, "4x8w4s2", 2),
                                          (2880, 2880, "8x2w4pp", 1), (768, 2048, "4x4w4pps2", 2),
-                                         (2880, 2880, "8x2w4a4", 1), (2048, 768, "4x4w4a3", 2), (768, 2048, "4x4w4a2s2", 2),
-                                         (80, 320, "4x2w4a3", 3)])
+                                         (2880, 2880, "8x2w4aa4", 1), (2048, 768, "4x4w4aa3", 2), (768, 2048, "4x4w4a2s2", 2),
+                                         (80, 320, "4x2w4a3", 3), (2880, 2880, "8x2w4a4", 1), (768, 2048, "4x4w4aa2s2", 2)])
 def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, tile, epi, monkeypatch):
     """The A operand's layout change is checked trivial at compile time (no shuffles; shared memory holds only the
     activation tile, read back with ldmatrix, and for gate/up the epilogue's exchange of the gate and up rows). Staged
@@ -156,10 +156,10 @@ def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, tile, epi,
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    nt, kqs, warps, pf, split, stages = F.FragTile.parse(tile)
+    nt, kqs, warps, pf, split, stages, xring = F.FragTile.parse(tile)
     split, ss = F.split_plan(k // 64, kqs, split)
     const = dict(N=n, K=k, TOPK=4, EPI=epi, ACT=1, HAS_BIAS=epi in (1, 2), ROW_MUL=2, UP_OFF=1, PHASE=1 if epi == 2 else 0,
-                 BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf, SPLIT=split, SS=ss, STAGES=stages)
+                 BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf, SPLIT=split, SS=ss, STAGES=stages, XRING=xring)
     sig = dict(SIG, out_ptr="*bf16" if epi == 1 else "*fp32", **{c: "constexpr" for c in const})
     kern = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps})
@@ -168,8 +168,9 @@ def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, tile, epi,
     assert ".local" not in ptx
     epi_smem = nt * 16 * 16 * 4 if epi == 1 else 0
     if stages:
-        step = nt * kqs * 512 + nt * kqs * 128 + 16 * kqs * 64 * 2  # words, a scale word a thread's 4 words, activations
-        assert kern.metadata.shared <= stages * step + epi_smem + 2 * 16 * 64 * 2  # (+ the K tail's one-quad tile)
+        step = nt * kqs * 512 + nt * kqs * 128  # words, a scale word a thread's 4 words
+        xtile = 16 * kqs * 64 * 2  # the activations: a ring slot a stage (aaS), or one staging tile
+        assert kern.metadata.shared <= stages * step + (stages if xring else 1) * xtile + epi_smem + 2 * 16 * 64 * 2
         assert re.search(r"cp\.async\.wait_group\s+\d+;\s*bar\.sync", ptx)  # the copies visible to every thread
         sizes = set(re.findall(r"cp\.async\.(c[ag])\.shared\.global \[[^]]*\], \[[^]]*\], (0x\w+)", ptx))
         assert sizes == {("cg", "0x10"), ("ca", "0x4")}, sizes  # 16-byte words and activations, 4-byte scale words
@@ -237,7 +238,8 @@ def _gpu_case(e, k, h, n, tokens, seed=0):
     (32, 4, 2880, 2880, 9, "8x4w4ps4"), (8, 2, 4096, 128, 21, "4x8w4s3"), (8, 2, 320, 80, 33, "4x1w4ps2"),
     (32, 4, 2880, 2880, 9, "8x2w4pp"), (8, 2, 320, 80, 33, "4x2w4pps2"), (8, 2, 320, 80, 7, "4x1w4pp"),
     (32, 4, 2880, 2880, 16, "8x4w4a3"), (8, 2, 320, 80, 33, "4x2w4a3"), (8, 2, 4096, 128, 21, "4x8w4a2s3"),
-    (128, 8, 2048, 1536, 40, "4x4w4a4"), (8, 2, 320, 80, 7, "4x1w4a4")])
+    (128, 8, 2048, 1536, 40, "4x4w4a4"), (8, 2, 320, 80, 7, "4x1w4a4"), (32, 4, 2880, 2880, 9, "8x2w4aa3"),
+    (8, 2, 320, 80, 33, "4x2w4aa4s2")])
 def test_kernel_matches_reference(e, k, h, n, tokens, tile):
     b, s, words, sw, x, ids, r = _gpu_case(e, k, h, n, tokens)
     ref = F.frag_gemm_reference(x, r, b, s, k)
@@ -253,7 +255,7 @@ def test_kernel_matches_reference(e, k, h, n, tokens, tile):
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["4x1w4", "8x4w4p", "8x4w4ps4", "4x2w4s3", "8x2w4pps3", "8x4w4a3", "4x4w4a2s4"])
+@pytest.mark.parametrize("tile", ["4x1w4", "8x4w4p", "8x4w4ps4", "4x2w4s3", "8x2w4pps3", "8x4w4a3", "4x4w4aa2s4"])
 def test_kernel_rows_are_bit_identical_whatever_the_other_rows(tile):
     """Token 0 alone, then with 1..63 random other tokens (routed to the same and other experts): its pairs' output
     rows keep their bits."""
@@ -335,15 +337,15 @@ def test_fragment_moe_rows_are_bit_identical_for_any_batch_and_phases(model, til
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("model,tiles", [("gpt-oss-20b", "8x2w4a4,4x4w4a4"), ("gpt-oss-20b", "8x4w4a3s4,4x4w4a2"),
-                                         ("qwen3-30b-a3b", "4x4w4a3,4x4w4a3"), ("qwen3-30b-a3b", "4x8w4a2,8x4w4a4s2"),
-                                         ("small", "4x2w4a3,4x2w4a4")])
+@pytest.mark.parametrize("model,tiles", [("gpt-oss-20b", "8x2w4a4,4x4w4aa4"), ("gpt-oss-20b", "8x4w4aa3s4,4x4w4a2"),
+                                         ("qwen3-30b-a3b", "4x4w4a3,4x4w4aa3"), ("qwen3-30b-a3b", "4x8w4aa2,8x4w4a4s2"),
+                                         ("small", "4x2w4aa3,4x2w4a4")])
 def test_staged_tiles_give_the_register_paths_bits(model, tiles, monkeypatch):
     """A staged tile (cp.async ring, FragTile.stages) runs the same MMAs in the same order as the same tile loading
     into registers: every output bit equal, in four launches, in copy groups, and in one launch."""
     e, w, fw, x, ids, wts = _moe_case(model, 40, seed=17)
     staged = tuple(F.FragTile.parse(t) for t in tiles.split(","))
-    plain = tuple(t._replace(stages=0) for t in staged)
+    plain = tuple(t._replace(stages=0, xring=0) for t in staged)
     for n in (1, 3, 16, 40):
         assert torch.equal(_four_launches(x[:n], ids[:n], wts[:n], fw, e, config=staged),
                            _four_launches(x[:n], ids[:n], wts[:n], fw, e, config=plain)), n
@@ -405,7 +407,8 @@ def test_frag_tile_names_and_split_plans():
     assert F.FragTile.parse("8x2w4pps2") == F.FragTile(8, 2, 4, 2, 2) and str(F.FragTile(8, 2, 4, 2, 2)) == "8x2w4pps2"
     assert str(F.FragTile.parse("4x8w4")) == "4x8w4" and F.FragTile.parse("4x8w4s2").split == 2
     assert F.FragTile.parse("4x4w4a3") == F.FragTile(4, 4, 4, 0, 1, 3) and str(F.FragTile(4, 4, 4, 0, 2, 4)) == "4x4w4a4s2"
-    for bad in ("8x4", "4x4w4pa3", "4x4w4a1", "4x4w4a"):
+    assert F.FragTile.parse("8x2w4aa3s2") == F.FragTile(8, 2, 4, 0, 2, 3, 1) and str(F.FragTile(8, 2, 4, 0, 2, 3, 1)) == "8x2w4aa3s2"
+    for bad in ("8x4", "4x4w4pa3", "4x4w4a1", "4x4w4a", "4x4w4aaa3"):
         with pytest.raises(ValueError, match="NTxKQSwW"):
             F.FragTile.parse(bad)
     # (ranges, whole steps a range): every range non-empty, ranges x steps covers every whole step
@@ -431,7 +434,7 @@ ONE_SIG = {"x_ptr": "*bf16", "stride_x": "i32", "pairs_ptr": "*i32", "slot_ptr":
 
 @needs_gluon
 @pytest.mark.parametrize("h,i,k,tiles,gptoss", [(2048, 768, 8, "4x4w4,4x4w4", False), (2880, 2880, 4, "8x2w4p,4x4w4p", True),
-                                                 (320, 192, 2, "4x4w4,4x4w4", True), (2048, 768, 8, "4x4w4a3,4x4w4a3", False)])
+                                                 (320, 192, 2, "4x4w4,4x4w4", True), (2048, 768, 8, "4x4w4a3,4x4w4aa3", False)])
 def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, gptoss, monkeypatch):
     """The gate/up, down and combine launch compiles for sm_90 with both tiles' MMAs, its ticket / block / combine
     counters as GPU-scope atomics (acquire on the down tiles' wait), nothing spilled to local memory and at most 25%
@@ -448,7 +451,7 @@ def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, gptoss, monkeypatch
     t1, t2 = (F.FragTile.parse(t) for t in tiles.split(","))
     const = dict(H=h, I=i, TOPK=k, ACT=int(gptoss), HAS_BIAS=gptoss, ROW_MUL=2 if gptoss else 1, UP_OFF=int(gptoss), BM=16,
                  NT1=t1.nt, KQS1=t1.kqs, PF1=t1.prefetch, NT2=t2.nt, KQS2=t2.kqs, PF2=t2.prefetch, W=t1.warps,
-                 ST1=t1.stages, ST2=t2.stages)
+                 ST1=t1.stages, ST2=t2.stages, XR1=t1.xring, XR2=t2.xring)
     sig = dict(ONE_SIG, **{c: "constexpr" for c in const})
     kern = triton.compile(GluonASTSource(F._frag_moe_one, sig, const), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": t1.warps})
@@ -457,7 +460,8 @@ def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, gptoss, monkeypatch
     assert "ld.global.gpu.acquire" in ptx or "atom.global.gpu.acquire" in ptx  # the down tiles' wait (an add of 0: a load)
     assert "st.local" not in ptx and "ld.local" not in ptx
     gconst = dict(N=i, K=h, TOPK=k, EPI=1, ACT=int(gptoss), HAS_BIAS=gptoss, ROW_MUL=2 if gptoss else 1, UP_OFF=int(gptoss),
-                  PHASE=0, BM=16, NT=t1.nt, KQS=t1.kqs, W=t1.warps, PREFETCH=t1.prefetch, SPLIT=1, SS=1, STAGES=t1.stages)
+                  PHASE=0, BM=16, NT=t1.nt, KQS=t1.kqs, W=t1.warps, PREFETCH=t1.prefetch, SPLIT=1, SS=1, STAGES=t1.stages,
+                  XRING=t1.xring)
     gemm = triton.compile(GluonASTSource(F._frag_gemm, dict(SIG, out_ptr="*bf16", **{c: "constexpr" for c in gconst}),
                                          gconst), target=GPUTarget("cuda", 90, 32), options={"num_warps": t1.warps})
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
