@@ -92,28 +92,26 @@ def main():
                        down_tile=str(t2), gate_up_mb=round(b1 / 1e6, 1), down_mb=round(b2 / 1e6, 1),
                        copy_gate_up_us=round(gpu_time_us_each([src1.clone] * 4), 1),
                        copy_down_us=round(gpu_time_us_each([src2.clone] * 4), 1))
+            def gate_up(mod, fw, t):
+                return lambda: mod._launch(x, r, fw.w1, fw.s1, hbuf, i, k, 1, t, 0, fw.b1, fw.act, fw.row_mul, fw.up_off,
+                                           alpha=fw.alpha, limit=fw.limit)
+
+            def down(mod, fw, t):
+                return lambda: mod._launch(hbuf, r, fw.w2, fw.s2, ybuf, h, k, 2, t, 0, fw.b2, rw=rw)
+
             for n, m in mods.items():
-                g = [lambda fw=fw: m._launch(x, r, fw.w1, fw.s1, hbuf, i, k, 1, t1, 0, fw.b1, fw.act, fw.row_mul,
-                                             fw.up_off, alpha=fw.alpha, limit=fw.limit) for fw in copies]
-                d = [lambda fw=fw: m._launch(hbuf, r, fw.w2, fw.s2, ybuf, h, k, 2, t2, 0, fw.b2, rw=rw) for fw in copies]
-                row[f"{n}_gate_up_us"] = round(gpu_time_us_each(g), 1)
-                row[f"{n}_down_us"] = round(gpu_time_us_each(d), 1)
-            for t in tiles:
-                if t.nt % 2 == 0:  # gate/up (half gate, half up tiles)
-                    g = [lambda fw=fw, t=t: F._launch(x, r, fw.w1, fw.s1, hbuf, i, k, 1, t, 0, fw.b1, fw.act, fw.row_mul,
-                                                      fw.up_off, alpha=fw.alpha, limit=fw.limit) for fw in copies]
-                    g[0]()
-                    first = hbuf.clone()
-                    F._launch(x, r, fw0.w1, fw0.s1, hbuf, i, k, 1, t._replace(stages=0, xring=0), 0, fw0.b1, fw0.act, fw0.row_mul,
-                              fw0.up_off, alpha=fw0.alpha, limit=fw0.limit)
-                    row[f"{t}_gate_up_same_bits"] = bool(torch.equal(first, hbuf))
-                    row[f"{t}_gate_up_us"] = round(gpu_time_us_each(g), 1)
-                d = [lambda fw=fw, t=t: F._launch(hbuf, r, fw.w2, fw.s2, ybuf, h, k, 2, t, 0, fw.b2, rw=rw) for fw in copies]
-                d[0]()
-                first = ybuf.clone()
-                F._launch(hbuf, r, fw0.w2, fw0.s2, ybuf, h, k, 2, t._replace(stages=0, xring=0), 0, fw0.b2, rw=rw)
-                row[f"{t}_down_same_bits"] = bool(torch.equal(first, ybuf))
-                row[f"{t}_down_us"] = round(gpu_time_us_each(d), 1)
+                row[f"{n}_gate_up_us"] = round(gpu_time_us_each([gate_up(m, fw, t1) for fw in copies]), 1)
+                row[f"{n}_down_us"] = round(gpu_time_us_each([down(m, fw, t2) for fw in copies]), 1)
+            for t in tiles:  # each first against its register-path twin's bits, then timed
+                twin = t._replace(stages=0, xring=0)
+                for key, call, buf in (("gate_up", gate_up, hbuf), ("down", down, ybuf)):
+                    if key == "gate_up" and t.nt % 2:
+                        continue  # (gate/up tiles are half gate, half up)
+                    call(F, fw0, t)()
+                    first = buf.clone()
+                    call(F, fw0, twin)()
+                    row[f"{t}_{key}_same_bits"] = bool(torch.equal(first, buf))
+                    row[f"{t}_{key}_us"] = round(gpu_time_us_each([call(F, fw, t) for fw in copies]), 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
         del copies, fw0
