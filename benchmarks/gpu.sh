@@ -86,8 +86,8 @@ fi
 if [[ " $STEPS " == *" staged "* ]]; then  # the staged tiles (a cp.async ring, FragTile "aS"): their GPU tests, then timed beside the served ones (not in `all`)
   timeout ${STAGED_TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_fragments.py \
     -k "staged or matches_reference or whatever_the_other_rows" > "$OUT/staged_tests.txt" 2>&1; tail -3 "$OUT/staged_tests.txt"
-  OUT="$OUT" timeout ${STAGED_S:-300} python3 benchmarks/frag_gemm_probe.py --variants base \
-    --tiles ${STAGED_TILES:-4x4w4a3,4x4w4a4,4x4w4aa3,8x2w4a3,8x2w4a4,8x2w4aa3,4x8w4a3,4x8w4aa2} > "$OUT/staged_probe.txt" 2>&1
+  OUT="$OUT" timeout ${STAGED_S:-420} python3 benchmarks/frag_gemm_probe.py --variants base \
+    --tiles ${STAGED_TILES:-4x4w4a3,4x4w4aa3,4x4w4aa4,4x2w4aa4,4x2w4aa6,8x2w4a3,8x2w4aa3,8x2w4aa4,4x8w4aa2,8x1w4aa6} > "$OUT/staged_probe.txt" 2>&1
   tail -16 "$OUT/staged_probe.txt"
 fi
 if has onelaunch; then  # the MoE GEMMs and combine in one launch against four (bits checked equal), then the probe (~4 min)
