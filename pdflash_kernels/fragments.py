@@ -817,8 +817,27 @@ FRAG_SHAPES: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
 FRAG_DEFAULT = (FragTile(4, 4, 4), FragTile(4, 4, 4))
 
 
+def parse_tiles(text: str) -> tuple[FragTile, FragTile]:
+    """"GATE_UP,DOWN" FragTile names (PDFLASH_FP4_TILES) -> the two tiles, checked as `_launch` would check them."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if len(parts) != 2:
+        raise ValueError(f"PDFLASH_FP4_TILES is two tile names, gate/up then down (e.g. 8x2w4p,4x4w4p), got {text!r}")
+    t1, t2 = (FragTile.parse(p) for p in parts)
+    for t, what in ((t1, "gate/up"), (t2, "down")):
+        if t.nt % t.warps or t.kqs & (t.kqs - 1) or (what == "gate/up" and t.nt % 2):
+            raise ValueError(f"PDFLASH_FP4_TILES: {what} tile {t}: 16-row tiles a program a multiple of the warps (and "
+                             "even for gate/up), quads a K step a power of two")
+    return t1, t2
+
+
+# PDFLASH_FP4_TILES="GATE_UP,DOWN": these tiles on every expert shape instead of FRAG_SHAPES (for trying a tile end to
+# end, e.g. the staged ones: benchmarks/e2e_gpu.py under it). Fixed for the process, so still batch-invariant.
+_TILES = os.environ.get("PDFLASH_FP4_TILES") or None
+FRAG_TILES: tuple[FragTile, FragTile] | None = parse_tiles(_TILES) if _TILES else None
+
+
 def frag_config(hidden: int, inter: int) -> tuple[FragTile, FragTile]:
-    return FRAG_SHAPES.get((hidden, inter), FRAG_DEFAULT)
+    return FRAG_TILES or FRAG_SHAPES.get((hidden, inter), FRAG_DEFAULT)
 
 
 def token_chunk(topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile) -> int:

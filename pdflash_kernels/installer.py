@@ -666,6 +666,14 @@ def _set_attn_impl(model: nn.Module, name: str) -> str:
     return prev
 
 
+def _frag_tiles(w) -> str:
+    """The tiles the fragment GEMMs run these experts with (model info names them; PDFLASH_FP4_TILES's are marked)."""
+    from pdflash_kernels import fragments
+
+    t1, t2 = fragments.frag_config(w.hidden, w.intermediate)
+    return f"tiles {t1} / {t2}" + (" from PDFLASH_FP4_TILES" if fragments.FRAG_TILES else "")
+
+
 def install(model: nn.Module, experts_format: str = "native", probe: bool = True, fuse: bool = True) -> Installation:
     """Install the kernels under `model` (on CUDA; on CPU only under TRITON_INTERPRET, for tests). `fuse`: also the
     fused RMSNorm / rotary / routing kernels (pdflash_kernels.fused; off only to compare against the op-by-op path)."""
@@ -698,7 +706,7 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
         module._pdflash_weights = w
         report[layer] = (f"triton {'mxfp4' if w.fp4 else str(w.w1.dtype).removeprefix('torch.')}"
                          + (" (pair words)" if w.fp4 and w.pair_words else "")
-                         + (" (fragment words)" if getattr(w, "fragments", False) else ""))
+                         + (f" (fragment words, {_frag_tiles(w)})" if getattr(w, "fragments", False) else ""))
         if w.fp4:
             _drop_native(module, w)
     if report:

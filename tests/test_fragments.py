@@ -121,6 +121,21 @@ def test_fragment_experts_round_trip_the_gate_up_order():
     assert torch.equal(F.FragmentExperts.from_weights(w).to_weights().w1, b1)  # pair-word weights are read as such
 
 
+def test_model_info_names_the_fragment_tiles(monkeypatch):
+    """The installer's experts report says which tiles the fragment GEMMs run (and when PDFLASH_FP4_TILES chose them)."""
+    from pdflash_kernels.installer import _frag_tiles
+    from pdflash_kernels.moe import ExpertWeights
+
+    b1, s1 = _mx(2, 2 * 64, 128, seed=4)
+    b2, s2 = _mx(2, 128, 64, seed=5)
+    fw = F.FragmentExperts.from_weights(ExpertWeights(b1, b2, s1, s2))
+    monkeypatch.setattr(F, "FRAG_TILES", None)
+    monkeypatch.setitem(F.FRAG_SHAPES, (128, 64), (F.FragTile(4, 2, 4, 1), F.FragTile(4, 4, 4)))
+    assert _frag_tiles(fw) == "tiles 4x2w4p / 4x4w4"
+    monkeypatch.setattr(F, "FRAG_TILES", F.parse_tiles("4x4w4aa3,8x2w4a4"))
+    assert _frag_tiles(fw) == "tiles 4x4w4aa3 / 8x2w4a4 from PDFLASH_FP4_TILES"
+
+
 def test_fragment_experts_refuse_what_the_fast_decode_cannot_hold():
     from pdflash_kernels.moe import ExpertWeights
 
@@ -512,6 +527,25 @@ def test_one_launch_pairs_setting_is_checked():
     r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.fragments as F; print(F.one_launch_pairs(2880, 2880))"],
                        capture_output=True, text=True, env={**os.environ, "PDFLASH_FP4_ONE_LAUNCH_PAIRS": ""})
     assert r.stdout.strip() == "128", r.stderr  # empty (compose.gpu.yaml's default) = unset: by shape
+
+
+def test_tiles_setting_is_checked():
+    """PDFLASH_FP4_TILES="GATE_UP,DOWN": those tiles on every shape; a malformed value stops the import with the rule."""
+    import os
+    import subprocess
+    import sys
+
+    for bad, says in (("4x4w4", "two tile names"), ("3x4w4,4x4w4", "gate/up tile 3x4w4"), ("4x4w4,4x3w4", "down tile"),
+                      ("4x4w4,fast", "NTxKQSwW")):
+        r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.fragments"], capture_output=True, text=True,
+                           env={**os.environ, "PDFLASH_FP4_TILES": bad})
+        assert r.returncode != 0 and says in r.stderr, (bad, r.stderr[-300:])
+    code = "import pdflash_kernels.fragments as F; print(*map(str, F.frag_config(2880, 2880) + F.frag_config(64, 128)))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PDFLASH_FP4_TILES": "4x4w4aa3,8x2w4a4s2"})
+    assert r.stdout.split() == ["4x4w4aa3", "8x2w4a4s2"] * 2, r.stderr
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PDFLASH_FP4_TILES": ""})
+    assert r.stdout.split() == ["8x2w4p", "4x4w4p", "4x4w4", "4x4w4"], r.stderr  # empty (compose's unset): FRAG_SHAPES
 
 
 def _four_launches(*args, **kw):
