@@ -264,8 +264,8 @@ if gluon is not None:
     def _ring_copy(ring, sring, xring, slot, w_rows, s_rows, n_ok, n_ok_s, kk, ks, xr, xok, kx, q0, live,
                    KQS: gl.constexpr, CG: gl.constexpr, XRING: gl.constexpr):
         """Asynchronous copies of the KQS quads from quad q0 into ring slot `slot`: the words (each thread copies the
-        16 bytes it later reads), a scale word for each thread's 4 words, the activation tile (XRING). Masked off (rows past
-        N, padding rows, every row where not `live`): zero-filled, no memory traffic. One commit group."""
+        16 bytes it later reads), a scale word for each thread's 4 words, the activation tile (XRING). Masked off
+        (rows past N, padding rows, every row where not `live`): zero-filled, no memory traffic. One commit group."""
         ok = n_ok[:, None] & live
         # 16-byte copies: every row of words starts 512-byte aligned, every activation row 16-byte aligned (`_launch`
         # checks the stride), each thread's 4 words / 8 values contiguous
@@ -710,8 +710,8 @@ class FragTile(typing.NamedTuple):
     def parse(cls, text: str) -> "FragTile":
         m = re.fullmatch(r"(\d+)x(\d+)w(\d+)(?:(p{1,2})|(a{1,2})(\d+))?(?:s(\d+))?", text.strip())
         if m is None or (m[6] is not None and int(m[6]) < 2):
-            raise ValueError(f"{text!r}: a fragment tile is NTxKQSwW with an optional p / pp (prefetch) or aS / aaS (S >= "
-                             "2 stages of asynchronous copies; aa: the activations too), and sS (split S)")
+            raise ValueError(f"{text!r}: a fragment tile is NTxKQSwW with an optional p / pp (prefetch) or aS / aaS "
+                             "(S >= 2 stages of asynchronous copies; aa: the activations too), and sS (split S)")
         return cls(int(m[1]), int(m[2]), int(m[3]), len(m[4] or ""), int(m[7] or 1), int(m[6] or 0),
                    int(len(m[5] or "") == 2))
 
@@ -780,7 +780,8 @@ def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, tile
                      b, b.stride(0), rw if rw is not None else x, ws, cnt, rows, r.num_pairs, float(alpha), float(limit),
                      N=n, K=k, TOPK=topk, EPI=epi, ACT=act, HAS_BIAS=bias is not None, ROW_MUL=row_mul, UP_OFF=up_off,
                      PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=int(prefetch), SPLIT=split, SS=ss,
-                     PDL=PDL_MODE, STAGES=stages, XRING=xring, num_warps=num_warps, **({"launch_pdl": True} if PDL_MODE else {}))
+                     PDL=PDL_MODE, STAGES=stages, XRING=xring, num_warps=num_warps,
+                     **({"launch_pdl": True} if PDL_MODE else {}))
     return out
 
 
