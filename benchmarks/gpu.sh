@@ -84,9 +84,9 @@ if has fragments; then  # the fragment-word MoE call: its GPU tests, then its ti
   timeout ${FRAG_S:-390} python3 benchmarks/fragment_bench.py --fused-sweep --tokens ${FRAG_TOKENS:-1,16} --out "$OUT" 2>&1 | tee "$OUT/fragment_fused.log" | grep -v "^|" | tail -20
 fi
 if [[ " $STEPS " == *" staged "* ]]; then  # the staged tiles (a cp.async ring, FragTile "aS"): their GPU tests, then timed beside the served ones (not in `all`)
-  timeout ${STAGED_TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/test_fragments.py \
+  timeout ${STAGED_TESTS_S:-180} python3 -m pytest -q -p no:cacheprovider tests/test_fragments.py \
     -k "staged or matches_reference or whatever_the_other_rows" > "$OUT/staged_tests.txt" 2>&1; tail -3 "$OUT/staged_tests.txt"
-  OUT="$OUT" timeout ${STAGED_S:-420} python3 benchmarks/frag_gemm_probe.py --variants base \
+  OUT="$OUT" timeout ${STAGED_S:-360} python3 benchmarks/frag_gemm_probe.py --variants base \
     --tiles ${STAGED_TILES:-4x4w4a3,4x4w4aa3,4x4w4aa4,4x2w4aa4,4x2w4aa6,8x2w4a3,8x2w4aa3,8x2w4aa4,4x8w4aa2,8x1w4aa6} > "$OUT/staged_probe.txt" 2>&1
   tail -16 "$OUT/staged_probe.txt"
 fi
