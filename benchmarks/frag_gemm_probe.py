@@ -3,9 +3,8 @@
 forward pays them (`gpu_time_us_each` over 4 copies of the experts: no graph launch a call, weights not L2-hot).
 base: as served; nox: the B operand a constant instead of the activation tile staged through shared memory (no barrier,
 no ldmatrix; timing only); nodecode: the FP4 decode replaced by register moves (timing only); nox_nodecode: both (about
-the weight loads and the MMAs alone). Beside them the
-same weight bytes read by a device copy (`clone`, read + write). Fractions: weight bytes / time / copy rate, as
-benchmarks/kernel_bench.py. --tiles: other FragTile names timed on both GEMMs with the served source (e.g. the staged
+the weight loads and the MMAs alone). Fractions: weight bytes / time / the device-copy rate, as
+benchmarks/kernel_bench.py (stop 41's results also timed a `clone` of the same bytes: not comparable, since removed). --tiles: other FragTile names timed on both GEMMs with the served source (e.g. the staged
 tiles, "4x4w4a3"), each output first checked bit-identical to its register-path twin (the same name without "aS").
 
     python benchmarks/frag_gemm_probe.py [--variants base,nodecode] [--tiles 4x4w4a3,8x2w4a4]   (GPU; ~1-2 minutes)
@@ -13,7 +12,6 @@ tiles, "4x4w4a3"), each output first checked bit-identical to its register-path 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import pathlib
@@ -24,8 +22,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.kernel_bench import MODELS, as_served, copy_rate, gpu_time_us_each, hf_experts, routing  # noqa: E402
+from benchmarks.one_launch_probe import load  # noqa: E402  (a variant of fragments.py as a module)
 
-SRC = (ROOT / "pdflash_kernels" / "fragments.py").read_text()
 BAR = "        gl.thread_barrier()\n        xs.store(xt)\n        gl.thread_barrier()\n"
 ASM = '_FRAG_ASM = pair_word_decode_asm("$9", "$10")'
 MOVS = '_FRAG_ASM = "{ mov.b32 {$0, $1}, $8; mov.b32 {$2, $3}, $9; mov.b32 {$4, $5}, $10; mov.b32 {$6, $7}, $8; }"'
@@ -40,20 +38,6 @@ CASES = (("gpt-oss-20b", 8, 1), ("gpt-oss-20b", 32, 1), ("qwen3-30b-a3b", 8, 1),
          ("qwen3-30b-a3b", 128, 1), ("qwen3-30b-a3b", 128, 16))
 
 
-def load(name, edits):
-    src = SRC
-    for a, b in edits:
-        assert a in src, (name, a)
-        src = src.replace(a, b, 1)
-    path = pathlib.Path(f"/tmp/fragg_{name}.py")
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"fragg_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main():
     import argparse
 
@@ -66,7 +50,7 @@ def main():
     ap.add_argument("--tiles", default="", help="FragTile names timed on both GEMMs as well")
     args = ap.parse_args()
     names = [n for n in args.variants.split(",") if n]
-    mods = {n: load(n, VARIANTS[n]) for n in names}
+    mods = {n: load(n, VARIANTS[n], prefix="fragg") for n in names}
     tiles = [F.FragTile.parse(t) for t in args.tiles.split(",") if t]
     rate = copy_rate()
     rows = []
@@ -86,12 +70,8 @@ def main():
             rw = wts.reshape(-1).contiguous()
             b1 = active * (fw0.w1[0].numel() + fw0.s1[0].numel()) * 4  # int32 words
             b2 = active * (fw0.w2[0].numel() + fw0.s2[0].numel()) * 4
-            src1 = torch.empty(b1, dtype=torch.uint8, device="cuda")
-            src2 = torch.empty(b2, dtype=torch.uint8, device="cuda")
             row = dict(model=model, active_experts=active, tokens_per_expert=tpe, gate_up_tile=str(t1),
-                       down_tile=str(t2), gate_up_mb=round(b1 / 1e6, 1), down_mb=round(b2 / 1e6, 1),
-                       copy_gate_up_us=round(gpu_time_us_each([src1.clone] * 4), 1),
-                       copy_down_us=round(gpu_time_us_each([src2.clone] * 4), 1))
+                       down_tile=str(t2), gate_up_mb=round(b1 / 1e6, 1), down_mb=round(b2 / 1e6, 1))
             def gate_up(mod, fw, t):
                 return lambda: mod._launch(x, r, fw.w1, fw.s1, hbuf, i, k, 1, t, 0, fw.b1, fw.act, fw.row_mul, fw.up_off,
                                            alpha=fw.alpha, limit=fw.limit)
@@ -118,13 +98,12 @@ def main():
         torch.cuda.empty_cache()
     print(f"\ncopy rate {rate / 1e12:.2f} TB/s; us (fraction of the copy rate on the weight bytes)")
     cols = names + [str(t) for t in tiles]
-    head = ["case", "GEMM", "tile", "MB", "copy (2x bytes)"] + cols
+    head = ["case", "GEMM", "tile", "MB"] + cols
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
         for g, key in (("gate/up", "gate_up"), ("down", "down")):
             mb = r[f"{key}_mb"]
-            cells = [f"{r['model']} A={r['active_experts']} T={r['tokens_per_expert']}", g, r[f"{key}_tile"], str(mb),
-                     f"{r[f'copy_{key}_us']}"]
+            cells = [f"{r['model']} A={r['active_experts']} T={r['tokens_per_expert']}", g, r[f"{key}_tile"], str(mb)]
             cells += [f"{r[f'{n}_{key}_us']} ({mb * 1e6 / (r[f'{n}_{key}_us'] * 1e-6) / rate:.2f})"
                       f"{'' if r.get(f'{n}_{key}_same_bits', True) else ' BITS DIFFER'}"
                       if f"{n}_{key}_us" in r else "-" for n in cols]

@@ -48,14 +48,15 @@ VARIANTS = {
 }
 
 
-def load(name, edits):
-    src = SRC
+def load(name, edits, src=SRC, prefix="frag"):
+    """`src` (fragments.py's source) with each edit made (every occurrence; each must be there), as module
+    `{prefix}_{name}` from /tmp."""
     for a, b in edits:
         assert a in src, (name, a)
-        src = src.replace(a, b)  # (every occurrence)
-    path = pathlib.Path(f"/tmp/frag_{name}.py")
+        src = src.replace(a, b)
+    path = pathlib.Path(f"/tmp/{prefix}_{name}.py")
     path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"frag_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"{prefix}_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
