@@ -304,6 +304,8 @@ def whole_call(args) -> None:
                     t_frag, t_plain = _ab(F, call, {"PDL_MODE": F.PDL_ON}, {"PDL_MODE": 0}, f"{what}: PDL launches")
                 elif args.one_launch_ab:  # the call in one launch vs four (bits checked equal)
                     t_frag, t_plain = _ab(F, call, {"ONE_LAUNCH_PAIRS": 128}, {"ONE_LAUNCH_PAIRS": 0}, f"{what}: one launch")
+                elif args.small_ab:  # the served tiles (FRAG_SMALL's on small calls) vs FRAG_SHAPES' alone (bits checked equal)
+                    t_frag, t_plain = _ab(F, call, {}, {"FRAG_SMALL": {}}, f"{what}: small-call tiles")
                 else:
                     t_frag = gpu_time_us(call)
                 fwd = [lambda f=f: F.fragment_moe(x, ids, wts, f, e) for f in fws]
@@ -323,7 +325,7 @@ def whole_call(args) -> None:
                        moe_hbm_fraction=round(nbytes / (t_moe * 1e-6) / rate, 3),
                        hbm_fraction=round(nbytes / (t_frag * 1e-6) / rate, 3),
                        speedup=round(t_hf / t_frag, 2), moe_speedup=round(t_hf / t_moe, 2), max_rel_error=round(err, 5),
-                       config=",".join(str(v) for v in F.frag_config(h, i)), frag_pdl=int(t_plain is not None or F.PDL_MODE != 0),
+                       config=",".join(str(v) for v in F.frag_config(h, i, active * tpe)), frag_pdl=int(t_plain is not None or F.PDL_MODE != 0),
                        frag_plain_us=None if t_plain is None else round(t_plain, 1))
             if t_fwd is not None:  # --in-forward: the same call inside a longer graph, weights not L2-hot
                 row.update(in_forward_copies=n_copies, forward_us=round(t_fwd, 1), torch_bf16_forward_us=round(t_hf_fwd, 1),
@@ -334,7 +336,7 @@ def whole_call(args) -> None:
             rows.append(row)
             print(f"{model:14s} A={active:3d} T={tpe:2d}  hf {t_hf:7.1f}  moe {t_moe:7.1f} ({row['moe_hbm_fraction']:.2f}, "
                   f"x{row['moe_speedup']})  frag {t_frag:7.1f} ({row['hbm_fraction']:.2f}, x{row['speedup']})"
-                  + ("" if t_plain is None else f"  frag {'four launches' if args.one_launch_ab else 'without PDL'} "
+                  + ("" if t_plain is None else f"  frag {'four launches' if args.one_launch_ab else 'big-call tiles' if args.small_ab else 'without PDL'} "
                                                  f"{t_plain:7.1f}")
                   + ("" if t_fwd_four is None else f"  in a forward, four launches {t_fwd_four:7.1f}")
                   + ("" if t_fwd is None else f"  in a forward: hf {t_hf_fwd:7.1f} frag {t_fwd:7.1f} "
@@ -345,7 +347,7 @@ def whole_call(args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "copy_rate_bytes_per_s": rate, "moe": rows,
-           "ab": "pdl" if args.pdl_ab else "one-launch" if args.one_launch_ab else None, "in_forward_copies": args.in_forward or None}
+           "ab": "pdl" if args.pdl_ab else "one-launch" if args.one_launch_ab else "small-tiles" if args.small_ab else None, "in_forward_copies": args.in_forward or None}
     lines = ["# The MoE call on fragment words (`python benchmarks/fragment_bench.py`)", "",
              f"{res['device']}; device copy {rate / 1e12:.2f} TB/s (read + write). Whole call (routing, both GEMMs, "
              "combine), CUDA-graph time. frag: `pdflash_kernels.fragments.fragment_moe`; moe: the served "
@@ -364,8 +366,9 @@ def whole_call(args) -> None:
                      + ("" if r["frag_plain_us"] is None else f" {r['frag_plain_us']} |")
                      + ("" if "forward_us" not in r else f" {r['torch_bf16_forward_us']} | {r['forward_us']} | "
                         f"{r['forward_hbm_fraction']:.2f} | {r['forward_speedup']} |"))
-    if any(r["frag_plain_us"] is not None for r in rows):  # --pdl-ab / --one-launch-ab: one more column
-        lines[4] += " frag us, four launches |" if args.one_launch_ab else " frag us, GEMMs without PDL |"
+    if any(r["frag_plain_us"] is not None for r in rows):  # --pdl-ab / --one-launch-ab / --small-ab: one more column
+        lines[4] += (" frag us, four launches |" if args.one_launch_ab else " frag us, FRAG_SHAPES' tiles |" if args.small_ab
+                     else " frag us, GEMMs without PDL |")
         lines[5] += "---|"
     if args.in_forward:  # four more (five with --one-launch-ab)
         lines[4] += " in a forward: transformers us | frag us | of copy | x |"
@@ -397,9 +400,12 @@ def main() -> None:
     ap.add_argument("--one-launch-ab", action="store_true",
                     help="time the whole call in one launch (fragments.fragment_moe_one, calls of up to 128 pairs) and in "
                          "four (bits checked equal); with --in-forward, both as a forward pays them")
+    ap.add_argument("--small-ab", action="store_true",
+                    help="time the whole call with the served tiles (fragments.FRAG_SMALL's on calls of at most "
+                         "SMALL_PAIRS pairs) and with FRAG_SHAPES' alone (bits checked equal)")
     args = ap.parse_args()
-    if args.pdl_ab and args.one_launch_ab:
-        ap.error("--pdl-ab and --one-launch-ab: one A/B at a time")
+    if args.pdl_ab + args.one_launch_ab + args.small_ab > 1:
+        ap.error("--pdl-ab, --one-launch-ab, --small-ab: one A/B at a time")
     if args.in_forward == 1 or args.in_forward < 0:
         ap.error("--in-forward: 2 or more copies (0: off)")
     if args.sweep:

@@ -807,15 +807,43 @@ def frag_gemm(x: torch.Tensor, r: Routing, words: torch.Tensor, swords: torch.Te
 # ---- the MoE call on fragment words ----------------------------------------------------------------------------------
 # (gate/up tile, down tile) of a layer, by its (hidden, expert width): the best summed time over 1/4/16 tokens per
 # expert and 8-128 experts on the H200 (benchmarks/fragment_bench.py --fused-sweep,
-# benchmarks/results/fragment_fused_sweep_h200.json). From the static shape only (batch invariance).
-# Stop 36 (benchmarks/results/stop36_gpu/call5): gpt-oss-20b 8x2w4p / 4x4w4p, Qwen3-30B-A3B 4x4w4 / 4x4w4, Mixtral-8x7B
-# 4x4w4 / 4x4w4s4 (its down GEMM's K of 14336 in 4 ranges: 87-93 us against 113-135 unsplit).
+# benchmarks/results/fragment_fused_sweep_h200.json).
+# Stop 42 (benchmarks/results/stop42_gpu/call2): the staged tiles (weights and activations in a cp.async ring) won on
+# every shape: gpt-oss-20b 8x2w4aa4 / 4x4w4aa3, Qwen3-30B-A3B 4x4w4 / 8x2w4aa3, Mixtral-8x7B 8x2w4aa3 / 4x4w4aa3 (its
+# down GEMM unsplit now: 83-86 us against 88-95 for the stop-36 4x4w4s4). Whole call against stop 36's tiles:
+# gpt-oss 32 experts 143.8-155.9 us against 165.0-174.7, Qwen3 128 experts 125.9-148.4 against ~150, Mixtral
+# 238.8-249.4 against ~260 (fragment_h200.md).
+# Stop 36: gpt-oss-20b 8x2w4p / 4x4w4p, Qwen3-30B-A3B 4x4w4 / 4x4w4, Mixtral-8x7B 4x4w4 / 4x4w4s4.
 FRAG_SHAPES: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
-    (2880, 2880): (FragTile(8, 2, 4, 1), FragTile(4, 4, 4, 1)),
-    (2048, 768): (FragTile(4, 4, 4), FragTile(4, 4, 4)),
-    (4096, 14336): (FragTile(4, 4, 4), FragTile(4, 4, 4, False, 4)),
+    (2880, 2880): (FragTile.parse("8x2w4aa4"), FragTile.parse("4x4w4aa3")),
+    (2048, 768): (FragTile.parse("4x4w4"), FragTile.parse("8x2w4aa3")),
+    (4096, 14336): (FragTile.parse("8x2w4aa3"), FragTile.parse("4x4w4aa3")),
 }
 FRAG_DEFAULT = (FragTile(4, 4, 4), FragTile(4, 4, 4))
+# Small calls (at most SMALL_PAIRS (token, expert) pairs: a block of 1-4 tokens) have few experts to spread over the
+# GPU's 132 SMs, and there tiles of fewer rows a program ran faster (more programs an expert): gpt-oss-20b at 8 experts x
+# 1 token, gate/up 4x4w4aa3 31.6 us against 8x2w4aa4's 38, down 4x4w4aa4 17.3 against 4x4w4aa3's 21 (stop 42 call 2).
+# Choosing the tile by the call's size keeps every bit: no tile here splits K, and every unsplit tile adds a row's K
+# products in the same order (one 16-column MMA after another, `_k_range`), whatever its rows a program, quads a step,
+# warps or staging (tests/test_fragments.py::test_unsplit_tiles_give_the_same_bits); the import check below refuses a
+# table that would break that.
+SMALL_PAIRS = 16
+FRAG_SMALL: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
+    (2880, 2880): (FragTile.parse("4x4w4aa3"), FragTile.parse("4x4w4aa4")),
+    (2048, 768): (FragTile(4, 4, 4), FragTile(4, 4, 4)),
+}
+
+
+def _check_small(shapes: dict, small: dict) -> None:
+    """Small-call tiles must give the big-call tiles' bits: both unsplit (a K split adds partial sums in another order)."""
+    for key, tiles in small.items():
+        for t in (*tiles, *shapes.get(key, FRAG_DEFAULT)):
+            if t.split > 1:
+                raise ValueError(f"FRAG_SMALL {key}: tile {t} splits K, so a row's bits would change with the call's "
+                                 "size; small-call tiles and their shape's tiles must all be unsplit")
+
+
+_check_small(FRAG_SHAPES, FRAG_SMALL)
 
 
 def parse_tiles(text: str) -> tuple[FragTile, FragTile]:
@@ -831,14 +859,20 @@ def parse_tiles(text: str) -> tuple[FragTile, FragTile]:
     return t1, t2
 
 
-# PDFLASH_FP4_TILES="GATE_UP,DOWN": these tiles on every expert shape instead of FRAG_SHAPES (for trying a tile end to
-# end, e.g. the staged ones: benchmarks/e2e_gpu.py under it). Fixed for the process, so still batch-invariant.
+# PDFLASH_FP4_TILES="GATE_UP,DOWN": these tiles on every expert shape and call size instead of FRAG_SHAPES / FRAG_SMALL
+# (for trying a tile end to end: benchmarks/e2e_gpu.py under it). Fixed for the process, so still batch-invariant.
 _TILES = os.environ.get("PDFLASH_FP4_TILES") or None
 FRAG_TILES: tuple[FragTile, FragTile] | None = parse_tiles(_TILES) if _TILES else None
 
 
-def frag_config(hidden: int, inter: int) -> tuple[FragTile, FragTile]:
-    return FRAG_TILES or FRAG_SHAPES.get((hidden, inter), FRAG_DEFAULT)
+def frag_config(hidden: int, inter: int, pairs: int | None = None) -> tuple[FragTile, FragTile]:
+    """(gate/up tile, down tile) for a call of `pairs` (token, expert) pairs on experts of this shape (None: a big
+    call's). The row bits are the same whichever this picks (`FRAG_SMALL`)."""
+    if FRAG_TILES:
+        return FRAG_TILES
+    if pairs is not None and pairs <= SMALL_PAIRS and (hidden, inter) in FRAG_SMALL:
+        return FRAG_SMALL[(hidden, inter)]
+    return FRAG_SHAPES.get((hidden, inter), FRAG_DEFAULT)
 
 
 def token_chunk(topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile) -> int:
@@ -964,7 +998,7 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     inter = fw.intermediate
     if hdim != fw.hidden:
         raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
-    t1, t2 = config or frag_config(hdim, inter)
+    t1, t2 = config or frag_config(hdim, inter, t * topk)
     if one_launch_refusal(t, topk, hdim, inter, t1, t2) is not None or (fw.b1 is None) != (fw.b2 is None):
         return None  # (one HAS_BIAS for both GEMMs)
     p = t * topk
@@ -1011,7 +1045,7 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     inter = fw.intermediate
     if hdim != fw.hidden:
         raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
-    t1, t2 = config or frag_config(hdim, inter)
+    t1, t2 = config or frag_config(hdim, inter, t * topk)
     if phase_of_expert is None and x.device.type == "cuda":  # (copy groups: the four launches, `between` among them)
         out = fragment_moe_one(x, topk_ids, topk_weights, fw, num_experts, slot_of_expert, n_valid, (t1, t2))
         if out is not None:

@@ -671,7 +671,11 @@ def _frag_tiles(w) -> str:
     from pdflash_kernels import fragments
 
     t1, t2 = fragments.frag_config(w.hidden, w.intermediate)
-    return f"tiles {t1} / {t2}" + (" from PDFLASH_FP4_TILES" if fragments.FRAG_TILES else "")
+    if fragments.FRAG_TILES:
+        return f"tiles {t1} / {t2} from PDFLASH_FP4_TILES"
+    s1, s2 = fragments.frag_config(w.hidden, w.intermediate, fragments.SMALL_PAIRS)
+    small = f"; calls of at most {fragments.SMALL_PAIRS} pairs {s1} / {s2}" if (s1, s2) != (t1, t2) else ""
+    return f"tiles {t1} / {t2}{small}"
 
 
 def install(model: nn.Module, experts_format: str = "native", probe: bool = True, fuse: bool = True) -> Installation:

@@ -132,8 +132,29 @@ def test_model_info_names_the_fragment_tiles(monkeypatch):
     monkeypatch.setattr(F, "FRAG_TILES", None)
     monkeypatch.setitem(F.FRAG_SHAPES, (128, 64), (F.FragTile(4, 2, 4, 1), F.FragTile(4, 4, 4)))
     assert _frag_tiles(fw) == "tiles 4x2w4p / 4x4w4"
+    monkeypatch.setitem(F.FRAG_SMALL, (128, 64), (F.FragTile(4, 2, 4, 1), F.FragTile(4, 2, 4, stages=3, xring=1)))
+    assert _frag_tiles(fw) == f"tiles 4x2w4p / 4x4w4; calls of at most {F.SMALL_PAIRS} pairs 4x2w4p / 4x2w4aa3"
     monkeypatch.setattr(F, "FRAG_TILES", F.parse_tiles("4x4w4aa3,8x2w4a4"))
     assert _frag_tiles(fw) == "tiles 4x4w4aa3 / 8x2w4a4 from PDFLASH_FP4_TILES"
+
+
+def test_small_calls_take_their_own_unsplit_tiles(monkeypatch):
+    """Calls of at most SMALL_PAIRS pairs take FRAG_SMALL's tiles, bigger ones FRAG_SHAPES'; PDFLASH_FP4_TILES overrides
+    both. A table where either would split K (and so change a row's bits with the call's size) is refused."""
+    monkeypatch.setattr(F, "FRAG_TILES", None)
+    big, small = F.FRAG_SHAPES[(2880, 2880)], F.FRAG_SMALL[(2880, 2880)]
+    assert small != big
+    assert F.frag_config(2880, 2880) == big and F.frag_config(2880, 2880, F.SMALL_PAIRS + 1) == big
+    assert F.frag_config(2880, 2880, 4) == small and F.frag_config(2880, 2880, F.SMALL_PAIRS) == small
+    assert F.frag_config(64, 128, 4) == F.FRAG_DEFAULT  # a shape with no small entry
+    monkeypatch.setattr(F, "FRAG_TILES", F.parse_tiles("4x4w4aa3,8x2w4a4"))
+    assert F.frag_config(2880, 2880, 4) == F.FRAG_TILES
+    for t in F.FRAG_SMALL.values():
+        assert all(x.split == 1 for x in t)
+    with pytest.raises(ValueError, match="splits K"):
+        F._check_small({(1, 2): (F.FragTile(), F.FragTile(split=2))}, {(1, 2): (F.FragTile(), F.FragTile())})
+    with pytest.raises(ValueError, match="splits K"):
+        F._check_small({}, {(1, 2): (F.FragTile(8, 2, 4, split=4), F.FragTile())})
 
 
 def test_fragment_experts_refuse_what_the_fast_decode_cannot_hold():
@@ -378,6 +399,35 @@ def test_staged_tiles_give_the_register_paths_bits(model, tiles, monkeypatch):
 @cuda
 @needs_gluon
 @pytest.mark.gpu
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small"])
+def test_unsplit_tiles_give_the_same_bits(model):
+    """Every unsplit tile (rows a program, quads a K step, warps, prefetch, staging) adds a row's K products in one
+    order, so every one gives the same output bits: what lets FRAG_SMALL pick tiles by the call's size. Four launches
+    and the one launch; and the served choice across SMALL_PAIRS (a token alone, and in a call of 40)."""
+    e, w, fw, x, ids, wts = _moe_case(model, 40, seed=23)
+    k = ids.shape[1]
+    tiles = [("4x4w4", "4x4w4"), ("8x2w4p", "4x4w4p"), ("8x2w4aa4", "4x4w4aa3"), ("4x4w4aa3", "4x4w4aa4"),
+             ("4x2w4aa4", "8x2w4aa3"), ("8x4w8", "8x2w8pp"), ("4x2w4a3", "4x1w4aa6")]
+    for n in (1, 2, 40):
+        outs = [_four_launches(x[:n], ids[:n], wts[:n], fw, e, config=tuple(map(F.FragTile.parse, c))) for c in tiles]
+        for c, o in zip(tiles[1:], outs[1:]):
+            assert torch.equal(o, outs[0]), (n, c)
+        if n * k <= 128:
+            saved, F.ONE_LAUNCH_PAIRS = F.ONE_LAUNCH_PAIRS, 128
+            try:
+                for c in tiles[2:4]:
+                    one = F.fragment_moe_one(x[:n], ids[:n], wts[:n], fw, e, config=tuple(map(F.FragTile.parse, c)))
+                    assert one is not None and torch.equal(one, outs[0]), (n, c, "one launch")
+            finally:
+                F.ONE_LAUNCH_PAIRS = saved
+    full = F.fragment_moe(x, ids, wts, fw, e)  # served tiles: 40 tokens, a big call
+    for n in range(1, F.SMALL_PAIRS // k + 2):  # small calls (and the first big one)
+        assert torch.equal(F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e), full[:n]), n
+
+
+@cuda
+@needs_gluon
+@pytest.mark.gpu
 def test_staged_tiles_refuse_operands_off_16_bytes():
     e, w, fw, x, ids, wts = _moe_case("small", 4)
     from pdflash_kernels.moe import align_fused
@@ -498,7 +548,7 @@ def test_one_launch_takes_small_unsplit_calls(monkeypatch):
     assert F.one_launch_refusal(16, 8, 2048, 768, *q) is None
     assert "129 pairs" in F.one_launch_refusal(43, 3, 2048, 768, *q)
     assert F.one_launch_refusal(0, 8, 2048, 768, *q) == "no pairs"
-    assert "split K" in F.one_launch_refusal(1, 2, 4096, 14336, *F.frag_config(4096, 14336))  # Mixtral's down GEMM
+    assert "split K" in F.one_launch_refusal(1, 2, 4096, 14336, F.FragTile(4, 4, 4), F.FragTile(4, 4, 4, split=4))
     assert "warp" in F.one_launch_refusal(1, 8, 2048, 768, F.FragTile(4, 4, 4), F.FragTile(8, 4, 8))
     monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 0)
     assert "PDFLASH_FP4_ONE_LAUNCH_PAIRS" in F.one_launch_refusal(1, 8, 2048, 768, *q)
@@ -545,7 +595,7 @@ def test_tiles_setting_is_checked():
                        env={**os.environ, "PDFLASH_FP4_TILES": "4x4w4aa3,8x2w4a4s2"})
     assert r.stdout.split() == ["4x4w4aa3", "8x2w4a4s2"] * 2, r.stderr
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PDFLASH_FP4_TILES": ""})
-    assert r.stdout.split() == ["8x2w4p", "4x4w4p", "4x4w4", "4x4w4"], r.stderr  # empty (compose's unset): FRAG_SHAPES
+    assert r.stdout.split() == [str(t) for t in F.FRAG_SHAPES[(2880, 2880)] + F.FRAG_DEFAULT], r.stderr  # empty: FRAG_SHAPES
 
 
 def _four_launches(*args, **kw):
