@@ -304,8 +304,8 @@ def whole_call(args) -> None:
                     t_frag, t_plain = _ab(F, call, {"PDL_MODE": F.PDL_ON}, {"PDL_MODE": 0}, f"{what}: PDL launches")
                 elif args.one_launch_ab:  # the call in one launch vs four (bits checked equal)
                     t_frag, t_plain = _ab(F, call, {"ONE_LAUNCH_PAIRS": 128}, {"ONE_LAUNCH_PAIRS": 0}, f"{what}: one launch")
-                elif args.small_ab:  # the served tiles (FRAG_SMALL's on small calls) vs FRAG_SHAPES' alone (bits checked equal)
-                    t_frag, t_plain = _ab(F, call, {}, {"FRAG_SMALL": {}}, f"{what}: small-call tiles")
+                elif args.small_ab:  # FRAG_SMALL's tiles on calls of <= 16 pairs vs FRAG_SHAPES' alone (bits checked equal)
+                    t_frag, t_plain = _ab(F, call, {"SMALL_PAIRS": 16}, {"SMALL_PAIRS": 0}, f"{what}: small-call tiles")
                 else:
                     t_frag = gpu_time_us(call)
                 fwd = [lambda f=f: F.fragment_moe(x, ids, wts, f, e) for f in fws]
@@ -401,8 +401,8 @@ def main() -> None:
                     help="time the whole call in one launch (fragments.fragment_moe_one, calls of up to 128 pairs) and in "
                          "four (bits checked equal); with --in-forward, both as a forward pays them")
     ap.add_argument("--small-ab", action="store_true",
-                    help="time the whole call with the served tiles (fragments.FRAG_SMALL's on calls of at most "
-                         "SMALL_PAIRS pairs) and with FRAG_SHAPES' alone (bits checked equal)")
+                    help="time the whole call with fragments.FRAG_SMALL's tiles on calls of at most 16 pairs "
+                         "(SMALL_PAIRS 16) and with FRAG_SHAPES' alone (SMALL_PAIRS 0); bits checked equal")
     args = ap.parse_args()
     if args.pdl_ab + args.one_launch_ab + args.small_ab > 1:
         ap.error("--pdl-ab, --one-launch-ab, --small-ab: one A/B at a time")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|fragments|staged|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|fragments|staged|small|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite, 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -89,6 +89,12 @@ if [[ " $STEPS " == *" staged "* ]]; then  # the staged tiles (a cp.async ring, 
   OUT="$OUT" timeout ${STAGED_S:-360} python3 benchmarks/frag_gemm_probe.py --variants base \
     --tiles ${STAGED_TILES:-4x4w4a3,4x4w4aa3,4x4w4aa4,4x2w4aa4,4x2w4aa6,8x2w4a3,8x2w4aa3,8x2w4aa4,4x8w4aa2,8x1w4aa6} > "$OUT/staged_probe.txt" 2>&1
   tail -16 "$OUT/staged_probe.txt"
+fi
+if [[ " $STEPS " == *" small "* ]]; then  # FRAG_SMALL (tiles by call size): every unsplit tile's bits equal, then the A/B (not in `all`)
+  timeout ${SMALL_TESTS_S:-200} python3 -m pytest -v -rfE -p no:cacheprovider tests/test_fragments.py \
+    -k "unsplit_tiles or small_calls" > "$OUT/small_tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR" "$OUT/small_tests.txt" | tail -8
+  timeout ${SMALL_S:-200} python3 benchmarks/fragment_bench.py --models gpt-oss-20b,qwen3-30b-a3b --active 4,8,16 \
+    --tokens 1,2,4 --small-ab --out "$OUT/small" 2>&1 | tee "$OUT/small.log" | grep -v "^|" | tail -14
 fi
 if has onelaunch; then  # the MoE GEMMs and combine in one launch against four (bits checked equal), then the probe (~4 min)
   timeout ${ONE_S:-300} python3 benchmarks/fragment_bench.py --models qwen3-30b-a3b,gpt-oss-20b --tokens 1,4,16 --in-forward 8 \

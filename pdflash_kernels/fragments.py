@@ -808,28 +808,30 @@ def frag_gemm(x: torch.Tensor, r: Routing, words: torch.Tensor, swords: torch.Te
 # (gate/up tile, down tile) of a layer, by its (hidden, expert width): the best summed time over 1/4/16 tokens per
 # expert and 8-128 experts on the H200 (benchmarks/fragment_bench.py --fused-sweep,
 # benchmarks/results/fragment_fused_sweep_h200.json).
-# Stop 42 (benchmarks/results/stop42_gpu/call2): the staged tiles (weights and activations in a cp.async ring) won on
-# every shape: gpt-oss-20b 8x2w4aa4 / 4x4w4aa3, Qwen3-30B-A3B 4x4w4 / 8x2w4aa3, Mixtral-8x7B 8x2w4aa3 / 4x4w4aa3 (its
-# down GEMM unsplit now: 83-86 us against 88-95 for the stop-36 4x4w4s4). Whole call against stop 36's tiles:
-# gpt-oss 32 experts 143.8-155.9 us against 165.0-174.7, Qwen3 128 experts 125.9-148.4 against ~150, Mixtral
-# 238.8-249.4 against ~260 (fragment_h200.md).
+# Stop 42 (benchmarks/results/stop42_gpu/call2, each GEMM launch alone): the staged tiles (weights and activations in a
+# cp.async ring) won on every shape. Qwen3-30B-A3B 4x4w4 / 8x2w4aa3 and Mixtral-8x7B 8x2w4aa3 / 4x4w4aa3 are the sweep's
+# winners (Mixtral's down GEMM no longer splits K: 83-86 us against 88-95 for 4x4w4s4). gpt-oss-20b's gate/up winner,
+# 8x2w4aa4 (91-96 us at 32 experts), lost at 8 experts (38-39 us against 32-33 for the stop-36 tile), so gpt-oss takes
+# 4x2w4aa4, faster than the stop-36 8x2w4p in every case measured (32-33 against 33-34 us at 8 experts, 99-100 against
+# 104-106 at 32); its down GEMM 4x4w4aa3 (21 against 22-31 us at 8 experts, 50-52 against 60-61 at 32).
 # Stop 36: gpt-oss-20b 8x2w4p / 4x4w4p, Qwen3-30B-A3B 4x4w4 / 4x4w4, Mixtral-8x7B 4x4w4 / 4x4w4s4.
 FRAG_SHAPES: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
-    (2880, 2880): (FragTile.parse("8x2w4aa4"), FragTile.parse("4x4w4aa3")),
+    (2880, 2880): (FragTile.parse("4x2w4aa4"), FragTile.parse("4x4w4aa3")),
     (2048, 768): (FragTile.parse("4x4w4"), FragTile.parse("8x2w4aa3")),
     (4096, 14336): (FragTile.parse("8x2w4aa3"), FragTile.parse("4x4w4aa3")),
 }
 FRAG_DEFAULT = (FragTile(4, 4, 4), FragTile(4, 4, 4))
 # Small calls (at most SMALL_PAIRS (token, expert) pairs: a block of 1-4 tokens) have few experts to spread over the
 # GPU's 132 SMs, and there tiles of fewer rows a program ran faster (more programs an expert): gpt-oss-20b at 8 experts x
-# 1 token, gate/up 4x4w4aa3 31.6 us against 8x2w4aa4's 38, down 4x4w4aa4 17.3 against 4x4w4aa3's 21 (stop 42 call 2).
-# Choosing the tile by the call's size keeps every bit: no tile here splits K, and every unsplit tile adds a row's K
+# 1 token, down 4x4w4aa4 17.3 us against 4x4w4aa3's 21 (stop 42 call 2); with them gpt-oss's big calls could take
+# the sweep's 8x2w4aa4. Choosing the tile by the call's size keeps every bit only if every unsplit tile adds a row's K
 # products in the same order (one 16-column MMA after another, `_k_range`), whatever its rows a program, quads a step,
-# warps or staging (tests/test_fragments.py::test_unsplit_tiles_give_the_same_bits); the import check below refuses a
-# table that would break that.
-SMALL_PAIRS = 16
+# warps or staging: `tests/test_fragments.py::test_unsplit_tiles_give_the_same_bits` checks that on a GPU. It has not
+# run yet (the stop-42 device calls ended before it), so SMALL_PAIRS is 0 (off) until it passes. The import check
+# below refuses a table with a K split.
+SMALL_PAIRS = 0
 FRAG_SMALL: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
-    (2880, 2880): (FragTile.parse("4x4w4aa3"), FragTile.parse("4x4w4aa4")),
+    (2880, 2880): (FragTile.parse("4x2w4aa4"), FragTile.parse("4x4w4aa4")),
     (2048, 768): (FragTile(4, 4, 4), FragTile(4, 4, 4)),
 }
 
@@ -870,7 +872,7 @@ def frag_config(hidden: int, inter: int, pairs: int | None = None) -> tuple[Frag
     call's). The row bits are the same whichever this picks (`FRAG_SMALL`)."""
     if FRAG_TILES:
         return FRAG_TILES
-    if pairs is not None and pairs <= SMALL_PAIRS and (hidden, inter) in FRAG_SMALL:
+    if pairs is not None and SMALL_PAIRS > 0 and pairs <= SMALL_PAIRS and (hidden, inter) in FRAG_SMALL:
         return FRAG_SMALL[(hidden, inter)]
     return FRAG_SHAPES.get((hidden, inter), FRAG_DEFAULT)
 

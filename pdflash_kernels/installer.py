@@ -674,7 +674,8 @@ def _frag_tiles(w) -> str:
     if fragments.FRAG_TILES:
         return f"tiles {t1} / {t2} from PDFLASH_FP4_TILES"
     s1, s2 = fragments.frag_config(w.hidden, w.intermediate, fragments.SMALL_PAIRS)
-    small = f"; calls of at most {fragments.SMALL_PAIRS} pairs {s1} / {s2}" if (s1, s2) != (t1, t2) else ""
+    small = (f"; calls of at most {fragments.SMALL_PAIRS} pairs {s1} / {s2}"
+             if fragments.SMALL_PAIRS > 0 and (s1, s2) != (t1, t2) else "")
     return f"tiles {t1} / {t2}{small}"
 
 

@@ -130,10 +130,14 @@ def test_model_info_names_the_fragment_tiles(monkeypatch):
     b2, s2 = _mx(2, 128, 64, seed=5)
     fw = F.FragmentExperts.from_weights(ExpertWeights(b1, b2, s1, s2))
     monkeypatch.setattr(F, "FRAG_TILES", None)
+    monkeypatch.setattr(F, "SMALL_PAIRS", 16)
     monkeypatch.setitem(F.FRAG_SHAPES, (128, 64), (F.FragTile(4, 2, 4, 1), F.FragTile(4, 4, 4)))
     assert _frag_tiles(fw) == "tiles 4x2w4p / 4x4w4"
     monkeypatch.setitem(F.FRAG_SMALL, (128, 64), (F.FragTile(4, 2, 4, 1), F.FragTile(4, 2, 4, stages=3, xring=1)))
     assert _frag_tiles(fw) == f"tiles 4x2w4p / 4x4w4; calls of at most {F.SMALL_PAIRS} pairs 4x2w4p / 4x2w4aa3"
+    monkeypatch.setattr(F, "SMALL_PAIRS", 0)
+    assert _frag_tiles(fw) == "tiles 4x2w4p / 4x4w4"
+    monkeypatch.setattr(F, "SMALL_PAIRS", 16)
     monkeypatch.setattr(F, "FRAG_TILES", F.parse_tiles("4x4w4aa3,8x2w4a4"))
     assert _frag_tiles(fw) == "tiles 4x4w4aa3 / 8x2w4a4 from PDFLASH_FP4_TILES"
 
@@ -142,11 +146,14 @@ def test_small_calls_take_their_own_unsplit_tiles(monkeypatch):
     """Calls of at most SMALL_PAIRS pairs take FRAG_SMALL's tiles, bigger ones FRAG_SHAPES'; PDFLASH_FP4_TILES overrides
     both. A table where either would split K (and so change a row's bits with the call's size) is refused."""
     monkeypatch.setattr(F, "FRAG_TILES", None)
+    monkeypatch.setattr(F, "SMALL_PAIRS", 16)
     big, small = F.FRAG_SHAPES[(2880, 2880)], F.FRAG_SMALL[(2880, 2880)]
     assert small != big
     assert F.frag_config(2880, 2880) == big and F.frag_config(2880, 2880, F.SMALL_PAIRS + 1) == big
     assert F.frag_config(2880, 2880, 4) == small and F.frag_config(2880, 2880, F.SMALL_PAIRS) == small
     assert F.frag_config(64, 128, 4) == F.FRAG_DEFAULT  # a shape with no small entry
+    monkeypatch.setattr(F, "SMALL_PAIRS", 0)  # off: every call the big tiles
+    assert F.frag_config(2880, 2880, 4) == big and F.frag_config(2880, 2880, 0) == big
     monkeypatch.setattr(F, "FRAG_TILES", F.parse_tiles("4x4w4aa3,8x2w4a4"))
     assert F.frag_config(2880, 2880, 4) == F.FRAG_TILES
     for t in F.FRAG_SMALL.values():
@@ -155,6 +162,20 @@ def test_small_calls_take_their_own_unsplit_tiles(monkeypatch):
         F._check_small({(1, 2): (F.FragTile(), F.FragTile(split=2))}, {(1, 2): (F.FragTile(), F.FragTile())})
     with pytest.raises(ValueError, match="splits K"):
         F._check_small({}, {(1, 2): (F.FragTile(8, 2, 4, split=4), F.FragTile())})
+
+
+@pytest.mark.parametrize("h,i,bias", [(2880, 2880, True), (2048, 768, False), (4096, 14336, False)])
+def test_expert_arena_views_meet_the_staged_tiles_alignment(h, i, bias):
+    """The served tiles copy 16-byte pieces (`_check_async`): FragmentExperts over an expert arena or slot pool (every
+    slice and section 256-byte aligned) pass the check for the three served shapes, in any slot of the pool."""
+    layout = mxfp4.ExpertLayout(h, i, bias)
+    assert layout.nbytes % 256 == 0
+    pool = torch.zeros(2, layout.nbytes, dtype=torch.uint8)
+    fw = F.fragment_experts_over(pool, layout, 2 if bias else 1, int(bias), 0, 1.702, 7.0)
+    x = torch.zeros(3, h, dtype=torch.bfloat16)
+    for t in (*F.frag_config(h, i), *F.frag_config(h, i, 4)):
+        F._check_async(t, x, fw.w1, fw.w2, fw.s1, fw.s2)
+        F._check_async(t, x, fw.w1[1:], fw.w2[1:])  # slot 1's slice
 
 
 def test_fragment_experts_refuse_what_the_fast_decode_cannot_hold():
@@ -400,7 +421,7 @@ def test_staged_tiles_give_the_register_paths_bits(model, tiles, monkeypatch):
 @needs_gluon
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small"])
-def test_unsplit_tiles_give_the_same_bits(model):
+def test_unsplit_tiles_give_the_same_bits(model, monkeypatch):
     """Every unsplit tile (rows a program, quads a K step, warps, prefetch, staging) adds a row's K products in one
     order, so every one gives the same output bits: what lets FRAG_SMALL pick tiles by the call's size. Four launches
     and the one launch; and the served choice across SMALL_PAIRS (a token alone, and in a call of 40)."""
@@ -420,7 +441,8 @@ def test_unsplit_tiles_give_the_same_bits(model):
                     assert one is not None and torch.equal(one, outs[0]), (n, c, "one launch")
             finally:
                 F.ONE_LAUNCH_PAIRS = saved
-    full = F.fragment_moe(x, ids, wts, fw, e)  # served tiles: 40 tokens, a big call
+    monkeypatch.setattr(F, "SMALL_PAIRS", 16)  # (FRAG_SMALL on, as it would be served)
+    full = F.fragment_moe(x, ids, wts, fw, e)  # 40 tokens: a big call's tiles
     for n in range(1, F.SMALL_PAIRS // k + 2):  # small calls (and the first big one)
         assert torch.equal(F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e), full[:n]), n
 
