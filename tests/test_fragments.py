@@ -521,11 +521,12 @@ ONE_SIG = {"x_ptr": "*bf16", "stride_x": "i32", "pairs_ptr": "*i32", "slot_ptr":
 
 @needs_gluon
 @pytest.mark.parametrize("h,i,k,tiles,gptoss", [(2048, 768, 8, "4x4w4,4x4w4", False), (2880, 2880, 4, "8x2w4p,4x4w4p", True),
-                                                 (320, 192, 2, "4x4w4,4x4w4", True), (2048, 768, 8, "4x4w4a3,4x4w4aa3", False)])
+                                                 (320, 192, 2, "4x4w4,4x4w4", True), (2048, 768, 8, "4x4w4a3,4x4w4aa3", False),
+                                                 (2880, 2880, 4, "4x2w4aa4,4x4w4aa3", True)])  # (gpt-oss's served tiles)
 def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, gptoss, monkeypatch):
     """The gate/up, down and combine launch compiles for sm_90 with both tiles' MMAs, its ticket / block / combine
     counters as GPU-scope atomics (acquire on the down tiles' wait), nothing spilled to local memory and at most 25%
-    more registers than the gate/up GEMM alone (a cap on the SMs' occupancy: ptxas -v)."""
+    more registers than the larger of its two GEMMs alone (a cap on the SMs' occupancy: ptxas -v)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     import os
     import re
@@ -546,22 +547,24 @@ def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, gptoss, monkeypatch
     assert "mma.sync.aligned.m16n8k16" in ptx and "atom.global.gpu.acq_rel" in ptx and "atom.global.gpu.release" in ptx
     assert "ld.global.gpu.acquire" in ptx or "atom.global.gpu.acquire" in ptx  # the down tiles' wait (an add of 0: a load)
     assert "st.local" not in ptx and "ld.local" not in ptx
-    gconst = dict(N=i, K=h, TOPK=k, EPI=1, ACT=int(gptoss), HAS_BIAS=gptoss, ROW_MUL=2 if gptoss else 1, UP_OFF=int(gptoss),
-                  PHASE=0, BM=16, NT=t1.nt, KQS=t1.kqs, W=t1.warps, PREFETCH=t1.prefetch, SPLIT=1, SS=1, STAGES=t1.stages,
-                  XRING=t1.xring)
-    gemm = triton.compile(GluonASTSource(F._frag_gemm, dict(SIG, out_ptr="*bf16", **{c: "constexpr" for c in gconst}),
-                                         gconst), target=GPUTarget("cuda", 90, 32), options={"num_warps": t1.warps})
+    gemms = []
+    for t, epi, n, kk, out in ((t1, 1, i, h, "*bf16"), (t2, 2, h, i, "*fp32")):  # each GEMM alone, as four launches run it
+        gconst = dict(N=n, K=kk, TOPK=k, EPI=epi, ACT=int(gptoss), HAS_BIAS=gptoss, ROW_MUL=2 if gptoss else 1,
+                      UP_OFF=int(gptoss), PHASE=0, BM=16, NT=t.nt, KQS=t.kqs, W=t.warps, PREFETCH=t.prefetch, SPLIT=1, SS=1,
+                      STAGES=t.stages, XRING=t.xring)
+        gemms.append(triton.compile(GluonASTSource(F._frag_gemm, dict(SIG, out_ptr=out, **{c: "constexpr" for c in gconst}),
+                                                   gconst), target=GPUTarget("cuda", 90, 32), options={"num_warps": t.warps}))
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         return
     regs = []
-    for code in (ptx, gemm.asm["ptx"]):
+    for code in (ptx, *(g.asm["ptx"] for g in gemms)):
         path = f"/tmp/pdflash_one_{os.getpid()}.ptx"
         with open(path, "w") as f:
             f.write(code)
         out = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", os.devnull], capture_output=True, text=True).stderr
         regs.append(int(re.search(r"Used (\d+) registers", out)[1]))
-    assert regs[0] <= 1.25 * regs[1], regs
+    assert regs[0] <= 1.25 * max(regs[1:]), regs  # (the larger GEMM's registers: the one launch runs both roles)
 
 
 def test_one_launch_takes_small_unsplit_calls(monkeypatch):
