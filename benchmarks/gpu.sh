@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|fragments|staged|small|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|fragments|staged|small|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite, 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -95,6 +95,9 @@ if [[ " $STEPS " == *" small "* ]]; then  # FRAG_SMALL (tiles by call size): eve
     -k "unsplit_tiles or small_calls" > "$OUT/small_tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR" "$OUT/small_tests.txt" | tail -8
   timeout ${SMALL_S:-200} python3 benchmarks/fragment_bench.py --models gpt-oss-20b,qwen3-30b-a3b --active 4,8,16 \
     --tokens 1,2,4 --small-ab --out "$OUT/small" 2>&1 | tee "$OUT/small.log" | grep -v "^|" | tail -14
+fi
+if [[ " $STEPS " == *" breakdown "* ]]; then  # the whole MoE call against its launches one by one, as a forward pays them (not in `all`)
+  timeout ${BREAKDOWN_S:-240} python3 benchmarks/moe_call_breakdown.py --out "$OUT" 2>&1 | tee "$OUT/breakdown.txt" | grep -v "^{" | tail -14
 fi
 if has onelaunch; then  # the MoE GEMMs and combine in one launch against four (bits checked equal), then the probe (~4 min)
   timeout ${ONE_S:-300} python3 benchmarks/fragment_bench.py --models qwen3-30b-a3b,gpt-oss-20b --tokens 1,4,16 --in-forward 8 \

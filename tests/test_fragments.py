@@ -689,3 +689,15 @@ def test_one_launch_replays_in_a_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(out, F.fragment_moe_one(x[s0:s0 + 4], ids[s0:s0 + 4], wts[s0:s0 + 4], fw, e)), s0
         assert torch.equal(out, _four_launches(x[s0:s0 + 4], ids[s0:s0 + 4], wts[s0:s0 + 4], fw, e)), s0
+
+
+def test_breakdown_probe_takes_whole_token_cases_only():
+    """benchmarks/moe_call_breakdown.py's cases (model:active experts:tokens per expert) are checked before any GPU work:
+    a known model, from top-k to all experts, whole tokens."""
+    from benchmarks.moe_call_breakdown import CASES, parse_cases
+
+    assert ("gpt-oss-20b", 4, 1) in parse_cases(CASES) and ("qwen3-30b-a3b", 8, 16) in parse_cases(CASES)
+    for bad, says in (("gpt-oss-20b:2:1", "from top-k 4"), ("llama:8:1", "model one of"), ("qwen3-30b-a3b:8", "model:active"),
+                      ("qwen3-30b-a3b:9:1", "multiple of 8"), ("mixtral-8x7b:16:1", "to 8")):
+        with pytest.raises(ValueError, match=says):
+            parse_cases(bad)
