@@ -3,7 +3,9 @@
 no graph launch a call, weights not L2-hot), beside the same call with pieces left out: the routing computed once
 outside the graph (so the gate/up, down and combine launches alone), without the combine, each launch alone. The
 differences are what each launch adds in sequence, the gaps between launches included: the price of the routing launch
-and of the combine launch on small calls, where the goal (60% of the copy rate) is furthest.
+and of the combine launch on small calls, where the goal (60% of the copy rate) is furthest. direct: the same call
+without the routing launch (`fragments.fragment_moe_direct`, each pair its own block; calls of at most 16 pairs),
+its bits checked equal to the served call's first.
 
     python benchmarks/moe_call_breakdown.py [--cases gpt-oss-20b:4:1,qwen3-30b-a3b:8:1] [--out DIR]   (GPU; ~1 minute)
 
@@ -26,7 +28,8 @@ from benchmarks.kernel_bench import MODELS, as_served, copy_rate, gpu_time_us_ea
 
 CASES = "gpt-oss-20b:4:1,gpt-oss-20b:8:1,gpt-oss-20b:32:1,qwen3-30b-a3b:8:1,qwen3-30b-a3b:8:16,qwen3-30b-a3b:32:1," \
         "qwen3-30b-a3b:128:1,mixtral-8x7b:8:1"
-PIECES = ("whole", "four_launches", "no_routing", "gemms", "gate_up", "down", "routing", "combine")
+PIECES = ("whole", "four_launches", "direct", "no_routing", "gemms", "gate_up", "down", "routing", "combine")
+DIRECT_MOST = 16  # the calls the routing-free path (fragments.fragment_moe_direct) is timed on
 
 
 def parse_cases(text: str) -> list[tuple[str, int, int]]:
@@ -97,9 +100,14 @@ def main() -> None:
             gate_up(fw0), down(fw0), combine()
             if not torch.equal(out, served) or not torch.equal(four(fw0), served):
                 raise AssertionError(f"{model} A={active} T={tpe}: the pieces do not give the served call's bits")
+            direct = t * k <= DIRECT_MOST and t1.split == 1 and t2.split == 1
+            if direct and not torch.equal(F.fragment_moe_direct(x, ids, wts, fw0, e, config=(t1, t2)), served):
+                raise AssertionError(f"{model} A={active} T={tpe}: the call without the routing launch changed the bits")
             calls = {
                 "whole": [lambda fw=fw: F.fragment_moe(x, ids, wts, fw, e) for fw in copies],
                 "four_launches": [lambda fw=fw: four(fw) for fw in copies],
+                "direct": [lambda fw=fw: F.fragment_moe_direct(x, ids, wts, fw, e, config=(t1, t2)) for fw in copies]
+                if direct else None,
                 "no_routing": [lambda fw=fw: (gate_up(fw), down(fw), combine()) for fw in copies],
                 "gemms": [lambda fw=fw: (gate_up(fw), down(fw)) for fw in copies],
                 "gate_up": [lambda fw=fw: gate_up(fw) for fw in copies],
@@ -111,7 +119,7 @@ def main() -> None:
             row = dict(model=model, active_experts=active, tokens_per_expert=tpe, pairs=t * k, tiles=f"{t1},{t2}",
                        one_launch=F.one_launch_refusal(t, k, h, i, t1, t2) is None, weight_bytes=nbytes)
             for name, fns in calls.items():
-                row[f"{name}_us"] = round(gpu_time_us_each(fns), 2)
+                row[f"{name}_us"] = round(gpu_time_us_each(fns), 2) if fns else None
             row["whole_fraction"] = round(nbytes / (row["whole_us"] * 1e-6) / rate, 3)
             rows.append(row)
             print(json.dumps(row), flush=True)

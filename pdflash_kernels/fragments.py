@@ -423,7 +423,8 @@ if gluon is not None:
                    HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, PHASE: gl.constexpr,
                    BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
                    SPLIT: gl.constexpr, SS: gl.constexpr, PDL: gl.constexpr = 0, STAGES: gl.constexpr = 0,
-                   XRING: gl.constexpr = 0):
+                   XRING: gl.constexpr = 0, DIRECT: gl.constexpr = 0, E: gl.constexpr = 0, HAS_SLOT: gl.constexpr = 0,
+                   HAS_NVALID: gl.constexpr = 0):
         """One program: routing block program_id(0) x NT 16-row weight tiles (program_id(1)) x K range program_id(2).
         EPI 0: y (float32) at the block's rows = x[pair // TOPK] @ w^T (EPI 3: x[block row] @ w^T); EPI 1 (gate/up,
         rows [gates; ups] as `gate_up_order` stores them, N = I): the program's tiles are NT / 2 gate tiles and the NT / 2
@@ -432,7 +433,13 @@ if gluon is not None:
         Rounded where moe's kernels round: bf16 after each projection and bias. SPLIT > 1: K's whole KQS-quad steps cut
         into ranges of SS steps (the quads past the last whole step in the last range), each program's float32 partial
         sums into ws [SPLIT, R, weight rows]; the tile's last program (a counter in cnt as a semaphore) adds them in
-        range order from zero and runs the epilogue: the same bits whichever program is last."""
+        range order from zero and runs the epilogue: the same bits whichever program is last.
+        DIRECT (a small call without the routing launch, `fragment_moe`'s DIRECT_PAIRS): block program_id(0) is pair b
+        alone (its row 0; the block's other rows padding), its expert read from the top-k ids (pairs_ptr: ids [P]),
+        its slot from slot_ptr's table (HAS_SLOT) or the id; a pair of an id outside [0, E) or of a token at or past
+        n_valid (nblocks_ptr, HAS_NVALID) is dropped, and the gate/up programs of tile column 0 write each pair's
+        keep flag to phase_ptr (the combine's pair_valid, as `moe.align` defines it). The same products in the same
+        order as the routed blocks: the same bits."""
         _pdl_begin(PDL)  # before any load: the routing and the slots' copies come from the kernels before
         BN: gl.constexpr = NT * 16
         WL: gl.constexpr = _layout("w", W)
@@ -443,14 +450,30 @@ if gluon is not None:
         TWO: gl.constexpr = EPI == 1
         TPP: gl.constexpr = NT // 2 if TWO else NT  # output tiles a program
         b = gl.program_id(0)
-        live = b < gl.load(nblocks_ptr)
-        if PHASE != 0:
-            live = live & (gl.load(phase_ptr + b) == PHASE - 1)
-        slot = gl.load(slot_ptr + b)
+        if DIRECT:
+            eid = gl.load(pairs_ptr + b).to(gl.int32)
+            live = (eid >= 0) & (eid < E)
+            if HAS_NVALID:
+                live = live & (b // TOPK < gl.load(nblocks_ptr))
+            if EPI == 1:
+                if gl.program_id(1) == 0:
+                    gl.store(phase_ptr + b, live)
+            if HAS_SLOT:
+                slot = gl.load(slot_ptr + gl.where(live, eid, 0))
+            else:
+                slot = eid
+        else:
+            live = b < gl.load(nblocks_ptr)
+            if PHASE != 0:
+                live = live & (gl.load(phase_ptr + b) == PHASE - 1)
+            slot = gl.load(slot_ptr + b)
         if live & (slot >= 0):
             # the block's rows (the MMA's N side), loaded once a step for all warps through shared memory
             mx = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
-            pair_x = gl.load(pairs_ptr + b * BM + mx)
+            if DIRECT:
+                pair_x = gl.where(mx == 0, b, P)
+            else:
+                pair_x = gl.load(pairs_ptr + b * BM + mx)
             xok = pair_x < P
             if EPI >= 2:  # the down GEMM's input (and EPI 3's): the block's own rows
                 xr = b * BM + mx
@@ -472,7 +495,10 @@ if gluon is not None:
                              False, STAGES, XRING)
             # the program's output: acc [BN, BM], row = weight row (tile * 16 + r), column m = the block's row m
             mr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
-            pair = gl.load(pairs_ptr + b * BM + mr)
+            if DIRECT:
+                pair = gl.where(mr == 0, b, P)
+            else:
+                pair = gl.load(pairs_ptr + b * BM + mr)
             p_ok = pair < P
             rows = (b * BM + mr).to(gl.int64)
             go = True
@@ -740,8 +766,22 @@ def _check_async(tile: FragTile, *operands: torch.Tensor) -> None:
                              f"{t.data_ptr() % 16} / {(t.stride(0) * t.element_size()) % 16} bytes off 16")
 
 
-def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, tile: FragTile, phase: int = 0, bias=None,
-            act: int = 0, row_mul: int = 1, up_off: int = 0, rw=None, alpha: float = 1.702, limit: float = 7.0):
+class DirectPairs(typing.NamedTuple):
+    """A small call's pairs as the GEMMs take them without a routing launch (`_frag_gemm`'s DIRECT): block b = pair b.
+    ids: the top-k ids [P] (flat); slot_of_expert / n_valid as `moe.align` takes them (None: identity / every token);
+    pair_valid: bool [P], written by the gate/up launch (the combine's keep flags)."""
+
+    ids: torch.Tensor
+    slot_of_expert: torch.Tensor | None
+    n_valid: torch.Tensor | None
+    pair_valid: torch.Tensor
+    num_experts: int
+    num_pairs: int
+
+
+def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, epi: int, tile: FragTile,
+            phase: int = 0, bias=None, act: int = 0, row_mul: int = 1, up_off: int = 0, rw=None, alpha: float = 1.702,
+            limit: float = 7.0):
     if gluon is None:
         raise RuntimeError("the fragment GEMMs need Triton's Gluon (triton >= 3.5)")
     if x.device.type != "cuda":
@@ -757,17 +797,29 @@ def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, tile
         raise ValueError(f"tile {tile}: nt must be a multiple of the warps (and even for gate/up), kqs a power of two")
     if stages:
         _check_async(tile, x, words)
-    bm = r.sorted_pairs.numel() // r.max_blocks
-    if phase and r.block_phase is None:
-        raise ValueError(f"phase {phase}: a routing made with phase_of_expert")
+    direct = isinstance(r, DirectPairs)
+    if direct:
+        bm, mb = 16, r.num_pairs
+        if phase or split_plan(quads, kqs, split)[0] > 1:
+            raise ValueError(f"a call without the routing launch takes neither copy groups nor a K split (tile {tile})")
+        args = (r.ids, r.slot_of_expert if r.slot_of_expert is not None else r.ids,
+                r.n_valid if r.n_valid is not None else r.ids, r.pair_valid)
+        dkw = dict(DIRECT=1, E=r.num_experts, HAS_SLOT=int(r.slot_of_expert is not None),
+                   HAS_NVALID=int(r.n_valid is not None))
+    else:
+        bm, mb = r.sorted_pairs.numel() // r.max_blocks, r.max_blocks
+        if phase and r.block_phase is None:
+            raise ValueError(f"phase {phase}: a routing made with phase_of_expert")
+        args = (r.sorted_pairs, r.block_slot, r.num_blocks, r.block_phase if phase else r.block_slot)
+        dkw = {}
     per_program = nt // 2 if epi == 1 else nt
-    grid = (r.max_blocks, triton_cdiv(n // 16, per_program))
+    grid = (mb, triton_cdiv(n // 16, per_program))
     split, ss = split_plan(quads, kqs, split)
-    ws, cnt, rows = x, r.block_slot, 0  # (not read with one range)
+    ws, cnt, rows = x, args[1], 0  # (not read with one range)
     if split > 1:
         from pdflash_kernels import linear
 
-        rows = r.max_blocks * bm
+        rows = mb * bm
         ws = torch.empty((split, rows, words.shape[1] * 16), dtype=torch.float32, device=x.device)
         tiles = grid[0] * grid[1]
         cnt = linear._counters(x.device, tiles)
@@ -775,12 +827,11 @@ def _launch(x, r: Routing, words, swords, out, n: int, topk: int, epi: int, tile
             cnt = torch.zeros(tiles, dtype=torch.int32, device=x.device)
         grid = (*grid, split)
     b = bias if bias is not None else x
-    _frag_gemm[grid](x, x.stride(0), out, out.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks,
-                     r.block_phase if phase else r.block_slot, words, words.stride(0), swords, swords.stride(0),
+    _frag_gemm[grid](x, x.stride(0), out, out.stride(0), *args, words, words.stride(0), swords, swords.stride(0),
                      b, b.stride(0), rw if rw is not None else x, ws, cnt, rows, r.num_pairs, float(alpha), float(limit),
                      N=n, K=k, TOPK=topk, EPI=epi, ACT=act, HAS_BIAS=bias is not None, ROW_MUL=row_mul, UP_OFF=up_off,
                      PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=int(prefetch), SPLIT=split, SS=ss,
-                     PDL=PDL_MODE, STAGES=stages, XRING=xring, num_warps=num_warps,
+                     PDL=PDL_MODE, STAGES=stages, XRING=xring, num_warps=num_warps, **dkw,
                      **({"launch_pdl": True} if PDL_MODE else {}))
     return out
 
@@ -834,6 +885,14 @@ FRAG_SMALL: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
     (2880, 2880): (FragTile.parse("4x2w4aa4"), FragTile.parse("4x4w4aa4")),
     (2048, 768): (FragTile(4, 4, 4), FragTile(4, 4, 4)),
 }
+
+
+# Calls of at most DIRECT_PAIRS pairs can skip the routing launch (`moe.align_fused`, 3-6 us on the H200 at 4-32 pairs:
+# benchmarks/results/kernels_align_h200.txt): each pair its own block (`DirectPairs`, `fragment_moe_direct`), so three
+# launches (gate/up, down, combine) instead of four. The same products in the same order, so the same bits
+# (`tests/test_fragments.py::test_direct_pairs_give_the_routed_bits`). Written at stop 42 after the last device call:
+# 0 (off) until that test has passed on a GPU and `benchmarks/moe_call_breakdown.py` has priced the routing launch.
+DIRECT_PAIRS = 0
 
 
 def _check_small(shapes: dict, small: dict) -> None:
@@ -984,6 +1043,52 @@ def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: Frag
     return None
 
 
+def direct_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile) -> str | None:
+    """Why a call of this shape takes the routing launch rather than `fragment_moe_direct` (None: it can skip it)."""
+    pairs = tokens * topk
+    if pairs == 0:
+        return "no pairs"
+    if pairs > DIRECT_PAIRS:
+        return f"{pairs} pairs (calls of at most {DIRECT_PAIRS} skip the routing launch: DIRECT_PAIRS)"
+    if split_plan(hidden // QUAD, t1.kqs, t1.split)[0] > 1 or split_plan(inter // QUAD, t2.kqs, t2.split)[0] > 1:
+        return f"tiles {t1} / {t2} split K"
+    return None
+
+
+def fragment_moe_direct(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, fw: FragmentExperts,
+                        num_experts: int, slot_of_expert: torch.Tensor | None = None, n_valid: torch.Tensor | None = None,
+                        config: tuple[FragTile, FragTile] | None = None) -> torch.Tensor:
+    """`fragment_moe` without the routing launch (small calls): the gate/up and down GEMMs take each pair as its own
+    block (`DirectPairs`; the gate/up launch also writes the pairs' keep flags), then the combine. The same bits."""
+    from pdflash_kernels import moe as _moe
+
+    if gluon is None or x.device.type != "cuda":
+        raise RuntimeError("the fragment GEMMs run on CUDA with Triton's Gluon; the moe reference is their CPU form")
+    t, hdim = x.shape
+    topk = topk_ids.shape[1]
+    inter = fw.intermediate
+    if hdim != fw.hidden:
+        raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
+    t1, t2 = config or frag_config(hdim, inter, t * topk)
+    if split_plan(hdim // QUAD, t1.kqs, t1.split)[0] > 1 or split_plan(inter // QUAD, t2.kqs, t2.split)[0] > 1:
+        raise ValueError(f"tiles {t1} / {t2} split K: a call without the routing launch takes unsplit tiles")
+    p = t * topk
+    dev = x.device
+    x = x.contiguous()
+    d = DirectPairs(topk_ids.reshape(-1).contiguous(), slot_of_expert, n_valid,
+                    torch.empty(p, dtype=torch.bool, device=dev), num_experts, p)
+    h = torch.empty((p * 16, inter), dtype=torch.bfloat16, device=dev)
+    y = torch.empty((p, hdim), dtype=torch.float32, device=dev)
+    out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
+    _launch(x, d, fw.w1, fw.s1, h, inter, topk, 1, t1, 0, fw.b1, fw.act, fw.row_mul, fw.up_off, alpha=fw.alpha,
+            limit=fw.limit)
+    _launch(h, d, fw.w2, fw.s2, y, hdim, topk, 2, t2, 0, fw.b2, rw=topk_weights.reshape(-1).contiguous())
+    block = min(1024, _moe.triton_next_pow2(hdim))
+    _moe._moe_combine[(t, triton_cdiv(hdim, block))](y, d.pair_valid, out, hdim, TOPK=topk, BLOCK=block, EMULATE=False,
+                                                      **_moe.runtime.pdl_launch())
+    return out
+
+
 def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, fw: FragmentExperts,
                      num_experts: int, slot_of_expert: torch.Tensor | None = None, n_valid: torch.Tensor | None = None,
                      config: tuple[FragTile, FragTile] | None = None) -> torch.Tensor | None:
@@ -1049,6 +1154,8 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
         raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
     t1, t2 = config or frag_config(hdim, inter, t * topk)
     if phase_of_expert is None and x.device.type == "cuda":  # (copy groups: the four launches, `between` among them)
+        if direct_refusal(t, topk, hdim, inter, t1, t2) is None:
+            return fragment_moe_direct(x, topk_ids, topk_weights, fw, num_experts, slot_of_expert, n_valid, (t1, t2))
         out = fragment_moe_one(x, topk_ids, topk_weights, fw, num_experts, slot_of_expert, n_valid, (t1, t2))
         if out is not None:
             return out

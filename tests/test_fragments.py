@@ -238,6 +238,39 @@ def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, tile, epi,
 
 
 @needs_gluon
+@pytest.mark.parametrize("n,k,tile,epi,has_slot,has_nvalid", [(5760, 2880, "4x2w4aa4", 1, 1, 1), (2880, 2880, "4x4w4aa3", 2, 0, 0),
+                                                              (1536, 2048, "4x4w4", 1, 0, 1), (2048, 768, "8x2w4aa3", 2, 1, 0)])
+def test_direct_pair_kernel_compiles_for_sm90(n, k, tile, epi, has_slot, has_nvalid, monkeypatch):
+    """The GEMM without the routing launch (DIRECT: block b = pair b, its slot read through the top-k ids) compiles for
+    sm_90 with the same MMAs, nothing in local memory, no atomics; int64 top-k ids as the router gives them."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    nt, kqs, warps, pf, split, stages, xring = F.FragTile.parse(tile)
+    const = dict(N=n // 2 if epi == 1 else n, K=k, TOPK=8, EPI=epi, ACT=0, HAS_BIAS=False, ROW_MUL=1, UP_OFF=0, PHASE=0,
+                 BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf, SPLIT=1, SS=k // 64 // kqs, STAGES=stages, XRING=xring,
+                 DIRECT=1, E=128, HAS_SLOT=has_slot, HAS_NVALID=has_nvalid)
+    sig = dict(SIG, out_ptr="*bf16" if epi == 1 else "*fp32", pairs_ptr="*i64", phase_ptr="*i1",
+               **{c: "constexpr" for c in const})
+    kern = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps})
+    ptx = kern.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16" in ptx and ".local" not in ptx and "atom.global" not in ptx
+
+
+def test_direct_pairs_are_small_unsplit_calls_only(monkeypatch):
+    q = (F.FragTile(4, 4, 4), F.FragTile(4, 4, 4))
+    assert "DIRECT_PAIRS" in F.direct_refusal(1, 8, 2048, 768, *q)  # off until its GPU test has run
+    monkeypatch.setattr(F, "DIRECT_PAIRS", 16)
+    assert F.direct_refusal(2, 8, 2048, 768, *q) is None and F.direct_refusal(1, 4, 2880, 2880, *q) is None
+    assert "17 pairs" in F.direct_refusal(17, 1, 2048, 768, *q)
+    assert F.direct_refusal(0, 8, 2048, 768, *q) == "no pairs"
+    assert "split K" in F.direct_refusal(1, 2, 4096, 14336, F.FragTile(4, 4, 4), F.FragTile(4, 4, 4, split=4))
+
+
+@needs_gluon
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_kernel_waits_for_the_kernel_before_it_first_under_pdl(mode, monkeypatch):
     """PDL (F.PDL_MODE): 1 = griddepcontrol.wait, then launch_dependents, both before the program's first global load (the
@@ -445,6 +478,52 @@ def test_unsplit_tiles_give_the_same_bits(model, monkeypatch):
     full = F.fragment_moe(x, ids, wts, fw, e)  # 40 tokens: a big call's tiles
     for n in range(1, F.SMALL_PAIRS // k + 2):  # small calls (and the first big one)
         assert torch.equal(F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e), full[:n]), n
+
+
+@cuda
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small"])
+def test_direct_pairs_give_the_routed_bits(model, monkeypatch):
+    """A small call without the routing launch (each pair its own block) gives the routed call's bits: alone and as the
+    served path (DIRECT_PAIRS), with a slot table, with padding tokens past n_valid and ids out of range dropped (zero
+    rows, as the routed call gives them), and captured in a CUDA graph."""
+    e, w, fw, x, ids, wts = _moe_case(model, 40, seed=29)
+    k = ids.shape[1]
+    routed = lambda *a, **kw: _four_launches(*a, **kw)  # noqa: E731 (the routing launch, then the GEMMs and combine)
+    for n in (1, 2, 3):
+        want = routed(x[:n], ids[:n], wts[:n], fw, e)
+        assert torch.equal(F.fragment_moe_direct(x[:n], ids[:n], wts[:n], fw, e), want), n
+    perm = torch.randperm(e, device="cuda").to(torch.int32)  # experts in other slots of a pool
+    import dataclasses
+
+    moved = dataclasses.replace(fw, **{nm: torch.empty_like(getattr(fw, nm)) for nm in ("w1", "s1", "w2", "s2")},
+                                b1=None if fw.b1 is None else torch.empty_like(fw.b1),
+                                b2=None if fw.b2 is None else torch.empty_like(fw.b2))
+    for nm in ("w1", "s1", "w2", "s2", "b1", "b2"):
+        if getattr(fw, nm) is not None:
+            getattr(moved, nm)[perm.long()] = getattr(fw, nm)
+    nv = torch.tensor([2], dtype=torch.int32, device="cuda")
+    bad = ids[:3].clone()
+    bad[0, 0] = e  # out of range: dropped
+    for args in ((x[:3], bad, wts[:3]), (x[:3], ids[:3], wts[:3])):
+        want = routed(*args, fw, e, n_valid=nv)
+        assert torch.equal(F.fragment_moe_direct(*args, fw, e, n_valid=nv), want)
+        assert torch.equal(F.fragment_moe_direct(*args, moved, e, slot_of_expert=perm, n_valid=nv), want)
+        assert not want[2:].any()  # the padding token's row
+    monkeypatch.setattr(F, "DIRECT_PAIRS", 16)
+    n = 16 // k
+    assert F.direct_refusal(n, k, fw.hidden, fw.intermediate, *F.frag_config(fw.hidden, fw.intermediate, n * k)) is None
+    want = routed(x[:n], ids[:n], wts[:n], fw, e)
+    assert torch.equal(F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e), want)
+    xs, got = x[:n].clone(), None
+    F.fragment_moe(xs, ids[:n], wts[:n], fw, e)  # (compiled before the capture)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = F.fragment_moe(xs, ids[:n], wts[:n], fw, e)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
 
 
 @cuda
