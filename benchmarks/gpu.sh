@@ -90,9 +90,9 @@ if [[ " $STEPS " == *" staged "* ]]; then  # the staged tiles (a cp.async ring, 
     --tiles ${STAGED_TILES:-4x4w4a3,4x4w4aa3,4x4w4aa4,4x2w4aa4,4x2w4aa6,8x2w4a3,8x2w4aa3,8x2w4aa4,4x8w4aa2,8x1w4aa6} > "$OUT/staged_probe.txt" 2>&1
   tail -16 "$OUT/staged_probe.txt"
 fi
-if [[ " $STEPS " == *" small "* ]]; then  # FRAG_SMALL (tiles by call size): every unsplit tile's bits equal, then the A/B (not in `all`)
+if [[ " $STEPS " == *" small "* ]]; then  # FRAG_SMALL (tiles by call size) and DIRECT_PAIRS (no routing launch): their bits tests, then FRAG_SMALL's A/B (not in `all`)
   timeout ${SMALL_TESTS_S:-200} python3 -m pytest -v -rfE -p no:cacheprovider tests/test_fragments.py \
-    -k "unsplit_tiles or small_calls" > "$OUT/small_tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR" "$OUT/small_tests.txt" | tail -8
+    -k "unsplit_tiles or small_calls or direct" > "$OUT/small_tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR" "$OUT/small_tests.txt" | tail -8
   timeout ${SMALL_S:-200} python3 benchmarks/fragment_bench.py --models gpt-oss-20b,qwen3-30b-a3b --active 4,8,16 \
     --tokens 1,2,4 --small-ab --out "$OUT/small" 2>&1 | tee "$OUT/small.log" | grep -v "^|" | tail -14
 fi

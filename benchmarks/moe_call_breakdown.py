@@ -88,12 +88,13 @@ def main() -> None:
                 M._moe_combine[(t, F.triton_cdiv(h, block))](ybuf, r.pair_valid, out, h, TOPK=k, BLOCK=block,
                                                               EMULATE=False, **M.runtime.pdl_launch())
 
-            def four(fw):
-                saved, F.ONE_LAUNCH_PAIRS = F.ONE_LAUNCH_PAIRS, 0
+            def four(fw):  # routed, four launches (neither the one launch nor the routing-free call)
+                saved = F.ONE_LAUNCH_PAIRS, F.DIRECT_PAIRS
+                F.ONE_LAUNCH_PAIRS, F.DIRECT_PAIRS = 0, 0
                 try:
                     return F.fragment_moe(x, ids, wts, fw, e)
                 finally:
-                    F.ONE_LAUNCH_PAIRS = saved
+                    F.ONE_LAUNCH_PAIRS, F.DIRECT_PAIRS = saved
 
             # the pieces compute the served call's bits (routing from outside the graph: the same blocks)
             served = F.fragment_moe(x, ids, wts, fw0, e)

@@ -703,11 +703,14 @@ def test_tiles_setting_is_checked():
 
 
 def _four_launches(*args, **kw):
-    saved, F.ONE_LAUNCH_PAIRS = F.ONE_LAUNCH_PAIRS, 0
+    """fragment_moe routed and in four launches (routing, gate/up, down, combine): neither the one launch nor the
+    routing-free small call."""
+    saved = F.ONE_LAUNCH_PAIRS, F.DIRECT_PAIRS
+    F.ONE_LAUNCH_PAIRS, F.DIRECT_PAIRS = 0, 0
     try:
         return F.fragment_moe(*args, **kw)
     finally:
-        F.ONE_LAUNCH_PAIRS = saved
+        F.ONE_LAUNCH_PAIRS, F.DIRECT_PAIRS = saved
 
 
 @cuda
