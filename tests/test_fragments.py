@@ -783,3 +783,14 @@ def test_breakdown_probe_takes_whole_token_cases_only():
                       ("qwen3-30b-a3b:9:1", "multiple of 8"), ("mixtral-8x7b:16:1", "to 8")):
         with pytest.raises(ValueError, match=says):
             parse_cases(bad)
+
+
+def test_the_probes_source_edits_still_apply():
+    """benchmarks/one_launch_probe.py and frag_gemm_probe.py time variants of fragments.py made by replacing pieces of
+    its source: every piece they replace is still there (else a probe fails only on the GPU machine)."""
+    from benchmarks import frag_gemm_probe, one_launch_probe
+
+    for variants in (one_launch_probe.VARIANTS, frag_gemm_probe.VARIANTS):
+        for name, edits in variants.items():
+            for a, _ in edits:
+                assert a in one_launch_probe.SRC, (name, a[:80])
