@@ -91,9 +91,9 @@ if [[ " $STEPS " == *" staged "* ]]; then  # the staged tiles (a cp.async ring, 
   tail -16 "$OUT/staged_probe.txt"
 fi
 if [[ " $STEPS " == *" small "* ]]; then  # FRAG_SMALL (tiles by call size) and DIRECT_PAIRS (no routing launch): their bits tests, then FRAG_SMALL's A/B (not in `all`)
-  timeout ${SMALL_TESTS_S:-200} python3 -m pytest -v -rfE -p no:cacheprovider tests/test_fragments.py \
+  timeout ${SMALL_TESTS_S:-260} python3 -m pytest -v -rfE -p no:cacheprovider tests/test_fragments.py \
     -k "unsplit_tiles or small_calls or direct" > "$OUT/small_tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR" "$OUT/small_tests.txt" | tail -8
-  timeout ${SMALL_S:-150} python3 benchmarks/fragment_bench.py --models gpt-oss-20b,qwen3-30b-a3b --active 4,8,16 \
+  timeout ${SMALL_S:-120} python3 benchmarks/fragment_bench.py --models gpt-oss-20b,qwen3-30b-a3b --active 4,8,16 \
     --tokens 1,2,4 --small-ab --out "$OUT/small" 2>&1 | tee "$OUT/small.log" | grep -v "^|" | tail -14
 fi
 if [[ " $STEPS " == *" breakdown "* ]]; then  # the whole MoE call against its launches one by one, as a forward pays them (not in `all`)

@@ -460,8 +460,10 @@ def test_unsplit_tiles_give_the_same_bits(model, monkeypatch):
     and the one launch; and the served choice across SMALL_PAIRS (a token alone, and in a call of 40)."""
     e, w, fw, x, ids, wts = _moe_case(model, 40, seed=23)
     k = ids.shape[1]
-    tiles = [("4x4w4", "4x4w4"), ("8x2w4p", "4x4w4p"), ("8x2w4aa4", "4x4w4aa3"), ("4x4w4aa3", "4x4w4aa4"),
-             ("4x2w4aa4", "8x2w4aa3"), ("8x4w8", "8x2w8pp"), ("4x2w4a3", "4x1w4aa6")]
+    # (the stop-36 tiles; gpt-oss's big-call candidate and its FRAG_SMALL pair, the one-launch pairs below; Qwen3's
+    # served down tile; 8 warps; one quad a step)
+    tiles = [("4x4w4", "4x4w4"), ("8x2w4p", "4x4w4p"), ("8x2w4aa4", "4x4w4aa3"), ("4x2w4aa4", "4x4w4aa4"),
+             ("4x4w4", "8x2w4aa3"), ("8x4w8", "8x2w8pp"), ("4x2w4a3", "4x1w4aa6")]
     for n in (1, 2, 40):
         outs = [_four_launches(x[:n], ids[:n], wts[:n], fw, e, config=tuple(map(F.FragTile.parse, c))) for c in tiles]
         for c, o in zip(tiles[1:], outs[1:]):
