@@ -862,9 +862,10 @@ def frag_gemm(x: torch.Tensor, r: Routing, words: torch.Tensor, swords: torch.Te
 # Stop 42 (benchmarks/results/stop42_gpu/call2, each GEMM launch alone): the staged tiles (weights and activations in a
 # cp.async ring) won on every shape. Qwen3-30B-A3B 4x4w4 / 8x2w4aa3 and Mixtral-8x7B 8x2w4aa3 / 4x4w4aa3 are the sweep's
 # winners (Mixtral's down GEMM no longer splits K: 83-86 us against 88-95 for 4x4w4s4). gpt-oss-20b's gate/up winner,
-# 8x2w4aa4 (91-96 us at 32 experts), lost at 8 experts (38-39 us against 32-33 for the stop-36 tile), so gpt-oss takes
-# 4x2w4aa4, faster than the stop-36 8x2w4p in every case measured (32-33 against 33-34 us at 8 experts, 99-100 against
-# 104-106 at 32); its down GEMM 4x4w4aa3 (21 against 22-31 us at 8 experts, 50-52 against 60-61 at 32).
+# 8x2w4aa4 (92.6-95.8 us at 32 experts), lost at 8 experts (38.2-38.7 us against 33.0-33.9 for the stop-36 8x2w4p),
+# so gpt-oss takes 4x2w4aa4, faster than 8x2w4p in every case measured (31.9-32.6 against 33.0-33.9 us at 8 experts,
+# 99.5-100.2 against 104.3-106.4 at 32); its down GEMM 4x4w4aa3 (20.8-21.1 against 21.1-23.1 us for the stop-36 4x4w4p
+# at 8 experts, 50.4-52.4 against 56.7-61.4 at 32; each launch alone, fragment_fused_sweep_h200.json).
 # Stop 36: gpt-oss-20b 8x2w4p / 4x4w4p, Qwen3-30B-A3B 4x4w4 / 4x4w4, Mixtral-8x7B 4x4w4 / 4x4w4s4.
 FRAG_SHAPES: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
     (2880, 2880): (FragTile.parse("4x2w4aa4"), FragTile.parse("4x4w4aa3")),
