@@ -38,11 +38,21 @@ CASES = (("gpt-oss-20b", 8, 1), ("gpt-oss-20b", 32, 1), ("qwen3-30b-a3b", 8, 1),
          ("qwen3-30b-a3b", 128, 1), ("qwen3-30b-a3b", 128, 16))
 
 
+def fragment_copies(model: str, n: int = 4) -> list:
+    """n copies of a model's served experts as fragment words (random weights, `as_served`), each its own memory: the
+    calls a timing graph runs back to back read several times L2, as a forward does."""
+    from pdflash_kernels import fragments as F
+    from pdflash_kernels.installer import expert_weights
+
+    fw0 = F.FragmentExperts.from_weights(as_served(expert_weights(hf_experts(model), "mxfp4"), pair_words=True))
+    return [fw0] + [dataclasses.replace(fw0, **{k: getattr(fw0, k).clone() for k in ("w1", "s1", "w2", "s2")})
+                    for _ in range(n - 1)]
+
+
 def main():
     import argparse
 
     from pdflash_kernels import fragments as F
-    from pdflash_kernels.installer import expert_weights
     from pdflash_kernels.moe import align_fused
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -56,11 +66,8 @@ def main():
     rows = []
     for model, active, tpe in CASES:
         e, k, h, i = MODELS[model]
-        w = as_served(expert_weights(hf_experts(model), "mxfp4"), pair_words=True)
-        fw0 = F.FragmentExperts.from_weights(w)
-        del w
-        copies = [fw0] + [dataclasses.replace(fw0, **{n: getattr(fw0, n).clone() for n in ("w1", "s1", "w2", "s2")})
-                          for _ in range(3)]
+        copies = fragment_copies(model)
+        fw0 = copies[0]
         t1, t2 = F.frag_config(h, i)
         x, ids, wts = routing(e, k, h, active, tpe)
         with torch.inference_mode():

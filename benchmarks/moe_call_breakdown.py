@@ -4,7 +4,7 @@ no graph launch a call, weights not L2-hot), beside the same call with pieces le
 outside the graph (so the gate/up, down and combine launches alone), without the combine, each launch alone. The
 differences are what each launch adds in sequence, the gaps between launches included: the price of the routing launch
 and of the combine launch on small calls, where the goal (60% of the copy rate) is furthest. direct: the same call
-without the routing launch (`fragments.fragment_moe_direct`, each pair its own block; calls of at most 16 pairs),
+without the routing launch (`fragments.fragment_moe(direct=True)`, each pair its own block; calls of at most 16 pairs),
 its bits checked equal to the served call's first.
 
     python benchmarks/moe_call_breakdown.py [--cases gpt-oss-20b:4:1,qwen3-30b-a3b:8:1] [--out DIR]   (GPU; ~1 minute)
@@ -15,7 +15,6 @@ moe_call_breakdown.json in --out.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import sys
@@ -24,12 +23,13 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.kernel_bench import MODELS, as_served, copy_rate, gpu_time_us_each, hf_experts, routing  # noqa: E402
+from benchmarks.frag_gemm_probe import fragment_copies  # noqa: E402
+from benchmarks.kernel_bench import MODELS, copy_rate, gpu_time_us_each, routing  # noqa: E402
 
 CASES = "gpt-oss-20b:4:1,gpt-oss-20b:8:1,gpt-oss-20b:32:1,qwen3-30b-a3b:8:1,qwen3-30b-a3b:8:16,qwen3-30b-a3b:32:1," \
         "qwen3-30b-a3b:128:1,mixtral-8x7b:8:1"
 PIECES = ("whole", "four_launches", "direct", "no_routing", "gemms", "gate_up", "down", "routing", "combine")
-DIRECT_MOST = 16  # the calls the routing-free path (fragments.fragment_moe_direct) is timed on
+DIRECT_MOST = 16  # the calls the routing-free path (fragment_moe(direct=True)) is timed on
 
 
 def parse_cases(text: str) -> list[tuple[str, int, int]]:
@@ -55,17 +55,13 @@ def main() -> None:
     cases = parse_cases(args.cases)
     from pdflash_kernels import fragments as F
     from pdflash_kernels import moe as M
-    from pdflash_kernels.installer import expert_weights
 
     rate = copy_rate()
     rows = []
     for model, active, tpe in cases:
         e, k, h, i = MODELS[model]
-        w = as_served(expert_weights(hf_experts(model), "mxfp4"), pair_words=True)
-        fw0 = F.FragmentExperts.from_weights(w)
-        del w
-        copies = [fw0] + [dataclasses.replace(fw0, **{n: getattr(fw0, n).clone() for n in ("w1", "s1", "w2", "s2")})
-                          for _ in range(3)]
+        copies = fragment_copies(model)
+        fw0 = copies[0]
         x, ids, wts = routing(e, k, h, active, tpe)
         t = x.shape[0]
         t1, t2 = F.frag_config(h, i, t * k)
@@ -89,12 +85,11 @@ def main() -> None:
                                                               EMULATE=False, **M.runtime.pdl_launch())
 
             def four(fw):  # routed, four launches (neither the one launch nor the routing-free call)
-                saved = F.ONE_LAUNCH_PAIRS, F.DIRECT_PAIRS
-                F.ONE_LAUNCH_PAIRS, F.DIRECT_PAIRS = 0, 0
+                saved, F.ONE_LAUNCH_PAIRS = F.ONE_LAUNCH_PAIRS, 0
                 try:
-                    return F.fragment_moe(x, ids, wts, fw, e)
+                    return F.fragment_moe(x, ids, wts, fw, e, direct=False)
                 finally:
-                    F.ONE_LAUNCH_PAIRS, F.DIRECT_PAIRS = saved
+                    F.ONE_LAUNCH_PAIRS = saved
 
             # the pieces compute the served call's bits (routing from outside the graph: the same blocks)
             served = F.fragment_moe(x, ids, wts, fw0, e)
@@ -102,12 +97,12 @@ def main() -> None:
             if not torch.equal(out, served) or not torch.equal(four(fw0), served):
                 raise AssertionError(f"{model} A={active} T={tpe}: the pieces do not give the served call's bits")
             direct = t * k <= DIRECT_MOST and t1.split == 1 and t2.split == 1
-            if direct and not torch.equal(F.fragment_moe_direct(x, ids, wts, fw0, e, config=(t1, t2)), served):
+            if direct and not torch.equal(F.fragment_moe(x, ids, wts, fw0, e, config=(t1, t2), direct=True), served):
                 raise AssertionError(f"{model} A={active} T={tpe}: the call without the routing launch changed the bits")
             calls = {
                 "whole": [lambda fw=fw: F.fragment_moe(x, ids, wts, fw, e) for fw in copies],
                 "four_launches": [lambda fw=fw: four(fw) for fw in copies],
-                "direct": [lambda fw=fw: F.fragment_moe_direct(x, ids, wts, fw, e, config=(t1, t2)) for fw in copies]
+                "direct": [lambda fw=fw: F.fragment_moe(x, ids, wts, fw, e, config=(t1, t2), direct=True) for fw in copies]
                 if direct else None,
                 "no_routing": [lambda fw=fw: (gate_up(fw), down(fw), combine()) for fw in copies],
                 "gemms": [lambda fw=fw: (gate_up(fw), down(fw)) for fw in copies],

@@ -889,7 +889,7 @@ FRAG_SMALL: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
 
 
 # Calls of at most DIRECT_PAIRS pairs can skip the routing launch (`moe.align_fused`, 3-6 us on the H200 at 4-32 pairs:
-# benchmarks/results/kernels_align_h200.txt): each pair its own block (`DirectPairs`, `fragment_moe_direct`), so three
+# benchmarks/results/kernels_align_h200.txt): each pair its own block (`DirectPairs`, `fragment_moe`'s `direct`), so three
 # launches (gate/up, down, combine) instead of four. The same products in the same order, so the same bits
 # (`tests/test_fragments.py::test_direct_pairs_give_the_routed_bits`). Written at stop 42 after the last device call:
 # 0 (off) until that test has passed on a GPU and `benchmarks/moe_call_breakdown.py` has priced the routing launch.
@@ -1026,6 +1026,11 @@ class FragmentExperts:
         return ExpertWeights(ob1, b2, os1, s2, self.b1, self.b2, self.row_mul, self.up_off, self.act, self.alpha, self.limit)
 
 
+def _splits_k(hidden: int, inter: int, t1: FragTile, t2: FragTile) -> bool:
+    """Whether either GEMM of these tiles cuts K into ranges (the one launch and the routing-free call take neither)."""
+    return split_plan(hidden // QUAD, t1.kqs, t1.split)[0] > 1 or split_plan(inter // QUAD, t2.kqs, t2.split)[0] > 1
+
+
 def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile) -> str | None:
     """Why a call of this shape takes the four launches rather than `fragment_moe_one` (None: it can take one)."""
     fewest, most = one_launch_range(hidden, inter)
@@ -1037,7 +1042,7 @@ def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: Frag
     if tokens * topk < fewest:
         return (f"{tokens * topk} pairs (one launch takes at least {fewest} on experts of {hidden} x {inter}, where "
                 "fewer ran faster in four: ONE_LAUNCH_SHAPES)")
-    if split_plan(hidden // QUAD, t1.kqs, t1.split)[0] > 1 or split_plan(inter // QUAD, t2.kqs, t2.split)[0] > 1:
+    if _splits_k(hidden, inter, t1, t2):
         return f"tiles {t1} / {t2} split K"
     if t1.warps != t2.warps:
         return f"tiles {t1} / {t2} have different warp counts"
@@ -1045,49 +1050,16 @@ def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: Frag
 
 
 def direct_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile) -> str | None:
-    """Why a call of this shape takes the routing launch rather than `fragment_moe_direct` (None: it can skip it)."""
+    """Why a call of this shape takes the routing launch rather than skipping it (`fragment_moe`'s `direct`; None: it
+    can skip it)."""
     pairs = tokens * topk
     if pairs == 0:
         return "no pairs"
     if pairs > DIRECT_PAIRS:
         return f"{pairs} pairs (calls of at most {DIRECT_PAIRS} skip the routing launch: DIRECT_PAIRS)"
-    if split_plan(hidden // QUAD, t1.kqs, t1.split)[0] > 1 or split_plan(inter // QUAD, t2.kqs, t2.split)[0] > 1:
+    if _splits_k(hidden, inter, t1, t2):
         return f"tiles {t1} / {t2} split K"
     return None
-
-
-def fragment_moe_direct(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, fw: FragmentExperts,
-                        num_experts: int, slot_of_expert: torch.Tensor | None = None, n_valid: torch.Tensor | None = None,
-                        config: tuple[FragTile, FragTile] | None = None) -> torch.Tensor:
-    """`fragment_moe` without the routing launch (small calls): the gate/up and down GEMMs take each pair as its own
-    block (`DirectPairs`; the gate/up launch also writes the pairs' keep flags), then the combine. The same bits."""
-    from pdflash_kernels import moe as _moe
-
-    if gluon is None or x.device.type != "cuda":
-        raise RuntimeError("the fragment GEMMs run on CUDA with Triton's Gluon; the moe reference is their CPU form")
-    t, hdim = x.shape
-    topk = topk_ids.shape[1]
-    inter = fw.intermediate
-    if hdim != fw.hidden:
-        raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
-    t1, t2 = config or frag_config(hdim, inter, t * topk)
-    if split_plan(hdim // QUAD, t1.kqs, t1.split)[0] > 1 or split_plan(inter // QUAD, t2.kqs, t2.split)[0] > 1:
-        raise ValueError(f"tiles {t1} / {t2} split K: a call without the routing launch takes unsplit tiles")
-    p = t * topk
-    dev = x.device
-    x = x.contiguous()
-    d = DirectPairs(topk_ids.reshape(-1).contiguous(), slot_of_expert, n_valid,
-                    torch.empty(p, dtype=torch.bool, device=dev), num_experts, p)
-    h = torch.empty((p * 16, inter), dtype=torch.bfloat16, device=dev)
-    y = torch.empty((p, hdim), dtype=torch.float32, device=dev)
-    out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
-    _launch(x, d, fw.w1, fw.s1, h, inter, topk, 1, t1, 0, fw.b1, fw.act, fw.row_mul, fw.up_off, alpha=fw.alpha,
-            limit=fw.limit)
-    _launch(h, d, fw.w2, fw.s2, y, hdim, topk, 2, t2, 0, fw.b2, rw=topk_weights.reshape(-1).contiguous())
-    block = min(1024, _moe.triton_next_pow2(hdim))
-    _moe._moe_combine[(t, triton_cdiv(hdim, block))](y, d.pair_valid, out, hdim, TOPK=topk, BLOCK=block, EMULATE=False,
-                                                      **_moe.runtime.pdl_launch())
-    return out
 
 
 def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, fw: FragmentExperts,
@@ -1141,11 +1113,13 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, fw: FragmentExperts,
                  num_experts: int, slot_of_expert: torch.Tensor | None = None, n_valid: torch.Tensor | None = None,
                  phase_of_expert: torch.Tensor | None = None, between=None, groups: int = 1,
-                 config: tuple[FragTile, FragTile] | None = None) -> torch.Tensor:
+                 config: tuple[FragTile, FragTile] | None = None, direct: bool | None = None) -> torch.Tensor:
     """pdflash_kernels.moe.moe_forward on fragment words (CUDA): x [T, H] bf16, topk ids/weights [T, k] -> [T, H]. The
     same routing (`align_fused`, blocks of 16 pairs), phases (`phase_of_expert`, `between`, `groups`: copy groups of
     an expert cache computed as they arrive, bit-identical to one phase) and combine (a token's k slots summed in slot
-    order); the two GEMMs are `_frag_gemm`'s gate/up (activation fused) and down (routing weight fused)."""
+    order); the two GEMMs are `_frag_gemm`'s gate/up (activation fused) and down (routing weight fused). `direct`: no
+    routing launch, each pair its own block (`DirectPairs`; the gate/up launch writes the keep flags), the same bits;
+    None: where `direct_refusal` allows it (small calls, DIRECT_PAIRS), True / False: always / never (tests, probes)."""
     from pdflash_kernels import moe as _moe
 
     t, hdim = x.shape
@@ -1154,9 +1128,9 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     if hdim != fw.hidden:
         raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
     t1, t2 = config or frag_config(hdim, inter, t * topk)
-    if phase_of_expert is None and x.device.type == "cuda":  # (copy groups: the four launches, `between` among them)
-        if direct_refusal(t, topk, hdim, inter, t1, t2) is None:
-            return fragment_moe_direct(x, topk_ids, topk_weights, fw, num_experts, slot_of_expert, n_valid, (t1, t2))
+    if direct is None:
+        direct = phase_of_expert is None and direct_refusal(t, topk, hdim, inter, t1, t2) is None
+    if not direct and phase_of_expert is None and x.device.type == "cuda":  # (copy groups: the four launches)
         out = fragment_moe_one(x, topk_ids, topk_weights, fw, num_experts, slot_of_expert, n_valid, (t1, t2))
         if out is not None:
             return out
@@ -1167,13 +1141,20 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
             nv = None if n_valid is None else n_valid - s0
             outs.append(fragment_moe(x[s0:s0 + chunk], topk_ids[s0:s0 + chunk], topk_weights[s0:s0 + chunk], fw,
                                      num_experts, slot_of_expert, nv, phase_of_expert, between if s0 == 0 else None,
-                                     groups, (t1, t2)))
+                                     groups, (t1, t2), direct))
         return torch.cat(outs)
     x = x.contiguous()
-    r = _moe.align_fused(topk_ids, num_experts, 16, slot_of_expert, n_valid, phase_of_expert)
-    phases = tuple(range(1, groups + 2)) if phase_of_expert is not None else (0,)
     dev = x.device
-    h = torch.empty((r.max_blocks * 16, inter), dtype=torch.bfloat16, device=dev)
+    if direct:  # (`_launch` refuses copy groups and split tiles here)
+        p = t * topk
+        r = DirectPairs(topk_ids.reshape(-1).contiguous(), slot_of_expert, n_valid,
+                        torch.empty(p, dtype=torch.bool, device=dev), num_experts, p)
+        blocks = p
+    else:
+        r = _moe.align_fused(topk_ids, num_experts, 16, slot_of_expert, n_valid, phase_of_expert)
+        blocks = r.max_blocks
+    phases = tuple(range(1, groups + 2)) if phase_of_expert is not None else (0,)
+    h = torch.empty((blocks * 16, inter), dtype=torch.bfloat16, device=dev)
     y = torch.empty((r.num_pairs, hdim), dtype=torch.float32, device=dev)
     rw = topk_weights.reshape(-1).contiguous()
     out = torch.empty((t, hdim), dtype=x.dtype, device=dev)

@@ -495,7 +495,7 @@ def test_direct_pairs_give_the_routed_bits(model, monkeypatch):
     routed = lambda *a, **kw: _four_launches(*a, **kw)  # noqa: E731 (the routing launch, then the GEMMs and combine)
     for n in (1, 2, 3):
         want = routed(x[:n], ids[:n], wts[:n], fw, e)
-        assert torch.equal(F.fragment_moe_direct(x[:n], ids[:n], wts[:n], fw, e), want), n
+        assert torch.equal(F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e, direct=True), want), n
     perm = torch.randperm(e, device="cuda").to(torch.int32)  # experts in other slots of a pool
     import dataclasses
 
@@ -510,9 +510,11 @@ def test_direct_pairs_give_the_routed_bits(model, monkeypatch):
     bad[0, 0] = e  # out of range: dropped
     for args in ((x[:3], bad, wts[:3]), (x[:3], ids[:3], wts[:3])):
         want = routed(*args, fw, e, n_valid=nv)
-        assert torch.equal(F.fragment_moe_direct(*args, fw, e, n_valid=nv), want)
-        assert torch.equal(F.fragment_moe_direct(*args, moved, e, slot_of_expert=perm, n_valid=nv), want)
+        assert torch.equal(F.fragment_moe(*args, fw, e, n_valid=nv, direct=True), want)
+        assert torch.equal(F.fragment_moe(*args, moved, e, slot_of_expert=perm, n_valid=nv, direct=True), want)
         assert not want[2:].any()  # the padding token's row
+    with pytest.raises(ValueError, match="neither copy groups nor a K split"):
+        F.fragment_moe(x[:1], ids[:1], wts[:1], fw, e, config=(F.FragTile(4, 2, 4, split=2), F.FragTile()), direct=True)
     monkeypatch.setattr(F, "DIRECT_PAIRS", 16)
     n = 16 // k
     assert F.direct_refusal(n, k, fw.hidden, fw.intermediate, *F.frag_config(fw.hidden, fw.intermediate, n * k)) is None
@@ -707,12 +709,11 @@ def test_tiles_setting_is_checked():
 def _four_launches(*args, **kw):
     """fragment_moe routed and in four launches (routing, gate/up, down, combine): neither the one launch nor the
     routing-free small call."""
-    saved = F.ONE_LAUNCH_PAIRS, F.DIRECT_PAIRS
-    F.ONE_LAUNCH_PAIRS, F.DIRECT_PAIRS = 0, 0
+    saved, F.ONE_LAUNCH_PAIRS = F.ONE_LAUNCH_PAIRS, 0
     try:
-        return F.fragment_moe(*args, **kw)
+        return F.fragment_moe(*args, direct=False, **kw)
     finally:
-        F.ONE_LAUNCH_PAIRS, F.DIRECT_PAIRS = saved
+        F.ONE_LAUNCH_PAIRS = saved
 
 
 @cuda
