@@ -25,6 +25,10 @@ L2 (Qwen3's 8 experts: 20 MB) read from it on every replay after the first.
 --one-launch-ab: the whole call with its GEMMs and combine in one launch (`fragments.fragment_moe_one`, calls of up to 128
 pairs, on every shape whatever `fragments.ONE_LAUNCH_SHAPES` says) and in four launches (routing, gate/up, down,
 combine), the outputs checked bit-identical.
+--size-ab: the whole call with the tiles of its call-size class (`fragments.FRAG_BY_SIZE`, PDFLASH_FP4_SIZE_TILES=1)
+and with FRAG_SHAPES' alone, the outputs checked bit-identical; with --in-forward both as a forward pays them.
+--routed 1,2,4,8,16,32: instead of (active experts x tokens each), calls of N tokens each routed to top-k distinct
+experts at random, as a verify forward of N tokens routes (the active experts follow: the rows' active_experts).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 
@@ -256,6 +261,28 @@ def _ab(module, call, on: dict, off: dict, what: str) -> tuple[float, float]:
             setattr(module, k, v)
 
 
+def _inputs(e: int, k: int, h: int, args, device: str = "cuda"):
+    """(active experts, tokens per expert, x, ids, weights) of each case: `routing`'s (every active expert the same
+    tokens), or with --routed, N tokens routed at random (tokens per expert: the mean, active: those picked)."""
+    if not args.routed:
+        for active, tpe in _cases(e, k, args.tokens, args.active):
+            yield (active, tpe, *routing(e, k, h, active, tpe))
+        return
+    g = torch.Generator(device=device).manual_seed(0)
+    for n in (int(t) for t in args.routed.split(",")):
+        ids = torch.stack([torch.randperm(e, generator=g, device=device)[:k] for _ in range(n)])
+        x = torch.randn(n, h, generator=g, device=device).bfloat16()
+        w = torch.softmax(torch.randn(n, k, generator=g, device=device), -1).bfloat16()
+        active = int(ids.unique().numel())
+        yield active, round(n * k / active, 2), x, ids, w
+
+
+# --pdl-ab / --one-launch-ab / --size-ab: (fragments' settings on, then off on top, what the off column is, JSON tag)
+AB = {"pdl_ab": (lambda F: {"PDL_MODE": F.PDL_ON}, {"PDL_MODE": 0}, "GEMMs without PDL", "pdl"),
+      "one_launch_ab": (lambda F: {"ONE_LAUNCH_PAIRS": 128}, {"ONE_LAUNCH_PAIRS": 0}, "four launches", "one-launch"),
+      "size_ab": (lambda F: {"SIZE_TILES": True}, {"SIZE_TILES": False}, "FRAG_SHAPES' tiles", "size-tiles")}
+
+
 def whole_call(args) -> None:
     """The issue's benchmark rows for the fragment path: the whole MoE call (routing, both GEMMs, combine), CUDA-graph
     time, against the served pair-word moe_forward and transformers' grouped_mm (bf16), on the same experts."""
@@ -278,8 +305,7 @@ def whole_call(args) -> None:
         mods = [mod] + [copy.deepcopy(mod) for _ in range(n_copies - 1)]
         cases = []
         with torch.inference_mode():
-            for active, tpe in _cases(e, k, args.tokens, args.active):
-                x, ids, wts = routing(e, k, h, active, tpe)
+            for active, tpe, x, ids, wts in _inputs(e, k, h, args):
                 t_hf_fwd = gpu_time_us_each([lambda m=m: m(x, ids, wts) for m in mods]) if n_copies else None
                 cases.append((active, tpe, x, ids, wts, gpu_time_us(lambda: mod(x, ids, wts)), t_hf_fwd))
         del mods
@@ -297,58 +323,60 @@ def whole_call(args) -> None:
                 if err > 0.02:
                     raise AssertionError(f"{model} A={active} T={tpe}: fragment_moe is {err:.3g} off the reference")
                 t_moe = gpu_time_us(lambda: moe_forward(x, ids, wts, w, e))
-                t_plain = None
+                t_plain = t_fwd_off = None
                 call = lambda: F.fragment_moe(x, ids, wts, fw, e)  # noqa: E731
                 what = f"{model} A={active} T={tpe}"
-                t_fwd_four = None
-                if args.pdl_ab and runtime.PDL:  # the two GEMMs' PDL on vs off
-                    t_frag, t_plain = _ab(F, call, {"PDL_MODE": F.PDL_ON}, {"PDL_MODE": 0}, f"{what}: PDL launches")
-                elif args.one_launch_ab:  # the call in one launch vs four (bits checked equal)
-                    t_frag, t_plain = _ab(F, call, {"ONE_LAUNCH_PAIRS": 128}, {"ONE_LAUNCH_PAIRS": 0}, f"{what}: one launch")
-                elif args.small_ab:  # FRAG_SMALL's tiles on calls of <= 16 pairs vs FRAG_SHAPES' alone (bits checked equal)
-                    t_frag, t_plain = _ab(F, call, {"SMALL_PAIRS": 16}, {"SMALL_PAIRS": 0}, f"{what}: small-call tiles")
+                ab = next((AB[n] for n in AB if getattr(args, n)), None)
+                if ab is not None and not (ab is AB["pdl_ab"] and not runtime.PDL):  # on vs off (bits checked equal)
+                    t_frag, t_plain = _ab(F, call, ab[0](F), ab[1], f"{what}: {ab[2]}")
                 else:
+                    ab = None
                     t_frag = gpu_time_us(call)
                 fwd = [lambda f=f: F.fragment_moe(x, ids, wts, f, e) for f in fws]
-                saved = F.ONE_LAUNCH_PAIRS
-                try:
-                    if args.one_launch_ab:  # the in-forward rows too: one launch (every shape), then four
-                        F.ONE_LAUNCH_PAIRS = 128
+                on, off = (ab[0](F), ab[1]) if ab is not None else ({}, {})
+                saved = {n: getattr(F, n) for n in {**on, **off}}
+                try:  # the in-forward rows: on, then off (both as a forward pays them)
+                    for n, v in on.items():
+                        setattr(F, n, v)
                     t_fwd = gpu_time_us_each(fwd) if n_copies else None
-                    if n_copies and args.one_launch_ab:
-                        F.ONE_LAUNCH_PAIRS = 0
-                        t_fwd_four = gpu_time_us_each(fwd)
+                    if n_copies and ab is not None:
+                        for n, v in off.items():
+                            setattr(F, n, v)
+                        t_fwd_off = gpu_time_us_each(fwd)
                 finally:
-                    F.ONE_LAUNCH_PAIRS = saved
+                    for n, v in saved.items():
+                        setattr(F, n, v)
             nbytes = active * per
             row = dict(model=model, weights="mxfp4", tokens_per_expert=tpe, active_experts=active, weight_bytes=nbytes,
                        torch_bf16_us=round(t_hf, 1), moe_us=round(t_moe, 1), frag_us=round(t_frag, 1),
                        moe_hbm_fraction=round(nbytes / (t_moe * 1e-6) / rate, 3),
                        hbm_fraction=round(nbytes / (t_frag * 1e-6) / rate, 3),
                        speedup=round(t_hf / t_frag, 2), moe_speedup=round(t_hf / t_moe, 2), max_rel_error=round(err, 5),
-                       config=",".join(str(v) for v in F.frag_config(h, i, active * tpe)), frag_pdl=int(t_plain is not None or F.PDL_MODE != 0),
+                       tokens=int(x.shape[0]), config=",".join(str(v) for v in F.frag_config(h, i, int(ids.numel()))),
+                       frag_pdl=int(F.PDL_MODE != 0 or bool(args.pdl_ab and runtime.PDL)),
                        frag_plain_us=None if t_plain is None else round(t_plain, 1))
             if t_fwd is not None:  # --in-forward: the same call inside a longer graph, weights not L2-hot
                 row.update(in_forward_copies=n_copies, forward_us=round(t_fwd, 1), torch_bf16_forward_us=round(t_hf_fwd, 1),
                            forward_hbm_fraction=round(nbytes / (t_fwd * 1e-6) / rate, 3),
                            forward_speedup=round(t_hf_fwd / t_fwd, 2))
-                if t_fwd_four is not None:
-                    row.update(forward_four_launch_us=round(t_fwd_four, 1))
+                if t_fwd_off is not None:
+                    row.update(forward_off_us=round(t_fwd_off, 1))
             rows.append(row)
-            print(f"{model:14s} A={active:3d} T={tpe:2d}  hf {t_hf:7.1f}  moe {t_moe:7.1f} ({row['moe_hbm_fraction']:.2f}, "
+            off_name = ab[2] if ab is not None else ""
+            print(f"{model:14s} A={active:3d} T={tpe:>5}  hf {t_hf:7.1f}  moe {t_moe:7.1f} ({row['moe_hbm_fraction']:.2f}, "
                   f"x{row['moe_speedup']})  frag {t_frag:7.1f} ({row['hbm_fraction']:.2f}, x{row['speedup']})"
-                  + ("" if t_plain is None else f"  frag {'four launches' if args.one_launch_ab else 'big-call tiles' if args.small_ab else 'without PDL'} "
-                                                 f"{t_plain:7.1f}")
-                  + ("" if t_fwd_four is None else f"  in a forward, four launches {t_fwd_four:7.1f}")
+                  + ("" if t_plain is None else f"  frag, {off_name} {t_plain:7.1f}")
                   + ("" if t_fwd is None else f"  in a forward: hf {t_hf_fwd:7.1f} frag {t_fwd:7.1f} "
-                     f"({row['forward_hbm_fraction']:.2f}, x{row['forward_speedup']})"),
+                     f"({row['forward_hbm_fraction']:.2f}, x{row['forward_speedup']})")
+                  + ("" if t_fwd_off is None else f", {off_name} {t_fwd_off:7.1f}"),
                   flush=True)
         del mod, w, fw, fws, cases
         torch.cuda.empty_cache()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    chosen = next((AB[n] for n in AB if getattr(args, n)), None)
     res = {"device": torch.cuda.get_device_name(), "copy_rate_bytes_per_s": rate, "moe": rows,
-           "ab": "pdl" if args.pdl_ab else "one-launch" if args.one_launch_ab else "small-tiles" if args.small_ab else None, "in_forward_copies": args.in_forward or None}
+           "ab": chosen[3] if chosen else None, "routed": bool(args.routed), "in_forward_copies": args.in_forward or None}
     lines = ["# The MoE call on fragment words (`python benchmarks/fragment_bench.py`)", "",
              f"{res['device']}; device copy {rate / 1e12:.2f} TB/s (read + write). Whole call (routing, both GEMMs, "
              "combine), CUDA-graph time. frag: `pdflash_kernels.fragments.fragment_moe`; moe: the served "
@@ -356,8 +384,11 @@ def whole_call(args) -> None:
              + (f" In a forward (--in-forward {args.in_forward}): one call on each of {args.in_forward} copies of the "
                 "experts back to back in one graph, the time over the calls (no graph launch a call, weights not L2-hot)."
                 if args.in_forward else "")
+             + (f" --routed: calls of {args.routed} tokens routed at random (tokens/expert: the mean)." if args.routed else "")
              + (" --one-launch-ab: frag = the GEMMs and combine in one launch on every shape (`fragment_moe_one`, "
-                "calls of up to 128 pairs), beside the four launches; bits checked equal." if args.one_launch_ab else ""), "",
+                "calls of up to 128 pairs), beside the four launches; bits checked equal." if args.one_launch_ab else "")
+             + (" --size-ab: frag = each call-size class's tiles (`FRAG_BY_SIZE`), beside FRAG_SHAPES' alone; bits "
+                "checked equal." if args.size_ab else ""), "",
              "| model | active experts | tokens/expert | weight MB | transformers us | moe us | of copy | x | frag us | of copy | x | tiles |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -366,18 +397,17 @@ def whole_call(args) -> None:
                      f"{r['frag_us']} | {r['hbm_fraction']:.2f} | {r['speedup']} | {r['config']} |"
                      + ("" if r["frag_plain_us"] is None else f" {r['frag_plain_us']} |")
                      + ("" if "forward_us" not in r else f" {r['torch_bf16_forward_us']} | {r['forward_us']} | "
-                        f"{r['forward_hbm_fraction']:.2f} | {r['forward_speedup']} |"))
-    if any(r["frag_plain_us"] is not None for r in rows):  # --pdl-ab / --one-launch-ab / --small-ab: one more column
-        lines[4] += (" frag us, four launches |" if args.one_launch_ab else " frag us, FRAG_SHAPES' tiles |" if args.small_ab
-                     else " frag us, GEMMs without PDL |")
+                        f"{r['forward_hbm_fraction']:.2f} | {r['forward_speedup']} |")
+                     + ("" if "forward_off_us" not in r else f" {r['forward_off_us']} |"))
+    if any(r["frag_plain_us"] is not None for r in rows):  # an A/B: one more column
+        lines[4] += f" frag us, {chosen[2]} |"
         lines[5] += "---|"
-    if args.in_forward:  # four more (five with --one-launch-ab)
+    if args.in_forward:  # four more (five with an A/B)
         lines[4] += " in a forward: transformers us | frag us | of copy | x |"
         lines[5] += "---|---|---|---|"
-        if args.one_launch_ab:
-            lines[4] += " in a forward: frag us, four launches |"
+        if any("forward_off_us" in r for r in rows):
+            lines[4] += f" in a forward: frag us, {chosen[2]} |"
             lines[5] += "---|"
-            lines[6:] = [ln + f" {r.get('forward_four_launch_us')} |" for ln, r in zip(lines[6:], rows)]
     _write(out, "fragment_h200", res, lines)
 
 
@@ -401,12 +431,18 @@ def main() -> None:
     ap.add_argument("--one-launch-ab", action="store_true",
                     help="time the whole call in one launch (fragments.fragment_moe_one, calls of up to 128 pairs) and in "
                          "four (bits checked equal); with --in-forward, both as a forward pays them")
-    ap.add_argument("--small-ab", action="store_true",
-                    help="time the whole call with fragments.FRAG_SMALL's tiles on calls of at most 16 pairs "
-                         "(SMALL_PAIRS 16) and with FRAG_SHAPES' alone (SMALL_PAIRS 0); bits checked equal")
+    ap.add_argument("--size-ab", action="store_true",
+                    help="time the whole call with each call-size class's tiles (fragments.FRAG_BY_SIZE, "
+                         "PDFLASH_FP4_SIZE_TILES=1) and with FRAG_SHAPES' alone; bits checked equal")
+    ap.add_argument("--routed", default=None, metavar="N,..",
+                    help="calls of N tokens routed at random (top-k distinct experts a token) instead of --active x --tokens")
     args = ap.parse_args()
-    if args.pdl_ab + args.one_launch_ab + args.small_ab > 1:
-        ap.error("--pdl-ab, --one-launch-ab, --small-ab: one A/B at a time")
+    if args.pdl_ab + args.one_launch_ab + args.size_ab > 1:
+        ap.error("--pdl-ab, --one-launch-ab, --size-ab: one A/B at a time")
+    if args.size_ab and os.environ.get("PDFLASH_FP4_TILES"):
+        ap.error("--size-ab compares the size classes with FRAG_SHAPES; PDFLASH_FP4_TILES overrides both")
+    if args.routed and (args.sweep or args.fused_sweep):
+        ap.error("--routed is for the whole-call rows")
     if args.in_forward == 1 or args.in_forward < 0:
         ap.error("--in-forward: 2 or more copies (0: off)")
     if args.sweep:

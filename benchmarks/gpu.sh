@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|fragments|staged|small|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite, 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -90,11 +90,11 @@ if [[ " $STEPS " == *" staged "* ]]; then  # the staged tiles (a cp.async ring, 
     --tiles ${STAGED_TILES:-4x4w4a3,4x4w4aa3,4x4w4aa4,4x2w4aa4,4x2w4aa6,8x2w4a3,8x2w4aa3,8x2w4aa4,4x8w4aa2,8x1w4aa6} > "$OUT/staged_probe.txt" 2>&1
   tail -16 "$OUT/staged_probe.txt"
 fi
-if [[ " $STEPS " == *" small "* ]]; then  # FRAG_SMALL (tiles by call size) and DIRECT_PAIRS (no routing launch): their bits tests, then FRAG_SMALL's A/B (not in `all`)
-  timeout ${SMALL_TESTS_S:-260} python3 -m pytest -v -rfE -p no:cacheprovider tests/test_fragments.py \
-    -k "unsplit_tiles or small_calls or direct" > "$OUT/small_tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR" "$OUT/small_tests.txt" | tail -8
-  timeout ${SMALL_S:-120} python3 benchmarks/fragment_bench.py --models gpt-oss-20b,qwen3-30b-a3b --active 4,8,16 \
-    --tokens 1,2,4 --small-ab --out "$OUT/small" 2>&1 | tee "$OUT/small.log" | grep -v "^|" | tail -14
+if [[ " $STEPS " == *" sizes "* ]]; then  # tiles by call size (FRAG_BY_SIZE) and DIRECT_PAIRS (no routing launch): their bits tests, then the size classes' A/B on calls routed as a verify forward routes them (not in `all`)
+  timeout ${SIZES_TESTS_S:-260} python3 -m pytest -v -rfE -p no:cacheprovider tests/test_fragments.py \
+    -k "unsplit_tiles or size_class or direct" > "$OUT/sizes_tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR" "$OUT/sizes_tests.txt" | tail -8
+  timeout ${SIZES_S:-180} python3 benchmarks/fragment_bench.py --models gpt-oss-20b,qwen3-30b-a3b --routed 1,2,4,6,8,16,32 \
+    --in-forward 8 --size-ab --out "$OUT/sizes" 2>&1 | tee "$OUT/sizes.log" | grep -v "^|" | tail -16
 fi
 if [[ " $STEPS " == *" breakdown "* ]]; then  # the whole MoE call against its launches one by one, as a forward pays them (not in `all`)
   timeout ${BREAKDOWN_S:-200} python3 benchmarks/moe_call_breakdown.py --out "$OUT" 2>&1 | tee "$OUT/breakdown.txt" | grep -v "^{" | tail -14

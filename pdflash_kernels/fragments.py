@@ -873,19 +873,30 @@ FRAG_SHAPES: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
     (4096, 14336): (FragTile.parse("8x2w4aa3"), FragTile.parse("4x4w4aa3")),
 }
 FRAG_DEFAULT = (FragTile(4, 4, 4), FragTile(4, 4, 4))
-# Small calls (at most SMALL_PAIRS (token, expert) pairs: a block of 1-4 tokens) have few experts to spread over the
-# GPU's 132 SMs, and there tiles of fewer rows a program ran faster (more programs an expert): gpt-oss-20b at 8 experts x
-# 1 token, down 4x4w4aa4 17.3 us against 4x4w4aa3's 21 (stop 42 call 2); with them gpt-oss's big calls could take
-# the sweep's 8x2w4aa4. Choosing the tile by the call's size keeps every bit only if every unsplit tile adds a row's K
-# products in the same order (one 16-column MMA after another, `_k_range`), whatever its rows a program, quads a step,
-# warps or staging: `tests/test_fragments.py::test_unsplit_tiles_give_the_same_bits` checks that on a GPU. It has not
-# run yet (the stop-42 device calls ended before it), so SMALL_PAIRS is 0 (off) until it passes. The import check
-# below refuses a table with a K split.
-SMALL_PAIRS = 0
-FRAG_SMALL: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
-    (2880, 2880): (FragTile.parse("4x2w4aa4"), FragTile.parse("4x4w4aa4")),
-    (2048, 768): (FragTile(4, 4, 4), FragTile(4, 4, 4)),
+# Tiles by call size (PDFLASH_FP4_SIZE_TILES=1): the best tile follows the number of active experts, and in a verify
+# forward those grow with the (token, expert) pairs of the call (random top-k: gpt-oss-20b 4 / 7.5 / 13.4 / 28 experts at
+# 1 / 2 / 4 / 16 tokens, Qwen3-30B-A3B 8 / 15.5 / 30 / 81). From the stop-42 fused sweep (each launch alone,
+# `stop42_gpu/call2/fragment_fused_sweep_h200.json`) and probe (as a forward pays it, `stop42_gpu/call1`):
+# - gpt-oss-20b, 8 experts: gate/up 4x2w4aa4 31.9-32.6 us against 8x2w4aa3's 37.6-38.2; down 4x4w4aa4 17.3-18.7
+#   against 4x4w4aa3's 20.8-21.1. 32 experts: gate/up 8x2w4aa3 91.2-93.6 against 4x2w4aa4's 99.5-100.2.
+# - Qwen3-30B-A3B, 8 experts x 1 token: gate/up 4x4w4aa3 10.0 us in a forward against 4x4w4's 13.3. 32 experts: 4x4w4 /
+#   4x4w4 within 1 us of the best. 128 experts: 8x2w4aa3 / 8x2w4aa3 71.1-72.1 / 38.9-42.1 against 4x4w4's
+#   77.2-80.0 / 42.0-46.0.
+# - Mixtral-8x7B: the same tiles won at every size (FRAG_SHAPES alone).
+# A class is (most pairs, or None for every larger call; gate/up tile, down tile), ascending. A row's bits stay the same
+# whichever class its call falls in only if every unsplit tile adds a row's K products in the same order (one 16-column
+# MMA after another, `_k_range`), whatever its rows a program, quads a step, warps or staging:
+# `tests/test_fragments.py::test_unsplit_tiles_give_the_same_bits` checks that on a GPU. Written at stop 43 without a GPU
+# (the device was not lent): off by default until that test has passed and `fragment_bench.py --size-ab` has timed it.
+# The import check below refuses a class with a K split, or thresholds out of order.
+FRAG_BY_SIZE: dict[tuple[int, int], tuple[tuple[int | None, FragTile, FragTile], ...]] = {
+    (2880, 2880): ((16, FragTile.parse("4x2w4aa4"), FragTile.parse("4x4w4aa4")),
+                   (None, FragTile.parse("8x2w4aa3"), FragTile.parse("4x4w4aa3"))),
+    (2048, 768): ((16, FragTile.parse("4x4w4aa3"), FragTile.parse("4x4w4")),
+                  (48, FragTile.parse("4x4w4"), FragTile.parse("4x4w4")),
+                  (None, FragTile.parse("8x2w4aa3"), FragTile.parse("8x2w4aa3"))),
 }
+SIZE_TILES = runtime.env_flag("PDFLASH_FP4_SIZE_TILES", default=False)
 
 
 # Calls of at most DIRECT_PAIRS pairs can skip the routing launch (`moe.align_fused`, 3-6 us on the H200 at 4-32 pairs:
@@ -896,16 +907,20 @@ FRAG_SMALL: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
 DIRECT_PAIRS = 0
 
 
-def _check_small(shapes: dict, small: dict) -> None:
-    """Small-call tiles must give the big-call tiles' bits: both unsplit (a K split adds partial sums in another order)."""
-    for key, tiles in small.items():
-        for t in (*tiles, *shapes.get(key, FRAG_DEFAULT)):
+def _check_by_size(shapes: dict, by_size: dict) -> None:
+    """Every class of a shape must give the other classes' bits (and FRAG_SHAPES' for it): all unsplit (a K split adds
+    partial sums in another order); the classes' most pairs ascending, the last None (every larger call)."""
+    for key, classes in by_size.items():
+        most = [c[0] for c in classes]
+        if not classes or most[-1] is not None or any(m is None or m < 1 for m in most[:-1]) or most[:-1] != sorted(set(most[:-1])):
+            raise ValueError(f"FRAG_BY_SIZE {key}: classes' most pairs must ascend and end with None, got {most}")
+        for t in (*(t for c in classes for t in c[1:]), *shapes.get(key, FRAG_DEFAULT)):
             if t.split > 1:
-                raise ValueError(f"FRAG_SMALL {key}: tile {t} splits K, so a row's bits would change with the call's "
-                                 "size; small-call tiles and their shape's tiles must all be unsplit")
+                raise ValueError(f"FRAG_BY_SIZE {key}: tile {t} splits K, so a row's bits would change with the call's "
+                                 "size; the tiles of every class and their shape's FRAG_SHAPES tiles must all be unsplit")
 
 
-_check_small(FRAG_SHAPES, FRAG_SMALL)
+_check_by_size(FRAG_SHAPES, FRAG_BY_SIZE)
 
 
 def parse_tiles(text: str) -> tuple[FragTile, FragTile]:
@@ -921,7 +936,7 @@ def parse_tiles(text: str) -> tuple[FragTile, FragTile]:
     return t1, t2
 
 
-# PDFLASH_FP4_TILES="GATE_UP,DOWN": these tiles on every expert shape and call size instead of FRAG_SHAPES / FRAG_SMALL
+# PDFLASH_FP4_TILES="GATE_UP,DOWN": these tiles on every expert shape and call size instead of FRAG_SHAPES / FRAG_BY_SIZE
 # (for trying a tile end to end: benchmarks/e2e_gpu.py under it). Fixed for the process, so still batch-invariant.
 _TILES = os.environ.get("PDFLASH_FP4_TILES") or None
 FRAG_TILES: tuple[FragTile, FragTile] | None = parse_tiles(_TILES) if _TILES else None
@@ -929,12 +944,18 @@ FRAG_TILES: tuple[FragTile, FragTile] | None = parse_tiles(_TILES) if _TILES els
 
 def frag_config(hidden: int, inter: int, pairs: int | None = None) -> tuple[FragTile, FragTile]:
     """(gate/up tile, down tile) for a call of `pairs` (token, expert) pairs on experts of this shape (None: a big
-    call's). The row bits are the same whichever this picks (`FRAG_SMALL`)."""
+    call's). The row bits are the same whichever this picks (`FRAG_BY_SIZE`)."""
     if FRAG_TILES:
         return FRAG_TILES
-    if pairs is not None and SMALL_PAIRS > 0 and pairs <= SMALL_PAIRS and (hidden, inter) in FRAG_SMALL:
-        return FRAG_SMALL[(hidden, inter)]
+    for most, t1, t2 in size_classes(hidden, inter):
+        if most is None or (pairs is not None and pairs <= most):
+            return t1, t2
     return FRAG_SHAPES.get((hidden, inter), FRAG_DEFAULT)
+
+
+def size_classes(hidden: int, inter: int) -> tuple[tuple[int | None, FragTile, FragTile], ...]:
+    """The call-size classes served for experts of this shape (empty: one pair of tiles for every call)."""
+    return FRAG_BY_SIZE.get((hidden, inter), ()) if SIZE_TILES and not FRAG_TILES else ()
 
 
 def token_chunk(topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile) -> int:

@@ -667,16 +667,18 @@ def _set_attn_impl(model: nn.Module, name: str) -> str:
 
 
 def _frag_tiles(w) -> str:
-    """The tiles the fragment GEMMs run these experts with (model info names them; PDFLASH_FP4_TILES's are marked)."""
+    """The tiles the fragment GEMMs run these experts with (model info names them; PDFLASH_FP4_TILES's are marked, and
+    with PDFLASH_FP4_SIZE_TILES each call-size class's)."""
     from pdflash_kernels import fragments
 
     t1, t2 = fragments.frag_config(w.hidden, w.intermediate)
     if fragments.FRAG_TILES:
         return f"tiles {t1} / {t2} from PDFLASH_FP4_TILES"
-    s1, s2 = fragments.frag_config(w.hidden, w.intermediate, fragments.SMALL_PAIRS)
-    small = (f"; calls of at most {fragments.SMALL_PAIRS} pairs {s1} / {s2}"
-             if fragments.SMALL_PAIRS > 0 and (s1, s2) != (t1, t2) else "")
-    return f"tiles {t1} / {t2}{small}"
+    classes = fragments.size_classes(w.hidden, w.intermediate)
+    if not classes:
+        return f"tiles {t1} / {t2}"
+    return "tiles by call size: " + ", ".join(
+        f"{'more pairs' if most is None else f'up to {most} pairs'} {a} / {b}" for most, a, b in classes)
 
 
 def install(model: nn.Module, experts_format: str = "native", probe: bool = True, fuse: bool = True) -> Installation:

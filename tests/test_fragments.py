@@ -122,7 +122,8 @@ def test_fragment_experts_round_trip_the_gate_up_order():
 
 
 def test_model_info_names_the_fragment_tiles(monkeypatch):
-    """The installer's experts report says which tiles the fragment GEMMs run (and when PDFLASH_FP4_TILES chose them)."""
+    """The installer's experts report says which tiles the fragment GEMMs run: one pair, each call-size class's
+    (PDFLASH_FP4_SIZE_TILES), or PDFLASH_FP4_TILES's."""
     from pdflash_kernels.installer import _frag_tiles
     from pdflash_kernels.moe import ExpertWeights
 
@@ -130,38 +131,56 @@ def test_model_info_names_the_fragment_tiles(monkeypatch):
     b2, s2 = _mx(2, 128, 64, seed=5)
     fw = F.FragmentExperts.from_weights(ExpertWeights(b1, b2, s1, s2))
     monkeypatch.setattr(F, "FRAG_TILES", None)
-    monkeypatch.setattr(F, "SMALL_PAIRS", 16)
+    monkeypatch.setattr(F, "SIZE_TILES", True)
     monkeypatch.setitem(F.FRAG_SHAPES, (128, 64), (F.FragTile(4, 2, 4, 1), F.FragTile(4, 4, 4)))
+    assert _frag_tiles(fw) == "tiles 4x2w4p / 4x4w4"  # (no classes for this shape)
+    monkeypatch.setitem(F.FRAG_BY_SIZE, (128, 64), ((16, F.FragTile(4, 2, 4, 1), F.FragTile(4, 2, 4, stages=3, xring=1)),
+                                                    (None, F.FragTile(8, 2, 4, stages=3, xring=1), F.FragTile(4, 4, 4))))
+    assert _frag_tiles(fw) == "tiles by call size: up to 16 pairs 4x2w4p / 4x2w4aa3, more pairs 8x2w4aa3 / 4x4w4"
+    monkeypatch.setattr(F, "SIZE_TILES", False)
     assert _frag_tiles(fw) == "tiles 4x2w4p / 4x4w4"
-    monkeypatch.setitem(F.FRAG_SMALL, (128, 64), (F.FragTile(4, 2, 4, 1), F.FragTile(4, 2, 4, stages=3, xring=1)))
-    assert _frag_tiles(fw) == f"tiles 4x2w4p / 4x4w4; calls of at most {F.SMALL_PAIRS} pairs 4x2w4p / 4x2w4aa3"
-    monkeypatch.setattr(F, "SMALL_PAIRS", 0)
-    assert _frag_tiles(fw) == "tiles 4x2w4p / 4x4w4"
-    monkeypatch.setattr(F, "SMALL_PAIRS", 16)
+    monkeypatch.setattr(F, "SIZE_TILES", True)
     monkeypatch.setattr(F, "FRAG_TILES", F.parse_tiles("4x4w4aa3,8x2w4a4"))
     assert _frag_tiles(fw) == "tiles 4x4w4aa3 / 8x2w4a4 from PDFLASH_FP4_TILES"
 
 
-def test_small_calls_take_their_own_unsplit_tiles(monkeypatch):
-    """Calls of at most SMALL_PAIRS pairs take FRAG_SMALL's tiles, bigger ones FRAG_SHAPES'; PDFLASH_FP4_TILES overrides
-    both. A table where either would split K (and so change a row's bits with the call's size) is refused."""
+def test_calls_take_their_size_class_tiles(monkeypatch):
+    """With PDFLASH_FP4_SIZE_TILES a call takes the first class whose most pairs it fits (a big call, None pairs, the
+    last class), without it FRAG_SHAPES' tiles; PDFLASH_FP4_TILES overrides both. A table where a tile would split K
+    (and so change a row's bits with the call's size), or whose classes are out of order, is refused."""
     monkeypatch.setattr(F, "FRAG_TILES", None)
-    monkeypatch.setattr(F, "SMALL_PAIRS", 16)
-    big, small = F.FRAG_SHAPES[(2880, 2880)], F.FRAG_SMALL[(2880, 2880)]
-    assert small != big
-    assert F.frag_config(2880, 2880) == big and F.frag_config(2880, 2880, F.SMALL_PAIRS + 1) == big
-    assert F.frag_config(2880, 2880, 4) == small and F.frag_config(2880, 2880, F.SMALL_PAIRS) == small
-    assert F.frag_config(64, 128, 4) == F.FRAG_DEFAULT  # a shape with no small entry
-    monkeypatch.setattr(F, "SMALL_PAIRS", 0)  # off: every call the big tiles
-    assert F.frag_config(2880, 2880, 4) == big and F.frag_config(2880, 2880, 0) == big
+    monkeypatch.setattr(F, "SIZE_TILES", True)
+    for (h, i), classes in F.FRAG_BY_SIZE.items():
+        lo = 1
+        for most, t1, t2 in classes:
+            top = most if most is not None else lo + 1000
+            for pairs in (lo, top):
+                assert F.frag_config(h, i, pairs) == (t1, t2), (h, i, pairs)
+            lo = top + 1
+        assert F.frag_config(h, i) == classes[-1][1:]
+    qwen = F.FRAG_BY_SIZE[(2048, 768)]
+    assert [F.frag_config(2048, 768, p) for p in (8, 16, 17, 48, 49, 128)] == [qwen[0][1:]] * 2 + [qwen[1][1:]] * 2 + [qwen[2][1:]] * 2
+    assert F.frag_config(64, 128, 4) == F.FRAG_DEFAULT  # a shape with no classes
+    assert F.frag_config(4096, 14336, 4) == F.FRAG_SHAPES[(4096, 14336)]
+    monkeypatch.setattr(F, "SIZE_TILES", False)  # off: every call FRAG_SHAPES' tiles
+    for p in (None, 0, 4, 4096):
+        assert F.frag_config(2880, 2880, p) == F.FRAG_SHAPES[(2880, 2880)]
+    monkeypatch.setattr(F, "SIZE_TILES", True)
     monkeypatch.setattr(F, "FRAG_TILES", F.parse_tiles("4x4w4aa3,8x2w4a4"))
-    assert F.frag_config(2880, 2880, 4) == F.FRAG_TILES
-    for t in F.FRAG_SMALL.values():
-        assert all(x.split == 1 for x in t)
+    assert F.frag_config(2880, 2880, 4) == F.FRAG_TILES and F.size_classes(2880, 2880) == ()
+    for classes in F.FRAG_BY_SIZE.values():
+        assert all(t.split == 1 for c in classes for t in c[1:])
+    ok = (F.FragTile(), F.FragTile())
     with pytest.raises(ValueError, match="splits K"):
-        F._check_small({(1, 2): (F.FragTile(), F.FragTile(split=2))}, {(1, 2): (F.FragTile(), F.FragTile())})
+        F._check_by_size({(1, 2): (F.FragTile(), F.FragTile(split=2))}, {(1, 2): ((None, *ok),)})
     with pytest.raises(ValueError, match="splits K"):
-        F._check_small({}, {(1, 2): (F.FragTile(8, 2, 4, split=4), F.FragTile())})
+        F._check_by_size({}, {(1, 2): ((8, F.FragTile(8, 2, 4, split=4), F.FragTile()), (None, *ok))})
+    for bad in (((16, *ok),), ((16, *ok), (8, *ok), (None, *ok)), ((16, *ok), (16, *ok), (None, *ok)), ((0, *ok), (None, *ok)), ()):
+        with pytest.raises(ValueError, match="ascend and end with None"):
+            F._check_by_size({}, {(1, 2): bad})
+    from tests.test_kernels import _import_refuses
+
+    _import_refuses("PDFLASH_FP4_SIZE_TILES", "maybe", "pdflash_kernels.fragments")
 
 
 @pytest.mark.parametrize("h,i,bias", [(2880, 2880, True), (2048, 768, False), (4096, 14336, False)])
@@ -173,7 +192,7 @@ def test_expert_arena_views_meet_the_staged_tiles_alignment(h, i, bias):
     pool = torch.zeros(2, layout.nbytes, dtype=torch.uint8)
     fw = F.fragment_experts_over(pool, layout, 2 if bias else 1, int(bias), 0, 1.702, 7.0)
     x = torch.zeros(3, h, dtype=torch.bfloat16)
-    for t in (*F.frag_config(h, i), *F.frag_config(h, i, 4)):
+    for t in (*F.frag_config(h, i), *(t for c in F.FRAG_BY_SIZE.get((h, i), ()) for t in c[1:])):
         F._check_async(t, x, fw.w1, fw.w2, fw.s1, fw.s2)
         F._check_async(t, x, fw.w1[1:], fw.w2[1:])  # slot 1's slice
 
@@ -456,14 +475,14 @@ def test_staged_tiles_give_the_register_paths_bits(model, tiles, monkeypatch):
 @pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small"])
 def test_unsplit_tiles_give_the_same_bits(model, monkeypatch):
     """Every unsplit tile (rows a program, quads a K step, warps, prefetch, staging) adds a row's K products in one
-    order, so every one gives the same output bits: what lets FRAG_SMALL pick tiles by the call's size. Four launches
-    and the one launch; and the served choice across SMALL_PAIRS (a token alone, and in a call of 40)."""
+    order, so every one gives the same output bits: what lets FRAG_BY_SIZE pick tiles by the call's size. Four launches
+    and the one launch; and the served choice with the size classes on, across every class boundary (calls of 1 to 7
+    tokens, and a call of 40)."""
     e, w, fw, x, ids, wts = _moe_case(model, 40, seed=23)
     k = ids.shape[1]
-    # (the stop-36 tiles; gpt-oss's big-call candidate and its FRAG_SMALL pair, the one-launch pairs below; Qwen3's
-    # served down tile; 8 warps; one quad a step)
-    tiles = [("4x4w4", "4x4w4"), ("8x2w4p", "4x4w4p"), ("8x2w4aa4", "4x4w4aa3"), ("4x2w4aa4", "4x4w4aa4"),
-             ("4x4w4", "8x2w4aa3"), ("8x4w8", "8x2w8pp"), ("4x2w4a3", "4x1w4aa6")]
+    # (the stop-36 tiles; the served ones; every size class's; 8 warps; one quad a step)
+    tiles = [("4x4w4", "4x4w4"), ("8x2w4p", "4x4w4p"), ("8x2w4aa3", "4x4w4aa3"), ("4x2w4aa4", "4x4w4aa4"),
+             ("4x4w4aa3", "8x2w4aa3"), ("8x2w4aa4", "4x4w4aa3"), ("8x4w8", "8x2w8pp"), ("4x2w4a3", "4x1w4aa6")]
     for n in (1, 2, 40):
         outs = [_four_launches(x[:n], ids[:n], wts[:n], fw, e, config=tuple(map(F.FragTile.parse, c))) for c in tiles]
         for c, o in zip(tiles[1:], outs[1:]):
@@ -476,9 +495,10 @@ def test_unsplit_tiles_give_the_same_bits(model, monkeypatch):
                     assert one is not None and torch.equal(one, outs[0]), (n, c, "one launch")
             finally:
                 F.ONE_LAUNCH_PAIRS = saved
-    monkeypatch.setattr(F, "SMALL_PAIRS", 16)  # (FRAG_SMALL on, as it would be served)
-    full = F.fragment_moe(x, ids, wts, fw, e)  # 40 tokens: a big call's tiles
-    for n in range(1, F.SMALL_PAIRS // k + 2):  # small calls (and the first big one)
+    monkeypatch.setattr(F, "SIZE_TILES", True)  # (the size classes on, as they would be served)
+    monkeypatch.setattr(F, "FRAG_TILES", None)
+    full = F.fragment_moe(x, ids, wts, fw, e)  # 40 tokens: the last class
+    for n in range(1, 8):  # every class of gpt-oss (top-4: 16 pairs = 4 tokens) and Qwen3 (top-8: 16, 48 = 2, 6 tokens)
         assert torch.equal(F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e), full[:n]), n
 
 
@@ -605,7 +625,8 @@ ONE_SIG = {"x_ptr": "*bf16", "stride_x": "i32", "pairs_ptr": "*i32", "slot_ptr":
 @needs_gluon
 @pytest.mark.parametrize("h,i,k,tiles,gptoss", [(2048, 768, 8, "4x4w4,4x4w4", False), (2880, 2880, 4, "8x2w4p,4x4w4p", True),
                                                  (320, 192, 2, "4x4w4,4x4w4", True), (2048, 768, 8, "4x4w4a3,4x4w4aa3", False),
-                                                 (2880, 2880, 4, "4x2w4aa4,4x4w4aa3", True)])  # (gpt-oss's served tiles)
+                                                 (2880, 2880, 4, "4x2w4aa4,4x4w4aa3", True),  # (gpt-oss's served tiles)
+                                                 (2880, 2880, 4, "8x2w4aa3,4x4w4aa3", True)])  # (its big-call size class)
 def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, gptoss, monkeypatch):
     """The gate/up, down and combine launch compiles for sm_90 with both tiles' MMAs, its ticket / block / combine
     counters as GPU-scope atomics (acquire on the down tiles' wait), nothing spilled to local memory and at most 25%
@@ -786,6 +807,23 @@ def test_breakdown_probe_takes_whole_token_cases_only():
                       ("qwen3-30b-a3b:9:1", "multiple of 8"), ("mixtral-8x7b:16:1", "to 8")):
         with pytest.raises(ValueError, match=says):
             parse_cases(bad)
+
+
+def test_bench_routed_cases_route_like_a_verify_forward():
+    """fragment_bench.py --routed N: calls of N tokens, each routed to top-k distinct experts at random; the rows'
+    active experts are the distinct ids, tokens per expert their mean (the size classes' A/B runs on these)."""
+    import argparse
+
+    from benchmarks.fragment_bench import _inputs
+
+    args = argparse.Namespace(routed="1,2,16", tokens="1", active="8")
+    cases = list(_inputs(128, 8, 64, args, device="cpu"))
+    assert [c[2].shape[0] for c in cases] == [1, 2, 16]
+    for active, tpe, x, ids, w in cases:
+        assert ids.shape == (x.shape[0], 8) and all(len(set(r.tolist())) == 8 for r in ids)
+        assert active == ids.unique().numel() and tpe == round(ids.numel() / active, 2)
+        assert w.shape == ids.shape and torch.allclose(w.float().sum(-1), torch.ones(x.shape[0]), atol=1e-2)
+    assert cases[0][0] == 8 and 8 < cases[2][0] <= 128
 
 
 def test_the_probes_source_edits_still_apply():
