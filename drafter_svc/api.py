@@ -18,7 +18,7 @@ from pdflash import convert
 from pdflash.errors import FieldViolation, InvalidArgument, ResourceExhausted, check
 from pdflash.types import DrafterKind, FinishReason
 from pdflash.v1 import drafter_pb2
-from pdflash.validation import MAX_ID_CHARS, id_violations, sampling_violations
+from pdflash.validation import MAX_ID_CHARS, id_violations, sampling_violations, stop_violations
 from drafter_svc.loop import Request, Usage
 
 REQUEST_ID_KEY = "x-request-id"
@@ -99,6 +99,8 @@ def parse_generate(request, request_id: str, limits: Limits, tokenize: Callable[
         v.append(FieldViolation("stop_token_ids", f"ids {bad_stop[:5]} outside the vocabulary [0, {limits.vocab_size})"))
     if len(request.stop_token_ids) > MAX_STOP_TOKENS:
         v.append(FieldViolation("stop_token_ids", f"{len(request.stop_token_ids)} ids; at most {MAX_STOP_TOKENS}"))
+    stops = tuple(request.stop)
+    v.extend(stop_violations(stops))
     sampling = convert.sampling_from_pb(request.sampling)
     v.extend(sampling_violations(sampling))
     kind = DrafterKind(request.drafter) if request.drafter in DrafterKind._value2member_map_ else None
@@ -129,6 +131,7 @@ def parse_generate(request, request_id: str, limits: Limits, tokenize: Callable[
         ignore_eos=request.ignore_eos,
         block_size=block,
         fixed_width=request.fixed_width or limits.fixed_width,
+        stop=tuple(dict.fromkeys(stops)),
     )
     return req, kind
 
@@ -184,13 +187,15 @@ def chunk_message(request_id: str, token_ids: list[int], text: str, round: int) 
         request_id=request_id, chunk=drafter_pb2.TokenChunk(token_ids=token_ids, text=text, round=round))
 
 
-def final_message(request_id: str, reason: FinishReason, usage: Usage, text: str) -> drafter_pb2.GenerateResponse:
+def final_message(request_id: str, reason: FinishReason, usage: Usage, text: str,
+                  stop_sequence: str | None = None) -> drafter_pb2.GenerateResponse:
     u = usage
     return drafter_pb2.GenerateResponse(
         request_id=request_id,
         final=drafter_pb2.Final(
             finish_reason=int(reason),
             text=text,
+            stop_sequence=stop_sequence or "",
             usage=drafter_pb2.Usage(
                 prompt_tokens=u.prompt_tokens,
                 completion_tokens=u.completion_tokens,

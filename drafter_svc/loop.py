@@ -51,6 +51,7 @@ class Request:
     ignore_eos: bool
     block_size: int  # anchor + drafts: the widest verify; 1 = no drafting
     fixed_width: bool = False  # every round drafts block_size - 1 (default: the width adapts, drafter_svc.width)
+    stop: tuple[str, ...] = ()  # stop sequences: the servicer's (drafter_svc.tokens.TextStream); the loop sees no text
 
 
 @dataclasses.dataclass
@@ -241,8 +242,12 @@ async def run_request(
     verify_stream: bool = True,
     stream_behind: bool = True,
     round_cost: RoundCost | None = None,
+    usage: Usage | None = None,
 ) -> AsyncIterator[Tokens | Finished]:
-    usage = Usage(prompt_tokens=len(req.prompt))
+    """`usage`: filled in as the rounds go (one made here when None): a caller that closes the generator early (a stop
+    sequence) still has the request's usage so far."""
+    usage = usage if usage is not None else Usage()
+    usage.prompt_tokens = len(req.prompt)
     drafter = drafter_factory.new_session()
     width = VerifyWidth(req.block_size, adaptive=not req.fixed_width, cost=round_cost)
     heavy = bool(drafter_factory.feature_layer_ids)

@@ -14,14 +14,14 @@ import structlog
 
 from pdflash.errors import InvalidArgument, PdflashError, Unavailable, abort_with
 from pdflash.logging import get_logger
-from pdflash.types import DrafterKind
+from pdflash.types import DrafterKind, FinishReason
 from pdflash.v1 import drafter_pb2_grpc
 from drafter_svc import api
 from drafter_svc.api import REQUEST_ID_KEY  # noqa: F401  (where callers have always found it)
 from drafter_svc.clients import SchedulerClient, TargetInfo, VerifierClient
 from drafter_svc.config import DrafterConfig
-from drafter_svc.loop import Deadline, Finished, Tokens, run_request
-from drafter_svc.tokens import IncrementalDetokenizer
+from drafter_svc.loop import Deadline, Finished, Tokens, Usage, run_request
+from drafter_svc.tokens import TextStream
 from drafter_svc.width import RoundCost
 
 log = get_logger("pdflash.drafter")
@@ -97,26 +97,40 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             if self.metrics is not None:
                 timer = self.metrics.request(len(req.prompt))
                 timer.started()
-            detok = IncrementalDetokenizer(self.door.tokenizer, req.prompt)
-            log.info("generate", prompt_tokens=len(req.prompt), max_tokens=req.max_tokens, drafter=kind.name.lower(), block_size=req.block_size)
+            text = TextStream(self.door.tokenizer, req.prompt, req.stop)
+            log.info("generate", prompt_tokens=len(req.prompt), max_tokens=req.max_tokens, drafter=kind.name.lower(),
+                     block_size=req.block_size, stop_sequences=len(req.stop))
+            usage = Usage()
             gen = run_request(
                 req, self.door.factories[kind], self.door.verifier, self.door.scheduler,
                 Deadline(context.time_remaining()), abort, admit_ahead=self.door.cfg.admit_ahead,
-                verify_stream=self.door.cfg.verify_stream, round_cost=self.door.round_costs[kind],
+                verify_stream=self.door.cfg.verify_stream, round_cost=self.door.round_costs[kind], usage=usage,
             )
+            sent = 0  # token ids streamed
+            stopped = None  # the stop sequence that ended the text
+            final = False  # the final message is out
             async for ev in gen:
                 if isinstance(ev, Tokens):
+                    ids, piece, stopped = text.add(ev.token_ids)
+                    sent += len(ids)
                     if timer is not None:
-                        timer.tokens(len(ev.token_ids))
+                        timer.tokens(len(ids))
                         if ev.round > 0:
                             self.metrics.record_draft(ev.drafted, ev.accepted)
-                    yield api.chunk_message(request_id, ev.token_ids, detok.add(ev.token_ids), ev.round)
+                    yield api.chunk_message(request_id, ids, piece, ev.round)
+                    if stopped is not None:
+                        break
                 elif isinstance(ev, Finished):
-                    outcome = ev.reason.name.lower()
-                    u = ev.usage
-                    log.info("finished", finish_reason=ev.reason.name.lower(), completion_tokens=u.completion_tokens,
-                             rounds=u.rounds, mean_acceptance_length=round(u.mean_acceptance_length, 3))
-                    yield api.final_message(request_id, ev.reason, u, detok.flush())
+                    rest, stopped = text.finish()
+                    reason = FinishReason.STOP if stopped is not None else ev.reason
+                    outcome, final = self._finished(reason, ev.usage), True
+                    yield api.final_message(request_id, reason, ev.usage, rest, stopped)
+            if stopped is not None and not final:  # a stop sequence mid-stream: the rounds still to come do not run
+                await gen.aclose()  # (the loop's clean-up: the verifier session ended, every admission released)
+                gen = None
+                usage.completion_tokens = sent
+                outcome = self._finished(FinishReason.STOP, usage)
+                yield api.final_message(request_id, FinishReason.STOP, usage, "", stopped)
         except PdflashError as e:
             log.info("generate failed", code=e.code.name, error=e.message)
             await abort_with(context, e)
@@ -131,6 +145,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             if registered:
                 self._running.finish(request_id)
             structlog.contextvars.unbind_contextvars("request_id")
+
+    @staticmethod
+    def _finished(reason: FinishReason, u: Usage) -> str:
+        log.info("finished", finish_reason=reason.name.lower(), completion_tokens=u.completion_tokens, rounds=u.rounds,
+                 mean_acceptance_length=round(u.mean_acceptance_length, 3))
+        return reason.name.lower()
 
     async def Abort(self, request, context):
         try:

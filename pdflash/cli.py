@@ -118,7 +118,13 @@ def _number(text: str):
 def _check(violations, flags: dict[str, str]) -> None:
     """UsageError naming each option (by its flag) and what it must be, in pdflash.validation's words."""
     if violations:
-        raise UsageError([f"{flags.get(v.field, v.field)}: {v.description}" for v in violations])
+        raise UsageError([f"{_flag_of(v.field, flags)}: {v.description}" for v in violations])
+
+
+def _flag_of(field: str, flags: dict[str, str]) -> str:
+    """A request field as its option spells it; an entry of a repeated one keeps its index (stop[1] -> --stop[1])."""
+    base, _, index = field.partition("[")
+    return flags.get(field) or (flags[base] + "[" + index if index and base in flags else field)
 
 
 def _check_seconds(args, *names: str) -> None:
@@ -362,7 +368,7 @@ def cmd_generate(args) -> int:
         req = Client.request(
             args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, drafter=args.drafter, block_size=args.block_size, ignore_eos=args.ignore_eos,
-            fixed_width=args.fixed_width,
+            fixed_width=args.fixed_width, stop=args.stop or (),
         )
     except InvalidArgument as e:
         v += e.violations
@@ -383,14 +389,15 @@ def cmd_generate(args) -> int:
             return 2
         if args.stats and final is not None:
             u = final.usage
-            print(f"finish={_finish_name(final.finish_reason)} prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
+            print(f"finish={_finish_name(final.finish_reason)}"
+                  + (f" stop_sequence={final.stop_sequence!r}" if final.stop_sequence else "") + f" prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
                   f"rounds={u.rounds} mean_acceptance_length={u.mean_acceptance_length:.2f}", file=sys.stderr)
     return 0
 
 
 GENERATE_FLAGS = {"max_tokens": "--max-tokens", "block_size": "--block-size", "sampling.temperature": "--temperature",
                   "sampling.top_p": "--top-p", "sampling.top_k": "--top-k", "sampling.seed": "--seed", "drafter": "--drafter",
-                  "timeout": "--timeout"}
+                  "timeout": "--timeout", "stop": "--stop"}
 
 
 def _finish_name(r: int) -> str:
@@ -490,6 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_number, default=0, help="widest verify block (0 = the server's default)")
     p.add_argument("--fixed-width", action="store_true", help="draft the whole block every round (default: the width adapts)")
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token, to --max-tokens")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="a stop sequence (repeatable, at most 16): the text ends before the first one generated "
+                        "(bash: --stop $'\\n\\n' for a blank line)")
     p.add_argument("--timeout", type=_number, default=300.0, help="seconds")
     p.add_argument("--stats", action="store_true", help="print usage statistics to stderr")
     p.add_argument("--token", default=os.environ.get("PDFLASH_AUTH_TOKEN", ""),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 
@@ -24,6 +24,7 @@ class Completion:
     usage: drafter_pb2.Usage
     timings: drafter_pb2.PhaseTimings
     chunks: int
+    stop_sequence: str = ""  # the stop sequence that ended the text (finish_reason "stop"), else ""
 
 
 class Client:
@@ -75,14 +76,16 @@ class Client:
         ignore_eos: bool = False,
         request_id: str = "",
         fixed_width: bool = False,
+        stop: Sequence[str] = (),
     ) -> drafter_pb2.GenerateRequest:
         """A GenerateRequest. Every value is checked before it reaches a protobuf field: a value the field
         cannot hold, or one no server accepts, raises `pdflash.errors.InvalidArgument` whose field violations
-        use the server's words (`pdflash.validation`)."""
+        use the server's words (`pdflash.validation`). `stop`: stop sequences (the text ends before the first one
+        generated; finish reason "stop", `Completion.stop_sequence` names it)."""
         prompt_tokens = () if isinstance(prompt, str) else list(prompt)
         v = generate_violations(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 block_size=block_size, stop_token_ids=list(stop_token_ids or ()),
-                                prompt_tokens=prompt_tokens, request_id=request_id)
+                                prompt_tokens=prompt_tokens, request_id=request_id, stop=stop)
         kind = None
         if isinstance(drafter, str):
             kind = DrafterKind.__members__.get(drafter.upper())
@@ -104,6 +107,7 @@ class Client:
             stop_token_ids=stop_token_ids or [],
             ignore_eos=ignore_eos,
             fixed_width=fixed_width,
+            stop=list(stop),
         )
         if isinstance(prompt, str):
             req.prompt = prompt
@@ -142,6 +146,7 @@ class Client:
             usage=final.usage,
             timings=final.timings,
             chunks=chunks,
+            stop_sequence=final.stop_sequence,
         )
 
     def model_info(self, timeout: float = 10.0) -> drafter_pb2.ModelInfoResponse:

@@ -86,6 +86,26 @@ def _float_field(field: str, value, check) -> FieldViolation | None:
     return check(x, field)
 
 
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+
+
+def stop_violations(stops) -> list[FieldViolation]:
+    """GenerateRequest.stop: at most MAX_STOP_SEQUENCES strings of 1 to MAX_STOP_CHARS characters."""
+    if isinstance(stops, (str, bytes)):
+        return [FieldViolation("stop", "a list of stop sequences, not one string")]
+    stops = list(stops)
+    v = []
+    if len(stops) > MAX_STOP_SEQUENCES:
+        v.append(FieldViolation("stop", f"{len(stops)} stop sequences; at most {MAX_STOP_SEQUENCES}"))
+    for n, text in enumerate(stops[:MAX_STOP_SEQUENCES]):
+        if not isinstance(text, str):
+            v.append(FieldViolation(f"stop[{n}]", f"a stop sequence is a string, got {type(text).__name__}"))
+        elif not 1 <= len(text) <= MAX_STOP_CHARS:
+            v.append(FieldViolation(f"stop[{n}]", f"a stop sequence is 1 to {MAX_STOP_CHARS} characters, got {len(text)}"))
+    return v
+
+
 def generate_violations(
     *,
     max_tokens=0,
@@ -97,6 +117,7 @@ def generate_violations(
     stop_token_ids=(),
     prompt_tokens=(),
     request_id: str = "",
+    stop=(),
 ) -> list[FieldViolation]:
     """What a GenerateRequest built from these values would be refused for, before any protobuf field sees them.
 
@@ -119,6 +140,7 @@ def generate_violations(
         if bad:
             v.append(FieldViolation(field, f"ids {bad[:5]} are not token ids in [0, {INT32_MAX}]"))
     v.extend(id_violations({"request_id": request_id}))
+    v.extend(stop_violations(stop))
     return [x for x in v if x is not None]
 
 

@@ -27,7 +27,7 @@ import grpc
 
 from drafter_svc import api
 from drafter_svc.loop import Request, Usage
-from drafter_svc.tokens import IncrementalDetokenizer
+from drafter_svc.tokens import TextStream
 from pdflash import config as cfgmod
 from pdflash.errors import (STATUS_DETAILS_KEY, FieldViolation, InvalidArgument, PdflashError, ResourceExhausted,
                             Unavailable, abort_with)
@@ -221,16 +221,25 @@ class StubServicer(drafter_pb2_grpc.DrafterServicer):
         tokens, reason = self._completion(req, script)
         size = min(script.chunk_tokens, req.block_size)
         groups = [tokens[:1]] + [tokens[i:i + size] for i in range(1, len(tokens), size)]
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt)
-        chunks = [api.chunk_message(request_id, g, detok.add(g), r) for r, g in enumerate(groups)]
-        final_text = detok.flush()
+        text = TextStream(self.tokenizer, req.prompt, req.stop)  # (the stop sequences as the drafter applies them)
+        chunks, stopped = [], None
+        for r, g in enumerate(groups):
+            ids, piece, stopped = text.add(g)
+            chunks.append(api.chunk_message(request_id, ids, piece, r))
+            if stopped is not None:
+                break
+        final_text = ""
+        if stopped is None:
+            final_text, stopped = text.finish()
+        if stopped is not None:
+            reason = FinishReason.STOP
         sent = _Sent()
         t0 = time.perf_counter()
         async for msg in self._paced(chunks, script, abort, sent):
             yield msg
         reason = FinishReason.ABORTED if sent.aborted else reason
         yield api.final_message(request_id, reason, _usage(len(req.prompt), sent.sizes, (time.perf_counter() - t0) * 1e3),
-                                "" if sent.aborted else final_text)
+                                "" if sent.aborted else final_text, None if sent.aborted else stopped)
 
     async def _replayed(self, request_id: str, req: Request, call: Call, script: Script, abort: asyncio.Event):
         chunks, final = [], None

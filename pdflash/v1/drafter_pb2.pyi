@@ -28,7 +28,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_tokens", "max_tokens", "sampling", "stop_token_ids", "ignore_eos", "block_size", "drafter", "fixed_width")
+    __slots__ = ("request_id", "prompt", "prompt_tokens", "max_tokens", "sampling", "stop_token_ids", "ignore_eos", "block_size", "drafter", "fixed_width", "stop")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class GenerateRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     FIXED_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_tokens: TokenIds
@@ -49,7 +50,8 @@ class GenerateRequest(_message.Message):
     block_size: int
     drafter: DrafterKind
     fixed_width: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., block_size: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., fixed_width: _Optional[bool] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., block_size: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., fixed_width: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "round")
@@ -98,16 +100,18 @@ class PhaseTimings(_message.Message):
     def __init__(self, prefill_ms: _Optional[float] = ..., draft_ms: _Optional[float] = ..., admit_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., verify_server_ms: _Optional[float] = ..., verify_forward_ms: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "usage", "text", "timings")
+    __slots__ = ("finish_reason", "usage", "text", "timings", "stop_sequence")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     usage: Usage
     text: str
     timings: PhaseTimings
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., text: _Optional[str] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ...) -> None: ...
+    stop_sequence: str
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., text: _Optional[str] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "final")
