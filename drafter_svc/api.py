@@ -18,7 +18,7 @@ from pdflash import convert
 from pdflash.errors import FieldViolation, InvalidArgument, ResourceExhausted, check
 from pdflash.types import DrafterKind, FinishReason
 from pdflash.v1 import drafter_pb2
-from pdflash.validation import MAX_ID_CHARS, id_violations, sampling_violations, stop_violations
+from pdflash.validation import MAX_ID_CHARS, id_violations, logprobs_violations, sampling_violations, stop_violations
 from drafter_svc.loop import Request, Usage
 
 REQUEST_ID_KEY = "x-request-id"
@@ -101,6 +101,7 @@ def parse_generate(request, request_id: str, limits: Limits, tokenize: Callable[
         v.append(FieldViolation("stop_token_ids", f"{len(request.stop_token_ids)} ids; at most {MAX_STOP_TOKENS}"))
     stops = tuple(request.stop)
     v.extend(stop_violations(stops))
+    v.extend(logprobs_violations(request.logprobs, request.top_logprobs))
     sampling = convert.sampling_from_pb(request.sampling)
     v.extend(sampling_violations(sampling))
     kind = DrafterKind(request.drafter) if request.drafter in DrafterKind._value2member_map_ else None
@@ -132,6 +133,8 @@ def parse_generate(request, request_id: str, limits: Limits, tokenize: Callable[
         block_size=block,
         fixed_width=request.fixed_width or limits.fixed_width,
         stop=tuple(dict.fromkeys(stops)),
+        logprobs=request.logprobs,
+        top_logprobs=int(request.top_logprobs),
     )
     return req, kind
 
@@ -182,9 +185,13 @@ class RunningRequests:
         return event is not None
 
 
-def chunk_message(request_id: str, token_ids: list[int], text: str, round: int) -> drafter_pb2.GenerateResponse:
+def chunk_message(request_id: str, token_ids: list[int], text: str, round: int, logprobs: list[float] | None = None,
+                  top_logprobs=None) -> drafter_pb2.GenerateResponse:
+    """A TokenChunk; `logprobs` / `top_logprobs` (one per id, or None) as the request asked for them."""
     return drafter_pb2.GenerateResponse(
-        request_id=request_id, chunk=drafter_pb2.TokenChunk(token_ids=token_ids, text=text, round=round))
+        request_id=request_id, chunk=drafter_pb2.TokenChunk(
+            token_ids=token_ids, text=text, round=round, logprobs=logprobs or (),
+            top_logprobs=convert.top_logprobs_to_pb(top_logprobs)))
 
 
 def final_message(request_id: str, reason: FinishReason, usage: Usage, text: str,

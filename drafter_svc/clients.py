@@ -41,6 +41,8 @@ class PrefillOut:
     routed_union: ExpertUnion
     routed_bytes: int
     server_ms: float
+    logprobs: list[float] | None = None  # with logprobs: first_token's
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
 
 @dataclasses.dataclass
@@ -54,6 +56,8 @@ class VerifyOut:
     server_ms: float
     forward_ms: float
     offloaded: bool = False  # the verifier streamed offloaded experts for this verify (it reported their cache)
+    logprobs: list[float] | None = None  # with logprobs: one per token
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
 
 @dataclasses.dataclass
@@ -108,6 +112,8 @@ class VerifierClient:
         ignore_eos: bool,
         feature_layer_ids: list[int],
         timeout: float | None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
     ) -> PrefillOut:
         req = verifier_pb2.PrefillRequest(
             request_id=request_id,
@@ -117,6 +123,8 @@ class VerifierClient:
             stop_token_ids=stop_token_ids,
             ignore_eos=ignore_eos,
             feature_layer_ids=feature_layer_ids,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
         )
         try:
             r = await self.stub.Prefill(req, timeout=timeout)
@@ -130,6 +138,8 @@ class VerifierClient:
             routed_union=convert.union_from_pb(r.routed_union),
             routed_bytes=r.routed_bytes,
             server_ms=r.timings.total_ms,
+            logprobs=list(r.logprobs) or None,
+            top_logprobs=convert.top_logprobs_from_pb(r.top_logprobs),
         )
 
     async def verify(
@@ -176,6 +186,8 @@ def _verify_out(r: verifier_pb2.VerifyResult) -> VerifyOut:
         server_ms=r.timings.total_ms,
         forward_ms=r.timings.forward_ms,
         offloaded=r.HasField("expert_cache"),
+        logprobs=list(r.logprobs) or None,
+        top_logprobs=convert.top_logprobs_from_pb(r.top_logprobs),
     )
 
 

@@ -52,6 +52,8 @@ class Request:
     block_size: int  # anchor + drafts: the widest verify; 1 = no drafting
     fixed_width: bool = False  # every round drafts block_size - 1 (default: the width adapts, drafter_svc.width)
     stop: tuple[str, ...] = ()  # stop sequences: the servicer's (drafter_svc.tokens.TextStream); the loop sees no text
+    logprobs: bool = False  # the verifier returns each emitted token's log-probability (Tokens.logprobs)
+    top_logprobs: int = 0  # and this many alternatives a position
 
 
 @dataclasses.dataclass
@@ -85,6 +87,8 @@ class Tokens:
     round: int
     drafted: int = 0  # draft tokens verified this round
     accepted: int = 0  # of which accepted
+    logprobs: list[float] | None = None  # with Request.logprobs: one per token
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None  # with top_logprobs: (ids, logprobs) per token
 
 
 @dataclasses.dataclass
@@ -273,6 +277,8 @@ async def run_request(
             req.ignore_eos,
             list(drafter_factory.feature_layer_ids),
             deadline.remaining(),
+            req.logprobs,
+            req.top_logprobs,
         )
         usage.prefill_ms = (time.perf_counter() - t0) * 1e3
         session_id = pre.session_id
@@ -291,7 +297,7 @@ async def run_request(
             first = DraftResult(session_id, 1, (), union, union_b)
             ahead = _Ahead(1, union, union_b, asyncio.ensure_future(_admit(
                 scheduler, req.request_id, first, deadline.remaining(), reserve_tokens=reserve)))
-        yield Tokens([pre.first_token], 0)
+        yield Tokens([pre.first_token], 0, logprobs=pre.logprobs, top_logprobs=pre.top_logprobs)
         if finished is not None:
             yield Finished(finished, usage)
             return
@@ -397,7 +403,7 @@ async def run_request(
                 anchor = res.tokens[-1]
                 union = res.routed_union
                 union_b = res.routed_bytes
-            ev = Tokens(res.tokens, rnd, len(drafts), res.num_accepted)
+            ev = Tokens(res.tokens, rnd, len(drafts), res.num_accepted, res.logprobs, res.top_logprobs)
             if stream_behind and not heavy and finished is None:
                 behind = ev  # streamed once the next round's Verify is on its way
             else:

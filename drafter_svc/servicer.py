@@ -117,7 +117,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         timer.tokens(len(ids))
                         if ev.round > 0:
                             self.metrics.record_draft(ev.drafted, ev.accepted)
-                    yield api.chunk_message(request_id, ids, piece, ev.round)
+                    n = len(ids)  # (a stop sequence cuts the logprobs with the ids)
+                    yield api.chunk_message(request_id, ids, piece, ev.round, ev.logprobs and ev.logprobs[:n],
+                                            ev.top_logprobs and ev.top_logprobs[:n])
                     if stopped is not None:
                         break
                 elif isinstance(ev, Finished):

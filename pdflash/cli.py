@@ -368,7 +368,8 @@ def cmd_generate(args) -> int:
         req = Client.request(
             args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, drafter=args.drafter, block_size=args.block_size, ignore_eos=args.ignore_eos,
-            fixed_width=args.fixed_width, stop=args.stop or (),
+            fixed_width=args.fixed_width, stop=args.stop or (), logprobs=args.logprobs or args.top_logprobs > 0,
+            top_logprobs=args.top_logprobs,
         )
     except InvalidArgument as e:
         v += e.violations
@@ -376,10 +377,13 @@ def cmd_generate(args) -> int:
     with Client(args.target, token=args.token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
         try:
             final = None
+            scored = []  # (id, logprob, alternatives) per token, with --logprobs
             for msg in client.stream(req, timeout=args.timeout):
                 if msg.HasField("chunk"):
                     sys.stdout.write(msg.chunk.text)
                     sys.stdout.flush()
+                    tops = list(msg.chunk.top_logprobs) or [None] * len(msg.chunk.logprobs)
+                    scored += zip(msg.chunk.token_ids, msg.chunk.logprobs, tops)
                 else:
                     final = msg.final
                     sys.stdout.write(final.text)
@@ -387,6 +391,9 @@ def cmd_generate(args) -> int:
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 2
+        for tok, lp, top in scored:  # after the text, on stderr: the token id, its logprob, the alternatives
+            alts = "" if top is None else "  " + " ".join(f"{i}:{x:.4f}" for i, x in zip(top.token_ids, top.logprobs))
+            print(f"{tok}\t{lp:.4f}{alts}", file=sys.stderr)
         if args.stats and final is not None:
             u = final.usage
             print(f"finish={_finish_name(final.finish_reason)}"
@@ -397,7 +404,7 @@ def cmd_generate(args) -> int:
 
 GENERATE_FLAGS = {"max_tokens": "--max-tokens", "block_size": "--block-size", "sampling.temperature": "--temperature",
                   "sampling.top_p": "--top-p", "sampling.top_k": "--top-k", "sampling.seed": "--seed", "drafter": "--drafter",
-                  "timeout": "--timeout", "stop": "--stop"}
+                  "timeout": "--timeout", "stop": "--stop", "top_logprobs": "--top-logprobs"}
 
 
 def _finish_name(r: int) -> str:
@@ -497,6 +504,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_number, default=0, help="widest verify block (0 = the server's default)")
     p.add_argument("--fixed-width", action="store_true", help="draft the whole block every round (default: the width adapts)")
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token, to --max-tokens")
+    p.add_argument("--logprobs", action="store_true",
+                   help="print each token's id and log-probability under the target model to stderr after the text")
+    p.add_argument("--top-logprobs", type=int, default=0, metavar="N",
+                   help="with them, the N likeliest tokens at each position (0-20; implies --logprobs)")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="a stop sequence (repeatable, at most 16): the text ends before the first one generated "
                         "(bash: --stop $'\\n\\n' for a blank line)")

@@ -12,7 +12,7 @@ from pdflash.server import CHANNEL_OPTIONS
 from pdflash.tls import bearer_metadata, channel_credentials
 from pdflash.types import DrafterKind
 from pdflash.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from pdflash.validation import generate_violations, seconds_violation
+from pdflash.validation import generate_violations, logprobs_violations, seconds_violation
 
 
 @dataclasses.dataclass
@@ -25,6 +25,8 @@ class Completion:
     timings: drafter_pb2.PhaseTimings
     chunks: int
     stop_sequence: str = ""  # the stop sequence that ended the text (finish_reason "stop"), else ""
+    logprobs: list[float] | None = None  # with logprobs: one per token id
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # with top_logprobs: [(id, logprob), ...] per token id
 
 
 class Client:
@@ -77,15 +79,19 @@ class Client:
         request_id: str = "",
         fixed_width: bool = False,
         stop: Sequence[str] = (),
+        logprobs: bool = False,
+        top_logprobs: int = 0,
     ) -> drafter_pb2.GenerateRequest:
         """A GenerateRequest. Every value is checked before it reaches a protobuf field: a value the field
         cannot hold, or one no server accepts, raises `pdflash.errors.InvalidArgument` whose field violations
         use the server's words (`pdflash.validation`). `stop`: stop sequences (the text ends before the first one
-        generated; finish reason "stop", `Completion.stop_sequence` names it)."""
+        generated; finish reason "stop", `Completion.stop_sequence` names it). `logprobs`: each token's log-probability
+        under the target model (`Completion.logprobs`), with `top_logprobs` (0-20) the likeliest tokens a position."""
         prompt_tokens = () if isinstance(prompt, str) else list(prompt)
         v = generate_violations(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 block_size=block_size, stop_token_ids=list(stop_token_ids or ()),
                                 prompt_tokens=prompt_tokens, request_id=request_id, stop=stop)
+        v.extend(logprobs_violations(logprobs, top_logprobs))
         kind = None
         if isinstance(drafter, str):
             kind = DrafterKind.__members__.get(drafter.upper())
@@ -108,6 +114,8 @@ class Client:
             ignore_eos=ignore_eos,
             fixed_width=fixed_width,
             stop=list(stop),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
         )
         if isinstance(prompt, str):
             req.prompt = prompt
@@ -124,6 +132,8 @@ class Client:
         req = self.request(prompt, **kw)
         ids: list[int] = []
         text: list[str] = []
+        lps: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
         chunks = 0
         final = None
         rid = ""
@@ -133,6 +143,8 @@ class Client:
                 chunks += 1
                 ids.extend(msg.chunk.token_ids)
                 text.append(msg.chunk.text)
+                lps.extend(msg.chunk.logprobs)
+                tops.extend(list(zip(t.token_ids, t.logprobs)) for t in msg.chunk.top_logprobs)
             else:
                 final = msg.final
                 text.append(final.text)
@@ -147,6 +159,8 @@ class Client:
             timings=final.timings,
             chunks=chunks,
             stop_sequence=final.stop_sequence,
+            logprobs=lps if req.logprobs else None,
+            top_logprobs=tops if req.top_logprobs else None,
         )
 
     def model_info(self, timeout: float = 10.0) -> drafter_pb2.ModelInfoResponse:

@@ -126,3 +126,13 @@ def array_from_pb(pb: common_pb2.Tensor) -> np.ndarray:
     if arr.size != math.prod(shape):
         raise ValueError(f"tensor data has {arr.size} elements, shape {shape} needs {math.prod(shape)}")
     return arr.reshape(shape).astype(dt.newbyteorder("="))
+
+
+def top_logprobs_to_pb(tops) -> list[common_pb2.TopLogprobs]:
+    """[(ids, logprobs), ...] (one a position, the likeliest first) -> TopLogprobs messages (None: none)."""
+    return [common_pb2.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in (tops or ())]
+
+
+def top_logprobs_from_pb(messages) -> list[tuple[list[int], list[float]]] | None:
+    """TopLogprobs messages -> [(ids, logprobs), ...]; None when there are none."""
+    return [(list(m.token_ids), list(m.logprobs)) for m in messages] or None

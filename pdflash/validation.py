@@ -86,6 +86,21 @@ def _float_field(field: str, value, check) -> FieldViolation | None:
     return check(x, field)
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+def logprobs_violations(logprobs: bool, top_logprobs) -> list[FieldViolation]:
+    """GenerateRequest / PrefillRequest logprobs, top_logprobs: at most MAX_TOP_LOGPROBS alternatives, and only with
+    logprobs on."""
+    v = []
+    bad = int_violation("top_logprobs", top_logprobs, 0, MAX_TOP_LOGPROBS)
+    if bad is not None:
+        v.append(bad)
+    elif top_logprobs and not logprobs:
+        v.append(FieldViolation("top_logprobs", "needs logprobs on (the alternatives come with the token's own)"))
+    return v
+
+
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
 

@@ -141,8 +141,9 @@ def test_every_hop_gets_the_remaining_time():
     seen: list[tuple[str, float | None]] = []
 
     class Verifier:
-        async def prefill(self, *args):
-            seen.append(("prefill", args[-1]))
+        async def prefill(self, request_id, prompt, sampling, max_tokens, stop_token_ids, ignore_eos, feature_layer_ids,
+                          timeout, logprobs=False, top_logprobs=0):  # (VerifierClient.prefill's parameters)
+            seen.append(("prefill", timeout))
             return PrefillOut("s", 7, None, None, {}, 0, 0.0)
 
         async def verify(self, request_id, draft, ticket, return_features, timeout):

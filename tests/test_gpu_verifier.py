@@ -241,3 +241,32 @@ def test_sampled_verify_on_cuda_follows_the_target_distribution(core):
     observed = [sum(1 for p in pairs if p == k) for k in keys]
     expected = [table[k] * n for k in keys]
     assert chisquare(observed, [e * n / sum(expected) for e in expected]).pvalue > 1e-3
+
+
+def _logprob_run(core, prompt, propose, width: int, n: int = 64):
+    """(tokens, logprobs, top-3) of a greedy session asking for logprobs, `width`-wide blocks of `propose`'s drafts."""
+    from pdflash.types import DraftResult, SamplingParams
+    from verifier_svc.engine import PrefillInput
+
+    o = core.prefill(PrefillInput("t", tuple(prompt), SamplingParams(), n, ignore_eos=True, logprobs=True, top_logprobs=3))
+    toks, lps, tops, rnd = list(o.tokens), list(o.logprobs), list(o.top_logprobs), 0
+    while o.finished is None:
+        rnd += 1
+        drafts = propose(prompt, toks, max(0, min(width - 1, n - len(toks) - 1)))
+        o = core.verify(DraftResult(o.session_id, rnd, (toks[-1], *drafts), {}, 0))
+        toks += o.tokens
+        lps += o.logprobs
+        tops += o.top_logprobs
+    return toks, lps, tops
+
+
+def test_logprobs_are_block_ones_bit_for_bit(core):
+    """A position's logprobs (and its top alternatives) do not depend on the block it was verified in: the batch-
+    invariant log-softmax over the batch-invariant forward's logits, in bf16 at real layer shapes."""
+    prompt = _prompts(core.target.vocab_size, 1)[0]
+    ref = _logprob_run(core, prompt, _no_drafts, 1)
+    for width, every in ((16, 4), (32, 10**9)):
+        got = _logprob_run(core, prompt, _replay(ref[0], every, core.target.vocab_size), width)
+        assert got[0] == ref[0] and got[1] == ref[1] and got[2] == ref[2], width
+    for tok, lp, (ids, vals) in zip(*ref):
+        assert vals[0] == lp and (ids[0] == tok or vals[1] == lp)  # greedy: the likeliest (bf16 logits tie at times)

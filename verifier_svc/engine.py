@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from pdflash.errors import FailedPrecondition, FieldViolation, check
 from pdflash.logging import get_logger
-from pdflash.validation import sampling_violations
+from pdflash.validation import logprobs_violations, sampling_violations
 from pdflash.types import DraftResult, ExpertUnion, FinishReason, SamplingParams, union_bytes
 from verifier_svc.model import TargetModel
 from pdflash_kernels.attention import PAGE
@@ -38,6 +38,8 @@ class PrefillInput:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     feature_layer_ids: tuple[int, ...] = ()
+    logprobs: bool = False  # each emitted token's log-probability (StepOutput.logprobs)
+    top_logprobs: int = 0  # with logprobs: the likeliest alternatives at each position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,8 @@ class StepOutput:
     forward_ms: float
     accept_ms: float
     expert_cache: object | None = None  # verifier_svc.expert_cache.CacheStats of this call (offloaded experts)
+    logprobs: list[float] | None = None  # the session's logprobs: one per emitted token
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None  # (ids, logprobs) likeliest first, one per token
 
 
 def _moe_gemms_info(moe) -> str:
@@ -194,6 +198,7 @@ class VerifierCore:
         if not 1 <= req.max_tokens <= self.max_tokens_limit:
             v.append(FieldViolation("max_tokens", f"must be in [1, {self.max_tokens_limit}], got {req.max_tokens}"))
         v.extend(sampling_violations(req.sampling))
+        v.extend(logprobs_violations(req.logprobs, req.top_logprobs))
         bad_layers = [i for i in req.feature_layer_ids if not 0 <= i < t.num_layers]
         if bad_layers:
             v.append(FieldViolation("feature_layer_ids", f"{bad_layers} not in [0, {t.num_layers})"))
@@ -276,6 +281,26 @@ class VerifierCore:
             t.expert_cache.collect(None if last_logits_only else ms, len(ids))
         return logits, feats, union, ms
 
+    def _logprobs(self, s: Session, logits: torch.Tensor, tokens: list[int]):
+        """(each token's log-probability, its top-k (ids, logprobs) or None) for tokens[i] drawn from logits[i]: the
+        target's raw distribution (temperature 1), as float32 log-softmax (the batch-invariant kernel where the forward
+        runs on them: a position's values are block-1's). (None, None) when the session did not ask."""
+        if s.top_logprobs is None or not tokens:
+            return None, None
+        rows = logits[: len(tokens)].float()
+        if self.target.batch_invariant:
+            from pdflash_kernels import reduce
+
+            lp = reduce.softmax(rows.contiguous(), -1, log=True)
+        else:
+            lp = torch.log_softmax(rows, dim=-1)
+        ids = torch.tensor(tokens, dtype=torch.long, device=lp.device)
+        chosen = lp.gather(1, ids[:, None])[:, 0].cpu().tolist()
+        if not s.top_logprobs:
+            return chosen, None
+        vals, idx = torch.topk(lp, min(s.top_logprobs, lp.shape[-1]), dim=-1)
+        return chosen, list(zip(idx.cpu().tolist(), vals.cpu().tolist()))
+
     def _emit(self, s: Session, candidates: list[int]) -> list[int]:
         emitted: list[int] = []
         for tok in candidates:
@@ -325,6 +350,7 @@ class VerifierCore:
             generator=gen,
             feature_layer_ids=tuple(req.feature_layer_ids),
             kv=kv,
+            top_logprobs=req.top_logprobs if req.logprobs else None,
         )
         cache = t.expert_cache
         before = dataclasses.replace(cache.stats) if cache is not None else None
@@ -346,6 +372,7 @@ class VerifierCore:
         s.committed = len(req.prompt)
         s.anchor = first
         emitted = self._emit(s, [first])
+        lps, tops = self._logprobs(s, logits[-1:], emitted)
         acc_ms = (time.perf_counter() - t0) * 1e3
         if s.finished is None:
             try:
@@ -368,6 +395,8 @@ class VerifierCore:
             forward_ms=fwd_ms,
             accept_ms=acc_ms,
             expert_cache=cache.stats.minus(before) if cache is not None else None,
+            logprobs=lps,
+            top_logprobs=tops,
         )
 
     def verify(self, draft: DraftResult, return_features: bool = True) -> StepOutput:
@@ -398,6 +427,7 @@ class VerifierCore:
         s.committed += keep
         s.anchor = nxt
         emitted = self._emit(s, block[1 : 1 + n_acc] + [nxt])
+        lps, tops = self._logprobs(s, logits, emitted)  # (logits[i] drew the token at block position i + 1)
         acc_ms = (time.perf_counter() - t0) * 1e3
         if s.finished is not None:
             self.sessions.end(s.session_id)
@@ -414,6 +444,8 @@ class VerifierCore:
             forward_ms=fwd_ms,
             accept_ms=acc_ms,
             expert_cache=cache.stats.minus(before) if cache is not None else None,
+            logprobs=lps,
+            top_logprobs=tops,
         )
 
     def end(self, session_id: str) -> bool:

@@ -14,7 +14,7 @@ from pdflash.logging import get_logger
 from pdflash.tickets import TicketSigner
 from pdflash.types import FinishReason, union_bytes
 from pdflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from pdflash.validation import id_violations
+from pdflash.validation import id_violations, logprobs_violations
 from verifier_svc.engine import PrefillInput, StepOutput, VerifierCore
 
 log = get_logger("pdflash.verifier")
@@ -161,6 +161,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 v.append(FieldViolation("stop_token_ids", f"{len(request.stop_token_ids)} ids; at most {MAX_LIST_ITEMS}"))
             if len(request.feature_layer_ids) > MAX_LIST_ITEMS:
                 v.append(FieldViolation("feature_layer_ids", f"{len(request.feature_layer_ids)} ids; at most {MAX_LIST_ITEMS}"))
+            v.extend(logprobs_violations(request.logprobs, request.top_logprobs))
             check(v, "invalid Prefill request")
             req = PrefillInput(
                 request_id=request.request_id,
@@ -170,6 +171,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 stop_token_ids=tuple(request.stop_token_ids),
                 ignore_eos=request.ignore_eos,
                 feature_layer_ids=tuple(request.feature_layer_ids),
+                logprobs=request.logprobs,
+                top_logprobs=int(request.top_logprobs),
             )
             self.core.validate_prefill(req)
             # A session whose id never reached the caller would hold its KV until the idle timeout.
@@ -193,6 +196,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             routed_bytes=out.routed_bytes,
             timings=self._timings(out, t_start, queued),
             committed_tokens=out.committed,
+            logprobs=out.logprobs or (),
+            top_logprobs=convert.top_logprobs_to_pb(out.top_logprobs),
         )
 
     async def _verify(self, request) -> verifier_pb2.VerifyResult:
@@ -235,6 +240,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             routed_bytes=out.routed_bytes,
             timings=self._timings(out, t_start, queued),
             expert_cache=verifier_pb2.ExpertCacheRound(**out.expert_cache.as_dict()) if out.expert_cache is not None else None,
+            logprobs=out.logprobs or (),
+            top_logprobs=convert.top_logprobs_to_pb(out.top_logprobs),
         )
 
     async def Verify(self, request, context):

@@ -30,6 +30,7 @@ class Session:
     generator: torch.Generator | None
     feature_layer_ids: tuple[int, ...]
     kv: object | None = None  # verifier_svc.kv.SequenceKV when the verifier runs on the paged KV pool
+    top_logprobs: int | None = None  # None: no logprobs; else each emitted token's, and this many alternatives
     round: int = 0
     finished: FinishReason | None = None
     last_used: float = dataclasses.field(default_factory=time.monotonic)

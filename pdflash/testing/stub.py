@@ -225,7 +225,10 @@ class StubServicer(drafter_pb2_grpc.DrafterServicer):
         chunks, stopped = [], None
         for r, g in enumerate(groups):
             ids, piece, stopped = text.add(g)
-            chunks.append(api.chunk_message(request_id, ids, piece, r))
+            # a script is certain of its tokens: log-probability 0, and no alternative
+            lps = [0.0] * len(ids) if req.logprobs else None
+            tops = [([t], [0.0]) for t in ids] if req.top_logprobs else None
+            chunks.append(api.chunk_message(request_id, ids, piece, r, lps, tops))
             if stopped is not None:
                 break
         final_text = ""

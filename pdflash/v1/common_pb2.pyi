@@ -75,3 +75,11 @@ class Timings(_message.Message):
     accept_ms: float
     queue_ms: float
     def __init__(self, total_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., accept_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -82,7 +82,7 @@ class VerifierModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., experts_per_layer: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., expert_bytes: _Optional[_Iterable[_Union[LayerExpertBytes, _Mapping]]] = ..., total_expert_bytes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_block_size: _Optional[int] = ..., sessions_alive: _Optional[int] = ..., max_sessions: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., kernels: _Optional[str] = ..., experts_format: _Optional[str] = ..., warmup_seconds: _Optional[float] = ..., expert_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "feature_layer_ids")
+    __slots__ = ("request_id", "prompt_tokens", "sampling", "max_tokens", "stop_token_ids", "ignore_eos", "feature_layer_ids", "logprobs", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,8 @@ class PrefillRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -97,10 +99,12 @@ class PrefillRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     feature_layer_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("session_id", "first_token", "finished", "finish_reason", "features", "routed_union", "routed_bytes", "timings", "committed_tokens")
+    __slots__ = ("session_id", "first_token", "finished", "finish_reason", "features", "routed_union", "routed_bytes", "timings", "committed_tokens", "logprobs", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +114,8 @@ class PrefillResponse(_message.Message):
     ROUTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     first_token: int
     finished: bool
@@ -119,7 +125,9 @@ class PrefillResponse(_message.Message):
     routed_bytes: int
     timings: _common_pb2.Timings
     committed_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., first_token: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., routed_union: _Optional[_Iterable[_Union[_common_pb2.LayerExperts, _Mapping]]] = ..., routed_bytes: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., committed_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    def __init__(self, session_id: _Optional[str] = ..., first_token: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., routed_union: _Optional[_Iterable[_Union[_common_pb2.LayerExperts, _Mapping]]] = ..., routed_bytes: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., committed_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("request_id", "draft", "ticket_id", "return_features", "ticket_signature", "ticket_expires_at_unix", "ticket_tokens", "ticket_expert_bytes")
@@ -142,7 +150,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftResult, _Mapping]] = ..., ticket_id: _Optional[str] = ..., return_features: _Optional[bool] = ..., ticket_signature: _Optional[str] = ..., ticket_expires_at_unix: _Optional[float] = ..., ticket_tokens: _Optional[int] = ..., ticket_expert_bytes: _Optional[int] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("session_id", "round", "accepted_tokens", "num_accepted_drafts", "committed_tokens", "finished", "finish_reason", "features", "routed_union", "routed_bytes", "timings", "expert_cache")
+    __slots__ = ("session_id", "round", "accepted_tokens", "num_accepted_drafts", "committed_tokens", "finished", "finish_reason", "features", "routed_union", "routed_bytes", "timings", "expert_cache", "logprobs", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +163,8 @@ class VerifyResult(_message.Message):
     ROUTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_CACHE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -167,7 +177,9 @@ class VerifyResult(_message.Message):
     routed_bytes: int
     timings: _common_pb2.Timings
     expert_cache: ExpertCacheRound
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., routed_union: _Optional[_Iterable[_Union[_common_pb2.LayerExperts, _Mapping]]] = ..., routed_bytes: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., expert_cache: _Optional[_Union[ExpertCacheRound, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., routed_union: _Optional[_Iterable[_Union[_common_pb2.LayerExperts, _Mapping]]] = ..., routed_bytes: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., expert_cache: _Optional[_Union[ExpertCacheRound, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ExpertCacheRound(_message.Message):
     __slots__ = ("lookups", "hits", "misses", "evictions", "prefetched", "prefetch_used", "bytes_moved", "wasted_bytes", "prefetch_aborted")
