@@ -18,7 +18,8 @@ from pdflash import convert
 from pdflash.errors import FieldViolation, InvalidArgument, ResourceExhausted, check
 from pdflash.types import DrafterKind, FinishReason
 from pdflash.v1 import drafter_pb2
-from pdflash.validation import MAX_ID_CHARS, id_violations, logprobs_violations, sampling_violations, stop_violations
+from pdflash.validation import (MAX_ID_CHARS, id_violations, logprobs_violations, messages_violations, sampling_violations,
+                                stop_violations)
 from drafter_svc.loop import Request, Usage
 
 REQUEST_ID_KEY = "x-request-id"
@@ -65,8 +66,10 @@ def check_request_id(request_id: str) -> None:
         raise InvalidArgument(f"invalid Generate request: {v[0].field}: {v[0].description}", v)
 
 
-def parse_generate(request, request_id: str, limits: Limits, tokenize: Callable[[str], list[int]]) -> tuple[Request, DrafterKind]:
-    """Check a GenerateRequest against `limits` (InvalidArgument listing every violation) and convert it."""
+def parse_generate(request, request_id: str, limits: Limits, tokenize: Callable[[str], list[int]],
+                   chat: Callable[[list[dict]], list[int]] | None = None) -> tuple[Request, DrafterKind]:
+    """Check a GenerateRequest against `limits` (InvalidArgument listing every violation) and convert it. `chat`: the
+    model's chat template applied to messages and tokenized (None: the model has none, messages are refused)."""
     v: list[FieldViolation] = []
     which = request.WhichOneof("input")
     prompt: list[int] = []
@@ -78,6 +81,22 @@ def parse_generate(request, request_id: str, limits: Limits, tokenize: Callable[
                                               f"{limits.max_prompt_tokens} tokens; shorten the prompt"))
         else:
             prompt = list(tokenize(request.prompt))
+    elif which == "messages":
+        msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        bad = messages_violations(msgs)
+        v.extend(bad)
+        chars = sum(len(m["content"]) for m in msgs)
+        if chat is None:
+            v.append(FieldViolation("messages", "this model's tokenizer has no chat template; send prompt (text, formatted "
+                                                "as the model expects) or prompt_tokens"))
+        elif chars > limits.max_prompt_tokens * MAX_CHARS_PER_TOKEN:
+            v.append(FieldViolation("messages", f"{chars} characters is far beyond the limit of {limits.max_prompt_tokens} "
+                                                "tokens; shorten the conversation"))
+        elif not bad:
+            try:
+                prompt = list(chat(msgs))
+            except Exception as e:  # noqa: BLE001 - a template's own refusal (jinja's raise_exception), in its words
+                v.append(FieldViolation("messages", f"the model's chat template refused them: {e}"))
     elif which == "prompt_tokens":
         prompt = list(request.prompt_tokens.ids)
         if not prompt:
@@ -86,7 +105,7 @@ def parse_generate(request, request_id: str, limits: Limits, tokenize: Callable[
         if bad:
             v.append(FieldViolation("prompt_tokens.ids", f"ids {bad[:5]} outside the vocabulary [0, {limits.vocab_size})"))
     else:
-        v.append(FieldViolation("prompt", "give either prompt (text) or prompt_tokens"))
+        v.append(FieldViolation("prompt", "give one of prompt (text), prompt_tokens or messages"))
     if len(prompt) > limits.max_prompt_tokens:
         v.append(FieldViolation("prompt", f"{len(prompt)} tokens exceeds the limit of {limits.max_prompt_tokens}"))
     if len(prompt) >= limits.max_context:
@@ -220,7 +239,7 @@ def final_message(request_id: str, reason: FinishReason, usage: Usage, text: str
 
 
 def model_info_message(limits: Limits, model: str, architecture: str, drafter_model: str = "", drafter_device: str = "",
-                       drafter_dtype: str = "") -> drafter_pb2.ModelInfoResponse:
+                       drafter_dtype: str = "", chat_template: bool = False) -> drafter_pb2.ModelInfoResponse:
     return drafter_pb2.ModelInfoResponse(
         model=model,
         architecture=architecture,
@@ -234,4 +253,5 @@ def model_info_message(limits: Limits, model: str, architecture: str, drafter_mo
         drafter_model=drafter_model,
         drafter_device=drafter_device,
         drafter_dtype=drafter_dtype,
+        chat_template=chat_template,
     )

@@ -69,6 +69,19 @@ class FrontDoor:
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
+    @property
+    def chat(self):
+        """The tokenizer's chat template applied to messages (the assistant's turn opened), then tokenized as the
+        template wrote it (its own special tokens, none added); None when the tokenizer has no template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return None
+
+        def ids(messages: list[dict]) -> list[int]:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+        return ids
+
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, door: FrontDoor | None = None, metrics=None):
@@ -91,7 +104,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         try:
             if self.door is None:
                 raise Unavailable("drafter is still starting (waiting for the scheduler and verifier); retry when health is SERVING")
-            req, kind = api.parse_generate(request, request_id, self.door.limits, self.door.tokenize)
+            req, kind = api.parse_generate(request, request_id, self.door.limits, self.door.tokenize, self.door.chat)
             abort = self._running.start(request_id, self.door.cfg.max_concurrent)
             registered = True
             if self.metrics is not None:
@@ -164,4 +177,5 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if self.door is None:
             await abort_with(context, Unavailable("drafter is still starting; retry when health is SERVING"))
         d = self.door
-        return api.model_info_message(d.limits, d.target.model, d.target.architecture, d.drafter_model, *d.dflash_placement())
+        return api.model_info_message(d.limits, d.target.model, d.target.architecture, d.drafter_model, *d.dflash_placement(),
+                                      chat_template=d.chat is not None)

@@ -365,8 +365,12 @@ def cmd_generate(args) -> int:
 
     v = [x for x in (seconds_violation("timeout", args.timeout),) if x is not None]
     try:
+        prompt = args.prompt
+        if args.chat or args.system is not None:  # the prompt as the user's turn of a conversation
+            prompt = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
+                {"role": "user", "content": args.prompt}]
         req = Client.request(
-            args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, drafter=args.drafter, block_size=args.block_size, ignore_eos=args.ignore_eos,
             fixed_width=args.fixed_width, stop=args.stop or (), logprobs=args.logprobs or args.top_logprobs > 0,
             top_logprobs=args.top_logprobs,
@@ -504,6 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_number, default=0, help="widest verify block (0 = the server's default)")
     p.add_argument("--fixed-width", action="store_true", help="draft the whole block every round (default: the width adapts)")
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token, to --max-tokens")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as the user's message of a conversation (the model's chat template makes the "
+                        "prompt; ModelInfo says whether it has one)")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat (implied): a system message first")
     p.add_argument("--logprobs", action="store_true",
                    help="print each token's id and log-probability under the target model to stderr after the text")
     p.add_argument("--top-logprobs", type=int, default=0, metavar="N",

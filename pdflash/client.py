@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 
@@ -12,7 +12,7 @@ from pdflash.server import CHANNEL_OPTIONS
 from pdflash.tls import bearer_metadata, channel_credentials
 from pdflash.types import DrafterKind
 from pdflash.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from pdflash.validation import generate_violations, logprobs_violations, seconds_violation
+from pdflash.validation import generate_violations, logprobs_violations, messages_violations, seconds_violation
 
 
 @dataclasses.dataclass
@@ -66,7 +66,7 @@ class Client:
 
     @staticmethod
     def request(
-        prompt: str | list[int],
+        prompt: str | list[int] | Sequence[Mapping[str, str]],
         max_tokens: int = 64,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -86,12 +86,17 @@ class Client:
         cannot hold, or one no server accepts, raises `pdflash.errors.InvalidArgument` whose field violations
         use the server's words (`pdflash.validation`). `stop`: stop sequences (the text ends before the first one
         generated; finish reason "stop", `Completion.stop_sequence` names it). `logprobs`: each token's log-probability
-        under the target model (`Completion.logprobs`), with `top_logprobs` (0-20) the likeliest tokens a position."""
-        prompt_tokens = () if isinstance(prompt, str) else list(prompt)
+        under the target model (`Completion.logprobs`), with `top_logprobs` (0-20) the likeliest tokens a position.
+        `prompt`: text, token ids, or a conversation ([{"role": "user", "content": "..."}, ...]: the model's chat
+        template makes the prompt; ModelInfo's chat_template says whether it has one)."""
+        chat = not isinstance(prompt, str) and bool(prompt) and all(isinstance(m, Mapping) for m in prompt)
+        prompt_tokens = () if isinstance(prompt, str) or chat else list(prompt)
         v = generate_violations(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 block_size=block_size, stop_token_ids=list(stop_token_ids or ()),
                                 prompt_tokens=prompt_tokens, request_id=request_id, stop=stop)
         v.extend(logprobs_violations(logprobs, top_logprobs))
+        if chat:
+            v.extend(messages_violations(prompt))
         kind = None
         if isinstance(drafter, str):
             kind = DrafterKind.__members__.get(drafter.upper())
@@ -119,6 +124,8 @@ class Client:
         )
         if isinstance(prompt, str):
             req.prompt = prompt
+        elif chat:
+            req.messages.messages.extend(drafter_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
         else:
             req.prompt_tokens.ids.extend(prompt_tokens)
         return req
@@ -128,7 +135,7 @@ class Client:
             check([v for v in (seconds_violation("timeout", timeout),) if v is not None], "invalid Generate call")
         return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
 
-    def generate(self, prompt: str | list[int], timeout: float | None = 300.0, **kw) -> Completion:
+    def generate(self, prompt: str | list[int] | Sequence[Mapping[str, str]], timeout: float | None = 300.0, **kw) -> Completion:
         req = self.request(prompt, **kw)
         ids: list[int] = []
         text: list[str] = []

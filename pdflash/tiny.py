@@ -15,6 +15,10 @@ import torch
 ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss")
 EOS = "<|endoftext|>"
 MASK = "<|mask|>"
+# A ChatML-like template, so that GenerateRequest.messages can be tried (and tested) on a tiny checkpoint: each turn
+# "<|role|>\ncontent" ended by the end-of-sequence token, then the assistant's turn opened.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}" + EOS + "\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 def _corpus(max_files: int = 40) -> list[str]:
@@ -39,6 +43,7 @@ def make_tokenizer(out_dir: str | pathlib.Path, vocab_size: int = 512):
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, mask_token=MASK)
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
     return fast
 

@@ -86,6 +86,28 @@ def _float_field(field: str, value, check) -> FieldViolation | None:
     return check(x, field)
 
 
+MAX_MESSAGES = 1024
+MAX_ROLE_CHARS = 64
+
+
+def messages_violations(messages) -> list[FieldViolation]:
+    """GenerateRequest.messages: 1 to MAX_MESSAGES turns, each a role (1 to MAX_ROLE_CHARS characters) and a content
+    string (the model's chat template judges the rest)."""
+    messages = list(messages)
+    if not messages:
+        return [FieldViolation("messages", "must hold at least one message")]
+    if len(messages) > MAX_MESSAGES:
+        return [FieldViolation("messages", f"{len(messages)} messages; at most {MAX_MESSAGES}")]
+    v = []
+    for n, m in enumerate(messages):
+        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (getattr(m, "role", None), getattr(m, "content", None))
+        if not isinstance(role, str) or not 1 <= len(role) <= MAX_ROLE_CHARS:
+            v.append(FieldViolation(f"messages[{n}].role", f"a role of 1 to {MAX_ROLE_CHARS} characters (e.g. user), got {role!r}"))
+        if not isinstance(content, str):
+            v.append(FieldViolation(f"messages[{n}].content", f"a string, got {type(content).__name__}"))
+    return v
+
+
 MAX_TOP_LOGPROBS = 20
 
 

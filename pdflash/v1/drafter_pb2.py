@@ -25,37 +25,41 @@ _sym_db = _symbol_database.Default()
 from pdflash.v1 import common_pb2 as pdflash_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdflash/v1/drafter.proto\x12\npdflash.v1\x1a\x17pdflash/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\rprompt_tokens\x18\x03 \x01(\x0b\x32\x14.pdflash.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdflash.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12(\n\x07\x64rafter\x18\t \x01(\x0e\x32\x17.pdflash.v1.DrafterKind\x12\x13\n\x0b\x66ixed_width\x18\n \x01(\x08\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\rB\x07\n\x05input\"}\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.pdflash.v1.TopLogprobs\"\xda\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x01\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\r\x12\x1d\n\x15rounds_admitted_ahead\x18\x07 \x01(\r\x12\x1b\n\x13routed_expert_bytes\x18\x08 \x01(\x04\"\x8e\x01\n\x0cPhaseTimings\x12\x12\n\nprefill_ms\x18\x01 \x01(\x01\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x01\x12\x10\n\x08\x61\x64mit_ms\x18\x03 \x01(\x01\x12\x11\n\tverify_ms\x18\x04 \x01(\x01\x12\x18\n\x10verify_server_ms\x18\x05 \x01(\x01\x12\x19\n\x11verify_forward_ms\x18\x06 \x01(\x01\"\xaa\x01\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdflash.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdflash.v1.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x07timings\x18\x04 \x01(\x0b\x32\x18.pdflash.v1.PhaseTimings\x12\x15\n\rstop_sequence\x18\x05 \x01(\t\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pdflash.v1.TokenChunkH\x00\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.pdflash.v1.FinalH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\xd0\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x30\n\x0f\x64\x65\x66\x61ult_drafter\x18\x03 \x01(\x0e\x32\x17.pdflash.v1.DrafterKind\x12)\n\x08\x64rafters\x18\x04 \x03(\x0e\x32\x17.pdflash.v1.DrafterKind\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x16\n\x0emax_block_size\x18\x06 \x01(\r\x12\x18\n\x10max_tokens_limit\x18\x07 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x15\n\rdrafter_model\x18\n \x01(\t\x12\x16\n\x0e\x64rafter_device\x18\x0b \x01(\t\x12\x15\n\rdrafter_dtype\x18\x0c \x01(\t*\x8c\x01\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44RAFTER_KIND_NONE\x10\x01\x12\x16\n\x12\x44RAFTER_KIND_NGRAM\x10\x02\x12\x17\n\x13\x44RAFTER_KIND_DFLASH\x10\x03\x12\x17\n\x13\x44RAFTER_KIND_HYBRID\x10\x04\x32\xda\x01\n\x07\x44rafter\x12G\n\x08Generate\x12\x1b.pdflash.v1.GenerateRequest\x1a\x1c.pdflash.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdflash.v1.AbortRequest\x1a\x19.pdflash.v1.AbortResponse\x12H\n\tModelInfo\x12\x1c.pdflash.v1.ModelInfoRequest\x1a\x1d.pdflash.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdflash/v1/drafter.proto\x12\npdflash.v1\x1a\x17pdflash/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdflash.v1.ChatMessage\"\x94\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\rprompt_tokens\x18\x03 \x01(\x0b\x32\x14.pdflash.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x0e \x01(\x0b\x32\x18.pdflash.v1.ChatMessagesH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdflash.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12(\n\x07\x64rafter\x18\t \x01(\x0e\x32\x17.pdflash.v1.DrafterKind\x12\x13\n\x0b\x66ixed_width\x18\n \x01(\x08\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\rB\x07\n\x05input\"}\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.pdflash.v1.TopLogprobs\"\xda\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x01\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\r\x12\x1d\n\x15rounds_admitted_ahead\x18\x07 \x01(\r\x12\x1b\n\x13routed_expert_bytes\x18\x08 \x01(\x04\"\x8e\x01\n\x0cPhaseTimings\x12\x12\n\nprefill_ms\x18\x01 \x01(\x01\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x01\x12\x10\n\x08\x61\x64mit_ms\x18\x03 \x01(\x01\x12\x11\n\tverify_ms\x18\x04 \x01(\x01\x12\x18\n\x10verify_server_ms\x18\x05 \x01(\x01\x12\x19\n\x11verify_forward_ms\x18\x06 \x01(\x01\"\xaa\x01\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdflash.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdflash.v1.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x07timings\x18\x04 \x01(\x0b\x32\x18.pdflash.v1.PhaseTimings\x12\x15\n\rstop_sequence\x18\x05 \x01(\t\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.pdflash.v1.TokenChunkH\x00\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.pdflash.v1.FinalH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\xe7\x02\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x30\n\x0f\x64\x65\x66\x61ult_drafter\x18\x03 \x01(\x0e\x32\x17.pdflash.v1.DrafterKind\x12)\n\x08\x64rafters\x18\x04 \x03(\x0e\x32\x17.pdflash.v1.DrafterKind\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x16\n\x0emax_block_size\x18\x06 \x01(\r\x12\x18\n\x10max_tokens_limit\x18\x07 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x15\n\rdrafter_model\x18\n \x01(\t\x12\x16\n\x0e\x64rafter_device\x18\x0b \x01(\t\x12\x15\n\rdrafter_dtype\x18\x0c \x01(\t\x12\x15\n\rchat_template\x18\r \x01(\x08*\x8c\x01\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44RAFTER_KIND_NONE\x10\x01\x12\x16\n\x12\x44RAFTER_KIND_NGRAM\x10\x02\x12\x17\n\x13\x44RAFTER_KIND_DFLASH\x10\x03\x12\x17\n\x13\x44RAFTER_KIND_HYBRID\x10\x04\x32\xda\x01\n\x07\x44rafter\x12G\n\x08Generate\x12\x1b.pdflash.v1.GenerateRequest\x1a\x1c.pdflash.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdflash.v1.AbortRequest\x1a\x19.pdflash.v1.AbortResponse\x12H\n\tModelInfo\x12\x1c.pdflash.v1.ModelInfoRequest\x1a\x1d.pdflash.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdflash.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAFTERKIND']._serialized_start=1672
-  _globals['_DRAFTERKIND']._serialized_end=1812
+  _globals['_DRAFTERKIND']._serialized_start=1846
+  _globals['_DRAFTERKIND']._serialized_end=1986
   _globals['_TOKENIDS']._serialized_start=65
   _globals['_TOKENIDS']._serialized_end=88
-  _globals['_GENERATEREQUEST']._serialized_start=91
-  _globals['_GENERATEREQUEST']._serialized_end=449
-  _globals['_TOKENCHUNK']._serialized_start=451
-  _globals['_TOKENCHUNK']._serialized_end=576
-  _globals['_USAGE']._serialized_start=579
-  _globals['_USAGE']._serialized_end=797
-  _globals['_PHASETIMINGS']._serialized_start=800
-  _globals['_PHASETIMINGS']._serialized_end=942
-  _globals['_FINAL']._serialized_start=945
-  _globals['_FINAL']._serialized_end=1115
-  _globals['_GENERATERESPONSE']._serialized_start=1117
-  _globals['_GENERATERESPONSE']._serialized_end=1240
-  _globals['_ABORTREQUEST']._serialized_start=1242
-  _globals['_ABORTREQUEST']._serialized_end=1276
-  _globals['_ABORTRESPONSE']._serialized_start=1278
-  _globals['_ABORTRESPONSE']._serialized_end=1310
-  _globals['_MODELINFOREQUEST']._serialized_start=1312
-  _globals['_MODELINFOREQUEST']._serialized_end=1330
-  _globals['_MODELINFORESPONSE']._serialized_start=1333
-  _globals['_MODELINFORESPONSE']._serialized_end=1669
-  _globals['_DRAFTER']._serialized_start=1815
-  _globals['_DRAFTER']._serialized_end=2033
+  _globals['_CHATMESSAGE']._serialized_start=90
+  _globals['_CHATMESSAGE']._serialized_end=134
+  _globals['_CHATMESSAGES']._serialized_start=136
+  _globals['_CHATMESSAGES']._serialized_end=193
+  _globals['_GENERATEREQUEST']._serialized_start=196
+  _globals['_GENERATEREQUEST']._serialized_end=600
+  _globals['_TOKENCHUNK']._serialized_start=602
+  _globals['_TOKENCHUNK']._serialized_end=727
+  _globals['_USAGE']._serialized_start=730
+  _globals['_USAGE']._serialized_end=948
+  _globals['_PHASETIMINGS']._serialized_start=951
+  _globals['_PHASETIMINGS']._serialized_end=1093
+  _globals['_FINAL']._serialized_start=1096
+  _globals['_FINAL']._serialized_end=1266
+  _globals['_GENERATERESPONSE']._serialized_start=1268
+  _globals['_GENERATERESPONSE']._serialized_end=1391
+  _globals['_ABORTREQUEST']._serialized_start=1393
+  _globals['_ABORTREQUEST']._serialized_end=1427
+  _globals['_ABORTRESPONSE']._serialized_start=1429
+  _globals['_ABORTRESPONSE']._serialized_end=1461
+  _globals['_MODELINFOREQUEST']._serialized_start=1463
+  _globals['_MODELINFOREQUEST']._serialized_end=1481
+  _globals['_MODELINFORESPONSE']._serialized_start=1484
+  _globals['_MODELINFORESPONSE']._serialized_end=1843
+  _globals['_DRAFTER']._serialized_start=1989
+  _globals['_DRAFTER']._serialized_end=2207
 # @@protoc_insertion_point(module_scope)

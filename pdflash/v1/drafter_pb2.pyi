@@ -27,11 +27,26 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_tokens", "max_tokens", "sampling", "stop_token_ids", "ignore_eos", "block_size", "drafter", "fixed_width", "stop", "logprobs", "top_logprobs")
+    __slots__ = ("request_id", "prompt", "prompt_tokens", "messages", "max_tokens", "sampling", "stop_token_ids", "ignore_eos", "block_size", "drafter", "fixed_width", "stop", "logprobs", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +60,7 @@ class GenerateRequest(_message.Message):
     request_id: str
     prompt: str
     prompt_tokens: TokenIds
+    messages: ChatMessages
     max_tokens: int
     sampling: _common_pb2.SamplingParams
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -55,7 +71,7 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     logprobs: bool
     top_logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., block_size: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., fixed_width: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., block_size: _Optional[int] = ..., drafter: _Optional[_Union[DrafterKind, str]] = ..., fixed_width: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "round", "logprobs", "top_logprobs")
@@ -148,7 +164,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "default_drafter", "drafters", "block_size", "max_block_size", "max_tokens_limit", "max_prompt_tokens", "vocab_size", "drafter_model", "drafter_device", "drafter_dtype")
+    __slots__ = ("model", "architecture", "default_drafter", "drafters", "block_size", "max_block_size", "max_tokens_limit", "max_prompt_tokens", "vocab_size", "drafter_model", "drafter_device", "drafter_dtype", "chat_template")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_DRAFTER_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +177,7 @@ class ModelInfoResponse(_message.Message):
     DRAFTER_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_DEVICE_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     default_drafter: DrafterKind
@@ -173,4 +190,5 @@ class ModelInfoResponse(_message.Message):
     drafter_model: str
     drafter_device: str
     drafter_dtype: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., default_drafter: _Optional[_Union[DrafterKind, str]] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., block_size: _Optional[int] = ..., max_block_size: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., drafter_model: _Optional[str] = ..., drafter_device: _Optional[str] = ..., drafter_dtype: _Optional[str] = ...) -> None: ...
+    chat_template: bool
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., default_drafter: _Optional[_Union[DrafterKind, str]] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., block_size: _Optional[int] = ..., max_block_size: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., drafter_model: _Optional[str] = ..., drafter_device: _Optional[str] = ..., drafter_dtype: _Optional[str] = ..., chat_template: _Optional[bool] = ...) -> None: ...
