@@ -98,6 +98,11 @@ def test_no_leaks_after_requests(stack):
         call = c.stream(Client.request("b = 2\n", max_tokens=200, drafter="none", ignore_eos=True), timeout=60)
         next(call)
         call.cancel()
+    assert_nothing_held(stack)
+
+
+def assert_nothing_held(stack) -> None:
+    """No verifier session alive and no scheduler budget in use, once the clean-ups in flight have landed (5 s)."""
     import time
 
     with grpc.insecure_channel(stack.verifier) as vch, grpc.insecure_channel(stack.scheduler) as sch:

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from drafter_svc.tokens import StopSequences, TextStream
 from pdflash.client import Client
 from pdflash.errors import InvalidArgument
-from pdflash.v1 import drafter_pb2, scheduler_pb2, scheduler_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from pdflash.v1 import drafter_pb2
+from tests.test_services import assert_nothing_held
 
 
 def reference_cut(text: str, stops) -> tuple[str, str | None]:
@@ -158,20 +159,7 @@ def test_greedy_output_with_a_stop_is_the_output_cut_at_it(stack, tiny, drafter)
         assert stop in tok.decode(out.token_ids) and stop not in tok.decode(out.token_ids[:-1])  # the last id completed it
         none = c.generate("def add(a, b):\n", max_tokens=48, drafter=drafter, ignore_eos=True, stop=["\x00never"])
         assert none.finish_reason == "length" and none.text == ref.text and none.stop_sequence == ""
-    _nothing_held(stack)
-
-
-def _nothing_held(stack) -> None:
-    import time
-
-    with grpc.insecure_channel(stack.verifier) as vch, grpc.insecure_channel(stack.scheduler) as sch:
-        for _ in range(50):
-            vi = verifier_pb2_grpc.VerifierStub(vch).GetModelInfo(verifier_pb2.VerifierModelInfoRequest(), timeout=5)
-            stats = scheduler_pb2_grpc.SchedulerStub(sch).GetStats(scheduler_pb2.StatsRequest(), timeout=5)
-            if vi.sessions_alive == 0 and stats.tokens_in_use == 0 and stats.in_flight == 0:
-                break
-            time.sleep(0.1)
-    assert vi.sessions_alive == 0 and stats.tokens_in_use == 0 and stats.bytes_in_use == 0 and stats.in_flight == 0
+    assert_nothing_held(stack)
 
 
 # -- the stub ----------------------------------------------------------------------------------------------------
