@@ -10,6 +10,7 @@ grpcurl -plaintext localhost:50051 list
 grpcurl -plaintext localhost:50051 describe pdflash.v1.Drafter
 grpcurl -plaintext localhost:50051 describe pdflash.v1.GenerateRequest
 grpcurl -plaintext -d '{"prompt": "def fib(n):", "max_tokens": 16}' localhost:50051 pdflash.v1.Drafter/Generate
+grpcurl -plaintext -d '{"prompt": "def fib(n):"}' localhost:50051 pdflash.v1.Drafter/Tokenize
 grpcurl -plaintext -d '{"service": "pdflash.v1.Drafter"}' localhost:50051 grpc.health.v1.Health/Check
 
 # The internal services (published only by `pdflash up`, not by compose).

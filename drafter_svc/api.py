@@ -66,15 +66,14 @@ def check_request_id(request_id: str) -> None:
         raise InvalidArgument(f"invalid Generate request: {v[0].field}: {v[0].description}", v)
 
 
-def parse_generate(request, request_id: str, limits: Limits, tokenize: Callable[[str], list[int]],
-                   chat: Callable[[list[dict]], list[int]] | None = None) -> tuple[Request, DrafterKind]:
-    """Check a GenerateRequest against `limits` (InvalidArgument listing every violation) and convert it. `chat`: the
-    model's chat template applied to messages and tokenized (None: the model has none, messages are refused)."""
-    v: list[FieldViolation] = []
+def prompt_ids(request, limits: Limits, tokenize: Callable[[str], list[int]], chat: Callable[[list[dict]], list[int]] | None,
+               v: list[FieldViolation], allow_empty: bool = False) -> list[int]:
+    """The token ids of a request's `input` oneof (prompt text, prompt_tokens, messages), as Generate takes them; what
+    is wrong goes to `v`. `chat`: the model's chat template applied to messages and tokenized (None: it has none)."""
     which = request.WhichOneof("input")
     prompt: list[int] = []
     if which == "prompt":
-        if not request.prompt:
+        if not request.prompt and not allow_empty:
             v.append(FieldViolation("prompt", "must not be empty"))
         elif len(request.prompt) > limits.max_prompt_tokens * MAX_CHARS_PER_TOKEN:
             v.append(FieldViolation("prompt", f"{len(request.prompt)} characters is far beyond the limit of "
@@ -106,6 +105,15 @@ def parse_generate(request, request_id: str, limits: Limits, tokenize: Callable[
             v.append(FieldViolation("prompt_tokens.ids", f"ids {bad[:5]} outside the vocabulary [0, {limits.vocab_size})"))
     else:
         v.append(FieldViolation("prompt", "give one of prompt (text), prompt_tokens or messages"))
+    return prompt
+
+
+def parse_generate(request, request_id: str, limits: Limits, tokenize: Callable[[str], list[int]],
+                   chat: Callable[[list[dict]], list[int]] | None = None) -> tuple[Request, DrafterKind]:
+    """Check a GenerateRequest against `limits` (InvalidArgument listing every violation) and convert it. `chat`: the
+    model's chat template applied to messages and tokenized (None: the model has none, messages are refused)."""
+    v: list[FieldViolation] = []
+    prompt = prompt_ids(request, limits, tokenize, chat, v)
     if len(prompt) > limits.max_prompt_tokens:
         v.append(FieldViolation("prompt", f"{len(prompt)} tokens exceeds the limit of {limits.max_prompt_tokens}"))
     if len(prompt) >= limits.max_context:
@@ -156,6 +164,30 @@ def parse_generate(request, request_id: str, limits: Limits, tokenize: Callable[
         top_logprobs=int(request.top_logprobs),
     )
     return req, kind
+
+
+def tokenize_message(request, limits: Limits, tokenize: Callable[[str], list[int]],
+                     chat: Callable[[list[dict]], list[int]] | None) -> drafter_pb2.TokenizeResponse:
+    """The Tokenize RPC of the drafter and the stub: the ids Generate would take for this input (InvalidArgument
+    listing what is wrong), and whether they fit a prompt."""
+    v: list[FieldViolation] = []
+    ids = prompt_ids(request, limits, tokenize, chat, v, allow_empty=True)
+    check(v, "invalid Tokenize request")
+    fits = len(ids) <= limits.max_prompt_tokens and len(ids) < limits.max_context
+    return drafter_pb2.TokenizeResponse(ids=ids, count=len(ids), fits_prompt=fits)
+
+
+def detokenize_message(request, limits: Limits, decode: Callable[[list[int], bool], str]) -> drafter_pb2.DetokenizeResponse:
+    """The Detokenize RPC: ids (in the vocabulary, at most the context's) -> the text the tokenizer decodes."""
+    ids = list(request.ids)
+    v = []
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        v.append(FieldViolation("ids", f"ids {bad[:5]} outside the vocabulary [0, {limits.vocab_size})"))
+    if len(ids) > limits.max_context:
+        v.append(FieldViolation("ids", f"{len(ids)} ids; at most the model's context of {limits.max_context}"))
+    check(v, "invalid Detokenize request")
+    return drafter_pb2.DetokenizeResponse(text=decode(ids, request.skip_special_tokens))
 
 
 def check_abort(request) -> None:

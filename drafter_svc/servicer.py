@@ -173,6 +173,25 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         except InvalidArgument as e:
             await abort_with(context, e)
 
+    async def Tokenize(self, request, context):
+        try:
+            d = self._ready()
+            return api.tokenize_message(request, d.limits, d.tokenize, d.chat)
+        except PdflashError as e:
+            await abort_with(context, e)
+
+    async def Detokenize(self, request, context):
+        try:
+            d = self._ready()
+            return api.detokenize_message(request, d.limits, lambda ids, skip: d.tokenizer.decode(ids, skip_special_tokens=skip))
+        except PdflashError as e:
+            await abort_with(context, e)
+
+    def _ready(self) -> FrontDoor:
+        if self.door is None:
+            raise Unavailable("drafter is still starting; retry when health is SERVING")
+        return self.door
+
     async def ModelInfo(self, request, context):
         if self.door is None:
             await abort_with(context, Unavailable("drafter is still starting; retry when health is SERVING"))

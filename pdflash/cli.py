@@ -365,12 +365,8 @@ def cmd_generate(args) -> int:
 
     v = [x for x in (seconds_violation("timeout", args.timeout),) if x is not None]
     try:
-        prompt = args.prompt
-        if args.chat or args.system is not None:  # the prompt as the user's turn of a conversation
-            prompt = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
-                {"role": "user", "content": args.prompt}]
         req = Client.request(
-            prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            _conversation(args), max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, drafter=args.drafter, block_size=args.block_size, ignore_eos=args.ignore_eos,
             fixed_width=args.fixed_width, stop=args.stop or (), logprobs=args.logprobs or args.top_logprobs > 0,
             top_logprobs=args.top_logprobs,
@@ -403,6 +399,32 @@ def cmd_generate(args) -> int:
             print(f"finish={_finish_name(final.finish_reason)}"
                   + (f" stop_sequence={final.stop_sequence!r}" if final.stop_sequence else "") + f" prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
                   f"rounds={u.rounds} mean_acceptance_length={u.mean_acceptance_length:.2f}", file=sys.stderr)
+    return 0
+
+
+def _conversation(args):
+    """The prompt, or with --chat / --system the conversation it is the user's turn of."""
+    if not (args.chat or args.system is not None):
+        return args.prompt
+    return ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
+        {"role": "user", "content": args.prompt}]
+
+
+def cmd_tokenize(args) -> int:
+    import grpc
+
+    from pdflash.client import Client
+
+    _check_seconds(args, "timeout")
+    with Client(args.target, token=args.token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
+        try:
+            r = client.tokenize(_conversation(args), timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2
+    print(f"{r.count} tokens" + ("" if r.fits_prompt else " (more than a prompt may hold on this server)"))
+    if args.ids:
+        print(" ".join(map(str, r.ids)))
     return 0
 
 
@@ -525,6 +547,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bearer token of the public API [env PDFLASH_AUTH_TOKEN]")
     _add_client_tls_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("tokenize", help="count a prompt's tokens as a running stack's model does")
+    p.add_argument("prompt")
+    p.add_argument("--target", default="127.0.0.1:50051", help="drafter address")
+    p.add_argument("--chat", action="store_true", help="the prompt as the user's message, through the model's chat template")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat (implied): a system message first")
+    p.add_argument("--ids", action="store_true", help="print the token ids too")
+    p.add_argument("--timeout", type=_number, default=10.0, help="seconds")
+    p.add_argument("--token", default=os.environ.get("PDFLASH_AUTH_TOKEN", ""),
+                   help="bearer token of the public API [env PDFLASH_AUTH_TOKEN]")
+    _add_client_tls_args(p)
+    p.set_defaults(func=cmd_tokenize)
 
     p = sub.add_parser("health", help="probe grpc.health.v1 (exit 0 when SERVING)")
     p.add_argument("target", nargs="?", default="127.0.0.1:50051")

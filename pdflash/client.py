@@ -170,6 +170,21 @@ class Client:
             top_logprobs=tops if req.top_logprobs else None,
         )
 
+    def tokenize(self, prompt: str | Sequence[Mapping[str, str]], timeout: float = 10.0) -> drafter_pb2.TokenizeResponse:
+        """The token ids Generate would take for this prompt (text, or a conversation through the model's chat
+        template): `.ids`, `.count`, `.fits_prompt`."""
+        req = drafter_pb2.TokenizeRequest()
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        else:
+            check(messages_violations(prompt), "invalid Tokenize request")
+            req.messages.messages.extend(drafter_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+        return self.stub.Tokenize(req, timeout=timeout, metadata=self.metadata)
+
+    def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = True, timeout: float = 10.0) -> str:
+        req = drafter_pb2.DetokenizeRequest(ids=list(ids), skip_special_tokens=skip_special_tokens)
+        return self.stub.Detokenize(req, timeout=timeout, metadata=self.metadata).text
+
     def model_info(self, timeout: float = 10.0) -> drafter_pb2.ModelInfoResponse:
         return self.stub.ModelInfo(drafter_pb2.ModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 

@@ -115,8 +115,15 @@ def test_example_runs(line: str, grpcurl: str, stack):
         assert json_stream(out) == [{"status": "SERVING"}], out
     elif argv[-1] == "pdflash.v1.Drafter/Generate":
         check_generate_stream(json_stream(out), max_tokens=json.loads(argv[argv.index("-d") + 1])["max_tokens"])
+    elif argv[-1] == "pdflash.v1.Drafter/Tokenize":
+        check_tokenize(json_stream(out))
     else:
         pytest.fail(f"no check for {line}")
+
+
+def check_tokenize(messages: list[dict]) -> None:
+    (r,) = messages
+    assert r["count"] == len(r["ids"]) > 0 and r["fits_prompt"] is True, r
 
 
 def check_generate_stream(messages: list[dict], max_tokens: int) -> None:
@@ -154,6 +161,9 @@ def test_example_runs_against_the_stub(line: str, grpcurl: str):
         check_generate_stream(messages, max_tokens=16)
         text = "".join(m["chunk"].get("text", "") for m in messages[:-1]) + messages[-1]["final"].get("text", "")
         assert text == json.loads(argv[argv.index("-d") + 1])["prompt"]
+    elif argv[-1] == "pdflash.v1.Drafter/Tokenize":  # (the stub's tokenizer: UTF-8 bytes)
+        check_tokenize(json_stream(out))
+        assert json_stream(out)[0]["count"] == len(json.loads(argv[argv.index("-d") + 1])["prompt"].encode())
     elif argv[-1] == "grpc.health.v1.Health/Check":
         assert json_stream(out) == [{"status": "SERVING"}], out
     else:

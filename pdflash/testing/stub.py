@@ -289,6 +289,19 @@ class StubServicer(drafter_pb2_grpc.DrafterServicer):
         except InvalidArgument as e:
             await abort_with(context, e)
 
+    async def Tokenize(self, request, context):
+        try:  # (the stub's tokenizer has no chat template: messages are refused as a model without one refuses them)
+            return api.tokenize_message(request, self.limits, self.tokenizer.encode_ids, None)
+        except PdflashError as e:
+            await abort_with(context, e)
+
+    async def Detokenize(self, request, context):
+        try:
+            return api.detokenize_message(request, self.limits,
+                                          lambda ids, skip: self.tokenizer.decode(ids, skip_special_tokens=skip))
+        except PdflashError as e:
+            await abort_with(context, e)
+
     async def ModelInfo(self, request, context):
         return self.info
 
@@ -384,6 +397,12 @@ class RecordingServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def ModelInfo(self, request, context):
         return await self._unary(self.upstream.ModelInfo, request, context)
+
+    async def Tokenize(self, request, context):
+        return await self._unary(self.upstream.Tokenize, request, context)
+
+    async def Detokenize(self, request, context):
+        return await self._unary(self.upstream.Detokenize, request, context)
 
 
 # -- serving --------------------------------------------------------------------------------------------

@@ -192,3 +192,35 @@ class ModelInfoResponse(_message.Message):
     drafter_dtype: str
     chat_template: bool
     def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., default_drafter: _Optional[_Union[DrafterKind, str]] = ..., drafters: _Optional[_Iterable[_Union[DrafterKind, str]]] = ..., block_size: _Optional[int] = ..., max_block_size: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., drafter_model: _Optional[str] = ..., drafter_device: _Optional[str] = ..., drafter_dtype: _Optional[str] = ..., chat_template: _Optional[bool] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("prompt", "messages")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    messages: ChatMessages
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("ids", "count", "fits_prompt")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    FITS_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    count: int
+    fits_prompt: bool
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., fits_prompt: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("ids", "skip_special_tokens")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_special_tokens: bool
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...

@@ -49,6 +49,16 @@ class DrafterStub:
                 request_serializer=pdflash_dot_v1_dot_drafter__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=pdflash_dot_v1_dot_drafter__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/pdflash.v1.Drafter/Tokenize',
+                request_serializer=pdflash_dot_v1_dot_drafter__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=pdflash_dot_v1_dot_drafter__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pdflash.v1.Drafter/Detokenize',
+                request_serializer=pdflash_dot_v1_dot_drafter__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=pdflash_dot_v1_dot_drafter__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -74,6 +84,20 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The token ids Generate would take for a prompt (text or a conversation): count them before sending.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids -> text, with the model's tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +115,16 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=pdflash_dot_v1_dot_drafter__pb2.ModelInfoRequest.FromString,
                     response_serializer=pdflash_dot_v1_dot_drafter__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=pdflash_dot_v1_dot_drafter__pb2.TokenizeRequest.FromString,
+                    response_serializer=pdflash_dot_v1_dot_drafter__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=pdflash_dot_v1_dot_drafter__pb2.DetokenizeRequest.FromString,
+                    response_serializer=pdflash_dot_v1_dot_drafter__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +208,60 @@ class Drafter:
             '/pdflash.v1.Drafter/ModelInfo',
             pdflash_dot_v1_dot_drafter__pb2.ModelInfoRequest.SerializeToString,
             pdflash_dot_v1_dot_drafter__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdflash.v1.Drafter/Tokenize',
+            pdflash_dot_v1_dot_drafter__pb2.TokenizeRequest.SerializeToString,
+            pdflash_dot_v1_dot_drafter__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdflash.v1.Drafter/Detokenize',
+            pdflash_dot_v1_dot_drafter__pb2.DetokenizeRequest.SerializeToString,
+            pdflash_dot_v1_dot_drafter__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
