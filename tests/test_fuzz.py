@@ -169,20 +169,37 @@ def token_lists(vocab, min_size=0, max_size=8):
 
 @st.composite
 def generate_requests(draw, vocab: int):
-    bad = corrupted(draw, ["request_id", "prompt", "max_tokens", "sampling", "stop", "block", "drafter"])
+    bad = corrupted(draw, ["request_id", "prompt", "max_tokens", "sampling", "stop", "block", "drafter", "stop_text",
+                           "logprobs"])
     req = drafter_pb2.GenerateRequest(request_id=pick(draw, "request_id" in bad, valid_ids, invalid_ids))
     if "prompt" in bad:
-        which = draw(st.sampled_from(["empty text", "empty ids", "oov ids", "none"]))
+        which = draw(st.sampled_from(["empty text", "empty ids", "oov ids", "none", "no messages", "no role"]))
         if which == "empty text":
             req.prompt = ""
         elif which == "empty ids":
             req.prompt_tokens.SetInParent()
         elif which == "oov ids":
             req.prompt_tokens.ids.extend(draw(with_oov(vocab, max_size=10)))
-    elif draw(st.booleans()):
-        req.prompt = draw(st.one_of(st.text(min_size=1, max_size=30), st.just("def f(x):\n")))
+        elif which == "no messages":
+            req.messages.SetInParent()
+        elif which == "no role":
+            req.messages.messages.add(role="", content="x")
     else:
-        req.prompt_tokens.ids.extend(draw(in_vocab(vocab, 1, 10)))
+        which = draw(st.sampled_from(["text", "ids", "messages"]))
+        if which == "text":
+            req.prompt = draw(st.one_of(st.text(min_size=1, max_size=30), st.just("def f(x):\n")))
+        elif which == "ids":
+            req.prompt_tokens.ids.extend(draw(in_vocab(vocab, 1, 10)))
+        else:  # (the fuzzed stack's tiny checkpoint has a chat template)
+            for role in draw(st.lists(st.sampled_from(["system", "user", "assistant"]), min_size=1, max_size=3)):
+                req.messages.messages.add(role=role, content=draw(st.text(max_size=20)))
+    req.stop.extend(pick(draw, "stop_text" in bad, st.lists(st.text(min_size=1, max_size=5), max_size=3),
+                         st.sampled_from([[""], ["x" * 257], ["s"] * 17])))
+    if "logprobs" in bad:
+        req.logprobs, req.top_logprobs = draw(st.sampled_from([(False, 1), (True, 21), (False, 2**32 - 1)]))
+    else:
+        req.logprobs = draw(st.booleans())
+        req.top_logprobs = draw(st.integers(0, 20)) if req.logprobs else 0
     req.max_tokens = pick(draw, "max_tokens" in bad, st.integers(1, 6), st.sampled_from([4097, 10**6, 2**32 - 1]))
     req.sampling.CopyFrom(sampling(draw, "sampling" in bad))
     req.stop_token_ids.extend(pick(draw, "stop" in bad, in_vocab(vocab, 0, 3), with_oov(vocab, 1, 3)))
@@ -196,9 +213,13 @@ def generate_ok(req: drafter_pb2.GenerateRequest, vocab: int) -> bool:
     rid = req.request_id
     which = req.WhichOneof("input")
     ids = list(req.prompt_tokens.ids) if which == "prompt_tokens" else []
+    msgs = list(req.messages.messages) if which == "messages" else []
     return (
         len(rid) <= 256 and all(" " <= c <= "~" for c in rid)
-        and (which == "prompt" and req.prompt != "" or which == "prompt_tokens" and ids and all(0 <= t < vocab for t in ids))
+        and (which == "prompt" and req.prompt != "" or which == "prompt_tokens" and ids and all(0 <= t < vocab for t in ids)
+             or which == "messages" and msgs and all(1 <= len(m.role) <= 64 for m in msgs))
+        and len(req.stop) <= 16 and all(1 <= len(t) <= 256 for t in req.stop)
+        and req.top_logprobs <= 20 and (req.logprobs or not req.top_logprobs)
         and req.max_tokens <= 4096
         and all(0 <= t < vocab for t in req.stop_token_ids)
         and sampling_ok(req.sampling)
@@ -223,6 +244,14 @@ def test_fuzz_generate_and_abort(stack, model, before, channels):
             assert final.usage.completion_tokens == n >= 1
             assert n == req.max_tokens or final.finish_reason == common_pb2.FINISH_REASON_STOP
             assert all(0 <= t < model.vocab for m in msgs[:-1] for t in m.chunk.token_ids)
+            assert final.stop_sequence in ("", *req.stop)
+            text = "".join(m.chunk.text for m in msgs[:-1]) + final.text
+            assert not any(t in text for t in req.stop)  # a stop sequence never reaches the client
+            for m in msgs[:-1]:  # with logprobs: one per id (and the alternatives asked for), each <= 0
+                c = m.chunk
+                assert len(c.logprobs) == (len(c.token_ids) if req.logprobs else 0) and all(x <= 0 for x in c.logprobs)
+                assert len(c.top_logprobs) == (len(c.token_ids) if req.top_logprobs else 0)
+                assert all(len(t.token_ids) == req.top_logprobs for t in c.top_logprobs)
 
     @fuzz_settings(30)
     @given(ids_text)
@@ -297,7 +326,7 @@ def test_fuzz_scheduler(stack, model, before, channels):
 
 @st.composite
 def prefill_requests(draw, m: Model):
-    bad = corrupted(draw, ["request_id", "prompt", "max_tokens", "sampling", "stop", "features"])
+    bad = corrupted(draw, ["request_id", "prompt", "max_tokens", "sampling", "stop", "features", "logprobs"])
     req = verifier_pb2.PrefillRequest(request_id=pick(draw, "request_id" in bad, st.sampled_from(["", "p"]), st.just("r" * 300)))
     req.prompt_tokens.extend(pick(draw, "prompt" in bad, in_vocab(m.vocab, 1, 8),
                                   st.one_of(st.just([]), with_oov(m.vocab), st.just([3] * m.max_context))))
@@ -307,6 +336,8 @@ def prefill_requests(draw, m: Model):
     req.ignore_eos = draw(st.booleans())
     layers = st.lists(st.integers(0, m.num_layers - 1), max_size=3)
     req.feature_layer_ids.extend(pick(draw, "features" in bad, layers, st.lists(st.sampled_from([-1, m.num_layers, 99]), min_size=1, max_size=2)))
+    req.logprobs, req.top_logprobs = pick(draw, "logprobs" in bad, st.sampled_from([(False, 0), (True, 0), (True, 20)]),
+                                          st.sampled_from([(False, 3), (True, 21)]))
     return req
 
 
@@ -314,7 +345,8 @@ def prefill_ok(req, m: Model) -> bool:
     p = list(req.prompt_tokens)
     return (0 < len(p) < m.max_context and all(0 <= t < m.vocab for t in p) and all(0 <= t < m.vocab for t in req.stop_token_ids)
             and 1 <= req.max_tokens <= 4096 and sampling_ok(req.sampling) and len(req.request_id) <= 256
-            and all(0 <= i < m.num_layers for i in req.feature_layer_ids))
+            and all(0 <= i < m.num_layers for i in req.feature_layer_ids)
+            and req.top_logprobs <= 20 and (req.logprobs or not req.top_logprobs))
 
 
 def draft_ok(d: common_pb2.DraftResult, anchor: int, m: Model) -> bool:
