@@ -369,7 +369,8 @@ def cmd_generate(args) -> int:
             _conversation(args), max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, drafter=args.drafter, block_size=args.block_size, ignore_eos=args.ignore_eos,
             fixed_width=args.fixed_width, stop=args.stop or (), logprobs=args.logprobs or args.top_logprobs > 0,
-            top_logprobs=args.top_logprobs,
+            top_logprobs=args.top_logprobs, repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         )
     except InvalidArgument as e:
         v += e.violations
@@ -430,7 +431,9 @@ def cmd_tokenize(args) -> int:
 
 GENERATE_FLAGS = {"max_tokens": "--max-tokens", "block_size": "--block-size", "sampling.temperature": "--temperature",
                   "sampling.top_p": "--top-p", "sampling.top_k": "--top-k", "sampling.seed": "--seed", "drafter": "--drafter",
-                  "timeout": "--timeout", "stop": "--stop", "top_logprobs": "--top-logprobs"}
+                  "timeout": "--timeout", "stop": "--stop", "top_logprobs": "--top-logprobs",
+                  "sampling.repetition_penalty": "--repetition-penalty", "sampling.presence_penalty": "--presence-penalty",
+                  "sampling.frequency_penalty": "--frequency-penalty"}
 
 
 def _finish_name(r: int) -> str:
@@ -524,6 +527,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=_number, default=0, help="sampling: only the k likeliest tokens (0 = off, the default)")
     p.add_argument("--seed", type=_number, default=None,
                    help="sampling: seed in [0, 2^64 - 1], the same seed gives the same text (default: none)")
+    p.add_argument("--repetition-penalty", type=_number, default=1.0,
+                   help="penalize the prompt's and output's tokens (transformers' semantics; 1 = off, the default; (0, 10])")
+    p.add_argument("--presence-penalty", type=_number, default=0.0, help="subtract from output tokens' logits once ([-2, 2])")
+    p.add_argument("--frequency-penalty", type=_number, default=0.0,
+                   help="subtract from output tokens' logits per occurrence ([-2, 2])")
     p.add_argument("--drafter", default="unspecified", choices=["unspecified", "none", "ngram", "dflash", "hybrid"],
                    help="who drafts the blocks (default unspecified = the server's: hybrid when it has a DFlash drafter, "
                         "else ngram; none = plain decoding)")

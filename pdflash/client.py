@@ -81,19 +81,26 @@ class Client:
         stop: Sequence[str] = (),
         logprobs: bool = False,
         top_logprobs: int = 0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
     ) -> drafter_pb2.GenerateRequest:
         """A GenerateRequest. Every value is checked before it reaches a protobuf field: a value the field
         cannot hold, or one no server accepts, raises `pdflash.errors.InvalidArgument` whose field violations
         use the server's words (`pdflash.validation`). `stop`: stop sequences (the text ends before the first one
         generated; finish reason "stop", `Completion.stop_sequence` names it). `logprobs`: each token's log-probability
         under the target model (`Completion.logprobs`), with `top_logprobs` (0-20) the likeliest tokens a position.
+        Penalties (greedy too): `repetition_penalty` (transformers' semantics, 1 = off), `presence_penalty` and
+        `frequency_penalty` (OpenAI's, 0 = off); the output is plain decoding's with them.
         `prompt`: text, token ids, or a conversation ([{"role": "user", "content": "..."}, ...]: the model's chat
         template makes the prompt; ModelInfo's chat_template says whether it has one)."""
         chat = not isinstance(prompt, str) and bool(prompt) and all(isinstance(m, Mapping) for m in prompt)
         prompt_tokens = () if isinstance(prompt, str) or chat else list(prompt)
         v = generate_violations(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 block_size=block_size, stop_token_ids=list(stop_token_ids or ()),
-                                prompt_tokens=prompt_tokens, request_id=request_id, stop=stop)
+                                prompt_tokens=prompt_tokens, request_id=request_id, stop=stop,
+                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty)
         v.extend(logprobs_violations(logprobs, top_logprobs))
         if chat:
             v.extend(messages_violations(prompt))
@@ -106,7 +113,9 @@ class Client:
             v.append(FieldViolation("drafter", f"unknown drafter kind {drafter!r}; choose one of "
                                                f"{', '.join(k.name.lower() for k in DrafterKind)}"))
         check(v, "invalid Generate request")
-        sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        sampling = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                             frequency_penalty=frequency_penalty)
         if seed is not None:
             sampling.seed = seed
         req = drafter_pb2.GenerateRequest(

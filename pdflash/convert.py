@@ -67,7 +67,9 @@ def union_from_pb(layers) -> ExpertUnion:
 
 
 def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    pb = common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                   repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+                                   frequency_penalty=s.frequency_penalty)
     if s.seed is not None:
         pb.seed = s.seed
     return pb
@@ -75,11 +77,15 @@ def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
 
 def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
     top_p = float(pb.top_p)
+    rep = float(pb.repetition_penalty)
     return SamplingParams(
         temperature=float(pb.temperature),
         top_p=1.0 if top_p == 0.0 else top_p,
         top_k=int(pb.top_k),
         seed=int(pb.seed) if pb.HasField("seed") else None,
+        repetition_penalty=1.0 if rep == 0.0 else rep,
+        presence_penalty=float(pb.presence_penalty),
+        frequency_penalty=float(pb.frequency_penalty),
     )
 
 

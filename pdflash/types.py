@@ -37,10 +37,17 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     top_k: int = 0  # 0 = off
     seed: int | None = None
+    repetition_penalty: float = 1.0  # 1 = off (transformers' semantics: prompt and output tokens)
+    presence_penalty: float = 0.0  # 0 = off (OpenAI's: output tokens)
+    frequency_penalty: float = 0.0  # 0 = off
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclasses.dataclass(frozen=True)

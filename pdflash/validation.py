@@ -76,7 +76,26 @@ def sampling_violations(s: SamplingParams, prefix: str = "sampling") -> list[Fie
          int_violation(f"{prefix}.top_k", s.top_k, 0, INT32_MAX, "(0 means off)")]
     if s.seed is not None:
         v.append(int_violation(f"{prefix}.seed", s.seed, 0, UINT64_MAX))
+    v.append(repetition_penalty_violation(s.repetition_penalty, f"{prefix}.repetition_penalty"))
+    for name in ("presence_penalty", "frequency_penalty"):
+        v.append(penalty_violation(getattr(s, name), f"{prefix}.{name}"))
     return [x for x in v if x is not None]
+
+
+MAX_REPETITION_PENALTY = 10.0
+MAX_PENALTY = 2.0
+
+
+def repetition_penalty_violation(r: float, field: str = "sampling.repetition_penalty", shown: str | None = None):
+    if math.isnan(r) or not 0.0 < r <= MAX_REPETITION_PENALTY:
+        return FieldViolation(field, f"must be 0 or 1 (off) or in (0, {MAX_REPETITION_PENALTY:g}], got {shown or r}")
+    return None
+
+
+def penalty_violation(x: float, field: str, shown: str | None = None):
+    if math.isnan(x) or not -MAX_PENALTY <= x <= MAX_PENALTY:
+        return FieldViolation(field, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), got {shown or x}")
+    return None
 
 
 def _float_field(field: str, value, check) -> FieldViolation | None:
@@ -155,6 +174,9 @@ def generate_violations(
     prompt_tokens=(),
     request_id: str = "",
     stop=(),
+    repetition_penalty=1.0,
+    presence_penalty=0.0,
+    frequency_penalty=0.0,
 ) -> list[FieldViolation]:
     """What a GenerateRequest built from these values would be refused for, before any protobuf field sees them.
 
@@ -169,6 +191,11 @@ def generate_violations(
         # 0 means off on the wire (as the servers read it): checked as 1.
         _float_field("sampling.top_p", top_p, lambda p, f, shown=None: top_p_violation(1.0 if p == 0.0 else p, f, shown)),
         int_violation("sampling.top_k", top_k, 0, INT32_MAX, "(0 means off)"),
+        # 0 means off on the wire: checked as 1.
+        _float_field("sampling.repetition_penalty", repetition_penalty,
+                     lambda r, f, shown=None: repetition_penalty_violation(1.0 if r == 0.0 else r, f, shown)),
+        _float_field("sampling.presence_penalty", presence_penalty, penalty_violation),
+        _float_field("sampling.frequency_penalty", frequency_penalty, penalty_violation),
     ]
     if seed is not None:
         v.append(int_violation("sampling.seed", seed, 0, UINT64_MAX))

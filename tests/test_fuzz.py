@@ -130,9 +130,11 @@ ids_text = st.one_of(st.just(""), st.text(st.characters(min_codepoint=33, max_co
 valid_ids = st.one_of(st.just(""), st.text(st.characters(min_codepoint=32, max_codepoint=126), min_size=1, max_size=12))
 invalid_ids = st.sampled_from(["x" * 300, "caf\u00e9", "a\nb", "\x00"])
 SAMPLING_OK = dict(temperature=st.sampled_from([0.0, 0.0, 0.7, 1.5]), top_p=st.sampled_from([0.0, 1.0, 0.9]),
-                   top_k=st.sampled_from([0, 5, 1000]))
+                   top_k=st.sampled_from([0, 5, 1000]), repetition_penalty=st.sampled_from([0.0, 0.0, 1.0, 1.3, 0.5]),
+                   presence_penalty=st.sampled_from([0.0, 0.0, 2.0, -1.5]), frequency_penalty=st.sampled_from([0.0, 0.0, 0.6]))
 SAMPLING_BAD = dict(temperature=st.sampled_from([-1.0, math.nan, math.inf, 101.0]), top_p=st.sampled_from([-0.1, 1.5, math.nan]),
-                    top_k=st.sampled_from([-1, -(2**31)]))
+                    top_k=st.sampled_from([-1, -(2**31)]), repetition_penalty=st.sampled_from([-1.0, 10.5, math.nan]),
+                    presence_penalty=st.sampled_from([2.5, -3.0, math.inf]), frequency_penalty=st.sampled_from([math.nan, -2.1]))
 
 
 def sampling(draw, bad: bool) -> common_pb2.SamplingParams:
@@ -145,8 +147,9 @@ def sampling(draw, bad: bool) -> common_pb2.SamplingParams:
 
 
 def sampling_ok(s: common_pb2.SamplingParams) -> bool:
-    t, p = s.temperature, s.top_p  # float32 on the wire
-    return (t == 0.0 or 0.0 < t <= 100.0) and (p == 0.0 or 0.0 < p <= 1.0) and s.top_k >= 0
+    t, p, r = s.temperature, s.top_p, s.repetition_penalty  # float32 on the wire
+    return ((t == 0.0 or 0.0 < t <= 100.0) and (p == 0.0 or 0.0 < p <= 1.0) and s.top_k >= 0 and (r == 0.0 or 0.0 < r <= 10.0)
+            and -2.0 <= s.presence_penalty <= 2.0 and -2.0 <= s.frequency_penalty <= 2.0)
 
 
 def in_vocab(vocab, min_size=0, max_size=8):
@@ -363,7 +366,7 @@ def test_fuzz_verifier(stack, model, before, channels):
     moe = sorted(model.byte_map)
     experts = len(model.byte_map[moe[0]])
 
-    @fuzz_settings(60)
+    @fuzz_settings(80)
     @given(prefill_requests(model))
     def prefill(req):
         resp = []

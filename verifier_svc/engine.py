@@ -24,7 +24,7 @@ from verifier_svc.model import TargetModel
 from pdflash_kernels.attention import PAGE
 from verifier_svc.kv import SequenceKV
 from verifier_svc.session import Session, SessionStore
-from verifier_svc.verify import accept_greedy, accept_sampled, target_probs
+from verifier_svc.verify import Penalties, accept_greedy, accept_sampled, target_probs
 
 log = get_logger("pdflash.verifier.engine")
 
@@ -315,6 +315,8 @@ class VerifierCore:
         return emitted
 
     def _pick(self, s: Session, drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
+        if s.penalties is not None:  # the penalties plain decoding would apply at each row's position
+            logits = s.penalties.apply(logits, drafts)
         if s.sampling.greedy:
             return accept_greedy(drafts, logits)
         return accept_sampled(drafts, target_probs(logits, s.sampling), s.generator)
@@ -368,10 +370,14 @@ class VerifierCore:
             # (verify crops after every forward; a prompt must too).
             s.cache.crop(0)
         t0 = time.perf_counter()
+        if req.sampling.penalized:
+            s.penalties = Penalties(req.sampling, list(req.prompt), logits.shape[-1], logits.device)
         _, first = self._pick(s, [], logits[-1:])
         s.committed = len(req.prompt)
         s.anchor = first
         emitted = self._emit(s, [first])
+        if s.penalties is not None:
+            s.penalties.emitted(emitted)
         lps, tops = self._logprobs(s, logits[-1:], emitted)
         acc_ms = (time.perf_counter() - t0) * 1e3
         if s.finished is None:
@@ -427,6 +433,8 @@ class VerifierCore:
         s.committed += keep
         s.anchor = nxt
         emitted = self._emit(s, block[1 : 1 + n_acc] + [nxt])
+        if s.penalties is not None:
+            s.penalties.emitted(emitted)
         lps, tops = self._logprobs(s, logits, emitted)  # (logits[i] drew the token at block position i + 1)
         acc_ms = (time.perf_counter() - t0) * 1e3
         if s.finished is not None:
