@@ -543,10 +543,27 @@ def _route_reference(logits: torch.Tensor, k: int, softmax_first: bool, norm: bo
     return torch.softmax(v, dim=1, dtype=v.dtype).to(dtype), i
 
 
+ROUTE_VARIANTS = ((True, True), (True, False), (False, False))  # (softmax_first, norm): pdflash_kernels.fused.route's
+
+
 def route_variant(router: nn.Module) -> tuple[bool, bool, torch.dtype] | None:
     """(softmax_first, norm, score dtype) of a router whose forward returns (logits, scores, ids), told by agreement
     with one of pdflash_kernels.fused.route's formulas on a probe (plain torch; the same expert ids, scores within bf16
-    rounding: the formulas differ by far more), or None."""
+    rounding), or None. "Softmax over all, top-k, renormalize" (Qwen3, Mixtral) and "top-k, softmax over those"
+    (gpt-oss) are the same function and agree on a random probe almost everywhere: between them the router's own
+    output on rows where the two round differently decides (`_rounding_probe`). The formula is the router class's:
+    probed once per class, shape and dtype, the answer kept for its other layers."""
+    w, b = router.weight, getattr(router, "bias", None)
+    key = (type(router), tuple(w.shape), w.dtype, str(w.device), int(getattr(router, "top_k", 0)), isinstance(b, torch.Tensor))
+    if key not in _ROUTE_VARIANTS_SEEN:
+        _ROUTE_VARIANTS_SEEN[key] = _route_variant(router)
+    return _ROUTE_VARIANTS_SEEN[key]
+
+
+_ROUTE_VARIANTS_SEEN: dict = {}
+
+
+def _route_variant(router: nn.Module) -> tuple[bool, bool, torch.dtype] | None:
     w, b = router.weight, getattr(router, "bias", None)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
@@ -560,11 +577,52 @@ def route_variant(router: nn.Module) -> tuple[bool, bool, torch.dtype] | None:
         logits = torch.nn.functional.linear(x, w, b if isinstance(b, torch.Tensor) else None)
         if not torch.equal(out[0], logits):
             return None
-        for softmax_first, norm in ((True, True), (True, False), (False, False)):
+        found = []
+        for softmax_first, norm in ROUTE_VARIANTS:
             v, i = _route_reference(logits, int(router.top_k), softmax_first, norm, out[1].dtype)
             if v.dtype == out[1].dtype and torch.equal(i, out[2]) and torch.allclose(v.float(), out[1].float(), rtol=1e-2, atol=1e-4):
-                return softmax_first, norm, out[1].dtype
-    return None
+                found.append((softmax_first, norm))
+        if len(found) > 1:
+            found = _rounding_probe(router, found, out[1].dtype) or found
+    return (*found[0], out[1].dtype) if found else None
+
+
+def _rounding_probe(router: nn.Module, variants: list, score_dtype: torch.dtype) -> list:
+    """Of `variants` (formulas that agreed on a random probe), those that give the router's own scores bit for bit on
+    logit rows where they round differently from one another. The rows are found by search (random logits of the
+    router's dtype, ~1 in 10^4 rows differs) and put through the router's forward exactly: a copy of it whose weight
+    picks logit e from input column e (and no bias), so its logits are the rows themselves. [] when the router cannot
+    be run that way or no row tells the variants apart."""
+    import copy
+
+    w = router.weight
+    e, h = w.shape
+    k = int(router.top_k)
+    if h < e:
+        return []
+    g = torch.Generator().manual_seed(3)
+    rows = (torch.randn(200_000, e, generator=g) * 2).to(device=w.device, dtype=w.dtype)
+    refs = [_route_reference(rows, k, sf, norm, score_dtype) for sf, norm in variants]
+    same_ids = torch.stack([(i == refs[0][1]).all(-1) for _, i in refs]).all(0)
+    differ = torch.stack([(v != refs[0][0]).any(-1) for v, _ in refs]).any(0)
+    pick = (same_ids & differ).nonzero()[:, 0][:64]
+    if pick.numel() == 0:
+        return []
+    probe = copy.deepcopy(router)
+    with torch.no_grad():
+        probe.weight.zero_()
+        probe.weight[torch.arange(e), torch.arange(e)] = 1
+        if isinstance(getattr(probe, "bias", None), torch.Tensor):
+            probe.bias.zero_()
+        x = torch.zeros(pick.numel(), h, device=w.device, dtype=w.dtype)
+        x[:, :e] = rows[pick]
+        try:
+            logits, scores, ids = type(probe).forward(probe, x)
+        except Exception:  # noqa: BLE001
+            return []
+    if not torch.equal(logits.to(rows.dtype), rows[pick]):
+        return []
+    return [vt for vt, (v, i) in zip(variants, refs) if torch.equal(v[pick], scores) and torch.equal(i[pick], ids)]
 
 
 def _fused_router_forward(router: nn.Module, variant: tuple, hidden_states: torch.Tensor):

@@ -546,3 +546,43 @@ def test_forward_profile_runs_on_the_cpu(tmp_path):
     r = json.loads((tmp_path / "forward_profile_cpu.json").read_text())["targets"]["qwen3-2l"]["blocks"]
     assert set(r) == {"1", "16"} and all(b["kernels"] and b["forward_ms"] > 0 for b in r.values())
     assert "## qwen3-2l" in (tmp_path / "forward_profile_cpu.md").read_text()
+
+
+@pytest.mark.parametrize("arch,want", [("qwen3_moe", (True, True, torch.bfloat16)), ("mixtral", (True, True, torch.float32)),
+                                       ("gpt_oss", (False, False, torch.bfloat16))])
+def test_the_router_probe_tells_the_formulas_that_only_round_apart(arch, want):
+    """"Softmax over all, top-k, renormalize" (Qwen3, Mixtral) and "top-k, softmax over those" (gpt-oss) are the same
+    function: a random probe cannot tell them apart, rows where they round differently (run through the router's own
+    forward) do."""
+    from pdflash_kernels import installer
+
+    model = _tiny(arch)
+    (router,) = installer.routers(model).values()
+    assert installer.route_variant(router) == want
+
+
+@needs_triton
+def test_a_gpt_oss_routing_score_at_a_rounding_midpoint_keeps_the_op_by_op_bits():
+    """A tiny gpt_oss whose rotary (YaRN stretched to the config's context) routes one token to a score 3e-8 above a
+    bf16 rounding midpoint: the fused router once took gpt-oss's formula for the Qwen3 one and rounded it the other
+    way (0.49609375 against 0.498046875)."""
+    import pdflash_kernels
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    from pdflash.tiny import tiny_config
+
+    cfg = tiny_config("gpt_oss", 512, 0, num_layers=1)
+    cfg.rope_parameters = dict(GptOssConfig().rope_parameters, original_max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    other = copy.deepcopy(model)
+    inst = pdflash_kernels.install(model, probe=False)
+    ref = pdflash_kernels.install(other, probe=False, fuse=False)
+    try:
+        ids = torch.randint(2, 500, (1, 5), generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            assert torch.equal(model(ids).logits, other(ids).logits)
+    finally:
+        inst.uninstall()
+        ref.uninstall()
+
