@@ -48,6 +48,16 @@ def make_tokenizer(out_dir: str | pathlib.Path, vocab_size: int = 512):
     return fast
 
 
+def _gpt_oss_rope(max_positions: int) -> dict:
+    """gpt-oss's YaRN rotary (factor 32) stretched to this config's context: its pre-YaRN length is the context / 32,
+    as in the published model (4096 x 32 = 131072), so transformers finds the factor consistent and says nothing."""
+    from transformers import GptOssConfig
+
+    rope = dict(GptOssConfig().rope_parameters)
+    rope["original_max_position_embeddings"] = max_positions // int(rope["factor"])
+    return rope
+
+
 def tiny_config(arch: str, vocab_size: int, eos_id: int, num_layers: int = 2):
     common = dict(
         vocab_size=vocab_size,
@@ -78,7 +88,8 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int, num_layers: int = 2):
         from transformers import GptOssConfig
 
         return GptOssConfig(
-            **common, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, sliding_window=1024,
+            **common, rope_parameters=_gpt_oss_rope(common["max_position_embeddings"]), intermediate_size=64,
+            num_local_experts=8, num_experts_per_tok=2, sliding_window=1024,
             layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
         )
     raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHITECTURES}")
@@ -121,7 +132,8 @@ def real_shape_config(arch: str, vocab_size: int = 4096, num_layers: int = 2, eo
     if arch == "gpt_oss":
         from transformers import GptOssConfig
 
-        return GptOssConfig(**common, hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        return GptOssConfig(**common, rope_parameters=_gpt_oss_rope(common["max_position_embeddings"]), hidden_size=2880,
+                            num_attention_heads=64, num_key_value_heads=8, head_dim=64,
                             intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
                             layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)])
     if arch == "mixtral":
