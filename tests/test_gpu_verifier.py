@@ -270,3 +270,27 @@ def test_logprobs_are_block_ones_bit_for_bit(core):
         assert got[0] == ref[0] and got[1] == ref[1] and got[2] == ref[2], width
     for tok, lp, (ids, vals) in zip(*ref):
         assert vals[0] == lp and (ids[0] == tok or vals[1] == lp)  # greedy: the likeliest (bf16 logits tie at times)
+
+
+def test_penalized_greedy_output_is_block_ones(core):
+    """Repetition and frequency penalties on each verify row (the drafts before it counted): the output of every block
+    width is block-1 decoding's with the same penalties, in bf16 at real layer shapes."""
+    from pdflash.types import DraftResult, SamplingParams
+    from verifier_svc.engine import PrefillInput
+
+    sampling = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3)
+
+    def run(propose, width: int, n: int = 96) -> list[int]:
+        o = core.prefill(PrefillInput("t", tuple(prompt), sampling, n, ignore_eos=True))
+        toks, rnd = list(o.tokens), 0
+        while o.finished is None:
+            rnd += 1
+            drafts = propose(prompt, toks, max(0, min(width - 1, n - len(toks) - 1)))
+            o = core.verify(DraftResult(o.session_id, rnd, (toks[-1], *drafts), {}, 0))
+            toks += o.tokens
+        return toks
+
+    prompt = _prompts(core.target.vocab_size, 1)[0]
+    ref = run(_no_drafts, 1)
+    for width, every in ((16, 4), (32, 10**9)):
+        assert run(_replay(ref, every, core.target.vocab_size), width) == ref, width
