@@ -69,7 +69,7 @@ class FrontDoor:
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
-    @property
+    @functools.cached_property
     def chat(self):
         """The tokenizer's chat template applied to messages (the assistant's turn opened), then tokenized as the
         template wrote it (its own special tokens, none added); None when the tokenizer has no template."""
@@ -193,8 +193,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return self.door
 
     async def ModelInfo(self, request, context):
-        if self.door is None:
-            await abort_with(context, Unavailable("drafter is still starting; retry when health is SERVING"))
-        d = self.door
+        try:
+            d = self._ready()
+        except PdflashError as e:
+            await abort_with(context, e)
         return api.model_info_message(d.limits, d.target.model, d.target.architecture, d.drafter_model, *d.dflash_placement(),
                                       chat_template=d.chat is not None)

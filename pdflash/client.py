@@ -29,6 +29,11 @@ class Completion:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # with top_logprobs: [(id, logprob), ...] per token id
 
 
+def _chat_messages(conversation: Sequence[Mapping[str, str]]) -> list[drafter_pb2.ChatMessage]:
+    """[{"role", "content"}, ...] (checked by `messages_violations`) -> the request's ChatMessage entries."""
+    return [drafter_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in conversation]
+
+
 class Client:
     """`token`: the drafter's bearer token. TLS: `tls_ca` checks the server (empty with a client
     certificate = the system's roots); `tls_cert`/`tls_key` identify this client to a mutual-TLS
@@ -134,7 +139,7 @@ class Client:
         if isinstance(prompt, str):
             req.prompt = prompt
         elif chat:
-            req.messages.messages.extend(drafter_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+            req.messages.messages.extend(_chat_messages(prompt))
         else:
             req.prompt_tokens.ids.extend(prompt_tokens)
         return req
@@ -187,7 +192,7 @@ class Client:
             req.prompt = prompt
         else:
             check(messages_violations(prompt), "invalid Tokenize request")
-            req.messages.messages.extend(drafter_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+            req.messages.messages.extend(_chat_messages(prompt))
         return self.stub.Tokenize(req, timeout=timeout, metadata=self.metadata)
 
     def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = True, timeout: float = 10.0) -> str:

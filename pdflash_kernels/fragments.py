@@ -874,8 +874,8 @@ FRAG_SHAPES: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
 }
 FRAG_DEFAULT = (FragTile(4, 4, 4), FragTile(4, 4, 4))
 # Tiles by call size (PDFLASH_FP4_SIZE_TILES=1): the best tile follows the number of active experts, and in a verify
-# forward those grow with the (token, expert) pairs of the call (random top-k: gpt-oss-20b 4 / 7.5 / 13.4 / 28 experts at
-# 1 / 2 / 4 / 16 tokens, Qwen3-30B-A3B 8 / 15.5 / 30 / 81). From the stop-42 fused sweep (each launch alone,
+# forward those grow with the (token, expert) pairs of the call (expected under uniform random top-k, E (1 - (1 - k/E)^T):
+# gpt-oss-20b 4 / 7.5 / 13.4 / 28 experts at 1 / 2 / 4 / 16 tokens, Qwen3-30B-A3B 8 / 15.5 / 30 / 81). From the stop-42 fused sweep (each launch alone,
 # `stop42_gpu/call2/fragment_fused_sweep_h200.json`) and probe (as a forward pays it, `stop42_gpu/call1`):
 # - gpt-oss-20b, 8 experts: gate/up 4x2w4aa4 31.9-32.6 us against 8x2w4aa3's 37.6-38.2; down 4x4w4aa4 17.3-18.7
 #   against 4x4w4aa3's 20.8-21.1. 32 experts: gate/up 8x2w4aa3 91.2-93.6 against 4x2w4aa4's 99.5-100.2.

@@ -586,3 +586,13 @@ def test_a_gpt_oss_routing_score_at_a_rounding_midpoint_keeps_the_op_by_op_bits(
         inst.uninstall()
         ref.uninstall()
 
+
+
+def test_tiny_gpt_oss_yarn_is_consistent_so_transformers_does_not_warn():
+    """pdflash.tiny's gpt_oss configs stretch YaRN to their context (pre-YaRN length = context / factor, as the published
+    model): the ratio transformers checks (and warns about, once a process, on every load of an inconsistent one)."""
+    from pdflash.tiny import real_shape_config, tiny_config
+
+    for cfg in (tiny_config("gpt_oss", 512, 0), real_shape_config("gpt_oss")):
+        rope = cfg.rope_parameters
+        assert rope["original_max_position_embeddings"] * rope["factor"] == cfg.max_position_embeddings

@@ -54,7 +54,7 @@ class Penalties:
             step = torch.zeros(rows, vocab, dtype=torch.float32, device=logits.device)
             step[torch.arange(1, len(d) + 1, device=logits.device), d] = 1.0
             counts += step.cumsum(0)
-        x = logits.float().clone()
+        x = logits.float()  # (every step below makes a new tensor: the caller's logits stay as they are)
         if s.repetition_penalty != 1.0:  # transformers' RepetitionPenaltyLogitsProcessor on the tokens seen so far
             seen = self.seen | (counts > 0)
             pen = torch.where(x < 0, x * s.repetition_penalty, x / s.repetition_penalty)
