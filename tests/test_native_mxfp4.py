@@ -99,7 +99,10 @@ def _greedy_reference(native, prompt: list[int], new: int) -> tuple[list[int], t
     and the logits of the prompt's last position."""
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    model = AutoModelForCausalLM.from_pretrained(native, dtype=getattr(torch, DTYPE), quantization_config=Mxfp4Config(dequantize=True)).to(DEVICE).eval()
+    model = AutoModelForCausalLM.from_pretrained(native, dtype=getattr(torch, DTYPE), quantization_config=Mxfp4Config(dequantize=True))
+    # transformers 5.17 (the GPU image's) dequantizes to bf16 whatever the dtype asked, on a CPU without its kernels: MXFP4 values
+    # are exact in bf16 (E2M1 times a power of two), so the cast gives the very dequantized weights in DTYPE
+    model = model.to(device=DEVICE, dtype=getattr(torch, DTYPE)).eval()
     ids, first = list(prompt), None
     with torch.inference_mode():
         for _ in range(new):
