@@ -189,11 +189,19 @@ class DFlashGraphs:
     @torch.no_grad()
     def propose(self, ctx: GraphedContext, anchor: int, k: int) -> list[int]:
         """k drafts after anchor at positions L..L+k (L = ctx's length); nothing of ctx changes. k+1 <= block size."""
+        return self._replay_proposal(ctx, anchor, k)[0][:k].tolist()  # the round's one device->host copy
+
+    @torch.no_grad()
+    def propose_logits(self, ctx: GraphedContext, anchor: int, k: int) -> torch.Tensor:
+        """The k draft rows' logits [k, V] of the same forward as `propose` (a penalized request drafts from them): a view
+        of the graph's output, valid until the next replay."""
+        return self._replay_proposal(ctx, anchor, k)[1][:k]
+
+    def _replay_proposal(self, ctx: GraphedContext, anchor: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = _bucket(self.propose_buckets, k + 1)
         self._enter(ctx)
         self._set_meta(ctx.length, k + 1, anchor)
-        drafts = self._run("propose", t)
-        return drafts[:k].tolist()  # the round's one device->host copy
+        return self._run("propose", t)
 
     @torch.no_grad()
     def extend(self, ctx: GraphedContext, rows: torch.Tensor) -> None:
@@ -242,8 +250,8 @@ class DFlashGraphs:
         rope = self._rope.index_select(1, m[META : META + t])
         return rope, m[META + SPARE : META + SPARE + t], m[META + 2 * SPARE : META + 2 * SPARE + t]
 
-    def _propose_forward(self, t: int) -> torch.Tensor:
-        """Drafts [t-1]: the block [anchor, MASK x t-1] at L..L+t-1 over the context; its rows in the spare rows."""
+    def _propose_forward(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(drafts [t-1], their logits [t-1, V]): the block [anchor, MASK x t-1] at L..L+t-1 over the context; its rows in the spare rows."""
         rope, slots, ids = self._inputs(t)
         h = self.embed.index_select(0, ids)[None]
         limit = torch.where(self._spare, self.meta[1], self.meta[0])
@@ -252,7 +260,8 @@ class DFlashGraphs:
             sink = functools.partial(self._write, i, slots)
             h = layer.fused(h, self.model._fused_attention(i), rope, sink, mask)  # h is ours: updated in place
         h = _norm(h, self.model.norm)
-        return (h[0, 1:] @ self.lm_head.T).argmax(dim=-1)
+        logits = h[0, 1:] @ self.lm_head.T
+        return logits.argmax(dim=-1), logits
 
     def _commit_forward(self, t: int) -> None:
         """The K/V of features[:n] into rows L..L+n-1; padding rows (n..t-1) into spare rows."""

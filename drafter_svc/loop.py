@@ -252,7 +252,7 @@ async def run_request(
     sequence) still has the request's usage so far."""
     usage = usage if usage is not None else Usage()
     usage.prompt_tokens = len(req.prompt)
-    drafter = drafter_factory.new_session()
+    drafter = drafter_factory.new_session(req.sampling)
     width = VerifyWidth(req.block_size, adaptive=not req.fixed_width, cost=round_cost)
     heavy = bool(drafter_factory.feature_layer_ids)
     releases: list[asyncio.Future] = []

@@ -21,6 +21,7 @@ from drafter_svc.dflash_graphs import (
     propose_buckets,
 )
 from drafter_svc.drafters import make_factory
+from pdflash.types import SamplingParams
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPT = 40  # longer than the largest commit bucket: a prompt goes in chunks
@@ -78,8 +79,8 @@ def _factory(demo, capacity: int | None):
 class Rounds:
     """One session following a target's greedy sequence: propose, accept what matches, commit anchor + accepted."""
 
-    def __init__(self, factory, seq, feats):
-        self.s, self.seq, self.feats = factory.new_session(), seq, feats
+    def __init__(self, factory, seq, feats, sampling=None):
+        self.s, self.seq, self.feats = factory.new_session(sampling), seq, feats
         self.s.start(seq[:PROMPT], feats[:PROMPT])
         self.pos, self.rounds, self.emitted = PROMPT, 0, 0
 
@@ -242,3 +243,49 @@ def test_cpu_factories_stay_eager_whatever_the_option(demo):
     hybrid = make_factory("hybrid", *demo, cuda_graphs=False, graph_capacity=64)
     assert hybrid.dflash.graphs is None
     f.warm_up()  # what a CUDA factory without graphs runs at load: one eager round, leaving nothing behind
+
+
+PENALTY = SamplingParams(repetition_penalty=1.3)
+
+
+@pytest.fixture(scope="module")
+def penalized_sequences(demo):
+    """Two prompts' continuations by the demo target under PENALTY (transformers' greedy `generate` with
+    repetition_penalty: the output a penalized request must get) and the features of every position."""
+    from transformers import AutoModelForCausalLM
+
+    target_dir, drafter_dir = demo
+    layers = json.loads((drafter_dir / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    prompts = [p[:PROMPT] for p in json.loads((ROOT / "benchmarks" / "prompts_heldout.json").read_text())[:2]]
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            seq = target.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                  repetition_penalty=PENALTY.repetition_penalty)[0]
+            hidden = target(seq[None], output_hidden_states=True).hidden_states
+            out.append((seq.tolist(), np.ascontiguousarray(torch.cat([hidden[i + 1][0] for i in layers], -1).numpy())))
+    return out
+
+
+def test_a_penalized_request_drafts_under_its_penalties_on_both_paths(demo, penalized_sequences):
+    """A request with a repetition penalty: its drafter applies the penalty to its own logits draft by draft
+    (pdflash.penalties), the static path's drafts equal the eager one's, and on the target's penalized output the
+    drafts are accepted more often than the same drafter's unpenalized drafts (tau measured on the demo pair, 4
+    prompts: 1.87 -> 1.96)."""
+    eager, static = _factory(demo, None), _factory(demo, 96)
+    emitted, rounds = {False: 0, True: 0}, {False: 0, True: 0}
+    for seq, feats in penalized_sequences:
+        for penalized in (False, True):
+            a = Rounds(eager, seq, feats, PENALTY if penalized else None)
+            b = Rounds(static, seq, feats, PENALTY if penalized else None)
+            assert (a.s.penalties is not None) == penalized
+            while not a.done:
+                da, db = a.propose(), b.propose()
+                assert da == db, f"round {a.rounds} at {a.pos}: eager {da}, static {db}"
+                a.commit(da)
+                b.commit(db)
+            emitted[penalized] += a.emitted
+            rounds[penalized] += a.rounds
+    plain, penalized = (emitted[p] / rounds[p] for p in (False, True))
+    assert penalized > plain, f"tau {penalized:.2f} with the penalty on the drafts, {plain:.2f} without"

@@ -1,7 +1,7 @@
 """Repetition, presence and frequency penalties (SamplingParams): applied to each verify row as plain decoding would
 have applied them at that position, so speculation keeps the output of plain decoding with the same penalties.
 
-Pure: `verify.Penalties` row by row against transformers' RepetitionPenaltyLogitsProcessor and OpenAI's formula.
+Pure: `pdflash.penalties.Penalties` row by row against transformers' RepetitionPenaltyLogitsProcessor and OpenAI's formula.
 Core (three architectures): greedy with random drafts (accepted and rejected) equals transformers' `generate` with
 repetition_penalty, and a plain decoding loop with presence / frequency penalties. Stack: every drafter, the same
 output. Client, CLI and server refuse values out of range.
@@ -19,13 +19,14 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from pdflash.client import Client
 from pdflash.errors import InvalidArgument
+from pdflash.penalties import Penalties
 from pdflash.tiny import ARCHITECTURES
 from pdflash.types import DraftResult, SamplingParams
 from pdflash.v1 import common_pb2, drafter_pb2
 from tests.conftest import DEVICE, DTYPE
 from verifier_svc.engine import PrefillInput, VerifierCore
 from verifier_svc.model import load_target
-from verifier_svc.verify import Penalties
+from verifier_svc.verify import accept_greedy
 
 PROMPT = (11, 52, 7, 300, 41, 99, 5, 17, 52, 7)
 
@@ -48,6 +49,28 @@ def test_each_row_sees_the_output_so_far_and_the_drafts_before_it():
             want = want - s.frequency_penalty * counts - s.presence_penalty * (counts > 0).float()
             assert torch.equal(got[i], want[0]), (s, i)
     assert torch.equal(Penalties(SamplingParams(repetition_penalty=2.0), [], vocab, "cpu").apply(logits[:1], []), logits[:1])
+
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(repetition_penalty=1.7), SamplingParams(presence_penalty=2.5),
+                                      SamplingParams(frequency_penalty=1.2, repetition_penalty=1.2)])
+def test_a_drafter_under_the_penalties_drafts_what_the_verifier_accepts(sampling):
+    """The drafter's rule (`greedy_drafts`: draft j sees the output so far, the anchor and drafts 1..j-1) and the
+    verifier's (`apply` after the anchor is emitted) are the same: on the same logits every draft is accepted. The
+    logits favour the anchor and the tokens seen so far, so the penalties decide (the plain argmax differs)."""
+    g = torch.Generator().manual_seed(1)
+    vocab, prompt, output, anchor, k = 40, [5, 6, 7], [8, 6, 8], 9, 6  # (the anchor new to the output)
+    logits = torch.randn(k + 1, vocab, generator=g)
+    logits[:, [anchor, 5, 8, 20, 30]] += torch.tensor([4.0, 3.0, 3.5, 2.5, 2.0])  # 20, 30: unseen so far
+    drafter = Penalties(sampling, prompt, vocab, "cpu")
+    drafter.emitted(output)
+    drafts = drafter.greedy_drafts(logits[:k], anchor)
+    assert len(drafts) == k and drafts != logits[:k].argmax(-1).tolist()
+    assert torch.equal(drafter.counts, torch.bincount(torch.tensor(output), minlength=vocab).float())  # unchanged
+    verifier = Penalties(sampling, prompt, vocab, "cpu")
+    verifier.emitted(output + [anchor])
+    accepted, _ = accept_greedy(drafts, verifier.apply(logits, drafts))
+    assert accepted == k
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)

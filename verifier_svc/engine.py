@@ -18,13 +18,14 @@ from transformers import DynamicCache
 
 from pdflash.errors import FailedPrecondition, FieldViolation, check
 from pdflash.logging import get_logger
+from pdflash.penalties import Penalties
 from pdflash.validation import logprobs_violations, sampling_violations
 from pdflash.types import DraftResult, ExpertUnion, FinishReason, SamplingParams, union_bytes
 from verifier_svc.model import TargetModel
 from pdflash_kernels.attention import PAGE
 from verifier_svc.kv import SequenceKV
 from verifier_svc.session import Session, SessionStore
-from verifier_svc.verify import Penalties, accept_greedy, accept_sampled, target_probs
+from verifier_svc.verify import accept_greedy, accept_sampled, target_probs
 
 log = get_logger("pdflash.verifier.engine")
 

@@ -31,7 +31,7 @@ class Session:
     feature_layer_ids: tuple[int, ...]
     kv: object | None = None  # verifier_svc.kv.SequenceKV when the verifier runs on the paged KV pool
     top_logprobs: int | None = None  # None: no logprobs; else each emitted token's, and this many alternatives
-    penalties: object | None = None  # verifier_svc.verify.Penalties when the sampling asks for any
+    penalties: object | None = None  # pdflash.penalties.Penalties when the sampling asks for any
     round: int = 0
     finished: FinishReason | None = None
     last_used: float = dataclasses.field(default_factory=time.monotonic)

@@ -32,46 +32,6 @@ def target_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor
     return x.softmax(dim=-1)
 
 
-class Penalties:
-    """The output so far of a session that asked for penalties (SamplingParams.penalized), and those penalties applied
-    to a verify's logits: row i of a block [anchor, d1..dk] scores the token after d_i, so it sees the output so far
-    plus d1..di (as plain decoding would have, had those drafts been its tokens). Counts live on the logits' device."""
-
-    def __init__(self, sampling: SamplingParams, prompt: list[int], vocab: int, device):
-        self.sampling = sampling
-        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)  # output tokens so far, per id
-        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # prompt and output tokens
-        if prompt:
-            self.seen[torch.tensor(prompt, dtype=torch.long, device=device)] = True
-
-    def apply(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
-        """[len(drafts) + 1, V] float logits -> penalized (a new tensor)."""
-        s = self.sampling
-        rows, vocab = logits.shape
-        counts = self.counts.expand(rows, vocab).clone()
-        if drafts:
-            d = torch.tensor(drafts[: rows - 1], dtype=torch.long, device=logits.device)
-            step = torch.zeros(rows, vocab, dtype=torch.float32, device=logits.device)
-            step[torch.arange(1, len(d) + 1, device=logits.device), d] = 1.0
-            counts += step.cumsum(0)
-        x = logits.float()  # (every step below makes a new tensor: the caller's logits stay as they are)
-        if s.repetition_penalty != 1.0:  # transformers' RepetitionPenaltyLogitsProcessor on the tokens seen so far
-            seen = self.seen | (counts > 0)
-            pen = torch.where(x < 0, x * s.repetition_penalty, x / s.repetition_penalty)
-            x = torch.where(seen, pen, x)
-        if s.frequency_penalty != 0.0:
-            x = x - s.frequency_penalty * counts
-        if s.presence_penalty != 0.0:
-            x = x - s.presence_penalty * (counts > 0).float()
-        return x
-
-    def emitted(self, tokens: list[int]) -> None:
-        if tokens:
-            t = torch.tensor(tokens, dtype=torch.long, device=self.counts.device)
-            self.counts.index_add_(0, t, torch.ones(len(tokens), dtype=torch.float32, device=t.device))
-            self.seen[t] = True
-
-
 def accept_greedy(drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
     """logits [len(drafts) + 1, V]: row i predicts the token after block position i.
 

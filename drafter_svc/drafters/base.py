@@ -12,6 +12,8 @@ import abc
 
 import numpy as np
 
+from pdflash.types import SamplingParams
+
 
 class Drafter(abc.ABC):
     """Drafting state of one request. Not thread-safe: one request, one round at a time."""
@@ -50,4 +52,6 @@ class DrafterFactory(abc.ABC):
         return bool(self.feature_layer_ids)
 
     @abc.abstractmethod
-    def new_session(self) -> Drafter: ...
+    def new_session(self, sampling: SamplingParams | None = None) -> Drafter:
+        """A request's drafter. `sampling`: the request's; a drafter that can follows its penalties (their rule on its own
+        logits, `pdflash.penalties`), so that its drafts guess the penalized target's tokens."""

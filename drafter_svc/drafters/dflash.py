@@ -29,6 +29,8 @@ from safetensors import safe_open
 from transformers import Qwen3Config
 
 from pdflash.logging import get_logger
+from pdflash.penalties import Penalties
+from pdflash.types import SamplingParams
 
 from drafter_svc.compat import mismatch, read_config
 from drafter_svc.dflash_graphs import DEFAULT_CAPACITY, DFlashGraphs, GraphedContext, graphs_unsupported, host_rows
@@ -213,15 +215,17 @@ class DFlashFactory(DrafterFactory):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def new_session(self) -> DFlashDrafter:
-        return DFlashDrafter(self)
+    def new_session(self, sampling: SamplingParams | None = None) -> DFlashDrafter:
+        return DFlashDrafter(self, sampling)
 
 
 class DFlashDrafter(Drafter):
     needs_features = True
 
-    def __init__(self, factory: DFlashFactory):
+    def __init__(self, factory: DFlashFactory, sampling: SamplingParams | None = None):
         self._f = factory
+        self._sampling = sampling if sampling is not None and sampling.penalized else None
+        self.penalties: Penalties | None = None  # the request's penalties on the drafts (after start)
         self.cache: ContextKV | None = None  # the eager path's context
         self.graphed: GraphedContext | None = None  # the graphed path's (one of the two, after start)
         self._graphs: DFlashGraphs | None = None  # the graphs `graphed` belongs to (the factory's when it started)
@@ -239,6 +243,8 @@ class DFlashDrafter(Drafter):
 
     def start(self, prompt_ids: list[int], features: np.ndarray | None = None) -> None:
         self.close()
+        if self._sampling is not None:
+            self.penalties = Penalties(self._sampling, prompt_ids, self._f.head.vocab_size, self._f.device)
         graphs = self._f.graphs
         if graphs is not None and len(prompt_ids) <= graphs.capacity:
             self._graphs, self.graphed = graphs, graphs.new_context()
@@ -250,6 +256,8 @@ class DFlashDrafter(Drafter):
         if self.cache is None and self.graphed is None:
             raise RuntimeError("DFlashDrafter.commit before start")
         self._extend(len(tokens), features)
+        if self.penalties is not None:
+            self.penalties.emitted(tokens)  # (a round's commit: its anchor and accepted drafts, all output)
 
     def _extend(self, n: int, features: np.ndarray | None) -> None:
         if n == 0:
@@ -287,16 +295,21 @@ class DFlashDrafter(Drafter):
             raise ValueError(f"anchor token {anchor} is outside the target vocabulary ({head.vocab_size} tokens)")
         graphed = self.graphed
         if graphed is not None:
+            if self.penalties is not None:
+                return self.penalties.greedy_drafts(self._graphs.propose_logits(graphed, anchor, k), anchor)
             return self._graphs.propose(graphed, anchor, k)
         embeds = torch.cat([head.embed[anchor : anchor + 1], self._f.mask_rows[:k]])[None]  # [anchor, MASK x k]
         hidden = self._f.model.draft(embeds, self.cache)  # at positions L..L+k
         logits = hidden[0, 1:] @ head.lm_head.T
+        if self.penalties is not None:
+            return self.penalties.greedy_drafts(logits, anchor)
         return logits.argmax(dim=-1).tolist()  # the round's one device->host copy
 
     def close(self) -> None:
         if self.graphed is not None:
             self._graphs.release(self.graphed)
         self.cache = self.graphed = None
+        self.penalties = None
 
 
 def make_tiny_dflash(

@@ -61,5 +61,5 @@ class HybridFactory(DrafterFactory):
         self.feature_layer_ids = list(dflash.feature_layer_ids)
         self.max_block_size = None  # n-gram rounds may use the server's largest block
 
-    def new_session(self) -> HybridDrafter:
-        return HybridDrafter(NgramDrafter(self.min_match, self.max_n), self.dflash.new_session(), self.min_match)
+    def new_session(self, sampling=None) -> HybridDrafter:
+        return HybridDrafter(NgramDrafter(self.min_match, self.max_n), self.dflash.new_session(sampling), self.min_match)

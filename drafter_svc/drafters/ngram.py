@@ -113,5 +113,5 @@ class NgramFactory(DrafterFactory):
         self.max_block_size = max_block_size
         self.feature_layer_ids = []
 
-    def new_session(self) -> NgramDrafter:
+    def new_session(self, sampling=None) -> NgramDrafter:  # (copies the context: no penalties)
         return NgramDrafter(self.min_n, self.max_n, self.weak_drafts)

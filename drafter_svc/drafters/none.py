@@ -25,5 +25,5 @@ class NoneFactory(DrafterFactory):
     def __init__(self) -> None:
         self.feature_layer_ids = []
 
-    def new_session(self) -> NoneDrafter:
+    def new_session(self, sampling=None) -> NoneDrafter:
         return NoneDrafter()
