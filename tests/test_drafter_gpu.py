@@ -118,8 +118,8 @@ CAPACITY = 160  # the demo's 128-token prompts pass it after ~32 generated token
 class _Rounds:
     """One session following the target's greedy sequence: propose, accept what matches, commit anchor + accepted."""
 
-    def __init__(self, factory, prompt, seq, feats):
-        self.s, self.seq, self.feats = factory.new_session(), seq, feats
+    def __init__(self, factory, prompt, seq, feats, sampling=None):
+        self.s, self.seq, self.feats = factory.new_session(sampling), seq, feats
         self.s.start(prompt, feats[: len(prompt)])
         self.pos, self.rounds, self.emitted = len(prompt), 0, 0
 
@@ -254,3 +254,39 @@ def test_a_capture_that_fails_leaves_an_eager_drafter(demo, monkeypatch):
     s = f.new_session()
     s.start([1, 2, 3, 4], np.zeros((4, f.feature_dim), np.float32))
     assert len(s.propose(5, 7)) == 7
+
+
+def test_penalized_drafts_on_cuda_graphs_follow_the_penalized_target(demo):
+    """A request with a repetition penalty on the captured graphs: the drafts come from the graph's logits under the
+    penalty (pdflash.penalties), and on the target's penalized greedy output (bf16, CUDA) they are accepted more often
+    than the same drafter's unpenalized drafts (the CPU twin: tests/test_dflash_graphs.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from drafter_svc.drafters import make_factory
+    from pdflash.types import SamplingParams
+
+    target_dir, drafter_dir = demo
+    penalty = SamplingParams(repetition_penalty=1.3)
+    layers = json.loads((drafter_dir / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).cuda().eval()
+    runs = []
+    for prompt in _prompts(3):
+        with torch.no_grad():
+            seq = target.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW, min_new_tokens=NEW,
+                                  do_sample=False, repetition_penalty=penalty.repetition_penalty)[0]
+            hidden = target(seq[None], output_hidden_states=True).hidden_states
+        runs.append((prompt, seq.tolist(), torch.cat([hidden[i + 1][0] for i in layers], -1).float().cpu().numpy()))
+    del target
+    f = make_factory("dflash", target_dir, drafter_dir, device="cuda", dtype="bfloat16", cuda_graphs=True)
+    assert f.graphs is not None and f.graphs.captured
+    tau = {}
+    for penalized in (False, True):
+        emitted = rounds = 0
+        for prompt, seq, feats in runs:
+            r = _Rounds(f, prompt, seq, feats, penalty if penalized else None)
+            assert (r.s.penalties is not None) == penalized and r.s.graphed is not None
+            while not r.done:
+                r.commit(r.propose())
+            emitted, rounds = emitted + r.emitted, rounds + r.rounds
+        tau[penalized] = emitted / rounds
+    assert tau[True] > tau[False], tau
