@@ -245,8 +245,9 @@ class SchedulerClient:
         """Admit a drafted block; or, with reserve_tokens > 0, reserve the round ahead of drafting
         (never waits; the answer may be `deferred`). `release`: tickets to give back first."""
         try:
+            demand = dataclasses.replace(draft, draft_dists=())  # (the scheduler admits a demand: no distributions)
             t = await self.stub.Admit(
-                scheduler_pb2.AdmitRequest(request_id=request_id, draft=convert.draft_to_pb(draft), reserve_tokens=reserve_tokens,
+                scheduler_pb2.AdmitRequest(request_id=request_id, draft=convert.draft_to_pb(demand), reserve_tokens=reserve_tokens,
                                            release_ticket_ids=release),
                 timeout=timeout,
             )

@@ -315,11 +315,13 @@ async def run_request(
             k = max(0, min(width.drafts(), remaining - 1))
             t0 = t_round = time.perf_counter()
             if k <= 0:
-                drafts = []
+                proposal = []
             elif heavy:  # a model forward: keep the event loop free for other streams and health
-                drafts = list(await torch_thread.run(drafter.propose, anchor, k))[:k]
+                proposal = await torch_thread.run(drafter.propose, anchor, k)
             else:
-                drafts = list(drafter.propose(anchor, k))[:k]
+                proposal = drafter.propose(anchor, k)
+            drafts = list(proposal)[:k]
+            dists = tuple(getattr(proposal, "dists", ()))[: len(drafts)]  # sampled drafts' distributions
             usage.draft_ms += (time.perf_counter() - t0) * 1e3
             tokens = (anchor, *drafts)
             t0 = time.perf_counter()
@@ -328,10 +330,10 @@ async def run_request(
                 ticket = await ahead.take(len(tokens), releases, scheduler)
                 taken, ahead = ahead, None  # only now: a cancel while waiting must still drop it
             if ticket is not None:
-                draft = DraftResult(session_id, rnd, tokens, taken.union, taken.union_bytes)
+                draft = DraftResult(session_id, rnd, tokens, taken.union, taken.union_bytes, dists)
                 usage.rounds_admitted_ahead += 1
             else:
-                draft = DraftResult(session_id, rnd, tokens, union, union_b)
+                draft = DraftResult(session_id, rnd, tokens, union, union_b, dists)
                 # Finished rounds' tickets ride on this Admit: never hold a lease while waiting for the next
                 # (sessions holding budget while queueing for more would starve each other until expiry).
                 carried = tuple(to_release)

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from pdflash.types import DraftResult, ExpertUnion, SamplingParams
+from pdflash.types import DraftDistribution, DraftResult, ExpertUnion, SamplingParams
 from pdflash.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ def draft_to_pb(d: DraftResult) -> common_pb2.DraftResult:
         tokens=list(d.tokens),
         expert_union=union_to_pb(d.expert_union),
         expert_bytes=d.expert_bytes,
+        draft_dists=[common_pb2.DraftDistribution(ids=list(q.ids), probs=list(q.probs)) for q in d.draft_dists],
     )
 
 
@@ -106,6 +107,7 @@ def draft_from_pb(pb: common_pb2.DraftResult) -> DraftResult:
         tokens=tuple(int(t) for t in pb.tokens),
         expert_union=union_from_pb(pb.expert_union),
         expert_bytes=int(pb.expert_bytes),
+        draft_dists=tuple(DraftDistribution(tuple(int(i) for i in q.ids), tuple(float(p) for p in q.probs)) for q in pb.draft_dists),
     )
 
 

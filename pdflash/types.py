@@ -51,14 +51,24 @@ class SamplingParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class DraftDistribution:
+    """A sparse distribution a sampled draft was drawn from: q(ids[i]) = probs[i] / sum(probs), 0 elsewhere."""
+
+    ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class DraftResult:
-    """One round's proposal: the block (anchor + drafts) and its projected expert demand."""
+    """One round's proposal: the block (anchor + drafts) and its projected expert demand. `draft_dists`: for sampled
+    drafts, one per draft (the distribution it was drawn from); empty for deterministic drafts."""
 
     session_id: str
     round: int
     tokens: tuple[int, ...]
     expert_union: ExpertUnion
     expert_bytes: int
+    draft_dists: tuple[DraftDistribution, ...] = ()
 
     @property
     def num_tokens(self) -> int:

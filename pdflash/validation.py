@@ -221,3 +221,30 @@ def seconds_violation(field: str, value, hi: float = MAX_SECONDS) -> FieldViolat
     if math.isnan(x) or not 0.0 < x <= hi:
         return FieldViolation(field, f"must be a number of seconds in {bound}, got {value}")
     return None
+
+
+MAX_DRAFT_DIST_IDS = 4096  # ids of one sampled draft's distribution (a drafter sends its top ones)
+
+
+def draft_dists_violations(dists, drafts, vocab: int, field: str = "draft.draft_dists") -> list[FieldViolation]:
+    """Sampled drafts' distributions (`DraftResult.draft_dists`): none, or one per draft, each a valid sparse
+    distribution (unique ids within the vocabulary, finite probabilities >= 0 summing above 0) that gives its draft a
+    probability above 0 (the draft was drawn from it)."""
+    if not dists:
+        return []
+    if len(dists) != len(drafts):
+        return [FieldViolation(field, f"{len(dists)} distributions for {len(drafts)} drafts: send one per draft, or none")]
+    v: list[FieldViolation] = []
+    for j, (q, d) in enumerate(zip(dists, drafts)):
+        f = f"{field}[{j}]"
+        if len(q.ids) != len(q.probs):
+            v.append(FieldViolation(f, f"{len(q.ids)} ids and {len(q.probs)} probs: one probability per id"))
+        elif not 0 < len(q.ids) <= MAX_DRAFT_DIST_IDS:
+            v.append(FieldViolation(f, f"{len(q.ids)} ids: between 1 and {MAX_DRAFT_DIST_IDS}"))
+        elif len(set(q.ids)) != len(q.ids) or any(not 0 <= i < vocab for i in q.ids):
+            v.append(FieldViolation(f, f"ids must be unique and in [0, {vocab})"))
+        elif any(not math.isfinite(p) or p < 0 for p in q.probs) or not sum(q.probs) > 0:
+            v.append(FieldViolation(f, "probs must be finite, >= 0 and sum above 0"))
+        elif d not in q.ids or q.probs[q.ids.index(d)] <= 0:
+            v.append(FieldViolation(f, f"draft {d} has probability 0 in its distribution (it must be drawn from it)"))
+    return v

@@ -358,7 +358,24 @@ def draft_ok(d: common_pb2.DraftResult, anchor: int, m: Model) -> bool:
         union.setdefault(le.layer, set()).update(le.expert_ids)
     fits = all(layer in m.byte_map and all(e < len(m.byte_map[layer]) for e in ids) for layer, ids in union.items())
     return (d.round == 1 and 0 < len(d.tokens) <= m.max_block and d.tokens[0] == anchor
-            and all(0 <= t < m.vocab for t in d.tokens) and fits and d.expert_bytes == union_bytes(union, m.byte_map))
+            and all(0 <= t < m.vocab for t in d.tokens) and fits and d.expert_bytes == union_bytes(union, m.byte_map)
+            and dists_ok(d, m))
+
+
+def dists_ok(d: common_pb2.DraftResult, m: Model) -> bool:
+    """Sampled drafts' distributions: none, or one per draft, each a distribution over unique in-vocabulary ids with
+    finite probabilities >= 0 (sum > 0) that gives its draft a probability above 0."""
+    if not d.draft_dists:
+        return True
+    if len(d.draft_dists) != len(d.tokens) - 1:
+        return False
+    for q, t in zip(d.draft_dists, d.tokens[1:]):
+        ids, probs = list(q.ids), list(q.probs)
+        if (len(ids) != len(probs) or not ids or len(set(ids)) != len(ids) or any(not 0 <= i < m.vocab for i in ids)
+                or any(not math.isfinite(p) or p < 0 for p in probs) or not sum(probs) > 0
+                or t not in ids or probs[ids.index(t)] <= 0):
+            return False
+    return True
 
 
 def test_fuzz_verifier(stack, model, before, channels):
@@ -389,12 +406,34 @@ def test_fuzz_verifier(stack, model, before, channels):
     def session_drafts(draw):
         """A block for a live session (tokens[0] = 0 stands for its anchor): sometimes right, mostly
         wrong in one or two ways."""
-        bad = corrupted(draw, ["round", "anchor", "oov", "too long", "layer", "expert", "bytes"])
+        bad = corrupted(draw, ["round", "anchor", "oov", "too long", "layer", "expert", "bytes", "dists"])
         d = common_pb2.DraftResult(round=pick(draw, "round" in bad, st.just(1), st.sampled_from([0, 2, 2**32 - 1])))
         n = model.max_block + 1 if "too long" in bad else draw(st.integers(1, 4))
         d.tokens.extend([0] + draw(st.lists(st.integers(0, model.vocab - 1), min_size=n - 1, max_size=n - 1)))
         if "oov" in bad:
             d.tokens[draw(st.integers(0, n - 1))] = draw(st.sampled_from([-1, model.vocab, 2**31 - 1]))
+        if n > 1 and ("dists" in bad or draw(st.booleans())):  # sampled drafts' distributions, each with its draft
+            for t in d.tokens[1:]:
+                others = draw(st.lists(st.integers(0, model.vocab - 1), max_size=3, unique=True))
+                ids = [t] + [i for i in others if i != t]
+                d.draft_dists.add(ids=ids, probs=draw(st.lists(st.floats(0.125, 4.0, width=32), min_size=len(ids), max_size=len(ids))))
+            if "dists" in bad:
+                q = d.draft_dists[draw(st.integers(0, n - 2))]
+                how = draw(st.sampled_from(["drop", "dup", "nan", "zero", "oov", "short"]))
+                if how == "drop":
+                    del d.draft_dists[-1]
+                elif how == "dup":
+                    q.ids.append(q.ids[0])
+                    q.probs.append(1.0)
+                elif how == "nan":
+                    q.probs[0] = float(draw(st.sampled_from(["nan", "inf", "-1"])))
+                elif how == "zero":
+                    q.probs[0] = 0.0
+                elif how == "oov":
+                    q.ids.append(model.vocab)
+                    q.probs.append(1.0)
+                else:
+                    del q.probs[-1]
         union: dict[int, set[int]] = {}
         for layer in draw(st.lists(st.sampled_from(moe), max_size=len(moe), unique=True)):
             union[layer] = set(draw(st.lists(st.integers(0, experts - 1), min_size=1, max_size=3, unique=True)))

@@ -208,7 +208,7 @@ def test_sampled_verify_on_cuda_follows_the_target_distribution(core):
 
     from pdflash.types import DraftResult, SamplingParams, union_bytes
     from verifier_svc.engine import PrefillInput
-    from verifier_svc.verify import target_probs
+    from pdflash.sampler import target_probs
 
     t = core.target
     prompt = _prompts(t.vocab_size, 1)[0][:24]

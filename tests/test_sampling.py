@@ -12,9 +12,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from pdflash.client import Client
+from pdflash.sampler import target_probs
 from pdflash.types import SamplingParams
 from tests.conftest import DEVICE, DTYPE
-from verifier_svc.verify import accept_greedy, accept_sampled, target_probs
+from verifier_svc.verify import accept_greedy, accept_sampled
 
 
 @pytest.mark.parametrize("sp", [SamplingParams(0.7), SamplingParams(1.3, top_k=5), SamplingParams(1.0, top_p=0.8), SamplingParams(0.9, 0.9, 7)])
@@ -75,6 +76,116 @@ def test_accept_sampled_emits_target_distribution(draft):
     chi2_ok(collections.Counter({b: c for (a, b), c in joint.items()}), {t: float(probs[1, t]) for t in range(V)}, n2)
 
 
+@pytest.mark.parametrize("support", [8, 5, 3])
+def test_sampled_drafts_with_their_distributions_emit_the_target_distribution(support):
+    """Drafts drawn from a drafter's q (sparse: its top `support` tokens, so some tokens p gives mass have q = 0) and
+    sent with it: the first emitted token follows p[0], the second (after an accepted first) p[1], and the first
+    draft is accepted at the rate sum(min(p, q)) (above p's mass on the deterministic draft q's argmax)."""
+    from pdflash.types import DraftDistribution
+
+    gen = torch.Generator().manual_seed(99)
+    rng = np.random.default_rng(7)
+    V, k = 8, 2
+    torch.manual_seed(3)
+    probs = torch.softmax(torch.randn(k + 1, V) * 1.5, dim=-1)
+    q_full = torch.softmax(torch.randn(k, V) * 1.5, dim=-1)
+    dists = []
+    for j in range(k):
+        ids = torch.topk(q_full[j], support).indices.tolist()
+        vals = q_full[j, ids].float().tolist()  # as a drafter sends them (float32), normalized on both sides
+        dists.append(DraftDistribution(tuple(ids), tuple(vals)))
+    n = 20000
+    first, second, accepted_first = collections.Counter(), collections.Counter(), 0
+    for _ in range(n):
+        drafts = [int(rng.choice(q.ids, p=np.array(q.probs) / np.sum(q.probs))) for q in dists]
+        acc, nxt = accept_sampled(drafts, probs, gen, tuple(dists))
+        toks = drafts[:acc] + [nxt]
+        first[toks[0]] += 1
+        accepted_first += acc >= 1
+        if acc >= 1:
+            second[toks[1]] += 1
+    chi2_ok(first, {t: float(probs[0, t]) for t in range(V)}, n)
+    chi2_ok(second, {t: float(probs[1, t]) for t in range(V)}, sum(second.values()))
+    q0 = torch.zeros(V, dtype=torch.float64)
+    q0[list(dists[0].ids)] = torch.tensor(dists[0].probs, dtype=torch.float64) / sum(dists[0].probs)
+    rate = float(torch.minimum(probs[0].double(), q0).sum())
+    assert abs(accepted_first / n - rate) < 4 * (rate * (1 - rate) / n) ** 0.5 + 1e-3, (accepted_first / n, rate)
+    assert rate > float(probs[0, int(q0.argmax())])
+
+
+def test_a_sampling_drafter_draws_its_first_drafts_from_the_distributions_it_sends():
+    """SampledDrafts on fixed logits: drafts 1..SAMPLED_POSITIONS are drawn from the request's warpers on the logits (top
+    SAMPLED_SUPPORT, renormalized: chi-square against them), each sent with that q; later drafts are the argmax with a
+    one-hot q; a seed reproduces; with a penalty the draws count the drafts before them."""
+    from drafter_svc.drafters.dflash import SAMPLED_POSITIONS, SAMPLED_SUPPORT, SampledDrafts
+
+    g = torch.Generator().manual_seed(4)
+    k, V = 4, 100
+    logits = torch.randn(k, V, generator=g) * 2
+    sp = SamplingParams(temperature=0.8, top_k=40, seed=11)
+    a, b = SampledDrafts(sp).drafts(logits, None, 0), SampledDrafts(sp).drafts(logits, None, 0)
+    assert list(a) == list(b) and a.dists == b.dists and len(a) == len(a.dists) == k
+    p = target_probs(logits, sp)
+    for j, (d, q) in enumerate(zip(a, a.dists)):
+        assert d in q.ids
+        if j < SAMPLED_POSITIONS:
+            assert len(q.ids) == min(40, SAMPLED_SUPPORT) and q.ids[0] == int(p[j].argmax())
+            assert np.allclose(q.probs, p[j, list(q.ids)].numpy())
+        else:
+            assert q.ids == (int(p[j].argmax()),) and q.probs == (1.0,)
+    s = SampledDrafts(SamplingParams(temperature=0.8, top_k=40, seed=12))
+    n, first = 4000, collections.Counter()
+    for _ in range(n):
+        first[s.drafts(logits[:1], None, 0)[0]] += 1
+    q0 = p[0] / p[0].sum()
+    chi2_ok(first, {t: float(q0[t]) for t in range(V) if q0[t] > 0}, n)
+
+
+def test_dflash_sampled_drafts_keep_the_target_distribution():
+    """The verifier core and the DFlash drafter on the demo pair, a sampled request whose drafts are drawn and sent
+    with their q: the (first, second) tokens follow the target's own probabilities (the second from a verify of a
+    drawn draft), chi-square over the pairs; the drafts really are drawn (not all the argmax)."""
+    import pathlib
+
+    from drafter_svc.drafters import make_factory
+    from pdflash.defaults import default_drafter_dir, default_target_dir
+    from pdflash.types import DraftResult, union_bytes
+    from verifier_svc.engine import PrefillInput, VerifierCore
+    from verifier_svc.model import load_target
+
+    tdir = pathlib.Path(default_target_dir())
+    core = VerifierCore(load_target(tdir, DEVICE, DTYPE), max_block_size=4)
+    f = make_factory("dflash", tdir, default_drafter_dir())
+    prompt = list(range(40, 64))
+    sp = dict(temperature=1.0, top_k=3)
+    with torch.no_grad():
+        def probs(ids):
+            return target_probs(core.target.model(torch.tensor([ids])).logits[0, -1:].float(), SamplingParams(**sp))[0]
+
+        p1 = probs(prompt)
+        table = {(a, b): float(p1[a] * pb) for a in torch.nonzero(p1).flatten().tolist()
+                 for b, pb in enumerate(probs(prompt + [a]).tolist()) if pb > 0}
+    n, pairs, drafted = 300, collections.Counter(), collections.Counter()
+    for seed in range(n):
+        s = SamplingParams(seed=2000 + seed, **sp)
+        pre = core.prefill(PrefillInput("s", tuple(prompt), s, 2, ignore_eos=True, feature_layer_ids=tuple(f.feature_layer_ids)))
+        d = f.new_session(s)
+        d.start(prompt, pre.features)
+        a = pre.tokens[-1]
+        prop = d.propose(a, 3)
+        assert len(prop.dists) == len(prop) == 3
+        drafted[(a, prop[0])] += 1
+        res = core.verify(DraftResult(pre.session_id, 1, (a, *prop), pre.routed_union,
+                                      union_bytes(pre.routed_union, core.target.byte_map), prop.dists))
+        assert res.finished is not None and len(core.sessions) == 0
+        pairs[(a, res.tokens[0])] += 1
+        d.close()
+    anchors = {a for a, _ in drafted}
+    assert any(len({b for x, b in drafted if x == a}) > 1 for a in anchors), "one draft per anchor: nothing was drawn"
+    assert set(pairs) <= set(table), "sampled a pair the target gives zero probability"
+    chi2_ok(pairs, table, n)
+
+
 @pytest.mark.slow
 def test_stack_sampling_is_seeded_and_matches_target_distribution(stack, tiny):
     """Through the three services: a seed reproduces; the first two tokens follow the target's distribution."""
@@ -84,6 +195,11 @@ def test_stack_sampling_is_seeded_and_matches_target_distribution(stack, tiny):
         a = client.generate(prompt, max_tokens=24, seed=7, drafter="ngram", **sp)
         b = client.generate(prompt, max_tokens=24, seed=7, drafter="ngram", **sp)
         assert a.token_ids == b.token_ids
+        # DFlash drafts drawn at random and sent with their distributions (DraftResult.draft_dists) through the
+        # scheduler and the verifier: the drafter's stream is the seed's too, so a seed still reproduces
+        c = client.generate(prompt, max_tokens=24, seed=7, drafter="dflash", **sp)
+        d = client.generate(prompt, max_tokens=24, seed=7, drafter="dflash", **sp)
+        assert c.token_ids == d.token_ids and len(c.token_ids) == 24
         n = 300
         pairs = collections.Counter()
         for seed in range(n):
@@ -105,3 +221,23 @@ def test_stack_sampling_is_seeded_and_matches_target_distribution(stack, tiny):
                 probs[(t1, t2)] = float(p1[t1] * p2[t2])
     assert set(pairs) <= set(probs), "sampled a pair the target gives zero probability"
     chi2_ok(pairs, probs, n)
+
+
+@pytest.mark.parametrize("dists,why", [
+    ((((3,), (1.0,)),), "for 2 drafts"),
+    ((((3, 3), (0.5, 0.5)), ((4,), (1.0,))), "unique"),
+    ((((3, 99), (0.5, 0.5)), ((4,), (1.0,))), "in [0, 50)"),
+    ((((3,), (float("nan"),)), ((4,), (1.0,))), "finite"),
+    ((((3, 5), (0.0, 1.0)), ((4,), (1.0,))), "draft 3 has probability 0"),
+    ((((5,), (1.0,)), ((4,), (1.0,))), "draft 3 has probability 0"),
+    ((((3, 5), (1.0,)), ((4,), (1.0,))), "one probability per id"),
+    (((tuple(range(5000)), (1.0,) * 5000), ((4,), (1.0,))), "between 1 and"),
+])
+def test_bad_draft_distributions_are_refused_naming_the_field(dists, why):
+    from pdflash.types import DraftDistribution
+    from pdflash.validation import draft_dists_violations
+
+    v = draft_dists_violations(tuple(DraftDistribution(*q) for q in dists), (3, 4), 50)
+    assert len(v) == 1 and v[0].field.startswith("draft.draft_dists") and why in v[0].description, v
+    assert draft_dists_violations((DraftDistribution((3, 7), (0.2, 0.8)), DraftDistribution((4,), (1.0,))), (3, 4), 50) == []
+    assert draft_dists_violations((), (3, 4), 50) == []

@@ -19,13 +19,14 @@ from transformers import DynamicCache
 from pdflash.errors import FailedPrecondition, FieldViolation, check
 from pdflash.logging import get_logger
 from pdflash.penalties import Penalties
-from pdflash.validation import logprobs_violations, sampling_violations
+from pdflash.sampler import target_probs
+from pdflash.validation import draft_dists_violations, logprobs_violations, sampling_violations
 from pdflash.types import DraftResult, ExpertUnion, FinishReason, SamplingParams, union_bytes
 from verifier_svc.model import TargetModel
 from pdflash_kernels.attention import PAGE
 from verifier_svc.kv import SequenceKV
 from verifier_svc.session import Session, SessionStore
-from verifier_svc.verify import accept_greedy, accept_sampled, target_probs
+from verifier_svc.verify import accept_greedy, accept_sampled
 
 log = get_logger("pdflash.verifier.engine")
 
@@ -217,6 +218,7 @@ class VerifierCore:
             if len(d.tokens) > self.max_block_size:
                 v.append(FieldViolation("draft.tokens", f"block of {len(d.tokens)} exceeds max_block_size {self.max_block_size}"))
             self._check_ids("draft.tokens", d.tokens, v)
+            v.extend(draft_dists_violations(d.draft_dists, d.tokens[1:], self.target.vocab_size))
         bm = self.target.byte_map
         v.extend(self.union_violations("draft.expert_union", d.expert_union))
         if not v and d.expert_bytes != union_bytes(d.expert_union, bm):
@@ -315,12 +317,13 @@ class VerifierCore:
                 break
         return emitted
 
-    def _pick(self, s: Session, drafts: list[int], logits: torch.Tensor) -> tuple[int, int]:
+    def _pick(self, s: Session, drafts: list[int], logits: torch.Tensor, dists=()) -> tuple[int, int]:
+        """dists: the sampled drafts' distributions (DraftResult.draft_dists), or () for deterministic drafts."""
         if s.penalties is not None:  # the penalties plain decoding would apply at each row's position
             logits = s.penalties.apply(logits, drafts)
         if s.sampling.greedy:
             return accept_greedy(drafts, logits)
-        return accept_sampled(drafts, target_probs(logits, s.sampling), s.generator)
+        return accept_sampled(drafts, target_probs(logits, s.sampling), s.generator, dists)
 
     # ---- API --------------------------------------------------------------------------------------
     def prefill(self, req: PrefillInput) -> StepOutput:
@@ -427,7 +430,7 @@ class VerifierCore:
             cache.begin(draft.expert_union if cache.prefetch_union else {})  # the projection streams in ahead of its layers
         logits, feats, union, fwd_ms = self._forward(s, block, want)
         t0 = time.perf_counter()
-        n_acc, nxt = self._pick(s, block[1:], logits)
+        n_acc, nxt = self._pick(s, block[1:], logits, draft.draft_dists[: len(block) - 1])
         keep = n_acc + 1  # anchor + accepted drafts enter the KV cache
         if s.kv is None:
             s.cache.crop(-(len(block) - keep))  # the paged KV needs no crop: the next block overwrites from `committed`

@@ -12,7 +12,17 @@ import abc
 
 import numpy as np
 
-from pdflash.types import SamplingParams
+from pdflash.types import DraftDistribution, SamplingParams
+
+
+class Proposal(list):
+    """A drafter's drafts: a list of token ids, and for drafts it sampled (a request with temperature > 0) the
+    distribution each was drawn from (`dists`, one per draft, sent to the verifier: DraftResult.draft_dists).
+    Deterministic drafts (argmax, n-gram copies) have none."""
+
+    def __init__(self, tokens=(), dists: tuple[DraftDistribution, ...] = ()):
+        super().__init__(tokens)
+        self.dists = tuple(dists)
 
 
 class Drafter(abc.ABC):
@@ -27,7 +37,8 @@ class Drafter(abc.ABC):
 
     @abc.abstractmethod
     def propose(self, anchor: int, k: int) -> list[int]:
-        """Up to `k` draft tokens following `anchor` (may be fewer, even none). Does not change state."""
+        """Up to `k` draft tokens following `anchor` (may be fewer, even none). Does not change the context (a
+        sampling drafter's random stream moves on). Sampled drafts come as a `Proposal` with their distributions."""
 
     @abc.abstractmethod
     def commit(self, tokens: list[int], features: np.ndarray | None = None) -> None:

@@ -24,25 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdflash/v1/common.proto\x12\npdflash.v1\"\xb0\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x42\x07\n\x05_seed\"1\n\x0cLayerExperts\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x12\n\nexpert_ids\x18\x02 \x03(\r\"\x86\x01\n\x0b\x44raftResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12.\n\x0c\x65xpert_union\x18\x04 \x03(\x0b\x32\x18.pdflash.v1.LayerExperts\x12\x14\n\x0c\x65xpert_bytes\x18\x05 \x01(\x04\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"T\n\x07Timings\x12\x10\n\x08total_ms\x18\x01 \x01(\x01\x12\x12\n\nforward_ms\x18\x02 \x01(\x01\x12\x11\n\taccept_ms\x18\x03 \x01(\x01\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdflash/v1/common.proto\x12\npdflash.v1\"\xb0\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x42\x07\n\x05_seed\"1\n\x0cLayerExperts\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x12\n\nexpert_ids\x18\x02 \x03(\r\"\xba\x01\n\x0b\x44raftResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12.\n\x0c\x65xpert_union\x18\x04 \x03(\x0b\x32\x18.pdflash.v1.LayerExperts\x12\x14\n\x0c\x65xpert_bytes\x18\x05 \x01(\x04\x12\x32\n\x0b\x64raft_dists\x18\x06 \x03(\x0b\x32\x1d.pdflash.v1.DraftDistribution\"/\n\x11\x44raftDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"T\n\x07Timings\x12\x10\n\x08total_ms\x18\x01 \x01(\x01\x12\x12\n\nforward_ms\x18\x02 \x01(\x01\x12\x11\n\taccept_ms\x18\x03 \x01(\x01\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdflash.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=599
-  _globals['_FINISHREASON']._serialized_end=748
+  _globals['_FINISHREASON']._serialized_start=700
+  _globals['_FINISHREASON']._serialized_end=849
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=216
   _globals['_LAYEREXPERTS']._serialized_start=218
   _globals['_LAYEREXPERTS']._serialized_end=267
   _globals['_DRAFTRESULT']._serialized_start=270
-  _globals['_DRAFTRESULT']._serialized_end=404
-  _globals['_TENSOR']._serialized_start=406
-  _globals['_TENSOR']._serialized_end=458
-  _globals['_TIMINGS']._serialized_start=460
-  _globals['_TIMINGS']._serialized_end=544
-  _globals['_TOPLOGPROBS']._serialized_start=546
-  _globals['_TOPLOGPROBS']._serialized_end=596
+  _globals['_DRAFTRESULT']._serialized_end=456
+  _globals['_DRAFTDISTRIBUTION']._serialized_start=458
+  _globals['_DRAFTDISTRIBUTION']._serialized_end=505
+  _globals['_TENSOR']._serialized_start=507
+  _globals['_TENSOR']._serialized_end=559
+  _globals['_TIMINGS']._serialized_start=561
+  _globals['_TIMINGS']._serialized_end=645
+  _globals['_TOPLOGPROBS']._serialized_start=647
+  _globals['_TOPLOGPROBS']._serialized_end=697
 # @@protoc_insertion_point(module_scope)

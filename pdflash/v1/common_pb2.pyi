@@ -47,18 +47,28 @@ class LayerExperts(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., expert_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftResult(_message.Message):
-    __slots__ = ("session_id", "round", "tokens", "expert_union", "expert_bytes")
+    __slots__ = ("session_id", "round", "tokens", "expert_union", "expert_bytes", "draft_dists")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_UNION_FIELD_NUMBER: _ClassVar[int]
     EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DISTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     expert_union: _containers.RepeatedCompositeFieldContainer[LayerExperts]
     expert_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., expert_union: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ..., expert_bytes: _Optional[int] = ...) -> None: ...
+    draft_dists: _containers.RepeatedCompositeFieldContainer[DraftDistribution]
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., expert_union: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ..., expert_bytes: _Optional[int] = ..., draft_dists: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ...) -> None: ...
+
+class DraftDistribution(_message.Message):
+    __slots__ = ("ids", "probs")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("shape", "dtype", "data")
