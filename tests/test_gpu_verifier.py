@@ -243,6 +243,50 @@ def test_sampled_verify_on_cuda_follows_the_target_distribution(core):
     assert chisquare(observed, [e * n / sum(expected) for e in expected]).pvalue > 1e-3
 
 
+def test_sampled_drafts_with_their_distributions_on_cuda_follow_the_target(core):
+    """Drafts drawn from a q and sent with it (DraftResult.draft_dists: the verifier's min(1, p/q) rule and its
+    residual max(0, p - q) on the GPU, float64 rows on the device): the (first, second) token pairs follow the target's
+    probabilities, chi-square over the pairs. q: uniform over the target's top 3 and one token it gives no mass."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    from pdflash.sampler import target_probs
+    from pdflash.types import DraftDistribution, DraftResult, SamplingParams, union_bytes
+    from verifier_svc.engine import PrefillInput
+
+    t = core.target
+    prompt = _prompts(t.vocab_size, 1)[0][:24]
+    sp = dict(temperature=1.0, top_k=3)
+    with torch.no_grad():
+        def probs(ids):
+            return target_probs(t.model(torch.tensor([ids], device="cuda")).logits[0, -1:].float(), SamplingParams(**sp))[0]
+
+        p1 = probs(prompt)
+        table, q_after = {}, {}
+        for a in torch.nonzero(p1).flatten().tolist():
+            p2 = probs(prompt + [a])
+            support = torch.nonzero(p2).flatten().tolist()
+            outside = next(i for i in range(t.vocab_size) if i not in support)
+            q_after[a] = DraftDistribution(tuple(support + [outside]), (1.0,) * (len(support) + 1))
+            for b in support:
+                table[(a, b)] = float(p1[a] * p2[b])
+    rng = np.random.default_rng(5)
+    n, pairs = 300, []
+    for i in range(n):
+        pre = core.prefill(PrefillInput("s", tuple(prompt), SamplingParams(seed=3000 + i, **sp), 2, ignore_eos=True))
+        a = pre.tokens[-1]
+        q = q_after[a]
+        d = int(rng.choice(q.ids))
+        res = core.verify(DraftResult(pre.session_id, 1, (a, d), pre.routed_union, union_bytes(pre.routed_union, t.byte_map), (q,)))
+        assert res.finished is not None and len(core.sessions) == 0
+        pairs.append((a, res.tokens[0]))
+    assert set(pairs) <= set(table), "sampled a pair the target gives zero probability"
+    keys = sorted(table)
+    observed = [sum(1 for p in pairs if p == k) for k in keys]
+    expected = [table[k] * n for k in keys]
+    assert chisquare(observed, [e * n / sum(expected) for e in expected]).pvalue > 1e-3
+
+
 def _logprob_run(core, prompt, propose, width: int, n: int = 64):
     """(tokens, logprobs, top-3) of a greedy session asking for logprobs, `width`-wide blocks of `propose`'s drafts."""
     from pdflash.types import DraftResult, SamplingParams
