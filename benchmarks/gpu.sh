@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu.sh OUT [suite|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
-#   suite: the whole test suite, 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
+#   suite: the whole test suite (or SUITE_FILES), 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
 #          cores, tests/conftest.py), into OUT/gpu_suite.txt. Not part of `all`: run it on its own.
 #   tests: the GPU test files alone (TEST_FILES), serially.
 #   e2e:   benchmarks/e2e_gpu.py with E2E_ARGS (e.g. E2E_ARGS="--targets gptoss-24l"), cut at E2E_S seconds (540).
@@ -32,11 +32,13 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 has() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
 if [[ " $STEPS " == *" suite "* ]]; then  # the whole suite (~ minutes with 8 workers); the slowest 15 tests listed
   # -v: a line per test as it ends, so a run cut by the time limit still names its failures (grep FAILED)
+  # SUITE_FILES: a part of the suite (test files or node ids), for a call too short for all of it (stop 44: 545 s left
+  # 24 tests unfinished); the default, every test
   timeout ${SUITE_S:-560} python3 -m pytest -v -rfE -n ${SUITE_WORKERS:-8} -p no:cacheprovider --timeout=300 --durations=15 \
-    > "$OUT/gpu_suite.txt" 2>&1
+    ${SUITE_FILES:-} > "$OUT/gpu_suite.txt" 2>&1
   rc=$?; grep -E "FAILED|ERROR" "$OUT/gpu_suite.txt" | head -20; tail -25 "$OUT/gpu_suite.txt"
   if [ $rc -eq 124 ]; then  # cut by the limit: name the tests that never finished (collected, no outcome line)
-    python3 -m pytest --collect-only -q -p no:cacheprovider 2>/dev/null | grep "::" | sort > "$OUT/.collected"
+    python3 -m pytest --collect-only -q -p no:cacheprovider ${SUITE_FILES:-} 2>/dev/null | grep "::" | sort > "$OUT/.collected"
     grep -oE "(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) tests/.*" "$OUT/gpu_suite.txt" | sed -E 's/^[A-Z]+ //; s/ +$//' | sort -u > "$OUT/.finished"
     comm -23 "$OUT/.collected" "$OUT/.finished" | sed 's/^/not finished: /' | tee -a "$OUT/gpu_suite.txt" | head -20
     rm -f "$OUT/.collected" "$OUT/.finished"
