@@ -86,11 +86,27 @@ def test_a_model_without_a_template_or_a_template_that_refuses():
     assert req.prompt == (2, 7)
 
 
-def test_the_stub_has_no_chat_template_and_says_so(pdflash_stub):
-    assert not pdflash_stub.client.model_info().chat_template
-    with pytest.raises(grpc.RpcError) as e:
-        pdflash_stub.client.generate(CHAT, max_tokens=4)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in e.value.details()
+STUB_CHAT = "<|im_start|>system\nYou write Python.<|im_end|>\n<|im_start|>user\ndef add(a, b):<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_stub_takes_conversations_in_its_chat_format(pdflash_stub):
+    """The stub's byte tokenizer has a chat format (ChatML's markers): Generate and Tokenize take `messages`, an echo
+    script streams the rendered conversation back, model info says there is a template."""
+    c = pdflash_stub.client
+    assert c.model_info().chat_template
+    out = c.generate(CHAT, max_tokens=len(STUB_CHAT.encode()), ignore_eos=True)
+    assert out.text == STUB_CHAT
+    assert list(c.tokenize(CHAT).ids) == list(STUB_CHAT.encode())
+
+
+def test_a_stub_with_a_tokenizer_file_has_no_chat_template_and_says_so(tiny):
+    from pdflash.testing.stub import StubServer
+
+    with StubServer(tokenizer=str(tiny.target("qwen3_moe"))) as stub, Client(stub.address) as c:
+        assert not c.model_info().chat_template
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(CHAT, max_tokens=4)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in e.value.details()
 
 
 def test_the_client_builds_and_checks_conversations():

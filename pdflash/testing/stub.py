@@ -135,7 +135,8 @@ class StubServicer(drafter_pb2_grpc.DrafterServicer):
         self.cfg = cfg
         vocab = cfg.vocab_size or (self.tokenizer.vocab_size if cfg.tokenizer else DEMO_VOCAB_SIZE)
         self.limits = limits_of(cfg, vocab)
-        self.info = info or api.model_info_message(self.limits, cfg.model, cfg.architecture)
+        self.info = info or api.model_info_message(self.limits, cfg.model, cfg.architecture,
+                                                   chat_template=self.tokenizer.chat_ids is not None)
         self.script = script_of(cfg)
         self.running = api.RunningRequests()
         self.received: collections.deque[Received] = collections.deque(maxlen=RECEIVED_KEPT)
@@ -195,7 +196,7 @@ class StubServicer(drafter_pb2_grpc.DrafterServicer):
         registered = False
         try:
             script = self._script_for(context)
-            req, _kind = api.parse_generate(request, request_id, self.limits, self.tokenizer.encode_ids)
+            req, _kind = api.parse_generate(request, request_id, self.limits, self.tokenizer.encode_ids, self.tokenizer.chat_ids)
             abort = self.running.start(request_id, self.cfg.max_concurrent)
             registered = True
             if self.verbose:
@@ -290,8 +291,8 @@ class StubServicer(drafter_pb2_grpc.DrafterServicer):
             await abort_with(context, e)
 
     async def Tokenize(self, request, context):
-        try:  # (the stub's tokenizer has no chat template: messages are refused as a model without one refuses them)
-            return api.tokenize_message(request, self.limits, self.tokenizer.encode_ids, None)
+        try:  # (messages: the byte tokenizer's chat format; a tokenizer file's refuse them, as a model without a template)
+            return api.tokenize_message(request, self.limits, self.tokenizer.encode_ids, self.tokenizer.chat_ids)
         except PdflashError as e:
             await abort_with(context, e)
 

@@ -21,6 +21,12 @@ class ByteTokenizer:
     def encode_ids(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """A conversation as the stub's chat format (ChatML's text markers, the assistant's turn opened), as bytes: so
+        clients that send `messages` can be tested against the stub (an echo script streams this text back)."""
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return self.encode_ids(text + "<|im_start|>assistant\n")
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         out: list[str] = []
         run = bytearray()
@@ -36,7 +42,10 @@ class ByteTokenizer:
 
 
 class FileTokenizer:
-    """A Hugging Face tokenizer.json (the file, or a checkpoint directory holding it)."""
+    """A Hugging Face tokenizer.json (the file, or a checkpoint directory holding it). No chat template (`chat_ids` is
+    None): `messages` are refused, as by a model without one."""
+
+    chat_ids = None
 
     def __init__(self, path: str):
         try:
