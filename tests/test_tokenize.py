@@ -9,6 +9,7 @@ import pytest
 
 from pdflash.client import Client
 from pdflash.testing import StubServer
+from pdflash.testing.tokenizer import ByteTokenizer
 from pdflash.v1 import drafter_pb2
 
 CHAT = [{"role": "user", "content": "def add(a, b):"}]
@@ -43,9 +44,7 @@ def test_the_stub_tokenizes_as_it_generates(pdflash_stub):
     r = c.tokenize("héllo")
     assert r.count == len("héllo".encode()) and c.detokenize(r.ids) == "héllo"
     assert c.generate("héllo", max_tokens=2).usage.prompt_tokens == r.count
-    with pytest.raises(grpc.RpcError) as e:
-        c.tokenize(CHAT)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in e.value.details()
+    assert list(c.tokenize(CHAT).ids) == ByteTokenizer().chat_ids(CHAT)  # its chat format, as Generate takes it
     with StubServer(max_prompt_tokens=4) as small:
         assert not small.client.tokenize("too long a prompt").fits_prompt
 
@@ -55,5 +54,6 @@ def test_the_cli_counts_tokens(pdflash_stub, capsys):
 
     assert main(["tokenize", "abc", "--ids", "--target", pdflash_stub.address]) == 0
     assert capsys.readouterr().out.split("\n")[:2] == ["3 tokens", "97 98 99"]
-    assert main(["tokenize", "abc", "--chat", "--target", pdflash_stub.address]) == 2
-    assert "no chat template" in capsys.readouterr().err
+    assert main(["tokenize", "abc", "--chat", "--target", pdflash_stub.address]) == 0  # a user turn, the stub's format
+    n = len(ByteTokenizer().chat_ids([{"role": "user", "content": "abc"}]))
+    assert capsys.readouterr().out.split("\n")[0] == f"{n} tokens"
