@@ -225,7 +225,7 @@ class DFlashDrafter(Drafter):
 
     def __init__(self, factory: DFlashFactory, sampling: SamplingParams | None = None):
         self._f = factory
-        self._sampling = sampling if sampling is not None and sampling.penalized else None
+        self._penalized = sampling if sampling is not None and sampling.penalized else None
         self.penalties: Penalties | None = None  # the request's penalties on the drafts (after start)
         # a sampled request's drafts are drawn from the target's warpers on the drafter's logits (SampledDrafts)
         self.sampler = SampledDrafts(sampling) if sampling is not None and not sampling.greedy else None
@@ -246,8 +246,8 @@ class DFlashDrafter(Drafter):
 
     def start(self, prompt_ids: list[int], features: np.ndarray | None = None) -> None:
         self.close()
-        if self._sampling is not None:
-            self.penalties = Penalties(self._sampling, prompt_ids, self._f.head.vocab_size, self._f.device)
+        if self._penalized is not None:
+            self.penalties = Penalties(self._penalized, prompt_ids, self._f.head.vocab_size, self._f.device)
         graphs = self._f.graphs
         if graphs is not None and len(prompt_ids) <= graphs.capacity:
             self._graphs, self.graphed = graphs, graphs.new_context()
@@ -308,7 +308,7 @@ class DFlashDrafter(Drafter):
             return self._pick(logits, anchor)
         return logits.argmax(dim=-1).tolist()  # the round's one device->host copy
 
-    def _pick(self, logits: torch.Tensor, anchor: int) -> list[int]:
+    def _pick(self, logits: torch.Tensor, anchor: int) -> list[int] | Proposal:
         """Drafts from the k rows' logits under the request's penalties and / or its sampler."""
         if self.sampler is not None:
             return self.sampler.drafts(logits, self.penalties, anchor)
@@ -324,10 +324,11 @@ class DFlashDrafter(Drafter):
 SAMPLED_SUPPORT = 64  # a sampled draft's distribution: the top tokens of the warped drafter distribution
 # Drafts drawn at random: the first two of a block; the later ones are the argmax (q one-hot). A DFlash block drafts
 # every position at once, so q_j is not conditioned on the drafts drawn before it: drawing them all lost what the
-# first ones gained. Demo pair, 90 seeded requests of 40 tokens, 7 drafts a round, drafts accepted a round
-# (`python benchmarks/sampled_drafts.py --positions 0,16,1,2,3`; argmax / all drawn / first 1 / first 2 / first 3):
+# first ones gained. Demo pair, 90 seeded requests of 40 tokens, 7 drafts a round, drafts accepted a round, in
+# benchmarks/sampled_drafts.py's setup (exploratory, an earlier draw order; argmax / all drawn / first 1 / 2 / 3):
 # temperature 1: 0.65 / 0.75 / 0.75 / 0.77 / 0.78; temperature 1, top-k 3: 1.08 / 1.13 / 1.18 / 1.20 / 1.16;
-# temperature 0.7, top-p 0.9: 1.28 / 1.26 / 1.27 / 1.32 / 1.28.
+# temperature 0.7, top-p 0.9: 1.28 / 1.26 / 1.27 / 1.32 / 1.28. The served setting, re-measured with
+# `python benchmarks/sampled_drafts.py --positions 0,2`: 0.65 -> 0.77, 1.08 -> 1.22, 1.28 -> 1.34.
 SAMPLED_POSITIONS = 2
 
 
@@ -336,7 +337,8 @@ class SampledDrafts:
     top-k, top-p: `pdflash.sampler.target_probs`) on the drafter's logits, cut to its SAMPLED_SUPPORT likeliest tokens
     and renormalized, and sent with q_j (`Proposal.dists`), so the verifier accepts it with min(1, p / q) and the output
     still follows the target. Against the argmax draft this raises a draft's acceptance from p(argmax q) to
-    sum(min(p, q)); drafts past SAMPLED_POSITIONS are the argmax (q one-hot). The random stream is the request's seed's (numpy), else fresh: a seeded request reproduces."""
+    sum(min(p, q)); drafts past SAMPLED_POSITIONS are the argmax (q one-hot). The random stream is the request's
+    seed's (numpy), else fresh: a seeded request reproduces."""
 
     def __init__(self, sampling: SamplingParams):
         self.sampling = sampling
