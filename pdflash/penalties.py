@@ -67,8 +67,14 @@ class Penalties:
 
     def greedy_drafts(self, logits: torch.Tensor, anchor: int) -> list[int]:
         """[k, V] draft logits (row j scores the token after the anchor and drafts 1..j) -> k greedy drafts under the
-        penalties, the anchor counted as output (it is emitted, not yet `emitted` here). Nothing of the state changes;
-        one device->host copy at the end."""
+        penalties. One device->host copy at the end."""
+        out = self.sequential(logits, anchor, lambda row, j: row.argmax(dim=-1))
+        return torch.cat(out).tolist() if out else []
+
+    def sequential(self, logits: torch.Tensor, anchor: int, pick) -> list:
+        """Drafts one after another under the penalties: row j of [k, V] draft logits penalized with the output so far
+        plus the anchor (emitted, not yet `emitted` here) and drafts 1..j-1, then `pick(row [1, V], j)` chooses draft
+        j (a token id, or a 1-element tensor on the device: no copy). Nothing of the state changes."""
         counts, seen = self.counts.clone(), self.seen.clone()
         one = torch.ones(1, dtype=torch.float32, device=counts.device)
         last = torch.tensor([anchor], dtype=torch.long, device=counts.device)
@@ -76,6 +82,7 @@ class Penalties:
         for j in range(logits.shape[0]):
             counts.index_add_(0, last, one)  # the previous token (the anchor, then each draft) joins the output
             seen.index_fill_(0, last, True)
-            last = penalize(logits[j : j + 1], counts, seen, self.sampling).argmax(dim=-1)
-            out.append(last)
-        return torch.cat(out).tolist() if out else []
+            tok = pick(penalize(logits[j : j + 1], counts, seen, self.sampling), j)
+            out.append(tok)
+            last = tok if isinstance(tok, torch.Tensor) else torch.tensor([tok], dtype=torch.long, device=counts.device)
+        return out

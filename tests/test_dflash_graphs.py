@@ -47,10 +47,10 @@ def demo():
     return pathlib.Path(default_target_dir()), drafter
 
 
-@pytest.fixture(scope="module")
-def sequences(demo):
-    """Two prompts' greedy continuations by the demo target and the features of every position (as the verifier
-    sends them: outputs of the drafter's target layers, float32)."""
+def _target_runs(demo, **generate) -> list[tuple[list[int], np.ndarray]]:
+    """Two prompts' greedy continuations by the demo target (transformers' `generate`, with `generate`'s extra
+    keywords) and the features of every position (as the verifier sends them: outputs of the drafter's target layers,
+    float32)."""
     from transformers import AutoModelForCausalLM
 
     target_dir, drafter_dir = demo
@@ -60,11 +60,16 @@ def sequences(demo):
     out = []
     with torch.no_grad():
         for prompt in prompts:
-            seq = target.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0]
+            seq = target.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, **generate)[0]
             hidden = target(seq[None], output_hidden_states=True).hidden_states
             feats = torch.cat([hidden[i + 1][0] for i in layers], -1).numpy()
             out.append((seq.tolist(), np.ascontiguousarray(feats)))
     return out
+
+
+@pytest.fixture(scope="module")
+def sequences(demo):
+    return _target_runs(demo)
 
 
 def _factory(demo, capacity: int | None):
@@ -250,29 +255,16 @@ PENALTY = SamplingParams(repetition_penalty=1.3)
 
 @pytest.fixture(scope="module")
 def penalized_sequences(demo):
-    """Two prompts' continuations by the demo target under PENALTY (transformers' greedy `generate` with
-    repetition_penalty: the output a penalized request must get) and the features of every position."""
-    from transformers import AutoModelForCausalLM
-
-    target_dir, drafter_dir = demo
-    layers = json.loads((drafter_dir / "config.json").read_text())["dflash_config"]["target_layer_ids"]
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    prompts = [p[:PROMPT] for p in json.loads((ROOT / "benchmarks" / "prompts_heldout.json").read_text())[:2]]
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            seq = target.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                                  repetition_penalty=PENALTY.repetition_penalty)[0]
-            hidden = target(seq[None], output_hidden_states=True).hidden_states
-            out.append((seq.tolist(), np.ascontiguousarray(torch.cat([hidden[i + 1][0] for i in layers], -1).numpy())))
-    return out
+    """The target's continuations under PENALTY (transformers' greedy `generate` with repetition_penalty: the output a
+    penalized request must get)."""
+    return _target_runs(demo, repetition_penalty=PENALTY.repetition_penalty)
 
 
 def test_a_penalized_request_drafts_under_its_penalties_on_both_paths(demo, penalized_sequences):
     """A request with a repetition penalty: its drafter applies the penalty to its own logits draft by draft
     (pdflash.penalties), the static path's drafts equal the eager one's, and on the target's penalized output the
-    drafts are accepted more often than the same drafter's unpenalized drafts (tau measured on the demo pair, 4
-    prompts: 1.87 -> 1.96)."""
+    drafts are accepted more often than the same drafter's unpenalized drafts (through the verifier:
+    `python benchmarks/sampled_drafts.py --repetition-penalty 1.3 --new 120`)."""
     eager, static = _factory(demo, None), _factory(demo, 96)
     emitted, rounds = {False: 0, True: 0}, {False: 0, True: 0}
     for seq, feats in penalized_sequences:

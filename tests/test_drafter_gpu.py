@@ -51,26 +51,31 @@ def _sync_warnings(fn, *args):
     return out, sum("synchronizing" in str(w.message) for w in caught)
 
 
-@pytest.fixture(scope="module")
-def sequences(demo):
-    """Two prompts' greedy continuations by the demo target on CUDA in bf16, and the features of every position: outputs
-    of the drafter's target layers, as the verifier sends them (float32)."""
+def _target_runs(demo, n: int, **generate) -> list[tuple[list[int], list[int], np.ndarray]]:
+    """n prompts' greedy continuations by the demo target on CUDA in bf16 (transformers' `generate`, with `generate`'s
+    extra keywords), and the features of every position: outputs of the drafter's target layers, as the verifier
+    sends them (float32)."""
     from transformers import AutoModelForCausalLM
 
     target_dir, drafter_dir = demo
     layers = json.loads((drafter_dir / "config.json").read_text())["dflash_config"]["target_layer_ids"]
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).cuda().eval()
     out = []
-    for prompt in _prompts(2):
+    for prompt in _prompts(n):
         with torch.no_grad():
             seq = target.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW, min_new_tokens=NEW,
-                                  do_sample=False)[0]
+                                  do_sample=False, **generate)[0]
             hidden = target(seq[None], output_hidden_states=True).hidden_states
         feats = torch.cat([hidden[i + 1][0] for i in layers], -1).float().cpu().numpy()
         out.append((prompt, seq.tolist(), feats))
     del target
     torch.cuda.empty_cache()
     return out
+
+
+@pytest.fixture(scope="module")
+def sequences(demo):
+    return _target_runs(demo, 2)
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
@@ -260,23 +265,12 @@ def test_penalized_drafts_on_cuda_graphs_follow_the_penalized_target(demo):
     """A request with a repetition penalty on the captured graphs: the drafts come from the graph's logits under the
     penalty (pdflash.penalties), and on the target's penalized greedy output (bf16, CUDA) they are accepted more often
     than the same drafter's unpenalized drafts (the CPU twin: tests/test_dflash_graphs.py)."""
-    from transformers import AutoModelForCausalLM
-
     from drafter_svc.drafters import make_factory
     from pdflash.types import SamplingParams
 
     target_dir, drafter_dir = demo
     penalty = SamplingParams(repetition_penalty=1.3)
-    layers = json.loads((drafter_dir / "config.json").read_text())["dflash_config"]["target_layer_ids"]
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).cuda().eval()
-    runs = []
-    for prompt in _prompts(3):
-        with torch.no_grad():
-            seq = target.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW, min_new_tokens=NEW,
-                                  do_sample=False, repetition_penalty=penalty.repetition_penalty)[0]
-            hidden = target(seq[None], output_hidden_states=True).hidden_states
-        runs.append((prompt, seq.tolist(), torch.cat([hidden[i + 1][0] for i in layers], -1).float().cpu().numpy()))
-    del target
+    runs = _target_runs(demo, 3, repetition_penalty=penalty.repetition_penalty)
     f = make_factory("dflash", target_dir, drafter_dir, device="cuda", dtype="bfloat16", cuda_graphs=True)
     assert f.graphs is not None and f.graphs.captured
     tau = {}

@@ -199,31 +199,46 @@ def test_warmup_leaves_a_clean_verifier_whose_first_request_equals_its_second(co
     torch.cuda.empty_cache()
 
 
-def test_sampled_verify_on_cuda_follows_the_target_distribution(core):
-    """Sampled verification on CUDA (the session's generator on the GPU): with a drafted block after each sampled
-    first token, the (first, second) token pairs follow the target's own probabilities (bf16, the same kernels),
-    chi-square over the pairs; a seed reproduces. The reference probabilities come from the target's forward on the
-    same GPU in the same dtype."""
-    from scipy.stats import chisquare
-
-    from pdflash.types import DraftResult, SamplingParams, union_bytes
-    from verifier_svc.engine import PrefillInput
+def _pair_probs(core, prompt: list[int], sp: dict):
+    """The target's sampler probabilities (same GPU, same dtype) after the prompt, and after the prompt and each token
+    it can sample: p1 and {a: p2}."""
     from pdflash.sampler import target_probs
+    from pdflash.types import SamplingParams
 
     t = core.target
-    prompt = _prompts(t.vocab_size, 1)[0][:24]
-    sp = dict(temperature=1.0, top_k=3)
     with torch.no_grad():
         def probs(ids):
             return target_probs(t.model(torch.tensor([ids], device="cuda")).logits[0, -1:].float(), SamplingParams(**sp))[0]
 
         p1 = probs(prompt)
-        table, draft_after = {}, {}
-        for a in torch.nonzero(p1).flatten().tolist():
-            p2 = probs(prompt + [a])
-            draft_after[a] = int(p2.argmax())  # the drafted token: accepted with probability p2(draft)
-            for b in torch.nonzero(p2).flatten().tolist():
-                table[(a, b)] = float(p1[a] * p2[b])
+        return p1, {a: probs(prompt + [a]) for a in torch.nonzero(p1).flatten().tolist()}
+
+
+def _check_pairs(pairs: list, table: dict) -> None:
+    """Sampled (first, second) pairs against their probabilities: none outside, chi-square p > 1e-3."""
+    from scipy.stats import chisquare
+
+    assert set(pairs) <= set(table), "sampled a pair the target gives zero probability"
+    keys = sorted(table)
+    observed = [sum(1 for p in pairs if p == k) for k in keys]
+    expected = [table[k] for k in keys]
+    assert chisquare(observed, [e * len(pairs) / sum(expected) for e in expected]).pvalue > 1e-3
+
+
+def test_sampled_verify_on_cuda_follows_the_target_distribution(core):
+    """Sampled verification on CUDA (the session's generator on the GPU): with a drafted block after each sampled
+    first token, the (first, second) token pairs follow the target's own probabilities (bf16, the same kernels),
+    chi-square over the pairs; a seed reproduces. The reference probabilities come from the target's forward on the
+    same GPU in the same dtype."""
+    from pdflash.types import DraftResult, SamplingParams, union_bytes
+    from verifier_svc.engine import PrefillInput
+
+    t = core.target
+    prompt = _prompts(t.vocab_size, 1)[0][:24]
+    sp = dict(temperature=1.0, top_k=3)
+    p1, p2s = _pair_probs(core, prompt, sp)
+    draft_after = {a: int(p2.argmax()) for a, p2 in p2s.items()}  # the drafted token: accepted with probability p2(draft)
+    table = {(a, b): float(p1[a] * p2[b]) for a, p2 in p2s.items() for b in torch.nonzero(p2).flatten().tolist()}
 
     def sample(seed: int) -> tuple[int, ...]:
         pre = core.prefill(PrefillInput("s", tuple(prompt), SamplingParams(seed=seed, **sp), 2, ignore_eos=True))
@@ -234,13 +249,7 @@ def test_sampled_verify_on_cuda_follows_the_target_distribution(core):
         return (a, res.tokens[0])
 
     assert sample(7) == sample(7)
-    n = 300
-    pairs = [sample(1000 + i) for i in range(n)]
-    assert set(pairs) <= set(table), "sampled a pair the target gives zero probability"
-    keys = sorted(table)
-    observed = [sum(1 for p in pairs if p == k) for k in keys]
-    expected = [table[k] * n for k in keys]
-    assert chisquare(observed, [e * n / sum(expected) for e in expected]).pvalue > 1e-3
+    _check_pairs([sample(1000 + i) for i in range(300)], table)
 
 
 def test_sampled_drafts_with_their_distributions_on_cuda_follow_the_target(core):
@@ -248,31 +257,23 @@ def test_sampled_drafts_with_their_distributions_on_cuda_follow_the_target(core)
     residual max(0, p - q) on the GPU, float64 rows on the device): the (first, second) token pairs follow the target's
     probabilities, chi-square over the pairs. q: uniform over the target's top 3 and one token it gives no mass."""
     import numpy as np
-    from scipy.stats import chisquare
 
-    from pdflash.sampler import target_probs
     from pdflash.types import DraftDistribution, DraftResult, SamplingParams, union_bytes
     from verifier_svc.engine import PrefillInput
 
     t = core.target
     prompt = _prompts(t.vocab_size, 1)[0][:24]
     sp = dict(temperature=1.0, top_k=3)
-    with torch.no_grad():
-        def probs(ids):
-            return target_probs(t.model(torch.tensor([ids], device="cuda")).logits[0, -1:].float(), SamplingParams(**sp))[0]
-
-        p1 = probs(prompt)
-        table, q_after = {}, {}
-        for a in torch.nonzero(p1).flatten().tolist():
-            p2 = probs(prompt + [a])
-            support = torch.nonzero(p2).flatten().tolist()
-            outside = next(i for i in range(t.vocab_size) if i not in support)
-            q_after[a] = DraftDistribution(tuple(support + [outside]), (1.0,) * (len(support) + 1))
-            for b in support:
-                table[(a, b)] = float(p1[a] * p2[b])
+    p1, p2s = _pair_probs(core, prompt, sp)
+    table, q_after = {}, {}
+    for a, p2 in p2s.items():
+        support = torch.nonzero(p2).flatten().tolist()
+        outside = next(i for i in range(t.vocab_size) if i not in support)
+        q_after[a] = DraftDistribution(tuple(support + [outside]), (1.0,) * (len(support) + 1))
+        table.update({(a, b): float(p1[a] * p2[b]) for b in support})
     rng = np.random.default_rng(5)
-    n, pairs = 300, []
-    for i in range(n):
+    pairs = []
+    for i in range(300):
         pre = core.prefill(PrefillInput("s", tuple(prompt), SamplingParams(seed=3000 + i, **sp), 2, ignore_eos=True))
         a = pre.tokens[-1]
         q = q_after[a]
@@ -280,11 +281,7 @@ def test_sampled_drafts_with_their_distributions_on_cuda_follow_the_target(core)
         res = core.verify(DraftResult(pre.session_id, 1, (a, d), pre.routed_union, union_bytes(pre.routed_union, t.byte_map), (q,)))
         assert res.finished is not None and len(core.sessions) == 0
         pairs.append((a, res.tokens[0]))
-    assert set(pairs) <= set(table), "sampled a pair the target gives zero probability"
-    keys = sorted(table)
-    observed = [sum(1 for p in pairs if p == k) for k in keys]
-    expected = [table[k] * n for k in keys]
-    assert chisquare(observed, [e * n / sum(expected) for e in expected]).pvalue > 1e-3
+    _check_pairs(pairs, table)
 
 
 def _logprob_run(core, prompt, propose, width: int, n: int = 64):

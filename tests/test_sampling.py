@@ -141,6 +141,21 @@ def test_a_sampling_drafter_draws_its_first_drafts_from_the_distributions_it_sen
     chi2_ok(first, {t: float(q0[t]) for t in range(V) if q0[t] > 0}, n)
 
 
+def test_sampled_drafts_of_a_penalized_request_count_the_drafts_drawn_before_them():
+    """Temperature and a presence penalty: draft j is drawn from the penalized row, the anchor and drafts 1..j-1
+    counted as output (token 5 leads every row by 1; once drawn, the penalty of 2 puts 6 ahead; then both are
+    penalized and 5 leads again)."""
+    from drafter_svc.drafters.dflash import SampledDrafts
+    from pdflash.penalties import Penalties
+
+    logits = torch.full((3, 10), -20.0)
+    logits[:, 5], logits[:, 6] = 10.0, 9.0
+    sp = SamplingParams(temperature=0.05, presence_penalty=2.0, seed=1)
+    drafts = SampledDrafts(sp).drafts(logits, Penalties(sp, [], 10, "cpu"), anchor=0)
+    assert list(drafts) == [5, 6, 5] and all(d in q.ids for d, q in zip(drafts, drafts.dists))
+    assert list(SampledDrafts(sp).drafts(logits, None, anchor=0)) == [5, 5, 5]
+
+
 def test_dflash_sampled_drafts_keep_the_target_distribution():
     """The verifier core and the DFlash drafter on the demo pair, a sampled request whose drafts are drawn and sent
     with their q: the (first, second) tokens follow the target's own probabilities (the second from a verify of a

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from transformers import Qwen3Config
 
 from pdflash.logging import get_logger
-from pdflash.penalties import Penalties, penalize
+from pdflash.penalties import Penalties
 from pdflash.sampler import target_probs
 from pdflash.types import DraftDistribution, SamplingParams
 
@@ -351,16 +351,13 @@ class SampledDrafts:
             ids, probs = self._top(logits)
             return self._draw(ids, probs)
         out = Proposal()
-        counts, seen = penalties.counts.clone(), penalties.seen.clone()
-        last = anchor
-        for j in range(logits.shape[0]):
-            counts[last] += 1.0
-            seen[last] = True
-            ids, probs = self._top(penalize(logits[j : j + 1], counts, seen, self.sampling))
-            one = self._draw(ids, probs, j)
-            out.append(one[0])
+
+        def draw(row: torch.Tensor, j: int) -> int:
+            one = self._draw(*self._top(row), j)
             out.dists += one.dists
-            last = one[0]
+            return one[0]
+
+        out.extend(penalties.sequential(logits, anchor, draw))
         return out
 
     def _top(self, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
