@@ -32,6 +32,7 @@ compiles for sm_90 on a CPU machine (tests/test_fragments.py) but runs only on C
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import typing
@@ -66,33 +67,52 @@ PDL_ON = 1 if runtime.PDL_TRIGGER == "after-wait" else 2  # `_pdl_begin`'s mode 
 PDL_MODE = PDL_ON if runtime.PDL and _PDL_ASKED else 0
 # The MoE call's gate/up GEMM, down GEMM and combine in one launch after the routing's (`fragment_moe_one`: programs take
 # work tickets; down tiles wait for their block's gate/up tiles) for calls whose number of (token, expert) pairs lies
-# in a shape's range (ONE_LAUNCH_SHAPES, by (hidden, expert width): where the H200 measured it faster; other shapes
-# none); other calls, calls computed in copy groups (an expert cache still copying) and tiles with a K split take the
-# four launches. Every output bit is the four launches' (the same tile programs), so the cut may depend on the token
-# count. Measured in a forward (`fragment_bench.py --in-forward 8 --one-launch-ab`), whole call one launch / four:
-# gpt-oss-20b 51.4 / 57.4 us (8 experts, 1 token each) to 84.8 / 94.5 us (16 experts) and 158.4 / 162.9 us (32
-# experts), but 50.0 / 40.8 us at 4 pairs (one token's top-4, a block-1 forward: its 180 down tiles are resident beside
-# the gate/up tiles and wait there), so gpt-oss takes 8 to 128 pairs (stop 41, fragment_one_launch_h200.md; end to end
-# gpt-oss-24l's block-1 forward was 0.19 ms slower with one launch at 4 pairs, its block-16 forward 0.24 ms faster:
-# benchmarks/results/gpu_runs_h200.md). Qwen3-30B-A3B is slower in one launch, 29.1 / 25.1 us (8 experts, 1 token
-# each): the tickets (one atomic on one address a program, ~450 programs) delay the tiles ~5 us
-# (`benchmarks/one_launch_probe.py`, stop 41: 22.8 us with roles by program id, which is not safe without a ticket).
-# PDFLASH_FP4_ONE_LAUNCH_PAIRS=N: 1 to N pairs on every shape (0: off everywhere; N at most 128).
-ONE_LAUNCH_SHAPES: dict[tuple[int, int], tuple[int, int]] = {(2880, 2880): (8, 128)}
+# in a shape's range on the device measured (ONE_LAUNCH_SHAPES, by the CUDA device's name, then (hidden, expert width):
+# where that device measured it faster; other devices and shapes none); other calls, calls computed in copy groups (an
+# expert cache still copying) and tiles with a K split take the four launches. Every output bit is the four launches'
+# (the same tile programs), so the cut may depend on the token count and the device. Measured in a forward
+# (`fragment_bench.py --in-forward 8 --one-launch-ab`), whole call one launch / four, on the H200: gpt-oss-20b 51.4 /
+# 57.4 us (8 experts, 1 token each) to 84.8 / 94.5 us (16 experts) and 158.4 / 162.9 us (32 experts), but 50.0 / 40.8
+# us at 4 pairs (one token's top-4, a block-1 forward: its 180 down tiles are resident beside the gate/up tiles and
+# wait there), so gpt-oss takes 8 to 128 pairs there (stop 41, fragment_one_launch_h200.md; end to end gpt-oss-24l's
+# block-1 forward was 0.19 ms slower with one launch at 4 pairs, its block-16 forward 0.24 ms faster:
+# benchmarks/results/gpu_runs_h200.md). On the H100 (80GB HBM3) the one launch lost on gpt-oss-20b: 71.1 / 63.2 us at
+# 8 experts x 1 token and 194.0 / 168.4 us at 32 (stop 45, `benchmarks/moe_call_breakdown.py`,
+# benchmarks/results/stop45_gpu/call2), so the H100 takes none (as vLLM's fused-MoE configs, tuned per device name).
+# Qwen3-30B-A3B is slower in one launch, 29.1 / 25.1 us on the H200 (8 experts, 1 token each): the tickets (one atomic
+# on one address a program, ~450 programs) delay the tiles ~5 us (`benchmarks/one_launch_probe.py`, stop 41: 22.8 us
+# with roles by program id, which is not safe without a ticket).
+# PDFLASH_FP4_ONE_LAUNCH_PAIRS=N: 1 to N pairs on every shape and device (0: off everywhere; N at most 128).
+ONE_LAUNCH_SHAPES: dict[str, dict[tuple[int, int], tuple[int, int]]] = {"NVIDIA H200": {(2880, 2880): (8, 128)}}
 _ONE = os.environ.get("PDFLASH_FP4_ONE_LAUNCH_PAIRS") or None  # (empty, as compose.gpu.yaml passes it unset: by shape)
 if _ONE is not None and not (_ONE.isdigit() and int(_ONE) <= 128):
     raise ValueError(f"PDFLASH_FP4_ONE_LAUNCH_PAIRS must be a number of pairs from 0 (off) to 128, got {_ONE!r}")
 ONE_LAUNCH_PAIRS: int | None = int(_ONE) if _ONE is not None else None  # None: ONE_LAUNCH_SHAPES
 
 
-def one_launch_range(hidden: int, inter: int) -> tuple[int, int]:
-    """(fewest, most) (token, expert) pairs a call of this expert shape takes in `fragment_moe_one` (most 0: none)."""
-    return (1, ONE_LAUNCH_PAIRS) if ONE_LAUNCH_PAIRS is not None else ONE_LAUNCH_SHAPES.get((hidden, inter), (1, 0))
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
-def one_launch_pairs(hidden: int, inter: int) -> int:
+def device_name() -> str:
+    """The current CUDA device's name ("NVIDIA H200", "NVIDIA H100 80GB HBM3"; "" without CUDA): the key of the tables
+    tuned per device (ONE_LAUNCH_SHAPES)."""
+    return _device_name(torch.cuda.current_device()) if torch.cuda.is_available() else ""
+
+
+def one_launch_range(hidden: int, inter: int, device: str | None = None) -> tuple[int, int]:
+    """(fewest, most) (token, expert) pairs a call of this expert shape takes in `fragment_moe_one` (most 0: none) on
+    this device (a name as `device_name` gives it; None: the current one)."""
+    if ONE_LAUNCH_PAIRS is not None:
+        return (1, ONE_LAUNCH_PAIRS)
+    shapes = ONE_LAUNCH_SHAPES.get(device_name() if device is None else device, {})
+    return shapes.get((hidden, inter), (1, 0))
+
+
+def one_launch_pairs(hidden: int, inter: int, device: str | None = None) -> int:
     """The most (token, expert) pairs a call of this expert shape takes in `fragment_moe_one` (0: none)."""
-    return one_launch_range(hidden, inter)[1]
+    return one_launch_range(hidden, inter, device)[1]
 
 
 def _codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -886,25 +906,36 @@ FRAG_DEFAULT = (FragTile(4, 4, 4), FragTile(4, 4, 4))
 # A class is (most pairs, or None for every larger call; gate/up tile, down tile), ascending. A row's bits stay the same
 # whichever class its call falls in only if every unsplit tile adds a row's K products in the same order (one 16-column
 # MMA after another, `_k_range`), whatever its rows a program, quads a step, warps or staging:
-# `tests/test_fragments.py::test_unsplit_tiles_give_the_same_bits` checks that on a GPU. Written at stop 43 without a GPU
-# (the device was not lent): off by default until that test has passed and `fragment_bench.py --size-ab` has timed it.
-# The import check below refuses a class with a K split, or thresholds out of order.
+# `tests/test_fragments.py::test_unsplit_tiles_give_the_same_bits` checks that on a GPU: it passed on the H200 (stop 44,
+# gpt-oss-20b and Qwen3-30B-A3B) and the H100 (stop 45, those and a small shape). The import check below refuses a
+# class with a K split, or thresholds out of order. On by default since stop 45: `fragment_bench.py --routed
+# 1,2,4,6,8,16,32 --in-forward 8 --size-ab` on the H100 (benchmarks/results/stop45_gpu/call1), in a forward, classes /
+# FRAG_SHAPES' alone: Qwen3-30B-A3B 22.9 / 26.0 us (8 experts) to 121.9 / 123.3 (110), faster at every size;
+# gpt-oss-20b above 16 pairs 100.5 / 103.3 (18 experts) to 162.7 / 170.2 (31), but at 8 and 16 pairs its small class's
+# down tile 4x4w4aa4 lost (56.5 / 54.1, 98.3 / 89.3 us), so gpt-oss's small class is FRAG_SHAPES' pair again.
 FRAG_BY_SIZE: dict[tuple[int, int], tuple[tuple[int | None, FragTile, FragTile], ...]] = {
-    (2880, 2880): ((16, FragTile.parse("4x2w4aa4"), FragTile.parse("4x4w4aa4")),
+    (2880, 2880): ((16, FragTile.parse("4x2w4aa4"), FragTile.parse("4x4w4aa3")),
                    (None, FragTile.parse("8x2w4aa3"), FragTile.parse("4x4w4aa3"))),
     (2048, 768): ((16, FragTile.parse("4x4w4aa3"), FragTile.parse("4x4w4")),
                   (48, FragTile.parse("4x4w4"), FragTile.parse("4x4w4")),
                   (None, FragTile.parse("8x2w4aa3"), FragTile.parse("8x2w4aa3"))),
 }
-SIZE_TILES = runtime.env_flag("PDFLASH_FP4_SIZE_TILES", default=False)
+SIZE_TILES = runtime.env_flag("PDFLASH_FP4_SIZE_TILES", default=True)
 
 
-# Calls of at most DIRECT_PAIRS pairs can skip the routing launch (`moe.align_fused`, 3-6 us on the H200 at 4-32 pairs:
-# benchmarks/results/kernels_align_h200.txt): each pair its own block (`DirectPairs`, `fragment_moe`'s `direct`), so three
-# launches (gate/up, down, combine) instead of four. The same products in the same order, so the same bits
-# (`tests/test_fragments.py::test_direct_pairs_give_the_routed_bits`). Written at stop 42 after the last device call:
-# 0 (off) until that test has passed on a GPU and `benchmarks/moe_call_breakdown.py` has priced the routing launch.
-DIRECT_PAIRS = 0
+# Calls of at most DIRECT_PAIRS pairs skip the routing launch (`moe.align_fused`, 2-7 us: 2.1 us for gpt-oss-20b's
+# 4-32 pairs, 3.3-6.8 us for Qwen3-30B-A3B's 8-128, H100, `benchmarks/moe_call_breakdown.py`): each pair its own block
+# (`DirectPairs`, `fragment_moe`'s `direct`), so three launches (gate/up, down, combine) instead of four. The same
+# products in the same order, so the same bits (`tests/test_fragments.py::test_direct_pairs_give_the_routed_bits`,
+# passed on the H100 at stop 45 for gpt-oss-20b, Qwen3-30B-A3B and a small shape). As a forward pays it (H100, stop 45,
+# benchmarks/results/stop45_gpu/call2/moe_call_breakdown.json), direct / routed four launches: gpt-oss-20b 34.3 / 39.8
+# us (4 pairs), 54.9 / 63.2 (8); Qwen3-30B-A3B 23.5 / 27.8 (8); Mixtral-8x7B 270.1 / 289.8 (8 pairs): more
+# than the routing launch's own time there (2.1-3.4 us; why is not measured). PDFLASH_FP4_DIRECT_PAIRS=N (0: off, at
+# most 64).
+_DIRECT = os.environ.get("PDFLASH_FP4_DIRECT_PAIRS") or "16"
+if not (_DIRECT.isdigit() and int(_DIRECT) <= 64):
+    raise ValueError(f"PDFLASH_FP4_DIRECT_PAIRS must be a number of pairs from 0 (off) to 64, got {_DIRECT!r}")
+DIRECT_PAIRS = int(_DIRECT)
 
 
 def _check_by_size(shapes: dict, by_size: dict) -> None:
@@ -1059,7 +1090,7 @@ def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: Frag
         return "no pairs"
     if tokens * topk > most:
         return (f"{tokens * topk} pairs (one launch takes at most {most} on experts of {hidden} x {inter}: "
-                "ONE_LAUNCH_SHAPES, PDFLASH_FP4_ONE_LAUNCH_PAIRS)")
+                f"ONE_LAUNCH_SHAPES on {device_name() or 'this device'}, PDFLASH_FP4_ONE_LAUNCH_PAIRS)")
     if tokens * topk < fewest:
         return (f"{tokens * topk} pairs (one launch takes at least {fewest} on experts of {hidden} x {inter}, where "
                 "fewer ran faster in four: ONE_LAUNCH_SHAPES)")

@@ -281,12 +281,18 @@ def test_direct_pair_kernel_compiles_for_sm90(n, k, tile, epi, has_slot, has_nva
 
 def test_direct_pairs_are_small_unsplit_calls_only(monkeypatch):
     q = (F.FragTile(4, 4, 4), F.FragTile(4, 4, 4))
-    assert "DIRECT_PAIRS" in F.direct_refusal(1, 8, 2048, 768, *q)  # off until its GPU test has run
+    assert F.DIRECT_PAIRS == 16  # on by default since its GPU test passed (stop 45)
+    monkeypatch.setattr(F, "DIRECT_PAIRS", 0)
+    assert "DIRECT_PAIRS" in F.direct_refusal(1, 8, 2048, 768, *q)
     monkeypatch.setattr(F, "DIRECT_PAIRS", 16)
     assert F.direct_refusal(2, 8, 2048, 768, *q) is None and F.direct_refusal(1, 4, 2880, 2880, *q) is None
     assert "17 pairs" in F.direct_refusal(17, 1, 2048, 768, *q)
     assert F.direct_refusal(0, 8, 2048, 768, *q) == "no pairs"
     assert "split K" in F.direct_refusal(1, 2, 4096, 14336, F.FragTile(4, 4, 4), F.FragTile(4, 4, 4, split=4))
+    from tests.test_kernels import _import_refuses
+
+    for bad in ("65", "-1", "some"):
+        _import_refuses("PDFLASH_FP4_DIRECT_PAIRS", bad, "pdflash_kernels.fragments")
 
 
 @needs_gluon
@@ -681,13 +687,17 @@ def test_one_launch_takes_small_unsplit_calls(monkeypatch):
     assert "warp" in F.one_launch_refusal(1, 8, 2048, 768, F.FragTile(4, 4, 4), F.FragTile(8, 4, 8))
     monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 0)
     assert "PDFLASH_FP4_ONE_LAUNCH_PAIRS" in F.one_launch_refusal(1, 8, 2048, 768, *q)
-    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", None)  # unset: by shape, where it was measured faster
+    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", None)  # unset: by device and shape, where it was measured faster
+    monkeypatch.setattr(F, "device_name", lambda: "NVIDIA H200")
     gptoss = F.frag_config(2880, 2880)
     assert F.one_launch_refusal(32, 4, 2880, 2880, *gptoss) is None and "129 pairs" in F.one_launch_refusal(43, 3, 2880, 2880, *gptoss)
     assert F.one_launch_refusal(2, 4, 2880, 2880, *gptoss) is None  # 8 pairs
     assert "at least 8" in F.one_launch_refusal(1, 4, 2880, 2880, *gptoss)  # one token's top-4: four launches ran faster
     assert "at most 0" in F.one_launch_refusal(1, 8, 2048, 768, *F.frag_config(2048, 768))
-    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 128)  # set: 1 to 128 pairs on every shape
+    monkeypatch.setattr(F, "device_name", lambda: "NVIDIA H100 80GB HBM3")  # measured slower there: none
+    assert "at most 0" in F.one_launch_refusal(32, 4, 2880, 2880, *gptoss) and F.one_launch_range(2880, 2880, "") == (1, 0)
+    assert F.one_launch_range(2880, 2880, "NVIDIA H200") == (8, 128)
+    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 128)  # set: 1 to 128 pairs on every shape and device
     assert F.one_launch_refusal(1, 4, 2880, 2880, *gptoss) is None and F.one_launch_range(2048, 768) == (1, 128)
 
 
@@ -703,9 +713,10 @@ def test_one_launch_pairs_setting_is_checked():
     r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.fragments as F; print(F.one_launch_pairs(2048, 768))"],
                        capture_output=True, text=True, env={**os.environ, "PDFLASH_FP4_ONE_LAUNCH_PAIRS": "64"})
     assert r.stdout.strip() == "64", r.stderr
-    r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.fragments as F; print(F.one_launch_pairs(2880, 2880))"],
+    r = subprocess.run([sys.executable, "-c",
+                        "import pdflash_kernels.fragments as F; print(F.one_launch_pairs(2880, 2880, 'NVIDIA H200'))"],
                        capture_output=True, text=True, env={**os.environ, "PDFLASH_FP4_ONE_LAUNCH_PAIRS": ""})
-    assert r.stdout.strip() == "128", r.stderr  # empty (compose.gpu.yaml's default) = unset: by shape
+    assert r.stdout.strip() == "128", r.stderr  # empty (compose.gpu.yaml's default) = unset: by device and shape
 
 
 def test_tiles_setting_is_checked():
@@ -724,7 +735,8 @@ def test_tiles_setting_is_checked():
                        env={**os.environ, "PDFLASH_FP4_TILES": "4x4w4aa3,8x2w4a4s2"})
     assert r.stdout.split() == ["4x4w4aa3", "8x2w4a4s2"] * 2, r.stderr
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PDFLASH_FP4_TILES": ""})
-    assert r.stdout.split() == [str(t) for t in F.FRAG_SHAPES[(2880, 2880)] + F.FRAG_DEFAULT], r.stderr  # empty: FRAG_SHAPES
+    table = (F.size_classes(2880, 2880)[-1][1:] if F.SIZE_TILES else F.FRAG_SHAPES[(2880, 2880)]) + F.FRAG_DEFAULT
+    assert r.stdout.split() == [str(t) for t in table], r.stderr  # empty: the tables' (a big call: the last size class)
 
 
 def _four_launches(*args, **kw):
