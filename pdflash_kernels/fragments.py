@@ -912,7 +912,12 @@ FRAG_DEFAULT = (FragTile(4, 4, 4), FragTile(4, 4, 4))
 # 1,2,4,6,8,16,32 --in-forward 8 --size-ab` on the H100 (benchmarks/results/stop45_gpu/call1), in a forward, classes /
 # FRAG_SHAPES' alone: Qwen3-30B-A3B 22.9 / 26.0 us (8 experts) to 121.9 / 123.3 (110), faster at every size;
 # gpt-oss-20b above 16 pairs 100.5 / 103.3 (18 experts) to 162.7 / 170.2 (31), but at 8 and 16 pairs its small class's
-# down tile 4x4w4aa4 lost (56.5 / 54.1, 98.3 / 89.3 us), so gpt-oss's small class is FRAG_SHAPES' pair again.
+# down tile 4x4w4aa4 lost (56.5 / 54.1, 98.3 / 89.3 us), so gpt-oss's small class is FRAG_SHAPES' pair again. With
+# that table on the H200 (stop45_gpu/call4): Qwen3 18.7 / 21.0 us (8 experts) to 100.9 / 106.2 (106), gpt-oss 102.3 /
+# 119.7 (22) and 140.2 / 160.8 (31), equal at 16 pairs and fewer. End to end on the H200 (with DIRECT_PAIRS, call3):
+# gpt-oss-24l's forward 1.92-1.98 ms against 2.10-2.15 at block 1, 4.10-4.23 against 4.58-4.70 at replay@16. They
+# lose where 128-512 pairs fall on few experts (Qwen3 8 experts x 16 tokens: 44.3 against 36.8 us in stop 36's
+# kernels table), a shape a verify's routing does not make.
 FRAG_BY_SIZE: dict[tuple[int, int], tuple[tuple[int | None, FragTile, FragTile], ...]] = {
     (2880, 2880): ((16, FragTile.parse("4x2w4aa4"), FragTile.parse("4x4w4aa3")),
                    (None, FragTile.parse("8x2w4aa3"), FragTile.parse("4x4w4aa3"))),
@@ -929,7 +934,8 @@ SIZE_TILES = runtime.env_flag("PDFLASH_FP4_SIZE_TILES", default=True)
 # products in the same order, so the same bits (`tests/test_fragments.py::test_direct_pairs_give_the_routed_bits`,
 # passed on the H100 at stop 45 for gpt-oss-20b, Qwen3-30B-A3B and a small shape). As a forward pays it (H100, stop 45,
 # benchmarks/results/stop45_gpu/call2/moe_call_breakdown.json), direct / routed four launches: gpt-oss-20b 34.3 / 39.8
-# us (4 pairs), 54.9 / 63.2 (8); Qwen3-30B-A3B 23.5 / 27.8 (8); Mixtral-8x7B 270.1 / 289.8 (8 pairs): more
+# us (4 pairs), 54.9 / 63.2 (8); Qwen3-30B-A3B 23.5 / 27.8 (8); Mixtral-8x7B 270.1 / 289.8 (8 pairs); on the H200
+# (call4) 30.8 / 38.4, 48.1 / 54.8 (and 48.2 in one launch), 18.7 / 22.7, 228.6 / 235.3: more
 # than the routing launch's own time there (2.1-3.4 us; why is not measured). PDFLASH_FP4_DIRECT_PAIRS=N (0: off, at
 # most 64).
 _DIRECT = os.environ.get("PDFLASH_FP4_DIRECT_PAIRS") or "16"

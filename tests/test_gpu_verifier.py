@@ -218,11 +218,15 @@ def _check_pairs(pairs: list, table: dict) -> None:
     """Sampled (first, second) pairs against their probabilities: none outside, chi-square p > 1e-3."""
     from scipy.stats import chisquare
 
-    assert set(pairs) <= set(table), "sampled a pair the target gives zero probability"
+    outside = sorted({p for p in pairs if p not in table})
+    assert not outside, (f"sampled pairs the target gives zero probability: {outside} ({sum(p in outside for p in pairs)} "
+                         f"of {len(pairs)}); the target's pairs: {sorted(table)}")
     keys = sorted(table)
     observed = [sum(1 for p in pairs if p == k) for k in keys]
-    expected = [table[k] for k in keys]
-    assert chisquare(observed, [e * len(pairs) / sum(expected) for e in expected]).pvalue > 1e-3
+    expected = [table[k] * len(pairs) / sum(table.values()) for k in keys]
+    test = chisquare(observed, expected)
+    assert test.pvalue > 1e-3, ("pairs off the target's distribution: p = %.2e; (pair, observed, expected): %s"
+                                % (test.pvalue, [(k, o, round(e, 1)) for k, o, e in zip(keys, observed, expected)]))
 
 
 def test_sampled_verify_on_cuda_follows_the_target_distribution(core):
@@ -248,7 +252,8 @@ def test_sampled_verify_on_cuda_follows_the_target_distribution(core):
         assert res.finished is not None and len(core.sessions) == 0
         return (a, res.tokens[0])
 
-    assert sample(7) == sample(7)
+    first, again = sample(7), sample(7)
+    assert first == again, f"seed 7 gave {first}, then {again}"
     _check_pairs([sample(1000 + i) for i in range(300)], table)
 
 
