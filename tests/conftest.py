@@ -147,13 +147,37 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # (stable: the rest keep their order)
 
 
+# Modules whose module-scoped model is parametrized by architecture (a real-shape checkpoint and its CUDA graphs per
+# architecture): each architecture's tests are a work unit of their own, so the architectures run on different workers
+# (stop 45: tests/test_gpu_verifier.py's three on one worker outlasted a 290 s call with its mixtral rows unstarted).
+_ARCH_SCOPED = ("tests/test_gpu_verifier.py", "tests/test_offload_gpu.py")
+_ARCHS = ("qwen3_moe", "gpt_oss", "mixtral")
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The work unit of a test under `pytest -n N`: its module (xdist's loadscope), or in an `_ARCH_SCOPED` module its
+    module and architecture (the parameter id naming one of `_ARCHS`)."""
+    module = nodeid.split("::", 1)[0]
+    if module in _ARCH_SCOPED and nodeid.endswith("]") and "[" in nodeid:
+        ids = nodeid[nodeid.index("[") + 1:-1].split("-")
+        arch = next((a for a in _ARCHS if a in ids), None)
+        if arch is not None:
+            return f"{module}[{arch}]"
+    return nodeid.rsplit("::", 1)[0] if "::" in nodeid else nodeid
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist, never called
 def pytest_xdist_make_scheduler(config, log):
     """`pytest -n N` hands out whole modules (xdist's loadscope), not single tests: a module's tests share its
     module-scoped stacks and models, which `--dist load` would start again in every worker that gets one of its tests
-    (on the GPU machine, real-shape models and their CUDA graphs). An explicit `--dist` is obeyed."""
+    (on the GPU machine, real-shape models and their CUDA graphs); an architecture-parametrized module's tests by
+    architecture (`xdist_scope`). An explicit `--dist` is obeyed."""
     if any(a == "--dist" or a.startswith("--dist=") or a == "-d" for a in config.invocation_params.args):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    return LoadScopeScheduling(config, log)
+    class _Scopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return _Scopes(config, log)
