@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import typing
 import weakref
 
 import torch
@@ -229,17 +230,29 @@ if triton is not None:
 # projection's config wherever they are called: the merged partials in the fused epilogue, and each module's own
 # projection one by one (verifier_svc.fused_attention's probe compares the two bit for bit), so every column is the same
 # sum in the same order either way. Keyed by the storage's address, with the K the config was made for (a K split is
-# only valid for its K); an entry leaves when its merged tensor does, which its views (the projections' weights, whose
-# `_base` it is) keep alive: a projection whose fused form was refused keeps the merged config, still one per weight.
+# only valid for its K). An entry lives as long as the modules that own the views (`owners`: the projections; their
+# weights keep the storage, and so the address, theirs), not as long as the merged tensor object: a Parameter whose
+# `.data` was made a view has no `_base`, so a runner's merged tensor can die while the projections still read its
+# storage (stop 45: a second runner built on the same target and dropped took the projections' entry with it, and the
+# target's own forward then split K its own way, off the verifier's bits). A projection whose fused form was refused
+# keeps the merged config, still one per weight.
 _SHARED: dict[int, tuple[int, LinearConfig]] = {}
 
 
-def share_config(weight: torch.Tensor, cfg: LinearConfig) -> None:
-    """Every linear whose weight [N, K] is a view of `weight`'s storage runs with `cfg` (see _SHARED) while `weight` lives
-    (its views keep it alive)."""
+def share_config(weight: torch.Tensor, cfg: LinearConfig, owners: typing.Iterable[object] = ()) -> None:
+    """Every linear whose weight [N, K] is a view of `weight`'s storage runs with `cfg` (see _SHARED) while every one of
+    `owners` lives (default: `weight` itself)."""
     key = weight.untyped_storage().data_ptr()
-    _SHARED[key] = (weight.shape[1], cfg)
-    weakref.finalize(weight, _SHARED.pop, key, None)
+    entry = (weight.shape[1], cfg)
+    _SHARED[key] = entry
+    for owner in tuple(owners) or (weight,):
+        weakref.finalize(owner, _unshare, key, entry)
+
+
+def _unshare(key: int, entry: tuple) -> None:
+    """An owner is gone: its entry leaves (not a newer one made at the same address since)."""
+    if _SHARED.get(key) is entry:
+        del _SHARED[key]
 
 
 def config_for(b: torch.Tensor, n: int, k: int, esize: int) -> LinearConfig:

@@ -90,9 +90,16 @@ def test_merged_projections_share_the_merged_config_also_called_alone(monkeypatc
         assert linear.config_for(whole[:, :256].t(), sum(sizes), 256, 2) == linear.linear_config(sum(sizes), 256)
         key = whole.untyped_storage().data_ptr()
         assert key in linear._SHARED
-        del whole, merged, mods, m  # (the projections' weights are views: they keep the merged tensor alive)
         import gc
 
+        del whole  # the merged tensor object gone, the projections (views of its storage) alive: they keep the config
+        gc.collect()
+        assert key in linear._SHARED
+        for i, m in enumerate(mods):
+            assert torch.equal(linear.partials(x, m.weight.t()), merged[:, :, cols[i] : cols[i + 1]])
+        (again,), _ = qkv.merged_weight(mods)  # merged again (a second runner on the model): the same tensor, no copy
+        assert again.untyped_storage().data_ptr() == key and all(m.weight.untyped_storage().data_ptr() == key for m in mods)
+        del again, merged, mods, m  # the projections gone: the entry leaves with them
         gc.collect()
         assert key not in linear._SHARED
     finally:
@@ -168,6 +175,41 @@ def test_the_runner_fuses_attention_and_gives_the_modules_bits(arch):
         assert torch.equal(a.logits, b.logits)
         assert (a.features is None and b.features is None) or torch.equal(a.features, b.features)
     assert all(torch.equal(a, b) for a, b in zip(fk + fv, mk + mv))
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe"])
+def test_a_second_build_on_the_same_attention_shares_the_first_merge_and_outlives_it(arch):
+    """Two runners on one model (a warm-up core beside the server's, tests' cores): the second FusedAttention gets the
+    first's merged weights (no second copy of q/k/v), and dropping either leaves the projections their merged config,
+    so the model's own forward keeps the fused path's K split (stop 45: a dropped second runner took the entry with it
+    and gpt-oss's eager reference drifted off the verifier's bits)."""
+    import gc
+
+    import pdflash_kernels
+    from verifier_svc.fused_attention import FusedAttention
+
+    model = _tiny(arch, layers=1)
+    inst = pdflash_kernels.install(model, probe=False)
+    try:
+        attn = model.model.layers[0].self_attn
+        first = FusedAttention.build(attn, model.config, "past_key_values")
+        assert not isinstance(first, str), first
+        ptrs = [p.untyped_storage().data_ptr() for p in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)]
+        second = FusedAttention.build(attn, model.config, "past_key_values")
+        assert len(second.parts) == len(first.parts) and all(a is b for (a, _), (b, _) in zip(second.parts, first.parts))
+        assert [p.untyped_storage().data_ptr() for p in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)] == ptrs
+        if first.b is not None:
+            assert second.b is first.b
+        cfgs = {id(w): cfg for w, cfg in first.parts}
+        want = [cfgs[id(w)] for w, _ in first.parts]
+        del first, second
+        gc.collect()
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            w = proj.weight
+            got = linear.config_for(w.t(), w.shape[0], w.shape[1], w.element_size())
+            assert got in want, (got, want)
+    finally:
+        inst.uninstall()
 
 
 def test_build_refuses_an_attention_with_one_per_head_norm():

@@ -57,8 +57,8 @@ class FusedAttention:
         sliding = module.sliding_window if hasattr(module, "sliding_window") else getattr(config, "sliding_window", None)
         ws, b = qkv.merged_weight([q, k, v], [g for g, _ in groups])
         parts = [(w, cfg) for w, (_, cfg) in zip(ws, groups)]
-        for w, cfg in parts:  # the projections, now views of w, run with the merged config when called alone too
-            linear.share_config(w, cfg)
+        for (w, cfg), (g, _) in zip(parts, groups):  # the projections, now views of w, run with the merged config when
+            linear.share_config(w, cfg, owners=[(q, k, v)[i] for i in g])  # called alone too, while they live
         return cls(module, cache_kw, parts, b, q.out_features // d, k.out_features // d, d, norms, sliding)
 
     def __call__(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
