@@ -39,7 +39,7 @@ round_other_ms (the decode's wall time per round minus the forward: acceptance, 
 mode's tokens equal block 1's on every prompt; the script exits 1 otherwise). transformers rows: `same_as_block1`, for
 information (stock kernels are not batch-invariant; on the CPU in float32 they agree).
 
-Writes e2e_gpu_h200.json / .md to --out (default benchmarks/results); with --device cpu, e2e_gpu_cpu.json / .md. The JSON
+Writes e2e_gpu_<device>.json / .md (e2e_gpu_h200.* on the H200) to --out (default benchmarks/results); with --device cpu, e2e_gpu_cpu.json / .md. The JSON
 is rewritten after each target, so a run cut short keeps what it measured.
 """
 
@@ -64,6 +64,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.inprocess import core_run, drafter_propose, ngram_propose  # noqa: E402
+from benchmarks.kernel_bench import device_tag  # noqa: E402
 from verifier_svc.engine import PagedKVOptions, VerifierCore  # noqa: E402
 
 FAMILIES = {"qwen3": "qwen3_moe", "gptoss": "gpt_oss"}
@@ -487,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = ("e2e_gpu_h200" if device.type == "cuda" else "e2e_gpu_cpu") + (f"_{args.tag}" if args.tag else "")
+    stem = f"e2e_gpu_{device_tag(device)}" + (f"_{args.tag}" if args.tag else "")
     t_start = time.perf_counter()
     rate = copy_rate_bytes(device)
     result: dict = {"meta": {}, "targets": {}, "rows": [], "not_identical": []}

@@ -23,7 +23,7 @@ routed experts as the verifier's byte map counts them, at --copy-rate); round_ot
 prompt); the per-round split of the rest as e2e.py measures it (draft, admit, RPC, verifier handler) in the JSON.
 The script exits 1 when a stack mode is not identical.
 
-Writes <out>/e2e_gpu_stack_h200.json and .md on CUDA (e2e_stack_cpu.json / .md with --device cpu), and the
+Writes <out>/e2e_gpu_stack_<device>.json and .md on CUDA (_h200 on the H200) (e2e_stack_cpu.json / .md with --device cpu), and the
 services' logs to <out>/stack_logs/<target>/.
 """
 
@@ -48,6 +48,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.e2e import HF_MODES, _hf_run, _stack_run, heldout_prompts  # noqa: E402
+from benchmarks.kernel_bench import device_tag  # noqa: E402
 from pdflash.client import Client  # noqa: E402
 from pdflash.defaults import default_drafter_dir, default_target_dir  # noqa: E402
 from pdflash.stack import Stack, StackSpec, free_ports  # noqa: E402
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    stem = "e2e_gpu_stack_h200" if cuda else "e2e_stack_cpu"
+    stem = f"e2e_gpu_stack_{device_tag('cuda')}" if cuda else "e2e_stack_cpu"
     result = {"meta": {}, "services": {}, "rows": [], "not_identical": []}
     rows, failed = result["rows"], result["not_identical"]
     t_start = time.perf_counter()

@@ -3,7 +3,7 @@ against a copy-engine copy of the same bytes, over its launch shape: K-range per
 load step (`block_words`) and warps. Rows: a layer's misses as the offload benchmark sees them (gpt-oss-20b slices of
 13.2 MB, 1-3 a layer at block 1, 32 at a cold layer; Qwen3-30B-A3B slices of 2.5 MB, 1-8). GPU only.
 
-    python benchmarks/fill_sweep.py --out OUT      -> OUT/fill_sweep_h200.json, a table on stdout
+    python benchmarks/fill_sweep.py --out OUT      -> OUT/fill_sweep_<device>.json (h200, h100, ...), a table on stdout
 """
 
 from __future__ import annotations
@@ -69,7 +69,9 @@ def main(argv=None) -> int:
         del arena, pool
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fill_sweep_h200.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    from benchmarks.kernel_bench import device_tag
+
+    (out / f"fill_sweep_{device_tag()}.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     print("| model | experts | chunk words | block words | warps | us | GB/s | copy engine GB/s | of CE | correct |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -10,7 +10,7 @@ gpt-oss-20b, Qwen3-30B-A3B and Mixtral-8x7B: issue 12's benchmark rows for the f
 Default: per (model, active experts 8-128, tokens per expert), the whole call (routing, both GEMMs, combine), CUDA-graph
 GPU time, each output checked against pdflash_kernels.reference.moe_reference first (2% of the largest output, as
 tests/test_kernels_gpu.py); bytes: the MXFP4 weights, scales and biases the active experts read; fractions: of the
-measured device-copy rate (read + write, as benchmarks/kernel_bench.py). Writes fragment_h200.json / .md.
+measured device-copy rate (read + write, as benchmarks/kernel_bench.py). Writes fragment_<device>.json / .md (fragment_h200.* on the H200; `kernel_bench.device_tag`).
 --sweep: the two GEMMs alone (`frag_gemm`: float32 outputs, no activation) for each tile variant (`NTxKQSwW`: 16-row
 tiles a program, 64-column quads a K step, warps; a trailing `p`: loads a step ahead) against moe.launch_gemm1 +
 launch_gemm2 over the same routing blocks; each variant checked against `frag_gemm_reference`. Writes
@@ -45,7 +45,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.kernel_bench import MODELS, copy_rate, gpu_time_us, routing  # noqa: E402
+from benchmarks.kernel_bench import MODELS, copy_rate, device_tag, gpu_time_us, routing  # noqa: E402
 
 VARIANTS = ("4x4w4", "4x8w4", "8x4w4", "4x4w4p", "8x2w4p", "8x4w4p", "4x8w4p", "8x4w8")
 # --fused-sweep: the gate/up GEMM (activation fused) and the down GEMM (routing weight fused) of fragment_moe, each alone
@@ -66,6 +66,7 @@ def _cases(e: int, k: int, tokens: str, active_list: str = "8,32,128"):
 
 def _write(out: pathlib.Path, stem: str, res: dict, lines: list[str]) -> None:
     """OUT/stem.json (the rows) and OUT/stem.md (the table), printed."""
+    stem = stem.replace("_h200", f"_{device_tag()}")  # (the stems name the H200; the file names the card that ran)
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -4,7 +4,7 @@ implementation (`grouped_mm`, bf16), and the batch-invariant dense matmul agains
     python benchmarks/kernel_bench.py [--out DIR] [--sweep [--skip-main] [--sweep-variants a,b] [--sweep-models m] [--sweep-jobs N]]
                                  [--align-only] [--align-baseline OLD_MOE_PY]
 
-Prints tables and writes kernels_h200.json / .md to --out (default benchmarks/results). `us` is GPU time: the
+Prints tables and writes kernels_<device>.json / .md (kernels_h200.* on the H200, kernels_h100.* on an H100: `device_tag`) to --out (default benchmarks/results). `us` is GPU time: the
 whole call (routing, both GEMMs, the combine) captured in a CUDA graph and replayed back to back, as the
 verifier's graphed forwards run it; `eager_us` is the same call issued from Python (launch overhead included). `hbm_fraction` = weight
 bytes read / time / the measured device-copy rate (bytes read + written per second by a large device copy).
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import sys
 
 import torch
@@ -91,6 +92,17 @@ def cuda_time_us(fn, reps: int = 30, warmup: int = 5) -> float:
         times.append(a.elapsed_time(b) * 1e3)
     times.sort()
     return times[len(times) // 2]
+
+
+def device_tag(device: torch.device | str | None = None) -> str:
+    """The device part of a result file's name: h200 / h100 / a100 / b200 by the CUDA device's name (the GPU machines lend
+    H100s as well as H200s: a table must not claim the other card), another GPU's name in lower case, or cpu."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type != "cuda":
+        return dev.type
+    name = torch.cuda.get_device_name(dev).lower()
+    known = next((k for k in ("h200", "h100", "a100", "b200") if k in name), None)
+    return known or re.sub(r"[^a-z0-9]+", "_", name).strip("_")
 
 
 def copy_rate() -> float:
@@ -560,20 +572,20 @@ def main() -> None:
         result["sweep"] = sweep(rate, split(args.sweep_variants), split(args.sweep_models), args.sweep_jobs, log)
         for line in sweep_summary(result["sweep"]):
             log(line)
-        (out / "kernels_sweep_h200.json").write_text(json.dumps(result, indent=1))
-        (out / "kernels_sweep_h200.txt").write_text("\n".join(lines) + "\n")
-        print(f"sweep written to {out / 'kernels_sweep_h200.txt'} and .json")
+        (out / f"kernels_sweep_{device_tag()}.json").write_text(json.dumps(result, indent=1))
+        (out / f"kernels_sweep_{device_tag()}.txt").write_text("\n".join(lines) + "\n")
+        print(f"sweep written to {out / f'kernels_sweep_{device_tag()}.txt'} and .json")
         if args.skip_main:
             return
     result["align"] = bench_align(args.align_baseline)
     if args.align_only:
-        (out / "kernels_align_h200.json").write_text(json.dumps(result, indent=1))
+        (out / f"kernels_align_{device_tag()}.json").write_text(json.dumps(result, indent=1))
         return
     result["invariance"] = invariance_check()
     print("invariance:", result["invariance"])
     result["linear"] = bench_linear()
     result["moe"] = bench_moe(rate)
-    (out / "kernels_h200.json").write_text(json.dumps(result, indent=1))
+    (out / f"kernels_{device_tag()}.json").write_text(json.dumps(result, indent=1))
     md = [f"# kernels on {result['device']} (`python benchmarks/kernel_bench.py`)", "",
           f"Device copy {rate / 1e12:.2f} TB/s (read + write). Invariance: {result['invariance']}. MXFP4 experts stored "
           f"{_served_format_note()}.", "",
@@ -588,7 +600,7 @@ def main() -> None:
            for r in result["align"]]
     md += ["", "| M | N | K | invariant us (graph) | cuBLAS us (graph) | ratio |", "|---|---|---|---|---|---|"]
     md += [f"| {r['M']} | {r['N']} | {r['K']} | {r['us']} | {r['cublas_us']} | {r['ratio']} |" for r in result["linear"]]
-    (out / "kernels_h200.md").write_text("\n".join(md) + "\n")
+    (out / f"kernels_{device_tag()}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

@@ -11,7 +11,7 @@ width BLOCK_N (PDFLASH_LINEAR_BLOCK_M sets the height for every call). An option
 invariant: each row alone, in a 7-row, a 16-row and a 100-row call gives the same bits (`rows_invariant`). Timing:
 one CUDA graph calls the linear on enough copies of the weight to exceed twice the L2 (a single weight of 10-20 MB
 would otherwise be read from the 50 MB L2 on every replay and look 2x faster than it is in a forward).
-Writes OUT/linear_sweep_h200.json and prints a table."""
+Writes OUT/linear_sweep_<device>.json (h200, h100, ...) and prints a table."""
 
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ def _write(args, name: str, rows: list) -> None:
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.kernel_bench import device_tag
+
+    name = name.replace("_h200", f"_{device_tag()}")  # (the names given say H200; the file names the card that ran)
     (out / name).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), l2_cold=True, rows=rows), indent=1) + "\n")
 
 

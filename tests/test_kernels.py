@@ -1196,3 +1196,14 @@ def test_split_k_over_a_reduction_with_a_masked_last_step_matches_the_reference(
     out = moe.moe_forward(x, ids, wts, _pair_weights(w), 6, config=c, config2=c)
     ref = moe_reference(x, ids, wts, w, 6)
     assert (out.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max() + 1e-3
+
+
+def test_result_files_are_named_for_the_card_that_ran(monkeypatch):
+    """benchmarks/kernel_bench.py `device_tag`: the GPU machines lend H100s as well as H200s, and a table written on one
+    must not carry the other's name (stop 45's first calls wrote fragment_h200.* on an H100)."""
+    from benchmarks.kernel_bench import device_tag
+
+    assert device_tag("cpu") == "cpu"
+    for name, tag in (("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA GeForce RTX 4090", "nvidia_geforce_rtx_4090")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, _n=name: _n)
+        assert device_tag("cuda") == tag, name
