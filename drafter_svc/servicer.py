@@ -139,15 +139,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     rest, stopped = text.finish()
                     reason = FinishReason.STOP if stopped is not None else ev.reason
                     outcome, final = self._finished(reason, ev.usage), True
+                    # the loop's clean-up (verifier session ended, admissions given back) and this request's slot
+                    # freed before the client hears the end: a client that sends its next request on the final
+                    # message finds the capacity free (max_concurrent 1 refused it before: stop 45's CI run)
+                    gen, registered = await self._release(gen, request_id, registered)
                     yield api.final_message(request_id, reason, ev.usage, rest, stopped)
+                    break
             if stopped is not None and not final:  # a stop sequence mid-stream: the rounds still to come do not run
-                await gen.aclose()  # (the loop's clean-up: the verifier session ended, every admission released)
-                gen = None
+                # (the loop's clean-up: the verifier session ended, every admission released; then the slot)
+                gen, registered = await self._release(gen, request_id, registered)
                 usage.completion_tokens = sent
                 outcome = self._finished(FinishReason.STOP, usage)
                 yield api.final_message(request_id, FinishReason.STOP, usage, "", stopped)
         except PdflashError as e:
             log.info("generate failed", code=e.code.name, error=e.message)
+            gen, registered = await self._release(gen, request_id, registered)  # (before the status goes out)
             await abort_with(context, e)
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -160,6 +166,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             if registered:
                 self._running.finish(request_id)
             structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _release(self, gen, request_id: str, registered: bool) -> tuple[None, bool]:
+        """The request's loop closed (its clean-up awaited) and its slot freed -> (gen, registered) as they now stand."""
+        if gen is not None:
+            await gen.aclose()
+        if registered:
+            self._running.finish(request_id)
+        return None, False
 
     @staticmethod
     def _finished(reason: FinishReason, u: Usage) -> str:
