@@ -98,9 +98,12 @@ def device_tag(device: torch.device | str | None = None) -> str:
     """The device part of a result file's name: h200 / h100 / a100 / b200 by the CUDA device's name (the GPU machines lend
     H100s as well as H200s: a table must not claim the other card), another GPU's name in lower case, or cpu."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type != "cuda":
-        return dev.type
-    name = torch.cuda.get_device_name(dev).lower()
+    return tag_of(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else dev.type
+
+
+def tag_of(name: str) -> str:
+    """`device_tag` of a device's name as a result's meta records it ("NVIDIA H200" -> h200, "cpu" -> cpu)."""
+    name = name.lower()
     known = next((k for k in ("h200", "h100", "a100", "b200") if k in name), None)
     return known or re.sub(r"[^a-z0-9]+", "_", name).strip("_")
 

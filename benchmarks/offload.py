@@ -22,7 +22,7 @@ prefetch coverage (of the experts a forward needed that were not left resident b
 prefetch brought in time); wasted bytes (prefetched, evicted unused); the PCIe bound (tok/s if moving the row's
 non-resident union bytes (misses + used prefetches, not the wasted ones) at the pinned rate were the only cost) and tok/s as a fraction of it; `byte_bound`: that copy time is at least the
 row's compute time (its 100%-cache run). `identical`: the row's tokens equal block 1 with every expert cached.
-Writes offload_h200.json / .md under --out.
+Writes offload_<device>.json / .md under --out (offload_h200.* on the H200, offload_cpu.* with --device cpu).
 """
 
 from __future__ import annotations
@@ -255,7 +255,10 @@ def peer(arch: str, layers: int, prompts, new: int) -> dict:
 def write(args, meta: dict, rows: list[dict]) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "offload_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    from benchmarks.kernel_bench import tag_of
+
+    stem = f"offload_{tag_of(meta['device'])}"  # (offload_h200 on the H200, offload_cpu for a CPU smoke run)
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = [f"# Offloaded MXFP4 experts (`{meta['command']}`)", "",
           f"{meta['device']}; in process, one request at a time, {args.prompts} prompts x {args.new_tokens} new tokens, greedy. "
           "tok/s and every per-token column: the decode alone (verify rounds); TTFT: the 128-token prefill (eager, it streams most experts). "
@@ -288,7 +291,7 @@ def write(args, meta: dict, rows: list[dict]) -> None:
                   f"{r.get('ttft_ms', '')} | {r['tau']} | {f(r['expert_bytes_per_token'], 1e-6, 1)} | {f(r['h2d_fraction_of_pinned'])} | {f(r['hidden_fraction'])} | "
                   f"{f(r['cache_hit_rate'])} | {f(r['prefetch_coverage'])} | {f(r['wasted_bytes'], 1e-6, 1)} | {f(r['bound_tokens_per_second'], 1, 1)} | "
                   f"{f(r['fraction_of_bound'])} | {r['byte_bound']} | {r['identical']} |")
-    (out / "offload_h200.md").write_text("\n".join(md) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 
