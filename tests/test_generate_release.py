@@ -14,7 +14,7 @@ import pytest
 from drafter_svc import servicer as S
 from drafter_svc.clients import TargetInfo
 from drafter_svc.config import DrafterConfig
-from drafter_svc.loop import Finished, Tokens, Usage
+from drafter_svc.loop import Finished, Tokens
 from pdflash.errors import ResourceExhausted
 from pdflash.testing.tokenizer import ByteTokenizer
 from pdflash.types import DrafterKind, FinishReason
