@@ -46,7 +46,7 @@ if [[ " $STEPS " == *" suite "* ]]; then  # the whole suite (~ minutes with 8 wo
   echo "suite: exit $rc" | tee -a "$OUT/gpu_suite.txt"
 fi
 if [[ " $STEPS " == *" confirm "* ]]; then  # stop 45's open item: the gpt_oss sampled tests after the warm-up test on one fixture (a dropped second runner's merged config, fixed on the CPU), then the other orders if it fails (not in `all`)
-  for k in "warmup or sampled" "interleaved or sampled" "paged_cache or sampled" "every_drafter or sampled"; do
+  for k in "dropped_second_core or warmup or sampled" "interleaved or sampled" "paged_cache or sampled" "every_drafter or sampled"; do
     timeout ${CONFIRM_S:-150} python3 -m pytest -x -v -rfE --tb=short -p no:cacheprovider tests/test_gpu_verifier.py \
       -k "gpt_oss and ($k)" > "$OUT/confirm.txt" 2>&1
     rc=$?; grep -E "PASSED|FAILED|^E " "$OUT/confirm.txt" | head -12; echo "confirm [$k]: exit $rc" | tee -a "$OUT/confirm_all.txt"

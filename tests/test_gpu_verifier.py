@@ -141,6 +141,28 @@ def test_interleaved_sessions_equal_their_solo_runs(core):
         assert s.out == solo[i], i
 
 
+def test_a_dropped_second_core_leaves_the_targets_own_forward_bits(core):
+    """A second VerifierCore on the same target (the warm-up test's, a benchmark's), built and dropped, changes nothing
+    of the first: the target's own forward gives the same logits bits before and after. Stop 45: the second runner's
+    fused attention merged q/k/v again and its merged config left with it, so the projections called one by one split
+    K their own way (the sampled tests take their reference from this forward, and failed after the warm-up test)."""
+    import gc
+
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
+
+    t = core.target
+    ids = torch.tensor([_prompts(t.vocab_size, 1)[0][:24]], device="cuda")
+    with torch.no_grad():
+        before = t.model(ids).logits.clone()
+        other = VerifierCore(t, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=1))
+        assert other.runner.attention == core.runner.attention
+        del other
+        gc.collect()
+        torch.cuda.empty_cache()
+        after = t.model(ids).logits
+    assert torch.equal(before, after)
+
+
 def test_warmup_leaves_a_clean_verifier_whose_first_request_equals_its_second(core):
     """--warmup (verifier_svc/warmup.py) on CUDA: every bucket's graph with the feature layers is captured, no session is
     left, every KV page is back; the first request after it equals the second and the eager reference. With offloaded
