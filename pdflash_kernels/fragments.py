@@ -917,7 +917,8 @@ FRAG_DEFAULT = (FragTile(4, 4, 4), FragTile(4, 4, 4))
 # 119.7 (22) and 140.2 / 160.8 (31), equal at 16 pairs and fewer. End to end on the H200 (with DIRECT_PAIRS, call3):
 # gpt-oss-24l's forward 1.92-1.98 ms against 2.10-2.15 at block 1, 4.10-4.23 against 4.58-4.70 at replay@16. They
 # lose where 128-512 pairs fall on few experts (Qwen3 8 experts x 16 tokens: 44.3 against 36.8 us in stop 36's
-# kernels table), a shape a verify's routing does not make.
+# kernels table), a shape uniform random routing of a verify's tokens rarely makes (trained models route with skew;
+# how concentrated their verify calls are is not measured).
 FRAG_BY_SIZE: dict[tuple[int, int], tuple[tuple[int | None, FragTile, FragTile], ...]] = {
     (2880, 2880): ((16, FragTile.parse("4x2w4aa4"), FragTile.parse("4x4w4aa3")),
                    (None, FragTile.parse("8x2w4aa3"), FragTile.parse("4x4w4aa3"))),
