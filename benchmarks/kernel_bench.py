@@ -575,9 +575,10 @@ def main() -> None:
         result["sweep"] = sweep(rate, split(args.sweep_variants), split(args.sweep_models), args.sweep_jobs, log)
         for line in sweep_summary(result["sweep"]):
             log(line)
-        (out / f"kernels_sweep_{device_tag()}.json").write_text(json.dumps(result, indent=1))
-        (out / f"kernels_sweep_{device_tag()}.txt").write_text("\n".join(lines) + "\n")
-        print(f"sweep written to {out / f'kernels_sweep_{device_tag()}.txt'} and .json")
+        sweep_out = out / f"kernels_sweep_{device_tag()}"
+        sweep_out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        sweep_out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+        print(f"sweep written to {sweep_out}.txt and .json")
         if args.skip_main:
             return
     result["align"] = bench_align(args.align_baseline)
@@ -588,7 +589,8 @@ def main() -> None:
     print("invariance:", result["invariance"])
     result["linear"] = bench_linear()
     result["moe"] = bench_moe(rate)
-    (out / f"kernels_{device_tag()}.json").write_text(json.dumps(result, indent=1))
+    main_out = out / f"kernels_{device_tag()}"
+    main_out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     md = [f"# kernels on {result['device']} (`python benchmarks/kernel_bench.py`)", "",
           f"Device copy {rate / 1e12:.2f} TB/s (read + write). Invariance: {result['invariance']}. MXFP4 experts stored "
           f"{_served_format_note()}.", "",
@@ -603,7 +605,7 @@ def main() -> None:
            for r in result["align"]]
     md += ["", "| M | N | K | invariant us (graph) | cuBLAS us (graph) | ratio |", "|---|---|---|---|---|---|"]
     md += [f"| {r['M']} | {r['N']} | {r['K']} | {r['us']} | {r['cublas_us']} | {r['ratio']} |" for r in result["linear"]]
-    (out / f"kernels_{device_tag()}.md").write_text("\n".join(md) + "\n")
+    main_out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

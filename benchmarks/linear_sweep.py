@@ -49,8 +49,7 @@ def _write(args, name: str, rows: list) -> None:
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.kernel_bench import device_tag
+    from benchmarks.kernel_bench import device_tag  # (main put the project root on the path)
 
     name = name.replace("_h200", f"_{device_tag()}")  # (the names given say H200; the file names the card that ran)
     (out / name).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), l2_cold=True, rows=rows), indent=1) + "\n")

@@ -161,10 +161,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         finally:
             if timer is not None:
                 timer.finished(outcome)
-            if gen is not None:
-                await gen.aclose()
-            if registered:
-                self._running.finish(request_id)
+            await self._release(gen, request_id, registered)
             structlog.contextvars.unbind_contextvars("request_id")
 
     async def _release(self, gen, request_id: str, registered: bool) -> tuple[None, bool]:

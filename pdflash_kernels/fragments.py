@@ -936,7 +936,7 @@ SIZE_TILES = runtime.env_flag("PDFLASH_FP4_SIZE_TILES", default=True)
 # passed on the H100 at stop 45 for gpt-oss-20b, Qwen3-30B-A3B and a small shape). As a forward pays it (H100, stop 45,
 # benchmarks/results/stop45_gpu/call2/moe_call_breakdown.json), direct / routed four launches: gpt-oss-20b 34.3 / 39.8
 # us (4 pairs), 54.9 / 63.2 (8); Qwen3-30B-A3B 23.5 / 27.8 (8); Mixtral-8x7B 270.1 / 289.8 (8 pairs); on the H200
-# (call4) 30.8 / 38.4, 48.1 / 54.8 (and 48.2 in one launch), 18.7 / 22.7, 228.6 / 235.3: more
+# (call4, the served call with DIRECT_PAIRS 16 / four launches) 30.8 / 38.4, 48.2 / 54.8, 18.9 / 22.7, 228.5 / 235.3: more
 # than the routing launch's own time there (2.1-3.4 us; why is not measured). PDFLASH_FP4_DIRECT_PAIRS=N (0: off, at
 # most 64).
 _DIRECT = os.environ.get("PDFLASH_FP4_DIRECT_PAIRS") or "16"

@@ -163,7 +163,7 @@ def xdist_scope(nodeid: str) -> str:
         arch = next((a for a in _ARCHS if a in ids), None)
         if arch is not None:
             return f"{module}[{arch}]"
-    return nodeid.rsplit("::", 1)[0] if "::" in nodeid else nodeid
+    return nodeid.rsplit("::", 1)[0]
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist, never called
