@@ -184,10 +184,11 @@ if triton is not None:
         sink_ptr,
         table_ptr, stb,
         ws_ptr, ml_ptr, cnt_ptr, NSEG,
+        cu_ptr,
         T, S, scaling, window,
         GROUP: tl.constexpr, D: tl.constexpr, HAS_SINK: tl.constexpr, HAS_KMASK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_CHUNKS: tl.constexpr, PROGRAMS: tl.constexpr,
-        DIRECT_SEGS: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr,
+        DIRECT_SEGS: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr, RAGGED: tl.constexpr,
     ):
         runtime.pdl_begin()
         pid_m = tl.program_id(0)
@@ -195,19 +196,27 @@ if triton is not None:
         pid_z = tl.program_id(2)
         b = (pid_z // PROGRAMS).to(tl.int64)
         p = pid_z % PROGRAMS
+        if RAGGED:  # sequence b = rows [cu[b], cu[b + 1]) of one row set (q [1, Hq, R, D], positions [1, R])
+            s0 = tl.load(cu_ptr + b)
+            T = tl.load(cu_ptr + b + 1) - s0  # its rows (0: an empty sequence, every row of the tile masked)
+            xb = b * 0
+        else:
+            s0 = 0
+            xb = b
         r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # tile rows: (token, query head of this KV head), token-major
         row_ok = r < T * GROUP
         tok = r // GROUP
         h = kh * GROUP + r % GROUP
         dd = tl.arange(0, D)
-        qpos = tl.load(pos_ptr + b * spb + tok, mask=row_ok, other=0).to(tl.int64)
-        last = tl.load(pos_ptr + b * spb + T - 1).to(tl.int64)
+        qpos = tl.load(pos_ptr + xb * spb + s0 + tok, mask=row_ok, other=0).to(tl.int64)
+        last = tl.load(pos_ptr + xb * spb + s0 + T - 1, mask=T > 0, other=0).to(tl.int64)
         if PAGED:  # keys by absolute position through the page table; the last query's key is the last written
             kpos0 = last * 0
             S = last + 1
         else:
             kpos0 = last - (S - 1)  # absolute position of the cache tensor's key 0
-        q = tl.load(q_ptr + b * sqb + h[:, None] * sqh + tok[:, None] * sqt + dd[None, :], mask=row_ok[:, None], other=0.0)
+        q = tl.load(q_ptr + xb * sqb + h[:, None] * sqh + (s0 + tok)[:, None] * sqt + dd[None, :], mask=row_ok[:, None],
+                    other=0.0)
         if F32DOT:
             q = q.to(tl.float32)
         hi = tl.max(tl.where(row_ok, qpos, -1), axis=0)
@@ -273,7 +282,7 @@ if triton is not None:
             acc_t = acc_t * sc[:, None]
         l_safe = tl.where(l_t > 0, l_t, 1.0)
         out = acc_t / l_safe[:, None]
-        tl.store(o_ptr + b * sob + tok[:, None] * sot + h[:, None] * soh + dd[None, :], to_out(out, o_ptr, F32DOT),
+        tl.store(o_ptr + xb * sob + (s0 + tok)[:, None] * sot + h[:, None] * soh + dd[None, :], to_out(out, o_ptr, F32DOT),
                  mask=row_ok[:, None] & done)
 
 
@@ -306,9 +315,20 @@ def _programs(t: int, page_table, programs: int | None) -> int:
     return max(1, min(MAX_PROGRAMS, triton.cdiv(page_table.shape[-1] * BLOCK_N, SEG)))
 
 
-def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_table, s, programs=None) -> torch.Tensor:
-    """One launcher for both layouts: k/v [B, Hkv, S, D] (page_table None) or pools [pages, Hkv, PAGE, D]."""
+def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_table, s, programs=None,
+            seq_starts=None, max_rows=None) -> torch.Tensor:
+    """One launcher for both layouts: k/v [B, Hkv, S, D] (page_table None) or pools [pages, Hkv, PAGE, D]; with
+    `seq_starts` (paged only) q [1, Hq, R, D] holds the rows of B = len(seq_starts) - 1 sequences, at most `max_rows`
+    each, and the output is [1, R, Hq, D]."""
     bsz, hq, t, d = q.shape
+    rows = t
+    if seq_starts is not None:
+        if page_table is None or bsz != 1:
+            raise ValueError("ragged attention takes one row set q [1, Hq, R, D] over a page table")
+        bsz = seq_starts.numel() - 1
+        t = int(max_rows)
+        if page_table.shape[0] != bsz:
+            raise ValueError(f"page table of {page_table.shape[0]} rows for {bsz} sequences")
     hkv = k.shape[1]
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not group over {hkv} key/value heads")
@@ -316,8 +336,12 @@ def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_t
         raise ValueError(f"head_dim {d} is not a power of two >= 16")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty((bsz, t, hq, d), dtype=q.dtype, device=q.device)
-    pos = positions.reshape(bsz, t) if positions.dim() == 2 else positions.reshape(1, t).expand(bsz, t)
+    if seq_starts is not None:
+        out = torch.zeros((1, rows, hq, d), dtype=q.dtype, device=q.device)  # (a padded wave's tail: zeros)
+        pos = positions.reshape(1, rows)
+    else:
+        out = torch.empty((bsz, t, hq, d), dtype=q.dtype, device=q.device)
+        pos = positions.reshape(bsz, t) if positions.dim() == 2 else positions.reshape(1, t).expand(bsz, t)
     if pos.stride(-1) != 1:
         pos = pos.contiguous()
     km = key_mask if key_mask is not None else pos
@@ -349,10 +373,11 @@ def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_t
         sinks if sinks is not None else q,
         table, table.stride(0) if page_table is not None else 0,
         ws, ml, cnt, nseg,
+        seq_starts if seq_starts is not None else pos,
         t, s, float(scaling), int(sliding_window or 0),
         GROUP=group, D=d, HAS_SINK=sinks is not None, HAS_KMASK=key_mask is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SEG_CHUNKS=SEG_CHUNKS, PROGRAMS=nprog, DIRECT_SEGS=DIRECT_SEGS, F32DOT=runtime.interpreting(),
-        PAGED=page_table is not None, **runtime.pdl_launch(),
+        PAGED=page_table is not None, RAGGED=seq_starts is not None, **runtime.pdl_launch(),
     )
     return out
 
@@ -387,14 +412,25 @@ def paged_attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     programs: int | None = None,
+    seq_starts: torch.Tensor | None = None,
+    max_rows: int | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, T, D]; k/v pools [pages, Hkv, PAGE, D]; page_table [B, max_pages] int32 (page of positions
     [i*PAGE, (i+1)*PAGE) of sequence b); positions [B, T] (the queries' absolute positions; each sequence's keys
     are written up to its last query's position). Returns [B, T, Hq, D]. The same chunks, in the same order, as
-    `attention`: results are bit-identical to it for the same keys."""
+    `attention`: results are bit-identical to it for the same keys.
+
+    Ragged (a multi-session verify wave): `seq_starts` [B + 1] int32 on the device, q [1, Hq, R, D] and positions
+    [1, R] hold the rows of B sequences one after the other, sequence b's rows [seq_starts[b], seq_starts[b + 1])
+    (rows past seq_starts[B], a padded wave's tail, are left unwritten); `max_rows` (a host int) bounds every
+    sequence's rows. Returns [1, R, Hq, D]. A tile holds rows of one sequence only, starting at its first row, so each
+    sequence's rows get the bits of a call of that sequence alone."""
     if k_pool.shape[2] != PAGE:
         raise ValueError(f"KV pages must hold {PAGE} positions, got {k_pool.shape[2]}")
-    return _launch(q, k_pool, v_pool, positions, scaling, sliding_window, sinks, None, page_table, 0, programs)
+    if seq_starts is not None and max_rows is None:
+        raise ValueError("ragged attention needs max_rows (the most rows of one sequence)")
+    return _launch(q, k_pool, v_pool, positions, scaling, sliding_window, sinks, None, page_table, 0, programs,
+                   seq_starts, max_rows)
 
 
 # ---- the paged KV write: a block's K and V rows into the layer's two page pools, one launch -------------------------

@@ -1207,3 +1207,50 @@ def test_result_files_are_named_for_the_card_that_ran(monkeypatch):
     for name, tag in (("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA GeForce RTX 4090", "nvidia_geforce_rtx_4090")):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, _n=name: _n)
         assert device_tag("cuda") == tag, name
+
+
+@needs_triton
+@pytest.mark.parametrize("window,sinks", [(None, False), (70, True)])
+def test_ragged_attention_gives_each_sequence_the_bits_of_a_call_of_its_own(window, sinks):
+    """A multi-session verify wave's attention: the rows of several sequences one after the other (each its own page
+    table row, positions and length, one empty), in one launch, give each sequence's rows the bits of a paged call of
+    that sequence alone, for any program count; the rows past the last sequence (a padded wave's tail) stay zero."""
+    from pdflash_kernels.attention import PAGE, SEG, paged_attention
+
+    g = torch.Generator().manual_seed(2)
+    hq, hkv, d = 4, 2, 16
+    lengths = [2 * SEG + 40, 7, 130, 300]  # each sequence's context (keys up to its last query)
+    rows = [5, 1, 0, 3]  # its queries in the wave (the third sequence has none)
+    n_pages = sum(-(-s // PAGE) for s in lengths) + 2
+    kp = torch.randn(n_pages, hkv, PAGE, d, generator=g).bfloat16()
+    vp = torch.randn(n_pages, hkv, PAGE, d, generator=g).bfloat16()
+    order = torch.randperm(n_pages, generator=g).tolist()
+    width = max(-(-s // PAGE) for s in lengths) + 1
+    table = torch.zeros(len(lengths), width, dtype=torch.int32)
+    for b, s in enumerate(lengths):
+        for i in range(-(-s // PAGE)):
+            table[b, i] = order.pop()
+    q_all = torch.randn(1, hq, sum(rows) + 3, d, generator=g).bfloat16()  # 3 rows of tail
+    pos_all = torch.zeros(1, sum(rows) + 3, dtype=torch.long)
+    starts = [0]
+    for s, n in zip(lengths, rows):
+        pos_all[0, starts[-1] : starts[-1] + n] = torch.arange(s - n, s)
+        starts.append(starts[-1] + n)
+    seq_starts = torch.tensor(starts, dtype=torch.int32)
+    sk = torch.randn(hq, generator=g) if sinks else None
+    outs = [paged_attention(q_all, kp, vp, table, pos_all, 0.25, window, sk, programs=n, seq_starts=seq_starts,
+                            max_rows=max(rows)) for n in (1, 2, 16)]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    out = outs[0]
+    assert out.shape == (1, sum(rows) + 3, hq, d)
+    for b, n in enumerate(rows):
+        if not n:
+            continue
+        a, e = starts[b], starts[b + 1]
+        alone = paged_attention(q_all[:, :, a:e], kp, vp, table[b : b + 1], pos_all[:, a:e], 0.25, window, sk)
+        assert torch.equal(out[:, a:e], alone), f"sequence {b}"
+    assert not out[:, starts[-1]:].any()
+    with pytest.raises(ValueError, match="max_rows"):
+        paged_attention(q_all, kp, vp, table, pos_all, 0.25, window, sk, seq_starts=seq_starts)
+    with pytest.raises(ValueError, match="page table of 2 rows for 4 sequences"):
+        paged_attention(q_all, kp, vp, table[:2], pos_all, 0.25, window, sk, seq_starts=seq_starts, max_rows=5)
