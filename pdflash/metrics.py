@@ -40,6 +40,7 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1,
                     0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0,
                     600.0, 1800.0)
+_WAVE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)  # sessions in one verify wave
 
 
 def new_registry(process_metrics: bool = True) -> CollectorRegistry:
@@ -181,6 +182,8 @@ class VerifierMetrics(_Metrics):
             "prefetch_requests", "Prefetch hints answered, by outcome (queued, no_expert_cache, disabled, stale).", ("outcome",)
         )
         self.prefetch_experts_queued = self._counter("prefetch_experts_queued", "Experts queued by Prefetch hints (at most this many copied).")
+        self.verify_wave_sessions = self._histogram(
+            "verify_wave_sessions", "Sessions whose verifies shared one wave (--max-wave-sessions > 1).", _WAVE_BUCKETS)
 
 
 @dataclasses.dataclass

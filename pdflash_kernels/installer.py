@@ -135,6 +135,11 @@ class ForwardContext:
 
     page_table: torch.Tensor | None = None  # [B, max_pages] int32
     valid_rows: torch.Tensor | None = None  # [1] int32 on the device
+    # a multi-session wave (verifier_svc.runner `forward_wave`): the rows [1, R] are B sequences' one after the other,
+    # sequence b's rows [seq_starts[b], seq_starts[b + 1]) ([B + 1] int32 on the device), at most `max_rows` each;
+    # the attention reads sequence b's keys through page_table[b] (pdflash_kernels.attention's ragged form)
+    seq_starts: torch.Tensor | None = None
+    max_rows: int | None = None
     # offloaded experts inside a CUDA-graph capture: `split(module, offload, x, ids, weights) -> out` ends the
     # graph before the experts and starts the next one after them (verifier_svc.runner's segmented graphs)
     segments: object | None = None
@@ -361,7 +366,8 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     CALLS["attention"] += 1
     ctx = _forward_ctx.get()
     if ctx is not None and ctx.page_table is not None:  # key/value are the layer's page pools
-        return attn_kernels.paged_attention(query, key, value, ctx.page_table, positions, scaling, sliding_window, sinks), None
+        return attn_kernels.paged_attention(query, key, value, ctx.page_table, positions, scaling, sliding_window, sinks,
+                                            seq_starts=ctx.seq_starts, max_rows=ctx.max_rows), None
     out = attn_kernels.attention(query, key, value, positions, scaling, sliding_window, sinks, key_mask)
     return out, None
 

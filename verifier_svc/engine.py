@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from pdflash.errors import FailedPrecondition, FieldViolation, check
+from pdflash.errors import FailedPrecondition, FieldViolation, PdflashError, check
 from pdflash.logging import get_logger
 from pdflash.penalties import Penalties
 from pdflash.sampler import target_probs
@@ -111,8 +111,11 @@ class VerifierCore:
         max_tokens_limit: int = 4096,
         prefill_threads: int = 0,
         paged_kv: PagedKVOptions | None = None,
+        max_wave_sessions: int = 1,
     ):
         self.target = target
+        # sessions whose verifies may share one forward (`verify_wave`; the servicer gathers them): 1 = one at a time
+        self.max_wave_sessions = max(1, int(max_wave_sessions))
         self.sessions = SessionStore(max_sessions, idle_ttl_s)
         # The paged KV pool and the layer-by-layer forward (verifier_svc.runner) when the kernels are installed:
         # CUDA graphs replay it per block-size bucket. Otherwise transformers' DynamicCache and model forward.
@@ -145,7 +148,7 @@ class VerifierCore:
                  kv_pages=pages)
         # offloaded experts sync once per layer (which experts to fetch): one graph per stretch between them
         if opts.graphs and t.device.type == "cuda":
-            self.graphs = GraphRunner(self.runner, (t.max_context + PAGE - 1) // PAGE)
+            self.graphs = GraphRunner(self.runner, (t.max_context + PAGE - 1) // PAGE, wave_sessions=self.max_wave_sessions)
             if opts.capture_at_load:  # the buckets of drafts without features (a drafter's feature layers: on first use)
                 t0 = time.perf_counter()
                 n = self.graphs.capture(max_rows=self.max_block_size)
@@ -409,26 +412,24 @@ class VerifierCore:
             top_logprobs=tops,
         )
 
-    def verify(self, draft: DraftResult, return_features: bool = True) -> StepOutput:
+    def _prepare(self, draft: DraftResult, return_features: bool):
+        """A verify's checks and its block: (session, block, whether it returns features), or the StepOutput of a
+        session with no room left (finished CONTEXT, nothing run). Raises PdflashError for a request to refuse."""
         s = self.sessions.get(draft.session_id)
         if s.finished is not None:
             raise FailedPrecondition(f"session {s.session_id} already finished ({s.finished.name.lower()})")
         self.validate_draft(s, draft)
-        t = self.target
-        block = list(draft.tokens)
-        room = t.max_context - s.committed
+        room = self.target.max_context - s.committed
         s.round = draft.round
         if room < 1:
             s.finished = FinishReason.CONTEXT
             self.sessions.end(s.session_id)
             return StepOutput(s.session_id, s.round, [], 0, s.committed, s.finished, None, {}, 0, 0.0, 0.0)
-        block = block[:room]
-        want = return_features and bool(s.feature_layer_ids)
-        cache = t.expert_cache
-        before = dataclasses.replace(cache.stats) if cache is not None else None
-        if cache is not None:  # (begin/collect bracket every forward: arrivals wait for a running one)
-            cache.begin(draft.expert_union if cache.prefetch_union else {})  # the projection streams in ahead of its layers
-        logits, feats, union, fwd_ms = self._forward(s, block, want)
+        return s, list(draft.tokens)[:room], return_features and bool(s.feature_layer_ids)
+
+    def _accept(self, s: Session, draft: DraftResult, block: list[int], logits: torch.Tensor, feats, union: ExpertUnion,
+                fwd_ms: float, stats) -> StepOutput:
+        """After the forward: acceptance, the KV's committed length, the next anchor, the emitted tokens."""
         t0 = time.perf_counter()
         n_acc, nxt = self._pick(s, block[1:], logits, draft.draft_dists[: len(block) - 1])
         keep = n_acc + 1  # anchor + accepted drafts enter the KV cache
@@ -452,13 +453,129 @@ class VerifierCore:
             finished=s.finished,
             features=feats[:keep].cpu().numpy() if feats is not None else None,
             routed_union=union,
-            routed_bytes=union_bytes(union, t.byte_map),
+            routed_bytes=union_bytes(union, self.target.byte_map),
             forward_ms=fwd_ms,
             accept_ms=acc_ms,
-            expert_cache=cache.stats.minus(before) if cache is not None else None,
+            expert_cache=stats,
             logprobs=lps,
             top_logprobs=tops,
         )
+
+    def verify(self, draft: DraftResult, return_features: bool = True) -> StepOutput:
+        prep = self._prepare(draft, return_features)
+        if isinstance(prep, StepOutput):
+            return prep
+        s, block, want = prep
+        cache = self.target.expert_cache
+        before = dataclasses.replace(cache.stats) if cache is not None else None
+        if cache is not None:  # (begin/collect bracket every forward: arrivals wait for a running one)
+            cache.begin(draft.expert_union if cache.prefetch_union else {})  # the projection streams in ahead of its layers
+        logits, feats, union, fwd_ms = self._forward(s, block, want)
+        return self._accept(s, draft, block, logits, feats, union, fwd_ms,
+                            cache.stats.minus(before) if cache is not None else None)
+
+    @property
+    def wave_forward(self) -> bool:
+        """Whether `verify_wave` runs several sessions' blocks in one forward (the paged KV, every kernel batch-invariant),
+        rather than one forward after another."""
+        return self.runner is not None
+
+    def verify_wave(self, items: "list[tuple[DraftResult, bool]]") -> "list[StepOutput | BaseException]":
+        """Several sessions' verifies (draft, return_features) at once: on the paged KV one forward over all their blocks
+        (`ForwardRunner.forward_wave`: each block's rows get the bits of a forward of that block alone, so each answer is
+        the one `verify` would give), else one forward after another. Returns one result per item, in order: its
+        StepOutput, or the error that item alone failed with (a refused request, the KV cache full for its block; a
+        failing forward fails every item that was in it). Two items of one session: the second is refused. Each answer's
+        `forward_ms` and `expert_cache` are the wave's (one forward, one expert-cache bracket)."""
+        results: list = [None] * len(items)
+        ready: list[tuple[int, DraftResult, Session, list[int], bool]] = []
+        seen: set[str] = set()
+        for i, (draft, return_features) in enumerate(items):
+            try:
+                if draft.session_id in seen:
+                    raise FailedPrecondition(f"session {draft.session_id} has another verify in this wave; send a "
+                                             "session's rounds one after the other")
+                prep = self._prepare(draft, return_features)
+                if not isinstance(prep, StepOutput) and prep[0].kv is not None:
+                    prep[0].kv.reserve(prep[0].committed + len(prep[1]))  # (a full KV cache refuses this item alone)
+            except PdflashError as e:
+                results[i] = e
+                continue
+            if isinstance(prep, StepOutput):
+                results[i] = prep
+                continue
+            seen.add(draft.session_id)
+            ready.append((i, draft, *prep))
+        if len(ready) == 1 or not self.wave_forward:
+            for i, draft, s, block, want in ready:
+                try:
+                    results[i] = self._verify_prepared(s, draft, block, want)
+                except Exception as e:  # noqa: BLE001 - the item's own failure, as verify would raise it
+                    results[i] = e
+            return results
+        if not ready:
+            return results
+        try:
+            outs = self._forward_wave(ready)
+        except Exception as e:  # noqa: BLE001 - one forward for all: each of its items failed with it
+            for i, *_ in ready:
+                results[i] = e
+            return results
+        for (i, draft, s, block, want), (logits, feats, union, fwd_ms, stats) in zip(ready, outs):
+            try:
+                results[i] = self._accept(s, draft, block, logits, feats, union, fwd_ms, stats)
+            except Exception as e:  # noqa: BLE001
+                results[i] = e
+        return results
+
+    def _verify_prepared(self, s: Session, draft: DraftResult, block: list[int], want: bool) -> StepOutput:
+        cache = self.target.expert_cache
+        before = dataclasses.replace(cache.stats) if cache is not None else None
+        if cache is not None:
+            cache.begin(draft.expert_union if cache.prefetch_union else {})
+        logits, feats, union, fwd_ms = self._forward(s, block, want)
+        return self._accept(s, draft, block, logits, feats, union, fwd_ms,
+                            cache.stats.minus(before) if cache is not None else None)
+
+    def _forward_wave(self, ready) -> list[tuple]:
+        """One paged forward over the items' blocks -> per item (logits, features, routed union, the wave's ms, the
+        wave's expert-cache stats)."""
+        t = self.target
+        cache = t.expert_cache
+        before = dataclasses.replace(cache.stats) if cache is not None else None
+        if cache is not None:  # the wave's projection: every item's
+            merged: dict[int, set[int]] = {}
+            if cache.prefetch_union:
+                for _, draft, *_ in ready:
+                    for layer, ids in draft.expert_union.items():
+                        merged.setdefault(layer, set()).update(ids)
+            cache.begin({layer: frozenset(ids) for layer, ids in merged.items()})
+        layers = tuple(sorted({l for _, _, s, _, want in ready if want for l in s.feature_layer_ids}))
+        items = [(block, s.committed, s.kv) for _, _, s, block, _ in ready]
+        t0 = time.perf_counter()
+        if self.graphs is not None:
+            out, starts = self.graphs.forward_wave(items, layers)
+        else:
+            from verifier_svc.runner import wave_starts
+
+            out, starts = self.runner.forward_wave(items, layers), wave_starts([len(b) for b, _, _ in items])
+        unions = out.recorder.unions(t.seam.num_experts, starts)
+        if t.device.type == "cuda":
+            torch.cuda.synchronize(t.device)
+        ms = (time.perf_counter() - t0) * 1e3
+        if getattr(cache, "device_managed", False):
+            cache.collect(ms, starts[-1])
+        stats = cache.stats.minus(before) if cache is not None else None
+        res = []
+        for k, (_, _, s, _, want) in enumerate(ready):
+            a, e = starts[k], starts[k + 1]
+            feats = None
+            if want:
+                per = out.features.shape[-1] // len(layers)
+                cols = out.features[a:e].view(e - a, len(layers), per)
+                feats = cols[:, [layers.index(l) for l in s.feature_layer_ids]].reshape(e - a, -1)
+            res.append((out.logits[a:e], feats, unions[k], ms, stats))
+        return res
 
     def end(self, session_id: str) -> bool:
         return self.sessions.end(session_id)

@@ -32,21 +32,40 @@ class RouteRecorder:
     def add(self, layer: int, top_k_index: torch.Tensor) -> None:
         self._ids.append((layer, top_k_index.detach().reshape(top_k_index.shape[0], -1)))
 
-    def union(self, num_experts: dict[int, int], rows: int | None = None) -> ExpertUnion:
-        """Layer -> the expert ids routed to; ids outside [0, n) are padding sentinels and are dropped.
-        One concatenation and one device->host copy for all layers (right after a forward, each small
-        torch op costs tens of microseconds: a unique per layer cost ~80 us a verify on the demo target)."""
+    def union(self, num_experts: dict[int, int], rows: int | None = None, start: int = 0) -> ExpertUnion:
+        """Layer -> the expert ids routed to by rows [start, rows) (None: to the last); ids outside [0, n) are padding
+        sentinels and are dropped. One concatenation and one device->host copy for all layers (right after a forward,
+        each small torch op costs tens of microseconds: a unique per layer cost ~80 us a verify on the demo target)."""
         if not self._ids:
             return {}
-        # rows: the real tokens of a forward padded to a bucket (a captured graph's routing buffers hold them all)
-        flat = torch.cat([(ids if rows is None else ids[:rows]).reshape(-1) for _, ids in self._ids]).tolist()
+        # rows: the real tokens of a forward padded to a bucket (a captured graph's routing buffers hold them all);
+        # start: a wave's item begins there (verifier_svc.runner `forward_wave`)
+        flat = torch.cat([ids[start:rows].reshape(-1) for _, ids in self._ids]).tolist()
         seen: dict[int, set[int]] = {}
         pos = 0
         for layer, ids in self._ids:
-            n = (ids if rows is None else ids[:rows]).numel()
+            n = ids[start:rows].numel()
             seen.setdefault(layer, set()).update(flat[pos:pos + n])
             pos += n
         return {layer: frozenset(e for e in ids if 0 <= e < num_experts[layer]) for layer, ids in sorted(seen.items())}
+
+
+    def unions(self, num_experts: dict[int, int], starts: list[int]) -> list[ExpertUnion]:
+        """A wave's unions, item i's from rows [starts[i], starts[i + 1]), with one device->host copy for all."""
+        n_items = len(starts) - 1
+        if not self._ids:
+            return [{} for _ in range(n_items)]
+        mats = [ids[: starts[-1]] for _, ids in self._ids]
+        flat = torch.cat([m.reshape(-1) for m in mats]).tolist()
+        seen: list[dict[int, set[int]]] = [{} for _ in range(n_items)]
+        pos = 0
+        for (layer, _), m in zip(self._ids, mats):
+            k = m.shape[1] if m.dim() > 1 else 1
+            for i in range(n_items):
+                seen[i].setdefault(layer, set()).update(flat[pos + starts[i] * k : pos + starts[i + 1] * k])
+            pos += m.numel()
+        return [{layer: frozenset(e for e in ids if 0 <= e < num_experts[layer]) for layer, ids in sorted(u.items())}
+                for u in seen]
 
 
 _active: contextvars.ContextVar[RouteRecorder | None] = contextvars.ContextVar("pdflash_route_recorder", default=None)

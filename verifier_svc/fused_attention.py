@@ -75,7 +75,7 @@ class FusedAttention:
                                cos, sin, kp, vp, cache.pages, cache.offsets)
         ctx = _forward_ctx.get()
         out = attn_kernels.paged_attention(q, kp, vp, ctx.page_table, pos, self.module.scaling, self.sliding_window,
-                                           self.sinks)
+                                           self.sinks, seq_starts=ctx.seq_starts, max_rows=ctx.max_rows)
         o = self.module.o_proj
         ws = linear.partials(out.reshape(t, -1), o.weight.t())
         bias = o.bias.to(x.dtype) if isinstance(getattr(o, "bias", None), torch.Tensor) else None

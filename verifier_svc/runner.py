@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from pdflash_kernels.attention import paged_write
+from pdflash_kernels.attention import PAGE, paged_write
 from pdflash_kernels.dispatch import InvariantMode
 from pdflash_kernels.installer import ForwardContext, forward_context
 from pdflash.hf_compat import cache_kwarg
@@ -26,6 +26,8 @@ from verifier_svc.kv import SequenceKV
 from verifier_svc.prenorm import PreNormChain
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
+#: a multi-session wave's graphs, by its rows in all (a wave of more rows runs eagerly)
+WAVE_BUCKETS = (2, 4, 8, 16, 32, 64, 128)
 
 #: transformers RoPE types whose cos/sin depend on the position alone (`modeling_rope_utils.ROPE_INIT_FUNCTIONS`; the
 #: `dynamic_rope_update` decorator rewrites inv_freq per call for "dynamic*" and "longrope", which keep the module)
@@ -166,10 +168,13 @@ class ForwardRunner:
         f = torch.cat([x for _, x in sorted(feats, key=lambda p: feature_layers.index(p[0]))], dim=-1)[0].float() if feats else None
         return h, f
 
-    def forward_tensors(self, ids, pos, table, pages, offsets, valid_rows, feature_layers, last_only: bool, segments=None):
+    def forward_tensors(self, ids, pos, table, pages, offsets, valid_rows, feature_layers, last_only: bool, segments=None,
+                        seq_starts=None, max_rows=None):
         """Everything on the device (what a CUDA graph captures): ids/pos [1, B], table [1, max_pages]. `segments`:
-        the capture of a segmented graph (offloaded experts split the forward, see _SegmentedGraph)."""
-        ctx = ForwardContext(page_table=table, valid_rows=valid_rows, segments=segments)
+        the capture of a segmented graph (offloaded experts split the forward, see _SegmentedGraph). A wave
+        (`seq_starts` [S + 1], `max_rows`): the rows are S sequences' one after the other, table [S, max_pages]."""
+        ctx = ForwardContext(page_table=table, valid_rows=valid_rows, segments=segments, seq_starts=seq_starts,
+                             max_rows=max_rows)
         cache = PagedLayerCache(self.pool, pages, offsets)
         with torch.inference_mode(), InvariantMode(), forward_context(ctx), self.seam.record() as rec:
             h, feats = self._layers(ids, pos, cache, feature_layers)
@@ -187,6 +192,40 @@ class ForwardRunner:
         ids = torch.tensor([tokens], dtype=torch.long, device=dev)
         pos = torch.arange(start, start + len(tokens), device=dev).unsqueeze(0)
         return self.forward_tensors(ids, pos, seq.table.unsqueeze(0), pages, offsets, None, tuple(feature_layers), last_only)
+
+
+    def forward_wave(self, items: "list[tuple[list[int], int, SequenceKV]]", feature_layers=()) -> ForwardOut:
+        """Eager, a multi-session verify wave: each item's `tokens` at positions start .. of its own sequence, all in
+        one forward. Rows are the items' blocks one after the other (item i's rows [starts[i], starts[i + 1]) of the
+        logits, features and routing, `wave_starts`); each item's rows get the bits of a forward of that item alone
+        (every kernel's result for a row depends on that row and, for attention, on its own sequence's keys only)."""
+        dev = self.pool.device
+        ids, pos, pages, offsets = [], [], [], []
+        for tokens, start, seq in items:
+            if not tokens:
+                raise ValueError("a wave item needs at least one token")
+            if self.rope is not None and start + len(tokens) > self.rope.positions:
+                raise ValueError(f"positions up to {start + len(tokens) - 1} exceed the runner's {self.rope.positions}")
+            seq.reserve(start + len(tokens))
+            p, o = seq.slot_lists(start, len(tokens))
+            ids += tokens
+            pos += range(start, start + len(tokens))
+            pages += p
+            offsets += o
+        starts = wave_starts([len(t) for t, _, _ in items])
+        as_long = lambda v: torch.tensor(v, dtype=torch.long, device=dev)  # noqa: E731
+        table = torch.stack([seq.table for _, _, seq in items])
+        return self.forward_tensors(as_long([ids]), as_long([pos]), table, as_long(pages), as_long(offsets), None,
+                                    tuple(feature_layers), False, seq_starts=torch.tensor(starts, dtype=torch.int32, device=dev),
+                                    max_rows=max(len(t) for t, _, _ in items))
+
+
+def wave_starts(lengths: list[int]) -> list[int]:
+    """Row offsets of a wave's items: [0, n0, n0 + n1, ...] (item i's rows [starts[i], starts[i + 1]))."""
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
 
 
 def _served_by(model) -> list[tuple]:
@@ -254,6 +293,70 @@ class _Graph:
     def stale(self) -> bool:
         """True once an experts module is served by another cache than the one captured."""
         return any(getattr(module, "_pdflash_offload", (None,))[0] is not cache for module, cache in self._served)
+
+
+class _WaveGraph(_Graph):
+    """A multi-session wave's forward (`ForwardRunner.forward_wave`'s ragged rows) captured for `bucket` rows in all and
+    up to `sessions` sequences of at most `max_rows` rows each. Static inputs: the rows' ids, positions, write pages and
+    offsets (one pinned H2D copy a wave), a page table row per sequence (copied only when a row's session or page count
+    changed), the sequences' row offsets, the real row count. The tail past the last sequence's rows is padding: it
+    writes its keys into the scratch page, the experts skip it (`valid_rows`), the attention leaves it out; sequence
+    slots past the wave's are empty (no rows)."""
+
+    def __init__(self, runner: ForwardRunner, bucket: int, sessions: int, max_rows: int, max_pages: int,
+                 feature_layers: tuple[int, ...], scratch_page: int):
+        dev = runner.pool.device
+        self._static_inputs(runner, bucket, max_pages, scratch_page)
+        self.sessions, self.max_rows, self.scratch_page = sessions, max_rows, scratch_page
+        self.table = torch.full((sessions, max_pages), scratch_page, dtype=torch.int32, device=dev)
+        self.table_of: list[tuple[int, int] | None] = [None] * sessions
+        self.starts_host = torch.zeros(sessions + 1, dtype=torch.int32, pin_memory=True)
+        self.starts = torch.zeros(sessions + 1, dtype=torch.int32, device=dev)
+        self.starts[1] = bucket  # the warm-up and the capture: one sequence over every row, in the scratch page
+        self.starts[2:] = bucket
+        self.valid.fill_(bucket)
+        self.positions_of_scratch = torch.arange(bucket) % PAGE  # (a wave bucket may pass one page's positions)
+        self.pos.copy_(self.positions_of_scratch.view(1, -1))
+        self.offsets.copy_(self.positions_of_scratch)
+        args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers, False)
+        kw = dict(seq_starts=self.starts, max_rows=max_rows)
+        self._served = _served_by(runner.model)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            runner.forward_tensors(*args, **kw)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = runner.forward_tensors(*args, **kw)
+
+    def set_wave_inputs(self, items: "list[tuple[list[int], int, SequenceKV]]") -> int:
+        """A wave's inputs (each item's pages already reserved); returns the real row count."""
+        host = self.host.numpy()
+        starts = wave_starts([len(t) for t, _, _ in items])
+        n = starts[-1]
+        for (tokens, start, seq), a in zip(items, starts):
+            pages, offsets = seq.slot_lists(start, len(tokens))
+            e = a + len(tokens)
+            host[0, a:e] = tokens
+            host[1, a:e] = range(start, start + len(tokens))
+            host[2, a:e] = pages
+            host[3, a:e] = offsets
+        host[0, n:] = 0
+        host[1, n:] = 0
+        host[2, n:] = self.scratch_page
+        host[3, n:] = self.positions_of_scratch[n:].numpy()
+        self.staging.copy_(self.host, non_blocking=True)
+        sh = self.starts_host.numpy()
+        sh[: len(starts)] = starts
+        sh[len(starts):] = n
+        self.starts.copy_(self.starts_host, non_blocking=True)
+        for b, (_, _, seq) in enumerate(items):
+            if self.table_of[b] != (seq.uid, len(seq.pages)):
+                self.table[b].copy_(seq.table)
+                self.table_of[b] = (seq.uid, len(seq.pages))
+        self.valid.fill_(n)
+        return n
 
 
 class _SegmentedGraph(_Graph):
@@ -324,9 +427,10 @@ class GraphRunner:
     a host-managed cache need a host step per layer: one graph per layer then (_SegmentedGraph); a device-managed
     cache (verifier_svc.device_cache) is captured whole like resident experts."""
 
-    def __init__(self, runner: ForwardRunner, max_pages: int, buckets=BUCKETS):
+    def __init__(self, runner: ForwardRunner, max_pages: int, buckets=BUCKETS, wave_sessions: int = 8):
         self.runner, self.max_pages, self.buckets = runner, max_pages, tuple(sorted(buckets))
-        self._graphs: dict[tuple[int, tuple[int, ...]], _Graph] = {}
+        self.wave_sessions = wave_sessions  # the most sequences a captured wave holds (VerifierCore's max_wave_sessions)
+        self._graphs: dict[tuple, _Graph] = {}
         self.scratch_page = runner.pool.alloc(1)[0]  # where captures write; never handed to a session
 
     def bucket(self, n: int) -> int | None:
@@ -351,6 +455,30 @@ class GraphRunner:
         """Drop every graph (and what they hold: an offloaded model's graphs keep its old cache's pool alive)."""
         self._graphs.clear()
         torch.cuda.empty_cache()
+
+    def forward_wave(self, items: "list[tuple[list[int], int, SequenceKV]]", feature_layers=()) -> tuple[ForwardOut, list[int]]:
+        """A multi-session wave (`ForwardRunner.forward_wave`) replayed from the graph of the smallest `WAVE_BUCKETS`
+        bucket that holds its rows, captured on first use; eager where none does, where it has more sequences than
+        `wave_sessions` or a block longer than the largest single bucket, or where experts are offloaded to a
+        host-managed cache. Returns the output (its first starts[-1] rows real) and the items' row offsets."""
+        starts = wave_starts([len(t) for t, _, _ in items])
+        b = next((r for r in WAVE_BUCKETS if r >= starts[-1]), None)
+        host_cache = any(not getattr(cache, "device_managed", False) for _, cache in _served_by(self.runner.model))
+        if b is None or len(items) > self.wave_sessions or max(len(t) for t, _, _ in items) > self.buckets[-1] or host_cache:
+            return self.runner.forward_wave(items, feature_layers), starts
+        key = ("wave", b, tuple(feature_layers))
+        g = self._graphs.get(key)
+        if g is not None and g.stale():
+            self.reset()
+            g = None
+        if g is None:
+            g = self._graphs[key] = _WaveGraph(self.runner, b, self.wave_sessions, self.buckets[-1], self.max_pages,
+                                               tuple(feature_layers), self.scratch_page)
+        for tokens, start, seq in items:
+            seq.reserve(start + len(tokens))
+        g.set_wave_inputs(items)
+        g.replay(starts[-1])
+        return g.out, starts
 
     def forward(self, tokens: list[int], start: int, seq: SequenceKV, feature_layers=()) -> tuple[ForwardOut, int]:
         """Returns the output (logits of the bucket's rows: the first len(tokens) are real) and the real row count."""

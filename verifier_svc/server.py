@@ -33,6 +33,8 @@ class RunningVerifier:
     port: int
     _sweeper: asyncio.Task | None = None
     metrics_server: object | None = None
+    servicer: VerifierServicer | None = None
+    metrics: VerifierMetrics | None = None
 
     async def stop(self, grace: float = 1.0) -> None:
         if self._sweeper is not None:
@@ -80,7 +82,8 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         # on the torch thread: on CUDA it captures the verify forward's graphs (seconds; health answers meanwhile)
         core = await torch_thread.run(VerifierCore, target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size,
                                       cfg.max_tokens_limit, prefill_threads=prefill_threads,
-                                      paged_kv=PagedKVOptions(cfg.paged_kv, cfg.kv_cache_gb, cfg.cuda_graphs))
+                                      paged_kv=PagedKVOptions(cfg.paged_kv, cfg.kv_cache_gb, cfg.cuda_graphs),
+                                      max_wave_sessions=cfg.max_wave_sessions)
         if cfg.verify_inline(target.device.type, threads):  # threads: the verify forwards' count in effect
             if target.device.type == "cpu":
                 torch.set_num_threads(threads)  # OpenMP's thread count is per thread: this one's, as the torch thread's
@@ -109,9 +112,12 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         prefill_threads=prefill_threads or threads,
         colocated=cfg.colocated,
         inline_verify=servicer.inline_verify,
+        verify_waves=(f"up to {core.max_wave_sessions} sessions a forward" if core.max_wave_sessions > 1 and core.wave_forward
+                      else f"up to {core.max_wave_sessions} sessions, one forward after another" if core.max_wave_sessions > 1
+                      else "off"),
         warmup_seconds=round(core.warmup_seconds, 2),
     )
-    return RunningVerifier(host, core, port, asyncio.create_task(_sweep(core)), metrics_server)
+    return RunningVerifier(host, core, port, asyncio.create_task(_sweep(core)), metrics_server, servicer, metrics)
 
 
 async def serve(cfg: VerifierConfig) -> None:

@@ -4,6 +4,7 @@ forwards), convert back."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -12,10 +13,11 @@ from pdflash import convert, torch_thread
 from pdflash.errors import DeadlineExceeded, FieldViolation, PdflashError, ResourceExhausted, Unavailable, abort_with, check
 from pdflash.logging import get_logger
 from pdflash.tickets import TicketSigner
-from pdflash.types import FinishReason, union_bytes
+from pdflash.types import DraftResult, FinishReason, union_bytes
 from pdflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from pdflash.validation import id_violations, logprobs_violations
 from verifier_svc.engine import PrefillInput, StepOutput, VerifierCore
+from verifier_svc.waves import take_wave
 
 log = get_logger("pdflash.verifier")
 
@@ -46,6 +48,16 @@ def model_kernels_json(kernels: dict, forward: dict) -> str:
     info = {**kernels, **({"forward": forward} if forward else {})}
     return json.dumps(info, sort_keys=True) if info else ""
 
+@dataclasses.dataclass(eq=False)
+class _Waiting:
+    """A Verify call waiting for a wave (`_verify_in_wave`)."""
+
+    draft: DraftResult
+    return_features: bool
+    future: asyncio.Future
+    since: float  # perf_counter at arrival
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, core: VerifierCore | None = None, metrics=None, signer: TicketSigner | None = None, max_pending: int = 128,
                  inline_verify: bool = False):
@@ -61,6 +73,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # Calls waiting for (or holding) the device; bounded so a flood cannot queue without limit.
         self.max_pending = max_pending
         self._pending = 0
+        # Verify calls waiting for a multi-session wave (core.max_wave_sessions > 1), oldest first, and the task that
+        # runs waves while any wait (`_run_waves`)
+        self._waiting: list[_Waiting] = []
+        self._waves: asyncio.Task | None = None
 
     async def _ready(self, context) -> VerifierCore:
         if self.core is None:
@@ -72,11 +88,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         while fn ran (cancel, deadline) and fn still succeeded, to undo what nobody will hear about.
         inline: call fn on this (the event loop's) thread instead, still one at a time; nothing can
         interrupt it there, so nobody leaves while it runs."""
-        if self._pending >= self.max_pending:
-            raise ResourceExhausted(
-                f"verifier has {self._pending} calls waiting for the device (limit {self.max_pending}); retry shortly",
-                retry_after_s=0.1,
-            )
+        self._admit_pending()
         self._pending += 1
         try:
             t0 = time.perf_counter()
@@ -100,6 +112,72 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     raise
         finally:
             self._pending -= 1
+
+    def _admit_pending(self) -> None:
+        if self._pending >= self.max_pending:
+            raise ResourceExhausted(
+                f"verifier has {self._pending} calls waiting for the device (limit {self.max_pending}); retry shortly",
+                retry_after_s=0.1,
+            )
+
+    async def _verify_in_wave(self, draft: DraftResult, return_features: bool) -> tuple[StepOutput, float]:
+        """A verify that may share its forward with other sessions' (verifier_svc.waves): it waits with the others for
+        the device; each time the device frees, the calls waiting then form the next wave (`take_wave`). Returns
+        (its answer, ms it waited). A caller that leaves before its wave starts is dropped from the queue; one that
+        leaves during its wave's forward is answered to nobody (as a lone verify whose caller left)."""
+        self._admit_pending()
+        self._pending += 1
+        try:
+            item = _Waiting(draft, return_features, asyncio.get_running_loop().create_future(), time.perf_counter())
+            self._waiting.append(item)
+            if self._waves is None or self._waves.done():
+                self._waves = asyncio.ensure_future(self._run_waves())
+            try:
+                return await asyncio.shield(item.future)
+            except asyncio.CancelledError:
+                if item in self._waiting:  # not started: nothing to undo
+                    self._waiting.remove(item)
+                item.future.cancel()  # (its wave, if one runs it, answers nobody)
+                raise
+        finally:
+            self._pending -= 1
+
+    async def _run_waves(self) -> None:
+        core = self.core
+        while self._waiting:
+            async with self._device:  # behind any forward already running (a prefill, a lone call)
+                picked = take_wave(self._waiting, lambda w: w.draft.session_id, lambda w: len(w.draft.tokens),
+                                   core.max_wave_sessions, core.max_wave_sessions * core.max_block_size)
+                wave = [self._waiting[i] for i in picked]
+                for w in wave:
+                    self._waiting.remove(w)
+                wave = [w for w in wave if not w.future.done()]
+                if not wave:
+                    continue
+                started = time.perf_counter()
+                args = [(w.draft, w.return_features) for w in wave]
+                try:
+                    if self.inline_verify:
+                        results = core.verify_wave(args)
+                    else:
+                        work = torch_thread.submit(core.verify_wave, args)
+                        while not work.done():  # a forward cannot be interrupted: the device stays held until it ends
+                            try:
+                                await asyncio.wait([work])
+                            except asyncio.CancelledError:
+                                pass
+                        results = work.result()
+                except Exception as e:  # noqa: BLE001 - the wave failed as a whole: each of its calls fails with it
+                    results = [e] * len(wave)
+            if self.metrics is not None:
+                self.metrics.verify_wave_sessions.observe(len(wave))
+            for w, r in zip(wave, results):
+                if w.future.done():
+                    continue
+                if isinstance(r, BaseException):
+                    w.future.set_exception(r)
+                else:
+                    w.future.set_result((r, (started - w.since) * 1e3))
 
     def _timings(self, out: StepOutput, t_start: float, queued: float) -> common_pb2.Timings:
         return common_pb2.Timings(
@@ -223,7 +301,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             # stream the projection in now, while the verify before this one may still hold the device (the cache's
             # lock is held by a forward only while it books a layer's experts: a short wait at most)
             cache.arriving(draft.expert_union)
-        out, queued = await self._run(self.core.verify, draft, request.return_features, inline=self.inline_verify)
+        if self.core.max_wave_sessions > 1:
+            out, queued = await self._verify_in_wave(draft, request.return_features)
+        else:
+            out, queued = await self._run(self.core.verify, draft, request.return_features, inline=self.inline_verify)
         self._observe(out, t_start, prefill=False)
         log.debug("verify", request_id=request.request_id, session_id=draft.session_id, round=draft.round,
                   ticket_id=request.ticket_id, block=len(draft.tokens), accepted=out.num_accepted)

@@ -1,0 +1,243 @@
+"""Multi-session verify waves: several sessions' verify blocks in one forward (`VerifierCore.verify_wave`,
+`verifier_svc.runner.ForwardRunner.forward_wave`, the ragged attention) must answer each session exactly as a verify
+of its own would: the same tokens, log-probabilities (the logits' bits), features and routed experts.
+
+On the CPU the paged forward runs the batch-invariant kernels under Triton's interpreter (a tiny model, few tokens);
+tests/test_gpu_verifier.py runs the same comparison on CUDA at real layer shapes, eager and graph-replayed."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdflash.errors import FailedPrecondition, InvalidArgument, NotFound
+from pdflash.types import DraftResult, SamplingParams
+from pdflash_kernels import runtime
+
+needs_interpreter = pytest.mark.skipif(not runtime.triton_usable("cpu"), reason="needs triton (interpreted on CPU)")
+
+# (prompt, sampling, feature layers): one prompt crosses a KV page, one session samples, the feature layers differ
+SESSIONS = [
+    (list(range(5, 15)), SamplingParams(), (0, 1)),
+    (list(range(20, 90)), SamplingParams(temperature=0.9, seed=7), (1,)),
+    ([3, 4, 5], SamplingParams(), ()),
+]
+# each round's drafts per session (after its anchor): drafts of different lengths, one session with none
+ROUNDS = [[[7, 8, 9], [11, 12], []], [[30, 31, 32, 33, 34], [], [40, 41]]]
+
+
+@pytest.fixture(scope="module")
+def paged_core(tiny):
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
+    from verifier_svc.model import load_target
+
+    if not runtime.triton_usable("cpu"):
+        pytest.skip("needs triton (interpreted on CPU)")
+    target = load_target(tiny.target("qwen3_moe"), "cpu", "bfloat16", kernels="on")
+    return VerifierCore(target, max_block_size=32, paged_kv=PagedKVOptions(mode="on", kv_cache_gb=0.01),
+                        max_wave_sessions=4)
+
+
+def _prefill(core, tag: str, sessions=SESSIONS):
+    from verifier_svc.engine import PrefillInput
+
+    outs = [core.prefill(PrefillInput(f"{tag}{i}", tuple(p), sp, 40, feature_layer_ids=fl, logprobs=True, top_logprobs=3))
+            for i, (p, sp, fl) in enumerate(sessions)]
+    return [o.session_id for o in outs], [o.tokens[-1] for o in outs]
+
+
+def _answer(o) -> tuple:
+    feats = None if o.features is None else o.features.tobytes()
+    return (o.tokens, o.num_accepted, o.committed, o.finished, o.logprobs, o.top_logprobs, feats,
+            {l: sorted(ids) for l, ids in o.routed_union.items()}, o.routed_bytes)
+
+
+def _rounds(core, sids, anchors, wave: bool) -> list[list[tuple]]:
+    got = []
+    for r, drafts in enumerate(ROUNDS, start=1):
+        reqs = [DraftResult(sid, r, (a, *d), {}, 0) for sid, a, d in zip(sids, anchors, drafts)]
+        outs = core.verify_wave([(d, True) for d in reqs]) if wave else [core.verify(d) for d in reqs]
+        assert not any(isinstance(o, BaseException) for o in outs), outs
+        got.append([_answer(o) for o in outs])
+        anchors = [o.tokens[-1] for o in outs]
+    return got
+
+
+@needs_interpreter
+@pytest.mark.timeout(900)
+def test_a_wave_answers_each_session_as_its_own_verify_would(paged_core):
+    core = paged_core  # (sinks and sliding windows: the ragged attention's own test; every architecture on CUDA)
+    assert core.wave_forward
+    free = core.pool.free_pages
+    alone = _rounds(core, *_prefill(core, "alone"), wave=False)
+    together = _rounds(core, *_prefill(core, "wave"), wave=True)
+    assert together == alone
+    for sid in list(core.sessions._sessions):
+        core.end(sid)
+    assert core.pool.free_pages == free
+
+
+@needs_interpreter
+@pytest.mark.timeout(600)
+def test_a_wave_refuses_an_item_alone_and_runs_the_others(paged_core):
+    core = paged_core
+    sids, anchors = _prefill(core, "r", [([5, 6], SamplingParams(), ())] * 3)
+    ok = DraftResult(sids[0], 1, (anchors[0], 7), {}, 0)
+    wrong_round = DraftResult(sids[1], 2, (anchors[1],), {}, 0)
+    again = DraftResult(sids[0], 1, (anchors[0], 8), {}, 0)  # a second verify of the first session in the same wave
+    unknown = DraftResult("no-such-session", 1, (1,), {}, 0)
+    good = DraftResult(sids[2], 1, (anchors[2], 40, 41), {}, 0)
+    outs = core.verify_wave([(ok, True), (wrong_round, True), (again, True), (unknown, True), (good, False)])
+    assert isinstance(outs[1], InvalidArgument) and "expected round 1" in str(outs[1].violations)
+    assert isinstance(outs[2], FailedPrecondition) and "another verify in this wave" in str(outs[2])
+    assert isinstance(outs[3], NotFound)
+    assert outs[0].round == 1 and outs[4].round == 1 and outs[4].features is None
+    assert outs[0].forward_ms == outs[4].forward_ms  # one forward for both
+    # the refused session is untouched: its round 1 still verifies, alone
+    assert core.verify(DraftResult(sids[1], 1, (anchors[1],), {}, 0)).round == 1
+    for sid in sids:
+        core.end(sid)
+
+
+def test_a_wave_on_transformers_cache_runs_its_verifies_one_after_another(tiny):
+    """Without the paged KV (the CPU default) a wave is each verify in turn: the same answers as verifies."""
+    from verifier_svc.engine import PrefillInput, VerifierCore
+    from verifier_svc.model import load_target
+
+    target = load_target(tiny.target("qwen3_moe"), "cpu", "float32")
+    core = VerifierCore(target, max_wave_sessions=4)
+    assert not core.wave_forward
+
+    def start(tag):
+        outs = [core.prefill(PrefillInput(f"{tag}{i}", tuple(p), sp, 40, feature_layer_ids=fl, logprobs=True))
+                for i, (p, sp, fl) in enumerate(SESSIONS)]
+        return [o.session_id for o in outs], [o.tokens[-1] for o in outs]
+
+    assert _rounds(core, *start("w"), wave=True) == _rounds(core, *start("a"), wave=False)
+
+
+def test_route_unions_of_a_wave_split_by_rows():
+    import torch
+
+    from verifier_svc.experts import RouteRecorder
+
+    rec = RouteRecorder()
+    rec.add(0, torch.tensor([[1, 2], [3, 4], [5, 9], [0, 1]]))
+    rec.add(2, torch.tensor([[7, 0], [1, 1], [2, 2], [3, 3]]))
+    n = {0: 8, 2: 8}
+    got = rec.unions(n, [0, 1, 3, 3])
+    assert got == [{0: frozenset({1, 2}), 2: frozenset({7, 0})}, {0: frozenset({3, 4, 5}), 2: frozenset({1, 2})},
+                   {0: frozenset(), 2: frozenset()}]
+    assert got[1] == rec.union(n, rows=3, start=1)  # (9 is a padding sentinel: dropped)
+    assert RouteRecorder().unions(n, [0, 2, 5]) == [{}, {}]
+
+
+# ---- which waiting calls form a wave (verifier_svc.waves, pure) ---------------------------------------------------
+
+def test_take_wave_keeps_sessions_in_order_and_never_starves_the_oldest():
+    from verifier_svc.waves import take_wave
+
+    calls = [("a", 4), ("b", 30), ("a", 2), ("c", 8), ("d", 1), ("e", 1)]
+    take = lambda n, rows: take_wave(calls, lambda c: c[0], lambda c: c[1], n, rows)  # noqa: E731
+    assert take(8, 64) == [0, 1, 3, 4, 5]  # a's second round waits for the next wave
+    assert take(2, 64) == [0, 1]
+    assert take(8, 16) == [0, 3, 4, 5]  # b's 30 rows do not fit beside a's 4 now; smaller calls behind it still go
+    assert take_wave([("big", 40)], lambda c: c[0], lambda c: c[1], 4, 16) == [0]  # the oldest goes whatever its rows
+    assert take(1, 64) == [0]
+    assert take_wave([], lambda c: c[0], lambda c: c[1], 4, 16) == []
+
+
+@given(st.lists(st.tuples(st.sampled_from("abcdef"), st.integers(1, 32)), max_size=20),
+       st.integers(1, 8), st.integers(1, 128))
+def test_take_wave_properties(calls, max_sessions, max_rows):
+    from verifier_svc.waves import take_wave
+
+    got = take_wave(calls, lambda c: c[0], lambda c: c[1], max_sessions, max_rows)
+    assert got == sorted(got) and len(got) <= max_sessions
+    assert len({calls[i][0] for i in got}) == len(got)  # one call per session
+    if calls:
+        assert got[0] == 0  # the oldest always goes
+        assert len(got) == 1 or sum(calls[i][1] for i in got) <= max_rows
+    for i, (sid, rows) in enumerate(calls):  # a call left out had a reason: its session was in, or it did not fit
+        if i not in got and len(got) < max_sessions and all(calls[j][0] != sid for j in got if j < i):
+            assert sum(calls[j][1] for j in got if j < i) + rows > max_rows
+
+
+# ---- the servicer gathers the calls waiting for the device into one wave ------------------------------------------
+
+@pytest.fixture(scope="module")
+def waves_served(tiny):
+    from tests.test_prefetch import Served
+
+    v = Served(model=str(tiny.target("qwen3_moe")), max_wave_sessions=4)
+    yield v
+    v.stop()
+
+
+def _verify_req(sid, r, tokens):
+    from pdflash.v1 import common_pb2, verifier_pb2
+
+    return verifier_pb2.VerifyRequest(request_id=f"{sid}-{r}", draft=common_pb2.DraftResult(
+        session_id=sid, round=r, tokens=tokens), return_features=False)
+
+
+@pytest.mark.slow
+def test_the_servicer_gathers_waiting_verifies_into_one_wave(waves_served):
+    import asyncio
+    import time
+
+    import grpc
+
+    from pdflash.v1 import verifier_pb2
+
+    v = waves_served
+    servicer, metrics = v.running.servicer, v.running.metrics
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+
+    def prefill():
+        outs = [v.stub.Prefill(verifier_pb2.PrefillRequest(prompt_tokens=p, max_tokens=32, ignore_eos=True), timeout=30)
+                for p in prompts]
+        return [o.session_id for o in outs], [o.first_token for o in outs]
+
+    def waves():
+        return (metrics.registry.get_sample_value("pdflash_verify_wave_sessions_count") or 0,
+                metrics.registry.get_sample_value("pdflash_verify_wave_sessions_sum") or 0)
+
+    # one at a time: each call is a wave of one
+    sids, firsts = prefill()
+    before = waves()
+    alone = [v.stub.Verify(_verify_req(s, 1, [f, 7, 8]), timeout=30) for s, f in zip(sids, firsts)]
+    assert waves() == (before[0] + 3, before[1] + 3)
+
+    # the device held (as by a running forward) while three calls and a fourth session's call arrive
+    sids, firsts = prefill()
+    lock = asyncio.run_coroutine_threadsafe(servicer._device.acquire(), v.loop)
+    lock.result(timeout=10)
+    try:
+        calls = [v.stub.Verify.future(_verify_req(s, 1, [f, 7, 8]), timeout=30) for s, f in zip(sids, firsts)]
+        left = v.stub.Verify.future(_verify_req("gone", 1, [1]), timeout=0.5)  # its caller gives up while it waits
+        deadline = time.time() + 10
+        while len(servicer._waiting) < 4 and time.time() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as e:
+            left.result()
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert len(servicer._waiting) == 3  # the call that left is out of the queue
+        before = waves()
+    finally:
+        v.loop.call_soon_threadsafe(servicer._device.release)
+    together = [c.result() for c in calls]
+    assert waves() == (before[0] + 1, before[1] + 3)  # one wave of three sessions
+    strip = lambda r: (r.accepted_tokens, r.num_accepted_drafts, r.committed_tokens, r.routed_union)  # noqa: E731
+    assert [strip(r) for r in together] == [strip(r) for r in alone]
+    assert all(r.timings.queue_ms > 0 for r in together)
+
+    # a wave's item that fails is refused alone: a wrong round beside a good call
+    bad = v.stub.Verify.future(_verify_req(sids[0], 5, [together[0].accepted_tokens[-1]]), timeout=30)
+    good = v.stub.Verify.future(_verify_req(sids[1], 2, [together[1].accepted_tokens[-1]]), timeout=30)
+    with pytest.raises(grpc.RpcError) as e:
+        bad.result()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "expected round 2" in e.value.details() + str(
+        e.value.trailing_metadata())
+    assert good.result().round == 2
