@@ -28,7 +28,8 @@ def core(request, tmp_path_factory):
     target = load_target(d, "cuda", "bfloat16", kernels="on")
     assert target.batch_invariant, target.kernels
     # as the server runs it on CUDA: the paged KV pool, verify forwards replayed from CUDA graphs
-    c = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=4))
+    c = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=4),
+                     max_wave_sessions=4)
     assert c.graphs is not None
     c.eager = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(mode="off"))
     yield c
@@ -57,13 +58,20 @@ class Session:
         self.done = pre.finished is not None
 
     def step(self) -> None:
+        self.take(self.core.verify(self.draft()))
+
+    def draft(self):
+        """The next round's DraftResult (what the drafter sends)."""
         from pdflash.types import DraftResult, union_bytes
 
         self.round += 1
         want = (self.width.drafts() if self.width else self.fixed - 1)
         drafts = self.propose(self.prompt, self.out, max(0, min(want, NEW - len(self.out) - 1)))
-        res = self.core.verify(DraftResult(self.sid, self.round, (self.anchor, *drafts), self.union,
-                                           union_bytes(self.union, self.core.target.byte_map)))
+        return DraftResult(self.sid, self.round, (self.anchor, *drafts), self.union,
+                           union_bytes(self.union, self.core.target.byte_map))
+
+    def take(self, res) -> None:
+        """The round's answer."""
         if self.width:
             self.width.observe(res.num_accepted)
         self.out += res.tokens
@@ -139,6 +147,34 @@ def test_interleaved_sessions_equal_their_solo_runs(core):
                 s.step()
     for i, s in enumerate(sessions):
         assert s.out == solo[i], i
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["wave-graphs", "eager-waves"])
+def test_waves_equal_their_solo_runs(core, graphs):
+    """Multi-session verify waves (VerifierCore.verify_wave: one ragged forward over every session's block, replayed
+    from a wave graph or eager): each session's output is its solo block-1 run's, at real shapes with near ties; the
+    sessions' blocks differ in width round by round (adaptive widths, one session without drafts)."""
+    vocab = core.target.vocab_size
+    prompts = _prompts(vocab, 4)
+    solo = [_run(core, p, _no_drafts) for p in prompts]
+    props = [_replay(solo[0], 3, vocab), _replay(solo[1], 5, vocab), _no_drafts, _ngram()]
+    sessions = [Session(core, p, props[i], 16 if i != 3 else 8, i != 0) for i, p in enumerate(prompts)]
+    waves = core.graphs.wave_sessions
+    if not graphs:
+        core.graphs.wave_sessions = 1  # more sessions than a wave graph holds: the eager ragged forward
+    try:
+        while not all(s.done for s in sessions):
+            live = [s for s in sessions if not s.done]
+            outs = core.verify_wave([(s.draft(), True) for s in live])
+            assert not any(isinstance(o, BaseException) for o in outs), outs
+            for s, o in zip(live, outs):
+                s.take(o)
+    finally:
+        core.graphs.wave_sessions = waves
+    for i, s in enumerate(sessions):
+        first = next((j for j, (a, b) in enumerate(zip(s.out, solo[i])) if a != b), None)
+        assert s.out == solo[i], f"session {i} differs from its solo run at token {first}"
+    assert not graphs or any(k[0] == "wave" for k in core.graphs._graphs), "no wave graph was captured"
 
 
 def test_a_dropped_second_core_leaves_the_targets_own_forward_bits(core):

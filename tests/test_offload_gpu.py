@@ -205,3 +205,27 @@ def test_arrivals_from_another_thread_change_no_token_on_the_device_cache(checkp
         t.join(timeout=30)
     st = cache.stats
     assert sent and st.hits + st.misses == st.lookups and st.prefetched > 0
+
+
+@pytest.mark.parametrize("mode", ["device", "host"])
+def test_waves_on_offloaded_experts_equal_resident_mxfp4(checkpoint, resident, mode, monkeypatch):
+    """Multi-session verify waves over an evicting expert cache (device-managed: the wave graphs; host-managed: the
+    eager ragged forward): every session's output is the resident MXFP4 block-1 reference."""
+    import tests.test_gpu_verifier as drive
+
+    monkeypatch.setattr(drive, "NEW", 96)
+    vocab, prompts, refs, slice_bytes, per_layer, small_gb = resident
+    core = _core(checkpoint, small_gb if mode == "host" else small_gb + per_layer * slice_bytes / 2**30, mode=mode)
+    core.max_wave_sessions = core.graphs.wave_sessions = 4
+    sessions = [drive.Session(core, p, _replay(ref, 3 + i, vocab), 16, True) for i, (p, ref) in enumerate(zip(prompts, refs))]
+    sessions.append(drive.Session(core, prompts[0], _no_drafts, 1, False))
+    while not all(s.done for s in sessions):
+        live = [s for s in sessions if not s.done]
+        outs = core.verify_wave([(s.draft(), True) for s in live])
+        assert not any(isinstance(o, BaseException) for o in outs), outs
+        for s, o in zip(live, outs):
+            s.take(o)
+    assert [s.out for s in sessions] == [*refs, refs[0]]
+    assert core.target.expert_cache.stats.evictions > 0
+    del core
+    torch.cuda.empty_cache()

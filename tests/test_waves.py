@@ -241,3 +241,17 @@ def test_the_servicer_gathers_waiting_verifies_into_one_wave(waves_served):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "expected round 2" in e.value.details() + str(
         e.value.trailing_metadata())
     assert good.result().round == 2
+
+
+def test_the_waves_benchmark_runs_on_the_cpu(tmp_path):
+    """benchmarks/waves.py's smoke run: the demo pair, two sessions, every output its block-1 reference."""
+    import json
+
+    from benchmarks import waves
+
+    assert waves.main(["--device", "cpu", "--targets", "demo", "--sessions", "1", "2", "--new-tokens", "6",
+                       "--prompt-tokens", "16", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "waves_cpu.json").read_text())["rows"]
+    assert [(r["sessions"], r["mode"]) for r in rows] == [(1, "one after another"), (2, "one after another"), (2, "waves")]
+    assert all(r["identical"] and r["tokens"] == 5 * r["sessions"] for r in rows)  # (the first token is the prefill's)
+    assert rows[2]["speedup"] > 0 and not rows[2]["wave_forward"]

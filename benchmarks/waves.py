@@ -1,0 +1,167 @@
+"""Multi-session verify waves in process: S sessions decoding at once, their verifies one forward each (one after
+another, as with --max-wave-sessions 1) or together in one forward per round (VerifierCore.verify_wave, as the
+servicer runs the calls that wait for the device with --max-wave-sessions S).
+
+    python benchmarks/waves.py [--targets qwen3-8l gptoss-24l] [--sessions 1 2 4 8] [--block 8] [--new-tokens 64]
+                               [--prompt-tokens 128] [--layers N] [--tiny] [--device cuda|cpu] [--out DIR]
+    python benchmarks/waves.py --device cpu --targets demo --sessions 1 2 --new-tokens 8     # CPU smoke run
+
+Targets as benchmarks/e2e_gpu.py builds them (demo, qwen3-<N>l, gptoss-<N>l). Each session gets its own prompt and
+a replay drafter proposing its block-1 continuation with every 4th draft wrong (tau ~ 4), at a fixed width of --block
+tokens (anchor + drafts). Every row runs once untimed (Triton compiles, the wave buckets' CUDA graphs captured) and
+once timed; prefills are outside the clock.
+
+Columns: decode tok/s (every session's tokens over the rounds' wall time), ms/round (one round = every live session
+verified once), forward_ms (the forwards' own time per round, summed over its forwards), speedup (waves over one
+after another at the same S), identical (every session's output equals its block-1 reference; the script exits 1
+otherwise). On transformers' cache (the CPU default) a wave is its verifies in turn, so its speedup is ~1 by design.
+
+Writes waves_<device>.json / .md (waves_h200.* on the H200) to --out (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.e2e_gpu import build, none_propose, replay, serve  # noqa: E402
+from benchmarks.inprocess import core_run  # noqa: E402
+from benchmarks.kernel_bench import device_tag  # noqa: E402
+from pdflash.types import DraftResult, SamplingParams, union_bytes  # noqa: E402
+from verifier_svc.engine import PagedKVOptions, PrefillInput, VerifierCore  # noqa: E402
+
+
+def decode(core: VerifierCore, prompts, refs, new_tokens: int, block: int, waves: bool) -> dict:
+    """Every prompt's session decoding at once, round by round; -> the rounds' wall time, tokens, forwards' ms."""
+    byte_map = core.target.byte_map
+    propose = replay(refs)
+    live = []
+    for i, p in enumerate(prompts):
+        pre = core.prefill(PrefillInput(f"wave{i}", tuple(p), SamplingParams(), new_tokens, ignore_eos=True))
+        live.append({"i": i, "sid": pre.session_id, "out": list(pre.tokens), "anchor": pre.tokens[-1],
+                     "union": pre.routed_union, "round": 0, "done": pre.finished is not None})
+    sessions = list(live)
+    rounds = tokens = 0
+    forward_ms = 0.0
+    t0 = time.perf_counter()
+    while any(not s["done"] for s in sessions):
+        drafts = []
+        for s in sessions:
+            if s["done"]:
+                continue
+            s["round"] += 1
+            k = max(0, min(block - 1, new_tokens - len(s["out"]) - 1))
+            d = propose(s["i"], prompts[s["i"]], s["out"], k, {}) if k else []
+            drafts.append((s, DraftResult(s["sid"], s["round"], (s["anchor"], *d), s["union"], union_bytes(s["union"], byte_map))))
+        if waves:
+            outs = core.verify_wave([(d, False) for _, d in drafts])
+            ms = [o.forward_ms for o in outs if not isinstance(o, BaseException)]
+            forward_ms += (max(ms, default=0.0) if core.wave_forward and len(outs) > 1 else sum(ms))  # (one forward, or one each)
+        else:
+            outs = [core.verify(d, return_features=False) for _, d in drafts]
+            forward_ms += sum(o.forward_ms for o in outs)
+        for (s, _), o in zip(drafts, outs):
+            if isinstance(o, BaseException):
+                raise o
+            s["out"] += o.tokens
+            tokens += len(o.tokens)
+            s["anchor"], s["union"] = o.tokens[-1] if o.tokens else s["anchor"], o.routed_union
+            s["done"] = o.finished is not None or not o.tokens
+        rounds += 1
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": tokens, "rounds": rounds, "forward_ms": forward_ms,
+            "outputs": [s["out"] for s in sessions]}
+
+
+def markdown(result: dict) -> str:
+    m = result["meta"]
+    lines = [f"# Multi-session verify waves ({m['device_name']}, {m['date']})", "", f"`{m['command']}`", "",
+             "| target | sessions | block | mode | decode tok/s | ms/round | forward_ms/round | speedup | identical |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['target']} | {r['sessions']} | {r['block']} | {r['mode']} | {r['tok_s']:.1f} | "
+                     f"{r['ms_per_round']:.2f} | {r['forward_ms_per_round']:.2f} | "
+                     f"{r['speedup']:.2f}x | {r['identical']} |" if r.get("speedup") is not None else
+                     f"| {r['target']} | {r['sessions']} | {r['block']} | {r['mode']} | {r['tok_s']:.1f} | "
+                     f"{r['ms_per_round']:.2f} | {r['forward_ms_per_round']:.2f} | | {r['identical']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--targets", nargs="+", default=["qwen3-8l", "gptoss-24l"])
+    ap.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--block", type=int, default=8, help="verify width: anchor + drafts (fixed)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--kv-cache-gb", type=float, default=8.0)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args(argv)
+    if not 1 <= args.block <= 32 or min(args.sessions) < 1:
+        raise SystemExit("--block: 1..32; --sessions: counts >= 1")
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # what e2e_gpu.build reads besides --layers/--tiny/--prompt-tokens: prompts and new tokens per target, its kernels
+    bargs = argparse.Namespace(layers=args.layers, tiny=args.tiny, prompt_tokens=args.prompt_tokens,
+                               prompts=max(args.sessions), new_tokens=args.new_tokens, kernels="auto")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"meta": {"date": time.strftime("%Y-%m-%d"), "device": str(device),
+                             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU",
+                             "torch": torch.__version__, "block": args.block, "new_tokens": args.new_tokens,
+                             "command": "python benchmarks/waves.py " + " ".join(argv if argv is not None else sys.argv[1:])},
+                    "rows": []}
+    failed = []
+    for name in args.targets:
+        t = build(name, bargs, device, dtype)
+        target, how = serve(t, bargs, device)
+        core = VerifierCore(target, max_block_size=32, max_tokens_limit=4096,
+                            paged_kv=PagedKVOptions(kv_cache_gb=args.kv_cache_gb if device.type == "cuda" else 0.0),
+                            max_wave_sessions=max(args.sessions))
+        refs = core_run(core, t.prompts, t.new_tokens, 1, propose=none_propose)["outputs"]
+        for n in args.sessions:
+            base = None
+            for mode in ("one after another", "waves"):
+                if mode == "waves" and n == 1:
+                    continue
+                decode(core, t.prompts[:n], refs, min(16, t.new_tokens), args.block, mode == "waves")  # untimed
+                r = decode(core, t.prompts[:n], refs, t.new_tokens, args.block, mode == "waves")
+                identical = r["outputs"] == refs[:n]
+                row = {"target": t.name, "experts": how, "sessions": n, "block": args.block, "mode": mode,
+                       "tok_s": r["tokens"] / r["wall_s"], "ms_per_round": r["wall_s"] * 1e3 / r["rounds"],
+                       "forward_ms_per_round": r["forward_ms"] / r["rounds"], "rounds": r["rounds"],
+                       "tokens": r["tokens"], "identical": identical, "wave_forward": core.wave_forward}
+                if mode == "waves" and base is not None:
+                    row["speedup"] = row["tok_s"] / base["tok_s"]
+                base = base or row
+                result["rows"].append(row)
+                if not identical:
+                    failed.append(f"{t.name} S={n} {mode}")
+                print(markdown(result).splitlines()[-1], flush=True)
+        del core, target, t
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    stem = f"waves_{device_tag(device)}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))
+    if failed:
+        print(f"IDENTITY CHECK FAILED: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
