@@ -54,3 +54,29 @@ def test_streams_contending_for_a_small_budget_never_wait_on_each_others_leases(
         assert not any(held.values()), held
     finally:
         stack.stop()
+
+
+def test_concurrent_streams_in_verify_waves_are_exact_and_leave_nothing_behind(tiny, tmp_path):
+    """`pdflash up --max-wave-sessions 8`: the verifier gathers the Verify calls waiting for it into waves (on the CPU's
+    transformers cache, one forward after another in one turn); every stream's output is still its greedy reference,
+    nothing is held afterwards, and the verifier's metrics counted the waves."""
+    import re
+    import urllib.request
+
+    model = str(tiny.target("qwen3_moe"))
+    stack = start_stack(model, tiny.drafter("qwen3_moe"), tmp_path, verifier_args=["--max-wave-sessions", "8"])
+    try:
+        jobs = make_jobs(clients=8, requests=2, max_tokens=16, drafters=["ngram", "none", "hybrid", "dflash"])
+        references = {j: greedy_reference(model, j.prompt, j.max_tokens, device=DEVICE) for js in jobs for j in js}
+        records, wall = asyncio.run(run_load(stack.drafter, jobs, request_timeout=120, time_limit=300))
+        summary = summarize(records, wall, references)
+        assert summary["requests"] == 16 and summary["errors"] == 0, summary["error_samples"]
+        assert summary["mismatches"] == 0
+        held = in_use(stack.scheduler, stack.verifier)
+        assert not any(held.values()), held
+        text = urllib.request.urlopen(f"http://127.0.0.1:{stack.spec.metrics_ports[2]}/metrics", timeout=10).read().decode()
+        waves = float(re.search(r"^pdflash_verify_wave_sessions_count (\S+)$", text, re.M).group(1))
+        sessions = float(re.search(r"^pdflash_verify_wave_sessions_sum (\S+)$", text, re.M).group(1))
+        assert waves > 0 and sessions >= waves  # every verify went through a wave
+    finally:
+        stack.stop()

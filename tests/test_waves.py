@@ -69,6 +69,7 @@ def _rounds(core, sids, anchors, wave: bool) -> list[list[tuple]]:
 def test_a_wave_answers_each_session_as_its_own_verify_would(paged_core):
     core = paged_core  # (sinks and sliding windows: the ragged attention's own test; every architecture on CUDA)
     assert core.wave_forward
+    assert core.forward_info["verify_waves"] == "up to 4 sessions' blocks in one ragged forward"  # (model info's kernels JSON)
     free = core.pool.free_pages
     alone = _rounds(core, *_prefill(core, "alone"), wave=False)
     together = _rounds(core, *_prefill(core, "wave"), wave=True)
@@ -255,3 +256,26 @@ def test_the_waves_benchmark_runs_on_the_cpu(tmp_path):
     assert [(r["sessions"], r["mode"]) for r in rows] == [(1, "one after another"), (2, "one after another"), (2, "waves")]
     assert all(r["identical"] and r["tokens"] == 5 * r["sessions"] for r in rows)  # (the first token is the prefill's)
     assert rows[2]["speedup"] > 0 and not rows[2]["wave_forward"]
+
+
+# ---- the option, as a user sets it -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["0", "-2", "1.5", "many", "2000"])
+def test_up_refuses_a_wave_size_that_is_not_a_session_count(value, capsys):
+    from pdflash import cli
+
+    assert cli.main(["up", "--max-wave-sessions", value]) == 2
+    assert "--max-wave-sessions" in capsys.readouterr().err
+
+
+def test_up_passes_the_wave_size_to_the_verifier_and_the_verifier_checks_it():
+    from pdflash.cli import _spec, build_parser
+    from pdflash.config import ConfigError
+    from verifier_svc.config import VerifierConfig
+
+    assert "--max-wave-sessions" not in _spec(build_parser().parse_args(["up"])).verifier_args  # the default, 1: off
+    spec = _spec(build_parser().parse_args(["up", "--max-wave-sessions", "8"]))
+    assert spec.verifier_args[-2:] == ["--max-wave-sessions", "8"]
+    assert VerifierConfig().max_wave_sessions == 1
+    with pytest.raises(ConfigError, match="--max-wave-sessions must be >= 1"):
+        VerifierConfig(max_wave_sessions=0).validate()

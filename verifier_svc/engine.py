@@ -170,7 +170,12 @@ class VerifierCore:
                 "cuda_graphs": (f"buckets {list(self.graphs.buckets)}" if self.graphs is not None else "off"),
                 "launches": (f"programmatic dependent launch (each kernel launched while the one before it finishes; "
                              f"trigger {runtime.PDL_TRIGGER})" if runtime.PDL else "plain"),
-                "moe_gemms": _moe_gemms_info(moe)}
+                "moe_gemms": _moe_gemms_info(moe),
+                "verify_waves": (f"up to {self.max_wave_sessions} sessions' blocks in one ragged forward"
+                                 + (" (wave graphs by total rows)" if self.graphs is not None else "")
+                                 if self.max_wave_sessions > 1 and self.wave_forward else
+                                 f"up to {self.max_wave_sessions} sessions, one forward after another (the RoPE is not a "
+                                 "position table)" if self.max_wave_sessions > 1 else "off")}
 
     @contextlib.contextmanager
     def _prefill_threads(self):
@@ -476,9 +481,10 @@ class VerifierCore:
 
     @property
     def wave_forward(self) -> bool:
-        """Whether `verify_wave` runs several sessions' blocks in one forward (the paged KV, every kernel batch-invariant),
-        rather than one forward after another."""
-        return self.runner is not None
+        """Whether `verify_wave` runs several sessions' blocks in one forward (the paged KV, every kernel batch-invariant,
+        cos/sin a function of the position alone: a RoPE that rescales with the longest position in the call, such as
+        "dynamic", would give a session other cos/sin beside a longer one), rather than one forward after another."""
+        return self.runner is not None and self.runner.rope is not None
 
     def verify_wave(self, items: "list[tuple[DraftResult, bool]]") -> "list[StepOutput | BaseException]":
         """Several sessions' verifies (draft, return_features) at once: on the paged KV one forward over all their blocks
