@@ -279,3 +279,14 @@ def test_up_passes_the_wave_size_to_the_verifier_and_the_verifier_checks_it():
     assert VerifierConfig().max_wave_sessions == 1
     with pytest.raises(ConfigError, match="--max-wave-sessions must be >= 1"):
         VerifierConfig(max_wave_sessions=0).validate()
+
+
+def test_the_warm_up_runs_one_wave_per_wave_graph_bucket():
+    from verifier_svc.runner import WAVE_BUCKETS
+    from verifier_svc.warmup import wave_blocks
+
+    got = wave_blocks(4, 32)
+    assert [sum(b) for b in got] == list(WAVE_BUCKETS)  # every bucket: 2 .. 128 rows
+    assert all(2 <= len(b) <= 4 and max(b) <= 32 for b in got)
+    assert [sum(b) for b in wave_blocks(2, 16)] == [2, 4, 8, 16, 32]  # 64 rows need 4 blocks of 16: more than 2 sessions
+    assert wave_blocks(1, 32) == []

@@ -7,7 +7,8 @@ captured at load), cuBLAS and the caching allocator set up, the expert cache fil
 
 `warm(core, feature_layers)` runs what requests run: a prefill of a short prompt, then one verify per bucket the graph
 runner replays (verifier_svc.runner.BUCKETS up to --max-block-size), each carrying the previous call's routed union as
-its projection, without features and again with the drafter's feature layers; before those, for a MoE target, prefills
+its projection, without features and again with the drafter's feature layers (and, with multi-session waves on the
+paged KV, one wave per wave-graph bucket: `wave_blocks`); before those, for a MoE target, prefills
 whose pairs reach each compiled form of the MoE align (`align_lengths`: up to 513 tokens at one expert a token). Then it gives everything back: its
 sessions end (their KV pages return to the pool), the expert cache's counters are zeroed (its contents stay: they
 are the warm part), so the first request's counters are its own. It calls the core, not the servicer: the metrics
@@ -22,7 +23,7 @@ import time
 from pdflash.logging import get_logger
 from pdflash.types import DraftResult, SamplingParams
 from verifier_svc.engine import PrefillInput, VerifierCore
-from verifier_svc.runner import BUCKETS
+from verifier_svc.runner import BUCKETS, WAVE_BUCKETS
 
 log = get_logger("pdflash.verifier.warmup")
 
@@ -69,6 +70,20 @@ def block_sizes(max_block_size: int) -> list[int]:
     return sorted({min(b, max_block_size) for b in BUCKETS})
 
 
+def wave_blocks(max_wave_sessions: int, max_block_size: int) -> list[list[int]]:
+    """One multi-session wave per wave-graph bucket a wave can land in (verifier_svc.runner.WAVE_BUCKETS: by its rows in
+    all): each as its sessions' block sizes, at least two sessions (one alone is a plain verify), each block at most
+    `max_block_size` and the largest single bucket, the rows filling the bucket."""
+    widest = min(max_block_size, BUCKETS[-1])
+    out = []
+    for rows in WAVE_BUCKETS:
+        n = max(2, -(-rows // widest))
+        if n > max_wave_sessions or n > rows:
+            continue
+        out.append([rows // n + (1 if i < rows % n else 0) for i in range(n)])
+    return out
+
+
 class _Request:
     """One warm-up session driven as the drafter's loop drives one (anchor + drafts, the last routed union projected)."""
 
@@ -89,12 +104,20 @@ class _Request:
         return not self.finished and self.committed + rows <= self.core.target.max_context
 
     def verify(self, n: int) -> None:
+        self.take(self.core.verify(self.draft(n)))
+
+    def draft(self, n: int) -> DraftResult:
+        """The next block of n tokens (the projection streaming in as the servicer starts it when a Verify arrives)."""
         cache = self.core.target.expert_cache
         if cache is not None and cache.prefetch_union and self.union:
-            cache.arriving(self.union)  # as the servicer does when a Verify arrives
+            cache.arriving(self.union)
         self.round += 1
         drafts = tuple(self.prompt[i % len(self.prompt)] for i in range(n - 1))
-        out = self.core.verify(DraftResult(self.sid, self.round, (self.anchor, *drafts), self.union, self.bytes))
+        return DraftResult(self.sid, self.round, (self.anchor, *drafts), self.union, self.bytes)
+
+    def take(self, out) -> None:
+        if isinstance(out, BaseException):
+            raise out
         self.committed = out.committed
         self._next(out)
 
@@ -131,6 +154,20 @@ def warm(core: VerifierCore, feature_layers: tuple[int, ...] = ()) -> WarmupRepo
                 if req.fits(n):
                     req.verify(n)
                     verifies += 1
+            if core.max_wave_sessions > 1 and core.wave_forward:  # each wave graph's bucket (captured on first use)
+                crew: list[_Request] = []
+                for blocks in wave_blocks(core.max_wave_sessions, core.max_block_size):
+                    crew = [r for r in crew if r.fits(max(blocks))]
+                    while len(crew) < len(blocks):
+                        prompt = tuple(3 + i % (t.vocab_size - 3) for i in range(lengths[0]))
+                        crew.append(_Request(core, prompt, layers))
+                        held.append(crew[-1])
+                        prefills += 1
+                    wave = list(zip(crew, blocks))
+                    outs = core.verify_wave([(r.draft(n), True) for r, n in wave])
+                    for (r, _), o in zip(wave, outs):
+                        r.take(o)
+                    verifies += len(wave)
     finally:
         for req in held:
             req.end()
