@@ -94,7 +94,8 @@ def test_a_wave_refuses_an_item_alone_and_runs_the_others(paged_core):
     assert isinstance(outs[2], FailedPrecondition) and "another verify in this wave" in str(outs[2])
     assert isinstance(outs[3], NotFound)
     assert outs[0].round == 1 and outs[4].round == 1 and outs[4].features is None
-    assert outs[0].forward_ms == outs[4].forward_ms  # one forward for both
+    assert outs[0].forward_ms == outs[4].forward_ms and outs[0].wave_sessions == outs[4].wave_sessions == 2  # one forward
+    assert core.verify(DraftResult(sids[0], 2, (outs[0].tokens[-1],), {}, 0)).wave_sessions == 1
     # the refused session is untouched: its round 1 still verifies, alone
     assert core.verify(DraftResult(sids[1], 1, (anchors[1],), {}, 0)).round == 1
     for sid in sids:

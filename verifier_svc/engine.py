@@ -87,6 +87,7 @@ class StepOutput:
     expert_cache: object | None = None  # verifier_svc.expert_cache.CacheStats of this call (offloaded experts)
     logprobs: list[float] | None = None  # the session's logprobs: one per emitted token
     top_logprobs: list[tuple[list[int], list[float]]] | None = None  # (ids, logprobs) likeliest first, one per token
+    wave_sessions: int = 1  # sessions whose blocks shared this call's forward (verify_wave); forward_ms and expert_cache are theirs together
 
 
 def _moe_gemms_info(moe) -> str:
@@ -530,6 +531,7 @@ class VerifierCore:
         for (i, draft, s, block, want), (logits, feats, union, fwd_ms, stats) in zip(ready, outs):
             try:
                 results[i] = self._accept(s, draft, block, logits, feats, union, fwd_ms, stats)
+                results[i].wave_sessions = len(ready)
             except Exception as e:  # noqa: BLE001
                 results[i] = e
         return results

@@ -171,6 +171,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     results = [e] * len(wave)
             if self.metrics is not None:
                 self.metrics.verify_wave_sessions.observe(len(wave))
+                shared = next((r for r in results if isinstance(r, StepOutput) and r.wave_sessions > 1), None)
+                if shared is not None and shared.expert_cache is not None:
+                    self._observe_cache(shared.expert_cache)  # one forward's counters, once
             for w, r in zip(wave, results):
                 if w.future.done():
                     continue
@@ -193,6 +196,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if st is None:  # every expert resident: each routed expert is a hit
             m.expert_cache_hits.inc(sum(len(ids) for ids in out.routed_union.values()))
             return
+        if out.wave_sessions > 1:  # the wave's counters, shared by its answers: counted once, by _run_waves
+            return
+        self._observe_cache(st)
+
+    def _observe_cache(self, st) -> None:
+        m = self.metrics
         m.expert_cache_hits.inc(st.hits)
         m.expert_cache_misses.inc(st.misses)
         m.expert_bytes_moved.inc(st.bytes_moved)
