@@ -41,6 +41,13 @@ _PROGRAMS = os.environ.get("PDFLASH_ATTENTION_PROGRAMS", "16")
 if not (_PROGRAMS.isdigit() and 1 <= int(_PROGRAMS) <= 256):
     raise ValueError(f"PDFLASH_ATTENTION_PROGRAMS must be a number of programs, 1..256, got {_PROGRAMS!r}")
 MAX_PROGRAMS = int(_PROGRAMS)
+# the split form's per-segment states are sized for every tile of the largest call at the longest context a page table
+# allows (gpt-oss-20b's 131072 positions: ~270 MB a sequence); a call that would need more than this many MiB of them
+# (a multi-session wave of long-context sequences) runs one program per tile instead (the same bits)
+_WS_MB = os.environ.get("PDFLASH_ATTENTION_WORKSPACE_MB", "1024")
+if not (_WS_MB.isdigit() and 1 <= int(_WS_MB) <= 1 << 20):
+    raise ValueError(f"PDFLASH_ATTENTION_WORKSPACE_MB must be a number of MiB, 1..1048576, got {_WS_MB!r}")
+WORKSPACE_MAX_BYTES = int(_WS_MB) << 20
 
 
 if triton is not None:
@@ -357,7 +364,8 @@ def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_t
         span = table.shape[-1] * BLOCK_N if page_table is not None else int(pos.max()) + 1
         nseg = max(1, triton.cdiv(span, SEG))
         most = max(tiles, triton.cdiv(SPLIT_MAX_T * group, BLOCK_M) * hkv * bsz)  # sized for the largest call at once
-        bufs = _workspace(q.device, most * nseg * BLOCK_M * d, most * nseg * 2 * BLOCK_M) if cnt is not None else None
+        fits = most * nseg * BLOCK_M * (d + 2) * 4 <= WORKSPACE_MAX_BYTES
+        bufs = _workspace(q.device, most * nseg * BLOCK_M * d, most * nseg * 2 * BLOCK_M) if cnt is not None and fits else None
         if bufs is None:
             nprog = 1  # (the same bits)
         else:

@@ -1250,6 +1250,16 @@ def test_ragged_attention_gives_each_sequence_the_bits_of_a_call_of_its_own(wind
         alone = paged_attention(q_all[:, :, a:e], kp, vp, table[b : b + 1], pos_all[:, a:e], 0.25, window, sk)
         assert torch.equal(out[:, a:e], alone), f"sequence {b}"
     assert not out[:, starts[-1]:].any()
+    from pdflash_kernels import attention as attn_mod
+
+    budget = attn_mod.WORKSPACE_MAX_BYTES
+    try:  # split states over the workspace budget: one program a tile (a long-context wave), the same bits
+        attn_mod.WORKSPACE_MAX_BYTES = 1
+        assert torch.equal(paged_attention(q_all, kp, vp, table, pos_all, 0.25, window, sk, programs=16,
+                                           seq_starts=seq_starts, max_rows=max(rows)), out)
+    finally:
+        attn_mod.WORKSPACE_MAX_BYTES = budget
+    _import_refuses("PDFLASH_ATTENTION_WORKSPACE_MB", "0", "pdflash_kernels.attention")
     with pytest.raises(ValueError, match="max_rows"):
         paged_attention(q_all, kp, vp, table, pos_all, 0.25, window, sk, seq_starts=seq_starts)
     with pytest.raises(ValueError, match="page table of 2 rows for 4 sequences"):

@@ -98,6 +98,20 @@ def test_a_wave_refuses_an_item_alone_and_runs_the_others(paged_core):
     assert core.verify(DraftResult(sids[0], 2, (outs[0].tokens[-1],), {}, 0)).wave_sessions == 1
     # the refused session is untouched: its round 1 still verifies, alone
     assert core.verify(DraftResult(sids[1], 1, (anchors[1],), {}, 0)).round == 1
+    # a full KV pool refuses an item before its round is used: the same round passes once pages are free again
+    from pdflash.errors import ResourceExhausted
+
+    (long,), (anchor,) = _prefill(core, "long", [(list(range(3, 63)), SamplingParams(), ())])  # 60 tokens: page 0
+    need = DraftResult(long, 1, (anchor, *range(50, 57)), {}, 0)  # positions 60..67: a second page
+    taken = core.pool.alloc(core.pool.free_pages)
+    try:
+        got = core.verify_wave([(need, False), (DraftResult(sids[2], 2, (outs[4].tokens[-1],), {}, 0), False)])
+        assert isinstance(got[0], ResourceExhausted) and core.sessions.get(long).round == 0
+        assert got[1].round == 2  # the other item ran
+    finally:
+        core.pool.release(taken)
+    assert core.verify_wave([(need, False)])[0].round == 1
+    sids.append(long)
     for sid in sids:
         core.end(sid)
 
@@ -291,3 +305,36 @@ def test_the_warm_up_runs_one_wave_per_wave_graph_bucket():
     assert all(2 <= len(b) <= 4 and max(b) <= 32 for b in got)
     assert [sum(b) for b in wave_blocks(2, 16)] == [2, 4, 8, 16, 32]  # 64 rows need 4 blocks of 16: more than 2 sessions
     assert wave_blocks(1, 32) == []
+
+
+@pytest.mark.slow
+def test_calls_waiting_for_a_wave_are_answered_when_the_wave_task_ends(waves_served):
+    """However the task that runs waves ends (here: cancelled, as at shutdown), no call it left waiting hangs: each
+    gets UNAVAILABLE, and the next call starts a new task."""
+    import asyncio
+    import time
+
+    import grpc
+
+    from pdflash.v1 import verifier_pb2
+
+    v = waves_served
+    servicer = v.running.servicer
+    pre = [v.stub.Prefill(verifier_pb2.PrefillRequest(prompt_tokens=[5, 6, 7], max_tokens=8, ignore_eos=True), timeout=30)
+           for _ in range(2)]
+    asyncio.run_coroutine_threadsafe(servicer._device.acquire(), v.loop).result(timeout=10)
+    try:
+        calls = [v.stub.Verify.future(_verify_req(p.session_id, 1, [p.first_token]), timeout=30) for p in pre]
+        deadline = time.time() + 10
+        while len(servicer._waiting) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        v.loop.call_soon_threadsafe(servicer._waves.cancel)
+        for c in calls:
+            with pytest.raises(grpc.RpcError) as e:
+                c.result()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "retry" in e.value.details()
+        assert servicer._waiting == [] and servicer._pending == 0
+    finally:
+        v.loop.call_soon_threadsafe(servicer._device.release)
+    again = v.stub.Verify(_verify_req(pre[0].session_id, 1, [pre[0].first_token]), timeout=30)
+    assert again.round == 1

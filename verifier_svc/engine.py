@@ -426,12 +426,16 @@ class VerifierCore:
             raise FailedPrecondition(f"session {s.session_id} already finished ({s.finished.name.lower()})")
         self.validate_draft(s, draft)
         room = self.target.max_context - s.committed
-        s.round = draft.round
         if room < 1:
+            s.round = draft.round
             s.finished = FinishReason.CONTEXT
             self.sessions.end(s.session_id)
             return StepOutput(s.session_id, s.round, [], 0, s.committed, s.finished, None, {}, 0, 0.0, 0.0)
-        return s, list(draft.tokens)[:room], return_features and bool(s.feature_layer_ids)
+        block = list(draft.tokens)[:room]
+        if s.kv is not None:  # a full KV pool refuses the call before its round is used: a retry of the round can pass
+            s.kv.reserve(s.committed + len(block))
+        s.round = draft.round
+        return s, block, return_features and bool(s.feature_layer_ids)
 
     def _accept(self, s: Session, draft: DraftResult, block: list[int], logits: torch.Tensor, feats, union: ExpertUnion,
                 fwd_ms: float, stats) -> StepOutput:
@@ -481,6 +485,16 @@ class VerifierCore:
                             cache.stats.minus(before) if cache is not None else None)
 
     @property
+    def max_wave_rows(self) -> int:
+        """The most rows (blocks' tokens together) a wave takes: with CUDA graphs the largest wave graph's, else every
+        session's widest block."""
+        if self.graphs is not None:
+            from verifier_svc.runner import WAVE_BUCKETS
+
+            return WAVE_BUCKETS[-1]
+        return self.max_wave_sessions * self.max_block_size
+
+    @property
     def wave_forward(self) -> bool:
         """Whether `verify_wave` runs several sessions' blocks in one forward (the paged KV, every kernel batch-invariant,
         cos/sin a function of the position alone: a RoPE that rescales with the longest position in the call, such as
@@ -502,9 +516,7 @@ class VerifierCore:
                 if draft.session_id in seen:
                     raise FailedPrecondition(f"session {draft.session_id} has another verify in this wave; send a "
                                              "session's rounds one after the other")
-                prep = self._prepare(draft, return_features)
-                if not isinstance(prep, StepOutput) and prep[0].kv is not None:
-                    prep[0].kv.reserve(prep[0].committed + len(prep[1]))  # (a full KV cache refuses this item alone)
+                prep = self._prepare(draft, return_features)  # (a full KV cache refuses this item alone)
             except PdflashError as e:
                 results[i] = e
                 continue
@@ -580,8 +592,8 @@ class VerifierCore:
             feats = None
             if want:
                 per = out.features.shape[-1] // len(layers)
-                cols = out.features[a:e].view(e - a, len(layers), per)
-                feats = cols[:, [layers.index(l) for l in s.feature_layer_ids]].reshape(e - a, -1)
+                cols = out.features[a:e].view(e - a, len(layers), per)  # (a layer named twice: once, as a solo forward gives it)
+                feats = cols[:, [layers.index(l) for l in dict.fromkeys(s.feature_layer_ids)]].reshape(e - a, -1)
             res.append((out.logits[a:e], feats, unions[k], ms, stats))
         return res
 

@@ -472,8 +472,9 @@ class GraphRunner:
             self.reset()
             g = None
         if g is None:
-            g = self._graphs[key] = _WaveGraph(self.runner, b, self.wave_sessions, self.buckets[-1], self.max_pages,
-                                               tuple(feature_layers), self.scratch_page)
+            # (a wave of b rows holds at most b sequences of at most b rows each: smaller grids for small buckets)
+            g = self._graphs[key] = _WaveGraph(self.runner, b, min(self.wave_sessions, b), min(self.buckets[-1], b),
+                                               self.max_pages, tuple(feature_layers), self.scratch_page)
         for tokens, start, seq in items:
             seq.reserve(start + len(tokens))
         g.set_wave_inputs(items)

@@ -56,6 +56,13 @@ class _Waiting:
     return_features: bool
     future: asyncio.Future
     since: float  # perf_counter at arrival
+    left: bool = False  # its caller left while its wave ran (it still counts as pending until the wave ends)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    """A wave task that died (its calls were answered UNAVAILABLE): say why, once."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("verify waves failed", error=repr(task.exception()))
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -124,63 +131,89 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """A verify that may share its forward with other sessions' (verifier_svc.waves): it waits with the others for
         the device; each time the device frees, the calls waiting then form the next wave (`take_wave`). Returns
         (its answer, ms it waited). A caller that leaves before its wave starts is dropped from the queue; one that
-        leaves during its wave's forward is answered to nobody (as a lone verify whose caller left)."""
+        leaves during its wave's forward is answered to nobody (as a lone verify whose caller left) and counts as
+        pending until that forward ends."""
         self._admit_pending()
         self._pending += 1
+        item = _Waiting(draft, return_features, asyncio.get_running_loop().create_future(), time.perf_counter())
         try:
-            item = _Waiting(draft, return_features, asyncio.get_running_loop().create_future(), time.perf_counter())
             self._waiting.append(item)
             if self._waves is None or self._waves.done():
                 self._waves = asyncio.ensure_future(self._run_waves())
+                self._waves.add_done_callback(_log_failure)
             try:
                 return await asyncio.shield(item.future)
             except asyncio.CancelledError:
                 if item in self._waiting:  # not started: nothing to undo
                     self._waiting.remove(item)
-                item.future.cancel()  # (its wave, if one runs it, answers nobody)
+                elif not item.future.done():
+                    item.left = True  # its wave is running: _run_waves drops the pending count when it ends
+                item.future.cancel()  # (its wave answers nobody)
                 raise
         finally:
-            self._pending -= 1
+            if not item.left:
+                self._pending -= 1
 
     async def _run_waves(self) -> None:
+        """Run waves while calls wait. However it ends (a failure of its own, the server stopping), no call it took or
+        left waiting is left without an answer."""
+        wave: list[_Waiting] = []  # the wave in hand (taken from the queue, not yet answered)
+        try:
+            while self._waiting:
+                await self._one_wave(wave)
+                wave.clear()
+                await asyncio.sleep(0)  # the answered callers resume before the next wave (inline verify holds the loop)
+        finally:
+            for w in wave + self._waiting:
+                if w.left:
+                    self._pending -= 1
+                if not w.future.done():
+                    w.future.set_exception(Unavailable("the verifier stopped its verify waves; retry the call"))
+            self._waiting.clear()
+
+    async def _one_wave(self, wave: list[_Waiting]) -> None:
+        """The next wave: taken from the queue into `wave` once the device is free, run, answered."""
         core = self.core
-        while self._waiting:
-            async with self._device:  # behind any forward already running (a prefill, a lone call)
-                picked = take_wave(self._waiting, lambda w: w.draft.session_id, lambda w: len(w.draft.tokens),
-                                   core.max_wave_sessions, core.max_wave_sessions * core.max_block_size)
-                wave = [self._waiting[i] for i in picked]
-                for w in wave:
-                    self._waiting.remove(w)
-                wave = [w for w in wave if not w.future.done()]
-                if not wave:
-                    continue
-                started = time.perf_counter()
-                args = [(w.draft, w.return_features) for w in wave]
-                try:
-                    if self.inline_verify:
-                        results = core.verify_wave(args)
-                    else:
-                        work = torch_thread.submit(core.verify_wave, args)
-                        while not work.done():  # a forward cannot be interrupted: the device stays held until it ends
-                            try:
-                                await asyncio.wait([work])
-                            except asyncio.CancelledError:
-                                pass
-                        results = work.result()
-                except Exception as e:  # noqa: BLE001 - the wave failed as a whole: each of its calls fails with it
-                    results = [e] * len(wave)
-            if self.metrics is not None:
-                self.metrics.verify_wave_sessions.observe(len(wave))
-                shared = next((r for r in results if isinstance(r, StepOutput) and r.wave_sessions > 1), None)
-                if shared is not None and shared.expert_cache is not None:
-                    self._observe_cache(shared.expert_cache)  # one forward's counters, once
-            for w, r in zip(wave, results):
-                if w.future.done():
-                    continue
-                if isinstance(r, BaseException):
-                    w.future.set_exception(r)
+        async with self._device:  # behind any forward already running (a prefill, a lone call)
+            picked = take_wave(self._waiting, lambda w: w.draft.session_id, lambda w: len(w.draft.tokens),
+                               core.max_wave_sessions, core.max_wave_rows)
+            wave.extend(self._waiting[i] for i in picked)
+            for w in wave:
+                self._waiting.remove(w)
+            wave[:] = [w for w in wave if not w.future.done()]
+            if not wave:
+                return
+            started = time.perf_counter()
+            args = [(w.draft, w.return_features) for w in wave]
+            try:
+                if self.inline_verify:
+                    results = core.verify_wave(args)
                 else:
-                    w.future.set_result((r, (started - w.since) * 1e3))
+                    work = torch_thread.submit(core.verify_wave, args)
+                    while not work.done():  # a forward cannot be interrupted: the device stays held until it ends
+                        try:
+                            await asyncio.wait([work])
+                        except asyncio.CancelledError:
+                            pass
+                    results = work.result()
+            except Exception as e:  # noqa: BLE001 - the wave failed as a whole: each of its calls fails with it
+                results = [e] * len(wave)
+        answered = [r for r in results if isinstance(r, StepOutput)]
+        if self.metrics is not None and answered:
+            self.metrics.verify_wave_sessions.observe(len(answered))
+            shared = next((r for r in answered if r.wave_sessions > 1), None)
+            if shared is not None and shared.expert_cache is not None:
+                self._observe_cache(shared.expert_cache)  # one forward's counters, once
+        for w, r in zip(wave, results):
+            if w.left:
+                self._pending -= 1
+                w.left = False
+            if w.future.done():
+                continue
+            if isinstance(r, BaseException):
+                w.future.set_exception(r)
+            else:
+                w.future.set_result((r, (started - w.since) * 1e3))
 
     def _timings(self, out: StepOutput, t_start: float, queued: float) -> common_pb2.Timings:
         return common_pb2.Timings(
