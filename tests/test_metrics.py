@@ -134,9 +134,13 @@ def test_the_verifier_adds_each_forwards_cache_counters_to_its_metrics():
     m = VerifierMetrics()
     st = CacheStats(lookups=9, hits=5, misses=4, evictions=3, prefetched=6, prefetch_used=2, bytes_moved=1000,
                     wasted_bytes=300, prefetch_aborted=2)
-    VerifierServicer._observe(SimpleNamespace(metrics=m), SimpleNamespace(expert_cache=st, routed_union={}),
+    VerifierServicer._observe(SimpleNamespace(metrics=m), SimpleNamespace(expert_cache=st, routed_union={}, wave_sessions=1),
                               time.perf_counter(), prefill=False)
     value = lambda name: m.registry.get_sample_value(f"pdflash_{name}_total")  # noqa: E731
     assert (value("expert_cache_hits"), value("expert_cache_misses"), value("expert_cache_evictions")) == (5, 4, 3)
     assert (value("expert_cache_prefetched"), value("expert_cache_prefetch_used"), value("expert_bytes_moved")) == (6, 2, 1000)
     assert (value("expert_cache_wasted_bytes"), value("expert_cache_prefetch_aborted")) == (300, 2)
+    # an answer of a multi-session wave carries the wave's counters: the wave adds them once (observe_cache), not each answer
+    VerifierServicer._observe(SimpleNamespace(metrics=m), SimpleNamespace(expert_cache=st, routed_union={}, wave_sessions=3),
+                              time.perf_counter(), prefill=False)
+    assert value("expert_cache_hits") == 5 and m.registry.get_sample_value("pdflash_verify_latency_seconds_count") == 2

@@ -48,6 +48,18 @@ def model_kernels_json(kernels: dict, forward: dict) -> str:
     info = {**kernels, **({"forward": forward} if forward else {})}
     return json.dumps(info, sort_keys=True) if info else ""
 
+def observe_cache(m, st) -> None:
+    """One forward's expert-cache counters (CacheStats) into the pdflash_expert_cache_* series."""
+    m.expert_cache_hits.inc(st.hits)
+    m.expert_cache_misses.inc(st.misses)
+    m.expert_bytes_moved.inc(st.bytes_moved)
+    m.expert_cache_evictions.inc(st.evictions)
+    m.expert_cache_prefetched.inc(st.prefetched)
+    m.expert_cache_prefetch_used.inc(st.prefetch_used)
+    m.expert_cache_wasted_bytes.inc(st.wasted_bytes)
+    m.expert_cache_prefetch_aborted.inc(st.prefetch_aborted)
+
+
 @dataclasses.dataclass(eq=False)
 class _Waiting:
     """A Verify call waiting for a wave (`_verify_in_wave`)."""
@@ -203,7 +215,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self.metrics.verify_wave_sessions.observe(len(answered))
             shared = next((r for r in answered if r.wave_sessions > 1), None)
             if shared is not None and shared.expert_cache is not None:
-                self._observe_cache(shared.expert_cache)  # one forward's counters, once
+                observe_cache(self.metrics, shared.expert_cache)  # one forward's counters, once
         for w, r in zip(wave, results):
             if w.left:
                 self._pending -= 1
@@ -229,20 +241,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if st is None:  # every expert resident: each routed expert is a hit
             m.expert_cache_hits.inc(sum(len(ids) for ids in out.routed_union.values()))
             return
-        if out.wave_sessions > 1:  # the wave's counters, shared by its answers: counted once, by _run_waves
+        if out.wave_sessions > 1:  # the wave's counters, shared by its answers: counted once, by _one_wave
             return
-        self._observe_cache(st)
-
-    def _observe_cache(self, st) -> None:
-        m = self.metrics
-        m.expert_cache_hits.inc(st.hits)
-        m.expert_cache_misses.inc(st.misses)
-        m.expert_bytes_moved.inc(st.bytes_moved)
-        m.expert_cache_evictions.inc(st.evictions)
-        m.expert_cache_prefetched.inc(st.prefetched)
-        m.expert_cache_prefetch_used.inc(st.prefetch_used)
-        m.expert_cache_wasted_bytes.inc(st.wasted_bytes)
-        m.expert_cache_prefetch_aborted.inc(st.prefetch_aborted)
+        observe_cache(m, st)
 
     async def GetModelInfo(self, request, context):
         await self._ready(context)
