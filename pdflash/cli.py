@@ -61,6 +61,9 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--no-expert-fill-overlap", dest="expert_fill_overlap", action="store_false",
                    help="offloaded experts (device-managed cache): copy a layer's missing experts before any of its GEMMs "
                         "instead of while its resident experts' GEMMs run (the same output either way)")
+    v.add_argument("--prefill-chunk", type=_number, default=0, metavar="TOKENS",
+                   help="prompt tokens one prefill forward takes on the paged KV (0 = the whole prompt): verifies waiting "
+                        "for the device run between a long prompt's chunks; the output is the same either way")
     v.add_argument("--max-wave-sessions", type=_number, default=1, metavar="N",
                    help="multi-session verify waves: the verifies of up to N sessions waiting for the device share one "
                         "forward (on the paged KV, each session's answer bit-identical to its own verify's); 1 = off")
@@ -156,10 +159,11 @@ def _check_stack_args(args) -> None:
     from pdflash.validation import int_violation
 
     flags = {n: "--" + n.replace("_", "-") for n in ("port", "scheduler_port", "verifier_port", "max_crashes",
-                                                      "max_wave_sessions")}
+                                                      "max_wave_sessions", "prefill_chunk")}
     v = [int_violation(n, getattr(args, n), 1, 65535) for n in ("port", "scheduler_port", "verifier_port")]
     if hasattr(args, "max_wave_sessions"):
         v.append(int_violation("max_wave_sessions", args.max_wave_sessions, 1, 1024))
+        v.append(int_violation("prefill_chunk", args.prefill_chunk, 0, 1 << 20))
     if hasattr(args, "max_crashes"):
         v.append(int_violation("max_crashes", args.max_crashes, 1, 1_000_000))
     _check([x for x in v if x is not None], flags)
@@ -227,7 +231,7 @@ def _verifier_args(args) -> list[str]:
     for flag, default in (("device", "auto"), ("dtype", "auto"), ("kernels", "auto"), ("experts", "native"), ("expert_cache_gb", 0.0),
                           ("expert_prefetch", "union,layer"), ("expert_cache_mode", "device"), ("expert_eviction", "lru"),
                           ("expert_arrival_share", 0.5), ("expert_guess_width", 0), ("expert_fill_overlap", True),
-                          ("max_wave_sessions", 1), ("warmup", "auto")):
+                          ("max_wave_sessions", 1), ("prefill_chunk", 0), ("warmup", "auto")):
         value = getattr(args, flag, default)
         if value != default:
             out += _flag(flag, value).split(" ", 1)

@@ -34,7 +34,8 @@ class Served:
         from verifier_svc import server
         from verifier_svc.config import VerifierConfig
 
-        cfg = VerifierConfig(port=0, host="127.0.0.1", device=DEVICE, dtype=DTYPE, metrics_port=-1, max_block_size=8, **options)
+        fields = dict(port=0, host="127.0.0.1", device=DEVICE, dtype=DTYPE, metrics_port=-1, max_block_size=8)
+        cfg = VerifierConfig(**{**fields, **options})
         cfg.validate()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

@@ -341,3 +341,81 @@ def test_calls_waiting_for_a_wave_are_answered_when_the_wave_task_ends(waves_ser
         v.loop.call_soon_threadsafe(servicer._device.release)
     again = v.stub.Verify(_verify_req(pre[0].session_id, 1, [pre[0].first_token]), timeout=30)
     assert again.round == 1
+
+
+# ---- chunked prefill: a long prompt gives the device to waiting verifies between its chunks ----------------------
+
+@needs_interpreter
+@pytest.mark.timeout(600)
+def test_a_chunked_prefill_gives_the_one_go_session_bit_for_bit(paged_core):
+    from verifier_svc.engine import PrefillInput
+
+    core = paged_core
+    prompt = tuple(range(7, 77))  # 70 tokens: chunks of 32, 32 and 6, across a KV page
+
+    def start(chunk: int, tag: str):
+        core.prefill_chunk = chunk
+        try:
+            return core.prefill(PrefillInput(tag, prompt, SamplingParams(), 20, feature_layer_ids=(0, 1), logprobs=True,
+                                             top_logprobs=3))
+        finally:
+            core.prefill_chunk = 0
+
+    whole, chunked = start(0, "whole"), start(32, "chunked")
+    assert chunked.forward_ms > 0 and _answer(chunked)[:-2] == _answer(whole)[:-2]  # tokens, logprobs, features, ...
+    assert chunked.routed_union == whole.routed_union and chunked.routed_bytes == whole.routed_bytes
+    outs = [core.verify(DraftResult(o.session_id, 1, (o.tokens[0], 9, 10, 11), {}, 0)) for o in (whole, chunked)]
+    assert _answer(outs[0]) == _answer(outs[1])  # and the KV it left: the next round's bits
+    for o in (whole, chunked):
+        core.end(o.session_id)
+    free = core.pool.free_pages
+    core.prefill_chunk = 32
+    try:
+        job = core.start_prefill(PrefillInput("left", prompt, SamplingParams(), 20))
+    finally:
+        core.prefill_chunk = 0
+    assert job.steps == 3 and not job.step() and core.pool.free_pages < free
+    job.close()  # its caller left between two chunks: the pages go back
+    assert core.pool.free_pages == free and len(core.sessions) == 0
+
+
+@needs_interpreter
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_verifies_waiting_for_the_device_run_between_a_prompts_chunks(tiny, monkeypatch):
+    import asyncio
+    import time
+
+    from pdflash.v1 import verifier_pb2
+    from tests.test_prefetch import Served
+    from verifier_svc import servicer as servicer_mod
+
+    v = Served(model=str(tiny.target("qwen3_moe")), dtype="bfloat16", kernels="on", paged_kv="on", kv_cache_gb=0.01,
+               prefill_chunk=16)
+    try:
+        servicer, core = v.running.servicer, v.running.core
+        assert core.pool is not None and core.prefill_chunk == 16
+        events = []
+        step = servicer_mod._prefill_step
+        monkeypatch.setattr(servicer_mod, "_prefill_step", lambda job: events.append("chunk") or step(job))
+        verify = core.verify
+        monkeypatch.setattr(core, "verify", lambda *a, **k: events.append("verify") or verify(*a, **k))
+        other = v.stub.Prefill(verifier_pb2.PrefillRequest(prompt_tokens=[5, 6, 7], max_tokens=8, ignore_eos=True),
+                               timeout=120)
+        events.clear()
+        asyncio.run_coroutine_threadsafe(servicer._device.acquire(), v.loop).result(timeout=10)
+        try:
+            long = v.stub.Prefill.future(verifier_pb2.PrefillRequest(prompt_tokens=list(range(9, 49)), max_tokens=8,
+                                                                     ignore_eos=True), timeout=300)
+            deadline = time.time() + 60
+            while servicer._pending < 1 and time.time() < deadline:  # its first chunk waits for the device
+                time.sleep(0.01)
+            call = v.stub.Verify.future(_verify_req(other.session_id, 1, [other.first_token]), timeout=300)
+            while servicer._pending < 2 and time.time() < deadline:
+                time.sleep(0.01)
+        finally:
+            v.loop.call_soon_threadsafe(servicer._device.release)
+        assert call.result().round == 1 and long.result().session_id
+        assert events == ["chunk", "verify", "chunk", "chunk"]  # 40 tokens: 16 + 16 + 8, the verify after the first
+    finally:
+        v.stop()

@@ -35,6 +35,7 @@ class VerifierConfig(ServerOptions):
     max_sessions: int = option(64, "sessions held at once; beyond it Prefill answers RESOURCE_EXHAUSTED")
     session_ttl_s: float = option(120.0, "an idle session is ended after this many seconds")
     max_block_size: int = option(32, "largest verify block (anchor + drafts)")
+    prefill_chunk: int = option(0, "prompt tokens one prefill forward takes on the paged KV (0 = the whole prompt at once): between a long prompt's chunks the verifies waiting for the device run, so sessions already decoding are not stalled behind it; the session is bit-identical either way")
     max_wave_sessions: int = option(1, "multi-session verify waves: the Verify calls of up to this many sessions that wait for the device share one forward (on the paged KV: one ragged forward, each session's answer bit-identical to a verify of its own; on transformers' cache: one after another); 1 = each verify its own forward")
     max_tokens_limit: int = option(4096, "largest max_tokens a request may ask for")
     max_pending: int = option(128, "Prefill/Verify calls waiting for the device at once; beyond it RESOURCE_EXHAUSTED with a retry delay")
@@ -132,6 +133,8 @@ class VerifierConfig(ServerOptions):
             raise ConfigError(f"--inline-verify {self.inline_verify!r}: choose auto, on or off")
         if self.torch_threads < 0:
             raise ConfigError(f"--torch-threads {self.torch_threads}: must be >= 0 (0 = torch's default)")
+        if self.prefill_chunk < 0:
+            raise ConfigError(f"--prefill-chunk {self.prefill_chunk}: must be >= 0 (0 = the whole prompt in one forward)")
         if self.prefill_threads < 0:
             raise ConfigError(f"--prefill-threads {self.prefill_threads}: must be >= 0 (0 = as --torch-threads)")
         for name in ("max_sessions", "max_block_size", "max_tokens_limit", "max_pending", "max_wave_sessions"):

@@ -113,8 +113,12 @@ class VerifierCore:
         prefill_threads: int = 0,
         paged_kv: PagedKVOptions | None = None,
         max_wave_sessions: int = 1,
+        prefill_chunk: int = 0,
     ):
         self.target = target
+        # prompt tokens a prefill forward takes at a time on the paged KV (0 = the whole prompt): between chunks the
+        # server runs the verifies waiting for the device, so a long prompt does not stall the sessions already decoding
+        self.prefill_chunk = max(0, int(prefill_chunk))
         # sessions whose verifies may share one forward (`verify_wave`; the servicer gathers them): 1 = one at a time
         self.max_wave_sessions = max(1, int(max_wave_sessions))
         self.sessions = SessionStore(max_sessions, idle_ttl_s)
@@ -336,6 +340,21 @@ class VerifierCore:
 
     # ---- API --------------------------------------------------------------------------------------
     def prefill(self, req: PrefillInput) -> StepOutput:
+        """Prefill a prompt in one go (its chunks one after another, `prefill_chunk`)."""
+        job = self.start_prefill(req)
+        try:
+            while not job.step():
+                pass
+        except BaseException:
+            job.close()
+            raise
+        return job.finish()
+
+    def start_prefill(self, req: PrefillInput) -> "PrefillJob":
+        """A prefill to run chunk by chunk (`PrefillJob.step` until it returns True, then `finish`): the server gives the
+        device to waiting verifies between chunks. Chunks of `prefill_chunk` tokens on the paged KV (each row's keys and
+        hidden states are the same whatever rows share its forward, so the session is bit-identical to a one-go
+        prefill's); one chunk otherwise."""
         self.validate_prefill(req)
         self.sessions.check_capacity()
         t = self.target
@@ -367,56 +386,8 @@ class VerifierCore:
             kv=kv,
             top_logprobs=req.top_logprobs if req.logprobs else None,
         )
-        cache = t.expert_cache
-        before = dataclasses.replace(cache.stats) if cache is not None else None
-        if cache is not None:
-            cache.begin({})  # a prompt has no projection: forget the last verify's
-        try:
-            with self._prefill_threads():
-                logits, feats, union, fwd_ms = self._forward(s, list(req.prompt), bool(req.feature_layer_ids), last_logits_only=True)
-        except BaseException:
-            s.close()
-            raise
-        if s.kv is None:
-            # crop(0): sliding-window layers keep only their window. With past recording on (for rollback), a layer holds
-            # every state until its next crop, and transformers 5.17 hands all of them to the next forward, past its mask
-            # (verify crops after every forward; a prompt must too).
-            s.cache.crop(0)
-        t0 = time.perf_counter()
-        if req.sampling.penalized:
-            s.penalties = Penalties(req.sampling, list(req.prompt), logits.shape[-1], logits.device)
-        _, first = self._pick(s, [], logits[-1:])
-        s.committed = len(req.prompt)
-        s.anchor = first
-        emitted = self._emit(s, [first])
-        if s.penalties is not None:
-            s.penalties.emitted(emitted)
-        lps, tops = self._logprobs(s, logits[-1:], emitted)
-        acc_ms = (time.perf_counter() - t0) * 1e3
-        if s.finished is None:
-            try:
-                self.sessions.add(s)
-            except BaseException:
-                s.close()
-                raise
-        else:
-            s.close()
-        return StepOutput(
-            session_id=s.session_id if s.finished is None else "",
-            round=0,
-            tokens=emitted,
-            num_accepted=0,
-            committed=s.committed,
-            finished=s.finished,
-            features=feats.cpu().numpy() if feats is not None else None,
-            routed_union=union,
-            routed_bytes=union_bytes(union, t.byte_map),
-            forward_ms=fwd_ms,
-            accept_ms=acc_ms,
-            expert_cache=cache.stats.minus(before) if cache is not None else None,
-            logprobs=lps,
-            top_logprobs=tops,
-        )
+        chunk = self.prefill_chunk if s.kv is not None and self.prefill_chunk > 0 else len(req.prompt)
+        return PrefillJob(self, req, s, chunk)
 
     def _prepare(self, draft: DraftResult, return_features: bool):
         """A verify's checks and its block: (session, block, whether it returns features), or the StepOutput of a
@@ -599,6 +570,98 @@ class VerifierCore:
 
     def end(self, session_id: str) -> bool:
         return self.sessions.end(session_id)
+
+
+class PrefillJob:
+    """One prompt's prefill, a chunk a `step` (VerifierCore.start_prefill). Each step is one forward of the next chunk
+    on top of the session's KV (its expert-cache counters its own: a verify wave may run between two steps); `finish`
+    picks the first token from the last chunk's last logits and adds the session. `close` frees what an unfinished
+    job holds (a caller that left between chunks)."""
+
+    def __init__(self, core: VerifierCore, req: PrefillInput, s: Session, chunk: int):
+        self.core, self.req, self.s, self.chunk = core, req, s, max(1, chunk)
+        self.done = 0  # prompt tokens in the KV so far
+        self.logits = None
+        self.feats: list[torch.Tensor] = []
+        self.unions: list[ExpertUnion] = []
+        self.forward_ms = 0.0
+        self.stats = None  # the steps' expert-cache counters, summed
+        self.steps = -(-len(req.prompt) // self.chunk)
+
+    def step(self) -> bool:
+        """Run the next chunk; True once the whole prompt is in the KV."""
+        core, s = self.core, self.s
+        cache = core.target.expert_cache
+        before = dataclasses.replace(cache.stats) if cache is not None else None
+        if cache is not None:
+            cache.begin({})  # a prompt has no projection: forget the last verify's
+        ids = list(self.req.prompt[self.done : self.done + self.chunk])
+        with core._prefill_threads():
+            self.logits, feats, union, ms = core._forward(s, ids, bool(self.req.feature_layer_ids), last_logits_only=True)
+        if s.kv is None:
+            # crop(0): sliding-window layers keep only their window. With past recording on (for rollback), a layer holds
+            # every state until its next crop, and transformers 5.17 hands all of them to the next forward, past its mask
+            # (verify crops after every forward; a prompt must too).
+            s.cache.crop(0)
+        self.done += len(ids)
+        s.committed = self.done  # the next chunk's positions start here
+        if feats is not None:
+            self.feats.append(feats)
+        self.unions.append(union)
+        self.forward_ms += ms
+        if cache is not None:
+            mine = cache.stats.minus(before)
+            self.stats = mine if self.stats is None else self.stats.plus(mine)
+        return self.done >= len(self.req.prompt)
+
+    def close(self) -> None:
+        self.s.close()
+
+    def finish(self) -> StepOutput:
+        core, s, req = self.core, self.s, self.req
+        t = core.target
+        logits = self.logits
+        t0 = time.perf_counter()
+        if req.sampling.penalized:
+            s.penalties = Penalties(req.sampling, list(req.prompt), logits.shape[-1], logits.device)
+        _, first = core._pick(s, [], logits[-1:])
+        s.committed = len(req.prompt)
+        s.anchor = first
+        emitted = core._emit(s, [first])
+        if s.penalties is not None:
+            s.penalties.emitted(emitted)
+        lps, tops = core._logprobs(s, logits[-1:], emitted)
+        acc_ms = (time.perf_counter() - t0) * 1e3
+        if s.finished is None:
+            try:
+                core.sessions.add(s)
+            except BaseException:
+                s.close()
+                raise
+        else:
+            s.close()
+        union: dict[int, set[int]] = {}
+        for u in self.unions:
+            for layer, ids in u.items():
+                union.setdefault(layer, set()).update(ids)
+        routed = {layer: frozenset(ids) for layer, ids in sorted(union.items())} if len(self.unions) > 1 else self.unions[0]
+        feats = torch.cat(self.feats) if len(self.feats) > 1 else (self.feats[0] if self.feats else None)
+        return StepOutput(
+            session_id=s.session_id if s.finished is None else "",
+            round=0,
+            tokens=emitted,
+            num_accepted=0,
+            committed=s.committed,
+            finished=s.finished,
+            features=feats.cpu().numpy() if feats is not None else None,
+            routed_union=routed,
+            routed_bytes=union_bytes(routed, t.byte_map),
+            forward_ms=self.forward_ms,
+            accept_ms=acc_ms,
+            expert_cache=self.stats,
+            logprobs=lps,
+            top_logprobs=tops,
+        )
 
 
 def _ranges(ids: list[int]) -> str:

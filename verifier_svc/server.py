@@ -83,7 +83,7 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         core = await torch_thread.run(VerifierCore, target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size,
                                       cfg.max_tokens_limit, prefill_threads=prefill_threads,
                                       paged_kv=PagedKVOptions(cfg.paged_kv, cfg.kv_cache_gb, cfg.cuda_graphs),
-                                      max_wave_sessions=cfg.max_wave_sessions)
+                                      max_wave_sessions=cfg.max_wave_sessions, prefill_chunk=cfg.prefill_chunk)
         if cfg.verify_inline(target.device.type, threads):  # threads: the verify forwards' count in effect
             if target.device.type == "cpu":
                 torch.set_num_threads(threads)  # OpenMP's thread count is per thread: this one's, as the torch thread's
@@ -116,6 +116,8 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
                       else f"up to {core.max_wave_sessions} sessions, one forward after another" if core.max_wave_sessions > 1
                       else "off"),
         warmup_seconds=round(core.warmup_seconds, 2),
+        prefill_chunk=(f"{core.prefill_chunk} tokens" if core.prefill_chunk and core.pool is not None else
+                       "the whole prompt" + (" (chunks need the paged KV)" if core.prefill_chunk else "")),
     )
     return RunningVerifier(host, core, port, asyncio.create_task(_sweep(core)), metrics_server, servicer, metrics)
 

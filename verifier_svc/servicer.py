@@ -48,6 +48,11 @@ def model_kernels_json(kernels: dict, forward: dict) -> str:
     info = {**kernels, **({"forward": forward} if forward else {})}
     return json.dumps(info, sort_keys=True) if info else ""
 
+def _prefill_step(job):
+    """A prefill's next chunk on the torch thread; its answer once that was the last chunk, else None."""
+    return job.finish() if job.step() else None
+
+
 def observe_cache(m, st) -> None:
     """One forward's expert-cache counters (CacheStats) into the pdflash_expert_cache_* series."""
     m.expert_cache_hits.inc(st.hits)
@@ -102,12 +107,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await abort_with(context, Unavailable("verifier is still loading its model; retry when health is SERVING"))
         return self.core
 
-    async def _run(self, fn, *args, on_abandoned=None, inline: bool = False):
+    async def _run(self, fn, *args, on_abandoned=None, inline: bool = False, admitted: bool = False):
         """fn(*args) on a worker thread, one at a time. on_abandoned(result): called when the caller left
         while fn ran (cancel, deadline) and fn still succeeded, to undo what nobody will hear about.
         inline: call fn on this (the event loop's) thread instead, still one at a time; nothing can
-        interrupt it there, so nobody leaves while it runs."""
-        self._admit_pending()
+        interrupt it there, so nobody leaves while it runs. admitted: a call already under way (a prefill's next
+        chunk) is not refused for the queue's length."""
+        if not admitted:
+            self._admit_pending()
         self._pending += 1
         try:
             t0 = time.perf_counter()
@@ -297,7 +304,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
             self.core.validate_prefill(req)
             # A session whose id never reached the caller would hold its KV until the idle timeout.
-            out, queued = await self._run(self.core.prefill, req, on_abandoned=lambda o: self.core.end(o.session_id))
+            out, queued = await self._prefill(req)
             left = context.time_remaining()
             if left is not None and left <= 0 and out.session_id:  # the caller has given up: nobody would end it
                 self.core.end(out.session_id)
@@ -320,6 +327,27 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             logprobs=out.logprobs or (),
             top_logprobs=convert.top_logprobs_to_pb(out.top_logprobs),
         )
+
+    async def _prefill(self, req: PrefillInput) -> tuple[StepOutput, float]:
+        """The prompt's forwards, a device turn a chunk (VerifierCore.start_prefill): verifies waiting for the device run
+        between two chunks. A caller that leaves between chunks frees the session's pages; one that leaves during the
+        last chunk gets its session ended. Returns (the answer, ms spent waiting for the device)."""
+        job = await torch_thread.run(self.core.start_prefill, req)  # (its checks, and the session's device state)
+        waited = 0.0
+        try:
+            for i in range(job.steps):
+                out, queued = await self._run(_prefill_step, job, on_abandoned=self._end_prefilled, admitted=i > 0)
+                waited += queued
+                if out is not None:
+                    return out, waited
+            raise RuntimeError("prefill ended before its last chunk")  # (steps counts the chunks: unreachable)
+        except BaseException:
+            job.close()  # (a no-op once the session went to the store: its end is on_abandoned's)
+            raise
+
+    def _end_prefilled(self, out) -> None:
+        if out is not None:
+            self.core.end(out.session_id)
 
     async def _verify(self, request) -> verifier_pb2.VerifyResult:
         """One VerifyRequest -> its VerifyResult (Verify and VerifyStream); raises PdflashError."""
