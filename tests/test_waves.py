@@ -297,6 +297,17 @@ def test_up_passes_the_wave_size_to_the_verifier_and_the_verifier_checks_it():
     assert VerifierConfig().max_wave_sessions == 1
     with pytest.raises(ConfigError, match="--max-wave-sessions must be >= 1"):
         VerifierConfig(max_wave_sessions=0).validate()
+    spec = _spec(build_parser().parse_args(["up", "--prefill-chunk", "256"]))
+    assert spec.verifier_args[-2:] == ["--prefill-chunk", "256"] and VerifierConfig().prefill_chunk == 0
+    with pytest.raises(ConfigError, match="--prefill-chunk -1: must be >= 0"):
+        VerifierConfig(prefill_chunk=-1).validate()
+
+
+def test_up_refuses_a_prefill_chunk_that_is_not_a_count(capsys):
+    from pdflash import cli
+
+    assert cli.main(["up", "--prefill-chunk", "-5"]) == 2
+    assert "--prefill-chunk" in capsys.readouterr().err
 
 
 def test_the_warm_up_runs_one_wave_per_wave_graph_bucket():
