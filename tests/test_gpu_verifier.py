@@ -177,6 +177,20 @@ def test_waves_equal_their_solo_runs(core, graphs):
     assert not graphs or any(k[0] == "wave" for k in core.graphs._graphs), "no wave graph was captured"
 
 
+def test_a_chunked_prefill_decodes_as_the_one_go_prefill(core):
+    """--prefill-chunk on CUDA at real shapes: prompts prefilled 16 tokens a forward (the last chunk shorter) decode
+    token for token as after a one-go prefill."""
+    vocab = core.target.vocab_size
+    prompts = _prompts(vocab, 2)
+    whole = [_run(core, p, _no_drafts) for p in prompts]
+    core.prefill_chunk = 16
+    try:
+        chunked = [_run(core, p, _replay(whole[i], 4, vocab), width=8) for i, p in enumerate(prompts)]
+    finally:
+        core.prefill_chunk = 0
+    assert chunked == whole
+
+
 def test_a_dropped_second_core_leaves_the_targets_own_forward_bits(core):
     """A second VerifierCore on the same target (the warm-up test's, a benchmark's), built and dropped, changes nothing
     of the first: the target's own forward gives the same logits bits before and after. Stop 45: the second runner's
