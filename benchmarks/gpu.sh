@@ -56,7 +56,7 @@ if [[ " $STEPS " == *" confirm "* ]]; then  # stop 45's open item: the gpt_oss s
 fi
 if [[ " $STEPS " == *" waves "* ]]; then  # stop 46: multi-session verify waves, never run on a GPU yet (not in `all`)
   timeout ${WAVES_TESTS_S:-300} python3 -m pytest -v -rfE --tb=short -p no:cacheprovider --timeout=280 \
-    tests/test_kernels.py tests/test_gpu_verifier.py tests/test_offload_gpu.py -k "ragged or waves or chunked" > "$OUT/waves_tests.txt" 2>&1
+    tests/test_kernels_gpu.py tests/test_gpu_verifier.py tests/test_offload_gpu.py -k "ragged or waves or chunked" > "$OUT/waves_tests.txt" 2>&1
   rc=$?; grep -E "PASSED|FAILED|ERROR|^E " "$OUT/waves_tests.txt" | head -20; echo "waves tests: exit $rc" | tee -a "$OUT/waves_tests.txt"
   timeout ${WAVES_S:-240} python3 benchmarks/waves.py --out "$OUT" ${WAVES_ARGS:-} > "$OUT/waves.txt" 2>&1
   rc=$?; tail -16 "$OUT/waves.txt"; echo "waves bench: exit $rc" | tee -a "$OUT/waves.txt"

@@ -538,6 +538,52 @@ def test_split_kv_attention_has_one_program_bits_at_long_contexts(hq, hkv, d, wi
         assert torch.equal(alone[:, 0], one[:, i]), i
 
 
+@pytest.mark.parametrize("hq,hkv,d,window,sinks", [(32, 4, 128, None, False), (64, 8, 64, 128, True)])
+def test_ragged_attention_gives_each_sequence_its_own_calls_bits(hq, hkv, d, window, sinks):
+    """A multi-session wave's attention compiled for the GPU: five sequences (contexts 7 to 3000 positions, 0 to 32
+    query rows, one empty) in one launch give each sequence the bits of a call of its own, for any program count and
+    replayed from a CUDA graph; the rows past the last sequence stay zero."""
+    from pdflash_kernels.attention import PAGE, paged_attention
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    lengths, rows = [3000, 7, 700, 300, 64], [32, 1, 0, 16, 5]
+    n_pages = sum(-(-n // PAGE) for n in lengths) + 4
+    kp = torch.randn(n_pages, hkv, PAGE, d, generator=g, device=DEV).bfloat16()
+    vp = torch.randn(n_pages, hkv, PAGE, d, generator=g, device=DEV).bfloat16()
+    order = torch.randperm(n_pages, device=DEV).tolist()
+    table = torch.zeros(len(lengths), max(-(-n // PAGE) for n in lengths) + 8, dtype=torch.int32, device=DEV)
+    for b, n in enumerate(lengths):
+        for i in range(-(-n // PAGE)):
+            table[b, i] = order.pop()
+    total = sum(rows) + 6  # 6 rows of a padded wave's tail
+    q = torch.randn(1, hq, total, d, generator=g, device=DEV).bfloat16()
+    pos = torch.zeros(1, total, dtype=torch.long, device=DEV)
+    starts = [0]
+    for n, r in zip(lengths, rows):
+        pos[0, starts[-1] : starts[-1] + r] = torch.arange(n - r, n, device=DEV)
+        starts.append(starts[-1] + r)
+    cu = torch.tensor(starts, dtype=torch.int32, device=DEV)
+    sk = torch.randn(hq, generator=g, device=DEV) if sinks else None
+    run = lambda progs: paged_attention(q, kp, vp, table, pos, d**-0.5, window, sk, programs=progs,  # noqa: E731
+                                        seq_starts=cu, max_rows=32)
+    out = run(1)
+    for progs in (2, 16, None, 16):
+        assert torch.equal(run(progs), out), progs
+    for b, r in enumerate(rows):
+        if r:
+            a, e = starts[b], starts[b + 1]
+            alone = paged_attention(q[:, :, a:e], kp, vp, table[b : b + 1], pos[:, a:e], d**-0.5, window, sk)
+            assert torch.equal(out[:, a:e], alone), b
+    assert not out[:, starts[-1] :].any()
+    run(None)  # (the workspace and counters made outside the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(None)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
+
+
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "gpt-oss-20b"])
 @pytest.mark.parametrize("fp4", [False, True])
 def test_fused_combine_gives_the_separate_combines_bits_also_replayed_in_a_graph(model, fp4, monkeypatch):
