@@ -332,6 +332,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """The prompt's forwards, a device turn a chunk (VerifierCore.start_prefill): verifies waiting for the device run
         between two chunks. A caller that leaves between chunks frees the session's pages; one that leaves during the
         last chunk gets its session ended. Returns (the answer, ms spent waiting for the device)."""
+        if getattr(self.core, "prefill_chunk", 0) <= 0:  # the whole prompt in one device turn
+            return await self._run(self.core.prefill, req, on_abandoned=lambda o: self.core.end(o.session_id))
         job = await torch_thread.run(self.core.start_prefill, req)  # (its checks, and the session's device state)
         waited = 0.0
         try:
