@@ -386,8 +386,21 @@ def test_a_chunked_prefill_gives_the_one_go_session_bit_for_bit(paged_core):
     finally:
         core.prefill_chunk = 0
     assert job.steps == 3 and not job.step() and core.pool.free_pages < free
-    job.close()  # its caller left between two chunks: the pages go back
-    assert core.pool.free_pages == free and len(core.sessions) == 0
+    # a prefill under way counts against max_sessions, though its session is not in the store yet
+    from pdflash.errors import ResourceExhausted
+
+    cap = core.sessions.max_sessions
+    core.sessions.max_sessions = 1
+    try:
+        with pytest.raises(ResourceExhausted, match="maximum of 1 sessions"):
+            core.start_prefill(PrefillInput("second", prompt, SamplingParams(), 20))
+        job.close()  # its caller left between two chunks: the pages go back, the count too
+        job.close()  # (twice: nothing more)
+        assert core.pool.free_pages == free and len(core.sessions) == 0 and core._prefilling == 0
+        core.start_prefill(PrefillInput("second", prompt, SamplingParams(), 20)).close()
+    finally:
+        core.sessions.max_sessions = cap
+    assert core._prefilling == 0 and core.pool.free_pages == free
 
 
 @needs_interpreter

@@ -119,6 +119,7 @@ class VerifierCore:
         # prompt tokens a prefill forward takes at a time on the paged KV (0 = the whole prompt): between chunks the
         # server runs the verifies waiting for the device, so a long prompt does not stall the sessions already decoding
         self.prefill_chunk = max(0, int(prefill_chunk))
+        self._prefilling = 0  # PrefillJobs started and not yet finished or closed
         # sessions whose verifies may share one forward (`verify_wave`; the servicer gathers them): 1 = one at a time
         self.max_wave_sessions = max(1, int(max_wave_sessions))
         self.sessions = SessionStore(max_sessions, idle_ttl_s)
@@ -345,10 +346,10 @@ class VerifierCore:
         try:
             while not job.step():
                 pass
+            return job.finish()
         except BaseException:
             job.close()
             raise
-        return job.finish()
 
     def start_prefill(self, req: PrefillInput) -> "PrefillJob":
         """A prefill to run chunk by chunk (`PrefillJob.step` until it returns True, then `finish`): the server gives the
@@ -356,7 +357,7 @@ class VerifierCore:
         hidden states are the same whatever rows share its forward, so the session is bit-identical to a one-go
         prefill's); one chunk otherwise."""
         self.validate_prefill(req)
-        self.sessions.check_capacity()
+        self.sessions.check_capacity(self._prefilling)
         t = self.target
         stop = set(req.stop_token_ids)
         if not req.ignore_eos:
@@ -386,8 +387,16 @@ class VerifierCore:
             kv=kv,
             top_logprobs=req.top_logprobs if req.logprobs else None,
         )
-        chunk = self.prefill_chunk if s.kv is not None and self.prefill_chunk > 0 else len(req.prompt)
+        chunk = self.prefill_chunk if self.chunked_prefill else len(req.prompt)
+        self._prefilling += 1  # (until the job finishes or closes: it counts against max_sessions meanwhile)
         return PrefillJob(self, req, s, chunk)
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether prompts are prefilled `prefill_chunk` tokens a forward: on the paged KV, where cos/sin are a position
+        table (a RoPE that rescales with the longest position in the call, such as "longrope" past its original
+        length, would give a chunk's rows other frequencies than a one-go prefill)."""
+        return self.prefill_chunk > 0 and self.runner is not None and self.runner.rope is not None
 
     def _prepare(self, draft: DraftResult, return_features: bool):
         """A verify's checks and its block: (session, block, whether it returns features), or the StepOutput of a
@@ -587,6 +596,8 @@ class PrefillJob:
         self.forward_ms = 0.0
         self.stats = None  # the steps' expert-cache counters, summed
         self.steps = -(-len(req.prompt) // self.chunk)
+        self.released = False  # no longer counted in core._prefilling
+        self.added = False  # the session went to the store (finish)
 
     def step(self) -> bool:
         """Run the next chunk; True once the whole prompt is in the KV."""
@@ -615,7 +626,16 @@ class PrefillJob:
         return self.done >= len(self.req.prompt)
 
     def close(self) -> None:
-        self.s.close()
+        """Free what the job holds (its session's pages) and stop counting it; after `finish` added the session to the
+        store, its end is the store's (a no-op here)."""
+        self._release()
+        if not self.added:
+            self.s.close()
+
+    def _release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.core._prefilling -= 1
 
     def finish(self) -> StepOutput:
         core, s, req = self.core, self.s, self.req
@@ -632,20 +652,23 @@ class PrefillJob:
             s.penalties.emitted(emitted)
         lps, tops = core._logprobs(s, logits[-1:], emitted)
         acc_ms = (time.perf_counter() - t0) * 1e3
-        if s.finished is None:
-            try:
-                core.sessions.add(s)
-            except BaseException:
-                s.close()
-                raise
-        else:
-            s.close()
         union: dict[int, set[int]] = {}
         for u in self.unions:
             for layer, ids in u.items():
                 union.setdefault(layer, set()).update(ids)
         routed = {layer: frozenset(ids) for layer, ids in sorted(union.items())} if len(self.unions) > 1 else self.unions[0]
         feats = torch.cat(self.feats) if len(self.feats) > 1 else (self.feats[0] if self.feats else None)
+        feats = feats.cpu().numpy() if feats is not None else None
+        self._release()
+        if s.finished is None:  # last: nothing after it can fail, so a session in the store is one its caller hears of
+            try:
+                core.sessions.add(s)
+            except BaseException:
+                s.close()
+                raise
+            self.added = True
+        else:
+            s.close()
         return StepOutput(
             session_id=s.session_id if s.finished is None else "",
             round=0,
@@ -653,7 +676,7 @@ class PrefillJob:
             num_accepted=0,
             committed=s.committed,
             finished=s.finished,
-            features=feats.cpu().numpy() if feats is not None else None,
+            features=feats,
             routed_union=routed,
             routed_bytes=union_bytes(routed, t.byte_map),
             forward_ms=self.forward_ms,

@@ -116,8 +116,8 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
                       else f"up to {core.max_wave_sessions} sessions, one forward after another" if core.max_wave_sessions > 1
                       else "off"),
         warmup_seconds=round(core.warmup_seconds, 2),
-        prefill_chunk=(f"{core.prefill_chunk} tokens" if core.prefill_chunk and core.pool is not None else
-                       "the whole prompt" + (" (chunks need the paged KV)" if core.prefill_chunk else "")),
+        prefill_chunk=(f"{core.prefill_chunk} tokens" if core.chunked_prefill else
+                       "the whole prompt" + (" (chunks need the paged KV and a position-table RoPE)" if core.prefill_chunk else "")),
     )
     return RunningVerifier(host, core, port, asyncio.create_task(_sweep(core)), metrics_server, servicer, metrics)
 

@@ -101,6 +101,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # runs waves while any wait (`_run_waves`)
         self._waiting: list[_Waiting] = []
         self._waves: asyncio.Task | None = None
+        self._prefill_gate = asyncio.Lock()  # one chunked prefill at a time (`_prefill`)
 
     async def _ready(self, context) -> VerifierCore:
         if self.core is None:
@@ -332,20 +333,29 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """The prompt's forwards, a device turn a chunk (VerifierCore.start_prefill): verifies waiting for the device run
         between two chunks. A caller that leaves between chunks frees the session's pages; one that leaves during the
         last chunk gets its session ended. Returns (the answer, ms spent waiting for the device)."""
-        if getattr(self.core, "prefill_chunk", 0) <= 0:  # the whole prompt in one device turn
+        if not getattr(self.core, "chunked_prefill", False):  # the whole prompt in one device turn
             return await self._run(self.core.prefill, req, on_abandoned=lambda o: self.core.end(o.session_id))
-        job = await torch_thread.run(self.core.start_prefill, req)  # (its checks, and the session's device state)
-        waited = 0.0
-        try:
-            for i in range(job.steps):
-                out, queued = await self._run(_prefill_step, job, on_abandoned=self._end_prefilled, admitted=i > 0)
-                waited += queued
-                if out is not None:
-                    return out, waited
-            raise RuntimeError("prefill ended before its last chunk")  # (steps counts the chunks: unreachable)
-        except BaseException:
-            job.close()  # (a no-op once the session went to the store: its end is on_abandoned's)
-            raise
+        t0 = time.perf_counter()
+        # Prompts take turns with verifies, not with each other: one chunked prefill at a time, so two long prompts do
+        # not each hold half their pages (and their first tokens) until both are done.
+        async with self._prefill_gate:
+            waited = (time.perf_counter() - t0) * 1e3
+            made = torch_thread.submit(self.core.start_prefill, req)  # (its checks, the session's device state)
+            try:
+                job = await asyncio.shield(made)
+            except asyncio.CancelledError:
+                made.add_done_callback(lambda f: f.exception() is None and f.result().close())  # (whenever it is made)
+                raise
+            try:
+                for i in range(job.steps):
+                    out, queued = await self._run(_prefill_step, job, on_abandoned=self._end_prefilled, admitted=i > 0)
+                    waited += queued
+                    if out is not None:
+                        return out, waited
+                raise RuntimeError("prefill ended before its last chunk")  # (steps counts the chunks: unreachable)
+            except BaseException:
+                job.close()  # (after its last chunk the session is the store's: its end is on_abandoned's)
+                raise
 
     def _end_prefilled(self, out) -> None:
         if out is not None:

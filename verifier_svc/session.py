@@ -59,8 +59,9 @@ class SessionStore:
     def new_id(self) -> str:
         return uuid.uuid4().hex
 
-    def check_capacity(self) -> None:
-        if len(self._sessions) >= self.max_sessions:
+    def check_capacity(self, starting: int = 0) -> None:
+        """`starting`: sessions whose prefill is under way (chunked prefills: not in the store until their last chunk)."""
+        if len(self._sessions) + starting >= self.max_sessions:
             raise ResourceExhausted(
                 f"verifier holds its maximum of {self.max_sessions} sessions; retry shortly", retry_after_s=1.0
             )
