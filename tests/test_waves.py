@@ -251,6 +251,7 @@ def test_the_servicer_gathers_waiting_verifies_into_one_wave(waves_served):
     strip = lambda r: (r.accepted_tokens, r.num_accepted_drafts, r.committed_tokens, r.routed_union)  # noqa: E731
     assert [strip(r) for r in together] == [strip(r) for r in alone]
     assert all(r.timings.queue_ms > 0 for r in together)
+    assert all(r.wave_sessions == 1 for r in together)  # (transformers' cache: each verify its own forward, in one turn)
 
     # a wave's item that fails is refused alone: a wrong round beside a good call
     bad = v.stub.Verify.future(_verify_req(sids[0], 5, [together[0].accepted_tokens[-1]]), timeout=30)
@@ -415,15 +416,15 @@ def test_verifies_waiting_for_the_device_run_between_a_prompts_chunks(tiny, monk
     from verifier_svc import servicer as servicer_mod
 
     v = Served(model=str(tiny.target("qwen3_moe")), dtype="bfloat16", kernels="on", paged_kv="on", kv_cache_gb=0.01,
-               prefill_chunk=16)
+               prefill_chunk=16, max_wave_sessions=2)
     try:
         servicer, core = v.running.servicer, v.running.core
-        assert core.pool is not None and core.prefill_chunk == 16
+        assert core.pool is not None and core.prefill_chunk == 16 and core.chunked_prefill and core.wave_forward
         events = []
         step = servicer_mod._prefill_step
         monkeypatch.setattr(servicer_mod, "_prefill_step", lambda job: events.append("chunk") or step(job))
-        verify = core.verify
-        monkeypatch.setattr(core, "verify", lambda *a, **k: events.append("verify") or verify(*a, **k))
+        wave = core.verify_wave
+        monkeypatch.setattr(core, "verify_wave", lambda *a, **k: events.append("verify") or wave(*a, **k))
         other = v.stub.Prefill(verifier_pb2.PrefillRequest(prompt_tokens=[5, 6, 7], max_tokens=8, ignore_eos=True),
                                timeout=120)
         events.clear()
@@ -439,7 +440,19 @@ def test_verifies_waiting_for_the_device_run_between_a_prompts_chunks(tiny, monk
                 time.sleep(0.01)
         finally:
             v.loop.call_soon_threadsafe(servicer._device.release)
-        assert call.result().round == 1 and long.result().session_id
+        first, long = call.result(), long.result()
+        assert first.round == 1 and first.wave_sessions == 1 and long.session_id
         assert events == ["chunk", "verify", "chunk", "chunk"]  # 40 tokens: 16 + 16 + 8, the verify after the first
+        # the two sessions' next rounds, sent while the device is busy, share one ragged forward: the answer says so
+        asyncio.run_coroutine_threadsafe(servicer._device.acquire(), v.loop).result(timeout=10)
+        try:
+            calls = [v.stub.Verify.future(_verify_req(sid, r, [tok, 9, 10]), timeout=300)
+                     for sid, r, tok in ((other.session_id, 2, first.accepted_tokens[-1]), (long.session_id, 1, long.first_token))]
+            while len(servicer._waiting) < 2 and time.time() < deadline + 60:
+                time.sleep(0.01)
+        finally:
+            v.loop.call_soon_threadsafe(servicer._device.release)
+        assert [c.result().wave_sessions for c in calls] == [2, 2]
+        assert calls[0].result().timings.forward_ms == calls[1].result().timings.forward_ms
     finally:
         v.stop()

@@ -219,6 +219,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             except Exception as e:  # noqa: BLE001 - the wave failed as a whole: each of its calls fails with it
                 results = [e] * len(wave)
         answered = [r for r in results if isinstance(r, StepOutput)]
+        log.debug("verify wave", calls=len(wave), answered=len(answered), rows=sum(len(w.draft.tokens) for w in wave),
+                  forward_ms=round(answered[0].forward_ms, 2) if answered else None)
         if self.metrics is not None and answered:
             self.metrics.verify_wave_sessions.observe(len(answered))
             shared = next((r for r in answered if r.wave_sessions > 1), None)
@@ -406,6 +408,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             expert_cache=verifier_pb2.ExpertCacheRound(**out.expert_cache.as_dict()) if out.expert_cache is not None else None,
             logprobs=out.logprobs or (),
             top_logprobs=convert.top_logprobs_to_pb(out.top_logprobs),
+            wave_sessions=out.wave_sessions,
         )
 
     async def Verify(self, request, context):

@@ -150,7 +150,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftResult, _Mapping]] = ..., ticket_id: _Optional[str] = ..., return_features: _Optional[bool] = ..., ticket_signature: _Optional[str] = ..., ticket_expires_at_unix: _Optional[float] = ..., ticket_tokens: _Optional[int] = ..., ticket_expert_bytes: _Optional[int] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("session_id", "round", "accepted_tokens", "num_accepted_drafts", "committed_tokens", "finished", "finish_reason", "features", "routed_union", "routed_bytes", "timings", "expert_cache", "logprobs", "top_logprobs")
+    __slots__ = ("session_id", "round", "accepted_tokens", "num_accepted_drafts", "committed_tokens", "finished", "finish_reason", "features", "routed_union", "routed_bytes", "timings", "expert_cache", "logprobs", "top_logprobs", "wave_sessions")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class VerifyResult(_message.Message):
     EXPERT_CACHE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WAVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -179,7 +180,8 @@ class VerifyResult(_message.Message):
     expert_cache: ExpertCacheRound
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., routed_union: _Optional[_Iterable[_Union[_common_pb2.LayerExperts, _Mapping]]] = ..., routed_bytes: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., expert_cache: _Optional[_Union[ExpertCacheRound, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    wave_sessions: int
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., routed_union: _Optional[_Iterable[_Union[_common_pb2.LayerExperts, _Mapping]]] = ..., routed_bytes: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., expert_cache: _Optional[_Union[ExpertCacheRound, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., wave_sessions: _Optional[int] = ...) -> None: ...
 
 class ExpertCacheRound(_message.Message):
     __slots__ = ("lookups", "hits", "misses", "evictions", "prefetched", "prefetch_used", "bytes_moved", "wasted_bytes", "prefetch_aborted")
