@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|confirm|waves|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|confirm|waves|wavesbench|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite (or SUITE_FILES), 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -58,8 +58,10 @@ if [[ " $STEPS " == *" waves "* ]]; then  # stop 46: multi-session verify waves,
   timeout ${WAVES_TESTS_S:-300} python3 -m pytest -v -rfE --tb=short -p no:cacheprovider --timeout=280 \
     tests/test_kernels_gpu.py tests/test_gpu_verifier.py tests/test_offload_gpu.py -k "ragged or waves or chunked" > "$OUT/waves_tests.txt" 2>&1
   rc=$?; grep -E "PASSED|FAILED|ERROR|^E " "$OUT/waves_tests.txt" | head -20; echo "waves tests: exit $rc" | tee -a "$OUT/waves_tests.txt"
-  timeout ${WAVES_S:-240} python3 benchmarks/waves.py --out "$OUT" ${WAVES_ARGS:-} > "$OUT/waves.txt" 2>&1
-  rc=$?; tail -16 "$OUT/waves.txt"; echo "waves bench: exit $rc" | tee -a "$OUT/waves.txt"
+fi
+if [[ " $STEPS " == *" wavesbench "* ]]; then  # benchmarks/waves.py: waves against one forward a session, chunked prefill (not in `all`)
+  timeout ${WAVES_S:-540} python3 benchmarks/waves.py --out "$OUT" ${WAVES_ARGS:---prefill-tokens 2048} > "$OUT/waves.txt" 2>&1
+  rc=$?; tail -24 "$OUT/waves.txt"; echo "waves bench: exit $rc" | tee -a "$OUT/waves.txt"
 fi
 if has tests; then
   timeout ${TESTS_S:-540} python3 -m pytest -v -p no:cacheprovider --timeout=300 --durations=12 ${TEST_FILES:-tests/test_kernels_gpu.py tests/test_fragments.py tests/test_gpu_verifier.py tests/test_drafter_gpu.py tests/test_offload_gpu.py} 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"

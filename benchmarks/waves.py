@@ -16,6 +16,11 @@ verified once), forward_ms (the forwards' own time per round, summed over its fo
 after another at the same S), identical (every session's output equals its block-1 reference; the script exits 1
 otherwise). On transformers' cache (the CPU default) a wave is its verifies in turn, so its speedup is ~1 by design.
 
+Chunked prefill (`--prefill-tokens N --chunks C ...`): one prompt of N random tokens prefilled in one forward and in
+chunks of C tokens (`--prefill-chunk C`, on the paged KV): the whole prefill's ms, its longest forward (how long the
+sessions already decoding wait behind it at most: the server gives them the device between chunks) and whether the
+first token is the one-go prefill's. On transformers' cache (the CPU default) a prompt is one forward whatever C.
+
 Writes waves_<device>.json / .md (waves_h200.* on the H200) to --out (default benchmarks/results).
 """
 
@@ -82,6 +87,38 @@ def decode(core: VerifierCore, prompts, refs, new_tokens: int, block: int, waves
             "outputs": [s["out"] for s in sessions]}
 
 
+def prefill_rows(core: VerifierCore, name: str, vocab: int, tokens: int, chunks: list[int]) -> list[dict]:
+    """One prompt prefilled whole and in chunks of each size: ms in all, the longest forward, the first token."""
+    import random
+
+    rng = random.Random(1)
+    prompt = tuple(rng.randrange(2, vocab) for _ in range(tokens))
+    rows, first = [], None
+    for chunk in [0, *chunks]:
+        core.prefill_chunk = chunk
+        try:
+            for timed in (False, True):  # the first run compiles and allocates
+                job = core.start_prefill(PrefillInput("prefill", prompt, SamplingParams(), 1, ignore_eos=True))
+                steps = []
+                try:
+                    t0 = time.perf_counter()
+                    done = False
+                    while not done:
+                        ts = time.perf_counter()
+                        done = job.step()
+                        steps.append((time.perf_counter() - ts) * 1e3)
+                    out = job.finish()
+                    total = (time.perf_counter() - t0) * 1e3
+                finally:
+                    job.close()
+        finally:
+            core.prefill_chunk = 0
+        first = out.tokens[0] if first is None else first
+        rows.append({"target": name, "prompt_tokens": tokens, "chunk": chunk, "forwards": len(steps), "ms": total,
+                     "longest_forward_ms": max(steps), "same_first_token": out.tokens[0] == first})
+    return rows
+
+
 def markdown(result: dict) -> str:
     m = result["meta"]
     lines = [f"# Multi-session verify waves ({m['device_name']}, {m['date']})", "", f"`{m['command']}`", "",
@@ -93,6 +130,11 @@ def markdown(result: dict) -> str:
                      f"{r['speedup']:.2f}x | {r['identical']} |" if r.get("speedup") is not None else
                      f"| {r['target']} | {r['sessions']} | {r['block']} | {r['mode']} | {r['tok_s']:.1f} | "
                      f"{r['ms_per_round']:.2f} | {r['forward_ms_per_round']:.2f} | | {r['identical']} |")
+    if result.get("prefill"):
+        lines += ["", "| target | prompt tokens | chunk | forwards | prefill ms | longest forward ms | same first token |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['target']} | {r['prompt_tokens']} | {r['chunk'] or 'whole'} | {r['forwards']} | {r['ms']:.1f} | "
+                  f"{r['longest_forward_ms']:.1f} | {r['same_first_token']} |" for r in result["prefill"]]
     return "\n".join(lines) + "\n"
 
 
@@ -107,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--kv-cache-gb", type=float, default=8.0)
+    ap.add_argument("--prefill-tokens", type=int, default=0, help="also time one prompt of this many tokens, whole and chunked")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[256, 512], help="chunk sizes for --prefill-tokens")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     if not 1 <= args.block <= 32 or min(args.sessions) < 1:
@@ -122,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU",
                              "torch": torch.__version__, "block": args.block, "new_tokens": args.new_tokens,
                              "command": "python benchmarks/waves.py " + " ".join(argv if argv is not None else sys.argv[1:])},
-                    "rows": []}
+                    "rows": [], "prefill": []}
     failed = []
     for name in args.targets:
         t = build(name, bargs, device, dtype)
@@ -150,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
                 if not identical:
                     failed.append(f"{t.name} S={n} {mode}")
                 print(markdown(result).splitlines()[-1], flush=True)
+        if args.prefill_tokens:
+            result["prefill"] += prefill_rows(core, t.name, t.model.config.get_text_config().vocab_size,
+                                              args.prefill_tokens, args.chunks)
+            failed += [f"{t.name} prefill chunk {r['chunk']}" for r in result["prefill"] if not r["same_first_token"]]
+            print(markdown(result).splitlines()[-1], flush=True)
         del core, target, t
         if device.type == "cuda":
             torch.cuda.empty_cache()

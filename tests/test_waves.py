@@ -270,8 +270,10 @@ def test_the_waves_benchmark_runs_on_the_cpu(tmp_path):
     from benchmarks import waves
 
     assert waves.main(["--device", "cpu", "--targets", "demo", "--sessions", "1", "2", "--new-tokens", "6",
-                       "--prompt-tokens", "16", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "waves_cpu.json").read_text())["rows"]
+                       "--prompt-tokens", "16", "--prefill-tokens", "40", "--chunks", "16", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "waves_cpu.json").read_text())
+    rows = result["rows"]
+    assert [(r["chunk"], r["forwards"], r["same_first_token"]) for r in result["prefill"]] == [(0, 1, True), (16, 1, True)]
     assert [(r["sessions"], r["mode"]) for r in rows] == [(1, "one after another"), (2, "one after another"), (2, "waves")]
     assert all(r["identical"] and r["tokens"] == 5 * r["sessions"] for r in rows)  # (the first token is the prefill's)
     assert rows[2]["speedup"] > 0 and not rows[2]["wave_forward"]
