@@ -456,13 +456,7 @@ class VerifierCore:
         if isinstance(prep, StepOutput):
             return prep
         s, block, want = prep
-        cache = self.target.expert_cache
-        before = dataclasses.replace(cache.stats) if cache is not None else None
-        if cache is not None:  # (begin/collect bracket every forward: arrivals wait for a running one)
-            cache.begin(draft.expert_union if cache.prefetch_union else {})  # the projection streams in ahead of its layers
-        logits, feats, union, fwd_ms = self._forward(s, block, want)
-        return self._accept(s, draft, block, logits, feats, union, fwd_ms,
-                            cache.stats.minus(before) if cache is not None else None)
+        return self._verify_prepared(s, block, draft, want)
 
     @property
     def max_wave_rows(self) -> int:
@@ -508,7 +502,7 @@ class VerifierCore:
         if len(ready) == 1 or not self.wave_forward:
             for i, draft, s, block, want in ready:
                 try:
-                    results[i] = self._verify_prepared(s, draft, block, want)
+                    results[i] = self._verify_prepared(s, block, draft, want)
                 except Exception as e:  # noqa: BLE001 - the item's own failure, as verify would raise it
                     results[i] = e
             return results
@@ -528,11 +522,12 @@ class VerifierCore:
                 results[i] = e
         return results
 
-    def _verify_prepared(self, s: Session, draft: DraftResult, block: list[int], want: bool) -> StepOutput:
+    def _verify_prepared(self, s: Session, block: list[int], draft: DraftResult, want: bool) -> StepOutput:
+        """One session's forward (a verify alone) and its acceptance."""
         cache = self.target.expert_cache
         before = dataclasses.replace(cache.stats) if cache is not None else None
-        if cache is not None:
-            cache.begin(draft.expert_union if cache.prefetch_union else {})
+        if cache is not None:  # (begin/collect bracket every forward: arrivals wait for a running one)
+            cache.begin(draft.expert_union if cache.prefetch_union else {})  # the projection streams in ahead of its layers
         logits, feats, union, fwd_ms = self._forward(s, block, want)
         return self._accept(s, draft, block, logits, feats, union, fwd_ms,
                             cache.stats.minus(before) if cache is not None else None)
