@@ -125,11 +125,9 @@ def markdown(result: dict) -> str:
              "| target | sessions | block | mode | decode tok/s | ms/round | forward_ms/round | speedup | identical |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
+        speedup = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else ""
         lines.append(f"| {r['target']} | {r['sessions']} | {r['block']} | {r['mode']} | {r['tok_s']:.1f} | "
-                     f"{r['ms_per_round']:.2f} | {r['forward_ms_per_round']:.2f} | "
-                     f"{r['speedup']:.2f}x | {r['identical']} |" if r.get("speedup") is not None else
-                     f"| {r['target']} | {r['sessions']} | {r['block']} | {r['mode']} | {r['tok_s']:.1f} | "
-                     f"{r['ms_per_round']:.2f} | {r['forward_ms_per_round']:.2f} | | {r['identical']} |")
+                     f"{r['ms_per_round']:.2f} | {r['forward_ms_per_round']:.2f} | {speedup} | {r['identical']} |")
     if result.get("prefill"):
         lines += ["", "| target | prompt tokens | chunk | forwards | prefill ms | longest forward ms | same first token |",
                   "|---|---|---|---|---|---|---|"]

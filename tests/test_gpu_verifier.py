@@ -79,6 +79,16 @@ class Session:
         self.done = res.finished is not None
 
 
+def run_in_waves(core, sessions: list[Session]) -> None:
+    """Every session to its end, each round one `verify_wave` over the sessions still running."""
+    while not all(s.done for s in sessions):
+        live = [s for s in sessions if not s.done]
+        outs = core.verify_wave([(s.draft(), True) for s in live])
+        assert not any(isinstance(o, BaseException) for o in outs), outs
+        for s, o in zip(live, outs):
+            s.take(o)
+
+
 def _run(core, prompt, propose, width=1, adaptive=False) -> list[int]:
     s = Session(core, prompt, propose, width, adaptive)
     while not s.done:
@@ -163,12 +173,7 @@ def test_waves_equal_their_solo_runs(core, graphs):
     if not graphs:
         core.graphs.wave_sessions = 1  # more sessions than a wave graph holds: the eager ragged forward
     try:
-        while not all(s.done for s in sessions):
-            live = [s for s in sessions if not s.done]
-            outs = core.verify_wave([(s.draft(), True) for s in live])
-            assert not any(isinstance(o, BaseException) for o in outs), outs
-            for s, o in zip(live, outs):
-                s.take(o)
+        run_in_waves(core, sessions)
     finally:
         core.graphs.wave_sessions = waves
     for i, s in enumerate(sessions):

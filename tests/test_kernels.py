@@ -1253,12 +1253,16 @@ def test_ragged_attention_gives_each_sequence_the_bits_of_a_call_of_its_own(wind
     from pdflash_kernels import attention as attn_mod
 
     budget = attn_mod.WORKSPACE_MAX_BYTES
-    try:  # split states over the workspace budget: one program a tile (a long-context wave), the same bits
+    made = attn_mod._WORKSPACE.pop(("cpu", None), None)
+    try:  # split states over the workspace budget: one program a tile (a long-context wave), the same bits, none made
         attn_mod.WORKSPACE_MAX_BYTES = 1
         assert torch.equal(paged_attention(q_all, kp, vp, table, pos_all, 0.25, window, sk, programs=16,
                                            seq_starts=seq_starts, max_rows=max(rows)), out)
+        assert not attn_mod._WORKSPACE.get(("cpu", None))
     finally:
         attn_mod.WORKSPACE_MAX_BYTES = budget
+        if made is not None:
+            attn_mod._WORKSPACE[("cpu", None)] = made
     _import_refuses("PDFLASH_ATTENTION_WORKSPACE_MB", "0", "pdflash_kernels.attention")
     with pytest.raises(ValueError, match="max_rows"):
         paged_attention(q_all, kp, vp, table, pos_all, 0.25, window, sk, seq_starts=seq_starts)

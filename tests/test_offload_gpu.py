@@ -219,12 +219,7 @@ def test_waves_on_offloaded_experts_equal_resident_mxfp4(checkpoint, resident, m
     core.max_wave_sessions = core.graphs.wave_sessions = 4
     sessions = [drive.Session(core, p, _replay(ref, 3 + i, vocab), 16, True) for i, (p, ref) in enumerate(zip(prompts, refs))]
     sessions.append(drive.Session(core, prompts[0], _no_drafts, 1, False))
-    while not all(s.done for s in sessions):
-        live = [s for s in sessions if not s.done]
-        outs = core.verify_wave([(s.draft(), True) for s in live])
-        assert not any(isinstance(o, BaseException) for o in outs), outs
-        for s, o in zip(live, outs):
-            s.take(o)
+    drive.run_in_waves(core, sessions)
     assert [s.out for s in sessions] == [*refs, refs[0]]
     assert core.target.expert_cache.stats.evictions > 0
     del core

@@ -13,9 +13,7 @@ from hypothesis import strategies as st
 
 from pdflash.errors import FailedPrecondition, InvalidArgument, NotFound
 from pdflash.types import DraftResult, SamplingParams
-from pdflash_kernels import runtime
-
-needs_interpreter = pytest.mark.skipif(not runtime.triton_usable("cpu"), reason="needs triton (interpreted on CPU)")
+from tests.conftest import needs_triton as needs_interpreter  # (Triton's interpreter: CPU hosts with triton)
 
 # (prompt, sampling, feature layers): one prompt crosses a KV page, one session samples, the feature layers differ
 SESSIONS = [
@@ -32,8 +30,6 @@ def paged_core(tiny):
     from verifier_svc.engine import PagedKVOptions, VerifierCore
     from verifier_svc.model import load_target
 
-    if not runtime.triton_usable("cpu"):
-        pytest.skip("needs triton (interpreted on CPU)")
     target = load_target(tiny.target("qwen3_moe"), "cpu", "bfloat16", kernels="on")
     return VerifierCore(target, max_block_size=32, paged_kv=PagedKVOptions(mode="on", kv_cache_gb=0.01),
                         max_wave_sessions=4)
@@ -322,6 +318,35 @@ def test_the_warm_up_runs_one_wave_per_wave_graph_bucket():
     assert all(2 <= len(b) <= 4 and max(b) <= 32 for b in got)
     assert [sum(b) for b in wave_blocks(2, 16)] == [2, 4, 8, 16, 32]  # 64 rows need 4 blocks of 16: more than 2 sessions
     assert wave_blocks(1, 32) == []
+
+
+@pytest.mark.slow
+def test_inline_waves_let_the_answered_callers_go_before_the_next_wave(waves_served, monkeypatch):
+    """With verify forwards on the event loop (inline verify), the wave task gives the loop to the callers it answered
+    before it runs the next wave: they are no longer pending when it starts."""
+    import asyncio
+    import time
+
+    from pdflash.v1 import verifier_pb2
+
+    v = waves_served
+    servicer, core = v.running.servicer, v.running.core
+    pre = [v.stub.Prefill(verifier_pb2.PrefillRequest(prompt_tokens=[5, 6, 7 + i], max_tokens=8, ignore_eos=True),
+                          timeout=30) for i in range(5)]
+    pending_at_wave = []
+    wave = core.verify_wave
+    monkeypatch.setattr(core, "verify_wave", lambda items: pending_at_wave.append(servicer._pending) or wave(items))
+    monkeypatch.setattr(servicer, "inline_verify", True)
+    asyncio.run_coroutine_threadsafe(servicer._device.acquire(), v.loop).result(timeout=10)
+    try:
+        calls = [v.stub.Verify.future(_verify_req(p.session_id, 1, [p.first_token]), timeout=30) for p in pre]
+        deadline = time.time() + 10
+        while len(servicer._waiting) < 5 and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        v.loop.call_soon_threadsafe(servicer._device.release)
+    assert [c.result().round for c in calls] == [1] * 5
+    assert pending_at_wave == [5, 1]  # four sessions a wave; the first wave's callers gone before the second
 
 
 @pytest.mark.slow

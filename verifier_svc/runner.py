@@ -236,19 +236,23 @@ def _served_by(model) -> list[tuple]:
 
 class _Graph:
     def __init__(self, runner: ForwardRunner, bucket: int, max_pages: int, feature_layers: tuple[int, ...], scratch_page: int):
-        dev = runner.pool.device
         self._static_inputs(runner, bucket, max_pages, scratch_page)
+        self._capture(runner, feature_layers)
+
+    def _capture(self, runner: ForwardRunner, feature_layers: tuple[int, ...], **kw) -> None:
+        """Warm the forward up on a side stream (Triton compiles, the allocator settles), then capture it over the
+        static inputs (`kw`: forward_tensors' wave arguments)."""
+        dev = runner.pool.device
         args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers, False)
         self._served = _served_by(runner.model)  # offloaded experts: the graph reads these caches' state
-        # warm up on a side stream (Triton compiles, the allocator settles), then capture
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            runner.forward_tensors(*args)
+            runner.forward_tensors(*args, **kw)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = runner.forward_tensors(*args)
+            self.out = runner.forward_tensors(*args, **kw)
 
     def _static_inputs(self, runner: ForwardRunner, bucket: int, max_pages: int, scratch_page: int) -> None:
         """The graph's inputs. ids, positions, write pages and offsets are the rows of one device buffer that a round
@@ -318,17 +322,7 @@ class _WaveGraph(_Graph):
         self.positions_of_scratch = torch.arange(bucket) % PAGE  # (a wave bucket may pass one page's positions)
         self.pos.copy_(self.positions_of_scratch.view(1, -1))
         self.offsets.copy_(self.positions_of_scratch)
-        args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers, False)
-        kw = dict(seq_starts=self.starts, max_rows=max_rows)
-        self._served = _served_by(runner.model)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            runner.forward_tensors(*args, **kw)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = runner.forward_tensors(*args, **kw)
+        self._capture(runner, feature_layers, seq_starts=self.starts, max_rows=max_rows)
 
     def set_wave_inputs(self, items: "list[tuple[list[int], int, SequenceKV]]") -> int:
         """A wave's inputs (each item's pages already reserved); returns the real row count."""

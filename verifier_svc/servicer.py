@@ -73,6 +73,7 @@ class _Waiting:
     return_features: bool
     future: asyncio.Future
     since: float  # perf_counter at arrival
+    running: bool = False  # taken into a wave
     left: bool = False  # its caller left while its wave ran (it still counts as pending until the wave ends)
 
 
@@ -162,12 +163,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 self._waves = asyncio.ensure_future(self._run_waves())
                 self._waves.add_done_callback(_log_failure)
             try:
-                return await asyncio.shield(item.future)
+                # (not shielded: the wave's answer wakes this caller in the loop's next round, before the next wave)
+                return await item.future
             except asyncio.CancelledError:
                 if item in self._waiting:  # not started: nothing to undo
                     self._waiting.remove(item)
-                elif not item.future.done():
-                    item.left = True  # its wave is running: _run_waves drops the pending count when it ends
+                elif item.running and item.future.cancelled():
+                    item.left = True  # its wave is running: _one_wave drops the pending count when it ends
                 item.future.cancel()  # (its wave answers nobody)
                 raise
         finally:
@@ -201,6 +203,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             for w in wave:
                 self._waiting.remove(w)
             wave[:] = [w for w in wave if not w.future.done()]
+            for w in wave:
+                w.running = True
             if not wave:
                 return
             started = time.perf_counter()
