@@ -42,7 +42,7 @@ if not (_PROGRAMS.isdigit() and 1 <= int(_PROGRAMS) <= 256):
     raise ValueError(f"PDFLASH_ATTENTION_PROGRAMS must be a number of programs, 1..256, got {_PROGRAMS!r}")
 MAX_PROGRAMS = int(_PROGRAMS)
 # the split form's per-segment states are sized for every tile of the largest call at the longest context a page table
-# allows (gpt-oss-20b's 131072 positions: ~270 MB a sequence); a call that would need more than this many MiB of them
+# allows (gpt-oss-20b's 131072 positions: ~270 MB a sequence, by arithmetic); a call that would need more than this many MiB of them
 # (a multi-session wave of long-context sequences) runs one program per tile instead (the same bits)
 _WS_MB = os.environ.get("PDFLASH_ATTENTION_WORKSPACE_MB", "1024")
 if not (_WS_MB.isdigit() and 1 <= int(_WS_MB) <= 1 << 20):
