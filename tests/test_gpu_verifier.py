@@ -182,6 +182,33 @@ def test_waves_equal_their_solo_runs(core, graphs):
     assert not graphs or any(k[0] == "wave" for k in core.graphs._graphs), "no wave graph was captured"
 
 
+def test_the_bucket_graphs_share_one_memory_pool(core, monkeypatch):
+    """GraphRunner's whole-forward graphs capture into one memory pool (PDFLASH_GRAPH_POOL=shared, the default): the
+    buckets' graphs hold less memory together than with a pool each. (That sharing keeps the bits: every other test
+    here replays several buckets' and waves' graphs of the core's shared pool against solo and eager runs.)"""
+    from verifier_svc.runner import GraphRunner
+
+    def held(mode: str) -> int:
+        monkeypatch.setenv("PDFLASH_GRAPH_POOL", mode)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        g = GraphRunner(core.runner, core.graphs.max_pages, buckets=core.graphs.buckets)
+        try:
+            assert g.capture(feature_layers=(), max_rows=32) == len([b for b in g.buckets if b <= 32])
+            torch.cuda.synchronize()
+            return torch.cuda.memory_reserved() - before
+        finally:
+            g.reset()
+            core.runner.pool.release([g.scratch_page])
+            del g
+            torch.cuda.empty_cache()
+
+    own, shared = held("own"), held("shared")
+    print(f"graph memory, buckets <= 32: a pool each {own / 2**20:.1f} MiB, one shared pool {shared / 2**20:.1f} MiB")
+    assert 0 < shared < own, (own, shared)
+
+
 def test_a_chunked_prefill_decodes_as_the_one_go_prefill(core):
     """--prefill-chunk on CUDA at real shapes: prompts prefilled 16 tokens a forward (the last chunk shorter) decode
     token for token as after a one-go prefill."""

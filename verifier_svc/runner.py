@@ -15,6 +15,7 @@ kernels make a real row's result independent of them, so a padded forward equals
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -235,13 +236,15 @@ def _served_by(model) -> list[tuple]:
 
 
 class _Graph:
-    def __init__(self, runner: ForwardRunner, bucket: int, max_pages: int, feature_layers: tuple[int, ...], scratch_page: int):
+    def __init__(self, runner: ForwardRunner, bucket: int, max_pages: int, feature_layers: tuple[int, ...], scratch_page: int,
+                 pool=None):
         self._static_inputs(runner, bucket, max_pages, scratch_page)
-        self._capture(runner, feature_layers)
+        self._capture(runner, feature_layers, pool)
 
-    def _capture(self, runner: ForwardRunner, feature_layers: tuple[int, ...], **kw) -> None:
+    def _capture(self, runner: ForwardRunner, feature_layers: tuple[int, ...], pool=None, **kw) -> None:
         """Warm the forward up on a side stream (Triton compiles, the allocator settles), then capture it over the
-        static inputs (`kw`: forward_tensors' wave arguments)."""
+        static inputs (`kw`: forward_tensors' wave arguments) into the memory pool `pool` (GraphRunner's, shared by its
+        whole-forward graphs; None = a pool of its own)."""
         dev = runner.pool.device
         args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers, False)
         self._served = _served_by(runner.model)  # offloaded experts: the graph reads these caches' state
@@ -251,7 +254,7 @@ class _Graph:
             runner.forward_tensors(*args, **kw)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool):
             self.out = runner.forward_tensors(*args, **kw)
 
     def _static_inputs(self, runner: ForwardRunner, bucket: int, max_pages: int, scratch_page: int) -> None:
@@ -308,7 +311,7 @@ class _WaveGraph(_Graph):
     slots past the wave's are empty (no rows)."""
 
     def __init__(self, runner: ForwardRunner, bucket: int, sessions: int, max_rows: int, max_pages: int,
-                 feature_layers: tuple[int, ...], scratch_page: int):
+                 feature_layers: tuple[int, ...], scratch_page: int, pool=None):
         dev = runner.pool.device
         self._static_inputs(runner, bucket, max_pages, scratch_page)
         self.sessions, self.max_rows, self.scratch_page = sessions, max_rows, scratch_page
@@ -322,7 +325,7 @@ class _WaveGraph(_Graph):
         self.positions_of_scratch = torch.arange(bucket) % PAGE  # (a wave bucket may pass one page's positions)
         self.pos.copy_(self.positions_of_scratch.view(1, -1))
         self.offsets.copy_(self.positions_of_scratch)
-        self._capture(runner, feature_layers, seq_starts=self.starts, max_rows=max_rows)
+        self._capture(runner, feature_layers, pool, seq_starts=self.starts, max_rows=max_rows)
 
     def set_wave_inputs(self, items: "list[tuple[list[int], int, SequenceKV]]") -> int:
         """A wave's inputs (each item's pages already reserved); returns the real row count."""
@@ -363,8 +366,9 @@ class _SegmentedGraph(_Graph):
     and refreshes the slot table), and the prefetches. The graphs share one memory pool and replay in capture order
     (the rule for sharing a pool). A graph is tied to the expert caches it was captured over (`stale`)."""
 
-    def __init__(self, runner: ForwardRunner, bucket: int, max_pages: int, feature_layers: tuple[int, ...], scratch_page: int):
-        dev = runner.pool.device
+    def __init__(self, runner: ForwardRunner, bucket: int, max_pages: int, feature_layers: tuple[int, ...], scratch_page: int,
+                 pool=None):
+        dev = runner.pool.device  # (`pool` unused: a host-stepped forward keeps a pool of its own, below)
         self._static_inputs(runner, bucket, max_pages, scratch_page)
         args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers, False)
         self._served = _served_by(runner.model)
@@ -426,6 +430,19 @@ class GraphRunner:
         self.wave_sessions = wave_sessions  # the most sequences a captured wave holds (VerifierCore's max_wave_sessions)
         self._graphs: dict[tuple, _Graph] = {}
         self.scratch_page = runner.pool.alloc(1)[0]  # where captures write; never handed to a session
+        self._mempool = self._new_mempool()
+
+    @staticmethod
+    def _new_mempool():
+        """One CUDA-graph memory pool for every whole-forward graph (solo and wave buckets, feature layers or not), as
+        vLLM shares one across its batch sizes: the pool holds the largest graph's intermediates, not their sum (the
+        [rows, vocab] fp32 logits of each bucket alone are ~78 MB at 128 rows and a 152k vocabulary). Safe because one
+        forward runs at a time and each replay's output is read (the verifier syncs and copies it out) before the next
+        replay of any graph: a graph's output may sit in memory another graph's capture reused. PDFLASH_GRAPH_POOL=own
+        gives each graph a pool of its own (the memory A/B)."""
+        if os.environ.get("PDFLASH_GRAPH_POOL", "shared") == "own":
+            return None
+        return torch.cuda.graph_pool_handle()
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -443,11 +460,12 @@ class GraphRunner:
 
     def _kind(self, *args) -> _Graph:
         host = any(not getattr(cache, "device_managed", False) for _, cache in _served_by(self.runner.model))
-        return (_SegmentedGraph if host else _Graph)(self.runner, *args)
+        return (_SegmentedGraph if host else _Graph)(self.runner, *args, pool=self._mempool)
 
     def reset(self) -> None:
         """Drop every graph (and what they hold: an offloaded model's graphs keep its old cache's pool alive)."""
         self._graphs.clear()
+        self._mempool = self._new_mempool()
         torch.cuda.empty_cache()
 
     def forward_wave(self, items: "list[tuple[list[int], int, SequenceKV]]", feature_layers=()) -> tuple[ForwardOut, list[int]]:
@@ -468,7 +486,7 @@ class GraphRunner:
         if g is None:
             # (a wave of b rows holds at most b sequences of at most b rows each: smaller grids for small buckets)
             g = self._graphs[key] = _WaveGraph(self.runner, b, min(self.wave_sessions, b), min(self.buckets[-1], b),
-                                               self.max_pages, tuple(feature_layers), self.scratch_page)
+                                               self.max_pages, tuple(feature_layers), self.scratch_page, self._mempool)
         for tokens, start, seq in items:
             seq.reserve(start + len(tokens))
         g.set_wave_inputs(items)

@@ -51,6 +51,7 @@ class WarmupReport:
     verifies: int
     feature_layers: tuple[int, ...]
     expert_cache: object | None  # the warm-up's own CacheStats (offloaded experts), before the counters were zeroed
+    reserved_mb: float = 0.0  # what the CUDA allocator's reserve grew by (the graphs' pools, Triton's and the forward's buffers); 0 on CPU
 
 
 def feature_layers(layer_ids: tuple[int, ...] | None, model: str) -> tuple[int, ...]:
@@ -134,6 +135,8 @@ def warm(core: VerifierCore, feature_layers: tuple[int, ...] = ()) -> WarmupRepo
         raise ValueError(f"--warmup-feature-layers {','.join(map(str, feature_layers))}: layers {bad} are not layers "
                          f"of {t.name} (0..{t.num_layers - 1})")
     t0 = time.perf_counter()
+    cuda = t.device.type == "cuda"
+    reserved = torch.cuda.memory_reserved(t.device) if cuda else 0
     cache = t.expert_cache
     lengths = [max(1, min(n, t.max_context // 4)) for n in PROMPT_LENGTHS]
     prefills = verifies = 0
@@ -175,6 +178,8 @@ def warm(core: VerifierCore, feature_layers: tuple[int, ...] = ()) -> WarmupRepo
     if cache is not None:
         cache.reset_stats()
     core.warmup_seconds = time.perf_counter() - t0
+    grown = (torch.cuda.memory_reserved(t.device) - reserved) / 2**20 if cuda else 0.0
     log.info("warm-up done", seconds=round(core.warmup_seconds, 2), prefills=prefills, verifies=verifies,
-             feature_layers=list(feature_layers), expert_bytes_moved=spent.bytes_moved if spent is not None else 0)
-    return WarmupReport(core.warmup_seconds, prefills, verifies, tuple(feature_layers), spent)
+             feature_layers=list(feature_layers), expert_bytes_moved=spent.bytes_moved if spent is not None else 0,
+             cuda_reserved_grew_mb=round(grown, 1))
+    return WarmupReport(core.warmup_seconds, prefills, verifies, tuple(feature_layers), spent, grown)
