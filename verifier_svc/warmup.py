@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import torch
+
 from pdflash.logging import get_logger
 from pdflash.types import DraftResult, SamplingParams
 from verifier_svc.engine import PrefillInput, VerifierCore
