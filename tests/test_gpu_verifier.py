@@ -223,6 +223,41 @@ def test_a_chunked_prefill_decodes_as_the_one_go_prefill(core):
     assert chunked == whole
 
 
+def test_prefill_graphs_give_the_eager_prefills_bits(core):
+    """Prefills (whole prompts and --prefill-chunk chunks) replayed from the prefill CUDA graphs (GraphRunner.forward_prefill:
+    rows padded to a PREFILL_BUCKETS bucket, the last real row's logits) give the eager prefill's first token,
+    log-probabilities, features and routed experts bit for bit, and leave the KV the next verify reads the same."""
+    from pdflash.types import DraftResult, SamplingParams
+    from verifier_svc.engine import PrefillInput
+
+    vocab = core.target.vocab_size
+    layers = (0, core.target.num_layers - 1)
+    prompts = _prompts(vocab, 3) + [[5] * 32, list(range(7, 7 + 300))]  # 20-120 tokens, one bucket exactly, past 256
+
+    def prefill(p, chunk: int):
+        core.prefill_chunk = chunk
+        try:
+            o = core.prefill(PrefillInput("pg", tuple(p), SamplingParams(), 16, ignore_eos=True, feature_layer_ids=layers,
+                                          logprobs=True, top_logprobs=3))
+        finally:
+            core.prefill_chunk = 0
+        v = core.verify(DraftResult(o.session_id, 1, (o.tokens[-1], 9, 10, 11), {}, 0))
+        core.end(o.session_id)
+        return (o.tokens, o.logprobs, o.top_logprobs, o.features.tobytes(), o.routed_union, v.tokens, v.logprobs)
+
+    buckets = core.graphs.prefill_buckets
+    assert buckets, "prefill graphs are off (PDFLASH_PREFILL_GRAPHS=0?)"
+    try:
+        core.graphs.prefill_buckets = ()
+        eager = [prefill(p, c) for p in prompts for c in (0, 48)]
+    finally:
+        core.graphs.prefill_buckets = buckets
+    graphed = [prefill(p, c) for p in prompts for c in (0, 48)]
+    assert any(k[0] == "prefill" for k in core.graphs._graphs), "no prefill graph was captured"
+    for i, (a, b) in enumerate(zip(graphed, eager)):
+        assert a == b, f"prompt {i // 2} chunk {(0, 48)[i % 2]}"
+
+
 def test_a_dropped_second_core_leaves_the_targets_own_forward_bits(core):
     """A second VerifierCore on the same target (the warm-up test's, a benchmark's), built and dropped, changes nothing
     of the first: the target's own forward gives the same logits bits before and after. Stop 45: the second runner's
@@ -267,6 +302,8 @@ def test_warmup_leaves_a_clean_verifier_whose_first_request_equals_its_second(co
     assert report.verifies == 2 * len(block_sizes(32)) and fresh.warmup_seconds == report.seconds > 0
     assert len(fresh.sessions) == 0 and fresh.pool.free_pages == free
     assert {(b, layers) for b in BUCKETS} | {(b, ()) for b in BUCKETS} <= set(fresh.graphs._graphs)
+    assert {("prefill", b, f) for b in fresh.graphs.prefill_buckets for f in ((), layers)} <= set(fresh.graphs._graphs)
+    print(f"warm-up: {report.seconds:.1f} s, {report.prefills} prefills, the allocator's reserve grew {report.reserved_mb:.0f} MiB")
     drafts = _replay(want, 4, t.vocab_size)
     assert _run(fresh, prompt, drafts, width=16) == _run(fresh, prompt, drafts, width=16) == want
     assert len(fresh.sessions) == 0 and fresh.pool.free_pages == free

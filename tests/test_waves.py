@@ -386,6 +386,42 @@ def test_calls_waiting_for_a_wave_are_answered_when_the_wave_task_ends(waves_ser
 
 @needs_interpreter
 @pytest.mark.timeout(600)
+def test_a_padded_prefill_forward_gives_the_unpadded_ones_bits(paged_core):
+    """What a prefill CUDA graph runs (verifier_svc.runner.GraphRunner.forward_prefill: the rows padded to the bucket,
+    `valid_rows` the real count, the last real row's logits picked on the device), eagerly under the interpreter: the
+    unpadded forward's logits bits, features, routed experts and keys/values of the real rows."""
+    import torch
+
+    from verifier_svc.kv import SequenceKV
+
+    core, runner = paged_core, paged_core.runner
+    toks, b, layers = list(range(5, 15)), 16, (0, 1)
+    n = len(toks)
+    plain, padded = SequenceKV(core.pool, core.target.max_context), SequenceKV(core.pool, core.target.max_context)
+    try:
+        want = runner.forward(toks, 0, plain, layers, last_only=True)
+        padded.reserve(b)
+        pages, offsets = padded.slots(0, b)
+        dev = core.pool.device
+        ids = torch.tensor([toks + [toks[-1]] * (b - n)], device=dev)
+        pos = torch.arange(b, device=dev).unsqueeze(0)
+        got = runner.forward_tensors(ids, pos, padded.table.unsqueeze(0), pages, offsets,
+                                     torch.tensor([n], dtype=torch.int32, device=dev), layers, True)
+        assert got.logits.shape == want.logits.shape == (1, core.target.vocab_size)
+        assert torch.equal(got.logits, want.logits)
+        assert torch.equal(got.features[:n], want.features)
+        e = core.target.seam.num_experts
+        assert got.recorder.union(e, rows=n) == want.recorder.union(e, rows=n)
+        for layer in range(len(core.pool.k)):
+            for pool in (core.pool.k, core.pool.v):
+                assert torch.equal(pool[layer][padded.pages[0], :, :n], pool[layer][plain.pages[0], :, :n])
+    finally:
+        plain.free()
+        padded.free()
+
+
+@needs_interpreter
+@pytest.mark.timeout(600)
 def test_a_chunked_prefill_gives_the_one_go_session_bit_for_bit(paged_core):
     from verifier_svc.engine import PrefillInput
 

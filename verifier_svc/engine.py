@@ -173,7 +173,9 @@ class VerifierCore:
                 "attention_kv_split": (f"segments of {attention.SEG} positions merged in order; verify forwards of <= "
                                        f"{attention.SPLIT_MAX_T} tokens spread them over <= {attention.MAX_PROGRAMS} "
                                        "programs per tile (the same bits)"),
-                "cuda_graphs": (f"buckets {list(self.graphs.buckets)}" if self.graphs is not None else "off"),
+                "cuda_graphs": (f"buckets {list(self.graphs.buckets)}"
+                                + (f"; prefills {list(self.graphs.prefill_buckets)}" if self.graphs.prefill_buckets else
+                                   "; prefills eager") if self.graphs is not None else "off"),
                 "launches": (f"programmatic dependent launch (each kernel launched while the one before it finishes; "
                              f"trigger {runtime.PDL_TRIGGER})" if runtime.PDL else "plain"),
                 "moe_gemms": _moe_gemms_info(moe),
@@ -284,9 +286,12 @@ class VerifierCore:
         t = self.target
         layers = s.feature_layer_ids if want_features else ()
         t0 = time.perf_counter()
+        out = None
         if self.graphs is not None and not last_logits_only:
             out, rows = self.graphs.forward(ids, s.committed, s.kv, layers)
-        else:
+        elif self.graphs is not None:  # a prefill (or a chunk of one): its graph where a bucket holds it
+            out, rows = self.graphs.forward_prefill(ids, s.committed, s.kv, layers), len(ids)
+        if out is None:
             out, rows = self.runner.forward(ids, s.committed, s.kv, layers, last_only=last_logits_only), len(ids)
         logits = out.logits[: (1 if last_logits_only else rows)]
         feats = out.features[:rows] if out.features is not None else None

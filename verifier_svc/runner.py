@@ -22,6 +22,7 @@ import torch
 from pdflash_kernels.attention import PAGE, paged_write
 from pdflash_kernels.dispatch import InvariantMode
 from pdflash_kernels.installer import ForwardContext, forward_context
+from pdflash.errors import ResourceExhausted
 from pdflash.hf_compat import cache_kwarg
 from verifier_svc.kv import SequenceKV
 from verifier_svc.prenorm import PreNormChain
@@ -29,6 +30,11 @@ from verifier_svc.prenorm import PreNormChain
 BUCKETS = (1, 2, 4, 8, 16, 32)
 #: a multi-session wave's graphs, by its rows in all (a wave of more rows runs eagerly)
 WAVE_BUCKETS = (2, 4, 8, 16, 32, 64, 128)
+#: a prefill forward's graphs (a prompt, or a chunk of one with --prefill-chunk), by its rows; a longer one runs eagerly.
+#: An eager forward costs ~21 ms of host time on qwen3-8l whatever its rows (H100: a 256-row chunk's kernels take 3.7 ms
+#: of its 26; benchmarks/results/prefill_profile_h100.md), so short prompts and chunks replay graphs like verifies.
+#: PDFLASH_PREFILL_GRAPHS=0: prefills eagerly, as before.
+PREFILL_BUCKETS = (32, 64, 128, 256, 512)
 
 #: transformers RoPE types whose cos/sin depend on the position alone (`modeling_rope_utils.ROPE_INIT_FUNCTIONS`; the
 #: `dynamic_rope_update` decorator rewrites inv_freq per call for "dynamic*" and "longrope", which keep the module)
@@ -179,7 +185,12 @@ class ForwardRunner:
         cache = PagedLayerCache(self.pool, pages, offsets)
         with torch.inference_mode(), InvariantMode(), forward_context(ctx), self.seam.record() as rec:
             h, feats = self._layers(ids, pos, cache, feature_layers)
-            hl = h[:, -1:] if last_only else h
+            if not last_only:
+                hl = h
+            elif valid_rows is None:
+                hl = h[:, -1:]
+            else:  # a padded prefill graph: the last real row's (valid_rows, a device scalar: graph-safe)
+                hl = h.index_select(1, valid_rows.to(torch.long) - 1)
             logits = self.model.lm_head(hl)[0].float()
         return ForwardOut(logits, feats, rec)
 
@@ -236,8 +247,12 @@ def _served_by(model) -> list[tuple]:
 
 
 class _Graph:
+    """A verify forward (every row's logits) captured for `bucket` rows, or with `last_only` a prefill forward (the last
+    real row's logits: `valid` rows of the bucket)."""
+
     def __init__(self, runner: ForwardRunner, bucket: int, max_pages: int, feature_layers: tuple[int, ...], scratch_page: int,
-                 pool=None):
+                 pool=None, last_only: bool = False):
+        self.last_only = last_only
         self._static_inputs(runner, bucket, max_pages, scratch_page)
         self._capture(runner, feature_layers, pool)
 
@@ -246,7 +261,8 @@ class _Graph:
         static inputs (`kw`: forward_tensors' wave arguments) into the memory pool `pool` (GraphRunner's, shared by its
         whole-forward graphs; None = a pool of its own)."""
         dev = runner.pool.device
-        args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers, False)
+        args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers,
+                getattr(self, "last_only", False))
         self._served = _served_by(runner.model)  # offloaded experts: the graph reads these caches' state
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -431,6 +447,7 @@ class GraphRunner:
         self._graphs: dict[tuple, _Graph] = {}
         self.scratch_page = runner.pool.alloc(1)[0]  # where captures write; never handed to a session
         self._mempool = self._new_mempool()
+        self.prefill_buckets = PREFILL_BUCKETS if os.environ.get("PDFLASH_PREFILL_GRAPHS", "1") != "0" else ()
 
     @staticmethod
     def _new_mempool():
@@ -492,6 +509,45 @@ class GraphRunner:
         g.set_wave_inputs(items)
         g.replay(starts[-1])
         return g.out, starts
+
+    def prefill_bucket(self, n: int, start: int, seq: SequenceKV) -> int | None:
+        """The prefill graph bucket for n rows at `start`: None where none holds them, where the padding rows would pass
+        the context or the rotary table, or where experts are offloaded to a host-managed cache (a host step per layer)."""
+        b = next((r for r in self.prefill_buckets if r >= n), None)
+        if b is None or start + b > seq.max_pages * PAGE:
+            return None
+        if self.runner.rope is not None and start + b > self.runner.rope.positions:
+            return None
+        if any(not getattr(cache, "device_managed", False) for _, cache in _served_by(self.runner.model)):
+            return None
+        return b
+
+    def forward_prefill(self, tokens: list[int], start: int, seq: SequenceKV, feature_layers=()) -> ForwardOut | None:
+        """A prefill forward (a prompt or a chunk of one: the last row's logits, every row's features) replayed from the
+        graph of the smallest `PREFILL_BUCKETS` bucket that holds it, captured on first use (or by the warm-up). The
+        padding rows' keys land past the real ones, in pages reserved for them (the next forward overwrites them); the
+        experts skip those rows. None where no graph applies (`prefill_bucket`, or the KV pool has no pages for the
+        padding): the caller runs it eagerly. Bit for bit the eager forward's (batch-invariant kernels)."""
+        n = len(tokens)
+        b = self.prefill_bucket(n, start, seq)
+        if b is None:
+            return None
+        seq.reserve(start + n)  # (the real rows' pages: a full pool refuses the prefill itself, as eagerly)
+        try:
+            seq.reserve(start + b)
+        except ResourceExhausted:
+            return None
+        key = ("prefill", b, tuple(feature_layers))
+        g = self._graphs.get(key)
+        if g is not None and g.stale():
+            self.reset()
+            g = None
+        if g is None:
+            g = self._graphs[key] = _Graph(self.runner, b, self.max_pages, tuple(feature_layers), self.scratch_page,
+                                           pool=self._mempool, last_only=True)
+        g.set_inputs(tokens, start, seq)
+        g.replay(n)
+        return g.out
 
     def forward(self, tokens: list[int], start: int, seq: SequenceKV, feature_layers=()) -> tuple[ForwardOut, int]:
         """Returns the output (logits of the bucket's rows: the first len(tokens) are real) and the real row count."""

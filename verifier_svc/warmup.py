@@ -9,7 +9,9 @@ captured at load), cuBLAS and the caching allocator set up, the expert cache fil
 runner replays (verifier_svc.runner.BUCKETS up to --max-block-size), each carrying the previous call's routed union as
 its projection, without features and again with the drafter's feature layers (and, with multi-session waves on the
 paged KV, one wave per wave-graph bucket: `wave_blocks`); before those, for a MoE target, prefills
-whose pairs reach each compiled form of the MoE align (`align_lengths`: up to 513 tokens at one expert a token). Then it gives everything back: its
+whose pairs reach each compiled form of the MoE align (`align_lengths`: up to 513 tokens at one expert a token), and with
+CUDA graphs one prompt per prefill-graph bucket (verifier_svc.runner.PREFILL_BUCKETS), without and with the feature
+layers. Then it gives everything back: its
 sessions end (their KV pages return to the pool), the expert cache's counters are zeroed (its contents stay: they
 are the warm part), so the first request's counters are its own. It calls the core, not the servicer: the metrics
 never see it. verifier_svc/server.py runs it before health turns SERVING.
@@ -147,6 +149,13 @@ def warm(core: VerifierCore, feature_layers: tuple[int, ...] = ()) -> WarmupRepo
         for n in align_lengths(t.experts_per_token, t.max_context):  # prefill only: each form of the MoE align
             _Request(core, tuple(3 + i % (t.vocab_size - 3) for i in range(n)), ()).end()  # its KV back at once
             prefills += 1
+        # each prefill graph's bucket (verifier_svc.runner.PREFILL_BUCKETS), without and with the drafter's features: a
+        # prompt of exactly the bucket's rows (a longer prompt's chunks, --prefill-chunk, land in these buckets too)
+        buckets = core.graphs.prefill_buckets if core.graphs is not None else ()
+        for layers in dict.fromkeys([(), tuple(feature_layers)]):
+            for b in (b for b in buckets if b <= t.max_context // 2):
+                _Request(core, tuple(3 + i % (t.vocab_size - 3) for i in range(b)), layers).end()
+                prefills += 1
         extra = prefills
         for layers in dict.fromkeys([(), tuple(feature_layers)]):  # without features, then with the drafter's
             req = None
