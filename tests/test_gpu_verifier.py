@@ -31,6 +31,9 @@ def core(request, tmp_path_factory):
     c = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=4),
                      max_wave_sessions=4)
     assert c.graphs is not None
+    from verifier_svc.runner import PREFILL_BUCKETS
+
+    c.graphs.prefill_buckets = PREFILL_BUCKETS  # (PDFLASH_PREFILL_GRAPHS=1: every test here prefills from graphs too)
     c.eager = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(mode="off"))
     yield c
     del c, target
@@ -296,7 +299,14 @@ def test_warmup_leaves_a_clean_verifier_whose_first_request_equals_its_second(co
     layers = (0, t.num_layers - 1)
     prompt = _prompts(t.vocab_size, 1)[0]
     want = _run(core.eager, prompt, _no_drafts)
-    fresh = VerifierCore(t, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2))
+    import os
+
+    os.environ["PDFLASH_PREFILL_GRAPHS"] = "1"  # (read when the core's GraphRunner is made)
+    try:
+        fresh = VerifierCore(t, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2))
+    finally:
+        del os.environ["PDFLASH_PREFILL_GRAPHS"]
+    assert fresh.graphs.prefill_buckets
     free = fresh.pool.free_pages
     report = warm(fresh, layers)
     assert report.verifies == 2 * len(block_sizes(32)) and fresh.warmup_seconds == report.seconds > 0

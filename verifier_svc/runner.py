@@ -33,8 +33,16 @@ WAVE_BUCKETS = (2, 4, 8, 16, 32, 64, 128)
 #: a prefill forward's graphs (a prompt, or a chunk of one with --prefill-chunk), by its rows; a longer one runs eagerly.
 #: An eager forward costs ~21 ms of host time on qwen3-8l whatever its rows (H100: a 256-row chunk's kernels take 3.7 ms
 #: of its 26; benchmarks/results/prefill_profile_h100.md), so short prompts and chunks replay graphs like verifies.
-#: PDFLASH_PREFILL_GRAPHS=0: prefills eagerly, as before.
+#: Off by default until their GPU test has run (tests/test_gpu_verifier.py::test_prefill_graphs_give_the_eager_prefills_bits;
+#: the same padded forward is checked bit for bit under the interpreter): PDFLASH_PREFILL_GRAPHS=1 turns them on.
 PREFILL_BUCKETS = (32, 64, 128, 256, 512)
+
+
+def prefill_graphs_enabled() -> bool:
+    v = os.environ.get("PDFLASH_PREFILL_GRAPHS", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"PDFLASH_PREFILL_GRAPHS must be 0 or 1, got {v!r}")
+    return v == "1"
 
 #: transformers RoPE types whose cos/sin depend on the position alone (`modeling_rope_utils.ROPE_INIT_FUNCTIONS`; the
 #: `dynamic_rope_update` decorator rewrites inv_freq per call for "dynamic*" and "longrope", which keep the module)
@@ -447,7 +455,7 @@ class GraphRunner:
         self._graphs: dict[tuple, _Graph] = {}
         self.scratch_page = runner.pool.alloc(1)[0]  # where captures write; never handed to a session
         self._mempool = self._new_mempool()
-        self.prefill_buckets = PREFILL_BUCKETS if os.environ.get("PDFLASH_PREFILL_GRAPHS", "1") != "0" else ()
+        self.prefill_buckets = PREFILL_BUCKETS if prefill_graphs_enabled() else ()
 
     @staticmethod
     def _new_mempool():
@@ -543,8 +551,17 @@ class GraphRunner:
             self.reset()
             g = None
         if g is None:
-            g = self._graphs[key] = _Graph(self.runner, b, self.max_pages, tuple(feature_layers), self.scratch_page,
-                                           pool=self._mempool, last_only=True)
+            try:
+                g = _Graph(self.runner, b, self.max_pages, tuple(feature_layers), self.scratch_page, pool=self._mempool,
+                           last_only=True)
+            except Exception as e:  # noqa: BLE001 - a forward that cannot be captured still runs: eagerly, said once
+                from pdflash.logging import get_logger
+
+                get_logger("verifier.graphs").warning("a prefill graph could not be captured; prefills run eagerly",
+                                                      bucket=b, error=f"{type(e).__name__}: {e}")
+                self.prefill_buckets = ()
+                return None
+            self._graphs[key] = g
         g.set_inputs(tokens, start, seq)
         g.replay(n)
         return g.out
