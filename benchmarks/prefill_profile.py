@@ -44,13 +44,14 @@ def profiled_steps(core: VerifierCore, prompt: tuple[int, ...], chunk: int) -> l
                 done = False
                 while not done:
                     if timed:
+                        start, n = job.done, min(job.chunk, len(prompt) - job.done)
                         acts = [torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else torch.profiler.ProfilerActivity.CPU]
                         with torch.profiler.profile(activities=acts) as prof:
                             t0 = time.perf_counter()
                             done = job.step()
                             ms = (time.perf_counter() - t0) * 1e3
                         table, total = kernel_table(prof, 1)
-                        rows.append({"start": job.done - min(job.chunk, job.done), "rows": min(job.chunk, len(prompt)),
+                        rows.append({"start": start, "rows": n,
                                      "wall_ms": round(ms, 3), "kernel_us": round(total, 1), "families": families(table)[:12],
                                      "kernels": table[:12]})
                     else:
@@ -65,7 +66,7 @@ def profiled_steps(core: VerifierCore, prompt: tuple[int, ...], chunk: int) -> l
 
 def markdown(result: dict) -> str:
     lines = [f"# Prefill forwards by kernel family ({result['meta']['device_name']}, {result['meta']['date']})", "",
-             f"`{result['meta']['command']}`", ""]
+             ("`PDFLASH_PREFILL_GRAPHS=1 " if result["meta"].get("prefill_graphs") else "`") + f"{result['meta']['command']}`", ""]
     for r in result["rows"]:
         lines += [f"## {r['target']}: {r['form']} (rows {r['rows']} at start {r['start']}): wall {r['wall_ms']:.2f} ms, "
                   f"kernels {r['kernel_us'] / 1e3:.2f} ms", "", "| family | us | launches |", "|---|---|---|"]
@@ -88,6 +89,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bargs = argparse.Namespace(layers=args.layers, tiny=args.tiny, prompt_tokens=16, prompts=1, new_tokens=8, kernels="auto")
     result = {"meta": {"date": time.strftime("%Y-%m-%d"), "device": str(device),
+                             "prefill_graphs": os.environ.get("PDFLASH_PREFILL_GRAPHS", "0") == "1",
                        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
                        "command": "python benchmarks/prefill_profile.py " + " ".join(argv if argv is not None else sys.argv[1:])},
               "rows": []}

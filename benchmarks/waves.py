@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import sys
@@ -121,7 +122,7 @@ def prefill_rows(core: VerifierCore, name: str, vocab: int, tokens: int, chunks:
 
 def markdown(result: dict) -> str:
     m = result["meta"]
-    lines = [f"# Multi-session verify waves ({m['device_name']}, {m['date']})", "", f"`{m['command']}`", "",
+    lines = [f"# Multi-session verify waves ({m['device_name']}, {m['date']})", "", (f"`PDFLASH_PREFILL_GRAPHS=1 {m['command']}`" if m.get("prefill_graphs") else f"`{m['command']}`"), "",
              "| target | sessions | block | mode | decode tok/s | ms/round | forward_ms/round | speedup | identical |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"meta": {"date": time.strftime("%Y-%m-%d"), "device": str(device),
+                             "prefill_graphs": os.environ.get("PDFLASH_PREFILL_GRAPHS", "0") == "1",
                              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU",
                              "torch": torch.__version__, "block": args.block, "new_tokens": args.new_tokens,
                              "command": "python benchmarks/waves.py " + " ".join(argv if argv is not None else sys.argv[1:])},

@@ -275,6 +275,33 @@ def test_the_waves_benchmark_runs_on_the_cpu(tmp_path):
     assert rows[2]["speedup"] > 0 and not rows[2]["wave_forward"]
 
 
+def test_the_prefill_profile_runs_on_the_cpu(tmp_path):
+    """benchmarks/prefill_profile.py's smoke run: the demo target (transformers' cache on the CPU: a prompt is one
+    forward whatever the chunk), its forwards' ops by CPU time."""
+    import json
+
+    from benchmarks import prefill_profile
+
+    assert prefill_profile.main(["--device", "cpu", "--targets", "demo", "--tokens", "24", "--chunk", "8",
+                                 "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "prefill_profile_cpu.json").read_text())
+    assert [(r["form"], r["rows"], r["start"]) for r in result["rows"]] == [("whole", 24, 0), ("chunk 1 of 1", 24, 0)]
+    assert all(r["wall_ms"] > 0 and r["families"] for r in result["rows"]) and not result["meta"]["prefill_graphs"]
+    assert "Prefill forwards by kernel family" in (tmp_path / "prefill_profile_cpu.md").read_text()
+
+
+def test_prefill_graphs_are_off_unless_asked_and_the_switch_is_checked(monkeypatch):
+    from verifier_svc.runner import prefill_graphs_enabled
+
+    monkeypatch.delenv("PDFLASH_PREFILL_GRAPHS", raising=False)
+    assert not prefill_graphs_enabled()
+    monkeypatch.setenv("PDFLASH_PREFILL_GRAPHS", "1")
+    assert prefill_graphs_enabled()
+    monkeypatch.setenv("PDFLASH_PREFILL_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="PDFLASH_PREFILL_GRAPHS must be 0 or 1"):
+        prefill_graphs_enabled()
+
+
 # ---- the option, as a user sets it -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("value", ["0", "-2", "1.5", "many", "2000"])
