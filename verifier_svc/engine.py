@@ -291,10 +291,13 @@ class VerifierCore:
             out, rows = self.graphs.forward(ids, s.committed, s.kv, layers)
         elif self.graphs is not None:  # a prefill (or a chunk of one): its graph where a bucket holds it
             out, rows = self.graphs.forward_prefill(ids, s.committed, s.kv, layers), len(ids)
+        replayed = last_logits_only and out is not None
         if out is None:
             out, rows = self.runner.forward(ids, s.committed, s.kv, layers, last_only=last_logits_only), len(ids)
         logits = out.logits[: (1 if last_logits_only else rows)]
         feats = out.features[:rows] if out.features is not None else None
+        if replayed:  # a PrefillJob keeps these across its chunks, and the graph's output is the next replay's
+            logits, feats = logits.clone(), feats.clone() if feats is not None else None
         union = out.recorder.union(t.seam.num_experts, rows=rows)
         if t.device.type == "cuda":
             torch.cuda.synchronize(t.device)
