@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|confirm|waves|wavesbench|prefill|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|confirm|waves|wavesbench|prefill|prefillbench|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite (or SUITE_FILES), 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -63,14 +63,22 @@ if [[ " $STEPS " == *" wavesbench "* ]]; then  # benchmarks/waves.py: waves agai
   timeout ${WAVES_S:-540} python3 benchmarks/waves.py --out "$OUT" ${WAVES_ARGS:---prefill-tokens 2048} > "$OUT/waves.txt" 2>&1
   rc=$?; tail -24 "$OUT/waves.txt"; echo "waves bench: exit $rc" | tee -a "$OUT/waves.txt"
 fi
-if [[ " $STEPS " == *" prefill "* ]]; then  # stop 47: prefill CUDA graphs (PDFLASH_PREFILL_GRAPHS=1), never run on a GPU yet (not in `all`)
+if [[ " $STEPS " == *" prefill "* ]]; then  # stop 47: prefill CUDA graphs (PDFLASH_PREFILL_GRAPHS=1), never run on a GPU yet (not in `all`; ~7 min)
   timeout ${PREFILL_TESTS_S:-300} python3 -m pytest -v -s -rfE --tb=short -p no:cacheprovider --timeout=280 tests/test_gpu_verifier.py \
     -k "prefill_graphs or chunked or warmup or graphs_on_the_paged" > "$OUT/prefill_tests.txt" 2>&1
   rc=$?; grep -E "PASSED|FAILED|ERROR|^E |warm-up:" "$OUT/prefill_tests.txt" | head -20; echo "prefill tests: exit $rc" | tee -a "$OUT/prefill_tests.txt"
-  for g in 0 1; do  # the profile and the chunked prefill's figures without and with the prefill graphs
-    PDFLASH_PREFILL_GRAPHS=$g timeout ${PREFILL_S:-200} python3 benchmarks/prefill_profile.py --out "$OUT/graphs$g" 2>&1 | grep -E "^(qwen3|gptoss)"
-    PDFLASH_PREFILL_GRAPHS=$g timeout ${PREFILL_S:-200} python3 benchmarks/waves.py --sessions 1 --new-tokens 16 --prefill-tokens 2048 \
-      --chunks 128 256 512 --out "$OUT/graphs$g" 2>&1 | grep -E "^\| (qwen3|gptoss).*\| (whole|[0-9]+) \|"
+  for g in 0 1; do  # where a prefill forward's time goes without and with the prefill graphs (qwen3-8l)
+    mkdir -p "$OUT/graphs$g"
+    PDFLASH_PREFILL_GRAPHS=$g timeout ${PREFILL_S:-100} python3 benchmarks/prefill_profile.py --targets ${PREFILL_TARGETS:-qwen3-8l} \
+      --out "$OUT/graphs$g" 2>&1 | grep -E "^(qwen3|gptoss)"
+  done
+fi
+if [[ " $STEPS " == *" prefillbench "* ]]; then  # the chunked prefill's figures (benchmarks/waves.py) without and with prefill graphs (~7 min)
+  for g in 0 1; do
+    mkdir -p "$OUT/graphs$g"
+    PDFLASH_PREFILL_GRAPHS=$g timeout ${PREFILLBENCH_S:-200} python3 benchmarks/waves.py --sessions 1 --new-tokens 16 --prefill-tokens 2048 \
+      --chunks 128 256 512 --out "$OUT/graphs$g" > "$OUT/graphs$g/waves.txt" 2>&1
+    grep -E "^\| (qwen3|gptoss).*\| (whole|[0-9]+) \|" "$OUT/graphs$g/waves.txt" | sed "s/^/graphs=$g /"
   done
 fi
 if has tests; then
