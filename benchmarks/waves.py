@@ -13,7 +13,9 @@ once timed; prefills are outside the clock.
 
 Columns: decode tok/s (every session's tokens over the rounds' wall time), ms/round (one round = every live session
 verified once), forward_ms (the forwards' own time per round, summed over its forwards), speedup (waves over one
-after another at the same S), identical (every session's output equals its block-1 reference; the script exits 1
+after another at the same S), experts a layer (per round and MoE layer, the live sessions' routed experts summed, and
+their union: what one forward a session reads against what a wave reads), identical (every session's output equals
+its block-1 reference; the script exits 1
 otherwise). On transformers' cache (the CPU default) a wave is its verifies in turn, so its speedup is ~1 by design.
 
 Chunked prefill (`--prefill-tokens N --chunks C ...`): one prompt of N random tokens prefilled in one forward and in
@@ -58,6 +60,7 @@ def decode(core: VerifierCore, prompts, refs, new_tokens: int, block: int, waves
     sessions = list(live)
     rounds = tokens = 0
     forward_ms = 0.0
+    routed = [0, 0]  # per round and MoE layer: the sessions' routed experts summed, their union (what a wave reads)
     t0 = time.perf_counter()
     while any(not s["done"] for s in sessions):
         drafts = []
@@ -75,6 +78,12 @@ def decode(core: VerifierCore, prompts, refs, new_tokens: int, block: int, waves
         else:
             outs = [core.verify(d, return_features=False) for _, d in drafts]
             forward_ms += sum(o.forward_ms for o in outs)
+        layers: dict[int, list[frozenset]] = {}
+        for o in outs:
+            for layer, ids in ({} if isinstance(o, BaseException) else o.routed_union).items():
+                layers.setdefault(layer, []).append(ids)
+        routed[0] += sum(len(x) for sets in layers.values() for x in sets) / max(1, len(layers))
+        routed[1] += sum(len(frozenset().union(*sets)) for sets in layers.values()) / max(1, len(layers))
         for (s, _), o in zip(drafts, outs):
             if isinstance(o, BaseException):
                 raise o
@@ -85,6 +94,7 @@ def decode(core: VerifierCore, prompts, refs, new_tokens: int, block: int, waves
         rounds += 1
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "tokens": tokens, "rounds": rounds, "forward_ms": forward_ms,
+            "experts_summed": routed[0] / max(1, rounds), "experts_union": routed[1] / max(1, rounds),
             "outputs": [s["out"] for s in sessions]}
 
 
@@ -123,12 +133,13 @@ def prefill_rows(core: VerifierCore, name: str, vocab: int, tokens: int, chunks:
 def markdown(result: dict) -> str:
     m = result["meta"]
     lines = [f"# Multi-session verify waves ({m['device_name']}, {m['date']})", "", (f"`PDFLASH_PREFILL_GRAPHS=1 {m['command']}`" if m.get("prefill_graphs") else f"`{m['command']}`"), "",
-             "| target | sessions | block | mode | decode tok/s | ms/round | forward_ms/round | speedup | identical |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| target | sessions | block | mode | decode tok/s | ms/round | forward_ms/round | speedup | experts a layer: summed / union | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         speedup = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else ""
         lines.append(f"| {r['target']} | {r['sessions']} | {r['block']} | {r['mode']} | {r['tok_s']:.1f} | "
-                     f"{r['ms_per_round']:.2f} | {r['forward_ms_per_round']:.2f} | {speedup} | {r['identical']} |")
+                     f"{r['ms_per_round']:.2f} | {r['forward_ms_per_round']:.2f} | {speedup} | "
+                     f"{r.get('experts_summed', 0):.1f} / {r.get('experts_union', 0):.1f} | {r['identical']} |")
     if result.get("prefill"):
         lines += ["", "| target | prompt tokens | chunk | forwards | prefill ms | longest forward ms | same first token |",
                   "|---|---|---|---|---|---|---|"]
@@ -186,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"target": t.name, "experts": how, "sessions": n, "block": args.block, "mode": mode,
                        "tok_s": r["tokens"] / r["wall_s"], "ms_per_round": r["wall_s"] * 1e3 / r["rounds"],
                        "forward_ms_per_round": r["forward_ms"] / r["rounds"], "rounds": r["rounds"],
+                       "experts_summed": r["experts_summed"], "experts_union": r["experts_union"],
                        "tokens": r["tokens"], "identical": identical, "wave_forward": core.wave_forward}
                 if mode == "waves" and base is not None:
                     row["speedup"] = row["tok_s"] / base["tok_s"]

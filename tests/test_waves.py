@@ -273,6 +273,9 @@ def test_the_waves_benchmark_runs_on_the_cpu(tmp_path):
     assert [(r["sessions"], r["mode"]) for r in rows] == [(1, "one after another"), (2, "one after another"), (2, "waves")]
     assert all(r["identical"] and r["tokens"] == 5 * r["sessions"] for r in rows)  # (the first token is the prefill's)
     assert rows[2]["speedup"] > 0 and not rows[2]["wave_forward"]
+    # the routed experts a round: one session's union is its own set; two sessions' union is at most their sum
+    assert rows[0]["experts_union"] == rows[0]["experts_summed"] > 0
+    assert 0 < rows[2]["experts_union"] <= rows[2]["experts_summed"]
 
 
 def test_the_prefill_profile_runs_on_the_cpu(tmp_path):
