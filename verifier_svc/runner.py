@@ -465,9 +465,10 @@ class GraphRunner:
         forward runs at a time and each replay's output is read (the verifier syncs and copies it out) before the next
         replay of any graph: a graph's output may sit in memory another graph's capture reused. PDFLASH_GRAPH_POOL=own
         gives each graph a pool of its own (the memory A/B)."""
-        if os.environ.get("PDFLASH_GRAPH_POOL", "shared") == "own":
-            return None
-        return torch.cuda.graph_pool_handle()
+        mode = os.environ.get("PDFLASH_GRAPH_POOL", "shared")
+        if mode not in ("shared", "own"):
+            raise ValueError(f"PDFLASH_GRAPH_POOL must be shared or own, got {mode!r}")
+        return torch.cuda.graph_pool_handle() if mode == "shared" else None
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
