@@ -64,9 +64,10 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--prefill-chunk", type=_number, default=0, metavar="TOKENS",
                    help="prompt tokens one prefill forward takes on the paged KV (0 = the whole prompt): verifies waiting "
                         "for the device run between a long prompt's chunks; the output is the same either way")
-    v.add_argument("--max-wave-sessions", type=_number, default=1, metavar="N",
+    v.add_argument("--max-wave-sessions", type=_number, default=0, metavar="N",
                    help="multi-session verify waves: the verifies of up to N sessions waiting for the device share one "
-                        "forward (on the paged KV, each session's answer bit-identical to its own verify's); 1 = off")
+                        "forward (on the paged KV, each session's answer bit-identical to its own verify's); 1 = off; "
+                        "0 (default) = auto: 8 on CUDA, 1 on a CPU")
     v.add_argument("--warmup", default="auto", nargs="?", const="on", type=switch_value, choices=list(SWITCH),
                    help="before the verifier serves, run short prefills and a verify per CUDA-graph bucket (with and "
                         "without the DFlash drafter's feature layers) and release them, so the first request pays no "
@@ -162,7 +163,7 @@ def _check_stack_args(args) -> None:
                                                       "max_wave_sessions", "prefill_chunk")}
     v = [int_violation(n, getattr(args, n), 1, 65535) for n in ("port", "scheduler_port", "verifier_port")]
     if hasattr(args, "max_wave_sessions"):
-        v.append(int_violation("max_wave_sessions", args.max_wave_sessions, 1, 1024))
+        v.append(int_violation("max_wave_sessions", args.max_wave_sessions, 0, 1024))
         v.append(int_violation("prefill_chunk", args.prefill_chunk, 0, 1 << 20))
     if hasattr(args, "max_crashes"):
         v.append(int_violation("max_crashes", args.max_crashes, 1, 1_000_000))
@@ -231,7 +232,7 @@ def _verifier_args(args) -> list[str]:
     for flag, default in (("device", "auto"), ("dtype", "auto"), ("kernels", "auto"), ("experts", "native"), ("expert_cache_gb", 0.0),
                           ("expert_prefetch", "union,layer"), ("expert_cache_mode", "device"), ("expert_eviction", "lru"),
                           ("expert_arrival_share", 0.5), ("expert_guess_width", 0), ("expert_fill_overlap", True),
-                          ("max_wave_sessions", 1), ("prefill_chunk", 0), ("warmup", "auto")):
+                          ("max_wave_sessions", 0), ("prefill_chunk", 0), ("warmup", "auto")):
         value = getattr(args, flag, default)
         if value != default:
             out += _flag(flag, value).split(" ", 1)

@@ -307,7 +307,7 @@ def test_prefill_graphs_are_off_unless_asked_and_the_switch_is_checked(monkeypat
 
 # ---- the option, as a user sets it -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value", ["0", "-2", "1.5", "many", "2000"])
+@pytest.mark.parametrize("value", ["-2", "1.5", "many", "2000"])
 def test_up_refuses_a_wave_size_that_is_not_a_session_count(value, capsys):
     from pdflash import cli
 
@@ -320,12 +320,17 @@ def test_up_passes_the_wave_size_to_the_verifier_and_the_verifier_checks_it():
     from pdflash.config import ConfigError
     from verifier_svc.config import VerifierConfig
 
-    assert "--max-wave-sessions" not in _spec(build_parser().parse_args(["up"])).verifier_args  # the default, 1: off
-    spec = _spec(build_parser().parse_args(["up", "--max-wave-sessions", "8"]))
-    assert spec.verifier_args[-2:] == ["--max-wave-sessions", "8"]
-    assert VerifierConfig().max_wave_sessions == 1
-    with pytest.raises(ConfigError, match="--max-wave-sessions must be >= 1"):
-        VerifierConfig(max_wave_sessions=0).validate()
+    assert "--max-wave-sessions" not in _spec(build_parser().parse_args(["up"])).verifier_args  # the default, 0: auto
+    for n in ("8", "1"):
+        spec = _spec(build_parser().parse_args(["up", "--max-wave-sessions", n]))
+        assert spec.verifier_args[-2:] == ["--max-wave-sessions", n]
+    cfg = VerifierConfig()
+    assert cfg.max_wave_sessions == 0 and cfg.wave_sessions("cuda") == 8 and cfg.wave_sessions("cpu") == 1
+    assert VerifierConfig(max_wave_sessions=3).wave_sessions("cuda") == VerifierConfig(max_wave_sessions=3).wave_sessions("cpu") == 3
+    VerifierConfig(max_wave_sessions=0).validate()
+    for bad in (-1, 1025):
+        with pytest.raises(ConfigError, match="--max-wave-sessions .*a session count 1..1024, or 0 = auto"):
+            VerifierConfig(max_wave_sessions=bad).validate()
     spec = _spec(build_parser().parse_args(["up", "--prefill-chunk", "256"]))
     assert spec.verifier_args[-2:] == ["--prefill-chunk", "256"] and VerifierConfig().prefill_chunk == 0
     with pytest.raises(ConfigError, match="--prefill-chunk -1: must be >= 0"):

@@ -7,6 +7,9 @@ import pathlib
 
 from pdflash.config import ConfigError, ServerOptions, option
 
+#: --max-wave-sessions auto (0) on CUDA: the sessions measured (benchmarks/waves.py --sessions 1 2 4 8)
+AUTO_WAVE_SESSIONS = 8
+
 
 @dataclasses.dataclass
 class VerifierConfig(ServerOptions):
@@ -36,7 +39,7 @@ class VerifierConfig(ServerOptions):
     session_ttl_s: float = option(120.0, "an idle session is ended after this many seconds")
     max_block_size: int = option(32, "largest verify block (anchor + drafts)")
     prefill_chunk: int = option(0, "prompt tokens one prefill forward takes on the paged KV (0 = the whole prompt at once): between a long prompt's chunks the verifies waiting for the device run, so sessions already decoding are not stalled behind it; the session is bit-identical either way")
-    max_wave_sessions: int = option(1, "multi-session verify waves: the Verify calls of up to this many sessions that wait for the device share one forward (on the paged KV: one ragged forward, each session's answer bit-identical to a verify of its own; on transformers' cache: one after another); 1 = each verify its own forward")
+    max_wave_sessions: int = option(0, "multi-session verify waves: the Verify calls of up to this many sessions that wait for the device share one forward (on the paged KV: one ragged forward, each session's answer bit-identical to a verify of its own; on transformers' cache: one after another); 1 = each verify its own forward; 0 = auto: 8 on CUDA, 1 on a CPU")
     max_tokens_limit: int = option(4096, "largest max_tokens a request may ask for")
     max_pending: int = option(128, "Prefill/Verify calls waiting for the device at once; beyond it RESOURCE_EXHAUSTED with a retry delay")
     metrics_port: int = option(9103, "Prometheus /metrics HTTP port (0 = any free port, -1 = off)")
@@ -68,6 +71,15 @@ class VerifierConfig(ServerOptions):
         if self.inline_verify == "off":
             return False
         return device_type == "cpu" and verify_threads == 1
+
+    def wave_sessions(self, device_type: str) -> int:
+        """--max-wave-sessions resolved: 0 (auto) = AUTO_WAVE_SESSIONS on CUDA, where a wave is one ragged forward that
+        reads each weight once for all its sessions (H100, block 8, 8 sessions: 3.67x the tok/s of one verify after
+        another on gptoss-24l, 2.03x on qwen3-8l; benchmarks/results/waves_h100.md), 1 on a CPU (transformers' cache:
+        a wave would be its verifies one after another). A lone waiting call is a plain verify either way."""
+        if self.max_wave_sessions:
+            return self.max_wave_sessions
+        return AUTO_WAVE_SESSIONS if device_type == "cuda" else 1
 
     def warmup_wanted(self, device_type: str) -> bool:
         """Whether the verifier warms up before serving (verifier_svc.warmup). auto: on CUDA, where a first request
@@ -137,8 +149,10 @@ class VerifierConfig(ServerOptions):
             raise ConfigError(f"--prefill-chunk {self.prefill_chunk}: must be >= 0 (0 = the whole prompt in one forward)")
         if self.prefill_threads < 0:
             raise ConfigError(f"--prefill-threads {self.prefill_threads}: must be >= 0 (0 = as --torch-threads)")
-        for name in ("max_sessions", "max_block_size", "max_tokens_limit", "max_pending", "max_wave_sessions"):
+        for name in ("max_sessions", "max_block_size", "max_tokens_limit", "max_pending"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 <= self.max_wave_sessions <= 1024:
+            raise ConfigError(f"--max-wave-sessions {self.max_wave_sessions}: a session count 1..1024, or 0 = auto")
         if self.session_ttl_s <= 0:
             raise ConfigError("--session-ttl-s must be > 0")

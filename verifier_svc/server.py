@@ -83,7 +83,10 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         core = await torch_thread.run(VerifierCore, target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size,
                                       cfg.max_tokens_limit, prefill_threads=prefill_threads,
                                       paged_kv=PagedKVOptions(cfg.paged_kv, cfg.kv_cache_gb, cfg.cuda_graphs),
-                                      max_wave_sessions=cfg.max_wave_sessions, prefill_chunk=cfg.prefill_chunk)
+                                      max_wave_sessions=cfg.wave_sessions(target.device.type),
+                                      prefill_chunk=cfg.prefill_chunk)
+        if cfg.max_wave_sessions == 0 and not core.wave_forward:  # auto: waves only where they are one forward
+            core.max_wave_sessions = 1
         if cfg.verify_inline(target.device.type, threads):  # threads: the verify forwards' count in effect
             if target.device.type == "cpu":
                 torch.set_num_threads(threads)  # OpenMP's thread count is per thread: this one's, as the torch thread's
