@@ -288,31 +288,34 @@ def test_warmup_leaves_a_clean_verifier_whose_first_request_equals_its_second(co
     left, every KV page is back; the first request after it equals the second and the eager reference. With offloaded
     experts (the device-managed cache) the counters read zero after it and the first request's counters are its own."""
     import functools
+    import os
 
     from verifier_svc.engine import PagedKVOptions, VerifierCore
     from verifier_svc.expert_cache import CacheStats
     from verifier_svc.model import load_target
     from verifier_svc.runner import BUCKETS
-    from verifier_svc.warmup import block_sizes, warm
+    from verifier_svc.warmup import block_sizes, warm, wave_blocks
 
     t = core.target
     layers = (0, t.num_layers - 1)
     prompt = _prompts(t.vocab_size, 1)[0]
     want = _run(core.eager, prompt, _no_drafts)
-    import os
-
     os.environ["PDFLASH_PREFILL_GRAPHS"] = "1"  # (read when the core's GraphRunner is made)
     try:
-        fresh = VerifierCore(t, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2))
+        fresh = VerifierCore(t, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2),
+                             max_wave_sessions=8)  # (the server's default on CUDA: --max-wave-sessions auto)
     finally:
         del os.environ["PDFLASH_PREFILL_GRAPHS"]
     assert fresh.graphs.prefill_buckets
     free = fresh.pool.free_pages
     report = warm(fresh, layers)
-    assert report.verifies == 2 * len(block_sizes(32)) and fresh.warmup_seconds == report.seconds > 0
+    wave_items = sum(len(blocks) for blocks in wave_blocks(8, 32))
+    assert report.verifies == 2 * (len(block_sizes(32)) + wave_items) and fresh.warmup_seconds == report.seconds > 0
     assert len(fresh.sessions) == 0 and fresh.pool.free_pages == free
     assert {(b, layers) for b in BUCKETS} | {(b, ()) for b in BUCKETS} <= set(fresh.graphs._graphs)
     assert {("prefill", b, f) for b in fresh.graphs.prefill_buckets for f in ((), layers)} <= set(fresh.graphs._graphs)
+    waves = {("wave", sum(blocks), f) for blocks in wave_blocks(8, 32) for f in ((), layers)}
+    assert waves and waves <= set(fresh.graphs._graphs)  # one wave graph a bucket, captured by the warm-up's waves
     print(f"warm-up: {report.seconds:.1f} s, {report.prefills} prefills, the allocator's reserve grew {report.reserved_mb:.0f} MiB")
     drafts = _replay(want, 4, t.vocab_size)
     assert _run(fresh, prompt, drafts, width=16) == _run(fresh, prompt, drafts, width=16) == want
