@@ -300,9 +300,30 @@ def test_prefill_graphs_are_off_unless_asked_and_the_switch_is_checked(monkeypat
     assert not prefill_graphs_enabled()
     monkeypatch.setenv("PDFLASH_PREFILL_GRAPHS", "1")
     assert prefill_graphs_enabled()
-    monkeypatch.setenv("PDFLASH_PREFILL_GRAPHS", "yes")
-    with pytest.raises(ValueError, match="PDFLASH_PREFILL_GRAPHS must be 0 or 1"):
+    monkeypatch.setenv("PDFLASH_PREFILL_GRAPHS", "maybe")
+    with pytest.raises(ValueError, match="PDFLASH_PREFILL_GRAPHS: 0 or 1"):
         prefill_graphs_enabled()
+
+
+def test_up_passes_prefill_graphs_to_the_verifier_and_its_config_reads_them(monkeypatch):
+    import argparse
+
+    from pdflash.cli import _spec, build_parser
+    from pdflash.config import add_arguments, from_sources
+    from verifier_svc.config import VerifierConfig
+
+    def parse(argv, env):
+        p = argparse.ArgumentParser()
+        add_arguments(p, VerifierConfig)
+        return from_sources(VerifierConfig, p.parse_args(argv), env=env)
+
+    assert "--prefill-graphs" not in _spec(build_parser().parse_args(["up"])).verifier_args  # the default: off
+    args = _spec(build_parser().parse_args(["up", "--prefill-graphs"])).verifier_args
+    assert args[-1] == "--prefill-graphs"
+    assert VerifierConfig().prefill_graphs is False
+    assert parse(args[-1:], {}).prefill_graphs is True  # what the stack passes, the verifier reads
+    assert parse([], {"PDFLASH_PREFILL_GRAPHS": "1"}).prefill_graphs is True
+    assert parse([], {"PDFLASH_PREFILL_GRAPHS": "0"}).prefill_graphs is False
 
 
 # ---- the option, as a user sets it -----------------------------------------------------------------------------

@@ -52,6 +52,7 @@ class PagedKVOptions:
     kv_cache_gb: float = 0.0  # 0 = a quarter of the device's free memory on CUDA, 0.25 GiB on a CPU
     graphs: bool = True
     capture_at_load: bool = True  # capture every bucket's graph at load, not on its first use
+    prefill_graphs: bool | None = None  # prefills from CUDA graphs (runner.PREFILL_BUCKETS); None = PDFLASH_PREFILL_GRAPHS
 
     def enabled(self, target: TargetModel) -> bool:
         if self.mode == "off":
@@ -154,7 +155,8 @@ class VerifierCore:
                  kv_pages=pages)
         # offloaded experts sync once per layer (which experts to fetch): one graph per stretch between them
         if opts.graphs and t.device.type == "cuda":
-            self.graphs = GraphRunner(self.runner, (t.max_context + PAGE - 1) // PAGE, wave_sessions=self.max_wave_sessions)
+            self.graphs = GraphRunner(self.runner, (t.max_context + PAGE - 1) // PAGE, wave_sessions=self.max_wave_sessions,
+                                      prefill_graphs=opts.prefill_graphs)
             if opts.capture_at_load:  # the buckets of drafts without features (a drafter's feature layers: on first use)
                 t0 = time.perf_counter()
                 n = self.graphs.capture(max_rows=self.max_block_size)

@@ -39,10 +39,14 @@ PREFILL_BUCKETS = (32, 64, 128, 256, 512)
 
 
 def prefill_graphs_enabled() -> bool:
-    v = os.environ.get("PDFLASH_PREFILL_GRAPHS", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"PDFLASH_PREFILL_GRAPHS must be 0 or 1, got {v!r}")
-    return v == "1"
+    """PDFLASH_PREFILL_GRAPHS as a boolean (what a core made without PagedKVOptions.prefill_graphs uses: benchmarks,
+    tests; the server passes --prefill-graphs, read from the same variable by VerifierConfig)."""
+    from pdflash.config import ConfigError, _parse
+
+    try:
+        return bool(_parse(os.environ.get("PDFLASH_PREFILL_GRAPHS", "0"), bool, "PDFLASH_PREFILL_GRAPHS"))
+    except ConfigError as e:
+        raise ValueError(f"{e} (PDFLASH_PREFILL_GRAPHS: 0 or 1)") from None
 
 #: transformers RoPE types whose cos/sin depend on the position alone (`modeling_rope_utils.ROPE_INIT_FUNCTIONS`; the
 #: `dynamic_rope_update` decorator rewrites inv_freq per call for "dynamic*" and "longrope", which keep the module)
@@ -449,13 +453,15 @@ class GraphRunner:
     a host-managed cache need a host step per layer: one graph per layer then (_SegmentedGraph); a device-managed
     cache (verifier_svc.device_cache) is captured whole like resident experts."""
 
-    def __init__(self, runner: ForwardRunner, max_pages: int, buckets=BUCKETS, wave_sessions: int = 8):
+    def __init__(self, runner: ForwardRunner, max_pages: int, buckets=BUCKETS, wave_sessions: int = 8,
+                 prefill_graphs: bool | None = None):
         self.runner, self.max_pages, self.buckets = runner, max_pages, tuple(sorted(buckets))
         self.wave_sessions = wave_sessions  # the most sequences a captured wave holds (VerifierCore's max_wave_sessions)
         self._graphs: dict[tuple, _Graph] = {}
         self.scratch_page = runner.pool.alloc(1)[0]  # where captures write; never handed to a session
         self._mempool = self._new_mempool()
-        self.prefill_buckets = PREFILL_BUCKETS if prefill_graphs_enabled() else ()
+        on = prefill_graphs_enabled() if prefill_graphs is None else prefill_graphs
+        self.prefill_buckets = PREFILL_BUCKETS if on else ()
 
     @staticmethod
     def _new_mempool():

@@ -82,7 +82,8 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         # on the torch thread: on CUDA it captures the verify forward's graphs (seconds; health answers meanwhile)
         core = await torch_thread.run(VerifierCore, target, cfg.max_sessions, cfg.session_ttl_s, cfg.max_block_size,
                                       cfg.max_tokens_limit, prefill_threads=prefill_threads,
-                                      paged_kv=PagedKVOptions(cfg.paged_kv, cfg.kv_cache_gb, cfg.cuda_graphs),
+                                      paged_kv=PagedKVOptions(cfg.paged_kv, cfg.kv_cache_gb, cfg.cuda_graphs,
+                                                              prefill_graphs=cfg.prefill_graphs),
                                       max_wave_sessions=cfg.wave_sessions(target.device.type),
                                       prefill_chunk=cfg.prefill_chunk)
         if cfg.max_wave_sessions == 0 and not core.wave_forward:  # auto: waves only where they are one forward
