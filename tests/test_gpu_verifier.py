@@ -212,6 +212,29 @@ def test_the_bucket_graphs_share_one_memory_pool(core, monkeypatch):
     assert 0 < shared < own, (own, shared)
 
 
+def test_a_wave_graph_that_fails_to_capture_leaves_waves_eager_and_exact(core, monkeypatch):
+    """Waves are on by default on CUDA: a wave graph whose capture fails (here: made to) is logged once and the waves run
+    eagerly from then on, each session still its solo run's."""
+    from verifier_svc import runner as runner_mod
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("capture refused (test)")
+
+    fresh = VerifierCore(core.target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=1),
+                         max_wave_sessions=4)
+    monkeypatch.setattr(runner_mod, "_WaveGraph", refuse)
+    vocab = core.target.vocab_size
+    prompts = _prompts(vocab, 2)
+    solo = [_run(core, p, _no_drafts) for p in prompts]
+    sessions = [Session(fresh, p, _replay(solo[i], 4, vocab), 8, False) for i, p in enumerate(prompts)]
+    run_in_waves(fresh, sessions)
+    assert [s.out for s in sessions] == solo
+    assert fresh.graphs.wave_graphs is False and not any(k[0] == "wave" for k in fresh.graphs._graphs)
+    del fresh, sessions
+    torch.cuda.empty_cache()
+
+
 def test_a_chunked_prefill_decodes_as_the_one_go_prefill(core):
     """--prefill-chunk on CUDA at real shapes: prompts prefilled 16 tokens a forward (the last chunk shorter) decode
     token for token as after a one-go prefill."""

@@ -448,6 +448,16 @@ class _SegmentedGraph(_Graph):
                 after_layer(cache, layer, guess)
 
 
+def _graph_failed(kind: str, bucket: int, e: BaseException) -> None:
+    """A graph that could not be captured: said once, in the log (its forwards then run eagerly, with the same bits)."""
+    from pdflash.logging import get_logger
+
+    get_logger("verifier.graphs").warning(f"a {kind} graph could not be captured; {kind} forwards run eagerly from now on",
+                                          bucket=bucket, error=f"{type(e).__name__}: {e}")
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # (a failed capture's stream work settles before the eager forward)
+
+
 class GraphRunner:
     """Bucketed CUDA graphs of the verify forward; falls back to eager beyond the largest bucket. Experts offloaded to
     a host-managed cache need a host step per layer: one graph per layer then (_SegmentedGraph); a device-managed
@@ -462,6 +472,7 @@ class GraphRunner:
         self._mempool = self._new_mempool()
         on = prefill_graphs_enabled() if prefill_graphs is None else prefill_graphs
         self.prefill_buckets = PREFILL_BUCKETS if on else ()
+        self.wave_graphs = True  # False once a wave graph failed to capture: waves then run eagerly (the same bits)
 
     @staticmethod
     def _new_mempool():
@@ -508,7 +519,8 @@ class GraphRunner:
         starts = wave_starts([len(t) for t, _, _ in items])
         b = next((r for r in WAVE_BUCKETS if r >= starts[-1]), None)
         host_cache = any(not getattr(cache, "device_managed", False) for _, cache in _served_by(self.runner.model))
-        if b is None or len(items) > self.wave_sessions or max(len(t) for t, _, _ in items) > self.buckets[-1] or host_cache:
+        if (b is None or not self.wave_graphs or len(items) > self.wave_sessions
+                or max(len(t) for t, _, _ in items) > self.buckets[-1] or host_cache):
             return self.runner.forward_wave(items, feature_layers), starts
         key = ("wave", b, tuple(feature_layers))
         g = self._graphs.get(key)
@@ -517,8 +529,14 @@ class GraphRunner:
             g = None
         if g is None:
             # (a wave of b rows holds at most b sequences of at most b rows each: smaller grids for small buckets)
-            g = self._graphs[key] = _WaveGraph(self.runner, b, min(self.wave_sessions, b), min(self.buckets[-1], b),
-                                               self.max_pages, tuple(feature_layers), self.scratch_page, self._mempool)
+            try:
+                g = _WaveGraph(self.runner, b, min(self.wave_sessions, b), min(self.buckets[-1], b), self.max_pages,
+                               tuple(feature_layers), self.scratch_page, self._mempool)
+            except Exception as e:  # noqa: BLE001 - waves are on by default on CUDA: a capture failure must not fail them
+                _graph_failed("wave", b, e)
+                self.wave_graphs = False
+                return self.runner.forward_wave(items, feature_layers), starts
+            self._graphs[key] = g
         for tokens, start, seq in items:
             seq.reserve(start + len(tokens))
         g.set_wave_inputs(items)
@@ -562,10 +580,7 @@ class GraphRunner:
                 g = _Graph(self.runner, b, self.max_pages, tuple(feature_layers), self.scratch_page, pool=self._mempool,
                            last_only=True)
             except Exception as e:  # noqa: BLE001 - a forward that cannot be captured still runs: eagerly, said once
-                from pdflash.logging import get_logger
-
-                get_logger("verifier.graphs").warning("a prefill graph could not be captured; prefills run eagerly",
-                                                      bucket=b, error=f"{type(e).__name__}: {e}")
+                _graph_failed("prefill", b, e)
                 self.prefill_buckets = ()
                 return None
             self._graphs[key] = g
