@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|confirm|waves|wavesbench|prefill|prefillbench|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|confirm|waves|wavesbench|prefill|prefillbench|loadwaves|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite (or SUITE_FILES), 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -79,6 +79,13 @@ if [[ " $STEPS " == *" prefillbench "* ]]; then  # the chunked prefill's figures
     PDFLASH_PREFILL_GRAPHS=$g timeout ${PREFILLBENCH_S:-200} python3 benchmarks/waves.py --sessions 1 --new-tokens 16 --prefill-tokens 2048 \
       --chunks 128 256 512 --out "$OUT/graphs$g" > "$OUT/graphs$g/waves.txt" 2>&1
     grep -E "^\| (qwen3|gptoss).*\| (whole|[0-9]+) \|" "$OUT/graphs$g/waves.txt" | sed "s/^/graphs=$g /"
+  done
+fi
+if [[ " $STEPS " == *" loadwaves "* ]]; then  # concurrent clients through gRPC, verify waves off (1) and at their CUDA default (0 = auto, 8) (~6 min; not in `all`)
+  python3 -c "from pdflash.tiny import make_real_shape_checkpoint as m; m('/tmp/q8l', 'qwen3_moe', num_layers=8, device='cuda')" > /dev/null 2>&1
+  for w in 1 0; do
+    timeout ${LOADWAVES_S:-170} python3 benchmarks/load.py --model /tmp/q8l --clients ${LOADWAVES_CLIENTS:-1,8} --requests 2 \
+      --max-tokens 64 --drafters ngram --verifier-args "--max-wave-sessions $w" --out "$OUT/load_waves$w.json" 2>&1 | tail -5
   done
 fi
 if has tests; then

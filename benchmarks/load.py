@@ -10,6 +10,7 @@ counts n gaps of g/n (a verify round's tokens share its latency, as in the draft
     python benchmarks/load.py [--clients 1,8,32 --requests 4 --max-tokens 48 --drafters ngram,none,hybrid]
     python benchmarks/load.py --model DIR [--drafter DIR]          # another checkpoint
     python benchmarks/load.py --target HOST:PORT --scheduler HOST:PORT --verifier HOST:PORT --model DIR
+    python benchmarks/load.py --verifier-args "--max-wave-sessions 1"   # verify waves off (on CUDA they are on by default)
 
 Each concurrency level in --clients runs in turn against the same stack. Without --target a stack is
 started on free loopback ports (the default model: the embedded demo pair, else a tiny random
@@ -27,6 +28,7 @@ import json
 import os
 import pathlib
 import platform
+import shlex
 import sys
 import time
 
@@ -271,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token", default=os.environ.get("PDFLASH_AUTH_TOKEN", ""), help="bearer token [env PDFLASH_AUTH_TOKEN]")
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--time-limit", type=float, default=600.0, help="each concurrency level, seconds")
+    ap.add_argument("--verifier-args", default="", help="more options for a started stack's verifier, as one string "
+                    "(e.g. \"--max-wave-sessions 1\": the A/B of multi-session verify waves)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "load.json"))
     args = ap.parse_args(argv)
     try:
@@ -306,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             model=model, drafter=drafter_dir, no_dflash=not drafter_dir, drafter_port=ports[0], scheduler_port=ports[1],
             verifier_port=ports[2], metrics_ports=(-1, -1, -1), log_dir=str(log_dir),
             drafter_args=["--max-concurrent", str(max(64, *levels))],
-            verifier_args=["--max-sessions", str(max(64, *levels))],
+            verifier_args=["--max-sessions", str(max(64, *levels)), *shlex.split(args.verifier_args)],
         )
         stack = Stack(spec).start()
         stack.wait_ready(300)
@@ -325,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         if stack is not None:
             stack.stop()
     cfg = dict(clients=levels, requests_per_client=args.requests, max_tokens=args.max_tokens, drafters=drafters,
-               model=model, drafter=drafter_dir, target=args.target or "started on loopback")
+               model=model, drafter=drafter_dir, target=args.target or "started on loopback",
+               verifier_args=args.verifier_args)
     print(f"load: {args.requests} requests per client, max_tokens {args.max_tokens}, drafters {','.join(drafters)}, "
           f"model {model}")
     print(table(runs))
