@@ -70,7 +70,7 @@ if [[ " $STEPS " == *" prefill "* ]]; then  # stop 47: prefill CUDA graphs (PDFL
   for g in 0 1; do  # where a prefill forward's time goes without and with the prefill graphs (qwen3-8l)
     mkdir -p "$OUT/graphs$g"
     PDFLASH_PREFILL_GRAPHS=$g timeout ${PREFILL_S:-100} python3 benchmarks/prefill_profile.py --targets ${PREFILL_TARGETS:-qwen3-8l} \
-      --out "$OUT/graphs$g" 2>&1 | grep -E "^(qwen3|gptoss)"
+      --host-profile --out "$OUT/graphs$g" 2>&1 | grep -E "^(qwen3|gptoss)"
   done
 fi
 if [[ " $STEPS " == *" prefillbench "* ]]; then  # the chunked prefill's figures (benchmarks/waves.py) without and with prefill graphs (~7 min)

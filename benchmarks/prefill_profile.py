@@ -64,6 +64,35 @@ def profiled_steps(core: VerifierCore, prompt: tuple[int, ...], chunk: int) -> l
         core.prefill_chunk = 0
 
 
+def host_profile(core: VerifierCore, prompt: tuple[int, ...], chunk: int, top: int = 30) -> dict:
+    """Where the host's time goes in one prefill step (the first chunk, or the whole prompt), by cProfile: the
+    functions by their own time (ms), with their calls; the step's wall ms under the profiler beside it."""
+    import cProfile
+    import pstats
+
+    core.prefill_chunk = chunk
+    try:
+        job = core.start_prefill(PrefillInput("prefill", prompt, SamplingParams(), 1, ignore_eos=True))
+        rows = min(job.chunk, len(prompt))  # (on transformers' cache a prompt is one step whatever the chunk)
+        try:
+            pr = cProfile.Profile()
+            t0 = time.perf_counter()
+            pr.enable()
+            job.step()
+            pr.disable()
+            wall = (time.perf_counter() - t0) * 1e3
+        finally:
+            job.close()
+    finally:
+        core.prefill_chunk = 0
+    stats = pstats.Stats(pr).stats
+    funcs = sorted(((tt, nc, ct, f"{pathlib.Path(fn).name}:{line}({name})") for (fn, line, name), (_, nc, tt, ct, _) in
+                    stats.items()), reverse=True)
+    return {"rows": rows, "wall_ms": round(wall, 2),
+            "functions": [{"function": f, "self_ms": round(tt * 1e3, 3), "cum_ms": round(ct * 1e3, 3), "calls": nc}
+                          for tt, nc, ct, f in funcs[:top]]}
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Prefill forwards by kernel family ({result['meta']['device_name']}, {result['meta']['date']})", "",
              ("`PDFLASH_PREFILL_GRAPHS=1 " if result["meta"].get("prefill_graphs") else "`") + f"{result['meta']['command']}`", ""]
@@ -71,6 +100,11 @@ def markdown(result: dict) -> str:
         lines += [f"## {r['target']}: {r['form']} (rows {r['rows']} at start {r['start']}): wall {r['wall_ms']:.2f} ms, "
                   f"kernels {r['kernel_us'] / 1e3:.2f} ms", "", "| family | us | launches |", "|---|---|---|"]
         lines += [f"| {f['family']} | {f['us_per_forward']:.0f} | {f['launches_per_forward']:.0f} |" for f in r["families"]]
+        lines += [""]
+    for h in result.get("host", []):
+        lines += [f"## {h['target']}: host time of one prefill step ({h['rows']} rows; cProfile, wall {h['wall_ms']:.1f} ms "
+                  "under it)", "", "| function | self ms | cumulative ms | calls |", "|---|---|---|---|"]
+        lines += [f"| `{f['function']}` | {f['self_ms']:.2f} | {f['cum_ms']:.2f} | {f['calls']} |" for f in h["functions"]]
         lines += [""]
     return "\n".join(lines)
 
@@ -83,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=0)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also cProfile one prefill step (a chunk's rows) on the host: where an eager forward's host time goes")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -92,7 +128,7 @@ def main(argv=None) -> int:
                              "prefill_graphs": os.environ.get("PDFLASH_PREFILL_GRAPHS", "0") == "1",
                        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
                        "command": "python benchmarks/prefill_profile.py " + " ".join(argv if argv is not None else sys.argv[1:])},
-              "rows": []}
+              "rows": [], "host": []}
     for name in args.targets:
         t = build(name, bargs, device, dtype)
         target, _ = serve(t, bargs, device)
@@ -111,6 +147,11 @@ def main(argv=None) -> int:
                 result["rows"].append({"target": t.name, "form": form, **r})
                 print(f"{t.name} {form}: wall {r['wall_ms']:.2f} ms, kernels {r['kernel_us'] / 1e3:.2f} ms; "
                       + ", ".join(f"{f['family'][:40]} {f['us_per_forward']:.0f}" for f in r["families"][:5]), flush=True)
+        if args.host_profile:
+            h = host_profile(core, prompt, args.chunk)
+            result["host"].append({"target": t.name, **h})
+            print(f"{t.name} host ({h['rows']} rows, wall {h['wall_ms']:.1f} ms): "
+                  + ", ".join(f"{f['function']} {f['self_ms']:.2f}" for f in h["functions"][:5]), flush=True)
         del core, target, t
         if device.type == "cuda":
             torch.cuda.empty_cache()

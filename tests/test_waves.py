@@ -285,12 +285,16 @@ def test_the_prefill_profile_runs_on_the_cpu(tmp_path):
 
     from benchmarks import prefill_profile
 
-    assert prefill_profile.main(["--device", "cpu", "--targets", "demo", "--tokens", "24", "--chunk", "8",
+    assert prefill_profile.main(["--device", "cpu", "--targets", "demo", "--tokens", "24", "--chunk", "8", "--host-profile",
                                  "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "prefill_profile_cpu.json").read_text())
     assert [(r["form"], r["rows"], r["start"]) for r in result["rows"]] == [("whole", 24, 0), ("chunk 1 of 1", 24, 0)]
     assert all(r["wall_ms"] > 0 and r["families"] for r in result["rows"]) and not result["meta"]["prefill_graphs"]
-    assert "Prefill forwards by kernel family" in (tmp_path / "prefill_profile_cpu.md").read_text()
+    (host,) = result["host"]
+    assert host["rows"] == 24 and host["wall_ms"] > 0 and len(host["functions"]) == 30
+    assert all(f["self_ms"] >= 0 and f["calls"] >= 1 for f in host["functions"])
+    md = (tmp_path / "prefill_profile_cpu.md").read_text()
+    assert "Prefill forwards by kernel family" in md and "host time of one prefill step" in md
 
 
 def test_prefill_graphs_are_off_unless_asked_and_the_switch_is_checked(monkeypatch):
