@@ -194,6 +194,21 @@ def _verify_req(sid, r, tokens):
         session_id=sid, round=r, tokens=tokens), return_features=False)
 
 
+def _verifies_behind_the_device(v, pre) -> list:
+    """Take the served verifier's device lock, send one round-1 Verify per prefilled session, and wait until they all
+    wait in the wave queue; the caller releases the lock (`v.loop.call_soon_threadsafe(servicer._device.release)`)."""
+    import asyncio
+    import time
+
+    servicer = v.running.servicer
+    asyncio.run_coroutine_threadsafe(servicer._device.acquire(), v.loop).result(timeout=10)
+    calls = [v.stub.Verify.future(_verify_req(p.session_id, 1, [p.first_token]), timeout=30) for p in pre]
+    deadline = time.time() + 10
+    while len(servicer._waiting) < len(pre) and time.time() < deadline:
+        time.sleep(0.01)
+    return calls
+
+
 @pytest.mark.slow
 def test_the_servicer_gathers_waiting_verifies_into_one_wave(waves_served):
     import asyncio
@@ -297,6 +312,16 @@ def test_the_prefill_profile_runs_on_the_cpu(tmp_path):
     assert "Prefill forwards by kernel family" in md and "host time of one prefill step" in md
 
 
+def test_the_graph_pool_switch_is_checked(monkeypatch):
+    from verifier_svc.runner import GraphRunner
+
+    monkeypatch.setenv("PDFLASH_GRAPH_POOL", "own")
+    assert GraphRunner._new_mempool() is None  # (a pool per graph: no shared handle)
+    monkeypatch.setenv("PDFLASH_GRAPH_POOL", "one")
+    with pytest.raises(ValueError, match="PDFLASH_GRAPH_POOL must be shared or own, got 'one'"):
+        GraphRunner._new_mempool()
+
+
 def test_prefill_graphs_are_off_unless_asked_and_the_switch_is_checked(monkeypatch):
     from verifier_svc.runner import prefill_graphs_enabled
 
@@ -351,6 +376,8 @@ def test_up_passes_the_wave_size_to_the_verifier_and_the_verifier_checks_it():
         assert spec.verifier_args[-2:] == ["--max-wave-sessions", n]
     cfg = VerifierConfig()
     assert cfg.max_wave_sessions == 0 and cfg.wave_sessions("cuda") == 8 and cfg.wave_sessions("cpu") == 1
+    assert cfg.wave_sessions("cuda", wave_forward=False) == 1  # (transformers' cache, a rescaling RoPE: no ragged forward)
+    assert VerifierConfig(max_wave_sessions=4).wave_sessions("cuda", wave_forward=False) == 4  # (asked for: kept)
     assert VerifierConfig(max_wave_sessions=3).wave_sessions("cuda") == VerifierConfig(max_wave_sessions=3).wave_sessions("cpu") == 3
     VerifierConfig(max_wave_sessions=0).validate()
     for bad in (-1, 1025):
@@ -384,8 +411,6 @@ def test_the_warm_up_runs_one_wave_per_wave_graph_bucket():
 def test_inline_waves_let_the_answered_callers_go_before_the_next_wave(waves_served, monkeypatch):
     """With verify forwards on the event loop (inline verify), the wave task gives the loop to the callers it answered
     before it runs the next wave: they are no longer pending when it starts."""
-    import asyncio
-    import time
 
     from pdflash.v1 import verifier_pb2
 
@@ -397,12 +422,8 @@ def test_inline_waves_let_the_answered_callers_go_before_the_next_wave(waves_ser
     wave = core.verify_wave
     monkeypatch.setattr(core, "verify_wave", lambda items: pending_at_wave.append(servicer._pending) or wave(items))
     monkeypatch.setattr(servicer, "inline_verify", True)
-    asyncio.run_coroutine_threadsafe(servicer._device.acquire(), v.loop).result(timeout=10)
     try:
-        calls = [v.stub.Verify.future(_verify_req(p.session_id, 1, [p.first_token]), timeout=30) for p in pre]
-        deadline = time.time() + 10
-        while len(servicer._waiting) < 5 and time.time() < deadline:
-            time.sleep(0.01)
+        calls = _verifies_behind_the_device(v, pre)
     finally:
         v.loop.call_soon_threadsafe(servicer._device.release)
     assert [c.result().round for c in calls] == [1] * 5
@@ -413,8 +434,6 @@ def test_inline_waves_let_the_answered_callers_go_before_the_next_wave(waves_ser
 def test_calls_waiting_for_a_wave_are_answered_when_the_wave_task_ends(waves_served):
     """However the task that runs waves ends (here: cancelled, as at shutdown), no call it left waiting hangs: each
     gets UNAVAILABLE, and the next call starts a new task."""
-    import asyncio
-    import time
 
     import grpc
 
@@ -424,12 +443,8 @@ def test_calls_waiting_for_a_wave_are_answered_when_the_wave_task_ends(waves_ser
     servicer = v.running.servicer
     pre = [v.stub.Prefill(verifier_pb2.PrefillRequest(prompt_tokens=[5, 6, 7], max_tokens=8, ignore_eos=True), timeout=30)
            for _ in range(2)]
-    asyncio.run_coroutine_threadsafe(servicer._device.acquire(), v.loop).result(timeout=10)
     try:
-        calls = [v.stub.Verify.future(_verify_req(p.session_id, 1, [p.first_token]), timeout=30) for p in pre]
-        deadline = time.time() + 10
-        while len(servicer._waiting) < 2 and time.time() < deadline:
-            time.sleep(0.01)
+        calls = _verifies_behind_the_device(v, pre)
         v.loop.call_soon_threadsafe(servicer._waves.cancel)
         for c in calls:
             with pytest.raises(grpc.RpcError) as e:

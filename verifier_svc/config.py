@@ -73,14 +73,15 @@ class VerifierConfig(ServerOptions):
             return False
         return device_type == "cpu" and verify_threads == 1
 
-    def wave_sessions(self, device_type: str) -> int:
-        """--max-wave-sessions resolved: 0 (auto) = AUTO_WAVE_SESSIONS on CUDA, where a wave is one ragged forward that
-        reads each weight once for all its sessions (H100, block 8, 8 sessions: 3.67x the tok/s of one verify after
-        another on gptoss-24l, 2.03x on qwen3-8l; benchmarks/results/waves_h100.md), 1 on a CPU (transformers' cache:
-        a wave would be its verifies one after another). A lone waiting call is a plain verify either way."""
+    def wave_sessions(self, device_type: str, wave_forward: bool = True) -> int:
+        """--max-wave-sessions resolved: 0 (auto) = AUTO_WAVE_SESSIONS on CUDA where a wave is one ragged forward
+        (`wave_forward`: the paged KV with a position-table RoPE) that reads each weight once for all its sessions (H100,
+        block 8, 8 sessions: 3.67x the tok/s of one verify after another on gptoss-24l, 2.03x on qwen3-8l;
+        benchmarks/results/waves_h100.md); else 1 (a wave would be its verifies one after another). A lone waiting call
+        is a plain verify either way."""
         if self.max_wave_sessions:
             return self.max_wave_sessions
-        return AUTO_WAVE_SESSIONS if device_type == "cuda" else 1
+        return AUTO_WAVE_SESSIONS if device_type == "cuda" and wave_forward else 1
 
     def warmup_wanted(self, device_type: str) -> bool:
         """Whether the verifier warms up before serving (verifier_svc.warmup). auto: on CUDA, where a first request

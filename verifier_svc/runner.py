@@ -470,6 +470,9 @@ class GraphRunner:
         self._graphs: dict[tuple, _Graph] = {}
         self.scratch_page = runner.pool.alloc(1)[0]  # where captures write; never handed to a session
         self._mempool = self._new_mempool()
+        from pdflash_kernels.installer import experts_modules
+
+        self._experts = list(experts_modules(runner.model).values())  # (walked once: a wave or prefill asks per call)
         on = prefill_graphs_enabled() if prefill_graphs is None else prefill_graphs
         self.prefill_buckets = PREFILL_BUCKETS if on else ()
         self.wave_graphs = True  # False once a wave graph failed to capture: waves then run eagerly (the same bits)
@@ -501,9 +504,25 @@ class GraphRunner:
                 n += 1
         return n
 
+    def _host_managed(self) -> bool:
+        """Experts offloaded to a host-managed cache: a host step per layer (no whole-forward graph). Read per call: an
+        experts module's cache (`_pdflash_offload`) may be swapped after the runner was made."""
+        return any(not getattr(off[0], "device_managed", False) for m in self._experts
+                   if (off := getattr(m, "_pdflash_offload", None)) is not None)
+
     def _kind(self, *args) -> _Graph:
-        host = any(not getattr(cache, "device_managed", False) for _, cache in _served_by(self.runner.model))
-        return (_SegmentedGraph if host else _Graph)(self.runner, *args, pool=self._mempool)
+        return (_SegmentedGraph if self._host_managed() else _Graph)(self.runner, *args, pool=self._mempool)
+
+    def _graph(self, key: tuple, make) -> _Graph:
+        """The graph under `key`, captured by `make()` on first use. When it is stale (the experts moved to another
+        cache) every graph is dropped first and this one captured anew. A failed capture raises (nothing kept)."""
+        g = self._graphs.get(key)
+        if g is not None and g.stale():
+            self.reset()
+            g = None
+        if g is None:
+            g = self._graphs[key] = make()
+        return g
 
     def reset(self) -> None:
         """Drop every graph (and what they hold: an offloaded model's graphs keep its old cache's pool alive)."""
@@ -518,25 +537,18 @@ class GraphRunner:
         host-managed cache. Returns the output (its first starts[-1] rows real) and the items' row offsets."""
         starts = wave_starts([len(t) for t, _, _ in items])
         b = next((r for r in WAVE_BUCKETS if r >= starts[-1]), None)
-        host_cache = any(not getattr(cache, "device_managed", False) for _, cache in _served_by(self.runner.model))
         if (b is None or not self.wave_graphs or len(items) > self.wave_sessions
-                or max(len(t) for t, _, _ in items) > self.buckets[-1] or host_cache):
+                or max(len(t) for t, _, _ in items) > self.buckets[-1] or self._host_managed()):
             return self.runner.forward_wave(items, feature_layers), starts
-        key = ("wave", b, tuple(feature_layers))
-        g = self._graphs.get(key)
-        if g is not None and g.stale():
-            self.reset()
-            g = None
-        if g is None:
-            # (a wave of b rows holds at most b sequences of at most b rows each: smaller grids for small buckets)
-            try:
-                g = _WaveGraph(self.runner, b, min(self.wave_sessions, b), min(self.buckets[-1], b), self.max_pages,
-                               tuple(feature_layers), self.scratch_page, self._mempool)
-            except Exception as e:  # noqa: BLE001 - waves are on by default on CUDA: a capture failure must not fail them
-                _graph_failed("wave", b, e)
-                self.wave_graphs = False
-                return self.runner.forward_wave(items, feature_layers), starts
-            self._graphs[key] = g
+        layers = tuple(feature_layers)
+        try:  # (a wave of b rows holds at most b sequences of at most b rows each: smaller grids for small buckets)
+            g = self._graph(("wave", b, layers), lambda: _WaveGraph(
+                self.runner, b, min(self.wave_sessions, b), min(self.buckets[-1], b), self.max_pages, layers,
+                self.scratch_page, self._mempool))
+        except Exception as e:  # noqa: BLE001 - waves are on by default on CUDA: a capture failure must not fail them
+            _graph_failed("wave", b, e)
+            self.wave_graphs = False
+            return self.runner.forward_wave(items, feature_layers), starts
         for tokens, start, seq in items:
             seq.reserve(start + len(tokens))
         g.set_wave_inputs(items)
@@ -551,9 +563,7 @@ class GraphRunner:
             return None
         if self.runner.rope is not None and start + b > self.runner.rope.positions:
             return None
-        if any(not getattr(cache, "device_managed", False) for _, cache in _served_by(self.runner.model)):
-            return None
-        return b
+        return None if self._host_managed() else b
 
     def forward_prefill(self, tokens: list[int], start: int, seq: SequenceKV, feature_layers=()) -> ForwardOut | None:
         """A prefill forward (a prompt or a chunk of one: the last row's logits, every row's features) replayed from the
@@ -570,20 +580,14 @@ class GraphRunner:
             seq.reserve(start + b)
         except ResourceExhausted:
             return None
-        key = ("prefill", b, tuple(feature_layers))
-        g = self._graphs.get(key)
-        if g is not None and g.stale():
-            self.reset()
-            g = None
-        if g is None:
-            try:
-                g = _Graph(self.runner, b, self.max_pages, tuple(feature_layers), self.scratch_page, pool=self._mempool,
-                           last_only=True)
-            except Exception as e:  # noqa: BLE001 - a forward that cannot be captured still runs: eagerly, said once
-                _graph_failed("prefill", b, e)
-                self.prefill_buckets = ()
-                return None
-            self._graphs[key] = g
+        layers = tuple(feature_layers)
+        try:
+            g = self._graph(("prefill", b, layers), lambda: _Graph(self.runner, b, self.max_pages, layers, self.scratch_page,
+                                                                   pool=self._mempool, last_only=True))
+        except Exception as e:  # noqa: BLE001 - a forward that cannot be captured still runs: eagerly, said once
+            _graph_failed("prefill", b, e)
+            self.prefill_buckets = ()
+            return None
         g.set_inputs(tokens, start, seq)
         g.replay(n)
         return g.out
@@ -594,13 +598,8 @@ class GraphRunner:
         b = self.bucket(n)
         if b is None:
             return self.runner.forward(tokens, start, seq, feature_layers), n
-        key = (b, tuple(feature_layers))
-        g = self._graphs.get(key)
-        if g is not None and g.stale():  # the experts moved to another cache: capture anew
-            self.reset()
-            g = None
-        if g is None:
-            g = self._graphs[key] = self._kind(b, self.max_pages, tuple(feature_layers), self.scratch_page)
+        layers = tuple(feature_layers)
+        g = self._graph((b, layers), lambda: self._kind(b, self.max_pages, layers, self.scratch_page))
         seq.reserve(start + b)  # the padding rows write their (ignored) keys past the real ones
         g.set_inputs(tokens, start, seq)
         g.replay(n)

@@ -86,8 +86,7 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
                                                               prefill_graphs=cfg.prefill_graphs),
                                       max_wave_sessions=cfg.wave_sessions(target.device.type),
                                       prefill_chunk=cfg.prefill_chunk)
-        if cfg.max_wave_sessions == 0 and not core.wave_forward:  # auto: waves only where they are one forward
-            core.max_wave_sessions = 1
+        core.max_wave_sessions = cfg.wave_sessions(target.device.type, core.wave_forward)  # (auto: where a wave is one forward)
         if cfg.verify_inline(target.device.type, threads):  # threads: the verify forwards' count in effect
             if target.device.type == "cpu":
                 torch.set_num_threads(threads)  # OpenMP's thread count is per thread: this one's, as the torch thread's
