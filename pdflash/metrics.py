@@ -184,6 +184,9 @@ class VerifierMetrics(_Metrics):
         self.prefetch_experts_queued = self._counter("prefetch_experts_queued", "Experts queued by Prefetch hints (at most this many copied).")
         self.verify_wave_sessions = self._histogram(
             "verify_wave_sessions", "Sessions whose verifies shared one wave (--max-wave-sessions > 1).", _WAVE_BUCKETS)
+        self.prefill_wave_sessions = self._histogram(
+            "prefill_wave_sessions", "Prompts whose prefill forwards (or chunks) shared one forward (--max-wave-sessions > 1).",
+            _WAVE_BUCKETS)
 
 
 @dataclasses.dataclass

@@ -543,6 +543,69 @@ def test_a_chunked_prefill_gives_the_one_go_session_bit_for_bit(paged_core):
 
 
 @needs_interpreter
+@pytest.mark.timeout(900)
+def test_a_prefill_wave_makes_each_session_as_its_own_prefill_would(paged_core):
+    """Several prompts in one forward (`VerifierCore.prefill_wave`, whole or a chunk each a wave): each answer (first
+    token, log-probabilities, features, routed experts) and the KV it leaves (the next round's bits) are its own
+    prefill's."""
+    from pdflash.errors import ResourceExhausted
+    from verifier_svc.engine import PrefillInput
+
+    core = paged_core
+    free = core.pool.free_pages
+
+    def inputs(tag):
+        return [PrefillInput(f"{tag}{i}", tuple(p), sp, 40, feature_layer_ids=fl, logprobs=True, top_logprobs=3)
+                for i, (p, sp, fl) in enumerate(SESSIONS)]
+
+    alone = [core.prefill(r) for r in inputs("alone")]
+
+    def in_waves(tag, chunk):
+        core.prefill_chunk = chunk
+        try:
+            jobs = [core.start_prefill(r) for r in inputs(tag)]
+        finally:
+            core.prefill_chunk = 0
+        pending, waves = list(jobs), 0
+        while pending:
+            got = core.prefill_wave(pending)
+            assert not any(isinstance(g, BaseException) for g in got), got
+            pending, waves = [j for j, done in zip(pending, got) if not done], waves + 1
+        return [j.finish() for j in jobs], waves
+
+    whole, waves = in_waves("whole", 0)
+    assert waves == 1 and [o.wave_sessions for o in whole] == [3, 3, 3]
+    assert len({o.forward_ms for o in whole}) == 1  # one forward
+    chunked, waves = in_waves("chunked", 16)  # prompts of 10, 70 and 3 tokens: the long one's chunks 2..5 alone
+    assert waves == 5 and [o.wave_sessions for o in chunked] == [3, 3, 3]
+    for got in (whole, chunked):
+        assert [_answer(o) for o in got] == [_answer(o) for o in alone]
+    anchors = [o.tokens[-1] for o in alone]
+    assert _rounds(core, [o.session_id for o in whole], anchors, wave=False) == \
+        _rounds(core, [o.session_id for o in alone], anchors, wave=False)
+    for sid in list(core.sessions._sessions):
+        core.end(sid)
+    assert core.pool.free_pages == free and core._prefilling == 0
+
+    # a full KV pool refuses a prompt alone: the others run, and the refused job runs once pages are free
+    jobs = [core.start_prefill(r) for r in inputs("full")]
+    taken = core.pool.alloc(core.pool.free_pages - 1)  # one page left: the first prompt takes it
+    try:
+        got = core.prefill_wave(jobs)
+    finally:
+        core.pool.release(taken)
+    assert got[0] is True and isinstance(got[1], ResourceExhausted) and isinstance(got[2], ResourceExhausted)
+    assert core.prefill_wave(jobs[1:]) == [True, True]
+    outs = [j.finish() for j in jobs]
+    assert [_answer(o) for o in outs] == [_answer(o) for o in alone]
+    with pytest.raises(ValueError, match="each prompt once"):
+        core.prefill_wave([jobs[0], jobs[0]])
+    for o in outs:
+        core.end(o.session_id)
+    assert core.pool.free_pages == free and core._prefilling == 0
+
+
+@needs_interpreter
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_verifies_waiting_for_the_device_run_between_a_prompts_chunks(tiny, monkeypatch):
@@ -559,8 +622,9 @@ def test_verifies_waiting_for_the_device_run_between_a_prompts_chunks(tiny, monk
         servicer, core = v.running.servicer, v.running.core
         assert core.pool is not None and core.prefill_chunk == 16 and core.chunked_prefill and core.wave_forward
         events = []
-        step = servicer_mod._prefill_step
-        monkeypatch.setattr(servicer_mod, "_prefill_step", lambda job: events.append("chunk") or step(job))
+        assert servicer.prefill_waves  # (a prompt's chunks go through prefill waves: one chunk a wave of one here)
+        step = servicer_mod._prefill_wave_step
+        monkeypatch.setattr(servicer_mod, "_prefill_wave_step", lambda core, jobs: events.append("chunk") or step(core, jobs))
         wave = core.verify_wave
         monkeypatch.setattr(core, "verify_wave", lambda *a, **k: events.append("verify") or wave(*a, **k))
         other = v.stub.Prefill(verifier_pb2.PrefillRequest(prompt_tokens=[5, 6, 7], max_tokens=8, ignore_eos=True),

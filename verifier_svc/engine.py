@@ -574,13 +574,76 @@ class VerifierCore:
         res = []
         for k, (_, _, s, _, want) in enumerate(ready):
             a, e = starts[k], starts[k + 1]
-            feats = None
-            if want:
-                per = out.features.shape[-1] // len(layers)
-                cols = out.features[a:e].view(e - a, len(layers), per)  # (a layer named twice: once, as a solo forward gives it)
-                feats = cols[:, [layers.index(l) for l in dict.fromkeys(s.feature_layer_ids)]].reshape(e - a, -1)
+            feats = _item_features(out.features, layers, s.feature_layer_ids, a, e) if want else None
             res.append((out.logits[a:e], feats, unions[k], ms, stats))
         return res
+
+    #: the most prompt tokens one prefill wave forwards (its oldest prompt's chunk goes whatever its size)
+    prefill_wave_rows = 4096
+
+    def prefill_wave(self, jobs: "list[PrefillJob]") -> "list[bool | BaseException]":
+        """The next chunk of several prompts at once (PrefillJobs of different sessions): on the paged KV
+        (`wave_forward`) one forward over all their chunks, each prompt's rows with the bits of a forward of its own (so
+        each job ends as its own `step`s would leave it), else each job's `step` in turn. Returns per job whether its
+        prompt is now whole, or the error it alone failed with (the KV cache full for its chunk: refused before the
+        forward; a failing forward fails every job in it). Every job's forward ms and expert-cache counters are the
+        wave's."""
+        results: list = [None] * len(jobs)
+        if len(jobs) < 2 or not self.wave_forward:
+            for i, j in enumerate(jobs):
+                try:
+                    results[i] = j.step()
+                except Exception as e:  # noqa: BLE001 - the job's own failure, as its step raises it
+                    results[i] = e
+            return results
+        if len({id(j.s) for j in jobs}) != len(jobs):
+            raise ValueError("a prefill wave takes each prompt once")
+        ready = []
+        for i, j in enumerate(jobs):
+            ids = j.next_ids()
+            try:
+                j.s.kv.reserve(j.s.committed + len(ids))  # (a full KV pool refuses this job alone)
+            except Exception as e:  # noqa: BLE001
+                results[i] = e
+                continue
+            ready.append((i, j, ids))
+        if len(ready) < 2:
+            for i, j, _ in ready:
+                try:
+                    results[i] = j.step()
+                except Exception as e:  # noqa: BLE001
+                    results[i] = e
+            return results
+        from verifier_svc.runner import wave_starts
+
+        t = self.target
+        cache = t.expert_cache
+        before = dataclasses.replace(cache.stats) if cache is not None else None
+        if cache is not None:
+            cache.begin({})  # prompts have no projection
+        layers = tuple(sorted({l for _, j, _ in ready if j.req.feature_layer_ids for l in j.s.feature_layer_ids}))
+        items = [(ids, j.s.committed, j.s.kv) for _, j, ids in ready]
+        t0 = time.perf_counter()
+        try:
+            with self._prefill_threads():
+                out = self.runner.forward_wave(items, layers, last_rows=True)
+            starts = wave_starts([len(ids) for _, _, ids in ready])
+            unions = out.recorder.unions(t.seam.num_experts, starts)
+            if t.device.type == "cuda":
+                torch.cuda.synchronize(t.device)
+        except Exception as e:  # noqa: BLE001 - one forward for all: each of its jobs failed with it
+            for i, *_ in ready:
+                results[i] = e
+            return results
+        ms = (time.perf_counter() - t0) * 1e3
+        if getattr(cache, "device_managed", False):
+            cache.collect(None, starts[-1])
+        stats = cache.stats.minus(before) if cache is not None else None
+        for k, (i, j, ids) in enumerate(ready):
+            want = bool(j.req.feature_layer_ids)
+            feats = _item_features(out.features, layers, j.s.feature_layer_ids, starts[k], starts[k + 1]) if want else None
+            results[i] = j.took(len(ids), out.logits[k : k + 1], feats, unions[k], ms, stats, wave_sessions=len(ready))
+        return results
 
     def end(self, session_id: str) -> bool:
         return self.sessions.end(session_id)
@@ -603,6 +666,12 @@ class PrefillJob:
         self.steps = -(-len(req.prompt) // self.chunk)
         self.released = False  # no longer counted in core._prefilling
         self.added = False  # the session went to the store (finish)
+        self.wave_sessions = 1  # the most prompts that shared one of its forwards (VerifierCore.prefill_wave)
+        self.last_stats = None  # the expert-cache counters of its last forward
+
+    def next_ids(self) -> list[int]:
+        """The prompt tokens the next step forwards."""
+        return list(self.req.prompt[self.done : self.done + self.chunk])
 
     def step(self) -> bool:
         """Run the next chunk; True once the whole prompt is in the KV."""
@@ -611,23 +680,32 @@ class PrefillJob:
         before = dataclasses.replace(cache.stats) if cache is not None else None
         if cache is not None:
             cache.begin({})  # a prompt has no projection: forget the last verify's
-        ids = list(self.req.prompt[self.done : self.done + self.chunk])
+        ids = self.next_ids()
         with core._prefill_threads():
-            self.logits, feats, union, ms = core._forward(s, ids, bool(self.req.feature_layer_ids), last_logits_only=True)
+            logits, feats, union, ms = core._forward(s, ids, bool(self.req.feature_layer_ids), last_logits_only=True)
+        return self.took(len(ids), logits, feats, union, ms, cache.stats.minus(before) if cache is not None else None)
+
+    def took(self, n: int, logits, feats, union: ExpertUnion, ms: float, stats, wave_sessions: int = 1) -> bool:
+        """Account one forward of the next `n` prompt tokens (by `step`, or a prefill wave, VerifierCore.prefill_wave):
+        its last row's logits, the rows' features, routed experts, ms and expert-cache counters. True once the whole
+        prompt is in the KV."""
+        s = self.s
+        self.logits = logits
         if s.kv is None:
             # crop(0): sliding-window layers keep only their window. With past recording on (for rollback), a layer holds
             # every state until its next crop, and transformers 5.17 hands all of them to the next forward, past its mask
             # (verify crops after every forward; a prompt must too).
             s.cache.crop(0)
-        self.done += len(ids)
+        self.done += n
         s.committed = self.done  # the next chunk's positions start here
         if feats is not None:
             self.feats.append(feats)
         self.unions.append(union)
         self.forward_ms += ms
-        if cache is not None:
-            mine = cache.stats.minus(before)
-            self.stats = mine if self.stats is None else self.stats.plus(mine)
+        self.wave_sessions = max(self.wave_sessions, wave_sessions)
+        self.last_stats = stats  # (this forward's: a wave's are shared by its jobs)
+        if stats is not None:
+            self.stats = stats if self.stats is None else self.stats.plus(stats)
         return self.done >= len(self.req.prompt)
 
     def close(self) -> None:
@@ -689,7 +767,16 @@ class PrefillJob:
             expert_cache=self.stats,
             logprobs=lps,
             top_logprobs=tops,
+            wave_sessions=self.wave_sessions,
         )
+
+
+def _item_features(features: torch.Tensor, layers: tuple[int, ...], wanted, a: int, e: int) -> torch.Tensor:
+    """One wave item's features (rows [a, e)) from the wave's, whose columns are `layers`' in order: the item's own
+    layers in its order (a layer named twice: once, as a solo forward gives it)."""
+    per = features.shape[-1] // len(layers)
+    cols = features[a:e].view(e - a, len(layers), per)
+    return cols[:, [layers.index(l) for l in dict.fromkeys(wanted)]].reshape(e - a, -1)
 
 
 def _ranges(ids: list[int]) -> str:

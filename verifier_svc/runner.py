@@ -188,16 +188,19 @@ class ForwardRunner:
         return h, f
 
     def forward_tensors(self, ids, pos, table, pages, offsets, valid_rows, feature_layers, last_only: bool, segments=None,
-                        seq_starts=None, max_rows=None):
+                        seq_starts=None, max_rows=None, rows=None):
         """Everything on the device (what a CUDA graph captures): ids/pos [1, B], table [1, max_pages]. `segments`:
         the capture of a segmented graph (offloaded experts split the forward, see _SegmentedGraph). A wave
-        (`seq_starts` [S + 1], `max_rows`): the rows are S sequences' one after the other, table [S, max_pages]."""
+        (`seq_starts` [S + 1], `max_rows`): the rows are S sequences' one after the other, table [S, max_pages].
+        `rows` (a long tensor of row indices): the logits of those rows only (a prefill wave: each prompt's last)."""
         ctx = ForwardContext(page_table=table, valid_rows=valid_rows, segments=segments, seq_starts=seq_starts,
                              max_rows=max_rows)
         cache = PagedLayerCache(self.pool, pages, offsets)
         with torch.inference_mode(), InvariantMode(), forward_context(ctx), self.seam.record() as rec:
             h, feats = self._layers(ids, pos, cache, feature_layers)
-            if not last_only:
+            if rows is not None:
+                hl = h.index_select(1, rows)
+            elif not last_only:
                 hl = h
             elif valid_rows is None:
                 hl = h[:, -1:]
@@ -218,11 +221,12 @@ class ForwardRunner:
         return self.forward_tensors(ids, pos, seq.table.unsqueeze(0), pages, offsets, None, tuple(feature_layers), last_only)
 
 
-    def forward_wave(self, items: "list[tuple[list[int], int, SequenceKV]]", feature_layers=()) -> ForwardOut:
+    def forward_wave(self, items: "list[tuple[list[int], int, SequenceKV]]", feature_layers=(), last_rows: bool = False) -> ForwardOut:
         """Eager, a multi-session verify wave: each item's `tokens` at positions start .. of its own sequence, all in
         one forward. Rows are the items' blocks one after the other (item i's rows [starts[i], starts[i + 1]) of the
         logits, features and routing, `wave_starts`); each item's rows get the bits of a forward of that item alone
-        (every kernel's result for a row depends on that row and, for attention, on its own sequence's keys only)."""
+        (every kernel's result for a row depends on that row and, for attention, on its own sequence's keys only).
+        `last_rows` (a prefill wave): the logits of each item's last row only, [S, vocab] (features stay every row's)."""
         dev = self.pool.device
         ids, pos, pages, offsets = [], [], [], []
         for tokens, start, seq in items:
@@ -241,7 +245,8 @@ class ForwardRunner:
         table = torch.stack([seq.table for _, _, seq in items])
         return self.forward_tensors(as_long([ids]), as_long([pos]), table, as_long(pages), as_long(offsets), None,
                                     tuple(feature_layers), False, seq_starts=torch.tensor(starts, dtype=torch.int32, device=dev),
-                                    max_rows=max(len(t) for t, _, _ in items))
+                                    max_rows=max(len(t) for t, _, _ in items),
+                                    rows=as_long([e - 1 for e in starts[1:]]) if last_rows else None)
 
 
 def wave_starts(lengths: list[int]) -> list[int]:

@@ -4,6 +4,7 @@ forwards), convert back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -16,7 +17,7 @@ from pdflash.tickets import TicketSigner
 from pdflash.types import DraftResult, FinishReason, union_bytes
 from pdflash.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from pdflash.validation import id_violations, logprobs_violations
-from verifier_svc.engine import PrefillInput, StepOutput, VerifierCore
+from verifier_svc.engine import PrefillInput, PrefillJob, StepOutput, VerifierCore
 from verifier_svc.waves import take_wave
 
 log = get_logger("pdflash.verifier")
@@ -77,6 +78,34 @@ class _Waiting:
     left: bool = False  # its caller left while its wave ran (it still counts as pending until the wave ends)
 
 
+@dataclasses.dataclass(eq=False)
+class _WaitingPrefill:
+    """A prompt's next chunk waiting for a prefill wave (`_prefill_in_wave`)."""
+
+    job: PrefillJob
+    future: asyncio.Future
+    since: float
+    running: bool = False
+    left: bool = False  # its caller left while its wave ran: the wave ends its session or closes its job afterwards
+
+
+def _prefill_wave_step(core: VerifierCore, jobs: list) -> tuple[list, list]:
+    """A prefill wave on the torch thread: each job's next chunk in one forward (VerifierCore.prefill_wave). Returns the
+    answer of each job whose prompt is whole (None: more chunks to go; an exception: that job's failure), and the
+    expert-cache counters of each forward that ran (one for a wave; a job's own where it ran alone)."""
+    out, forwards = [], {}
+    for job, r in zip(jobs, core.prefill_wave(jobs)):
+        if not isinstance(r, BaseException) and job.last_stats is not None:
+            forwards[id(job.last_stats)] = job.last_stats
+        if r is True:
+            try:
+                r = job.finish()
+            except Exception as e:  # noqa: BLE001 - this job's own failure
+                r = e
+        out.append(None if r is False else r)
+    return out, list(forwards.values())
+
+
 def _log_failure(task: asyncio.Task) -> None:
     """A wave task that died (its calls were answered UNAVAILABLE): say why, once."""
     if not task.cancelled() and task.exception() is not None:
@@ -103,6 +132,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._waiting: list[_Waiting] = []
         self._waves: asyncio.Task | None = None
         self._prefill_gate = asyncio.Lock()  # one chunked prefill at a time (`_prefill`)
+        # Prompts' next chunks waiting for a prefill wave (several prompts in one forward, `_prefill_in_wave`) and its task
+        self._prefills_waiting: list[_WaitingPrefill] = []
+        self._prefill_waves: asyncio.Task | None = None
 
     async def _ready(self, context) -> VerifierCore:
         if self.core is None:
@@ -246,7 +278,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             total_ms=(time.perf_counter() - t_start) * 1e3, forward_ms=out.forward_ms, accept_ms=out.accept_ms, queue_ms=queued
         )
 
-    def _observe(self, out: StepOutput, t_start: float, prefill: bool) -> None:
+    def _observe(self, out: StepOutput, t_start: float, prefill: bool, cache_counted: bool = False) -> None:
+        """Latency and expert-cache metrics of one answer. cache_counted: its forwards' cache counters were counted by
+        the wave that ran them (a prefill through prefill waves)."""
         m = self.metrics
         if m is None:
             return
@@ -255,7 +289,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if st is None:  # every expert resident: each routed expert is a hit
             m.expert_cache_hits.inc(sum(len(ids) for ids in out.routed_union.values()))
             return
-        if out.wave_sessions > 1:  # the wave's counters, shared by its answers: counted once, by _one_wave
+        if out.wave_sessions > 1 or cache_counted:  # the wave's counters, shared by its answers: counted once, by the wave
             return
         observe_cache(m, st)
 
@@ -318,7 +352,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 raise DeadlineExceeded("prefill finished after the call's deadline; the session was ended")
         except PdflashError as e:
             await abort_with(context, e)
-        self._observe(out, t_start, prefill=True)
+        self._observe(out, t_start, prefill=True, cache_counted=self.prefill_waves)
         log.info("prefill", request_id=request.request_id, session_id=out.session_id, prompt_tokens=len(req.prompt),
                  forward_ms=round(out.forward_ms, 2))
         return verifier_pb2.PrefillResponse(
@@ -333,25 +367,45 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             committed_tokens=out.committed,
             logprobs=out.logprobs or (),
             top_logprobs=convert.top_logprobs_to_pb(out.top_logprobs),
+            wave_sessions=out.wave_sessions,
         )
+
+    @property
+    def prefill_waves(self) -> bool:
+        """Whether prompts waiting for the device share their forwards (`VerifierCore.prefill_wave`): with verify waves
+        on the paged KV."""
+        core = self.core
+        return core.max_wave_sessions > 1 and getattr(core, "wave_forward", False)
 
     async def _prefill(self, req: PrefillInput) -> tuple[StepOutput, float]:
         """The prompt's forwards, a device turn a chunk (VerifierCore.start_prefill): verifies waiting for the device run
-        between two chunks. A caller that leaves between chunks frees the session's pages; one that leaves during the
-        last chunk gets its session ended. Returns (the answer, ms spent waiting for the device)."""
-        if not getattr(self.core, "chunked_prefill", False):  # the whole prompt in one device turn
-            return await self._run(self.core.prefill, req, on_abandoned=lambda o: self.core.end(o.session_id))
+        between two chunks. With prefill waves, the prompts (or chunks) waiting for the device together go in one
+        forward. A caller that leaves between chunks frees the session's pages; one that leaves during the last chunk
+        gets its session ended. Returns (the answer, ms spent waiting for the device)."""
+        core = self.core
+        chunked = getattr(core, "chunked_prefill", False)
+        if not chunked and not self.prefill_waves:  # the whole prompt in one device turn
+            return await self._run(core.prefill, req, on_abandoned=lambda o: core.end(o.session_id))
         t0 = time.perf_counter()
-        # Prompts take turns with verifies, not with each other: one chunked prefill at a time, so two long prompts do
-        # not each hold half their pages (and their first tokens) until both are done.
-        async with self._prefill_gate:
+        # Prompts take turns with verifies, not with each other: one prompt of several chunks at a time, so two long
+        # prompts do not each hold half their pages (and their first tokens) until both are done. (A prompt of one
+        # chunk need not wait: a prefill wave takes it beside the long one's chunk.)
+        long = chunked and len(req.prompt) > core.prefill_chunk
+        async with self._prefill_gate if long else contextlib.nullcontext():
             waited = (time.perf_counter() - t0) * 1e3
-            made = torch_thread.submit(self.core.start_prefill, req)  # (its checks, the session's device state)
+            made = torch_thread.submit(core.start_prefill, req)  # (its checks, the session's device state)
             try:
                 job = await asyncio.shield(made)
             except asyncio.CancelledError:
                 made.add_done_callback(lambda f: f.exception() is None and f.result().close())  # (whenever it is made)
                 raise
+            if self.prefill_waves:
+                for i in range(job.steps):  # (a job left by its caller is closed or ended by _prefill_in_wave / its wave)
+                    out, queued = await self._prefill_in_wave(job, admitted=i > 0)
+                    waited += queued
+                    if out is not None:
+                        return out, waited
+                raise RuntimeError("prefill ended before its last chunk")  # (steps counts the chunks: unreachable)
             try:
                 for i in range(job.steps):
                     out, queued = await self._run(_prefill_step, job, on_abandoned=self._end_prefilled, admitted=i > 0)
@@ -362,6 +416,111 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             except BaseException:
                 job.close()  # (after its last chunk the session is the store's: its end is on_abandoned's)
                 raise
+
+    async def _prefill_in_wave(self, job: PrefillJob, admitted: bool) -> tuple[StepOutput | None, float]:
+        """The job's next chunk in the next prefill wave: (its answer once the prompt is whole, else None; ms waited). A
+        failure closes the job. A caller that leaves before its wave starts has its job closed here; one that leaves
+        during the wave's forward, by the wave when it ends (its session ended if the prompt was whole)."""
+        if not admitted:
+            self._admit_pending()
+        self._pending += 1
+        item = _WaitingPrefill(job, asyncio.get_running_loop().create_future(), time.perf_counter())
+        try:
+            self._prefills_waiting.append(item)
+            if self._prefill_waves is None or self._prefill_waves.done():
+                self._prefill_waves = asyncio.ensure_future(self._run_prefill_waves())
+                self._prefill_waves.add_done_callback(_log_failure)
+            try:
+                out, queued = await item.future
+            except asyncio.CancelledError:
+                if item in self._prefills_waiting:  # not started: nothing runs on its job
+                    self._prefills_waiting.remove(item)
+                    job.close()
+                elif item.running and item.future.cancelled():
+                    item.left = True  # its wave is running: the wave closes the job (or ends its session) when it ends
+                else:  # (answered, but the caller is gone before it heard: as on_abandoned)
+                    self._abandon(job, item.future.result()[0] if item.future.done() and not item.future.cancelled()
+                                  and item.future.exception() is None else None)
+                item.future.cancel()
+                raise
+            except BaseException:
+                job.close()
+                raise
+            return out, queued
+        finally:
+            if not item.left:
+                self._pending -= 1
+
+    def _abandon(self, job: PrefillJob, out) -> None:
+        """A prompt whose caller left: its session ended if the prompt was whole (in the store), else its job closed."""
+        if isinstance(out, StepOutput) and out.session_id:
+            self.core.end(out.session_id)
+        else:
+            job.close()
+
+    async def _run_prefill_waves(self) -> None:
+        """Run prefill waves while prompts wait; however it ends, no prompt it took or left waiting goes unanswered."""
+        wave: list[_WaitingPrefill] = []
+        try:
+            while self._prefills_waiting:
+                await self._one_prefill_wave(wave)
+                wave.clear()
+                await asyncio.sleep(0)
+        finally:
+            for w in wave + self._prefills_waiting:
+                if w.left:
+                    self._pending -= 1
+                    w.job.close()
+                if not w.future.done():
+                    w.future.set_exception(Unavailable("the verifier stopped its prefill waves; retry the call"))
+            self._prefills_waiting.clear()
+
+    async def _one_prefill_wave(self, wave: list[_WaitingPrefill]) -> None:
+        """The next prefill wave: the prompts waiting once the device is free (up to max_wave_sessions of them and
+        `prefill_wave_rows` tokens; the oldest always goes), one forward, answered."""
+        core = self.core
+        async with self._device:
+            picked = take_wave(self._prefills_waiting, lambda w: w.job.s.session_id, lambda w: len(w.job.next_ids()),
+                               core.max_wave_sessions, core.prefill_wave_rows)
+            wave.extend(self._prefills_waiting[i] for i in picked)
+            for w in wave:
+                self._prefills_waiting.remove(w)
+            wave[:] = [w for w in wave if not w.future.done()]
+            for w in wave:
+                w.running = True
+            if not wave:
+                return
+            started = time.perf_counter()
+            rows = sum(len(w.job.next_ids()) for w in wave)
+            work = torch_thread.submit(_prefill_wave_step, core, [w.job for w in wave])
+            forwards = []
+            try:
+                while not work.done():  # a forward cannot be interrupted: the device stays held until it ends
+                    try:
+                        await asyncio.wait([work])
+                    except asyncio.CancelledError:
+                        pass
+                results, forwards = work.result()
+            except Exception as e:  # noqa: BLE001 - the wave failed as a whole: each of its prompts fails with it
+                results = [e] * len(wave)
+        log.debug("prefill wave", prompts=len(wave), rows=rows, forwards=len(forwards))
+        if self.metrics is not None:
+            if len(wave) > 1:
+                self.metrics.prefill_wave_sessions.observe(len(wave))
+            for st in forwards:  # each forward's expert-cache counters once (Prefill's _observe leaves them to this)
+                observe_cache(self.metrics, st)
+        for w, r in zip(wave, results):
+            if w.left:  # nobody hears this answer
+                self._pending -= 1
+                w.left = False
+                self._abandon(w.job, r)
+                continue
+            if w.future.done():
+                continue
+            if isinstance(r, BaseException):
+                w.future.set_exception(r)
+            else:
+                w.future.set_result((r, (started - w.since) * 1e3))
 
     def _end_prefilled(self, out) -> None:
         if out is not None:

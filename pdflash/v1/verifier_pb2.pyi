@@ -104,7 +104,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("session_id", "first_token", "finished", "finish_reason", "features", "routed_union", "routed_bytes", "timings", "committed_tokens", "logprobs", "top_logprobs")
+    __slots__ = ("session_id", "first_token", "finished", "finish_reason", "features", "routed_union", "routed_bytes", "timings", "committed_tokens", "logprobs", "top_logprobs", "wave_sessions")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class PrefillResponse(_message.Message):
     COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WAVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     first_token: int
     finished: bool
@@ -127,7 +128,8 @@ class PrefillResponse(_message.Message):
     committed_tokens: int
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
-    def __init__(self, session_id: _Optional[str] = ..., first_token: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., routed_union: _Optional[_Iterable[_Union[_common_pb2.LayerExperts, _Mapping]]] = ..., routed_bytes: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., committed_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    wave_sessions: int
+    def __init__(self, session_id: _Optional[str] = ..., first_token: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., routed_union: _Optional[_Iterable[_Union[_common_pb2.LayerExperts, _Mapping]]] = ..., routed_bytes: _Optional[int] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., committed_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., wave_sessions: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("request_id", "draft", "ticket_id", "return_features", "ticket_signature", "ticket_expires_at_unix", "ticket_tokens", "ticket_expert_bytes")
