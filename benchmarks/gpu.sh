@@ -65,7 +65,7 @@ if [[ " $STEPS " == *" wavesbench "* ]]; then  # benchmarks/waves.py: waves agai
 fi
 if [[ " $STEPS " == *" prefill "* ]]; then  # stop 47: prefill CUDA graphs (PDFLASH_PREFILL_GRAPHS=1), never run on a GPU yet (not in `all`; ~7 min)
   timeout ${PREFILL_TESTS_S:-300} python3 -m pytest -v -rfE --tb=short -p no:cacheprovider --timeout=280 -n ${PREFILL_WORKERS:-3} tests/test_gpu_verifier.py \
-    -k "prefill_graphs or chunked or warmup or graphs_on_the_paged or fails_to_capture or share_one_memory_pool" > "$OUT/prefill_tests.txt" 2>&1
+    -k "prefill_graphs or prefill_wave or chunked or warmup or graphs_on_the_paged or fails_to_capture or share_one_memory_pool" > "$OUT/prefill_tests.txt" 2>&1
   rc=$?; grep -E "PASSED|FAILED|ERROR|^E |warm-up:" "$OUT/prefill_tests.txt" | head -40; echo "prefill tests: exit $rc" | tee -a "$OUT/prefill_tests.txt"
   for g in 0 1; do  # where a prefill forward's time goes without and with the prefill graphs (qwen3-8l)
     mkdir -p "$OUT/graphs$g"

@@ -284,6 +284,44 @@ def test_prefill_graphs_give_the_eager_prefills_bits(core):
         assert a == b, f"prompt {i // 2} chunk {(0, 48)[i % 2]}"
 
 
+def test_a_prefill_wave_gives_each_prompt_its_own_prefills_bits(core):
+    """Prompts prefilled together (VerifierCore.prefill_wave: one ragged forward, whole or a chunk each a wave) at real
+    shapes on CUDA: each session's first token, log-probabilities, features and routed experts, and the next verify's
+    answer (the KV it left), bit for bit those of its own prefill (graph-replayed where a bucket holds it)."""
+    from pdflash.types import DraftResult, SamplingParams
+    from verifier_svc.engine import PrefillInput
+
+    vocab = core.target.vocab_size
+    layers = (0, core.target.num_layers - 1)
+    prompts = _prompts(vocab, 3) + [list(range(7, 7 + 300)), [5] * 3]
+
+    def inp(p):
+        return PrefillInput("pw", tuple(p), SamplingParams(), 16, ignore_eos=True, feature_layer_ids=layers, logprobs=True,
+                            top_logprobs=3)
+
+    def answer(o):
+        v = core.verify(DraftResult(o.session_id, 1, (o.tokens[-1], 9, 10, 11), {}, 0))
+        core.end(o.session_id)
+        return (o.tokens, o.logprobs, o.top_logprobs, o.features.tobytes(), o.routed_union, v.tokens, v.logprobs)
+
+    alone = [answer(core.prefill(inp(p))) for p in prompts]
+    for chunk in (0, 64):
+        core.prefill_chunk = chunk
+        try:
+            jobs = [core.start_prefill(inp(p)) for p in prompts]
+        finally:
+            core.prefill_chunk = 0
+        pending = list(jobs)
+        while pending:
+            got = core.prefill_wave(pending)
+            assert not any(isinstance(g, BaseException) for g in got), got
+            pending = [j for j, done in zip(pending, got) if not done]
+        outs = [j.finish() for j in jobs]
+        assert all(o.wave_sessions == len(prompts) for o in outs)
+        for i, o in enumerate(outs):
+            assert answer(o) == alone[i], f"prompt {i} chunk {chunk}"
+
+
 def test_a_dropped_second_core_leaves_the_targets_own_forward_bits(core):
     """A second VerifierCore on the same target (the warm-up test's, a benchmark's), built and dropped, changes nothing
     of the first: the target's own forward gives the same logits bits before and after. Stop 45: the second runner's

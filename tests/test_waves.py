@@ -656,5 +656,30 @@ def test_verifies_waiting_for_the_device_run_between_a_prompts_chunks(tiny, monk
             v.loop.call_soon_threadsafe(servicer._device.release)
         assert [c.result().wave_sessions for c in calls] == [2, 2]
         assert calls[0].result().timings.forward_ms == calls[1].result().timings.forward_ms
+        # prompts that wait for the device together share a prefill wave (one chunk of 16 each: 2 a wave, the most
+        # sessions a wave), and each gets the first token, features and experts its prefill alone gives
+        monkeypatch.setattr(servicer_mod, "_prefill_wave_step", step)
+        req = lambda p: verifier_pb2.PrefillRequest(prompt_tokens=p, max_tokens=8, ignore_eos=True,  # noqa: E731
+                                                     feature_layer_ids=[0, 1])
+        prompts = [[5, 6, 7], list(range(20, 32)), [40, 41]]
+        alone = [v.stub.Prefill(req(p), timeout=120) for p in prompts]
+        assert [a.wave_sessions for a in alone] == [1, 1, 1]
+        asyncio.run_coroutine_threadsafe(servicer._device.acquire(), v.loop).result(timeout=10)
+        try:
+            futs = [v.stub.Prefill.future(req(p), timeout=300) for p in prompts]
+            while len(servicer._prefills_waiting) < 3 and time.time() < deadline + 120:
+                time.sleep(0.01)
+            assert len(servicer._prefills_waiting) == 3
+        finally:
+            v.loop.call_soon_threadsafe(servicer._device.release)
+        together = [f.result() for f in futs]
+        assert [t.wave_sessions for t in together] == [2, 2, 1]
+        strip = lambda r: (r.first_token, r.features.data, r.routed_union, r.routed_bytes, r.committed_tokens)  # noqa: E731
+        assert [strip(t) for t in together] == [strip(a) for a in alone]
+        metrics = v.running.metrics
+        assert metrics.registry.get_sample_value("pdflash_prefill_wave_sessions_count") == 1
+        for r in alone + together:
+            v.stub.EndSession(verifier_pb2.EndSessionRequest(session_id=r.session_id), timeout=30)
+        assert core._prefilling == 0 and len(core.sessions) == 1 + 1  # (the first two sessions of this test)
     finally:
         v.stop()
