@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|confirm|waves|wavesbench|prefill|prefillbench|loadwaves|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|confirm|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite (or SUITE_FILES), 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -80,6 +80,11 @@ if [[ " $STEPS " == *" prefillbench "* ]]; then  # the chunked prefill's figures
       --chunks 128 256 512 --out "$OUT/graphs$g" > "$OUT/graphs$g/waves.txt" 2>&1
     grep -E "^\| (qwen3|gptoss).*\| (whole|[0-9]+) \|" "$OUT/graphs$g/waves.txt" | sed "s/^/graphs=$g /"
   done
+fi
+if [[ " $STEPS " == *" prefillwaves "* ]]; then  # prompts prefilled one after another and in one prefill wave (~4 min; not in `all`)
+  timeout ${PREFILLWAVES_S:-280} python3 benchmarks/waves.py --sessions 1 --new-tokens 16 --prompt-tokens ${PW_TOKENS:-256} \
+    --prefill-waves 2 4 8 --targets ${PW_TARGETS:-qwen3-8l gptoss-24l} --out "$OUT/prefillwaves" > "$OUT/prefillwaves.txt" 2>&1
+  rc=$?; grep -E "^\| (qwen3|gptoss).*x \|" "$OUT/prefillwaves.txt"; echo "prefill waves bench: exit $rc" | tee -a "$OUT/prefillwaves.txt"
 fi
 if [[ " $STEPS " == *" loadwaves "* ]]; then  # concurrent clients through gRPC, verify waves off (1) and at their CUDA default (0 = auto, 8) (~6 min; not in `all`)
   python3 -c "from pdflash.tiny import make_real_shape_checkpoint as m; m('/tmp/q8l', 'qwen3_moe', num_layers=8, device='cuda')" > /dev/null 2>&1

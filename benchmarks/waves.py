@@ -23,6 +23,10 @@ chunks of C tokens (`--prefill-chunk C`, on the paged KV): the whole prefill's m
 sessions already decoding wait behind it at most: the server gives them the device between chunks) and whether the
 first token is the one-go prefill's. On transformers' cache (the CPU default) a prompt is one forward whatever C.
 
+Prefill waves (`--prefill-waves S ...`): S prompts of --prompt-tokens random tokens prefilled one after another and
+in one prefill wave (as the servicer runs the prompts that wait for the device together): ms for all of them, and
+whether the first tokens and routed experts are the same.
+
 Writes waves_<device>.json / .md (waves_h200.* on the H200) to --out (default benchmarks/results).
 """
 
@@ -130,6 +134,41 @@ def prefill_rows(core: VerifierCore, name: str, vocab: int, tokens: int, chunks:
     return rows
 
 
+def prefill_wave_rows(core: VerifierCore, name: str, vocab: int, tokens: int, counts: list[int]) -> list[dict]:
+    """S prompts of `tokens` random tokens prefilled one after another (a forward each, from its prefill graph where a
+    bucket holds it) and in one prefill wave (VerifierCore.prefill_wave, one ragged forward): ms for all of them, and
+    whether every first token and routed-expert set is the one-after-another's."""
+    import random
+
+    rng = random.Random(2)
+    rows = []
+    for n in counts:
+        prompts = [tuple(rng.randrange(2, vocab) for _ in range(tokens)) for _ in range(n)]
+        got = {}
+        for mode in ("one after another", "wave"):
+            for timed in (False, True):  # the first run compiles, captures and allocates
+                jobs = [core.start_prefill(PrefillInput(f"pw{i}", p, SamplingParams(), 1, ignore_eos=True))
+                        for i, p in enumerate(prompts)]
+                outs = []
+                try:
+                    t0 = time.perf_counter()
+                    done = core.prefill_wave(jobs) if mode == "wave" else [j.step() for j in jobs]
+                    assert all(d is True for d in done), done
+                    outs = [j.finish() for j in jobs]
+                    ms = (time.perf_counter() - t0) * 1e3
+                finally:
+                    for o in outs:
+                        if o.session_id:
+                            core.end(o.session_id)
+                    for j in jobs:
+                        j.close()
+            got[mode] = (ms, [(o.tokens[0], o.routed_union) for o in outs])
+        base, wave = got["one after another"], got["wave"]
+        rows.append({"target": name, "prompts": n, "prompt_tokens": tokens, "one_after_another_ms": base[0],
+                     "wave_ms": wave[0], "speedup": base[0] / wave[0], "same": wave[1] == base[1]})
+    return rows
+
+
 def markdown(result: dict) -> str:
     m = result["meta"]
     lines = [f"# Multi-session verify waves ({m['device_name']}, {m['date']})", "", (f"`PDFLASH_PREFILL_GRAPHS=1 {m['command']}`" if m.get("prefill_graphs") else f"`{m['command']}`"), "",
@@ -145,6 +184,11 @@ def markdown(result: dict) -> str:
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['target']} | {r['prompt_tokens']} | {r['chunk'] or 'whole'} | {r['forwards']} | {r['ms']:.1f} | "
                   f"{r['longest_forward_ms']:.1f} | {r['same_first_token']} |" for r in result["prefill"]]
+    if result.get("prefill_waves"):
+        lines += ["", "| target | prompts | prompt tokens | one after another ms | one prefill wave ms | speedup | same first tokens and experts |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['target']} | {r['prompts']} | {r['prompt_tokens']} | {r['one_after_another_ms']:.1f} | "
+                  f"{r['wave_ms']:.1f} | {r['speedup']:.2f}x | {r['same']} |" for r in result["prefill_waves"]]
     return "\n".join(lines) + "\n"
 
 
@@ -161,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gb", type=float, default=8.0)
     ap.add_argument("--prefill-tokens", type=int, default=0, help="also time one prompt of this many tokens, whole and chunked")
     ap.add_argument("--chunks", type=int, nargs="+", default=[256, 512], help="chunk sizes for --prefill-tokens")
+    ap.add_argument("--prefill-waves", type=int, nargs="*", default=[],
+                    help="also time this many prompts of --prompt-tokens prefilled one after another and in one prefill wave")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     if not 1 <= args.block <= 32 or min(args.sessions) < 1:
@@ -177,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU",
                              "torch": torch.__version__, "block": args.block, "new_tokens": args.new_tokens,
                              "command": "python benchmarks/waves.py " + " ".join(argv if argv is not None else sys.argv[1:])},
-                    "rows": [], "prefill": []}
+                    "rows": [], "prefill": [], "prefill_waves": []}
     failed = []
     for name in args.targets:
         t = build(name, bargs, device, dtype)
@@ -210,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
             result["prefill"] += prefill_rows(core, t.name, t.model.config.get_text_config().vocab_size,
                                               args.prefill_tokens, args.chunks)
             failed += [f"{t.name} prefill chunk {r['chunk']}" for r in result["prefill"] if not r["same_first_token"]]
+            print(markdown(result).splitlines()[-1], flush=True)
+        if args.prefill_waves:
+            result["prefill_waves"] += prefill_wave_rows(core, t.name, t.model.config.get_text_config().vocab_size,
+                                                         args.prompt_tokens, args.prefill_waves)
+            failed += [f"{t.name} prefill wave of {r['prompts']}" for r in result["prefill_waves"] if not r["same"]]
             print(markdown(result).splitlines()[-1], flush=True)
         del core, target, t
         if device.type == "cuda":

@@ -281,7 +281,8 @@ def test_the_waves_benchmark_runs_on_the_cpu(tmp_path):
     from benchmarks import waves
 
     assert waves.main(["--device", "cpu", "--targets", "demo", "--sessions", "1", "2", "--new-tokens", "6",
-                       "--prompt-tokens", "16", "--prefill-tokens", "40", "--chunks", "16", "--out", str(tmp_path)]) == 0
+                       "--prompt-tokens", "16", "--prefill-tokens", "40", "--chunks", "16", "--prefill-waves", "2",
+                       "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "waves_cpu.json").read_text())
     rows = result["rows"]
     assert [(r["chunk"], r["forwards"], r["same_first_token"]) for r in result["prefill"]] == [(0, 1, True), (16, 1, True)]
@@ -291,6 +292,8 @@ def test_the_waves_benchmark_runs_on_the_cpu(tmp_path):
     # the routed experts a round: one session's union is its own set; two sessions' union is at most their sum
     assert rows[0]["experts_union"] == rows[0]["experts_summed"] > 0
     assert 0 < rows[2]["experts_union"] <= rows[2]["experts_summed"]
+    (pw,) = result["prefill_waves"]  # (transformers' cache: a prefill wave is its prompts in turn)
+    assert pw["prompts"] == 2 and pw["same"] and pw["wave_ms"] > 0
 
 
 def test_the_prefill_profile_runs_on_the_cpu(tmp_path):
