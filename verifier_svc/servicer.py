@@ -375,7 +375,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """Whether prompts waiting for the device share their forwards (`VerifierCore.prefill_wave`): with verify waves
         on the paged KV."""
         core = self.core
-        return core.max_wave_sessions > 1 and getattr(core, "wave_forward", False)
+        return getattr(core, "max_wave_sessions", 1) > 1 and getattr(core, "wave_forward", False)
 
     async def _prefill(self, req: PrefillInput) -> tuple[StepOutput, float]:
         """The prompt's forwards, a device turn a chunk (VerifierCore.start_prefill): verifies waiting for the device run
