@@ -286,13 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.target and not (args.model and args.scheduler and args.verifier):
         ap.error("--target needs --model (for the references), --scheduler and --verifier (for the leak check)")
 
-    from pdflash.defaults import default_drafter_dir, default_target_dir
+    from pdflash.defaults import default_drafter_dir, default_target_dir, is_embedded_target
     from pdflash.stack import Stack, StackSpec, free_ports
     from pdflash.tls import bearer_metadata
 
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     model = args.model or str(default_target_dir())
-    drafter_dir = "" if args.target else (args.drafter or str(default_drafter_dir() or ""))
+    # the embedded DFlash drafter goes with the embedded target only (it was trained for it; another --model gets none
+    # unless --drafter names one)
+    embedded = str(default_drafter_dir() or "") if is_embedded_target(model) else ""
+    drafter_dir = "" if args.target else (args.drafter or embedded)
     if not args.target and not drafter_dir:  # no DFlash drafter to start the stack with
         drafters = [d for d in drafters if d not in ("dflash", "hybrid")] or ["ngram"]
     plans = {n: make_jobs(n, args.requests, args.max_tokens, drafters) for n in levels}
@@ -313,10 +316,11 @@ def main(argv: list[str] | None = None) -> int:
             verifier_args=["--max-sessions", str(max(64, *levels)), *shlex.split(args.verifier_args)],
         )
         stack = Stack(spec).start()
-        stack.wait_ready(300)
-        target, scheduler, verifier = stack.drafter, stack.scheduler, stack.verifier
     runs = []
     try:
+        if stack is not None:
+            stack.wait_ready(300)  # (in the try: a stack that fails to start is stopped, not left holding the GPU)
+            target, scheduler, verifier = stack.drafter, stack.scheduler, stack.verifier
         # Warm-up: first-call costs (gRPC's asyncio start-up, lazy model code paths) are not load.
         warm = [[Job(p, 4, d)] for p in PROMPTS[:2] for d in drafters]
         asyncio.run(run_load(target, warm, metadata=bearer_metadata(args.token), request_timeout=args.request_timeout))

@@ -45,7 +45,8 @@ def profiled_steps(core: VerifierCore, prompt: tuple[int, ...], chunk: int) -> l
                 while not done:
                     if timed:
                         start, n = job.done, min(job.chunk, len(prompt) - job.done)
-                        acts = [torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else torch.profiler.ProfilerActivity.CPU]
+                        cuda = core.target.device.type == "cuda"  # (a CPU run on a GPU host profiles the CPU's ops)
+                        acts = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
                         with torch.profiler.profile(activities=acts) as prof:
                             t0 = time.perf_counter()
                             done = job.step()

@@ -80,3 +80,19 @@ def test_concurrent_streams_in_verify_waves_are_exact_and_leave_nothing_behind(t
         assert waves > 0 and sessions >= waves  # every verify went through a wave
     finally:
         stack.stop()
+
+
+def test_the_load_benchmark_on_a_model_of_ones_own_starts_without_the_embedded_drafter(tiny, tmp_path):
+    """benchmarks/load.py --model DIR (not the embedded target) and no --drafter: the embedded DFlash drafter (made for
+    the embedded target) is not started beside it, so the stack starts and every output is its greedy reference."""
+    import json
+
+    from benchmarks import load
+
+    out = tmp_path / "load.json"
+    assert load.main(["--model", str(tiny.target("qwen3_moe")), "--clients", "2", "--requests", "1", "--max-tokens", "8",
+                      "--drafters", "ngram,dflash", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["drafter"] == "" and result["config"]["drafters"] == ["ngram"]
+    (run,) = result["runs"]
+    assert run["requests"] == 2 and run["errors"] == 0 and run["mismatches"] == 0
