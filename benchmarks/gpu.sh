@@ -27,14 +27,21 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# A warm machine keeps what an earlier call left running: stack services of a benchmark that died (stop 48: two verifiers
+# of a failed load.py start held 48 GB through the next call's suite, which then failed on out-of-memory errors)
+if pkill -f "pdflash.cli serve-(verifier|drafter|scheduler)"; then echo "stopped service processes an earlier call left running"; sleep 3; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+nvidia-smi --query-gpu=memory.used --format=csv,noheader | sed 's/^/GPU memory in use at start: /' | tee -a "$OUT/device.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 has() { [[ " $STEPS " == *" $1 "* || " $STEPS " == *" all "* ]]; }
 if [[ " $STEPS " == *" suite "* ]]; then  # the whole suite (~ minutes with 8 workers); the slowest 15 tests listed
   # -v: a line per test as it ends, so a run cut by the time limit still names its failures (grep FAILED)
   # SUITE_FILES: a part of the suite (test files or node ids), for a call too short for all of it (stop 44: 545 s left
   # 24 tests unfinished); the default, every test
-  timeout ${SUITE_S:-560} python3 -m pytest -v -rfE -n ${SUITE_WORKERS:-8} -p no:cacheprovider --timeout=300 --durations=15 \
+  # 8 workers on the H200 (141 GB); fewer on a card of ~80 GB (an H100), where 8 workers' real-shape models may not fit
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  workers=${SUITE_WORKERS:-$([ "${mib:-0}" -ge 100000 ] && echo 8 || echo 5)}
+  timeout ${SUITE_S:-560} python3 -m pytest -v -rfE -n $workers -p no:cacheprovider --timeout=300 --durations=15 \
     ${SUITE_FILES:-} > "$OUT/gpu_suite.txt" 2>&1
   rc=$?; grep -E "FAILED|ERROR" "$OUT/gpu_suite.txt" | head -20; tail -25 "$OUT/gpu_suite.txt"
   if [ $rc -eq 124 ]; then  # cut by the limit: name the tests that never finished (collected, no outcome line)

@@ -31,6 +31,7 @@ from benchmarks.forward_profile import families, kernel_table  # noqa: E402
 from benchmarks.kernel_bench import device_tag  # noqa: E402
 from pdflash.types import SamplingParams  # noqa: E402
 from verifier_svc.engine import PagedKVOptions, PrefillInput, VerifierCore  # noqa: E402
+from verifier_svc.runner import prefill_graphs_enabled  # noqa: E402
 
 
 def profiled_steps(core: VerifierCore, prompt: tuple[int, ...], chunk: int) -> list[dict]:
@@ -96,7 +97,7 @@ def host_profile(core: VerifierCore, prompt: tuple[int, ...], chunk: int, top: i
 
 def markdown(result: dict) -> str:
     lines = [f"# Prefill forwards by kernel family ({result['meta']['device_name']}, {result['meta']['date']})", "",
-             ("`PDFLASH_PREFILL_GRAPHS=1 " if result["meta"].get("prefill_graphs") else "`") + f"{result['meta']['command']}`", ""]
+             ("`" if result["meta"].get("prefill_graphs") or result["meta"]["device"] == "cpu" else "`PDFLASH_PREFILL_GRAPHS=0 ") + f"{result['meta']['command']}`", ""]
     for r in result["rows"]:
         lines += [f"## {r['target']}: {r['form']} (rows {r['rows']} at start {r['start']}): wall {r['wall_ms']:.2f} ms, "
                   f"kernels {r['kernel_us'] / 1e3:.2f} ms", "", "| family | us | launches |", "|---|---|---|"]
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bargs = argparse.Namespace(layers=args.layers, tiny=args.tiny, prompt_tokens=16, prompts=1, new_tokens=8, kernels="auto")
     result = {"meta": {"date": time.strftime("%Y-%m-%d"), "device": str(device),
-                             "prefill_graphs": os.environ.get("PDFLASH_PREFILL_GRAPHS", "0") == "1",
+                             "prefill_graphs": device.type == "cuda" and prefill_graphs_enabled(),
                        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
                        "command": "python benchmarks/prefill_profile.py " + " ".join(argv if argv is not None else sys.argv[1:])},
               "rows": [], "host": []}

@@ -50,6 +50,7 @@ from benchmarks.inprocess import core_run  # noqa: E402
 from benchmarks.kernel_bench import device_tag  # noqa: E402
 from pdflash.types import DraftResult, SamplingParams, union_bytes  # noqa: E402
 from verifier_svc.engine import PagedKVOptions, PrefillInput, VerifierCore  # noqa: E402
+from verifier_svc.runner import prefill_graphs_enabled  # noqa: E402
 
 
 def decode(core: VerifierCore, prompts, refs, new_tokens: int, block: int, waves: bool) -> dict:
@@ -145,14 +146,18 @@ def prefill_wave_rows(core: VerifierCore, name: str, vocab: int, tokens: int, co
     for n in counts:
         prompts = [tuple(rng.randrange(2, vocab) for _ in range(tokens)) for _ in range(n)]
         got = {}
-        for mode in ("one after another", "wave"):
+        served = core.prefill_wave_graphed_rows
+        for mode in ("one after another", "wave", "served"):
+            # wave: every prompt in the one ragged forward; served: the server's rule (prompts that would replay prefill
+            # graphs do so one after another unless their rows reach prefill_wave_graphed_rows)
+            core.prefill_wave_graphed_rows = 0 if mode == "wave" else served
             for timed in (False, True):  # the first run compiles, captures and allocates
                 jobs = [core.start_prefill(PrefillInput(f"pw{i}", p, SamplingParams(), 1, ignore_eos=True))
                         for i, p in enumerate(prompts)]
                 outs = []
                 try:
                     t0 = time.perf_counter()
-                    done = core.prefill_wave(jobs) if mode == "wave" else [j.step() for j in jobs]
+                    done = [j.step() for j in jobs] if mode == "one after another" else core.prefill_wave(jobs)
                     assert all(d is True for d in done), done
                     outs = [j.finish() for j in jobs]
                     ms = (time.perf_counter() - t0) * 1e3
@@ -163,15 +168,17 @@ def prefill_wave_rows(core: VerifierCore, name: str, vocab: int, tokens: int, co
                     for j in jobs:
                         j.close()
             got[mode] = (ms, [(o.tokens[0], o.routed_union) for o in outs])
-        base, wave = got["one after another"], got["wave"]
+        core.prefill_wave_graphed_rows = served
+        base, wave, srv = got["one after another"], got["wave"], got["served"]
         rows.append({"target": name, "prompts": n, "prompt_tokens": tokens, "one_after_another_ms": base[0],
-                     "wave_ms": wave[0], "speedup": base[0] / wave[0], "same": wave[1] == base[1]})
+                     "wave_ms": wave[0], "speedup": base[0] / wave[0], "served_ms": srv[0],
+                     "served_speedup": base[0] / srv[0], "same": wave[1] == base[1] == srv[1]})
     return rows
 
 
 def markdown(result: dict) -> str:
     m = result["meta"]
-    lines = [f"# Multi-session verify waves ({m['device_name']}, {m['date']})", "", (f"`PDFLASH_PREFILL_GRAPHS=1 {m['command']}`" if m.get("prefill_graphs") else f"`{m['command']}`"), "",
+    lines = [f"# Multi-session verify waves ({m['device_name']}, {m['date']})", "", (f"`{m['command']}`" if m.get("prefill_graphs") or m["device"] == "cpu" else f"`PDFLASH_PREFILL_GRAPHS=0 {m['command']}`"), "",
              "| target | sessions | block | mode | decode tok/s | ms/round | forward_ms/round | speedup | experts a layer: summed / union | identical |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -185,10 +192,11 @@ def markdown(result: dict) -> str:
         lines += [f"| {r['target']} | {r['prompt_tokens']} | {r['chunk'] or 'whole'} | {r['forwards']} | {r['ms']:.1f} | "
                   f"{r['longest_forward_ms']:.1f} | {r['same_first_token']} |" for r in result["prefill"]]
     if result.get("prefill_waves"):
-        lines += ["", "| target | prompts | prompt tokens | one after another ms | one prefill wave ms | speedup | same first tokens and experts |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "| target | prompts | prompt tokens | one after another ms | one prefill wave ms | speedup | "
+                  "served rule ms | speedup | same first tokens and experts |", "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['target']} | {r['prompts']} | {r['prompt_tokens']} | {r['one_after_another_ms']:.1f} | "
-                  f"{r['wave_ms']:.1f} | {r['speedup']:.2f}x | {r['same']} |" for r in result["prefill_waves"]]
+                  f"{r['wave_ms']:.1f} | {r['speedup']:.2f}x | {r.get('served_ms', 0):.1f} | {r.get('served_speedup', 0):.2f}x | "
+                  f"{r['same']} |" for r in result["prefill_waves"]]
     return "\n".join(lines) + "\n"
 
 
@@ -219,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"meta": {"date": time.strftime("%Y-%m-%d"), "device": str(device),
-                             "prefill_graphs": os.environ.get("PDFLASH_PREFILL_GRAPHS", "0") == "1",
+                             "prefill_graphs": device.type == "cuda" and prefill_graphs_enabled(),
                              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU",
                              "torch": torch.__version__, "block": args.block, "new_tokens": args.new_tokens,
                              "command": "python benchmarks/waves.py " + " ".join(argv if argv is not None else sys.argv[1:])},

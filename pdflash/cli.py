@@ -64,9 +64,9 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--prefill-chunk", type=_number, default=0, metavar="TOKENS",
                    help="prompt tokens one prefill forward takes on the paged KV (0 = the whole prompt): verifies waiting "
                         "for the device run between a long prompt's chunks; the output is the same either way")
-    v.add_argument("--prefill-graphs", action="store_true",
-                   help="prefills of up to 512 tokens (prompts, --prefill-chunk chunks) replay CUDA graphs (the same "
-                        "output, no eager host time); off until their GPU test has run")
+    v.add_argument("--no-prefill-graphs", dest="prefill_graphs", action="store_false",
+                   help="prefills of up to 512 tokens (prompts, --prefill-chunk chunks) run eagerly instead of replaying "
+                        "CUDA graphs (the same output; an eager forward pays ~20-30 ms of host time)")
     v.add_argument("--max-wave-sessions", type=_number, default=0, metavar="N",
                    help="multi-session verify waves: the verifies of up to N sessions waiting for the device share one "
                         "forward (on the paged KV, each session's answer bit-identical to its own verify's); 1 = off; "
@@ -237,7 +237,7 @@ def _verifier_args(args) -> list[str]:
     for flag, default in (("device", "auto"), ("dtype", "auto"), ("kernels", "auto"), ("experts", "native"), ("expert_cache_gb", 0.0),
                           ("expert_prefetch", "union,layer"), ("expert_cache_mode", "device"), ("expert_eviction", "lru"),
                           ("expert_arrival_share", 0.5), ("expert_guess_width", 0), ("expert_fill_overlap", True),
-                          ("max_wave_sessions", 0), ("prefill_chunk", 0), ("prefill_graphs", False), ("warmup", "auto")):
+                          ("max_wave_sessions", 0), ("prefill_chunk", 0), ("prefill_graphs", True), ("warmup", "auto")):
         value = getattr(args, flag, default)
         if value != default:
             out += _flag(flag, value).split(" ", 1)

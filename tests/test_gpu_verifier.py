@@ -305,21 +305,25 @@ def test_a_prefill_wave_gives_each_prompt_its_own_prefills_bits(core):
         return (o.tokens, o.logprobs, o.top_logprobs, o.features.tobytes(), o.routed_union, v.tokens, v.logprobs)
 
     alone = [answer(core.prefill(inp(p))) for p in prompts]
-    for chunk in (0, 64):
-        core.prefill_chunk = chunk
+    served = core.prefill_wave_graphed_rows
+    for chunk, graphed_rows in ((0, 0), (64, 0), (0, served)):  # (0: every prompt in the ragged wave; served: the
+        core.prefill_chunk = chunk                               # graph-replayable ones one after another)
+        core.prefill_wave_graphed_rows = graphed_rows
         try:
             jobs = [core.start_prefill(inp(p)) for p in prompts]
+            pending = list(jobs)
+            while pending:
+                got = core.prefill_wave(pending)
+                assert not any(isinstance(g, BaseException) for g in got), got
+                pending = [j for j, done in zip(pending, got) if not done]
         finally:
             core.prefill_chunk = 0
-        pending = list(jobs)
-        while pending:
-            got = core.prefill_wave(pending)
-            assert not any(isinstance(g, BaseException) for g in got), got
-            pending = [j for j, done in zip(pending, got) if not done]
+            core.prefill_wave_graphed_rows = served
         outs = [j.finish() for j in jobs]
-        assert all(o.wave_sessions == len(prompts) for o in outs)
+        if graphed_rows == 0:
+            assert all(o.wave_sessions == len(prompts) for o in outs)
         for i, o in enumerate(outs):
-            assert answer(o) == alone[i], f"prompt {i} chunk {chunk}"
+            assert answer(o) == alone[i], f"prompt {i} chunk {chunk} graphed rows {graphed_rows}"
 
 
 def test_a_dropped_second_core_leaves_the_targets_own_forward_bits(core):

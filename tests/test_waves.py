@@ -325,10 +325,12 @@ def test_the_graph_pool_switch_is_checked(monkeypatch):
         GraphRunner._new_mempool()
 
 
-def test_prefill_graphs_are_off_unless_asked_and_the_switch_is_checked(monkeypatch):
+def test_prefill_graphs_are_on_unless_turned_off_and_the_switch_is_checked(monkeypatch):
     from verifier_svc.runner import prefill_graphs_enabled
 
     monkeypatch.delenv("PDFLASH_PREFILL_GRAPHS", raising=False)
+    assert prefill_graphs_enabled()
+    monkeypatch.setenv("PDFLASH_PREFILL_GRAPHS", "0")
     assert not prefill_graphs_enabled()
     monkeypatch.setenv("PDFLASH_PREFILL_GRAPHS", "1")
     assert prefill_graphs_enabled()
@@ -349,11 +351,12 @@ def test_up_passes_prefill_graphs_to_the_verifier_and_its_config_reads_them(monk
         add_arguments(p, VerifierConfig)
         return from_sources(VerifierConfig, p.parse_args(argv), env=env)
 
-    assert "--prefill-graphs" not in _spec(build_parser().parse_args(["up"])).verifier_args  # the default: off
-    args = _spec(build_parser().parse_args(["up", "--prefill-graphs"])).verifier_args
-    assert args[-1] == "--prefill-graphs"
-    assert VerifierConfig().prefill_graphs is False
-    assert parse(args[-1:], {}).prefill_graphs is True  # what the stack passes, the verifier reads
+    assert "--no-prefill-graphs" not in _spec(build_parser().parse_args(["up"])).verifier_args  # the default: on
+    args = _spec(build_parser().parse_args(["up", "--no-prefill-graphs"])).verifier_args
+    assert args[-1] == "--no-prefill-graphs"
+    assert VerifierConfig().prefill_graphs is True
+    assert parse(args[-1:], {}).prefill_graphs is False  # what the stack passes, the verifier reads
+    assert parse([], {}).prefill_graphs is True
     assert parse([], {"PDFLASH_PREFILL_GRAPHS": "1"}).prefill_graphs is True
     assert parse([], {"PDFLASH_PREFILL_GRAPHS": "0"}).prefill_graphs is False
 
@@ -606,6 +609,36 @@ def test_a_prefill_wave_makes_each_session_as_its_own_prefill_would(paged_core):
     for o in outs:
         core.end(o.session_id)
     assert core.pool.free_pages == free and core._prefilling == 0
+
+
+@needs_interpreter
+@pytest.mark.timeout(600)
+def test_prompts_that_would_replay_prefill_graphs_share_a_wave_only_when_their_rows_pay_for_it(paged_core, monkeypatch):
+    """The served rule (`prefill_wave_graphed_rows`): prompts whose chunks would replay a prefill graph (CUDA, experts
+    resident; here every prompt, as if) replay them one after another unless their rows together reach the threshold,
+    where one eager wave costs less; a prompt that would run eagerly anyway always joins the wave."""
+    from verifier_svc.engine import PrefillInput
+
+    core = paged_core
+    prompts = [tuple(range(5, 15)), tuple(range(20, 26)), (3, 4, 5)]
+
+    def waves(replays, threshold):
+        monkeypatch.setattr(core, "_replays_prefill", lambda job, n: replays(job))
+        monkeypatch.setattr(core, "prefill_wave_graphed_rows", threshold)
+        jobs = [core.start_prefill(PrefillInput(f"g{i}", p, SamplingParams(), 8)) for i, p in enumerate(prompts)]
+        assert core.prefill_wave(jobs) == [True, True, True]
+        outs = [j.finish() for j in jobs]
+        for o in outs:
+            core.end(o.session_id)
+        return [o.wave_sessions for o in outs], [o.tokens for o in outs]
+
+    each, first = waves(lambda job: True, 20)  # 10 + 6 + 3 = 19 rows, below 20: each replays its own graph
+    assert each == [1, 1, 1]
+    assert waves(lambda job: True, 19) == ([3, 3, 3], first)  # 19 rows reach 19: one wave
+    # only g2 would replay a graph: g0 and g1 (eager anyway) share a wave, g2 replays alone
+    assert waves(lambda job: job.req.request_id == "g2", 100) == ([2, 2, 1], first)
+    # g1 alone would run eagerly: a wave of one is its own step, and g0 and g2 replay theirs
+    assert waves(lambda job: job.req.request_id != "g1", 100) == ([1, 1, 1], first)
 
 
 @needs_interpreter

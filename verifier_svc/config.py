@@ -21,7 +21,7 @@ class VerifierConfig(ServerOptions):
     paged_kv: str = option("auto", "the paged KV pool and layer-by-layer forward (CUDA graphs per block-size bucket): auto (with the kernels), on, off (transformers' DynamicCache)")
     kv_cache_gb: float = option(0.0, "size of the paged KV pool in GiB (0 = a quarter of the free GPU memory; 0.25 on a CPU)")
     cuda_graphs: bool = option(True, "replay verify forwards from CUDA graphs (paged KV on CUDA)")
-    prefill_graphs: bool = option(False, "replay prefill forwards (prompts and --prefill-chunk chunks of up to 512 tokens) from CUDA graphs too, a graph per bucket of 32-512 rows captured by the warm-up: the same bits, without the eager forward's ~20-30 ms of host time; off until its GPU test has run")
+    prefill_graphs: bool = option(True, "replay prefill forwards (prompts and --prefill-chunk chunks of up to 512 tokens) from CUDA graphs too, a graph per bucket of 32-512 rows captured by the warm-up: the same bits, without the eager forward's ~20-30 ms of host time")
     experts: str = option("native", "routed experts: native (the checkpoint's dtype) or mxfp4 (quantized at load; resident on the device, or offloaded with --expert-cache-gb)")
     expert_cache_gb: float = option(0.0, "offload the MXFP4 experts to a host store and serve them from a device cache of this many GiB (fractions allowed; 0 = every expert resident)")
     expert_prefetch: str = option("union,layer", "offloaded experts, what streams in ahead of need: union (a verify's projected union when it arrives), layer (at each layer, the experts the next layer's router picks for this layer's input), union,layer, or none")

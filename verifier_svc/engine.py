@@ -52,7 +52,7 @@ class PagedKVOptions:
     kv_cache_gb: float = 0.0  # 0 = a quarter of the device's free memory on CUDA, 0.25 GiB on a CPU
     graphs: bool = True
     capture_at_load: bool = True  # capture every bucket's graph at load, not on its first use
-    prefill_graphs: bool | None = None  # prefills from CUDA graphs (runner.PREFILL_BUCKETS); None = PDFLASH_PREFILL_GRAPHS
+    prefill_graphs: bool | None = None  # prefills from CUDA graphs (runner.PREFILL_BUCKETS); None = PDFLASH_PREFILL_GRAPHS (default on)
 
     def enabled(self, target: TargetModel) -> bool:
         if self.mode == "off":
@@ -580,6 +580,20 @@ class VerifierCore:
 
     #: the most prompt tokens one prefill wave forwards (its oldest prompt's chunk goes whatever its size)
     prefill_wave_rows = 4096
+    #: Prompts whose chunk would replay a prefill graph (experts resident) share an eager wave only when their rows reach
+    #: this many together; fewer replay their graphs one after another. A prefill wave runs eagerly, and an eager
+    #: forward's host time (~16-25 ms, whatever its rows) outweighs what one forward saves on the weights' reads until
+    #: the wave is big: on an H100 with prefill graphs, prompts of 256 tokens one after another / in one wave took
+    #: qwen3-8l 11.2 / 16.1 ms (2 prompts), 22.1 / 18.5 (4), 44.8 / 33.7 (8); gptoss-24l 25.7 / 46.1, 48.4 / 49.7,
+    #: 99.7 / 82.6 (`benchmarks/waves.py --prefill-waves 2 4 8`, stop48_gpu/call2). Offloaded experts, chunks past the
+    #: largest prefill bucket and prefill graphs off always share the wave (each would run eagerly anyway).
+    prefill_wave_graphed_rows = 1536
+
+    def _replays_prefill(self, job: "PrefillJob", n: int) -> bool:
+        """Whether the job's next `n` rows would replay a prefill graph with every expert resident."""
+        g = self.graphs
+        return (g is not None and self.target.expert_cache is None
+                and g.prefill_bucket(n, job.s.committed, job.s.kv) is not None)
 
     def prefill_wave(self, jobs: "list[PrefillJob]") -> "list[bool | BaseException]":
         """The next chunk of several prompts at once (PrefillJobs of different sessions): on the paged KV
@@ -587,7 +601,8 @@ class VerifierCore:
         each job ends as its own `step`s would leave it), else each job's `step` in turn. Returns per job whether its
         prompt is now whole, or the error it alone failed with (the KV cache full for its chunk: refused before the
         forward; a failing forward fails every job in it). Every job's forward ms and expert-cache counters are the
-        wave's."""
+        wave's. Jobs whose chunks would replay prefill graphs (experts resident) replay them one after another instead,
+        unless their rows together reach `prefill_wave_graphed_rows`."""
         results: list = [None] * len(jobs)
         if len(jobs) < 2 or not self.wave_forward:
             for i, j in enumerate(jobs):
@@ -607,12 +622,19 @@ class VerifierCore:
                 results[i] = e
                 continue
             ready.append((i, j, ids))
+        graphed = [r for r in ready if self._replays_prefill(r[1], len(r[2]))]
+        if sum(len(ids) for _, _, ids in graphed) < self.prefill_wave_graphed_rows:
+            ready = [r for r in ready if r not in graphed]
+        else:
+            graphed = []
         if len(ready) < 2:
-            for i, j, _ in ready:
-                try:
-                    results[i] = j.step()
-                except Exception as e:  # noqa: BLE001
-                    results[i] = e
+            graphed, ready = graphed + ready, []
+        for i, j, _ in graphed:  # one after another, each from its prefill graph (or eagerly, alone)
+            try:
+                results[i] = j.step()
+            except Exception as e:  # noqa: BLE001
+                results[i] = e
+        if not ready:
             return results
         from verifier_svc.runner import wave_starts
 
