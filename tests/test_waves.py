@@ -717,5 +717,28 @@ def test_verifies_waiting_for_the_device_run_between_a_prompts_chunks(tiny, monk
         for r in alone + together:
             v.stub.EndSession(verifier_pb2.EndSessionRequest(session_id=r.session_id), timeout=30)
         assert core._prefilling == 0 and len(core.sessions) == 1 + 1  # (the first two sessions of this test)
+        # a caller that gives up while its prompt waits for a wave: its job is closed (no pages, no count held), and
+        # the prompt beside it is answered
+        import grpc
+
+        free = core.pool.free_pages
+        asyncio.run_coroutine_threadsafe(servicer._device.acquire(), v.loop).result(timeout=10)
+        try:
+            gone = v.stub.Prefill.future(req(list(range(50, 70))), timeout=1.0)
+            kept = v.stub.Prefill.future(req(prompts[0]), timeout=300)
+            while len(servicer._prefills_waiting) < 2 and time.time() < deadline + 180:
+                time.sleep(0.01)
+            with pytest.raises(grpc.RpcError) as e:
+                gone.result()
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            while len(servicer._prefills_waiting) > 1 and time.time() < deadline + 180:
+                time.sleep(0.01)
+            assert len(servicer._prefills_waiting) == 1 and core._prefilling == 1  # (the kept prompt's job)
+        finally:
+            v.loop.call_soon_threadsafe(servicer._device.release)
+        answer = kept.result()
+        assert answer.wave_sessions == 1 and strip(answer) == strip(alone[0])  # (alone in its wave: the other left)
+        v.stub.EndSession(verifier_pb2.EndSessionRequest(session_id=answer.session_id), timeout=30)
+        assert core._prefilling == 0 and core.pool.free_pages == free and servicer._pending == 0
     finally:
         v.stop()

@@ -118,6 +118,8 @@ async def start(cfg: VerifierConfig) -> RunningVerifier:
         verify_waves=(f"up to {core.max_wave_sessions} sessions a forward" if core.max_wave_sessions > 1 and core.wave_forward
                       else f"up to {core.max_wave_sessions} sessions, one forward after another" if core.max_wave_sessions > 1
                       else "off"),
+        prefill_waves=(f"up to {core.max_wave_sessions} prompts a forward" if servicer.prefill_waves else "off"),
+        prefill_graphs=bool(core.graphs is not None and core.graphs.prefill_buckets),
         warmup_seconds=round(core.warmup_seconds, 2),
         prefill_chunk=(f"{core.prefill_chunk} tokens" if core.chunked_prefill else
                        "the whole prompt" + (" (chunks need the paged KV and a position-table RoPE)" if core.prefill_chunk else "")),

@@ -134,7 +134,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._prefill_gate = asyncio.Lock()  # one chunked prefill at a time (`_prefill`)
         # Prompts' next chunks waiting for a prefill wave (several prompts in one forward, `_prefill_in_wave`) and its task
         self._prefills_waiting: list[_WaitingPrefill] = []
-        self._prefill_waves: asyncio.Task | None = None
+        self._prefill_wave_task: asyncio.Task | None = None
 
     async def _ready(self, context) -> VerifierCore:
         if self.core is None:
@@ -427,9 +427,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         item = _WaitingPrefill(job, asyncio.get_running_loop().create_future(), time.perf_counter())
         try:
             self._prefills_waiting.append(item)
-            if self._prefill_waves is None or self._prefill_waves.done():
-                self._prefill_waves = asyncio.ensure_future(self._run_prefill_waves())
-                self._prefill_waves.add_done_callback(_log_failure)
+            if self._prefill_wave_task is None or self._prefill_wave_task.done():
+                self._prefill_wave_task = asyncio.ensure_future(self._run_prefill_waves())
+                self._prefill_wave_task.add_done_callback(_log_failure)
             try:
                 out, queued = await item.future
             except asyncio.CancelledError:
