@@ -208,6 +208,39 @@ def test_arrivals_from_another_thread_change_no_token_on_the_device_cache(checkp
 
 
 @pytest.mark.parametrize("mode", ["device", "host"])
+def test_prefill_waves_on_offloaded_experts_equal_resident_mxfp4(checkpoint, resident, mode):
+    """Prompts prefilled in one wave (VerifierCore.prefill_wave: one eager ragged forward, one expert-cache bracket) over
+    an evicting expert cache, device- or host-managed: each session then decodes exactly the resident MXFP4 block-1
+    reference, and the wave's counters are one forward's (every prompt's answer carries the same)."""
+    from pdflash.types import SamplingParams
+    from verifier_svc.engine import PrefillInput
+
+    vocab, prompts, refs, slice_bytes, per_layer, small_gb = resident
+    core = _core(checkpoint, small_gb if mode == "host" else small_gb + per_layer * slice_bytes / 2**30, mode=mode)
+    jobs = [core.start_prefill(PrefillInput(f"pw{i}", tuple(p), SamplingParams(), len(r), ignore_eos=True))
+            for i, (p, r) in enumerate(zip(prompts, refs))]
+    assert core.prefill_wave(jobs) == [True] * len(jobs)
+    outs = [j.finish() for j in jobs]
+    assert all(o.wave_sessions == len(jobs) for o in outs)
+    assert len({id(o.expert_cache) for o in outs}) == 1 and outs[0].expert_cache.lookups > 0
+    from pdflash.types import DraftResult
+
+    for o, ref in zip(outs, refs):  # the rest of each output, a token a round (block 1), on the KV the wave left
+        got, anchor = list(o.tokens), o.tokens[-1]
+        for rnd in range(1, len(ref)):
+            if len(got) >= len(ref):
+                break
+            v = core.verify(DraftResult(o.session_id, rnd, (anchor,), {}, 0), return_features=False)
+            got += v.tokens
+            anchor = v.tokens[-1]
+        core.end(o.session_id)
+        assert got[: len(ref)] == ref
+    assert core.target.expert_cache.stats.evictions > 0
+    del core
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("mode", ["device", "host"])
 def test_waves_on_offloaded_experts_equal_resident_mxfp4(checkpoint, resident, mode, monkeypatch):
     """Multi-session verify waves over an evicting expert cache (device-managed: the wave graphs; host-managed: the
     eager ragged forward): every session's output is the resident MXFP4 block-1 reference."""
