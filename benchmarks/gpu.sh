@@ -70,8 +70,8 @@ if [[ " $STEPS " == *" wavesbench "* ]]; then  # benchmarks/waves.py: waves agai
   timeout ${WAVES_S:-540} python3 benchmarks/waves.py --out "$OUT" ${WAVES_ARGS:---prefill-tokens 2048} > "$OUT/waves.txt" 2>&1
   rc=$?; tail -24 "$OUT/waves.txt"; echo "waves bench: exit $rc" | tee -a "$OUT/waves.txt"
 fi
-if [[ " $STEPS " == *" prefill "* ]]; then  # stop 47: prefill CUDA graphs (PDFLASH_PREFILL_GRAPHS=1), never run on a GPU yet (not in `all`; ~7 min)
-  timeout ${PREFILL_TESTS_S:-300} python3 -m pytest -v -rfE --tb=short -p no:cacheprovider --timeout=280 -n ${PREFILL_WORKERS:-3} tests/test_gpu_verifier.py \
+if [[ " $STEPS " == *" prefill "* ]]; then  # prefill CUDA graphs and prefill waves (their GPU tests; stop 48: all passed on an H100), then the profile (not in `all`; ~7 min)
+  timeout ${PREFILL_TESTS_S:-300} python3 -m pytest -v -rfE --tb=short -p no:cacheprovider --timeout=280 -n ${PREFILL_WORKERS:-3} tests/test_gpu_verifier.py tests/test_offload_gpu.py \
     -k "prefill_graphs or prefill_wave or chunked or warmup or graphs_on_the_paged or fails_to_capture or share_one_memory_pool" > "$OUT/prefill_tests.txt" 2>&1
   rc=$?; grep -E "PASSED|FAILED|ERROR|^E |warm-up:" "$OUT/prefill_tests.txt" | head -40; echo "prefill tests: exit $rc" | tee -a "$OUT/prefill_tests.txt"
   for g in 0 1; do  # where a prefill forward's time goes without and with the prefill graphs (qwen3-8l)
