@@ -690,6 +690,7 @@ class PrefillJob:
         self.added = False  # the session went to the store (finish)
         self.wave_sessions = 1  # the most prompts that shared one of its forwards (VerifierCore.prefill_wave)
         self.last_stats = None  # the expert-cache counters of its last forward
+        self.last_wave_sessions = 1  # the prompts its last forward held
 
     def next_ids(self) -> list[int]:
         """The prompt tokens the next step forwards."""
@@ -725,6 +726,7 @@ class PrefillJob:
         self.unions.append(union)
         self.forward_ms += ms
         self.wave_sessions = max(self.wave_sessions, wave_sessions)
+        self.last_wave_sessions = wave_sessions  # (this forward's prompts)
         self.last_stats = stats  # (this forward's: a wave's are shared by its jobs)
         if stats is not None:
             self.stats = stats if self.stats is None else self.stats.plus(stats)

@@ -89,21 +89,24 @@ class _WaitingPrefill:
     left: bool = False  # its caller left while its wave ran: the wave ends its session or closes its job afterwards
 
 
-def _prefill_wave_step(core: VerifierCore, jobs: list) -> tuple[list, list]:
+def _prefill_wave_step(core: VerifierCore, jobs: list) -> tuple[list, list, int]:
     """A prefill wave on the torch thread: each job's next chunk in one forward (VerifierCore.prefill_wave). Returns the
-    answer of each job whose prompt is whole (None: more chunks to go; an exception: that job's failure), and the
-    expert-cache counters of each forward that ran (one for a wave; a job's own where it ran alone)."""
-    out, forwards = [], {}
+    answer of each job whose prompt is whole (None: more chunks to go; an exception: that job's failure), the
+    expert-cache counters of each forward that ran (one for a wave; a job's own where it ran alone), and the most
+    prompts one of those forwards held."""
+    out, forwards, shared = [], {}, 1
     for job, r in zip(jobs, core.prefill_wave(jobs)):
-        if not isinstance(r, BaseException) and job.last_stats is not None:
-            forwards[id(job.last_stats)] = job.last_stats
+        if not isinstance(r, BaseException):
+            shared = max(shared, job.last_wave_sessions)
+            if job.last_stats is not None:
+                forwards[id(job.last_stats)] = job.last_stats
         if r is True:
             try:
                 r = job.finish()
             except Exception as e:  # noqa: BLE001 - this job's own failure
                 r = e
         out.append(None if r is False else r)
-    return out, list(forwards.values())
+    return out, list(forwards.values()), shared
 
 
 def _log_failure(task: asyncio.Task) -> None:
@@ -493,20 +496,20 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             started = time.perf_counter()
             rows = sum(len(w.job.next_ids()) for w in wave)
             work = torch_thread.submit(_prefill_wave_step, core, [w.job for w in wave])
-            forwards = []
+            forwards, shared = [], 1
             try:
                 while not work.done():  # a forward cannot be interrupted: the device stays held until it ends
                     try:
                         await asyncio.wait([work])
                     except asyncio.CancelledError:
                         pass
-                results, forwards = work.result()
+                results, forwards, shared = work.result()
             except Exception as e:  # noqa: BLE001 - the wave failed as a whole: each of its prompts fails with it
                 results = [e] * len(wave)
-        log.debug("prefill wave", prompts=len(wave), rows=rows, forwards=len(forwards))
+        log.debug("prefill wave", prompts=len(wave), rows=rows, shared=shared)
         if self.metrics is not None:
-            if len(wave) > 1:
-                self.metrics.prefill_wave_sessions.observe(len(wave))
+            if shared > 1:  # (prompts taken together that each replayed their prefill graph shared no forward)
+                self.metrics.prefill_wave_sessions.observe(shared)
             for st in forwards:  # each forward's expert-cache counters once (Prefill's _observe leaves them to this)
                 observe_cache(self.metrics, st)
         for w, r in zip(wave, results):
