@@ -69,7 +69,8 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                         "CUDA graphs (the same output; an eager forward pays ~20-30 ms of host time)")
     v.add_argument("--max-wave-sessions", type=_number, default=0, metavar="N",
                    help="multi-session verify waves: the verifies of up to N sessions waiting for the device share one "
-                        "forward (on the paged KV, each session's answer bit-identical to its own verify's); 1 = off; "
+                        "forward (on the paged KV, each session's answer bit-identical to its own verify's), and so do "
+                        "up to N prompts waiting to be prefilled; 1 = off; "
                         "0 (default) = auto: 8 on CUDA, 1 on a CPU")
     v.add_argument("--warmup", default="auto", nargs="?", const="on", type=switch_value, choices=list(SWITCH),
                    help="before the verifier serves, run short prefills and a verify per CUDA-graph bucket (with and "

@@ -40,7 +40,7 @@ class VerifierConfig(ServerOptions):
     session_ttl_s: float = option(120.0, "an idle session is ended after this many seconds")
     max_block_size: int = option(32, "largest verify block (anchor + drafts)")
     prefill_chunk: int = option(0, "prompt tokens one prefill forward takes on the paged KV (0 = the whole prompt at once): between a long prompt's chunks the verifies waiting for the device run, so sessions already decoding are not stalled behind it; the session is bit-identical either way")
-    max_wave_sessions: int = option(0, "multi-session verify waves: the Verify calls of up to this many sessions that wait for the device share one forward (on the paged KV: one ragged forward, each session's answer bit-identical to a verify of its own; on transformers' cache: one after another); 1 = each verify its own forward; 0 = auto: 8 on CUDA, 1 on a CPU")
+    max_wave_sessions: int = option(0, "multi-session verify waves: the Verify calls of up to this many sessions that wait for the device share one forward (on the paged KV: one ragged forward, each session's answer bit-identical to a verify of its own; on transformers' cache: one after another); so do up to this many prompts waiting to be prefilled (prefill waves); 1 = each verify and prompt its own forward; 0 = auto: 8 on CUDA, 1 on a CPU")
     max_tokens_limit: int = option(4096, "largest max_tokens a request may ask for")
     max_pending: int = option(128, "Prefill/Verify calls waiting for the device at once; beyond it RESOURCE_EXHAUSTED with a retry delay")
     metrics_port: int = option(9103, "Prometheus /metrics HTTP port (0 = any free port, -1 = off)")
