@@ -50,7 +50,7 @@ from benchmarks.inprocess import core_run  # noqa: E402
 from benchmarks.kernel_bench import device_tag  # noqa: E402
 from pdflash.types import DraftResult, SamplingParams, union_bytes  # noqa: E402
 from verifier_svc.engine import PagedKVOptions, PrefillInput, VerifierCore  # noqa: E402
-from verifier_svc.runner import prefill_graphs_enabled  # noqa: E402
+from verifier_svc.runner import prefill_graphs_enabled, prefill_wave_graphs_enabled  # noqa: E402
 
 
 def decode(core: VerifierCore, prompts, refs, new_tokens: int, block: int, waves: bool) -> dict:
@@ -178,7 +178,7 @@ def prefill_wave_rows(core: VerifierCore, name: str, vocab: int, tokens: int, co
 
 def markdown(result: dict) -> str:
     m = result["meta"]
-    lines = [f"# Multi-session verify waves ({m['device_name']}, {m['date']})", "", (f"`{m['command']}`" if m.get("prefill_graphs") or m["device"] == "cpu" else f"`PDFLASH_PREFILL_GRAPHS=0 {m['command']}`"), "",
+    lines = [f"# Multi-session verify waves ({m['device_name']}, {m['date']})", "", ("`" + ("PDFLASH_PREFILL_WAVE_GRAPHS=1 " if m.get("prefill_wave_graphs") else "") + ("" if m.get("prefill_graphs") or m["device"] == "cpu" else "PDFLASH_PREFILL_GRAPHS=0 ") + f"{m['command']}`"), "",
              "| target | sessions | block | mode | decode tok/s | ms/round | forward_ms/round | speedup | experts a layer: summed / union | identical |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"meta": {"date": time.strftime("%Y-%m-%d"), "device": str(device),
                              "prefill_graphs": device.type == "cuda" and prefill_graphs_enabled(),
+                             "prefill_wave_graphs": device.type == "cuda" and prefill_wave_graphs_enabled(),
                              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} CPU",
                              "torch": torch.__version__, "block": args.block, "new_tokens": args.new_tokens,
                              "command": "python benchmarks/waves.py " + " ".join(argv if argv is not None else sys.argv[1:])},

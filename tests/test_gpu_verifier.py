@@ -326,6 +326,52 @@ def test_a_prefill_wave_gives_each_prompt_its_own_prefills_bits(core):
             assert answer(o) == alone[i], f"prompt {i} chunk {chunk} graphed rows {graphed_rows}"
 
 
+def test_prefill_wave_graphs_give_the_eager_waves_bits(core):
+    """Prefill waves replayed from their CUDA graphs (GraphRunner.forward_prefill_wave, PDFLASH_PREFILL_WAVE_GRAPHS=1:
+    a `_WaveGraph` with each prompt's last row picked for the LM head) give each prompt what its own prefill gives, bit
+    for bit (first token, log-probabilities, features, routed experts, the next verify's answer), whole prompts and
+    chunks, and a wave no bucket holds still runs (eagerly)."""
+    from pdflash.types import DraftResult, SamplingParams
+    from verifier_svc.engine import PrefillInput
+    from verifier_svc.runner import PREFILL_WAVE_BUCKETS
+
+    vocab = core.target.vocab_size
+    layers = (0, core.target.num_layers - 1)
+    prompts = _prompts(vocab, 3) + [list(range(7, 7 + 300))]
+
+    def inp(p):
+        return PrefillInput("pwg", tuple(p), SamplingParams(), 16, ignore_eos=True, feature_layer_ids=layers,
+                            logprobs=True, top_logprobs=3)
+
+    def answer(o):
+        v = core.verify(DraftResult(o.session_id, 1, (o.tokens[-1], 9, 10, 11), {}, 0))
+        core.end(o.session_id)
+        return (o.tokens, o.logprobs, o.top_logprobs, o.features.tobytes(), o.routed_union, v.tokens, v.logprobs)
+
+    alone = [answer(core.prefill(inp(p))) for p in prompts]
+    before = core.graphs.prefill_wave_buckets
+    core.graphs.prefill_wave_buckets = PREFILL_WAVE_BUCKETS
+    try:
+        for chunk in (0, 64):
+            core.prefill_chunk = chunk
+            try:
+                jobs = [core.start_prefill(inp(p)) for p in prompts]
+                pending = list(jobs)
+                while pending:
+                    got = core.prefill_wave(pending)
+                    assert not any(isinstance(g, BaseException) for g in got), got
+                    pending = [j for j, done in zip(pending, got) if not done]
+            finally:
+                core.prefill_chunk = 0
+            outs = [j.finish() for j in jobs]
+            assert all(o.wave_sessions == len(prompts) for o in outs)
+            for i, o in enumerate(outs):
+                assert answer(o) == alone[i], f"prompt {i} chunk {chunk}"
+        assert any(k[0] == "prefill_wave" for k in core.graphs._graphs), "no prefill-wave graph was captured"
+    finally:
+        core.graphs.prefill_wave_buckets = before
+
+
 def test_a_dropped_second_core_leaves_the_targets_own_forward_bits(core):
     """A second VerifierCore on the same target (the warm-up test's, a benchmark's), built and dropped, changes nothing
     of the first: the target's own forward gives the same logits bits before and after. Stop 45: the second runner's

@@ -337,6 +337,15 @@ def test_prefill_graphs_are_on_unless_turned_off_and_the_switch_is_checked(monke
     monkeypatch.setenv("PDFLASH_PREFILL_GRAPHS", "maybe")
     with pytest.raises(ValueError, match="PDFLASH_PREFILL_GRAPHS: 0 or 1"):
         prefill_graphs_enabled()
+    from verifier_svc.runner import prefill_wave_graphs_enabled  # (prefill-wave graphs: off until their GPU test ran)
+
+    monkeypatch.delenv("PDFLASH_PREFILL_WAVE_GRAPHS", raising=False)
+    assert not prefill_wave_graphs_enabled()
+    monkeypatch.setenv("PDFLASH_PREFILL_WAVE_GRAPHS", "1")
+    assert prefill_wave_graphs_enabled()
+    monkeypatch.setenv("PDFLASH_PREFILL_WAVE_GRAPHS", "2")
+    with pytest.raises(ValueError, match="PDFLASH_PREFILL_WAVE_GRAPHS: 0 or 1"):
+        prefill_wave_graphs_enabled()
 
 
 def test_up_passes_prefill_graphs_to_the_verifier_and_its_config_reads_them(monkeypatch):
@@ -499,6 +508,68 @@ def test_a_padded_prefill_forward_gives_the_unpadded_ones_bits(paged_core):
     finally:
         plain.free()
         padded.free()
+
+
+@needs_interpreter
+@pytest.mark.timeout(600)
+def test_a_padded_prefill_wave_gives_each_prompts_unpadded_bits(paged_core):
+    """What a prefill-wave CUDA graph runs (GraphRunner.forward_prefill_wave: a `_WaveGraph` with `last_rows`: the items'
+    rows one after another, the tail padded to the bucket and written into a scratch page, empty sequence slots, each
+    item's last row picked for the LM head on the device), eagerly under the interpreter: each item's logits bits,
+    features, routed experts and keys/values are those of its own unpadded prefill."""
+    import torch
+
+    from pdflash_kernels.attention import PAGE
+    from verifier_svc.kv import SequenceKV
+    from verifier_svc.runner import wave_starts
+
+    core, runner = paged_core, paged_core.runner
+    prompts, layers, b, slots = [list(range(5, 15)), list(range(30, 37))], (0, 1), 24, 3
+    seqs = [SequenceKV(core.pool, core.target.max_context) for _ in range(2 * len(prompts))]
+    scratch = core.pool.alloc(1)[0]
+    try:
+        want = [runner.forward(p, 0, s, layers, last_only=True) for p, s in zip(prompts, seqs)]
+        mine = seqs[len(prompts):]
+        starts = wave_starts([len(p) for p in prompts])
+        n = starts[-1]
+        dev = core.pool.device
+        ids, pos, pages, offsets = [], [], [], []
+        for p, s in zip(prompts, mine):
+            s.reserve(len(p))
+            pg, off = s.slot_lists(0, len(p))
+            ids += p
+            pos += range(len(p))
+            pages += pg
+            offsets += off
+        tail = range(n, b)
+        ids += [0] * len(tail)
+        pos += [0] * len(tail)
+        pages += [scratch] * len(tail)
+        offsets += [i % PAGE for i in tail]
+        table = torch.full((slots, mine[0].max_pages), scratch, dtype=torch.int32, device=dev)
+        for k, s in enumerate(mine):
+            table[k] = s.table
+        seq_starts = torch.tensor(starts + [n] * (slots + 1 - len(starts)), dtype=torch.int32, device=dev)
+        rows = torch.tensor([e - 1 for e in starts[1:]] + [0] * (slots - len(prompts)), device=dev)
+        as_long = lambda v: torch.tensor(v, dtype=torch.long, device=dev)  # noqa: E731
+        got = runner.forward_tensors(as_long([ids]), as_long([pos]), table, as_long(pages), as_long(offsets),
+                                     torch.tensor([n], dtype=torch.int32, device=dev), layers, False,
+                                     seq_starts=seq_starts, max_rows=b, rows=rows)
+        assert got.logits.shape == (slots, core.target.vocab_size)
+        e = core.target.seam.num_experts
+        unions = got.recorder.unions(e, starts)
+        for k, (p, w) in enumerate(zip(prompts, want)):
+            a, z = starts[k], starts[k + 1]
+            assert torch.equal(got.logits[k : k + 1], w.logits), f"prompt {k}"
+            assert torch.equal(got.features[a:z], w.features)
+            assert unions[k] == w.recorder.union(e, rows=len(p))
+            for layer in range(len(core.pool.k)):
+                for pool in (core.pool.k, core.pool.v):
+                    assert torch.equal(pool[layer][mine[k].pages[0], :, : len(p)], pool[layer][seqs[k].pages[0], :, : len(p)])
+    finally:
+        for s in seqs:
+            s.free()
+        core.pool.release([scratch])
 
 
 @needs_interpreter

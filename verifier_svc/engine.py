@@ -586,7 +586,8 @@ class VerifierCore:
     #: the wave is big: on an H100 with prefill graphs, prompts of 256 tokens one after another / in one wave took
     #: qwen3-8l 11.2 / 16.1 ms (2 prompts), 22.1 / 18.5 (4), 44.8 / 33.7 (8); gptoss-24l 25.7 / 46.1, 48.4 / 49.7,
     #: 99.7 / 82.6 (`benchmarks/waves.py --prefill-waves 2 4 8`, stop48_gpu/call2). Offloaded experts, chunks past the
-    #: largest prefill bucket and prefill graphs off always share the wave (each would run eagerly anyway).
+    #: largest prefill bucket and prefill graphs off always share the wave (each would run eagerly anyway). A wave that a
+    #: prefill-wave graph holds (PDFLASH_PREFILL_WAVE_GRAPHS=1, runner.PREFILL_WAVE_BUCKETS) always replays it instead.
     prefill_wave_graphed_rows = 1536
 
     def _replays_prefill(self, job: "PrefillJob", n: int) -> bool:
@@ -622,8 +623,12 @@ class VerifierCore:
                 results[i] = e
                 continue
             ready.append((i, j, ids))
-        graphed = [r for r in ready if self._replays_prefill(r[1], len(r[2]))]
-        if sum(len(ids) for _, _, ids in graphed) < self.prefill_wave_graphed_rows:
+        graph_wave = (self.graphs is not None and len(ready) > 1
+                      and self.graphs.prefill_wave_bucket([(ids, j.s.committed, j.s.kv) for _, j, ids in ready]) is not None)
+        graphed = [] if graph_wave else [r for r in ready if self._replays_prefill(r[1], len(r[2]))]
+        if graph_wave:
+            pass  # (a prefill-wave graph holds them all: one replay beats their graphs one after another)
+        elif sum(len(ids) for _, _, ids in graphed) < self.prefill_wave_graphed_rows:
             ready = [r for r in ready if r not in graphed]
         else:
             graphed = []
@@ -646,10 +651,15 @@ class VerifierCore:
         layers = tuple(sorted({l for _, j, _ in ready if j.req.feature_layer_ids for l in j.s.feature_layer_ids}))
         items = [(ids, j.s.committed, j.s.kv) for _, j, ids in ready]
         t0 = time.perf_counter()
+        replayed = False
         try:
-            with self._prefill_threads():
-                out = self.runner.forward_wave(items, layers, last_rows=True)
-            starts = wave_starts([len(ids) for _, _, ids in ready])
+            got = self.graphs.forward_prefill_wave(items, layers) if graph_wave else None
+            if got is not None:
+                (out, starts), replayed = got, True
+            else:
+                with self._prefill_threads():
+                    out = self.runner.forward_wave(items, layers, last_rows=True)
+                starts = wave_starts([len(ids) for _, _, ids in ready])
             unions = out.recorder.unions(t.seam.num_experts, starts)
             if t.device.type == "cuda":
                 torch.cuda.synchronize(t.device)
@@ -664,7 +674,10 @@ class VerifierCore:
         for k, (i, j, ids) in enumerate(ready):
             want = bool(j.req.feature_layer_ids)
             feats = _item_features(out.features, layers, j.s.feature_layer_ids, starts[k], starts[k + 1]) if want else None
-            results[i] = j.took(len(ids), out.logits[k : k + 1], feats, unions[k], ms, stats, wave_sessions=len(ready))
+            logits = out.logits[k : k + 1]
+            if replayed:  # the graph's output is the next replay's: a job keeps its logits until it finishes
+                logits = logits.clone()
+            results[i] = j.took(len(ids), logits, feats, unions[k], ms, stats, wave_sessions=len(ready))
         return results
 
     def end(self, session_id: str) -> bool:

@@ -37,6 +37,12 @@ WAVE_BUCKETS = (2, 4, 8, 16, 32, 64, 128)
 #: H100 for all three architectures; a 256-row chunk of qwen3-8l took 5.4 ms against 28.3 eager, stop48_gpu/call1):
 #: PDFLASH_PREFILL_GRAPHS=0 turns them off.
 PREFILL_BUCKETS = (32, 64, 128, 256, 512)
+#: a prefill wave's graphs (several prompts or chunks of up to PREFILL_BUCKETS[-1] rows each, `VerifierCore.prefill_wave`),
+#: by its rows in all; a bigger wave runs eagerly. Off by default until their GPU test has run
+#: (tests/test_gpu_verifier.py::test_prefill_wave_graphs_give_the_eager_waves_bits): PDFLASH_PREFILL_WAVE_GRAPHS=1.
+#: Why: an eager wave pays ~12-25 ms of host time, so on an H100 two to four 256-token prompts took longer in one eager
+#: wave than one after another from their prefill graphs (stop 48, benchmarks/waves.py --prefill-waves).
+PREFILL_WAVE_BUCKETS = (256, 512, 1024, 2048)
 
 
 def prefill_graphs_enabled() -> bool:
@@ -345,7 +351,7 @@ class _WaveGraph(_Graph):
     slots past the wave's are empty (no rows)."""
 
     def __init__(self, runner: ForwardRunner, bucket: int, sessions: int, max_rows: int, max_pages: int,
-                 feature_layers: tuple[int, ...], scratch_page: int, pool=None):
+                 feature_layers: tuple[int, ...], scratch_page: int, pool=None, last_rows: bool = False):
         dev = runner.pool.device
         self._static_inputs(runner, bucket, max_pages, scratch_page)
         self.sessions, self.max_rows, self.scratch_page = sessions, max_rows, scratch_page
@@ -359,7 +365,10 @@ class _WaveGraph(_Graph):
         self.positions_of_scratch = torch.arange(bucket) % PAGE  # (a wave bucket may pass one page's positions)
         self.pos.copy_(self.positions_of_scratch.view(1, -1))
         self.offsets.copy_(self.positions_of_scratch)
-        self._capture(runner, feature_layers, pool, seq_starts=self.starts, max_rows=max_rows)
+        # a prefill wave (`last_rows`): the LM head on each sequence's last row only (slots past the wave's: row 0, unread)
+        self.last_host = torch.zeros(sessions, dtype=torch.long, pin_memory=True) if last_rows else None
+        self.last = torch.full((sessions,), bucket - 1, dtype=torch.long, device=dev) if last_rows else None
+        self._capture(runner, feature_layers, pool, seq_starts=self.starts, max_rows=max_rows, rows=self.last)
 
     def set_wave_inputs(self, items: "list[tuple[list[int], int, SequenceKV]]") -> int:
         """A wave's inputs (each item's pages already reserved); returns the real row count."""
@@ -382,6 +391,11 @@ class _WaveGraph(_Graph):
         sh[: len(starts)] = starts
         sh[len(starts):] = n
         self.starts.copy_(self.starts_host, non_blocking=True)
+        if self.last is not None:
+            last = self.last_host.numpy()
+            last[:] = 0
+            last[: len(items)] = [e - 1 for e in starts[1:]]
+            self.last.copy_(self.last_host, non_blocking=True)
         for b, (_, _, seq) in enumerate(items):
             if self.table_of[b] != (seq.uid, len(seq.pages)):
                 self.table[b].copy_(seq.table)
@@ -464,6 +478,16 @@ def _graph_failed(kind: str, bucket: int, e: BaseException) -> None:
         torch.cuda.synchronize()  # (a failed capture's stream work settles before the eager forward)
 
 
+def prefill_wave_graphs_enabled() -> bool:
+    """PDFLASH_PREFILL_WAVE_GRAPHS as a boolean (default off: PREFILL_WAVE_BUCKETS)."""
+    from pdflash.config import ConfigError, _parse
+
+    try:
+        return bool(_parse(os.environ.get("PDFLASH_PREFILL_WAVE_GRAPHS", "0"), bool, "PDFLASH_PREFILL_WAVE_GRAPHS"))
+    except ConfigError as e:
+        raise ValueError(f"{e} (PDFLASH_PREFILL_WAVE_GRAPHS: 0 or 1)") from None
+
+
 class GraphRunner:
     """Bucketed CUDA graphs of the verify forward; falls back to eager beyond the largest bucket. Experts offloaded to
     a host-managed cache need a host step per layer: one graph per layer then (_SegmentedGraph); a device-managed
@@ -481,6 +505,7 @@ class GraphRunner:
         self._experts = list(experts_modules(runner.model).values())  # (walked once: a wave or prefill asks per call)
         on = prefill_graphs_enabled() if prefill_graphs is None else prefill_graphs
         self.prefill_buckets = PREFILL_BUCKETS if on else ()
+        self.prefill_wave_buckets = PREFILL_WAVE_BUCKETS if prefill_wave_graphs_enabled() else ()
         self.wave_graphs = True  # False once a wave graph failed to capture: waves then run eagerly (the same bits)
 
     @staticmethod
@@ -560,6 +585,44 @@ class GraphRunner:
         g.set_wave_inputs(items)
         g.replay(starts[-1])
         return g.out, starts
+
+    def prefill_wave_bucket(self, items: "list[tuple[list[int], int, SequenceKV]]") -> int | None:
+        """The prefill-wave graph bucket for these items (None: the wave runs eagerly): their rows together within
+        PREFILL_WAVE_BUCKETS, each item's within PREFILL_BUCKETS' largest, at most `wave_sessions` items, no padding past
+        a sequence's context or the rotary table, no host-managed expert cache."""
+        if not self.prefill_wave_buckets or len(items) > self.wave_sessions or self._host_managed():
+            return None
+        rows = [len(t) for t, _, _ in items]
+        b = next((r for r in self.prefill_wave_buckets if r >= sum(rows)), None)
+        if b is None or max(rows) > PREFILL_BUCKETS[-1]:
+            return None
+        if self.runner.rope is not None and any(start + len(t) > self.runner.rope.positions for t, start, _ in items):
+            return None
+        return b
+
+    def forward_prefill_wave(self, items: "list[tuple[list[int], int, SequenceKV]]", feature_layers=()) -> tuple[ForwardOut, list[int]] | None:
+        """A prefill wave (`ForwardRunner.forward_wave(..., last_rows=True)`: each item's last row's logits, every row's
+        features) replayed from the `_WaveGraph` of its `prefill_wave_bucket`, captured on first use; the padding rows
+        past the items' write their keys into the scratch page. None where no graph applies or one fails to capture (the
+        caller runs it eagerly; a capture failure turns these graphs off, said once). The output is the graph's (valid
+        until the next replay): logits [wave_sessions, vocab], the first len(items) rows real."""
+        b = self.prefill_wave_bucket(items)
+        if b is None:
+            return None
+        layers = tuple(feature_layers)
+        try:
+            g = self._graph(("prefill_wave", b, layers), lambda: _WaveGraph(
+                self.runner, b, self.wave_sessions, min(PREFILL_BUCKETS[-1], b), self.max_pages, layers, self.scratch_page,
+                self._mempool, last_rows=True))
+        except Exception as e:  # noqa: BLE001 - the wave still runs: eagerly
+            _graph_failed("prefill wave", b, e)
+            self.prefill_wave_buckets = ()
+            return None
+        for tokens, start, seq in items:
+            seq.reserve(start + len(tokens))
+        g.set_wave_inputs(items)
+        g.replay(sum(len(t) for t, _, _ in items))
+        return g.out, wave_starts([len(t) for t, _, _ in items])
 
     def prefill_bucket(self, n: int, start: int, seq: SequenceKV) -> int | None:
         """The prefill graph bucket for n rows at `start`: None where none holds them, where the padding rows would pass
