@@ -284,89 +284,74 @@ def test_prefill_graphs_give_the_eager_prefills_bits(core):
         assert a == b, f"prompt {i // 2} chunk {(0, 48)[i % 2]}"
 
 
+def _prefill_input(core, prompt):
+    from pdflash.types import SamplingParams
+    from verifier_svc.engine import PrefillInput
+
+    return PrefillInput("pw", tuple(prompt), SamplingParams(), 16, ignore_eos=True, logprobs=True, top_logprobs=3,
+                        feature_layer_ids=(0, core.target.num_layers - 1))
+
+
+def _prefilled_answer(core, o) -> tuple:
+    """A prefill's answer and the next verify's (the KV it left); the session ended."""
+    from pdflash.types import DraftResult
+
+    v = core.verify(DraftResult(o.session_id, 1, (o.tokens[-1], 9, 10, 11), {}, 0))
+    core.end(o.session_id)
+    return (o.tokens, o.logprobs, o.top_logprobs, o.features.tobytes(), o.routed_union, v.tokens, v.logprobs)
+
+
+def _prefilled_in_waves(core, prompts, chunk: int) -> list:
+    """The prompts prefilled together, a `prefill_wave` a chunk, until every one is whole: their answers."""
+    core.prefill_chunk = chunk
+    try:
+        jobs = [core.start_prefill(_prefill_input(core, p)) for p in prompts]
+        pending = list(jobs)
+        while pending:
+            got = core.prefill_wave(pending)
+            assert not any(isinstance(g, BaseException) for g in got), got
+            pending = [j for j, done in zip(pending, got) if not done]
+    finally:
+        core.prefill_chunk = 0
+    return [j.finish() for j in jobs]
+
+
 def test_a_prefill_wave_gives_each_prompt_its_own_prefills_bits(core):
     """Prompts prefilled together (VerifierCore.prefill_wave: one ragged forward, whole or a chunk each a wave) at real
     shapes on CUDA: each session's first token, log-probabilities, features and routed experts, and the next verify's
     answer (the KV it left), bit for bit those of its own prefill (graph-replayed where a bucket holds it)."""
-    from pdflash.types import DraftResult, SamplingParams
-    from verifier_svc.engine import PrefillInput
-
-    vocab = core.target.vocab_size
-    layers = (0, core.target.num_layers - 1)
-    prompts = _prompts(vocab, 3) + [list(range(7, 7 + 300)), [5] * 3]
-
-    def inp(p):
-        return PrefillInput("pw", tuple(p), SamplingParams(), 16, ignore_eos=True, feature_layer_ids=layers, logprobs=True,
-                            top_logprobs=3)
-
-    def answer(o):
-        v = core.verify(DraftResult(o.session_id, 1, (o.tokens[-1], 9, 10, 11), {}, 0))
-        core.end(o.session_id)
-        return (o.tokens, o.logprobs, o.top_logprobs, o.features.tobytes(), o.routed_union, v.tokens, v.logprobs)
-
-    alone = [answer(core.prefill(inp(p))) for p in prompts]
+    prompts = _prompts(core.target.vocab_size, 3) + [list(range(7, 7 + 300)), [5] * 3]
+    alone = [_prefilled_answer(core, core.prefill(_prefill_input(core, p))) for p in prompts]
     served = core.prefill_wave_graphed_rows
     for chunk, graphed_rows in ((0, 0), (64, 0), (0, served)):  # (0: every prompt in the ragged wave; served: the
-        core.prefill_chunk = chunk                               # graph-replayable ones one after another)
-        core.prefill_wave_graphed_rows = graphed_rows
+        core.prefill_wave_graphed_rows = graphed_rows            # graph-replayable ones one after another)
         try:
-            jobs = [core.start_prefill(inp(p)) for p in prompts]
-            pending = list(jobs)
-            while pending:
-                got = core.prefill_wave(pending)
-                assert not any(isinstance(g, BaseException) for g in got), got
-                pending = [j for j, done in zip(pending, got) if not done]
+            outs = _prefilled_in_waves(core, prompts, chunk)
         finally:
-            core.prefill_chunk = 0
             core.prefill_wave_graphed_rows = served
-        outs = [j.finish() for j in jobs]
         if graphed_rows == 0:
             assert all(o.wave_sessions == len(prompts) for o in outs)
         for i, o in enumerate(outs):
-            assert answer(o) == alone[i], f"prompt {i} chunk {chunk} graphed rows {graphed_rows}"
+            assert _prefilled_answer(core, o) == alone[i], f"prompt {i} chunk {chunk} graphed rows {graphed_rows}"
 
 
 def test_prefill_wave_graphs_give_the_eager_waves_bits(core):
     """Prefill waves replayed from their CUDA graphs (GraphRunner.forward_prefill_wave, PDFLASH_PREFILL_WAVE_GRAPHS=1:
     a `_WaveGraph` with each prompt's last row picked for the LM head) give each prompt what its own prefill gives, bit
     for bit (first token, log-probabilities, features, routed experts, the next verify's answer), whole prompts and
-    chunks, and a wave no bucket holds still runs (eagerly)."""
-    from pdflash.types import DraftResult, SamplingParams
-    from verifier_svc.engine import PrefillInput
+    chunks (the long prompt's last chunks alone: its own prefill graph)."""
     from verifier_svc.runner import PREFILL_WAVE_BUCKETS
 
-    vocab = core.target.vocab_size
-    layers = (0, core.target.num_layers - 1)
-    prompts = _prompts(vocab, 3) + [list(range(7, 7 + 300))]
-
-    def inp(p):
-        return PrefillInput("pwg", tuple(p), SamplingParams(), 16, ignore_eos=True, feature_layer_ids=layers,
-                            logprobs=True, top_logprobs=3)
-
-    def answer(o):
-        v = core.verify(DraftResult(o.session_id, 1, (o.tokens[-1], 9, 10, 11), {}, 0))
-        core.end(o.session_id)
-        return (o.tokens, o.logprobs, o.top_logprobs, o.features.tobytes(), o.routed_union, v.tokens, v.logprobs)
-
-    alone = [answer(core.prefill(inp(p))) for p in prompts]
+    prompts = _prompts(core.target.vocab_size, 3) + [list(range(7, 7 + 300))]
+    alone = [_prefilled_answer(core, core.prefill(_prefill_input(core, p))) for p in prompts]
     before = core.graphs.prefill_wave_buckets
     core.graphs.prefill_wave_buckets = PREFILL_WAVE_BUCKETS
     try:
         for chunk in (0, 64):
-            core.prefill_chunk = chunk
-            try:
-                jobs = [core.start_prefill(inp(p)) for p in prompts]
-                pending = list(jobs)
-                while pending:
-                    got = core.prefill_wave(pending)
-                    assert not any(isinstance(g, BaseException) for g in got), got
-                    pending = [j for j, done in zip(pending, got) if not done]
-            finally:
-                core.prefill_chunk = 0
-            outs = [j.finish() for j in jobs]
+            outs = _prefilled_in_waves(core, prompts, chunk)
             assert all(o.wave_sessions == len(prompts) for o in outs)
             for i, o in enumerate(outs):
-                assert answer(o) == alone[i], f"prompt {i} chunk {chunk}"
+                assert _prefilled_answer(core, o) == alone[i], f"prompt {i} chunk {chunk}"
         assert any(k[0] == "prefill_wave" for k in core.graphs._graphs), "no prefill-wave graph was captured"
     finally:
         core.graphs.prefill_wave_buckets = before

@@ -325,27 +325,23 @@ def test_the_graph_pool_switch_is_checked(monkeypatch):
         GraphRunner._new_mempool()
 
 
-def test_prefill_graphs_are_on_unless_turned_off_and_the_switch_is_checked(monkeypatch):
-    from verifier_svc.runner import prefill_graphs_enabled
+@pytest.mark.parametrize("name, default, error", [
+    ("PDFLASH_PREFILL_GRAPHS", True, "PDFLASH_PREFILL_GRAPHS: 0 or 1"),  # prefill graphs: on since stop 48
+    ("PDFLASH_PREFILL_WAVE_GRAPHS", False, "PDFLASH_PREFILL_WAVE_GRAPHS must be 0 or 1"),  # off until their GPU test ran
+])
+def test_the_prefill_graph_switches_default_and_are_checked(name, default, error, monkeypatch):
+    from verifier_svc import runner
 
-    monkeypatch.delenv("PDFLASH_PREFILL_GRAPHS", raising=False)
-    assert prefill_graphs_enabled()
-    monkeypatch.setenv("PDFLASH_PREFILL_GRAPHS", "0")
-    assert not prefill_graphs_enabled()
-    monkeypatch.setenv("PDFLASH_PREFILL_GRAPHS", "1")
-    assert prefill_graphs_enabled()
-    monkeypatch.setenv("PDFLASH_PREFILL_GRAPHS", "maybe")
-    with pytest.raises(ValueError, match="PDFLASH_PREFILL_GRAPHS: 0 or 1"):
-        prefill_graphs_enabled()
-    from verifier_svc.runner import prefill_wave_graphs_enabled  # (prefill-wave graphs: off until their GPU test ran)
-
-    monkeypatch.delenv("PDFLASH_PREFILL_WAVE_GRAPHS", raising=False)
-    assert not prefill_wave_graphs_enabled()
-    monkeypatch.setenv("PDFLASH_PREFILL_WAVE_GRAPHS", "1")
-    assert prefill_wave_graphs_enabled()
-    monkeypatch.setenv("PDFLASH_PREFILL_WAVE_GRAPHS", "2")
-    with pytest.raises(ValueError, match="PDFLASH_PREFILL_WAVE_GRAPHS: 0 or 1"):
-        prefill_wave_graphs_enabled()
+    enabled = {"PDFLASH_PREFILL_GRAPHS": runner.prefill_graphs_enabled,
+               "PDFLASH_PREFILL_WAVE_GRAPHS": runner.prefill_wave_graphs_enabled}[name]
+    monkeypatch.delenv(name, raising=False)
+    assert enabled() is default
+    for value, on in (("0", False), ("1", True)):
+        monkeypatch.setenv(name, value)
+        assert enabled() is on
+    monkeypatch.setenv(name, "maybe")
+    with pytest.raises(ValueError, match=error):
+        enabled()
 
 
 def test_up_passes_prefill_graphs_to_the_verifier_and_its_config_reads_them(monkeypatch):

@@ -582,8 +582,8 @@ class VerifierCore:
     prefill_wave_rows = 4096
     #: Prompts whose chunk would replay a prefill graph (experts resident) share an eager wave only when their rows reach
     #: this many together; fewer replay their graphs one after another. A prefill wave runs eagerly, and an eager
-    #: forward's host time (~16-25 ms, whatever its rows) outweighs what one forward saves on the weights' reads until
-    #: the wave is big: on an H100 with prefill graphs, prompts of 256 tokens one after another / in one wave took
+    #: forward's host time (a 256-row qwen3-8l chunk: 28.3 ms eager, 3.7 of it kernels; H100, stop 48) outweighs what
+    #: one forward saves on the weights' reads until the wave is big: on an H100 with prefill graphs, prompts of 256 tokens one after another / in one wave took
     #: qwen3-8l 11.2 / 16.1 ms (2 prompts), 22.1 / 18.5 (4), 44.8 / 33.7 (8); gptoss-24l 25.7 / 46.1, 48.4 / 49.7,
     #: 99.7 / 82.6 (`benchmarks/waves.py --prefill-waves 2 4 8`, stop48_gpu/call2). Offloaded experts, chunks past the
     #: largest prefill bucket and prefill graphs off always share the wave (each would run eagerly anyway). A wave that a
@@ -604,16 +604,11 @@ class VerifierCore:
         forward; a failing forward fails every job in it). Every job's forward ms and expert-cache counters are the
         wave's. Jobs whose chunks would replay prefill graphs (experts resident) replay them one after another instead,
         unless their rows together reach `prefill_wave_graphed_rows`."""
-        results: list = [None] * len(jobs)
-        if len(jobs) < 2 or not self.wave_forward:
-            for i, j in enumerate(jobs):
-                try:
-                    results[i] = j.step()
-                except Exception as e:  # noqa: BLE001 - the job's own failure, as its step raises it
-                    results[i] = e
-            return results
         if len({id(j.s) for j in jobs}) != len(jobs):
             raise ValueError("a prefill wave takes each prompt once")
+        results: list = [None] * len(jobs)
+        if len(jobs) < 2 or not self.wave_forward:
+            return _step_each(list(enumerate(jobs)), results)
         ready = []
         for i, j in enumerate(jobs):
             ids = j.next_ids()
@@ -623,22 +618,17 @@ class VerifierCore:
                 results[i] = e
                 continue
             ready.append((i, j, ids))
+        # (a prefill-wave graph that holds them all: one replay beats their graphs one after another)
         graph_wave = (self.graphs is not None and len(ready) > 1
                       and self.graphs.prefill_wave_bucket([(ids, j.s.committed, j.s.kv) for _, j, ids in ready]) is not None)
-        graphed = [] if graph_wave else [r for r in ready if self._replays_prefill(r[1], len(r[2]))]
-        if graph_wave:
-            pass  # (a prefill-wave graph holds them all: one replay beats their graphs one after another)
-        elif sum(len(ids) for _, _, ids in graphed) < self.prefill_wave_graphed_rows:
-            ready = [r for r in ready if r not in graphed]
-        else:
-            graphed = []
+        alone = []  # one after another, each from its prefill graph (or eagerly, alone)
+        if not graph_wave:
+            graphed = [r for r in ready if self._replays_prefill(r[1], len(r[2]))]
+            if sum(len(ids) for _, _, ids in graphed) < self.prefill_wave_graphed_rows:
+                alone, ready = graphed, [r for r in ready if r not in graphed]
         if len(ready) < 2:
-            graphed, ready = graphed + ready, []
-        for i, j, _ in graphed:  # one after another, each from its prefill graph (or eagerly, alone)
-            try:
-                results[i] = j.step()
-            except Exception as e:  # noqa: BLE001
-                results[i] = e
+            alone, ready = alone + ready, []
+        _step_each([(i, j) for i, j, _ in alone], results)
         if not ready:
             return results
         from verifier_svc.runner import wave_starts
@@ -806,6 +796,16 @@ class PrefillJob:
             top_logprobs=tops,
             wave_sessions=self.wave_sessions,
         )
+
+
+def _step_each(jobs: "list[tuple[int, PrefillJob]]", results: list) -> list:
+    """Each (index, job)'s `step` in turn into results[index]: whether its prompt is whole, or the error it failed with."""
+    for i, j in jobs:
+        try:
+            results[i] = j.step()
+        except Exception as e:  # noqa: BLE001 - the job's own failure, as its step raises it
+            results[i] = e
+    return results
 
 
 def _item_features(features: torch.Tensor, layers: tuple[int, ...], wanted, a: int, e: int) -> torch.Tensor:

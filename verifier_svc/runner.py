@@ -40,7 +40,7 @@ PREFILL_BUCKETS = (32, 64, 128, 256, 512)
 #: a prefill wave's graphs (several prompts or chunks of up to PREFILL_BUCKETS[-1] rows each, `VerifierCore.prefill_wave`),
 #: by its rows in all; a bigger wave runs eagerly. Off by default until their GPU test has run
 #: (tests/test_gpu_verifier.py::test_prefill_wave_graphs_give_the_eager_waves_bits): PDFLASH_PREFILL_WAVE_GRAPHS=1.
-#: Why: an eager wave pays ~12-25 ms of host time, so on an H100 two to four 256-token prompts took longer in one eager
+#: Why: an eager forward pays its host time whatever its rows (a 256-row qwen3-8l chunk: 28.3 ms eager, 5.4 replayed), so on an H100 two to four 256-token prompts took longer in one eager
 #: wave than one after another from their prefill graphs (stop 48, benchmarks/waves.py --prefill-waves).
 PREFILL_WAVE_BUCKETS = (256, 512, 1024, 2048)
 
@@ -479,13 +479,10 @@ def _graph_failed(kind: str, bucket: int, e: BaseException) -> None:
 
 
 def prefill_wave_graphs_enabled() -> bool:
-    """PDFLASH_PREFILL_WAVE_GRAPHS as a boolean (default off: PREFILL_WAVE_BUCKETS)."""
-    from pdflash.config import ConfigError, _parse
+    """PDFLASH_PREFILL_WAVE_GRAPHS: 0 (default, PREFILL_WAVE_BUCKETS) or 1."""
+    from pdflash_kernels import runtime
 
-    try:
-        return bool(_parse(os.environ.get("PDFLASH_PREFILL_WAVE_GRAPHS", "0"), bool, "PDFLASH_PREFILL_WAVE_GRAPHS"))
-    except ConfigError as e:
-        raise ValueError(f"{e} (PDFLASH_PREFILL_WAVE_GRAPHS: 0 or 1)") from None
+    return runtime.env_flag("PDFLASH_PREFILL_WAVE_GRAPHS")
 
 
 class GraphRunner:

@@ -109,6 +109,28 @@ def _prefill_wave_step(core: VerifierCore, jobs: list) -> tuple[list, list, int]
     return out, list(forwards.values()), shared
 
 
+def _take(queue: list, wave: list, session_of, rows_of, max_sessions: int, max_rows: int) -> None:
+    """Move the next wave's calls (`take_wave`) from `queue` into `wave`, those whose callers are still there, each
+    marked running."""
+    picked = [queue[i] for i in take_wave(queue, session_of, rows_of, max_sessions, max_rows)]
+    for w in picked:
+        queue.remove(w)
+    wave.extend(w for w in picked if not w.future.done())
+    for w in wave:
+        w.running = True
+
+
+async def _to_the_end(work):
+    """The torch thread's result of `work`: a forward cannot be interrupted, so the device stays held until it ends,
+    whatever cancels the waiting task meanwhile."""
+    while not work.done():
+        try:
+            await asyncio.wait([work])
+        except asyncio.CancelledError:
+            pass
+    return work.result()
+
+
 def _log_failure(task: asyncio.Task) -> None:
     """A wave task that died (its calls were answered UNAVAILABLE): say why, once."""
     if not task.cancelled() and task.exception() is not None:
@@ -232,14 +254,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """The next wave: taken from the queue into `wave` once the device is free, run, answered."""
         core = self.core
         async with self._device:  # behind any forward already running (a prefill, a lone call)
-            picked = take_wave(self._waiting, lambda w: w.draft.session_id, lambda w: len(w.draft.tokens),
-                               core.max_wave_sessions, core.max_wave_rows)
-            wave.extend(self._waiting[i] for i in picked)
-            for w in wave:
-                self._waiting.remove(w)
-            wave[:] = [w for w in wave if not w.future.done()]
-            for w in wave:
-                w.running = True
+            _take(self._waiting, wave, lambda w: w.draft.session_id, lambda w: len(w.draft.tokens),
+                  core.max_wave_sessions, core.max_wave_rows)
             if not wave:
                 return
             started = time.perf_counter()
@@ -248,13 +264,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if self.inline_verify:
                     results = core.verify_wave(args)
                 else:
-                    work = torch_thread.submit(core.verify_wave, args)
-                    while not work.done():  # a forward cannot be interrupted: the device stays held until it ends
-                        try:
-                            await asyncio.wait([work])
-                        except asyncio.CancelledError:
-                            pass
-                    results = work.result()
+                    results = await _to_the_end(torch_thread.submit(core.verify_wave, args))
             except Exception as e:  # noqa: BLE001 - the wave failed as a whole: each of its calls fails with it
                 results = [e] * len(wave)
         answered = [r for r in results if isinstance(r, StepOutput)]
@@ -483,27 +493,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         `prefill_wave_rows` tokens; the oldest always goes), one forward, answered."""
         core = self.core
         async with self._device:
-            picked = take_wave(self._prefills_waiting, lambda w: w.job.s.session_id, lambda w: len(w.job.next_ids()),
-                               core.max_wave_sessions, core.prefill_wave_rows)
-            wave.extend(self._prefills_waiting[i] for i in picked)
-            for w in wave:
-                self._prefills_waiting.remove(w)
-            wave[:] = [w for w in wave if not w.future.done()]
-            for w in wave:
-                w.running = True
+            _take(self._prefills_waiting, wave, lambda w: w.job.s.session_id, lambda w: len(w.job.next_ids()),
+                  core.max_wave_sessions, core.prefill_wave_rows)
             if not wave:
                 return
             started = time.perf_counter()
             rows = sum(len(w.job.next_ids()) for w in wave)
-            work = torch_thread.submit(_prefill_wave_step, core, [w.job for w in wave])
             forwards, shared = [], 1
             try:
-                while not work.done():  # a forward cannot be interrupted: the device stays held until it ends
-                    try:
-                        await asyncio.wait([work])
-                    except asyncio.CancelledError:
-                        pass
-                results, forwards, shared = work.result()
+                results, forwards, shared = await _to_the_end(torch_thread.submit(_prefill_wave_step, core, [w.job for w in wave]))
             except Exception as e:  # noqa: BLE001 - the wave failed as a whole: each of its prompts fails with it
                 results = [e] * len(wave)
         log.debug("prefill wave", prompts=len(wave), rows=rows, shared=shared)
