@@ -150,11 +150,9 @@ _OFFLOAD_OPTIONS = (("expert_prefetch", "union,layer"), ("expert_cache_mode", "d
 
 
 def _flag(name: str, value) -> str:
-    """An option as `up`'s command line spells it: a switch off as --no-NAME, a flag on as --NAME, else --NAME VALUE."""
+    """An option as `up`'s command line spells it: a switch off as --no-NAME, else --NAME VALUE."""
     if value is False:
         return f"--no-{name.replace('_', '-')}"
-    if value is True:
-        return f"--{name.replace('_', '-')}"
     return f"--{name.replace('_', '-')} {value}"
 
 
