@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|confirm|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|confirm|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite (or SUITE_FILES), 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -87,6 +87,10 @@ if [[ " $STEPS " == *" prefillbench "* ]]; then  # the chunked prefill's figures
       --chunks 128 256 512 --out "$OUT/graphs$g" > "$OUT/graphs$g/waves.txt" 2>&1
     grep -E "^\| (qwen3|gptoss).*\| (whole|[0-9]+) \|" "$OUT/graphs$g/waves.txt" | sed "s/^/graphs=$g /"
   done
+fi
+if [[ " $STEPS " == *" seed "* ]]; then  # stop 49's open item: a seeded DFlash request through the CPU stack on this many-core host (not in `all`; ~2 min)
+  timeout ${SEED_S:-240} python3 benchmarks/seed_repro.py --variants "" "--torch-threads 1" "--torch-threads 2" --out "$OUT" > "$OUT/seed_repro.txt" 2>&1
+  rc=$?; grep -vE "Writing model shards" "$OUT/seed_repro.txt" | tail -14; echo "seed repro: exit $rc" | tee -a "$OUT/seed_repro.txt"
 fi
 if [[ " $STEPS " == *" prefillwaves "* ]]; then  # prompts prefilled one after another and in one prefill wave (~4 min; not in `all`)
   timeout ${PREFILLWAVES_S:-280} python3 benchmarks/waves.py --sessions 1 --new-tokens 16 --prompt-tokens ${PW_TOKENS:-256} \

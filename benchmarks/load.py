@@ -1,7 +1,8 @@
 """Load: many concurrent streaming clients against one stack, on loopback, bounded in time and count.
 
 Checks what must hold under load, then reports how fast it was:
-  - zero errors, and every output equal to its greedy reference (transformers `generate`, do_sample=False);
+  - zero errors, and every output equal to its greedy reference (`greedy_reference`: transformers `generate` on the
+    CPU; on CUDA the verifier's own block-1 decoding in process, paged KV as served);
   - afterwards no verifier session and no scheduler budget still held (no leaks);
   - time to first token and inter-token latency (p50 / p99) and output tokens/s over the whole run.
 Inter-token latency is per token: a chunk of n tokens that arrives g seconds after the previous one
@@ -122,7 +123,13 @@ def _cuda_core(model_dir: str, device: str = "cuda"):
     from verifier_svc.engine import VerifierCore
     from verifier_svc.model import load_target
 
-    return AutoTokenizer.from_pretrained(model_dir), VerifierCore(load_target(model_dir, device, "bfloat16", kernels="auto"))
+    from verifier_svc.engine import PagedKVOptions
+
+    # as the stack serves it: the paged KV forward (transformers' DynamicCache path is a different attention, whose
+    # bits differ: stop 49's first GPU run compared against it and counted every request a mismatch). No graphs: a
+    # replay gives the eager forward's bits (tests/test_gpu_verifier.py), and the capture would only cost time here
+    target = load_target(model_dir, device, "bfloat16", kernels="auto")
+    return AutoTokenizer.from_pretrained(model_dir), VerifierCore(target, paged_kv=PagedKVOptions(kv_cache_gb=1.0, graphs=False))
 
 
 def _verifier_block1(model_dir: str, prompt, max_tokens: int, device: str = "cuda") -> tuple[int, ...]:
