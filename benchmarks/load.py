@@ -12,10 +12,14 @@ counts n gaps of g/n (a verify round's tokens share its latency, as in the draft
     python benchmarks/load.py --model DIR [--drafter DIR]          # another checkpoint
     python benchmarks/load.py --target HOST:PORT --scheduler HOST:PORT --verifier HOST:PORT --model DIR
     python benchmarks/load.py --verifier-args "--max-wave-sessions 1"   # verify waves off (on CUDA they are on by default)
+    python benchmarks/load.py --profile-services   # + where each service spent its CPU, per level (py-spy)
 
 Each concurrency level in --clients runs in turn against the same stack. Without --target a stack is
 started on free loopback ports (the default model: the embedded demo pair, else a tiny random
-checkpoint). Prints a table; writes benchmarks/results/load.json. Exit code 1 when any request failed,
+checkpoint). A started stack's verifier serves /metrics on a free port: each level reports its verifies and the
+forwards that ran them (verifies per forward > 1: verify waves formed; `benchmarks/service_probe.py`); with
+`--profile-services` py-spy samples every service process during each level (their top functions in the JSON, the raw
+stacks beside it). Prints a table; writes benchmarks/results/load.json. Exit code 1 when any request failed,
 any output differed from its reference, or something leaked.
 """
 
@@ -282,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=600.0, help="each concurrency level, seconds")
     ap.add_argument("--verifier-args", default="", help="more options for a started stack's verifier, as one string "
                     "(e.g. \"--max-wave-sessions 1\": the A/B of multi-session verify waves)")
+    ap.add_argument("--verifier-metrics-port", type=int, default=0, help="with --target: the verifier's /metrics port "
+                    "(each level's verifies and forwards; a started stack's is found by itself)")
+    ap.add_argument("--profile-services", action="store_true", help="a started stack: py-spy samples each service process "
+                    "during each level (py-spy on PATH; raw stacks in <out>_pyspy/)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "load.json"))
     args = ap.parse_args(argv)
     try:
@@ -292,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--clients, --requests and --max-tokens must be >= 1")
     if args.target and not (args.model and args.scheduler and args.verifier):
         ap.error("--target needs --model (for the references), --scheduler and --verifier (for the leak check)")
+    if args.profile_services and args.target:
+        ap.error("--profile-services samples the processes of a stack this run starts (not with --target)")
+    from benchmarks import service_probe
+
+    if args.profile_services and service_probe.Profiler.available():
+        ap.error(f"--profile-services: {service_probe.Profiler.available()}")
 
     from pdflash.defaults import default_drafter_dir, default_target_dir, is_embedded_target
     from pdflash.stack import Stack, StackSpec, free_ports
@@ -311,14 +325,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"references: {len(references)} greedy generations in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
     stack = None
+    metrics_port = args.verifier_metrics_port
     if args.target:
         target, scheduler, verifier = args.target, args.scheduler, args.verifier
     else:
         log_dir = ROOT / "benchmarks" / "results" / "logs" / "load"
-        ports = free_ports(3)
+        ports = free_ports(4)
+        metrics_port = ports[3]
         spec = StackSpec(
             model=model, drafter=drafter_dir, no_dflash=not drafter_dir, drafter_port=ports[0], scheduler_port=ports[1],
-            verifier_port=ports[2], metrics_ports=(-1, -1, -1), log_dir=str(log_dir),
+            verifier_port=ports[2], metrics_ports=(-1, -1, metrics_port), log_dir=str(log_dir),
             drafter_args=["--max-concurrent", str(max(64, *levels))],
             verifier_args=["--max-sessions", str(max(64, *levels)), *shlex.split(args.verifier_args)],
         )
@@ -331,10 +347,23 @@ def main(argv: list[str] | None = None) -> int:
         # Warm-up: first-call costs (gRPC's asyncio start-up, lazy model code paths) are not load.
         warm = [[Job(p, 4, d)] for p in PROMPTS[:2] for d in drafters]
         asyncio.run(run_load(target, warm, metadata=bearer_metadata(args.token), request_timeout=args.request_timeout))
+        out_path = pathlib.Path(args.out)
+        profiler = (service_probe.Profiler(service_probe.pids_of(stack.procs), out_path.with_name(out_path.stem + "_pyspy"))
+                    if args.profile_services else None)
         for n, jobs in plans.items():
-            records, wall = asyncio.run(run_load(target, jobs, metadata=bearer_metadata(args.token),
-                                                 request_timeout=args.request_timeout, time_limit=args.time_limit))
+            before = service_probe.scrape(metrics_port) if metrics_port else None
+            if profiler is not None:
+                profiler.start(f"clients{n}")
+            try:
+                records, wall = asyncio.run(run_load(target, jobs, metadata=bearer_metadata(args.token),
+                                                     request_timeout=args.request_timeout, time_limit=args.time_limit))
+            finally:
+                profile = profiler.stop(f"clients{n}") if profiler is not None else None
             runs.append(dict(clients=n, **summarize(records, wall, references), held_afterwards=in_use(scheduler, verifier)))
+            if before is not None:
+                runs[-1]["verifier"] = service_probe.forwards(before, service_probe.scrape(metrics_port))
+            if profile is not None:
+                runs[-1]["services_cpu"] = profile
             print(f"{n} clients: {runs[-1]['output_tokens_per_s']} tok/s", file=sys.stderr)
     finally:
         if stack is not None:
@@ -345,6 +374,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load: {args.requests} requests per client, max_tokens {args.max_tokens}, drafters {','.join(drafters)}, "
           f"model {model}")
     print(table(runs))
+    for r in runs:
+        if "verifier" in r:
+            v = r["verifier"]
+            print(f"{r['clients']} clients: {v['verifies']} verifies in {v['forwards']} forwards "
+                  f"({v['verifies_per_forward']} a forward), {v['verify_server_ms_mean']} ms a verify in the verifier")
+        for name, p in r.get("services_cpu", {}).items():
+            if "error" in p:
+                print(f"  {name}: py-spy failed: {p['error']}")
+                continue
+            print(f"  {name}: {p['cpu_s']} s on CPU; most samples (self): "
+                  + ", ".join(f"{f} {v:.0%}" for f, v in p["self"][:5]))
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(

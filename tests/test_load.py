@@ -96,3 +96,31 @@ def test_the_load_benchmark_on_a_model_of_ones_own_starts_without_the_embedded_d
     assert result["config"]["drafter"] == "" and result["config"]["drafters"] == ["ngram"]
     (run,) = result["runs"]
     assert run["requests"] == 2 and run["errors"] == 0 and run["mismatches"] == 0
+    # the started verifier's /metrics: the level's verifies and the forwards that ran them (waves are off on the CPU)
+    v = run["verifier"]
+    assert v["verifies"] > 0 and v["forwards"] == v["verifies"] and v["verifies_per_forward"] == 1.0
+    assert v["verify_server_ms_mean"] > 0
+
+
+def test_service_probe_counts_forwards_and_summarizes_py_spy_stacks():
+    """benchmarks/service_probe.py: a level's verifies and forwards from two scrapes (with waves every verify is in a
+    wave, a lone one a wave of one; without, one forward each), and py-spy's raw stacks summed by function."""
+    from benchmarks.service_probe import forwards, summarize
+
+    zero = dict.fromkeys(("pdflash_verify_wave_sessions_count", "pdflash_verify_wave_sessions_sum",
+                          "pdflash_verify_latency_seconds_count", "pdflash_verify_latency_seconds_sum"), 0.0)
+    waves = {**zero, "pdflash_verify_wave_sessions_count": 10, "pdflash_verify_wave_sessions_sum": 25,
+             "pdflash_verify_latency_seconds_count": 25, "pdflash_verify_latency_seconds_sum": 0.05}
+    assert forwards(zero, waves) == dict(verifies=25, forwards=10, verifies_per_forward=2.5, verify_server_ms_mean=2.0)
+    plain = {**zero, "pdflash_verify_latency_seconds_count": 4, "pdflash_verify_latency_seconds_sum": 0.004}
+    assert forwards(zero, plain)["forwards"] == 4 and forwards(zero, zero)["verifies_per_forward"] is None
+    raw = ("main (a.py:1);loop (b.py:2);verify (c.py:3);forward (d.py:4) 60\n"
+           "main (a.py:1);loop (b.py:2);send (e.py:5) 30\n"
+           "main (a.py:1);idle (f.py:6) 10\n"
+           "garbage line\n")
+    got = summarize(raw, rate=100, top=3)
+    assert got["samples"] == 100 and got["cpu_s"] == 1.0
+    assert got["self"] == [("forward", 0.6), ("send", 0.3), ("idle", 0.1)]
+    # main is in every sample (left out); loop in 90%
+    assert got["inclusive"][0] == ("loop", 0.9) and set(got["inclusive"][1:]) == {("verify", 0.6), ("forward", 0.6)}
+    assert summarize("", rate=100)["samples"] == 0
