@@ -21,6 +21,7 @@ the same blocks).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import re
@@ -210,6 +211,18 @@ def as_pair_words(w):
 
 
 
+@functools.lru_cache(maxsize=None)
+def copy_same_bytes_us(nbytes: int) -> float:
+    """GPU time (as `gpu_time_us` times the kernels: a CUDA graph replayed back to back) of a device copy that moves
+    `nbytes` in all (nbytes / 2 read, nbytes / 2 written): what the copy the goal's rate comes from achieves at the
+    size of one MoE call's weights. At tens of MB a copy too pays the launch, the ramp and the tail (stop 41: a clone
+    of gpt-oss-20b's 8-expert gate/up bytes ran at 0.59 of the large copy's rate), so `copy_fraction` is the ceiling a
+    weight-streaming kernel of that size meets in practice."""
+    src = torch.empty(max(1, nbytes // 2), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return gpu_time_us(lambda: dst.copy_(src))
+
+
 def bench_moe(rate: float) -> list[dict]:
     from pdflash_kernels.installer import expert_weights
     from pdflash_kernels.moe import moe_forward
@@ -235,9 +248,12 @@ def bench_moe(rate: float) -> list[dict]:
                     us = gpu_time_us(lambda: moe_forward(x, ids, wts, w, e))
                     eager = cuda_time_us(lambda: moe_forward(x, ids, wts, w, e), reps=10)
                 nbytes = active * per[name]
+                t_copy = copy_same_bytes_us(nbytes)
                 rows.append(dict(model=model, weights=name, tokens_per_expert=tpe, active_experts=active, us=round(us, 1), eager_us=round(eager, 1),
                                  torch_bf16_us=round(t_hf, 1), speedup=round(t_hf / us, 2), weight_bytes=nbytes,
-                                 gbps=round(nbytes / us / 1e3, 1), hbm_fraction=round(nbytes / (us * 1e-6) / rate, 3)))
+                                 gbps=round(nbytes / us / 1e3, 1), hbm_fraction=round(nbytes / (us * 1e-6) / rate, 3),
+                                 copy_us=round(t_copy, 1), copy_fraction=round(nbytes / (t_copy * 1e-6) / rate, 3),
+                                 of_same_size_copy=round(t_copy / us, 3)))
                 r = rows[-1]
                 print(f"{model:14s} {name:5s} A={active:3d} T={tpe:2d}  {us:8.1f} us  hf {t_hf:8.1f} us  x{t_hf / us:5.2f}  {r['gbps']:7.1f} GB/s  {r['hbm_fraction']:.2f}", flush=True)
         del mod, w_bf16, w_fp4, cases
@@ -594,9 +610,11 @@ def main() -> None:
     md = [f"# kernels on {result['device']} (`python benchmarks/kernel_bench.py`)", "",
           f"Device copy {rate / 1e12:.2f} TB/s (read + write). Invariance: {result['invariance']}. MXFP4 experts stored "
           f"{_served_format_note()}.", "",
-          "| model | weights | tokens/expert | active experts | us (graph) | eager us | transformers grouped_mm bf16 us (graph) | speedup | weight MB | GB/s | of copy rate |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "`copy us`: a device copy moving the call's weight bytes (half read, half written), timed the same way; `copy "
+          "of rate`: its fraction of the large copy's rate (the ceiling at this size); `of copy`: copy us / us.", "",
+          "| model | weights | tokens/expert | active experts | us (graph) | eager us | transformers grouped_mm bf16 us (graph) | speedup | weight MB | GB/s | of copy rate | copy us | copy of rate | of copy |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["moe"]:
-        md.append(f"| {r['model']} | {r['weights']} | {r['tokens_per_expert']} | {r['active_experts']} | {r['us']} | {r['eager_us']} | {r['torch_bf16_us']} | {r['speedup']}x | {r['weight_bytes'] / 1e6:.1f} | {r['gbps']} | {r['hbm_fraction']:.0%} |")
+        md.append(f"| {r['model']} | {r['weights']} | {r['tokens_per_expert']} | {r['active_experts']} | {r['us']} | {r['eager_us']} | {r['torch_bf16_us']} | {r['speedup']}x | {r['weight_bytes'] / 1e6:.1f} | {r['gbps']} | {r['hbm_fraction']:.0%} | {r['copy_us']} | {r['copy_fraction']:.0%} | {r['of_same_size_copy']:.0%} |")
     base = any("baseline_us" in r for r in result["align"])
     md += ["", "The routing step alone (`align_fused`, CUDA graph)" + (f", against `{args.align_baseline}`" if base else "") + ":", "",
            "| model | tokens | pairs | us |" + (" baseline us | same blocks |" if base else ""),
