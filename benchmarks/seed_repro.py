@@ -31,6 +31,36 @@ SETTINGS = {  # label -> generate() keywords
 }
 
 
+def cpu_op_repeats(threads: tuple[int, ...] = (1, 2, 16), repeats: int = 20) -> list[dict]:
+    """The host's CPU kernels alone: float32 ops the CPU stack runs (a linear, a vocabulary-wide sum and softmax,
+    masked SDPA), each repeated at each thread count: identical bits every time? (and the same across counts?)"""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(16, 2048, generator=g), torch.randn(4096, 2048, generator=g)
+    v = torch.randn(4, 151936, generator=g)
+    q, k, val = (torch.randn(1, 8, n, 64, generator=g) for n in (16, 2080, 2080))
+    mask = torch.full((16, 2080), float("-inf"))
+    mask[:, :1000] = 0.0
+    ops = {"linear 16x2048x4096": lambda: torch.nn.functional.linear(x, w),
+           "sum over 151936": lambda: v.sum(-1), "softmax over 151936": lambda: v.softmax(-1),
+           "sdpa 16 x 2080 keys, masked": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, val, attn_mask=mask)}
+    before, rows = torch.get_num_threads(), []
+    try:
+        firsts = {}
+        for t in threads:
+            torch.set_num_threads(t)
+            for name, op in ops.items():
+                outs = [op() for _ in range(repeats)]
+                same = all(torch.equal(o, outs[0]) for o in outs)
+                firsts.setdefault(name, outs[0])
+                rows.append({"op": name, "threads": t, "repeats_identical": same,
+                             "equals_first_thread_count": bool(torch.equal(outs[0], firsts[name]))})
+    finally:
+        torch.set_num_threads(before)
+    return rows
+
+
 def run_variant(model: pathlib.Path, drafter: pathlib.Path, logs: pathlib.Path, device: str, vargs: list[str],
                 repeats: int, prompt: str, max_tokens: int) -> list[dict]:
     from pdflash.client import Client
@@ -62,7 +92,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--no-cpu-ops", action="store_true", help="skip the CPU kernels' repeat check")
     args = ap.parse_args()
+    ops = [] if args.no_cpu_ops else cpu_op_repeats()
+    for r in ops:
+        print(f"cpu op {r['op']:<30} threads {r['threads']:>2}: repeats identical {r['repeats_identical']}, "
+              f"same as at {ops[0]['threads']} thread(s) {r['equals_first_thread_count']}", flush=True)
     from tests.conftest import TinyModels
 
     root = pathlib.Path(tempfile.mkdtemp(prefix="seed-repro-"))
@@ -80,8 +115,8 @@ def main() -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "seed_repro.json").write_text(json.dumps({"cpus": len(os.sched_getaffinity(0)), "device": args.device,
-                                                    "rows": rows}, indent=1))
-    return 0 if all(r["same"] for r in rows) else 1
+                                                    "cpu_ops": ops, "rows": rows}, indent=1))
+    return 0 if all(r["same"] for r in rows) and all(r["repeats_identical"] for r in ops) else 1
 
 
 if __name__ == "__main__":
