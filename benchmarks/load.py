@@ -17,7 +17,8 @@ counts n gaps of g/n (a verify round's tokens share its latency, as in the draft
 Each concurrency level in --clients runs in turn against the same stack. Without --target a stack is
 started on free loopback ports (the default model: the embedded demo pair, else a tiny random
 checkpoint). A started stack's verifier serves /metrics on a free port: each level reports its verifies and the
-forwards that ran them (verifies per forward > 1: verify waves formed; `benchmarks/service_probe.py`); with
+forwards that ran them (verifies per forward > 1: verify waves formed; `benchmarks/service_probe.py`) and each
+service process's CPU ms per verify (from /proc); with
 `--profile-services` py-spy samples every service process during each level (their top functions in the JSON, the raw
 stacks beside it). Prints a table; writes benchmarks/results/load.json. Exit code 1 when any request failed,
 any output differed from its reference, or something leaked.
@@ -350,8 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         out_path = pathlib.Path(args.out)
         profiler = (service_probe.Profiler(service_probe.pids_of(stack.procs), out_path.with_name(out_path.stem + "_pyspy"))
                     if args.profile_services else None)
+        pids = service_probe.pids_of(stack.procs) if stack is not None else {}
         for n, jobs in plans.items():
             before = service_probe.scrape(metrics_port) if metrics_port else None
+            cpu_before = {name: service_probe.cpu_seconds(pid) for name, pid in pids.items()}
             if profiler is not None:
                 profiler.start(f"clients{n}")
             try:
@@ -360,8 +363,11 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 profile = profiler.stop(f"clients{n}") if profiler is not None else None
             runs.append(dict(clients=n, **summarize(records, wall, references), held_afterwards=in_use(scheduler, verifier)))
+            cpu_after = {name: service_probe.cpu_seconds(pid) for name, pid in pids.items()}
             if before is not None:
                 runs[-1]["verifier"] = service_probe.forwards(before, service_probe.scrape(metrics_port))
+                runs[-1]["services_cpu_per_verify"] = service_probe.cpu_per_verify(cpu_before, cpu_after,
+                                                                                   runs[-1]["verifier"]["verifies"])
             if profile is not None:
                 runs[-1]["services_cpu"] = profile
             print(f"{n} clients: {runs[-1]['output_tokens_per_s']} tok/s", file=sys.stderr)
@@ -379,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
             v = r["verifier"]
             print(f"{r['clients']} clients: {v['verifies']} verifies in {v['forwards']} forwards "
                   f"({v['verifies_per_forward']} a forward), {v['verify_server_ms_mean']} ms a verify in the verifier")
+            if r.get("services_cpu_per_verify"):
+                print("  CPU ms a verify (a round): " + ", ".join(
+                    f"{name} {c['cpu_ms_per_verify']}" for name, c in r["services_cpu_per_verify"].items()))
         for name, p in r.get("services_cpu", {}).items():
             if "error" in p:
                 print(f"  {name}: py-spy failed: {p['error']}")

@@ -110,6 +110,27 @@ def summarize(raw: str, rate: int, top: int = 12) -> dict:
             "inclusive": share([(f, v) for f, v in incl.most_common() if v < 0.95 * total][:top])}
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system, every thread) a process has used so far, from /proc (None where there is none)."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15 of stat)
+
+
+def cpu_per_verify(before: dict[str, float | None], after: dict[str, float | None], verifies: int) -> dict[str, dict]:
+    """Each service's CPU seconds over a level and CPU ms per verify (a round of one session): which process a round
+    costs most host time in (the one that bounds the rounds a second once the forwards are cheap)."""
+    out = {}
+    for name, t0 in before.items():
+        t1 = after.get(name)
+        if t0 is None or t1 is None:
+            continue
+        out[name] = {"cpu_s": round(t1 - t0, 3), "cpu_ms_per_verify": round(1e3 * (t1 - t0) / verifies, 3) if verifies else None}
+    return out
+
+
 def pids_of(procs: dict[str, subprocess.Popen]) -> dict[str, int]:
     """A started pdflash.stack.Stack's service processes (name -> pid), the live ones."""
     return {name: p.pid for name, p in procs.items() if p.poll() is None and os.path.exists(f"/proc/{p.pid}")}

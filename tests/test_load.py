@@ -100,6 +100,9 @@ def test_the_load_benchmark_on_a_model_of_ones_own_starts_without_the_embedded_d
     v = run["verifier"]
     assert v["verifies"] > 0 and v["forwards"] == v["verifies"] and v["verifies_per_forward"] == 1.0
     assert v["verify_server_ms_mean"] > 0
+    # and each service's CPU time over the level (from /proc), per verify
+    cpu = run["services_cpu_per_verify"]
+    assert set(cpu) == {"drafter", "scheduler", "verifier"} and all(c["cpu_ms_per_verify"] > 0 for c in cpu.values())
 
 
 def test_service_probe_counts_forwards_and_summarizes_py_spy_stacks():
@@ -124,3 +127,12 @@ def test_service_probe_counts_forwards_and_summarizes_py_spy_stacks():
     # main is in every sample (left out); loop in 90%
     assert got["inclusive"][0] == ("loop", 0.9) and set(got["inclusive"][1:]) == {("verify", 0.6), ("forward", 0.6)}
     assert summarize("", rate=100)["samples"] == 0
+    # CPU time from /proc: this process's own grows; a process that is gone has none
+    import os
+
+    from benchmarks.service_probe import cpu_per_verify, cpu_seconds
+
+    t0 = cpu_seconds(os.getpid())
+    sum(i * i for i in range(300_000))
+    assert cpu_seconds(os.getpid()) > t0 and cpu_seconds(2**22 + 12345) is None
+    assert cpu_per_verify({"a": 1.0, "b": None}, {"a": 1.5, "b": 2.0}, 100) == {"a": {"cpu_s": 0.5, "cpu_ms_per_verify": 5.0}}
