@@ -136,3 +136,16 @@ def test_service_probe_counts_forwards_and_summarizes_py_spy_stacks():
     sum(i * i for i in range(300_000))
     assert cpu_seconds(os.getpid()) > t0 and cpu_seconds(2**22 + 12345) is None
     assert cpu_per_verify({"a": 1.0, "b": None}, {"a": 1.5, "b": 2.0}, 100) == {"a": {"cpu_s": 0.5, "cpu_ms_per_verify": 5.0}}
+
+
+def test_grpc_pingpong_times_stream_and_unary_round_trips(capsys):
+    """benchmarks/grpc_pingpong.py --modes stream unary: a row per mode with the round trip and the CPU each side
+    spends on it (the unary call is the scheduler's Admit hop, the stream message the verify stream's)."""
+    from benchmarks import grpc_pingpong
+
+    assert grpc_pingpong.main(["--busy-ms", "0", "--n", "30", "--modes", "stream", "unary"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| stream", "| unary"))]
+    assert [r.split("|")[1].strip() for r in rows] == ["stream", "unary"]
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        assert float(cells[2]) > 0 and float(cells[4]) > 0  # round trip p50 us, client CPU us
