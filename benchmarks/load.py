@@ -125,10 +125,8 @@ def greedy_reference(model_dir: str, prompt: str | tuple[int, ...], max_tokens: 
 def _cuda_core(model_dir: str, device: str = "cuda"):
     from transformers import AutoTokenizer
 
-    from verifier_svc.engine import VerifierCore
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
     from verifier_svc.model import load_target
-
-    from verifier_svc.engine import PagedKVOptions
 
     # as the stack serves it: the paged KV forward (transformers' DynamicCache path is a different attention, whose
     # bits differ: stop 49's first GPU run compared against it and counted every request a mismatch). No graphs: a
@@ -349,9 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         warm = [[Job(p, 4, d)] for p in PROMPTS[:2] for d in drafters]
         asyncio.run(run_load(target, warm, metadata=bearer_metadata(args.token), request_timeout=args.request_timeout))
         out_path = pathlib.Path(args.out)
-        profiler = (service_probe.Profiler(service_probe.pids_of(stack.procs), out_path.with_name(out_path.stem + "_pyspy"))
-                    if args.profile_services else None)
         pids = service_probe.pids_of(stack.procs) if stack is not None else {}
+        profiler = (service_probe.Profiler(pids, out_path.with_name(out_path.stem + "_pyspy"))
+                    if args.profile_services else None)
         for n, jobs in plans.items():
             before = service_probe.scrape(metrics_port) if metrics_port else None
             cpu_before = {name: service_probe.cpu_seconds(pid) for name, pid in pids.items()}
