@@ -54,6 +54,7 @@ class Profiler:
     out_dir: pathlib.Path
     rate: int = 200
     procs: dict[str, subprocess.Popen] = dataclasses.field(default_factory=dict)
+    _errs: list = dataclasses.field(default_factory=list)
 
     @staticmethod
     def available() -> str:
@@ -64,9 +65,10 @@ class Profiler:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for name, pid in self.pids.items():
             path = self.out_dir / f"{tag}_{name}.txt"
+            self._errs.append(open(self.out_dir / f"{tag}_{name}.err", "w"))
             self.procs[name] = subprocess.Popen(
                 ["py-spy", "record", "-p", str(pid), "-r", str(self.rate), "-f", "raw", "-o", str(path), "--nonblocking"],
-                stdout=subprocess.DEVNULL, stderr=open(self.out_dir / f"{tag}_{name}.err", "w"))
+                stdout=subprocess.DEVNULL, stderr=self._errs[-1])
 
     def stop(self, tag: str, top: int = 12) -> dict[str, dict]:
         """Ends the recordings (py-spy writes its file on SIGINT) -> per process: samples, CPU seconds and the functions
@@ -76,15 +78,19 @@ class Profiler:
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
         out = {}
-        for name, p in self.procs.items():
+        for p in self.procs.values():
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
+        for f in self._errs:
+            f.close()
+        self._errs = []
+        for name in self.procs:
             path = self.out_dir / f"{tag}_{name}.txt"
             if not path.exists() or not path.stat().st_size:
                 err = (self.out_dir / f"{tag}_{name}.err").read_text()[-300:]
-                out[name] = {"error": err.strip() or "py-spy wrote nothing"}
+                out[name] = {"error": err.strip() or "no samples (the process idled through the level, or py-spy could not attach)"}
                 continue
             out[name] = summarize(path.read_text(), self.rate, top)
         self.procs = {}
