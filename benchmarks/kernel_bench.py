@@ -217,7 +217,9 @@ def copy_same_bytes_us(nbytes: int) -> float:
     `nbytes` in all (nbytes / 2 read, nbytes / 2 written): what the copy the goal's rate comes from achieves at the
     size of one MoE call's weights. At tens of MB a copy too pays the launch, the ramp and the tail (stop 41: a clone
     of gpt-oss-20b's 8-expert gate/up bytes ran at 0.59 of the large copy's rate), so `copy_fraction` is the ceiling a
-    weight-streaming kernel of that size meets in practice."""
+    weight-streaming kernel of that size meets in practice. Like the kernels' rows (`gpu_time_us`: one call replayed
+    back to back), a copy whose bytes fit the L2 cache (~50 MB on an H100 / H200) reads them partly from it on replays,
+    as the kernel then reads its weights: the two columns are comparable, and below that size neither is HBM alone."""
     src = torch.empty(max(1, nbytes // 2), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     return gpu_time_us(lambda: dst.copy_(src))
