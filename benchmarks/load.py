@@ -303,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--profile-services samples the processes of a stack this run starts (not with --target)")
     from benchmarks import service_probe
 
-    if args.profile_services and service_probe.Profiler.available():
-        ap.error(f"--profile-services: {service_probe.Profiler.available()}")
+    if args.profile_services and service_probe.Profiler.unavailable():
+        ap.error(f"--profile-services: {service_probe.Profiler.unavailable()}")
 
     from pdflash.defaults import default_drafter_dir, default_target_dir, is_embedded_target
     from pdflash.stack import Stack, StackSpec, free_ports

@@ -57,7 +57,7 @@ class Profiler:
     _errs: list = dataclasses.field(default_factory=list)
 
     @staticmethod
-    def available() -> str:
+    def unavailable() -> str:
         """'' when py-spy can be run, else why not."""
         return "" if shutil.which("py-spy") else "py-spy is not on PATH (pip install py-spy)"
 

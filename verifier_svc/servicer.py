@@ -134,7 +134,15 @@ async def _to_the_end(work):
 def _log_failure(task: asyncio.Task) -> None:
     """A wave task that died (its calls were answered UNAVAILABLE): say why, once."""
     if not task.cancelled() and task.exception() is not None:
-        log.error("verify waves failed", error=repr(task.exception()))
+        log.error("wave task failed", task=task.get_name(), error=repr(task.exception()))
+
+
+def _running(task: asyncio.Task | None, run) -> asyncio.Task:
+    """`task` while it runs, else a new task of `run()` (a wave loop: verify or prefill waves) whose failure is logged."""
+    if task is None or task.done():
+        task = asyncio.get_running_loop().create_task(run(), name=run.__name__)
+        task.add_done_callback(_log_failure)
+    return task
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -216,9 +224,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         item = _Waiting(draft, return_features, asyncio.get_running_loop().create_future(), time.perf_counter())
         try:
             self._waiting.append(item)
-            if self._waves is None or self._waves.done():
-                self._waves = asyncio.ensure_future(self._run_waves())
-                self._waves.add_done_callback(_log_failure)
+            self._waves = _running(self._waves, self._run_waves)
             try:
                 # (not shielded: the wave's answer wakes this caller in the loop's next round, before the next wave)
                 return await item.future
@@ -440,9 +446,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         item = _WaitingPrefill(job, asyncio.get_running_loop().create_future(), time.perf_counter())
         try:
             self._prefills_waiting.append(item)
-            if self._prefill_wave_task is None or self._prefill_wave_task.done():
-                self._prefill_wave_task = asyncio.ensure_future(self._run_prefill_waves())
-                self._prefill_wave_task.add_done_callback(_log_failure)
+            self._prefill_wave_task = _running(self._prefill_wave_task, self._run_prefill_waves)
             try:
                 out, queued = await item.future
             except asyncio.CancelledError:
