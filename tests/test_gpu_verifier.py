@@ -390,7 +390,7 @@ def test_warmup_leaves_a_clean_verifier_whose_first_request_equals_its_second(co
     from verifier_svc.expert_cache import CacheStats
     from verifier_svc.model import load_target
     from verifier_svc.runner import BUCKETS
-    from verifier_svc.warmup import block_sizes, warm, wave_blocks
+    from verifier_svc.warmup import block_sizes, prefill_wave_rows, warm, wave_blocks
 
     t = core.target
     layers = (0, t.num_layers - 1)
@@ -412,6 +412,9 @@ def test_warmup_leaves_a_clean_verifier_whose_first_request_equals_its_second(co
     assert {("prefill", b, f) for b in fresh.graphs.prefill_buckets for f in ((), layers)} <= set(fresh.graphs._graphs)
     waves = {("wave", sum(blocks), f) for blocks in wave_blocks(8, 32) for f in ((), layers)}
     assert waves and waves <= set(fresh.graphs._graphs)  # one wave graph a bucket, captured by the warm-up's waves
+    pwaves = {("prefill_wave", sum(w), f) for w in prefill_wave_rows(fresh.graphs.prefill_wave_buckets, 8, t.max_context)
+              for f in ((), layers)}
+    assert pwaves and pwaves <= set(fresh.graphs._graphs)  # and each prefill-wave graph (on by default since stop 50)
     print(f"warm-up: {report.seconds:.1f} s, {report.prefills} prefills, the allocator's reserve grew {report.reserved_mb:.0f} MiB")
     drafts = _replay(want, 4, t.vocab_size)
     assert _run(fresh, prompt, drafts, width=16) == _run(fresh, prompt, drafts, width=16) == want

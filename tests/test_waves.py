@@ -327,7 +327,7 @@ def test_the_graph_pool_switch_is_checked(monkeypatch):
 
 @pytest.mark.parametrize("name, default, error", [
     ("PDFLASH_PREFILL_GRAPHS", True, "PDFLASH_PREFILL_GRAPHS: 0 or 1"),  # prefill graphs: on since stop 48
-    ("PDFLASH_PREFILL_WAVE_GRAPHS", False, "PDFLASH_PREFILL_WAVE_GRAPHS must be 0 or 1"),  # off until their GPU test ran
+    ("PDFLASH_PREFILL_WAVE_GRAPHS", True, "PDFLASH_PREFILL_WAVE_GRAPHS must be 0 or 1"),  # on since stop 50 (timed on an H200)
 ])
 def test_the_prefill_graph_switches_default_and_are_checked(name, default, error, monkeypatch):
     from verifier_svc import runner
@@ -416,6 +416,19 @@ def test_the_warm_up_runs_one_wave_per_wave_graph_bucket():
     assert all(2 <= len(b) <= 4 and max(b) <= 32 for b in got)
     assert [sum(b) for b in wave_blocks(2, 16)] == [2, 4, 8, 16, 32]  # 64 rows need 4 blocks of 16: more than 2 sessions
     assert wave_blocks(1, 32) == []
+
+
+def test_the_warm_up_runs_one_prefill_wave_per_prefill_wave_graph_bucket():
+    from verifier_svc.runner import PREFILL_BUCKETS, PREFILL_WAVE_BUCKETS
+    from verifier_svc.warmup import prefill_wave_rows
+
+    got = prefill_wave_rows(PREFILL_WAVE_BUCKETS, 8, 4096)
+    assert [sum(w) for w in got] == list(PREFILL_WAVE_BUCKETS)  # every bucket: 256 .. 2048 rows, filled exactly
+    assert all(2 <= len(w) <= 8 and max(w) <= PREFILL_BUCKETS[-1] for w in got)
+    assert [sum(w) for w in prefill_wave_rows(PREFILL_WAVE_BUCKETS, 2, 4096)] == [256, 512, 1024]  # 2048: 4 prompts
+    assert [sum(w) for w in prefill_wave_rows(PREFILL_WAVE_BUCKETS, 8, 1024)] == [256, 512, 1024, 2048]
+    assert [sum(w) for w in prefill_wave_rows(PREFILL_WAVE_BUCKETS, 8, 600)] == [256, 512]  # a prompt at most half the context
+    assert prefill_wave_rows(PREFILL_WAVE_BUCKETS, 1, 4096) == []
 
 
 @pytest.mark.slow

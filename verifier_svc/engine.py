@@ -587,7 +587,7 @@ class VerifierCore:
     #: qwen3-8l 11.2 / 16.1 ms (2 prompts), 22.1 / 18.5 (4), 44.8 / 33.7 (8); gptoss-24l 25.7 / 46.1, 48.4 / 49.7,
     #: 99.7 / 82.6 (`benchmarks/waves.py --prefill-waves 2 4 8`, stop48_gpu/call2). Offloaded experts, chunks past the
     #: largest prefill bucket and prefill graphs off always share the wave (each would run eagerly anyway). A wave that a
-    #: prefill-wave graph holds (PDFLASH_PREFILL_WAVE_GRAPHS=1, runner.PREFILL_WAVE_BUCKETS) always replays it instead.
+    #: prefill-wave graph holds (on by default: runner.PREFILL_WAVE_BUCKETS) always replays it instead.
     prefill_wave_graphed_rows = 1536
 
     def _replays_prefill(self, job: "PrefillJob", n: int) -> bool:

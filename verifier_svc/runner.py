@@ -38,8 +38,12 @@ WAVE_BUCKETS = (2, 4, 8, 16, 32, 64, 128)
 #: PDFLASH_PREFILL_GRAPHS=0 turns them off.
 PREFILL_BUCKETS = (32, 64, 128, 256, 512)
 #: a prefill wave's graphs (several prompts or chunks of up to PREFILL_BUCKETS[-1] rows each, `VerifierCore.prefill_wave`),
-#: by its rows in all; a bigger wave runs eagerly. Off by default until their GPU test has run
-#: (tests/test_gpu_verifier.py::test_prefill_wave_graphs_give_the_eager_waves_bits): PDFLASH_PREFILL_WAVE_GRAPHS=1.
+#: by its rows in all; a bigger wave runs eagerly. On by default since stop 50: their GPU test
+#: (tests/test_gpu_verifier.py::test_prefill_wave_graphs_give_the_eager_waves_bits) passed on an H100 for three
+#: architectures (stop 49), and on an H200 one replayed wave beat the prompts' own prefill graphs one after another at
+#: every size measured, 256-token prompts, one after another / one wave: qwen3-8l 9.7 / 8.8 ms (2 prompts), 19.8 / 17.0
+#: (4), 39.0 / 28.8 (8); gptoss-24l 23.4 / 22.0, 48.1 / 41.7, 93.8 / 79.1 (benchmarks/waves.py --prefill-waves 2 4 8,
+#: benchmarks/results/stop50_gpu/call1). PDFLASH_PREFILL_WAVE_GRAPHS=0 turns them off.
 #: Why: an eager forward pays its host time whatever its rows (a 256-row qwen3-8l chunk: 28.3 ms eager, 5.4 replayed), so on an H100 two to four 256-token prompts took longer in one eager
 #: wave than one after another from their prefill graphs (stop 48, benchmarks/waves.py --prefill-waves).
 PREFILL_WAVE_BUCKETS = (256, 512, 1024, 2048)
@@ -479,10 +483,10 @@ def _graph_failed(kind: str, bucket: int, e: BaseException) -> None:
 
 
 def prefill_wave_graphs_enabled() -> bool:
-    """PDFLASH_PREFILL_WAVE_GRAPHS: 0 (default, PREFILL_WAVE_BUCKETS) or 1."""
+    """PDFLASH_PREFILL_WAVE_GRAPHS: 1 (default, PREFILL_WAVE_BUCKETS) or 0."""
     from pdflash_kernels import runtime
 
-    return runtime.env_flag("PDFLASH_PREFILL_WAVE_GRAPHS")
+    return runtime.env_flag("PDFLASH_PREFILL_WAVE_GRAPHS", default=True)
 
 
 class GraphRunner:

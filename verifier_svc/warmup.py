@@ -11,7 +11,9 @@ its projection, without features and again with the drafter's feature layers (an
 paged KV, one wave per wave-graph bucket: `wave_blocks`); before those, for a MoE target, prefills
 whose pairs reach each compiled form of the MoE align (`align_lengths`: up to 513 tokens at one expert a token), and with
 CUDA graphs one prompt per prefill-graph bucket (verifier_svc.runner.PREFILL_BUCKETS), without and with the feature
-layers. Then it gives everything back: its
+layers, and with prefill-wave graphs (multi-session waves on the paged KV) one prefill wave per prefill-wave bucket
+(`prefill_wave_rows`: else a server's first burst of new prompts would pay those captures). Then it gives everything
+back: its
 sessions end (their KV pages return to the pool), the expert cache's counters are zeroed (its contents stay: they
 are the warm part), so the first request's counters are its own. It calls the core, not the servicer: the metrics
 never see it. verifier_svc/server.py runs it before health turns SERVING.
@@ -27,7 +29,7 @@ import torch
 from pdflash.logging import get_logger
 from pdflash.types import DraftResult, SamplingParams
 from verifier_svc.engine import PrefillInput, VerifierCore
-from verifier_svc.runner import BUCKETS, WAVE_BUCKETS
+from verifier_svc.runner import BUCKETS, PREFILL_BUCKETS, WAVE_BUCKETS
 
 log = get_logger("pdflash.verifier.warmup")
 
@@ -86,6 +88,21 @@ def wave_blocks(max_wave_sessions: int, max_block_size: int) -> list[list[int]]:
         if n > max_wave_sessions or n > rows:
             continue
         out.append([rows // n + (1 if i < rows % n else 0) for i in range(n)])
+    return out
+
+
+def prefill_wave_rows(buckets: tuple[int, ...], max_wave_sessions: int, max_context: int) -> list[list[int]]:
+    """One prefill wave per prefill-wave graph bucket (verifier_svc.runner.PREFILL_WAVE_BUCKETS, by its rows in all):
+    each as its prompts' lengths, at least two prompts, each at most the largest prefill bucket (what a prefill-wave
+    graph holds an item) and half the context, the rows filling the bucket; a bucket that needs more prompts than a
+    wave holds is left out."""
+    out = []
+    for rows in buckets:
+        n = max(2, -(-rows // PREFILL_BUCKETS[-1]))
+        each = rows // n
+        if n > max_wave_sessions or each * n != rows or each > max_context // 2:
+            continue
+        out.append([each] * n)
     return out
 
 
@@ -156,6 +173,28 @@ def warm(core: VerifierCore, feature_layers: tuple[int, ...] = ()) -> WarmupRepo
             for b in (b for b in buckets if b <= t.max_context // 2):
                 _Request(core, tuple(3 + i % (t.vocab_size - 3) for i in range(b)), layers).end()
                 prefills += 1
+        # each prefill-wave graph's bucket: prompts of a wave prefilled together (VerifierCore.prefill_wave), their
+        # sessions given back at once (the graphs are the warm part)
+        pw = core.graphs.prefill_wave_buckets if core.graphs is not None and core.wave_forward else ()
+        for layers in dict.fromkeys([(), tuple(feature_layers)]) if pw else ():
+            for lengths_ in prefill_wave_rows(pw, core.max_wave_sessions, t.max_context):
+                jobs = []
+                try:
+                    for i, n in enumerate(lengths_):
+                        prompt = tuple(3 + (i + j) % (t.vocab_size - 3) for j in range(n))
+                        jobs.append(core.start_prefill(PrefillInput("warmup", prompt, SamplingParams(), 1, ignore_eos=True,
+                                                                    feature_layer_ids=layers)))
+                    left = list(jobs)
+                    while left:  # (chunk by chunk where --prefill-chunk cuts the prompts)
+                        done = core.prefill_wave(left)
+                        for r in done:
+                            if isinstance(r, BaseException):
+                                raise r
+                        left = [j for j, whole in zip(left, done) if not whole]
+                finally:
+                    for j in jobs:
+                        j.close()
+                prefills += len(lengths_)
         extra = prefills
         for layers in dict.fromkeys([(), tuple(feature_layers)]):  # without features, then with the drafter's
             req = None
