@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|confirm|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|confirm|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|persist|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite (or SUITE_FILES), 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -163,6 +163,19 @@ if [[ " $STEPS " == *" sizes "* ]]; then  # tiles by call size (FRAG_BY_SIZE) an
     -k "unsplit_tiles or size_class or direct" > "$OUT/sizes_tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR" "$OUT/sizes_tests.txt" | tail -8
   timeout ${SIZES_S:-180} python3 benchmarks/fragment_bench.py --models gpt-oss-20b,qwen3-30b-a3b --routed 1,2,4,6,8,16,32 \
     --in-forward 8 --size-ab --out "$OUT/sizes" 2>&1 | tee "$OUT/sizes.log" | grep -v "^|" | tail -16
+fi
+if [[ " $STEPS " == *" persist "* ]]; then  # PDFLASH_FP4_PERSIST (a fixed grid walking the live tiles): its bits tests, the A/B, then issue 12's table at the setting with the least summed time (~5 min; not in `all`)
+  timeout ${PERSIST_TESTS_S:-240} python3 -m pytest -v -rfE -p no:cacheprovider tests/test_fragments.py -k "persist" > "$OUT/persist_tests.txt" 2>&1
+  grep -E "PASSED|FAILED|ERROR" "$OUT/persist_tests.txt" | tail -8
+  timeout ${PERSIST_S:-200} python3 benchmarks/persist_ab.py --per-sm ${PERSIST_AB:-0,1,2,4,8} --out "$OUT" > "$OUT/persist_ab.txt" 2>&1
+  grep -E "^\|" "$OUT/persist_ab.txt"
+  best=$(python3 -c "import json,glob; d=json.load(open(glob.glob('$OUT/persist_ab_*.json')[0])); print(min(d['per_sm'], key=lambda p: sum(r['us'][str(p)] for r in d['rows'])))" 2>/dev/null)
+  echo "persist: least summed time at PDFLASH_FP4_PERSIST=${best:-?}"
+  if [ -n "$best" ] && [ "$best" != 0 ] && [ "${PERSIST_TABLE:-1}" = 1 ]; then
+    mkdir -p "$OUT/persist_kernels"
+    PDFLASH_FP4_PERSIST=$best timeout ${KERNELS_S:-240} python3 benchmarks/kernel_bench.py --out "$OUT/persist_kernels" > "$OUT/persist_kernels/kernels.txt" 2>&1
+    grep -E "\| mxfp4 \| (1|4|16) \|" "$OUT/persist_kernels/"kernels_*.md
+  fi
 fi
 if [[ " $STEPS " == *" breakdown "* ]]; then  # the whole MoE call against its launches one by one, as a forward pays them (not in `all`)
   timeout ${BREAKDOWN_S:-200} python3 benchmarks/moe_call_breakdown.py --out "$OUT" 2>&1 | tee "$OUT/breakdown.txt" | grep -v "^{" | tail -14

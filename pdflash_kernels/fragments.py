@@ -444,7 +444,7 @@ if gluon is not None:
                    BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
                    SPLIT: gl.constexpr, SS: gl.constexpr, PDL: gl.constexpr = 0, STAGES: gl.constexpr = 0,
                    XRING: gl.constexpr = 0, DIRECT: gl.constexpr = 0, E: gl.constexpr = 0, HAS_SLOT: gl.constexpr = 0,
-                   HAS_NVALID: gl.constexpr = 0):
+                   HAS_NVALID: gl.constexpr = 0, PERSIST: gl.constexpr = 0):
         """One program: routing block program_id(0) x NT 16-row weight tiles (program_id(1)) x K range program_id(2).
         EPI 0: y (float32) at the block's rows = x[pair // TOPK] @ w^T (EPI 3: x[block row] @ w^T); EPI 1 (gate/up,
         rows [gates; ups] as `gate_up_order` stores them, N = I): the program's tiles are NT / 2 gate tiles and the NT / 2
@@ -459,8 +459,48 @@ if gluon is not None:
         its slot from slot_ptr's table (HAS_SLOT) or the id; a pair of an id outside [0, E) or of a token at or past
         n_valid (nblocks_ptr, HAS_NVALID) is dropped, and the gate/up programs of tile column 0 write each pair's
         keep flag to phase_ptr (the combine's pair_valid, as `moe.align` defines it). The same products in the same
-        order as the routed blocks: the same bits."""
+        order as the routed blocks: the same bits.
+        PERSIST: a fixed grid of programs (`_launch`'s PERSIST_PER_SM a multiprocessor), each walking the live tiles
+        (a block's weight tiles and K ranges one after another, blocks in order) up to the routing's block count: no
+        program for the unused block slots (a routed call's grid is its worst case, ~max(P, E) blocks, of which P / 16
+        to E hold pairs). Each tile is the same program body: the same bits."""
         _pdl_begin(PDL)  # before any load: the routing and the slots' copies come from the kernels before
+        TPP0: gl.constexpr = NT // 2 if EPI == 1 else NT  # output tiles a program
+        NTL: gl.constexpr = (N // 16 + TPP0 - 1) // TPP0  # weight tiles a block (the grid's program_id(1) range)
+        if PERSIST:
+            if DIRECT:
+                nb = P
+            else:
+                nb = gl.load(nblocks_ptr)
+            tile = gl.program_id(0)
+            while tile < nb * (NTL * SPLIT):
+                _frag_tile(tile // (NTL * SPLIT), tile % (NTL * SPLIT) // SPLIT, tile % SPLIT, NTL,
+                    x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr, w_ptr, stride_ws,
+                    s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit, N,
+                    K, TOPK, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, PHASE, BM, NT, KQS, W, PREFETCH,
+                    SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID)
+                gl.thread_barrier()  # (the next tile's stores into the shared buffers wait for every warp's reads)
+                tile += gl.num_programs(0)
+        else:
+            pid_s = 0
+            if SPLIT > 1:
+                pid_s = gl.program_id(2)
+            _frag_tile(gl.program_id(0), gl.program_id(1), pid_s, NTL,
+                x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr, w_ptr, stride_ws,
+                s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit, N,
+                K, TOPK, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, PHASE, BM, NT, KQS, W, PREFETCH,
+                SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID)
+
+    @gluon.jit
+    def _frag_tile(b, pid_n, pid_s, NTL: gl.constexpr, x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr,
+                   nblocks_ptr, phase_ptr, w_ptr, stride_ws, s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit,
+                   N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, PHASE: gl.constexpr,
+                   BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
+                   SPLIT: gl.constexpr, SS: gl.constexpr, STAGES: gl.constexpr,
+                   XRING: gl.constexpr, DIRECT: gl.constexpr, E: gl.constexpr, HAS_SLOT: gl.constexpr,
+                   HAS_NVALID: gl.constexpr):
+        """One tile of `_frag_gemm`: routing block b x weight tiles pid_n x K range pid_s (NTL weight tiles a block)."""
         BN: gl.constexpr = NT * 16
         WL: gl.constexpr = _layout("w", W)
         MMA: gl.constexpr = _layout("mma", W)
@@ -469,14 +509,13 @@ if gluon is not None:
         MAIN: gl.constexpr = QUADS // KQS * KQS
         TWO: gl.constexpr = EPI == 1
         TPP: gl.constexpr = NT // 2 if TWO else NT  # output tiles a program
-        b = gl.program_id(0)
         if DIRECT:
             eid = gl.load(pairs_ptr + b).to(gl.int32)
             live = (eid >= 0) & (eid < E)
             if HAS_NVALID:
                 live = live & (b // TOPK < gl.load(nblocks_ptr))
             if EPI == 1:
-                if gl.program_id(1) == 0:
+                if pid_n == 0:
                     gl.store(phase_ptr + b, live)
             if HAS_SLOT:
                 slot = gl.load(slot_ptr + gl.where(live, eid, 0))
@@ -500,14 +539,13 @@ if gluon is not None:
             else:
                 xr = gl.where(xok, pair_x // TOPK, 0)
             xr = x_ptr + xr.to(gl.int64) * stride_x
-            w_rows, s_rows, n_ok = _weight_tiles(w_ptr, stride_ws, s_ptr, stride_ss, slot, gl.program_id(1), N, QUADS, NT,
+            w_rows, s_rows, n_ok = _weight_tiles(w_ptr, stride_ws, s_ptr, stride_ss, slot, pid_n, N, QUADS, NT,
                                                  TWO, TPP, WL)
             if SPLIT == 1:
                 q_lo = 0
                 q_main = MAIN
                 last = True
             else:
-                pid_s = gl.program_id(2)
                 q_lo = pid_s * (SS * KQS)
                 q_main = gl.minimum(q_lo + SS * KQS, MAIN)
                 last = pid_s == SPLIT - 1
@@ -525,18 +563,18 @@ if gluon is not None:
             if SPLIT > 1:  # partial sums into ws; the tile's last program adds them in range order
                 jr = gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
                 if TWO:
-                    wrow = (gl.program_id(1) * TPP * 16 + jr % (TPP * 16)) + (jr // (TPP * 16)) * N
-                    wr_ok = (gl.program_id(1) * TPP * 16 + jr % (TPP * 16)) < N
+                    wrow = (pid_n * TPP * 16 + jr % (TPP * 16)) + (jr // (TPP * 16)) * N
+                    wr_ok = (pid_n * TPP * 16 + jr % (TPP * 16)) < N
                     NW: gl.constexpr = 2 * N
                 else:
-                    wrow = gl.program_id(1) * BN + jr
+                    wrow = pid_n * BN + jr
                     wr_ok = wrow < N
                     NW: gl.constexpr = N
                 wmask = wr_ok[:, None] & p_ok[None, :]
                 wofs = rows[None, :] * NW + wrow[:, None]
                 gl.store(ws_ptr + pid_s.to(gl.int64) * R * NW + wofs, acc, mask=wmask)
                 gl.thread_barrier()  # every thread's partial stored before the count is released
-                tile = b * gl.num_programs(1) + gl.program_id(1)
+                tile = b * NTL + pid_n
                 arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
                 go = arrived == SPLIT - 1
                 if go:
@@ -546,7 +584,7 @@ if gluon is not None:
                     gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
             if go:
                 _epilogue(acc, out_ptr, stride_o, b_ptr, stride_b, rw_ptr, slot, pair, p_ok, rows, alpha, limit,
-                          gl.program_id(1), N, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, BN, BM, TPP, W, MMA)
+                          pid_n, N, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, BN, BM, TPP, W, MMA)
 
     @gluon.jit
     def _epilogue(acc, out_ptr, stride_o, b_ptr, stride_b, rw_ptr, slot, pair, p_ok, rows, alpha, limit, pid_n,
@@ -846,12 +884,15 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
         if cnt is None:  # more tiles than a counter region (or none made yet in a capture): zeroed counters of its own
             cnt = torch.zeros(tiles, dtype=torch.int32, device=x.device)
         grid = (*grid, split)
+    persist = 0
+    if PERSIST_PER_SM and grid[0] * grid[1] * split > PERSIST_PER_SM * runtime.sm_count():
+        persist, grid = 1, (PERSIST_PER_SM * runtime.sm_count(),)
     b = bias if bias is not None else x
     _frag_gemm[grid](x, x.stride(0), out, out.stride(0), *args, words, words.stride(0), swords, swords.stride(0),
                      b, b.stride(0), rw if rw is not None else x, ws, cnt, rows, r.num_pairs, float(alpha), float(limit),
                      N=n, K=k, TOPK=topk, EPI=epi, ACT=act, HAS_BIAS=bias is not None, ROW_MUL=row_mul, UP_OFF=up_off,
                      PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=int(prefetch), SPLIT=split, SS=ss,
-                     PDL=PDL_MODE, STAGES=stages, XRING=xring, num_warps=num_warps, **dkw,
+                     PDL=PDL_MODE, STAGES=stages, XRING=xring, PERSIST=persist, num_warps=num_warps, **dkw,
                      **({"launch_pdl": True} if PDL_MODE else {}))
     return out
 
@@ -943,6 +984,18 @@ _DIRECT = os.environ.get("PDFLASH_FP4_DIRECT_PAIRS") or "16"
 if not (_DIRECT.isdigit() and int(_DIRECT) <= 64):
     raise ValueError(f"PDFLASH_FP4_DIRECT_PAIRS must be a number of pairs from 0 (off) to 64, got {_DIRECT!r}")
 DIRECT_PAIRS = int(_DIRECT)
+
+# PDFLASH_FP4_PERSIST=N (0: off, at most 16): the fragment GEMMs launch at most N programs a multiprocessor, each
+# walking the live tiles (`_frag_gemm`'s PERSIST), where the grid of one program a tile would be larger. Why: a routed
+# call's grid is its worst case, (min(P, E) + P / 16) blocks x weight tiles, so a call of P pairs on few experts
+# launches mostly programs that find their block unused and exit (Qwen3-30B-A3B, 128 pairs on 8 experts: 136 x 24
+# gate/up programs for 8 x 24 tiles); their launches and exits cost it 23.6 / 11.4 us for the gate/up / down GEMMs
+# against 10.2 / 6.2 for the same 8 experts at one token each (H200, stop 50, benchmarks/moe_call_breakdown.py). The
+# same tile programs: the same bits (tests/test_fragments.py::test_persistent_programs_give_the_same_bits).
+_PERSIST = os.environ.get("PDFLASH_FP4_PERSIST") or "0"
+if not (_PERSIST.isdigit() and int(_PERSIST) <= 16):
+    raise ValueError(f"PDFLASH_FP4_PERSIST must be a number of programs a multiprocessor from 0 (off) to 16, got {_PERSIST!r}")
+PERSIST_PER_SM = int(_PERSIST)
 
 
 def _check_by_size(shapes: dict, by_size: dict) -> None:

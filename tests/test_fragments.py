@@ -279,6 +279,42 @@ def test_direct_pair_kernel_compiles_for_sm90(n, k, tile, epi, has_slot, has_nva
     assert "mma.sync.aligned.m16n8k16" in ptx and ".local" not in ptx and "atom.global" not in ptx
 
 
+@needs_gluon
+@pytest.mark.parametrize("n,k,tile,epi,direct", [(1536, 2048, "8x2w4aa3", 1, 0), (2048, 768, "8x2w4aa3", 2, 0),
+                                                 (2880, 2880, "4x2w4aa4", 1, 1), (768, 2048, "4x4w4pps2", 2, 0),
+                                                 (2048, 768, "4x4w4", 2, 1)])
+def test_persistent_kernel_compiles_for_sm90(n, k, tile, epi, direct, monkeypatch):
+    """PERSIST (a fixed grid, each program walking the live tiles) compiles for sm_90 with the tile's MMAs, a loop
+    around them, nothing in local memory, and a barrier between tiles (the shared buffers reused)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    nt, kqs, warps, pf, split, stages, xring = F.FragTile.parse(tile)
+    split, ss = F.split_plan(k // 64, kqs, split)
+    const = dict(N=n // 2 if epi == 1 else n, K=k, TOPK=8, EPI=epi, ACT=0, HAS_BIAS=False, ROW_MUL=1, UP_OFF=0, PHASE=0,
+                 BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf, SPLIT=split, SS=ss, STAGES=stages, XRING=xring,
+                 DIRECT=direct, E=128, HAS_SLOT=0, HAS_NVALID=0, PERSIST=1)
+    sig = dict(SIG, out_ptr="*bf16" if epi == 1 else "*fp32", **{c: "constexpr" for c in const})
+    if direct:
+        sig.update(pairs_ptr="*i64", phase_ptr="*i1")
+    kern = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps})
+    ptx = kern.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16" in ptx and ".local" not in ptx
+    assert "%nctaid.x" in ptx  # the walk's stride: the grid's size
+    assert ("atom.global" in ptx) == (split > 1)
+
+
+def test_persist_setting_is_checked(monkeypatch):
+    assert F.PERSIST_PER_SM == 0  # off by default (on only where a GPU run measured it faster)
+    from tests.test_kernels import _import_refuses
+
+    for bad in ("17", "-1", "all"):
+        _import_refuses("PDFLASH_FP4_PERSIST", bad, "pdflash_kernels.fragments")
+
+
 def test_direct_pairs_are_small_unsplit_calls_only(monkeypatch):
     q = (F.FragTile(4, 4, 4), F.FragTile(4, 4, 4))
     assert F.DIRECT_PAIRS == 16  # on by default since its GPU test passed (stop 45)
@@ -506,6 +542,47 @@ def test_unsplit_tiles_give_the_same_bits(model, monkeypatch):
     full = F.fragment_moe(x, ids, wts, fw, e)  # 40 tokens: the last class
     for n in range(1, 8):  # every class of gpt-oss (top-4: 16 pairs = 4 tokens) and Qwen3 (top-8: 16, 48 = 2, 6 tokens)
         assert torch.equal(F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e), full[:n]), n
+
+
+@cuda
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small"])
+def test_persistent_programs_give_the_same_bits(model, monkeypatch):
+    """PDFLASH_FP4_PERSIST (a fixed grid of programs walking the live tiles) gives every bit of one program a tile:
+    routed calls of 1 to 64 tokens (few experts holding many pairs, and many experts), the routing-free small call,
+    split-K tiles, copy groups (phases), 1 to 16 programs a multiprocessor, and a CUDA graph replay."""
+    e, w, fw, x, ids, wts = _moe_case(model, 64, seed=31)
+    k = ids.shape[1]
+    few = ids.clone()
+    few[:] = ids[0]  # every token on the first token's k experts: 64 x k pairs on k experts (most block slots unused)
+    cases = [(n, i) for n in (1, 3, 16, 64) for i in (ids, few)]
+    configs = [None, tuple(map(F.FragTile.parse, ("8x2w4aa3s2", "4x4w4ps2")))]
+    phase = torch.randint(0, 3, (e,), device="cuda", dtype=torch.int8)
+    monkeypatch.setattr(F, "PERSIST_PER_SM", 0)
+    want = {}
+    for n, i in cases:
+        for c, config in enumerate(configs):
+            want[(n, int(i is few), c)] = _four_launches(x[:n], i[:n], wts[:n], fw, e, config=config)
+    small = F.fragment_moe(x[:2], ids[:2], wts[:2], fw, e, direct=True)
+    grouped = F.fragment_moe(x, few, wts, fw, e, phase_of_expert=phase, groups=2)
+    for per_sm in (1, 4, 16):
+        monkeypatch.setattr(F, "PERSIST_PER_SM", per_sm)
+        for n, i in cases:
+            for c, config in enumerate(configs):
+                got = _four_launches(x[:n], i[:n], wts[:n], fw, e, config=config)
+                assert torch.equal(got, want[(n, int(i is few), c)]), (per_sm, n, int(i is few), c)
+        assert torch.equal(F.fragment_moe(x[:2], ids[:2], wts[:2], fw, e, direct=True), small), per_sm
+        assert torch.equal(F.fragment_moe(x, few, wts, fw, e, phase_of_expert=phase, groups=2), grouped), per_sm
+    monkeypatch.setattr(F, "PERSIST_PER_SM", 1)  # (so 64 tokens on k experts walk many tiles a program)
+    xs = x.clone()
+    _four_launches(xs, few, wts, fw, e)  # (compiled before the capture)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = _four_launches(xs, few, wts, fw, e)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want[(64, 1, 0)])
 
 
 @cuda
