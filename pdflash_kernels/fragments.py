@@ -885,7 +885,7 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
             cnt = torch.zeros(tiles, dtype=torch.int32, device=x.device)
         grid = (*grid, split)
     persist = 0
-    if PERSIST_PER_SM and grid[0] * grid[1] * split > PERSIST_PER_SM * runtime.sm_count():
+    if PERSIST_PER_SM and r.num_pairs <= PERSIST_PAIRS and grid[0] * grid[1] * split > PERSIST_PER_SM * runtime.sm_count():
         persist, grid = 1, (PERSIST_PER_SM * runtime.sm_count(),)
     b = bias if bias is not None else x
     _frag_gemm[grid](x, x.stride(0), out, out.stride(0), *args, words, words.stride(0), swords, swords.stride(0),
@@ -985,17 +985,29 @@ if not (_DIRECT.isdigit() and int(_DIRECT) <= 64):
     raise ValueError(f"PDFLASH_FP4_DIRECT_PAIRS must be a number of pairs from 0 (off) to 64, got {_DIRECT!r}")
 DIRECT_PAIRS = int(_DIRECT)
 
-# PDFLASH_FP4_PERSIST=N (0: off, at most 16): the fragment GEMMs launch at most N programs a multiprocessor, each
-# walking the live tiles (`_frag_gemm`'s PERSIST), where the grid of one program a tile would be larger. Why: a routed
-# call's grid is its worst case, (min(P, E) + P / 16) blocks x weight tiles, so a call of P pairs on few experts
-# launches mostly programs that find their block unused and exit (Qwen3-30B-A3B, 128 pairs on 8 experts: 136 x 24
-# gate/up programs for 8 x 24 tiles); their launches and exits cost it 23.6 / 11.4 us for the gate/up / down GEMMs
-# against 10.2 / 6.2 for the same 8 experts at one token each (H200, stop 50, benchmarks/moe_call_breakdown.py). The
-# same tile programs: the same bits (tests/test_fragments.py::test_persistent_programs_give_the_same_bits).
-_PERSIST = os.environ.get("PDFLASH_FP4_PERSIST") or "0"
+# PDFLASH_FP4_PERSIST=N (0: off, at most 16; default 8): the fragment GEMMs of a call of at most PDFLASH_FP4_PERSIST_PAIRS
+# (token, expert) pairs (default 512) launch at most N programs a multiprocessor, each walking the live tiles
+# (`_frag_gemm`'s PERSIST), where the grid of one program a tile would be larger. Why: a routed call's grid is its
+# worst case, (min(P, E) + P / 16) blocks x weight tiles, so a call of P pairs on few experts launches mostly programs
+# that find their block unused and exit (Qwen3-30B-A3B, 128 pairs on 8 experts: 136 x 24 gate/up programs for 8 x 24
+# live tiles); their launches cost that call 23.6 / 11.4 us for the gate/up / down GEMMs against 10.2 / 6.2 for the same
+# 8 experts at one token each (H200, stop 50, benchmarks/moe_call_breakdown.py). Measured on an H100 (stop 50,
+# `benchmarks/persist_ab.py`, benchmarks/results/persist_ab_h100.md; the served call, one program a tile / 8 a
+# multiprocessor): Qwen3-30B-A3B 8 experts x 4 / 16 tokens 29.1 / 26.6 and 43.3 / 32.5 us, 32 x 4 59.0 / 54.1;
+# gpt-oss-20b 8 x 4 / 16 69.9 / 63.5 and 72.9 / 66.5, 32 x 16 179.8 / 174.3; within 1 us on the rest up to 512 pairs
+# but for gpt-oss 8 x 64 (145.4 / 146.8). Larger calls lost (2048 pairs: Qwen3 32 x 64 133.8 / 141.0, gpt-oss 32 x 64
+# 542.6 / 581.2: a walk over mostly live tiles schedules worse than the hardware), hence the pairs bound. Fewer
+# programs helped the fewest experts more (Qwen3 8 x 16: 25.9 us at 1 a multiprocessor) but lost at 128 experts (194.2
+# against 135.9). The same tile programs: the same bits
+# (tests/test_fragments.py::test_persistent_programs_give_the_same_bits, passed on the H100 at stop 50).
+_PERSIST = os.environ.get("PDFLASH_FP4_PERSIST") or "8"
 if not (_PERSIST.isdigit() and int(_PERSIST) <= 16):
     raise ValueError(f"PDFLASH_FP4_PERSIST must be a number of programs a multiprocessor from 0 (off) to 16, got {_PERSIST!r}")
 PERSIST_PER_SM = int(_PERSIST)
+_PERSIST_PAIRS = os.environ.get("PDFLASH_FP4_PERSIST_PAIRS") or "512"
+if not _PERSIST_PAIRS.isdigit():
+    raise ValueError(f"PDFLASH_FP4_PERSIST_PAIRS must be a number of (token, expert) pairs, got {_PERSIST_PAIRS!r}")
+PERSIST_PAIRS = int(_PERSIST_PAIRS)
 
 
 def _check_by_size(shapes: dict, by_size: dict) -> None:

@@ -308,11 +308,13 @@ def test_persistent_kernel_compiles_for_sm90(n, k, tile, epi, direct, monkeypatc
 
 
 def test_persist_setting_is_checked(monkeypatch):
-    assert F.PERSIST_PER_SM == 0  # off by default (on only where a GPU run measured it faster)
+    assert (F.PERSIST_PER_SM, F.PERSIST_PAIRS) == (8, 512)  # the H100's A/B (stop 50, benchmarks/persist_ab.py)
     from tests.test_kernels import _import_refuses
 
     for bad in ("17", "-1", "all"):
         _import_refuses("PDFLASH_FP4_PERSIST", bad, "pdflash_kernels.fragments")
+    for bad in ("-1", "many"):
+        _import_refuses("PDFLASH_FP4_PERSIST_PAIRS", bad, "pdflash_kernels.fragments")
 
 
 def test_direct_pairs_are_small_unsplit_calls_only(monkeypatch):
@@ -566,6 +568,7 @@ def test_persistent_programs_give_the_same_bits(model, monkeypatch):
             want[(n, int(i is few), c)] = _four_launches(x[:n], i[:n], wts[:n], fw, e, config=config)
     small = F.fragment_moe(x[:2], ids[:2], wts[:2], fw, e, direct=True)
     grouped = F.fragment_moe(x, few, wts, fw, e, phase_of_expert=phase, groups=2)
+    monkeypatch.setattr(F, "PERSIST_PAIRS", 1 << 20)  # (every call of the case, whatever the served bound)
     for per_sm in (1, 4, 16):
         monkeypatch.setattr(F, "PERSIST_PER_SM", per_sm)
         for n, i in cases:
