@@ -839,7 +839,7 @@ class DirectPairs(typing.NamedTuple):
 
 def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, epi: int, tile: FragTile,
             phase: int = 0, bias=None, act: int = 0, row_mul: int = 1, up_off: int = 0, rw=None, alpha: float = 1.702,
-            limit: float = 7.0):
+            limit: float = 7.0, persist: bool = False):
     if gluon is None:
         raise RuntimeError("the fragment GEMMs need Triton's Gluon (triton >= 3.5)")
     if x.device.type != "cuda":
@@ -885,7 +885,7 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
             cnt = torch.zeros(tiles, dtype=torch.int32, device=x.device)
         grid = (*grid, split)
     persist = 0
-    if PERSIST_PER_SM and r.num_pairs <= PERSIST_PAIRS and grid[0] * grid[1] * split > PERSIST_PER_SM * runtime.sm_count():
+    if persist and PERSIST_PER_SM and grid[0] * grid[1] * split > PERSIST_PER_SM * runtime.sm_count():
         persist, grid = 1, (PERSIST_PER_SM * runtime.sm_count(),)
     b = bias if bias is not None else x
     _frag_gemm[grid](x, x.stride(0), out, out.stride(0), *args, words, words.stride(0), swords, swords.stride(0),
@@ -985,29 +985,40 @@ if not (_DIRECT.isdigit() and int(_DIRECT) <= 64):
     raise ValueError(f"PDFLASH_FP4_DIRECT_PAIRS must be a number of pairs from 0 (off) to 64, got {_DIRECT!r}")
 DIRECT_PAIRS = int(_DIRECT)
 
-# PDFLASH_FP4_PERSIST=N (0: off, at most 16; default 8): the fragment GEMMs of a call of at most PDFLASH_FP4_PERSIST_PAIRS
-# (token, expert) pairs (default 512) launch at most N programs a multiprocessor, each walking the live tiles
-# (`_frag_gemm`'s PERSIST), where the grid of one program a tile would be larger. Why: a routed call's grid is its
-# worst case, (min(P, E) + P / 16) blocks x weight tiles, so a call of P pairs on few experts launches mostly programs
-# that find their block unused and exit (Qwen3-30B-A3B, 128 pairs on 8 experts: 136 x 24 gate/up programs for 8 x 24
-# live tiles); their launches cost that call 23.6 / 11.4 us for the gate/up / down GEMMs against 10.2 / 6.2 for the same
-# 8 experts at one token each (H200, stop 50, benchmarks/moe_call_breakdown.py). Measured on an H100 (stop 50,
-# `benchmarks/persist_ab.py`, benchmarks/results/persist_ab_h100.md; the served call, one program a tile / 8 a
+# Persistent GEMMs (PDFLASH_FP4_PERSIST=N programs a multiprocessor, 0: off, at most 16; default 8): a routed call of at
+# most `persist_pairs` (token, expert) pairs on its expert shape launches each fragment GEMM as at most N programs a
+# multiprocessor, each walking the live tiles (`_frag_gemm`'s PERSIST), where one program a tile would launch more. Why:
+# a routed call's grid is its worst case, (min(P, E) + P / 16) blocks x weight tiles, so a call of P pairs on few
+# experts launches mostly programs that find their block unused and exit (Qwen3-30B-A3B, 128 pairs on 8 experts: 136 x
+# 24 gate/up programs for 8 x 24 live tiles); that call's gate/up and down GEMMs took 23.6 / 11.4 us against 10.2 / 6.2
+# for the same 8 experts at one token each (H200, stop 50, benchmarks/moe_call_breakdown.py). Measured on an H100 (stop
+# 50, `benchmarks/persist_ab.py`, benchmarks/results/persist_ab_h100.md; the served call, one program a tile / 8 a
 # multiprocessor): Qwen3-30B-A3B 8 experts x 4 / 16 tokens 29.1 / 26.6 and 43.3 / 32.5 us, 32 x 4 59.0 / 54.1;
-# gpt-oss-20b 8 x 4 / 16 69.9 / 63.5 and 72.9 / 66.5, 32 x 16 179.8 / 174.3; within 1 us on the rest up to 512 pairs
-# but for gpt-oss 8 x 64 (145.4 / 146.8). Larger calls lost (2048 pairs: Qwen3 32 x 64 133.8 / 141.0, gpt-oss 32 x 64
-# 542.6 / 581.2: a walk over mostly live tiles schedules worse than the hardware), hence the pairs bound. Fewer
-# programs helped the fewest experts more (Qwen3 8 x 16: 25.9 us at 1 a multiprocessor) but lost at 128 experts (194.2
-# against 135.9). The same tile programs: the same bits
+# gpt-oss-20b 8 x 4 / 16 69.9 / 63.5 and 72.9 / 66.5, 32 x 16 179.8 / 174.3; within 1.5 us on the rest up to 512 pairs.
+# Larger calls lost (2048 pairs: Qwen3 32 x 64 133.8 / 141.0, gpt-oss 32 x 64 542.6 / 581.2: a walk over mostly live
+# tiles schedules worse than the hardware does), and so did Mixtral-8x7B's calls in issue 12's table (8 experts x 1 / 4
+# tokens 330.3 / 294.4 us against stop 49's 313.8 / 278.3, where nearly every block slot is live and a tile is long),
+# hence bounds by shape: PERSIST_SHAPES (the shapes measured faster), other shapes none; PDFLASH_FP4_PERSIST_PAIRS=N
+# bounds every shape at N pairs instead. Fewer programs helped the fewest experts more (Qwen3 8 x 16: 25.9 us at one a
+# multiprocessor) but lost at 128 experts (194.2 against 135.9). Calls without the routing launch (DIRECT_PAIRS: every
+# block live) keep one program a tile (the same within 0.3 us). The same tile programs, so the same bits
 # (tests/test_fragments.py::test_persistent_programs_give_the_same_bits, passed on the H100 at stop 50).
 _PERSIST = os.environ.get("PDFLASH_FP4_PERSIST") or "8"
 if not (_PERSIST.isdigit() and int(_PERSIST) <= 16):
     raise ValueError(f"PDFLASH_FP4_PERSIST must be a number of programs a multiprocessor from 0 (off) to 16, got {_PERSIST!r}")
 PERSIST_PER_SM = int(_PERSIST)
-_PERSIST_PAIRS = os.environ.get("PDFLASH_FP4_PERSIST_PAIRS") or "512"
-if not _PERSIST_PAIRS.isdigit():
+PERSIST_SHAPES: dict[tuple[int, int], int] = {(2048, 768): 512, (2880, 2880): 512}  # (hidden, expert width): most pairs
+_PERSIST_PAIRS = os.environ.get("PDFLASH_FP4_PERSIST_PAIRS") or None
+if _PERSIST_PAIRS is not None and not _PERSIST_PAIRS.isdigit():
     raise ValueError(f"PDFLASH_FP4_PERSIST_PAIRS must be a number of (token, expert) pairs, got {_PERSIST_PAIRS!r}")
-PERSIST_PAIRS = int(_PERSIST_PAIRS)
+PERSIST_PAIRS: int | None = int(_PERSIST_PAIRS) if _PERSIST_PAIRS is not None else None  # None: PERSIST_SHAPES
+
+
+def persist_pairs(hidden: int, inter: int) -> int:
+    """The most (token, expert) pairs a routed call on experts of this shape takes with persistent GEMMs (0: none)."""
+    if PERSIST_PAIRS is not None:
+        return PERSIST_PAIRS
+    return PERSIST_SHAPES.get((hidden, inter), 0)
 
 
 def _check_by_size(shapes: dict, by_size: dict) -> None:
@@ -1278,6 +1289,7 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
         r = _moe.align_fused(topk_ids, num_experts, 16, slot_of_expert, n_valid, phase_of_expert)
         blocks = r.max_blocks
     phases = tuple(range(1, groups + 2)) if phase_of_expert is not None else (0,)
+    persist = not direct and t * topk <= persist_pairs(hdim, inter)  # (PERSIST_SHAPES)
     h = torch.empty((blocks * 16, inter), dtype=torch.bfloat16, device=dev)
     y = torch.empty((r.num_pairs, hdim), dtype=torch.float32, device=dev)
     rw = topk_weights.reshape(-1).contiguous()
@@ -1286,8 +1298,8 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
         if ph >= 2 and between is not None:
             between(ph - 1)
         _launch(x, r, fw.w1, fw.s1, h, inter, topk, 1, t1, ph, fw.b1, fw.act, fw.row_mul, fw.up_off, alpha=fw.alpha,
-                limit=fw.limit)
-        _launch(h, r, fw.w2, fw.s2, y, hdim, topk, 2, t2, ph, fw.b2, rw=rw)
+                limit=fw.limit, persist=persist)
+        _launch(h, r, fw.w2, fw.s2, y, hdim, topk, 2, t2, ph, fw.b2, rw=rw, persist=persist)
     block = min(1024, _moe.triton_next_pow2(hdim))
     _moe._moe_combine[(t, triton_cdiv(hdim, block))](y, r.pair_valid, out, hdim, TOPK=topk, BLOCK=block, EMULATE=False,
                                                       **_moe.runtime.pdl_launch())
