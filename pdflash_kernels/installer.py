@@ -733,13 +733,16 @@ def _frag_tiles(w) -> str:
     from pdflash_kernels import fragments
 
     t1, t2 = fragments.frag_config(w.hidden, w.intermediate)
+    most = fragments.persist_pairs(w.hidden, w.intermediate)
+    persist = (f"; persistent GEMMs on routed calls of up to {most} pairs, {fragments.PERSIST_PER_SM} programs a "
+               "multiprocessor" if most and fragments.PERSIST_PER_SM else "")
     if fragments.FRAG_TILES:
-        return f"tiles {t1} / {t2} from PDFLASH_FP4_TILES"
+        return f"tiles {t1} / {t2} from PDFLASH_FP4_TILES{persist}"
     classes = fragments.size_classes(w.hidden, w.intermediate)
     if not classes:
-        return f"tiles {t1} / {t2}"
+        return f"tiles {t1} / {t2}{persist}"
     return "tiles by call size: " + ", ".join(
-        f"{'more pairs' if most is None else f'up to {most} pairs'} {a} / {b}" for most, a, b in classes)
+        f"{'more pairs' if most is None else f'up to {most} pairs'} {a} / {b}" for most, a, b in classes) + persist
 
 
 def install(model: nn.Module, experts_format: str = "native", probe: bool = True, fuse: bool = True) -> Installation:

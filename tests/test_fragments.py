@@ -142,6 +142,12 @@ def test_model_info_names_the_fragment_tiles(monkeypatch):
     monkeypatch.setattr(F, "SIZE_TILES", True)
     monkeypatch.setattr(F, "FRAG_TILES", F.parse_tiles("4x4w4aa3,8x2w4a4"))
     assert _frag_tiles(fw) == "tiles 4x4w4aa3 / 8x2w4a4 from PDFLASH_FP4_TILES"
+    monkeypatch.setitem(F.PERSIST_SHAPES, (128, 64), 512)  # and whether its routed calls run persistent GEMMs
+    monkeypatch.setattr(F, "PERSIST_PER_SM", 8)
+    want = "; persistent GEMMs on routed calls of up to 512 pairs, 8 programs a multiprocessor"
+    assert _frag_tiles(fw) == "tiles 4x4w4aa3 / 8x2w4a4 from PDFLASH_FP4_TILES" + want
+    monkeypatch.setattr(F, "PERSIST_PER_SM", 0)
+    assert _frag_tiles(fw) == "tiles 4x4w4aa3 / 8x2w4a4 from PDFLASH_FP4_TILES"
 
 
 def test_calls_take_their_size_class_tiles(monkeypatch):
