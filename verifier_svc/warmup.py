@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from pdflash.errors import ResourceExhausted
 from pdflash.logging import get_logger
 from pdflash.types import DraftResult, SamplingParams
 from verifier_svc.engine import PrefillInput, VerifierCore
@@ -175,9 +176,11 @@ def warm(core: VerifierCore, feature_layers: tuple[int, ...] = ()) -> WarmupRepo
                 prefills += 1
         # each prefill-wave graph's bucket: prompts of a wave prefilled together (VerifierCore.prefill_wave), their
         # sessions given back at once (the graphs are the warm part)
+        # (a wave that does not fit this verifier's sessions or KV pages is left to its first use, said in the log)
         pw = core.graphs.prefill_wave_buckets if core.graphs is not None and core.wave_forward else ()
         for layers in dict.fromkeys([(), tuple(feature_layers)]) if pw else ():
-            for lengths_ in prefill_wave_rows(pw, core.max_wave_sessions, t.max_context):
+            most = min(core.max_wave_sessions, core.sessions.max_sessions - 1)
+            for lengths_ in prefill_wave_rows(pw, most, t.max_context):
                 jobs = []
                 try:
                     for i, n in enumerate(lengths_):
@@ -191,10 +194,12 @@ def warm(core: VerifierCore, feature_layers: tuple[int, ...] = ()) -> WarmupRepo
                             if isinstance(r, BaseException):
                                 raise r
                         left = [j for j, whole in zip(left, done) if not whole]
+                    prefills += len(lengths_)
+                except ResourceExhausted as e:
+                    log.warning("prefill-wave bucket not warmed", rows=sum(lengths_), prompts=len(lengths_), why=str(e))
                 finally:
                     for j in jobs:
                         j.close()
-                prefills += len(lengths_)
         extra = prefills
         for layers in dict.fromkeys([(), tuple(feature_layers)]):  # without features, then with the drafter's
             req = None
