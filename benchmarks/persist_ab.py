@@ -1,14 +1,18 @@
 """The MXFP4 MoE call (fragment words, as served) with one program a tile against a fixed grid of programs walking the
-live tiles (pdflash_kernels.fragments.PERSIST_PER_SM, PDFLASH_FP4_PERSIST), in one process, on issue 12's cases.
+live tiles (pdflash_kernels.fragments.PERSIST_PER_SM, PDFLASH_FP4_PERSIST), in one process, on issue 12's cases; and,
+with --direct-pairs, small calls with and without the routing launch (fragments.DIRECT_PAIRS) at the served persistent
+setting.
 
-    python benchmarks/persist_ab.py [--per-sm 0,2,4,8] [--models qwen3-30b-a3b,gpt-oss-20b] [--tokens 1,4,16,64]
-        [--out DIR]
+    python benchmarks/persist_ab.py [--per-sm 0,2,4,8] [--direct-pairs 16,32,64] [--models qwen3-30b-a3b,gpt-oss-20b]
+        [--tokens 1,4,16,64] [--out DIR]
 
 Per (model, active experts, tokens per expert; `kernel_bench.routing`): the served call (`moe_forward` on the served
 fragment arena, `kernel_bench.as_served`) timed as `kernel_bench.gpu_time_us` (a CUDA graph replayed; the "us (graph)"
-column of kernel_bench's table) at each programs-a-multiprocessor setting (0: one program a tile, today's default),
-the settings interleaved round by round, and every setting's output checked bit-identical to setting 0's (the same
-tile programs). Prints a table; writes persist_ab_<device>.json (`kernel_bench.device_tag`).
+column of kernel_bench's table) at each setting: "pN", N programs a multiprocessor (p0: one program a tile), and "dN",
+calls of at most N pairs without the routing launch (each pair its own block) with the served persistent GEMMs, only
+on rows of at most max(N) pairs; the settings interleaved round by round, every setting's output checked
+bit-identical to the first's (the same tile programs, the same sums). Prints a table; writes
+persist_ab_<device>.json (`kernel_bench.device_tag`).
 """
 
 from __future__ import annotations
@@ -26,14 +30,18 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.kernel_bench import MODELS, as_served, copy_rate, device_tag, gpu_time_us, hf_experts, routing  # noqa: E402
 
 
-def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int) -> dict:
+def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, direct: tuple[int, ...] = ()) -> dict:
     from pdflash_kernels import fragments as F
     from pdflash_kernels.installer import expert_weights
     from pdflash_kernels.moe import moe_forward
 
     rate = copy_rate()
     rows = []
+    served = dict(PERSIST_PER_SM=F.PERSIST_PER_SM, PERSIST_PAIRS=F.PERSIST_PAIRS, DIRECT_PAIRS=F.DIRECT_PAIRS)
     F.PERSIST_PAIRS = 1 << 30  # (every case compared, whatever pairs bound is served)
+    settings = {f"p{p}": dict(PERSIST_PER_SM=p) for p in per_sm}
+    settings.update({f"d{d}": dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], PERSIST_PAIRS=None, DIRECT_PAIRS=d)
+                     for d in direct})
     for model in models:
         e, k, h, i = MODELS[model]
         mod = hf_experts(model)
@@ -48,50 +56,63 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int) ->
                 continue
             for tpe in tokens:
                 x, ids, wts = routing(e, k, h, active, tpe)
-                outs, times = {}, {p: [] for p in per_sm}
+                here = {n: c for n, c in settings.items() if n[0] == "p" or ids.numel() <= max(direct)}
+                outs, times = {}, {n: [] for n in here}
                 with torch.inference_mode():
                     for r in range(rounds):
-                        for p in per_sm:
-                            F.PERSIST_PER_SM = p
+                        for n, c in here.items():
+                            for attr, v in c.items():
+                                setattr(F, attr, v)
+                            F.PERSIST_PAIRS = 1 << 30 if n[0] == "p" else served["PERSIST_PAIRS"]
                             if r == 0:
-                                outs[p] = moe_forward(x, ids, wts, w, e).clone()
-                            times[p].append(gpu_time_us(lambda: moe_forward(x, ids, wts, w, e)))
-                F.PERSIST_PER_SM = 0
-                same = all(torch.equal(outs[p], outs[per_sm[0]]) for p in per_sm)
+                                outs[n] = moe_forward(x, ids, wts, w, e).clone()
+                            times[n].append(gpu_time_us(lambda: moe_forward(x, ids, wts, w, e)))
+                for attr, v in served.items():
+                    setattr(F, attr, v)
+                first = next(iter(here))
+                same = all(torch.equal(outs[n], outs[first]) for n in here)
                 nbytes = active * per
-                us = {p: min(ts) for p, ts in times.items()}
+                us = {n: min(ts) for n, ts in times.items()}
                 best = min(us, key=us.get)
                 rows.append(dict(model=model, active_experts=active, tokens_per_expert=tpe, pairs=ids.numel(),
-                                 weight_bytes=nbytes, us={str(p): round(v, 2) for p, v in us.items()},
-                                 hbm_fraction={str(p): round(nbytes / (v * 1e-6) / rate, 3) for p, v in us.items()},
+                                 weight_bytes=nbytes, us={n: round(v, 2) for n, v in us.items()},
+                                 hbm_fraction={n: round(nbytes / (v * 1e-6) / rate, 3) for n, v in us.items()},
                                  best=best, bit_identical=same))
-                r = rows[-1]
-                print(f"{model:14s} A={active:3d} T={tpe:2d} " + "  ".join(f"p{p}: {us[p]:7.1f} us" for p in per_sm)
-                      + f"  best p{best}  same {same}", flush=True)
+                print(f"{model:14s} A={active:3d} T={tpe:2d} " + "  ".join(f"{n}: {v:7.1f} us" for n, v in us.items())
+                      + f"  best {best}  same {same}", flush=True)
         del w
         torch.cuda.empty_cache()
+    for attr, v in served.items():
+        setattr(F, attr, v)
     return dict(device=torch.cuda.get_device_name(), copy_rate_bytes_per_s=rate, per_sm=per_sm, rounds=rounds,
+                direct_pairs=list(direct), settings=list(settings), served=served,
                 sm_count=torch.cuda.get_device_properties(0).multi_processor_count, rows=rows)
 
 
 def table(res: dict) -> list[str]:
-    ps = res["per_sm"]
-    lines = [f"# MXFP4 MoE call, one program a tile (p0) against PERSIST_PER_SM programs a multiprocessor ({res['device']})",
+    names = res.get("settings") or [f"p{p}" for p in res["per_sm"]]
+    first = names[0]
+    lines = [f"# MXFP4 MoE call: one program a tile (p0), N programs a multiprocessor (pN), calls of up to N pairs without "
+             f"the routing launch (dN) ({res['device']})",
              "", "`python benchmarks/persist_ab.py`; us = CUDA-graph replay, best of the rounds; % = of the copy rate "
-             f"({res['copy_rate_bytes_per_s'] / 1e12:.2f} TB/s)", "",
-             "| model | A | T | pairs | " + " | ".join(f"p{p} us" for p in ps) + " | best | best % | p0 % | same bits |",
-             "|---|---|---|---|" + "---|" * len(ps) + "---|---|---|---|"]
+             f"({res['copy_rate_bytes_per_s'] / 1e12:.2f} TB/s); - = not run at that size", "",
+             "| model | A | T | pairs | " + " | ".join(f"{n} us" for n in names) + f" | best | best % | {first} % | same bits |",
+             "|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|"]
     for r in res["rows"]:
-        b = str(r["best"])
+        fix = (lambda d: d) if "settings" in res else (lambda d: {f"p{n}": v for n, v in d.items()})  # (stop 50's file)
+        us, frac, b = fix(r["us"]), fix(r["hbm_fraction"]), str(r["best"])
+        b = b if "settings" in res else f"p{b}"
         lines.append(f"| {r['model']} | {r['active_experts']} | {r['tokens_per_expert']} | {r['pairs']} | "
-                     + " | ".join(str(r["us"][str(p)]) for p in ps)
-                     + f" | p{b} | {r['hbm_fraction'][b]:.0%} | {r['hbm_fraction'][str(ps[0])]:.0%} | {r['bit_identical']} |")
+                     + " | ".join(str(us.get(n, "-")) for n in names)
+                     + f" | {b} | {frac[b]:.0%} | {frac[first]:.0%} | {r['bit_identical']} |")
     return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--per-sm", default="0,2,4,8", help="programs a multiprocessor to compare (0: one program a tile)")
+    ap.add_argument("--direct-pairs", default="", help="DIRECT_PAIRS values to compare on calls of at most the largest "
+                    "(e.g. 16,32,64; empty: none)")
     ap.add_argument("--models", default="qwen3-30b-a3b,gpt-oss-20b")
     ap.add_argument("--tokens", default="1,4,16,64", help="tokens per active expert")
     ap.add_argument("--rounds", type=int, default=3)
@@ -99,12 +120,13 @@ def main() -> None:
     args = ap.parse_args()
     per_sm = [int(p) for p in args.per_sm.split(",")]
     models = [m for m in args.models.split(",") if m]
-    bad = [m for m in models if m not in MODELS] + [p for p in per_sm if not 0 <= p <= 16]
+    direct = tuple(int(d) for d in args.direct_pairs.split(",") if d)
+    bad = [m for m in models if m not in MODELS] + [p for p in per_sm if not 0 <= p <= 16] + [d for d in direct if not 0 <= d <= 64]
     if bad:
-        ap.error(f"unknown models or settings out of 0..16: {bad}")
+        ap.error(f"unknown models, --per-sm outside 0..16 or --direct-pairs outside 0..64: {bad}")
     if not torch.cuda.is_available():
         raise SystemExit("persist_ab.py times CUDA kernels: no CUDA device here")
-    res = run(per_sm, models, [int(t) for t in args.tokens.split(",")], args.rounds)
+    res = run(per_sm, models, [int(t) for t in args.tokens.split(",")], args.rounds, direct)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"persist_ab_{device_tag()}"

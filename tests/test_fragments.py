@@ -914,6 +914,26 @@ def test_breakdown_probe_takes_whole_token_cases_only():
             parse_cases(bad)
 
 
+def test_persist_ab_table_names_every_setting_and_the_best():
+    """benchmarks/persist_ab.py's table: a column per setting (pN, dN; "-" where a setting did not run at that size), the
+    best and its share of the copy rate; stop 50's file (keys without the p) still reads."""
+    from benchmarks.persist_ab import table
+
+    row = dict(model="qwen3-30b-a3b", active_experts=8, tokens_per_expert=16, pairs=128, us={"p0": 43.3, "p8": 32.5},
+               hbm_fraction={"p0": 0.154, "p8": 0.205}, best="p8", bit_identical=True)
+    small = dict(row, tokens_per_expert=1, pairs=8, us={"p0": 16.3, "p8": 16.6, "d32": 16.0},
+                 hbm_fraction={"p0": 0.41, "p8": 0.40, "d32": 0.42}, best="d32")
+    res = dict(device="NVIDIA H100 80GB HBM3", copy_rate_bytes_per_s=3.0e12, per_sm=[0, 8], settings=["p0", "p8", "d32"],
+               rows=[row, small])
+    lines = table(res)
+    assert "| p0 us | p8 us | d32 us | best | best % | p0 % | same bits |" in lines[4]
+    assert lines[6] == "| qwen3-30b-a3b | 8 | 16 | 128 | 43.3 | 32.5 | - | p8 | 20% | 15% | True |"
+    assert lines[7] == "| qwen3-30b-a3b | 8 | 1 | 8 | 16.3 | 16.6 | 16.0 | d32 | 42% | 41% | True |"
+    old = dict(device="d", copy_rate_bytes_per_s=3.0e12, per_sm=[0, 8],
+               rows=[dict(row, us={"0": 43.3, "8": 32.5}, hbm_fraction={"0": 0.154, "8": 0.205}, best=8)])
+    assert table(old)[-1] == "| qwen3-30b-a3b | 8 | 16 | 128 | 43.3 | 32.5 | p8 | 20% | 15% | True |"
+
+
 def test_bench_routed_cases_route_like_a_verify_forward():
     """fragment_bench.py --routed N: calls of N tokens, each routed to top-k distinct experts at random; the rows'
     active experts are the distinct ids, tokens per expert their mean (the size classes' A/B runs on these)."""
