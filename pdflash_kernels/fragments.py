@@ -884,15 +884,15 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
         if cnt is None:  # more tiles than a counter region (or none made yet in a capture): zeroed counters of its own
             cnt = torch.zeros(tiles, dtype=torch.int32, device=x.device)
         grid = (*grid, split)
-    persist = 0
-    if persist and PERSIST_PER_SM and grid[0] * grid[1] * split > PERSIST_PER_SM * runtime.sm_count():
-        persist, grid = 1, (PERSIST_PER_SM * runtime.sm_count(),)
+    walk = persist_grid(grid[0] * grid[1] * split) if persist else 0
+    if walk:
+        grid = (walk,)
     b = bias if bias is not None else x
     _frag_gemm[grid](x, x.stride(0), out, out.stride(0), *args, words, words.stride(0), swords, swords.stride(0),
                      b, b.stride(0), rw if rw is not None else x, ws, cnt, rows, r.num_pairs, float(alpha), float(limit),
                      N=n, K=k, TOPK=topk, EPI=epi, ACT=act, HAS_BIAS=bias is not None, ROW_MUL=row_mul, UP_OFF=up_off,
                      PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=int(prefetch), SPLIT=split, SS=ss,
-                     PDL=PDL_MODE, STAGES=stages, XRING=xring, PERSIST=persist, num_warps=num_warps, **dkw,
+                     PDL=PDL_MODE, STAGES=stages, XRING=xring, PERSIST=int(walk > 0), num_warps=num_warps, **dkw,
                      **({"launch_pdl": True} if PDL_MODE else {}))
     return out
 
@@ -1012,6 +1012,19 @@ _PERSIST_PAIRS = os.environ.get("PDFLASH_FP4_PERSIST_PAIRS") or None
 if _PERSIST_PAIRS is not None and not _PERSIST_PAIRS.isdigit():
     raise ValueError(f"PDFLASH_FP4_PERSIST_PAIRS must be a number of (token, expert) pairs, got {_PERSIST_PAIRS!r}")
 PERSIST_PAIRS: int | None = int(_PERSIST_PAIRS) if _PERSIST_PAIRS is not None else None  # None: PERSIST_SHAPES
+
+
+def persist_grid(programs: int) -> int:
+    """The persistent grid for a GEMM launch of `programs` programs of one tile each (0: launch those, one a tile): at
+    most PERSIST_PER_SM programs a multiprocessor, only where one a tile would launch more."""
+    most = PERSIST_PER_SM * runtime.sm_count()
+    return most if PERSIST_PER_SM and programs > most else 0
+
+
+def uses_persist(tokens: int, topk: int, hidden: int, inter: int, direct: bool) -> bool:
+    """Whether `fragment_moe` asks for persistent GEMMs for this call: a routed call (a call without the routing launch
+    has every block live) of at most `persist_pairs` pairs. `_launch` then walks where `persist_grid` says."""
+    return not direct and tokens * topk <= persist_pairs(hidden, inter)
 
 
 def persist_pairs(hidden: int, inter: int) -> int:
@@ -1289,7 +1302,7 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
         r = _moe.align_fused(topk_ids, num_experts, 16, slot_of_expert, n_valid, phase_of_expert)
         blocks = r.max_blocks
     phases = tuple(range(1, groups + 2)) if phase_of_expert is not None else (0,)
-    persist = not direct and t * topk <= persist_pairs(hdim, inter)  # (PERSIST_SHAPES)
+    persist = uses_persist(t, topk, hdim, inter, direct)
     h = torch.empty((blocks * 16, inter), dtype=torch.bfloat16, device=dev)
     y = torch.empty((r.num_pairs, hdim), dtype=torch.float32, device=dev)
     rw = topk_weights.reshape(-1).contiguous()

@@ -318,6 +318,14 @@ def test_persist_setting_is_checked(monkeypatch):
     # shapes measured faster (Qwen3-30B-A3B, gpt-oss-20b), none elsewhere (Mixtral-8x7B measured slower)
     assert F.PERSIST_PER_SM == 8 and F.PERSIST_PAIRS is None
     assert F.persist_pairs(2048, 768) == F.persist_pairs(2880, 2880) == 512 and F.persist_pairs(4096, 14336) == 0
+    # the served decision: routed calls of at most that many pairs; a persistent grid only where one a tile is larger
+    assert F.uses_persist(16, 8, 2048, 768, direct=False) and F.uses_persist(128, 4, 2880, 2880, direct=False)
+    assert not F.uses_persist(65, 8, 2048, 768, direct=False)  # 520 pairs
+    assert not F.uses_persist(2, 8, 2048, 768, direct=True) and not F.uses_persist(4, 2, 4096, 14336, direct=False)
+    sms = F.runtime.sm_count()
+    assert F.persist_grid(8 * sms + 1) == 8 * sms and F.persist_grid(8 * sms) == 0 and F.persist_grid(136 * 24) == 8 * sms
+    monkeypatch.setattr(F, "PERSIST_PER_SM", 0)
+    assert F.persist_grid(1 << 20) == 0
     monkeypatch.setattr(F, "PERSIST_PAIRS", 64)
     assert F.persist_pairs(4096, 14336) == F.persist_pairs(2048, 768) == 64
     from tests.test_kernels import _import_refuses
@@ -564,7 +572,8 @@ def test_unsplit_tiles_give_the_same_bits(model, monkeypatch):
 def test_persistent_programs_give_the_same_bits(model, monkeypatch):
     """PDFLASH_FP4_PERSIST (a fixed grid of programs walking the live tiles) gives every bit of one program a tile:
     routed calls of 1 to 64 tokens (few experts holding many pairs, and many experts), the routing-free small call,
-    split-K tiles, copy groups (phases), 1 to 16 programs a multiprocessor, and a CUDA graph replay."""
+    split-K tiles, copy groups (phases), 1 to 16 programs a multiprocessor of a 4-multiprocessor grid (so every shape's
+    calls walk many tiles a program), and a CUDA graph replay; the persistent grid is checked to have been launched."""
     e, w, fw, x, ids, wts = _moe_case(model, 64, seed=31)
     k = ids.shape[1]
     few = ids.clone()
@@ -580,6 +589,10 @@ def test_persistent_programs_give_the_same_bits(model, monkeypatch):
     small = F.fragment_moe(x[:2], ids[:2], wts[:2], fw, e, direct=True)
     grouped = F.fragment_moe(x, few, wts, fw, e, phase_of_expert=phase, groups=2)
     monkeypatch.setattr(F, "PERSIST_PAIRS", 1 << 20)  # (every call of the case, whatever the served bound)
+    monkeypatch.setattr(F.runtime, "sm_count", lambda device=None: 4)  # (a small grid: every shape's calls walk, long)
+    walks = []
+    grid_of = F.persist_grid
+    monkeypatch.setattr(F, "persist_grid", lambda programs: walks.append(grid_of(programs)) or walks[-1])
     for per_sm in (1, 4, 16):
         monkeypatch.setattr(F, "PERSIST_PER_SM", per_sm)
         for n, i in cases:
@@ -588,6 +601,7 @@ def test_persistent_programs_give_the_same_bits(model, monkeypatch):
                 assert torch.equal(got, want[(n, int(i is few), c)]), (per_sm, n, int(i is few), c)
         assert torch.equal(F.fragment_moe(x[:2], ids[:2], wts[:2], fw, e, direct=True), small), per_sm
         assert torch.equal(F.fragment_moe(x, few, wts, fw, e, phase_of_expert=phase, groups=2), grouped), per_sm
+    assert sum(w > 0 for w in walks) >= 3 * len(cases), walks  # (the persistent grid was launched, not skipped)
     monkeypatch.setattr(F, "PERSIST_PER_SM", 1)  # (so 64 tokens on k experts walk many tiles a program)
     xs = x.clone()
     _four_launches(xs, few, wts, fw, e)  # (compiled before the capture)
