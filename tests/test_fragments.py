@@ -8,6 +8,7 @@ bits whatever the other rows of the call, and fragment_moe against the MoE refer
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import pytest
@@ -334,6 +335,20 @@ def test_persist_setting_is_checked(monkeypatch):
         _import_refuses("PDFLASH_FP4_PERSIST", bad, "pdflash_kernels.fragments")
     for bad in ("-1", "many"):
         _import_refuses("PDFLASH_FP4_PERSIST_PAIRS", bad, "pdflash_kernels.fragments")
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    env = yaml.safe_load((pathlib.Path(__file__).parents[1] / "compose.gpu.yaml").read_text())["services"]["verifier"]["environment"]
+    assert env["PDFLASH_FP4_PERSIST"] == "${PDFLASH_FP4_PERSIST:-8}"
+    assert env["PDFLASH_FP4_PERSIST_PAIRS"] == "${PDFLASH_FP4_PERSIST_PAIRS:-}"
+    r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.fragments as F; "
+                        "print(F.PERSIST_PER_SM, F.persist_pairs(2048, 768), F.persist_pairs(4096, 14336))"],
+                       capture_output=True, text=True, env={**os.environ, "PDFLASH_FP4_PERSIST": "8",
+                                                            "PDFLASH_FP4_PERSIST_PAIRS": ""})
+    assert r.stdout.split() == ["8", "512", "0"], r.stderr  # empty (compose.gpu.yaml's default) = unset: by shape
 
 
 def test_direct_pairs_are_small_unsplit_calls_only(monkeypatch):
