@@ -342,6 +342,13 @@ def test_the_prefill_graph_switches_default_and_are_checked(name, default, error
     monkeypatch.setenv(name, "maybe")
     with pytest.raises(ValueError, match=error):
         enabled()
+    import pathlib
+
+    import yaml
+
+    compose = pathlib.Path(__file__).parents[1] / "compose.gpu.yaml"
+    env = yaml.safe_load(compose.read_text())["services"]["verifier"]["environment"]
+    assert env[name] == "${%s:-%d}" % (name, int(default))  # the GPU compose file passes it with the same default
 
 
 def test_up_passes_prefill_graphs_to_the_verifier_and_its_config_reads_them(monkeypatch):
