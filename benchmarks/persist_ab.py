@@ -38,9 +38,8 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
     rate = copy_rate()
     rows = []
     served = dict(PERSIST_PER_SM=F.PERSIST_PER_SM, PERSIST_PAIRS=F.PERSIST_PAIRS, DIRECT_PAIRS=F.DIRECT_PAIRS)
-    F.PERSIST_PAIRS = 1 << 30  # (every case compared, whatever pairs bound is served)
     settings = {f"p{p}": dict(PERSIST_PER_SM=p) for p in per_sm}
-    settings.update({f"d{d}": dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], PERSIST_PAIRS=None, DIRECT_PAIRS=d)
+    settings.update({f"d{d}": dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=d)
                      for d in direct})
     for model in models:
         e, k, h, i = MODELS[model]
@@ -63,6 +62,7 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
                         for n, c in here.items():
                             for attr, v in c.items():
                                 setattr(F, attr, v)
+                            # pN: every case persistent, whatever pairs bound is served; dN: the served bounds
                             F.PERSIST_PAIRS = 1 << 30 if n[0] == "p" else served["PERSIST_PAIRS"]
                             if r == 0:
                                 outs[n] = moe_forward(x, ids, wts, w, e).clone()

@@ -994,14 +994,15 @@ DIRECT_PAIRS = int(_DIRECT)
 # for the same 8 experts at one token each (H200, stop 50, benchmarks/moe_call_breakdown.py). Measured on an H100 (stop
 # 50, `benchmarks/persist_ab.py`, benchmarks/results/persist_ab_h100.md; the served call, one program a tile / 8 a
 # multiprocessor): Qwen3-30B-A3B 8 experts x 4 / 16 tokens 29.1 / 26.6 and 43.3 / 32.5 us, 32 x 4 59.0 / 54.1;
-# gpt-oss-20b 8 x 4 / 16 69.9 / 63.5 and 72.9 / 66.5, 32 x 16 179.8 / 174.3; within 1.5 us on the rest up to 512 pairs.
+# gpt-oss-20b 8 x 4 / 16 69.9 / 63.5 and 72.9 / 66.5, 32 x 16 179.8 / 174.3; the rest up to 512 pairs
+# faster by up to 4.9 us or at most 1.4 us slower (gpt-oss 8 x 64: 145.4 / 146.8).
 # Larger calls lost (2048 pairs: Qwen3 32 x 64 133.8 / 141.0, gpt-oss 32 x 64 542.6 / 581.2: a walk over mostly live
 # tiles schedules worse than the hardware does), and so did Mixtral-8x7B's calls in issue 12's table (8 experts x 1 / 4
 # tokens 330.3 / 294.4 us against stop 49's 313.8 / 278.3, where nearly every block slot is live and a tile is long),
 # hence bounds by shape: PERSIST_SHAPES (the shapes measured faster), other shapes none; PDFLASH_FP4_PERSIST_PAIRS=N
 # bounds every shape at N pairs instead. Fewer programs helped the fewest experts more (Qwen3 8 x 16: 25.9 us at one a
 # multiprocessor) but lost at 128 experts (194.2 against 135.9). Calls without the routing launch (DIRECT_PAIRS: every
-# block live) keep one program a tile (the same within 0.3 us). The same tile programs, so the same bits
+# block live) keep one program a tile (8 pairs: 16.3 / 16.6 and 52.1 / 52.0 us). The same tile programs, so the same bits
 # (tests/test_fragments.py::test_persistent_programs_give_the_same_bits, passed on the H100 at stop 50).
 _PERSIST = os.environ.get("PDFLASH_FP4_PERSIST") or "8"
 if not (_PERSIST.isdigit() and int(_PERSIST) <= 16):
