@@ -419,7 +419,26 @@ def test_warmup_leaves_a_clean_verifier_whose_first_request_equals_its_second(co
     drafts = _replay(want, 4, t.vocab_size)
     assert _run(fresh, prompt, drafts, width=16) == _run(fresh, prompt, drafts, width=16) == want
     assert len(fresh.sessions) == 0 and fresh.pool.free_pages == free
-    del fresh
+    pool = fresh.pool
+    page_bytes = 2 * len(pool.k) * pool.k[0][0].numel() * pool.k[0].element_size()
+    del fresh, pool
+    torch.cuda.empty_cache()
+
+    # a KV pool of 1536 positions: the 2048-row prefill wave (four prompts of 512) does not fit it; the warm-up logs
+    # that bucket and goes on (never a failed start), leaving no session and every page back; the rest is warm
+    from pdflash_kernels.attention import PAGE
+
+    tight = VerifierCore(t, max_block_size=32, max_tokens_limit=1024, max_wave_sessions=8,
+                         paged_kv=PagedKVOptions(kv_cache_gb=page_bytes * (1536 // PAGE) / 2**30, prefill_graphs=True))
+    assert tight.pool.num_pages * PAGE == 1536
+    rows = {sum(w) for w in prefill_wave_rows(tight.graphs.prefill_wave_buckets, 8, t.max_context)}
+    assert 2048 in rows and 1024 in rows
+    warm(tight, ())
+    assert len(tight.sessions) == 0 and tight.pool.free_pages == tight.pool.num_pages
+    got = {k[1] for k in tight.graphs._graphs if k[0] == "prefill_wave"}
+    assert 1024 in got and 2048 not in got, sorted(got)
+    assert _run(tight, prompt, drafts, width=16) == want
+    del tight
     torch.cuda.empty_cache()
 
     def offloaded(gb: float):
