@@ -45,7 +45,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.kernel_bench import MODELS, copy_rate, device_tag, gpu_time_us, routing  # noqa: E402
+from benchmarks.kernel_bench import MODELS, copy_rate, device_tag, gpu_time_us, routing, verify_routing  # noqa: E402
 
 VARIANTS = ("4x4w4", "4x8w4", "8x4w4", "4x4w4p", "8x2w4p", "8x4w4p", "4x8w4p", "8x4w8")
 # --fused-sweep: the gate/up GEMM (activation fused) and the down GEMM (routing weight fused) of fragment_moe, each alone
@@ -271,9 +271,7 @@ def _inputs(e: int, k: int, h: int, args, device: str = "cuda"):
         return
     g = torch.Generator(device=device).manual_seed(0)
     for n in (int(t) for t in args.routed.split(",")):
-        ids = torch.stack([torch.randperm(e, generator=g, device=device)[:k] for _ in range(n)])
-        x = torch.randn(n, h, generator=g, device=device).bfloat16()
-        w = torch.softmax(torch.randn(n, k, generator=g, device=device), -1).bfloat16()
+        x, ids, w = verify_routing(e, k, h, n, g, device)
         active = int(ids.unique().numel())
         yield active, round(n * k / active, 2), x, ids, w
 

@@ -128,6 +128,15 @@ def routing(e: int, k: int, h: int, active: int, per_expert: int):
     return x, ids, w
 
 
+def verify_routing(e: int, k: int, h: int, n_tok: int, g: torch.Generator, device: str = "cuda"):
+    """A verify's call: `n_tok` tokens, each routed to k distinct experts drawn uniformly (as an untrained router spreads
+    them), with `g`'s draws on `device`."""
+    ids = torch.stack([torch.randperm(e, generator=g, device=device)[:k] for _ in range(n_tok)])
+    x = torch.randn(n_tok, h, generator=g, device=device).bfloat16()
+    w = torch.softmax(torch.randn(n_tok, k, generator=g, device=device), -1).bfloat16()
+    return x, ids, w
+
+
 def hf_experts(model: str):
     """A transformers experts module with the model's expert shapes, on transformers' default implementation."""
     from transformers import GptOssConfig, MixtralConfig, Qwen3MoeConfig

@@ -4,13 +4,15 @@ with --direct-pairs, small calls with and without the routing launch (fragments.
 setting.
 
     python benchmarks/persist_ab.py [--per-sm 0,2,4,8] [--direct-pairs 16,32,64] [--models qwen3-30b-a3b,gpt-oss-20b]
-        [--tokens 1,4,16,64] [--out DIR]
+        [--tokens 1,4,16,64] [--verify-tokens 1,2,4,8,16] [--out DIR]
 
 Per (model, active experts, tokens per expert; `kernel_bench.routing`): the served call (`moe_forward` on the served
 fragment arena, `kernel_bench.as_served`) timed as `kernel_bench.gpu_time_us` (a CUDA graph replayed; the "us (graph)"
 column of kernel_bench's table) at each setting: "pN", N programs a multiprocessor (p0: one program a tile), and "dN",
 calls of at most N pairs without the routing launch (each pair its own block) with the served persistent GEMMs, only
-on rows of at most max(N) pairs; the settings interleaved round by round, every setting's output checked
+on rows of at most max(N) pairs; with --verify-tokens, also verify-shaped calls (A = "rand": T tokens, each routed to
+k distinct experts drawn uniformly, as an untrained router spreads a verify's tokens; the distinct experts in "experts");
+the settings interleaved round by round, every setting's output checked
 bit-identical to the first's (the same tile programs, the same sums). Prints a table; writes
 persist_ab_<device>.json (`kernel_bench.device_tag`).
 """
@@ -27,10 +29,12 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.kernel_bench import MODELS, as_served, copy_rate, device_tag, gpu_time_us, hf_experts, routing  # noqa: E402
+from benchmarks.kernel_bench import (MODELS, as_served, copy_rate, device_tag, gpu_time_us, hf_experts,  # noqa: E402
+                                     routing, verify_routing)
 
 
-def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, direct: tuple[int, ...] = ()) -> dict:
+def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, direct: tuple[int, ...] = (),
+        verify_tokens: tuple[int, ...] = ()) -> dict:
     from pdflash_kernels import fragments as F
     from pdflash_kernels.installer import expert_weights
     from pdflash_kernels.moe import moe_forward
@@ -50,42 +54,44 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
             raise SystemExit(f"{model}: the served experts are not fragment words here (no Gluon?): nothing to compare")
         bias = (2 * i + h) * 2 if w.b1 is not None else 0
         per = 2 * i * h // 2 + 2 * i * h // 32 + h * i // 2 + h * i // 32 + bias
-        for active in (8, 32, 128):
-            if active > e or active < k:
-                continue
-            for tpe in tokens:
+        cases = [(a, t) for a in (8, 32, 128) if k <= a <= e for t in tokens] + [("rand", t) for t in verify_tokens]
+        for active, tpe in cases:
+            if active == "rand":
+                x, ids, wts = verify_routing(e, k, h, tpe, torch.Generator(device="cuda").manual_seed(tpe))
+            else:
                 x, ids, wts = routing(e, k, h, active, tpe)
-                here = {n: c for n, c in settings.items() if n[0] == "p" or ids.numel() <= max(direct)}
-                outs, times = {}, {n: [] for n in here}
-                with torch.inference_mode():
-                    for r in range(rounds):
-                        for n, c in here.items():
-                            for attr, v in c.items():
-                                setattr(F, attr, v)
-                            # pN: every case persistent, whatever pairs bound is served; dN: the served bounds
-                            F.PERSIST_PAIRS = 1 << 30 if n[0] == "p" else served["PERSIST_PAIRS"]
-                            if r == 0:
-                                outs[n] = moe_forward(x, ids, wts, w, e).clone()
-                            times[n].append(gpu_time_us(lambda: moe_forward(x, ids, wts, w, e)))
-                for attr, v in served.items():
-                    setattr(F, attr, v)
-                first = next(iter(here))
-                same = all(torch.equal(outs[n], outs[first]) for n in here)
-                nbytes = active * per
-                us = {n: min(ts) for n, ts in times.items()}
-                best = min(us, key=us.get)
-                rows.append(dict(model=model, active_experts=active, tokens_per_expert=tpe, pairs=ids.numel(),
-                                 weight_bytes=nbytes, us={n: round(v, 2) for n, v in us.items()},
-                                 hbm_fraction={n: round(nbytes / (v * 1e-6) / rate, 3) for n, v in us.items()},
-                                 best=best, bit_identical=same))
-                print(f"{model:14s} A={active:3d} T={tpe:2d} " + "  ".join(f"{n}: {v:7.1f} us" for n, v in us.items())
-                      + f"  best {best}  same {same}", flush=True)
+            here = {n: c for n, c in settings.items() if n[0] == "p" or ids.numel() <= max(direct)}
+            outs, times = {}, {n: [] for n in here}
+            with torch.inference_mode():
+                for r in range(rounds):
+                    for n, c in here.items():
+                        for attr, v in c.items():
+                            setattr(F, attr, v)
+                        # pN: every case persistent, whatever pairs bound is served; dN: the served bounds
+                        F.PERSIST_PAIRS = 1 << 30 if n[0] == "p" else served["PERSIST_PAIRS"]
+                        if r == 0:
+                            outs[n] = moe_forward(x, ids, wts, w, e).clone()
+                        times[n].append(gpu_time_us(lambda: moe_forward(x, ids, wts, w, e)))
+            for attr, v in served.items():
+                setattr(F, attr, v)
+            first = next(iter(here))
+            same = all(torch.equal(outs[n], outs[first]) for n in here)
+            experts = int(ids.unique().numel())
+            nbytes = experts * per
+            us = {n: min(ts) for n, ts in times.items()}
+            best = min(us, key=us.get)
+            rows.append(dict(model=model, active_experts=active, tokens_per_expert=tpe, pairs=ids.numel(), experts=experts,
+                             weight_bytes=nbytes, us={n: round(v, 2) for n, v in us.items()},
+                             hbm_fraction={n: round(nbytes / (v * 1e-6) / rate, 3) for n, v in us.items()},
+                             best=best, bit_identical=same))
+            print(f"{model:14s} A={active!s:>4} T={tpe:2d} E={experts:3d} " + "  ".join(f"{n}: {v:7.1f} us" for n, v in us.items())
+                  + f"  best {best}  same {same}", flush=True)
         del w
         torch.cuda.empty_cache()
     for attr, v in served.items():
         setattr(F, attr, v)
     return dict(device=torch.cuda.get_device_name(), copy_rate_bytes_per_s=rate, per_sm=per_sm, rounds=rounds,
-                direct_pairs=list(direct), settings=list(settings), served=served,
+                direct_pairs=list(direct), verify_tokens=list(verify_tokens), settings=list(settings), served=served,
                 sm_count=torch.cuda.get_device_properties(0).multi_processor_count, rows=rows)
 
 
@@ -95,14 +101,16 @@ def table(res: dict) -> list[str]:
     lines = [f"# MXFP4 MoE call: one program a tile (p0), N programs a multiprocessor (pN), calls of up to N pairs without "
              f"the routing launch (dN) ({res['device']})",
              "", "`python benchmarks/persist_ab.py`; us = CUDA-graph replay, best of the rounds; % = of the copy rate "
-             f"({res['copy_rate_bytes_per_s'] / 1e12:.2f} TB/s); - = not run at that size", "",
-             "| model | A | T | pairs | " + " | ".join(f"{n} us" for n in names) + f" | best | best % | {first} % | same bits |",
-             "|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|"]
+             f"({res['copy_rate_bytes_per_s'] / 1e12:.2f} TB/s) on the distinct experts' bytes; - = not run at that size; "
+             "A = rand: T tokens, each one's top-k drawn uniformly (a verify under an untrained router)", "",
+             "| model | A | T | pairs | experts | " + " | ".join(f"{n} us" for n in names) + f" | best | best % | {first} % | same bits |",
+             "|---|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|"]
     for r in res["rows"]:
         fix = (lambda d: d) if "settings" in res else (lambda d: {f"p{n}": v for n, v in d.items()})  # (stop 50's file)
         us, frac, b = fix(r["us"]), fix(r["hbm_fraction"]), str(r["best"])
         b = b if "settings" in res else f"p{b}"
         lines.append(f"| {r['model']} | {r['active_experts']} | {r['tokens_per_expert']} | {r['pairs']} | "
+                     + f"{r.get('experts', r['active_experts'])} | "
                      + " | ".join(str(us.get(n, "-")) for n in names)
                      + f" | {b} | {frac[b]:.0%} | {frac[first]:.0%} | {r['bit_identical']} |")
     return lines
@@ -115,6 +123,8 @@ def main() -> None:
                     "(e.g. 16,32,64; empty: none)")
     ap.add_argument("--models", default="qwen3-30b-a3b,gpt-oss-20b")
     ap.add_argument("--tokens", default="1,4,16,64", help="tokens per active expert")
+    ap.add_argument("--verify-tokens", default="", help="verify-shaped rows: token counts, each token's top-k drawn "
+                    "uniformly (A = rand; e.g. 1,2,4,8,16; empty: none)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -126,7 +136,8 @@ def main() -> None:
         ap.error(f"unknown models, --per-sm outside 0..16 or --direct-pairs outside 0..64: {bad}")
     if not torch.cuda.is_available():
         raise SystemExit("persist_ab.py times CUDA kernels: no CUDA device here")
-    res = run(per_sm, models, [int(t) for t in args.tokens.split(",")], args.rounds, direct)
+    verify = tuple(int(t) for t in args.verify_tokens.split(",") if t)
+    res = run(per_sm, models, [int(t) for t in args.tokens.split(",")], args.rounds, direct, verify)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"persist_ab_{device_tag()}"

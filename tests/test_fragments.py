@@ -955,12 +955,14 @@ def test_persist_ab_table_names_every_setting_and_the_best():
     res = dict(device="NVIDIA H100 80GB HBM3", copy_rate_bytes_per_s=3.0e12, per_sm=[0, 8], settings=["p0", "p8", "d32"],
                rows=[row, small])
     lines = table(res)
-    assert "| p0 us | p8 us | d32 us | best | best % | p0 % | same bits |" in lines[4]
-    assert lines[6] == "| qwen3-30b-a3b | 8 | 16 | 128 | 43.3 | 32.5 | - | p8 | 20% | 15% | True |"
-    assert lines[7] == "| qwen3-30b-a3b | 8 | 1 | 8 | 16.3 | 16.6 | 16.0 | d32 | 42% | 41% | True |"
+    assert "| experts | p0 us | p8 us | d32 us | best | best % | p0 % | same bits |" in lines[4]
+    assert lines[6] == "| qwen3-30b-a3b | 8 | 16 | 128 | 8 | 43.3 | 32.5 | - | p8 | 20% | 15% | True |"
+    assert lines[7] == "| qwen3-30b-a3b | 8 | 1 | 8 | 8 | 16.3 | 16.6 | 16.0 | d32 | 42% | 41% | True |"
+    rand = dict(small, active_experts="rand", tokens_per_expert=4, pairs=32, experts=29)  # (a verify-shaped row)
+    assert table(dict(res, rows=[rand]))[-1] == "| qwen3-30b-a3b | rand | 4 | 32 | 29 | 16.3 | 16.6 | 16.0 | d32 | 42% | 41% | True |"
     old = dict(device="d", copy_rate_bytes_per_s=3.0e12, per_sm=[0, 8],
                rows=[dict(row, us={"0": 43.3, "8": 32.5}, hbm_fraction={"0": 0.154, "8": 0.205}, best=8)])
-    assert table(old)[-1] == "| qwen3-30b-a3b | 8 | 16 | 128 | 43.3 | 32.5 | p8 | 20% | 15% | True |"
+    assert table(old)[-1] == "| qwen3-30b-a3b | 8 | 16 | 128 | 8 | 43.3 | 32.5 | p8 | 20% | 15% | True |"
 
 
 def test_bench_routed_cases_route_like_a_verify_forward():
