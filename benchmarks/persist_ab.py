@@ -1,7 +1,7 @@
 """The MXFP4 MoE call (fragment words, as served) with one program a tile against a fixed grid of programs walking the
 live tiles (pdflash_kernels.fragments.PERSIST_PER_SM, PDFLASH_FP4_PERSIST), in one process, on issue 12's cases; and,
 with --direct-pairs, small calls with and without the routing launch (fragments.DIRECT_PAIRS) at the served persistent
-setting.
+setting; and where the served call is the one launch (fragments.ONE_LAUNCH_SHAPES), the served four launches ("o0").
 
     python benchmarks/persist_ab.py [--per-sm 0,2,4,8] [--direct-pairs 16,32,64] [--models qwen3-30b-a3b,gpt-oss-20b]
         [--tokens 1,4,16,64] [--verify-tokens 1,2,4,8,16] [--out DIR]
@@ -10,7 +10,8 @@ Per (model, active experts, tokens per expert; `kernel_bench.routing`): the serv
 fragment arena, `kernel_bench.as_served`) timed as `kernel_bench.gpu_time_us` (a CUDA graph replayed; the "us (graph)"
 column of kernel_bench's table) at each setting: "pN", N programs a multiprocessor (p0: one program a tile), and "dN",
 calls of at most N pairs without the routing launch (each pair its own block) with the served persistent GEMMs, only
-on rows of at most max(N) pairs; with --verify-tokens, also verify-shaped calls (A = "rand": T tokens, each routed to
+on rows of at most max(N) pairs, and "o0", the served settings without the one launch, on rows whose served call
+takes it; with --verify-tokens, also verify-shaped calls (A = "rand": T tokens, each routed to
 k distinct experts drawn uniformly, as an untrained router spreads a verify's tokens; the distinct experts in "experts");
 the settings interleaved round by round, every setting's output checked
 bit-identical to the first's (the same tile programs, the same sums). Prints a table; writes
@@ -33,6 +34,13 @@ from benchmarks.kernel_bench import (MODELS, as_served, copy_rate, device_tag, g
                                      routing, verify_routing)
 
 
+def row_settings(settings: dict, pairs: int, direct: tuple[int, ...], one_launch: bool) -> dict:
+    """The settings a row of `pairs` pairs runs: every pN; dN where the row has at most max(direct) pairs (the dN
+    columns time the routing launch's skip); o0 where the served call takes the one launch."""
+    return {n: c for n, c in settings.items()
+            if n[0] == "p" or (n[0] == "d" and direct and pairs <= max(direct)) or (n == "o0" and one_launch)}
+
+
 def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, direct: tuple[int, ...] = (),
         verify_tokens: tuple[int, ...] = ()) -> dict:
     from pdflash_kernels import fragments as F
@@ -41,10 +49,14 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
 
     rate = copy_rate()
     rows = []
-    served = dict(PERSIST_PER_SM=F.PERSIST_PER_SM, PERSIST_PAIRS=F.PERSIST_PAIRS, DIRECT_PAIRS=F.DIRECT_PAIRS)
+    served = dict(PERSIST_PER_SM=F.PERSIST_PER_SM, PERSIST_PAIRS=F.PERSIST_PAIRS, DIRECT_PAIRS=F.DIRECT_PAIRS,
+                  ONE_LAUNCH_PAIRS=F.ONE_LAUNCH_PAIRS)
     settings = {f"p{p}": dict(PERSIST_PER_SM=p) for p in per_sm}
     settings.update({f"d{d}": dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=d)
                      for d in direct})
+    # o0: the served settings without the one launch (fragments.ONE_LAUNCH_SHAPES: gpt-oss-20b's 8-128 pairs on the H200),
+    # on the rows whose served call takes it (there every pN column times the one launch, which has no persistent form)
+    settings["o0"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], ONE_LAUNCH_PAIRS=0)
     for model in models:
         e, k, h, i = MODELS[model]
         mod = hf_experts(model)
@@ -60,12 +72,15 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
                 x, ids, wts = verify_routing(e, k, h, tpe, torch.Generator(device="cuda").manual_seed(tpe))
             else:
                 x, ids, wts = routing(e, k, h, active, tpe)
-            here = {n: c for n, c in settings.items() if n[0] == "p" or ids.numel() <= max(direct)}
+            tiles = F.frag_config(h, i, ids.numel())
+            one = (F.direct_refusal(ids.shape[0], k, h, i, *tiles) is not None
+                   and F.one_launch_refusal(ids.shape[0], k, h, i, *tiles) is None)  # (the served call's path)
+            here = row_settings(settings, ids.numel(), direct, one)
             outs, times = {}, {n: [] for n in here}
             with torch.inference_mode():
                 for r in range(rounds):
                     for n, c in here.items():
-                        for attr, v in c.items():
+                        for attr, v in {**served, **c}.items():  # (each setting from the served ones, not the last's)
                             setattr(F, attr, v)
                         # pN: every case persistent, whatever pairs bound is served; dN: the served bounds
                         F.PERSIST_PAIRS = 1 << 30 if n[0] == "p" else served["PERSIST_PAIRS"]
@@ -83,7 +98,7 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
             rows.append(dict(model=model, active_experts=active, tokens_per_expert=tpe, pairs=ids.numel(), experts=experts,
                              weight_bytes=nbytes, us={n: round(v, 2) for n, v in us.items()},
                              hbm_fraction={n: round(nbytes / (v * 1e-6) / rate, 3) for n, v in us.items()},
-                             best=best, bit_identical=same))
+                             best=best, bit_identical=same, one_launch_served=one))
             print(f"{model:14s} A={active!s:>4} T={tpe:2d} E={experts:3d} " + "  ".join(f"{n}: {v:7.1f} us" for n, v in us.items())
                   + f"  best {best}  same {same}", flush=True)
         del w
@@ -99,7 +114,7 @@ def table(res: dict) -> list[str]:
     names = res.get("settings") or [f"p{p}" for p in res["per_sm"]]
     first = names[0]
     lines = [f"# MXFP4 MoE call: one program a tile (p0), N programs a multiprocessor (pN), calls of up to N pairs without "
-             f"the routing launch (dN) ({res['device']})",
+             f"the routing launch (dN), the served call without the one launch (o0) ({res['device']})",
              "", "`python benchmarks/persist_ab.py`; us = CUDA-graph replay, best of the rounds; % = of the copy rate "
              f"({res['copy_rate_bytes_per_s'] / 1e12:.2f} TB/s) on the distinct experts' bytes; - = not run at that size; "
              "A = rand: T tokens, each one's top-k drawn uniformly (a verify under an untrained router)", "",

@@ -965,6 +965,18 @@ def test_persist_ab_table_names_every_setting_and_the_best():
     assert table(old)[-1] == "| qwen3-30b-a3b | 8 | 16 | 128 | 8 | 43.3 | 32.5 | p8 | 20% | 15% | True |"
 
 
+def test_persist_ab_rows_run_the_settings_that_apply_to_them():
+    """persist_ab.py: every row runs each pN; dN only up to max(direct) pairs; o0 (the served call without the one
+    launch) only where the served call takes the one launch."""
+    from benchmarks.persist_ab import row_settings
+
+    s = {"p0": {}, "p8": {}, "d16": {}, "d32": {}, "o0": {}}
+    assert list(row_settings(s, 32, (16, 32), True)) == ["p0", "p8", "d16", "d32", "o0"]
+    assert list(row_settings(s, 128, (16, 32), True)) == ["p0", "p8", "o0"]
+    assert list(row_settings(s, 8, (16, 32), False)) == ["p0", "p8", "d16", "d32"]
+    assert list(row_settings({"p0": {}, "o0": {}}, 8, (), False)) == ["p0"]
+
+
 def test_bench_routed_cases_route_like_a_verify_forward():
     """fragment_bench.py --routed N: calls of N tokens, each routed to top-k distinct experts at random; the rows'
     active experts are the distinct ids, tokens per expert their mean (the size classes' A/B runs on these)."""
