@@ -430,11 +430,12 @@ def test_warmup_leaves_a_clean_verifier_whose_first_request_equals_its_second(co
 
     tight = VerifierCore(t, max_block_size=32, max_tokens_limit=1024, max_wave_sessions=8,
                          paged_kv=PagedKVOptions(kv_cache_gb=page_bytes * (1536 // PAGE) / 2**30, prefill_graphs=True))
-    assert tight.pool.num_pages * PAGE == 1536
+    assert tight.pool.num_pages * PAGE == 1536  # (less the graphs' scratch page: 1472 positions for sessions)
     rows = {sum(w) for w in prefill_wave_rows(tight.graphs.prefill_wave_buckets, 8, t.max_context)}
     assert 2048 in rows and 1024 in rows
-    warm(tight, ())
-    assert len(tight.sessions) == 0 and tight.pool.free_pages == tight.pool.num_pages
+    free = tight.pool.free_pages
+    warm(tight, ())  # (the 2048-row wave: two prompts get pages, the third is refused; the warm-up logs the bucket)
+    assert len(tight.sessions) == 0 and tight.pool.free_pages == free
     got = {k[1] for k in tight.graphs._graphs if k[0] == "prefill_wave"}
     assert 1024 in got and 2048 not in got, sorted(got)
     assert _run(tight, prompt, drafts, width=16) == want
