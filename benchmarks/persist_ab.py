@@ -72,9 +72,7 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
                 x, ids, wts = verify_routing(e, k, h, tpe, torch.Generator(device="cuda").manual_seed(tpe))
             else:
                 x, ids, wts = routing(e, k, h, active, tpe)
-            tiles = F.frag_config(h, i, ids.numel())
-            one = (F.direct_refusal(ids.shape[0], k, h, i, *tiles) is not None
-                   and F.one_launch_refusal(ids.shape[0], k, h, i, *tiles) is None)  # (the served call's path)
+            one = F.call_path(ids.shape[0], k, h, i, *F.frag_config(h, i, ids.numel())) == "one"  # (as served)
             here = row_settings(settings, ids.numel(), direct, one)
             outs, times = {}, {n: [] for n in here}
             with torch.inference_mode():

@@ -1211,6 +1211,15 @@ def direct_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile
     return None
 
 
+def call_path(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile) -> str:
+    """The launches `fragment_moe` gives a call of this shape on this device without copy groups: "direct" (no routing
+    launch: `direct_refusal`), "one" (the routing, then `fragment_moe_one`: `one_launch_refusal`; experts with a bias
+    on one GEMM only still take four) or "routed" (the routing and three launches)."""
+    if direct_refusal(tokens, topk, hidden, inter, t1, t2) is None:
+        return "direct"
+    return "one" if one_launch_refusal(tokens, topk, hidden, inter, t1, t2) is None else "routed"
+
+
 def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, fw: FragmentExperts,
                      num_experts: int, slot_of_expert: torch.Tensor | None = None, n_valid: torch.Tensor | None = None,
                      config: tuple[FragTile, FragTile] | None = None) -> torch.Tensor | None:
@@ -1278,7 +1287,7 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
         raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
     t1, t2 = config or frag_config(hdim, inter, t * topk)
     if direct is None:
-        direct = phase_of_expert is None and direct_refusal(t, topk, hdim, inter, t1, t2) is None
+        direct = phase_of_expert is None and call_path(t, topk, hdim, inter, t1, t2) == "direct"
     if not direct and phase_of_expert is None and x.device.type == "cuda":  # (copy groups: the four launches)
         out = fragment_moe_one(x, topk_ids, topk_weights, fw, num_experts, slot_of_expert, n_valid, (t1, t2))
         if out is not None:

@@ -367,6 +367,22 @@ def test_direct_pairs_are_small_unsplit_calls_only(monkeypatch):
         _import_refuses("PDFLASH_FP4_DIRECT_PAIRS", bad, "pdflash_kernels.fragments")
 
 
+def test_call_path_names_the_launches_a_call_takes(monkeypatch):
+    """fragments.call_path (fragment_moe's choice, and persist_ab's o0 rows): direct up to DIRECT_PAIRS, then the one
+    launch in its pairs range, else the routed launches."""
+    q = (F.FragTile(4, 4, 4), F.FragTile(4, 4, 4))
+    monkeypatch.setattr(F, "DIRECT_PAIRS", 16)
+    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 128)
+    assert F.call_path(2, 8, 2048, 768, *q) == "direct"
+    assert F.call_path(3, 8, 2048, 768, *q) == F.call_path(16, 8, 2048, 768, *q) == "one"
+    assert F.call_path(17, 8, 2048, 768, *q) == "routed"
+    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 0)
+    assert F.call_path(3, 8, 2048, 768, *q) == "routed"
+    monkeypatch.setattr(F, "DIRECT_PAIRS", 0)
+    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 128)
+    assert F.call_path(1, 8, 2048, 768, *q) == "one"
+
+
 @needs_gluon
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_kernel_waits_for_the_kernel_before_it_first_under_pdl(mode, monkeypatch):
