@@ -168,7 +168,7 @@ if [[ " $STEPS " == *" persist "* ]]; then  # PDFLASH_FP4_PERSIST (a fixed grid 
   timeout ${PERSIST_TESTS_S:-240} python3 -m pytest -v -rfE -p no:cacheprovider tests/test_fragments.py -k "persist" > "$OUT/persist_tests.txt" 2>&1
   grep -E "PASSED|FAILED|ERROR" "$OUT/persist_tests.txt" | tail -8
   timeout ${PERSIST_S:-200} python3 benchmarks/persist_ab.py --per-sm ${PERSIST_AB:-0,1,2,4,8} --direct-pairs ${PERSIST_DIRECT:-16,32,64} --verify-tokens ${PERSIST_VERIFY:-1,2,4,8} \
-    --prefetch-down ${PERSIST_PFD:-1,2} --out "$OUT" > "$OUT/persist_ab.txt" 2>&1
+    --out "$OUT" > "$OUT/persist_ab.txt" 2>&1
   grep -E "^\|" "$OUT/persist_ab.txt"
   best=$(python3 -c "import json,glob; d=json.load(open(glob.glob('$OUT/persist_ab_*.json')[0])); print(min(d['per_sm'], key=lambda p: sum(r['us']['p%d' % p] for r in d['rows'])))" 2>/dev/null)
   echo "persist: least summed time at PDFLASH_FP4_PERSIST=${best:-?}"

@@ -1,12 +1,10 @@
 """The MXFP4 MoE call (fragment words, as served) with one program a tile against a fixed grid of programs walking the
 live tiles (pdflash_kernels.fragments.PERSIST_PER_SM, PDFLASH_FP4_PERSIST), in one process, on issue 12's cases; and,
 with --direct-pairs, small calls with and without the routing launch (fragments.DIRECT_PAIRS) at the served persistent
-setting; and where the served call is the one launch (fragments.ONE_LAUNCH_SHAPES), the served four launches ("o0");
-with --prefetch-down, the served call with the gate/up launch sending the down weights toward L2 ("fN",
-fragments.PREFETCH_DOWN = N, on every row whatever its size: the byte bound lifted).
+setting; and where the served call is the one launch (fragments.ONE_LAUNCH_SHAPES), the served four launches ("o0").
 
     python benchmarks/persist_ab.py [--per-sm 0,2,4,8] [--direct-pairs 16,32,64] [--models qwen3-30b-a3b,gpt-oss-20b]
-        [--tokens 1,4,16,64] [--verify-tokens 1,2,4,8,16] [--prefetch-down 1,2] [--out DIR]
+        [--tokens 1,4,16,64] [--verify-tokens 1,2,4,8,16] [--out DIR]
 
 Per (model, active experts, tokens per expert; `kernel_bench.routing`): the served call (`moe_forward` on the served
 fragment arena, `kernel_bench.as_served`) timed as `kernel_bench.gpu_time_us` (a CUDA graph replayed; the "us (graph)"
@@ -37,14 +35,14 @@ from benchmarks.kernel_bench import (MODELS, as_served, copy_rate, device_tag, g
 
 
 def row_settings(settings: dict, pairs: int, direct: tuple[int, ...], one_launch: bool) -> dict:
-    """The settings a row of `pairs` pairs runs: every pN and fN; dN where the row has at most max(direct) pairs (the
-    dN columns time the routing launch's skip); o0 where the served call takes the one launch."""
+    """The settings a row of `pairs` pairs runs: every pN; dN where the row has at most max(direct) pairs (the dN
+    columns time the routing launch's skip); o0 where the served call takes the one launch."""
     return {n: c for n, c in settings.items()
-            if n[0] in "pf" or (n[0] == "d" and direct and pairs <= max(direct)) or (n == "o0" and one_launch)}
+            if n[0] == "p" or (n[0] == "d" and direct and pairs <= max(direct)) or (n == "o0" and one_launch)}
 
 
 def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, direct: tuple[int, ...] = (),
-        verify_tokens: tuple[int, ...] = (), prefetch_down: tuple[int, ...] = ()) -> dict:
+        verify_tokens: tuple[int, ...] = ()) -> dict:
     from pdflash_kernels import fragments as F
     from pdflash_kernels.installer import expert_weights
     from pdflash_kernels.moe import moe_forward
@@ -52,16 +50,13 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
     rate = copy_rate()
     rows = []
     served = dict(PERSIST_PER_SM=F.PERSIST_PER_SM, PERSIST_PAIRS=F.PERSIST_PAIRS, DIRECT_PAIRS=F.DIRECT_PAIRS,
-                  ONE_LAUNCH_PAIRS=F.ONE_LAUNCH_PAIRS, PREFETCH_DOWN=F.PREFETCH_DOWN,
-                  PREFETCH_DOWN_BYTES=F.PREFETCH_DOWN_BYTES)
+                  ONE_LAUNCH_PAIRS=F.ONE_LAUNCH_PAIRS)
     settings = {f"p{p}": dict(PERSIST_PER_SM=p) for p in per_sm}
     settings.update({f"d{d}": dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=d)
                      for d in direct})
     # o0: the served settings without the one launch (fragments.ONE_LAUNCH_SHAPES: gpt-oss-20b's 8-128 pairs on the H200),
     # on the rows whose served call takes it (there every pN column times the one launch, which has no persistent form)
     settings["o0"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], ONE_LAUNCH_PAIRS=0)
-    # fN: the served call with the gate/up launch's down-weight prefetch in mode N, the byte bound lifted (every row)
-    settings.update({f"f{m}": dict(PREFETCH_DOWN=m, PREFETCH_DOWN_BYTES=1 << 40) for m in prefetch_down})
     for model in models:
         e, k, h, i = MODELS[model]
         mod = hf_experts(model)
@@ -109,8 +104,7 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
     for attr, v in served.items():
         setattr(F, attr, v)
     return dict(device=torch.cuda.get_device_name(), copy_rate_bytes_per_s=rate, per_sm=per_sm, rounds=rounds,
-                direct_pairs=list(direct), verify_tokens=list(verify_tokens), prefetch_down=list(prefetch_down),
-                settings=list(settings), served=served,
+                direct_pairs=list(direct), verify_tokens=list(verify_tokens), settings=list(settings), served=served,
                 sm_count=torch.cuda.get_device_properties(0).multi_processor_count, rows=rows)
 
 
@@ -118,8 +112,7 @@ def table(res: dict) -> list[str]:
     names = res.get("settings") or [f"p{p}" for p in res["per_sm"]]
     first = names[0]
     lines = [f"# MXFP4 MoE call: one program a tile (p0), N programs a multiprocessor (pN), calls of up to N pairs without "
-             f"the routing launch (dN), the served call without the one launch (o0), with the down weights prefetched to L2 "
-             f"during gate/up (fN) ({res['device']})",
+             f"the routing launch (dN), the served call without the one launch (o0) ({res['device']})",
              "", "`python benchmarks/persist_ab.py`; us = CUDA-graph replay, best of the rounds; % = of the copy rate "
              f"({res['copy_rate_bytes_per_s'] / 1e12:.2f} TB/s) on the distinct experts' bytes; - = not run at that size; "
              "A = rand: T tokens, each one's top-k drawn uniformly (a verify under an untrained router)", "",
@@ -145,8 +138,6 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4,16,64", help="tokens per active expert")
     ap.add_argument("--verify-tokens", default="", help="verify-shaped rows: token counts, each token's top-k drawn "
                     "uniformly (A = rand; e.g. 1,2,4,8,16; empty: none)")
-    ap.add_argument("--prefetch-down", default="", help="PREFETCH_DOWN modes to compare on every row (1: prefetch.global.L2, "
-                    "2: with evict_last; empty: none)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -159,10 +150,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("persist_ab.py times CUDA kernels: no CUDA device here")
     verify = tuple(int(t) for t in args.verify_tokens.split(",") if t)
-    pfd = tuple(int(m) for m in args.prefetch_down.split(",") if m)
-    if any(m not in (1, 2) for m in pfd):
-        ap.error(f"--prefetch-down takes modes 1 and 2, got {pfd}")
-    res = run(per_sm, models, [int(t) for t in args.tokens.split(",")], args.rounds, direct, verify, pfd)
+    res = run(per_sm, models, [int(t) for t in args.tokens.split(",")], args.rounds, direct, verify)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"persist_ab_{device_tag()}"

@@ -437,39 +437,14 @@ if gluon is not None:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _prefetch_l2(base, part, PARTS: gl.constexpr, WORDS: gl.constexpr, MODE: gl.constexpr, W: gl.constexpr):
-        """Part `part` of PARTS of the WORDS int32 words from `base` (a slot's down-GEMM words or scale words) toward
-        the L2 cache, one `prefetch.global.L2` a 128-byte line, spread over the program's threads: MODE 1 plain, 2 with
-        the evict_last priority (kept over the streaming reads of the gate/up words). A hint: no register waits on it,
-        nothing it reads changes a result."""
-        LINES: gl.constexpr = (WORDS + 31) // 32
-        PER: gl.constexpr = (LINES + PARTS - 1) // PARTS
-        PL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
-        for l0 in gl.static_range(0, PER, 32 * W):
-            li = l0 + gl.arange(0, 32 * W, layout=PL)
-            line = part * PER + li
-            ok = (li < PER) & (line < LINES)
-            ptrs = base + gl.where(ok, line, 0).to(gl.int64) * 32
-            if MODE == 2:
-                gl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
-                    "=r,l,r", [ptrs, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-            else:
-                gl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                    "=r,l,r", [ptrs, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _frag_gemm(x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr,
                    w_ptr, stride_ws, s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit,
-                   pf_w_ptr, pf_w_stride, pf_s_ptr, pf_s_stride,
                    N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr,
                    HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, PHASE: gl.constexpr,
                    BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
                    SPLIT: gl.constexpr, SS: gl.constexpr, PDL: gl.constexpr = 0, STAGES: gl.constexpr = 0,
                    XRING: gl.constexpr = 0, DIRECT: gl.constexpr = 0, E: gl.constexpr = 0, HAS_SLOT: gl.constexpr = 0,
-                   HAS_NVALID: gl.constexpr = 0, PERSIST: gl.constexpr = 0, PFD: gl.constexpr = 0,
-                   PFW: gl.constexpr = 0, PFS: gl.constexpr = 0):
+                   HAS_NVALID: gl.constexpr = 0, PERSIST: gl.constexpr = 0):
         """One program: routing block program_id(0) x NT 16-row weight tiles (program_id(1)) x K range program_id(2).
         EPI 0: y (float32) at the block's rows = x[pair // TOPK] @ w^T (EPI 3: x[block row] @ w^T); EPI 1 (gate/up,
         rows [gates; ups] as `gate_up_order` stores them, N = I): the program's tiles are NT / 2 gate tiles and the NT / 2
@@ -488,10 +463,7 @@ if gluon is not None:
         PERSIST: a fixed grid of programs (`_launch`'s PERSIST_PER_SM a multiprocessor), each walking the live tiles
         (a block's weight tiles and K ranges one after another, blocks in order) up to the routing's block count: no
         program for the unused block slots (a routed call's grid is its worst case, ~max(P, E) blocks, of which P / 16
-        to E hold pairs). Each tile is the same program body: the same bits.
-        PFD (gate/up only, `_launch`'s prefetch_down): each live tile first sends its share (1 / NTL) of its slot's
-        down-GEMM words (PFW a slot) and scale words (PFS) toward L2 (`_prefetch_l2`, MODE PFD), so the down launch
-        reads them from L2 while this launch streams the gate/up words: a hint, the same bits."""
+        to E hold pairs). Each tile is the same program body: the same bits."""
         _pdl_begin(PDL)  # before any load: the routing and the slots' copies come from the kernels before
         TPP0: gl.constexpr = NT // 2 if EPI == 1 else NT  # output tiles a program
         NTL: gl.constexpr = (N // 16 + TPP0 - 1) // TPP0  # weight tiles a block (the grid's program_id(1) range)
@@ -504,10 +476,9 @@ if gluon is not None:
             while tile < nb * (NTL * SPLIT):
                 _frag_tile(tile // (NTL * SPLIT), tile % (NTL * SPLIT) // SPLIT, tile % SPLIT, NTL,
                     x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr, w_ptr, stride_ws,
-                    s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit,
-                    pf_w_ptr, pf_w_stride, pf_s_ptr, pf_s_stride, N,
+                    s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit, N,
                     K, TOPK, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, PHASE, BM, NT, KQS, W, PREFETCH,
-                    SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, PFD, PFW, PFS)
+                    SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID)
                 gl.thread_barrier()  # (the next tile's stores into the shared buffers wait for every warp's reads)
                 tile += gl.num_programs(0)
         else:
@@ -516,20 +487,19 @@ if gluon is not None:
                 pid_s = gl.program_id(2)
             _frag_tile(gl.program_id(0), gl.program_id(1), pid_s, NTL,
                 x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr, w_ptr, stride_ws,
-                s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit,
-                pf_w_ptr, pf_w_stride, pf_s_ptr, pf_s_stride, N,
+                s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit, N,
                 K, TOPK, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, PHASE, BM, NT, KQS, W, PREFETCH,
-                SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, PFD, PFW, PFS)
+                SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID)
 
     @gluon.jit
     def _frag_tile(b, pid_n, pid_s, NTL: gl.constexpr, x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr,
                    nblocks_ptr, phase_ptr, w_ptr, stride_ws, s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit,
-                   pf_w_ptr, pf_w_stride, pf_s_ptr, pf_s_stride, N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr,
+                   N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr,
                    HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, PHASE: gl.constexpr,
                    BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
                    SPLIT: gl.constexpr, SS: gl.constexpr, STAGES: gl.constexpr,
                    XRING: gl.constexpr, DIRECT: gl.constexpr, E: gl.constexpr, HAS_SLOT: gl.constexpr,
-                   HAS_NVALID: gl.constexpr, PFD: gl.constexpr = 0, PFW: gl.constexpr = 0, PFS: gl.constexpr = 0):
+                   HAS_NVALID: gl.constexpr):
         """One tile of `_frag_gemm`: routing block b x weight tiles pid_n x K range pid_s (NTL weight tiles a block)."""
         BN: gl.constexpr = NT * 16
         WL: gl.constexpr = _layout("w", W)
@@ -557,10 +527,6 @@ if gluon is not None:
                 live = live & (gl.load(phase_ptr + b) == PHASE - 1)
             slot = gl.load(slot_ptr + b)
         if live & (slot >= 0):
-            if PFD:  # (gate/up) this tile's share of the slot's down words toward L2, before its own loads
-                if pid_s == 0:
-                    _prefetch_l2(pf_w_ptr + slot.to(gl.int64) * pf_w_stride, pid_n, NTL, PFW, PFD, W)
-                    _prefetch_l2(pf_s_ptr + slot.to(gl.int64) * pf_s_stride, pid_n, NTL, PFS, PFD, W)
             # the block's rows (the MMA's N side), loaded once a step for all warps through shared memory
             mx = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
             if DIRECT:
@@ -718,8 +684,7 @@ if gluon is not None:
                       ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, BM: gl.constexpr,
                       NT1: gl.constexpr, KQS1: gl.constexpr, PF1: gl.constexpr,
                       NT2: gl.constexpr, KQS2: gl.constexpr, PF2: gl.constexpr, W: gl.constexpr, ST1: gl.constexpr = 0,
-                      ST2: gl.constexpr = 0, XR1: gl.constexpr = 0, XR2: gl.constexpr = 0, PFD: gl.constexpr = 0,
-                      PFW: gl.constexpr = 0, PFS: gl.constexpr = 0):
+                      ST2: gl.constexpr = 0, XR1: gl.constexpr = 0, XR2: gl.constexpr = 0):
         """`fragment_moe`'s gate/up, down and combine in one launch over `align`'s routing blocks: a program a tile,
         each taking a work ticket.
 
@@ -775,10 +740,6 @@ if gluon is not None:
                 _combine_tile(y_ptr, stride_y, out_ptr, stride_out, valid_ptr, cnt_ptr + 2 + MB, pair_r, p_ok, j, P, TOPK,
                               H, TB, NT2 * 16, BM, W)
             else:
-                if PFD:  # this tile's share of the block's down words toward L2 (`_frag_gemm`'s PFD)
-                    if slot >= 0:
-                        _prefetch_l2(w2_ptr + slot.to(gl.int64) * stride_w2, j, TA, PFW, PFD, W)
-                        _prefetch_l2(s2_ptr + slot.to(gl.int64) * stride_s2, j, TA, PFS, PFD, W)
                 xr1 = x_ptr + gl.where(xok, pair_x // TOPK, 0).to(gl.int64) * stride_x
                 w_rows1, s_rows1, n_ok1 = _weight_tiles(w1_ptr, stride_w1, s1_ptr, stride_s1, slot, j, I, Q1, NT1, True,
                                                         TPP1, WL)
@@ -878,9 +839,7 @@ class DirectPairs(typing.NamedTuple):
 
 def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, epi: int, tile: FragTile,
             phase: int = 0, bias=None, act: int = 0, row_mul: int = 1, up_off: int = 0, rw=None, alpha: float = 1.702,
-            limit: float = 7.0, persist: bool = False, prefetch_down=None, pfd: int = 0):
-    """One fragment GEMM launch. `prefetch_down` (gate/up, epi 1): the (w2, s2) fragment words whose slots' down words
-    each live tile sends toward L2 (`down_prefetch`'s mode `pfd`; 0: none)."""
+            limit: float = 7.0, persist: bool = False):
     if gluon is None:
         raise RuntimeError("the fragment GEMMs need Triton's Gluon (triton >= 3.5)")
     if x.device.type != "cuda":
@@ -929,15 +888,11 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
     if walk:
         grid = (walk,)
     b = bias if bias is not None else x
-    pfd = pfd if prefetch_down is not None and epi == 1 else 0
-    pw, ps = prefetch_down if pfd else (words, swords)
     _frag_gemm[grid](x, x.stride(0), out, out.stride(0), *args, words, words.stride(0), swords, swords.stride(0),
                      b, b.stride(0), rw if rw is not None else x, ws, cnt, rows, r.num_pairs, float(alpha), float(limit),
-                     pw, pw.stride(0), ps, ps.stride(0),
                      N=n, K=k, TOPK=topk, EPI=epi, ACT=act, HAS_BIAS=bias is not None, ROW_MUL=row_mul, UP_OFF=up_off,
                      PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=int(prefetch), SPLIT=split, SS=ss,
-                     PDL=PDL_MODE, STAGES=stages, XRING=xring, PERSIST=int(walk > 0), PFD=pfd,
-                     PFW=pw[0].numel() if pfd else 0, PFS=ps[0].numel() if pfd else 0, num_warps=num_warps, **dkw,
+                     PDL=PDL_MODE, STAGES=stages, XRING=xring, PERSIST=int(walk > 0), num_warps=num_warps, **dkw,
                      **({"launch_pdl": True} if PDL_MODE else {}))
     return out
 
@@ -1058,34 +1013,6 @@ _PERSIST_PAIRS = os.environ.get("PDFLASH_FP4_PERSIST_PAIRS") or None
 if _PERSIST_PAIRS is not None and not _PERSIST_PAIRS.isdigit():
     raise ValueError(f"PDFLASH_FP4_PERSIST_PAIRS must be a number of (token, expert) pairs, got {_PERSIST_PAIRS!r}")
 PERSIST_PAIRS: int | None = int(_PERSIST_PAIRS) if _PERSIST_PAIRS is not None else None  # None: PERSIST_SHAPES
-
-
-# The down GEMM's weights toward L2 during the gate/up launch (PDFLASH_FP4_PREFETCH_DOWN: 0 off, 1 `prefetch.global.L2`,
-# 2 the same with the evict_last priority): each live gate/up tile sends its share of its slot's down words and scale
-# words toward L2 before its own loads (`_frag_gemm`'s and `_frag_moe_one`'s PFD), so the down launch, whose small calls
-# wait on memory latency step after step, finds them there. Only for calls whose down words fit well inside L2: at most
-# min(pairs, experts) slots' down bytes <= PDFLASH_FP4_PREFETCH_DOWN_MB (default 24; H100 / H200 L2: 50 MB). A hint: the
-# same bits (tests/test_fragments.py::test_down_prefetch_gives_the_same_bits). Stop 38's form (the down launch asking
-# for its own weights under PDL, before its wait) overlapped only the gate/up launch's tail and was removed; this one
-# spans the whole gate/up launch. Default: off until measured (benchmarks/persist_ab.py --prefetch-down 1,2).
-_PF_DOWN = os.environ.get("PDFLASH_FP4_PREFETCH_DOWN") or "0"
-if _PF_DOWN not in ("0", "1", "2"):
-    raise ValueError(f"PDFLASH_FP4_PREFETCH_DOWN must be 0 (off), 1 (prefetch to L2) or 2 (with evict_last), got {_PF_DOWN!r}")
-PREFETCH_DOWN = int(_PF_DOWN)
-_PF_DOWN_MB = os.environ.get("PDFLASH_FP4_PREFETCH_DOWN_MB") or "24"
-if not _PF_DOWN_MB.isdigit():
-    raise ValueError(f"PDFLASH_FP4_PREFETCH_DOWN_MB must be a whole number of MB, got {_PF_DOWN_MB!r}")
-PREFETCH_DOWN_BYTES = int(_PF_DOWN_MB) << 20
-
-
-def down_prefetch(pairs: int, num_experts: int, fw: "FragmentExperts") -> int:
-    """The gate/up launch's PFD for a call of `pairs` pairs over `num_experts` experts on `fw` (0: none): PREFETCH_DOWN
-    where at most min(pairs, experts) slots' down words and scale words fit PREFETCH_DOWN_BYTES and each slot's words
-    are contiguous (a slot pool's views are)."""
-    if not PREFETCH_DOWN or not (fw.w2[0].is_contiguous() and fw.s2[0].is_contiguous()):
-        return 0
-    per = (fw.w2[0].numel() + fw.s2[0].numel()) * 4
-    return PREFETCH_DOWN if min(pairs, num_experts) * per <= PREFETCH_DOWN_BYTES else 0
 
 
 def persist_grid(programs: int) -> int:
@@ -1330,7 +1257,6 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     b1 = fw.b1 if fw.b1 is not None else x
     b2 = fw.b2 if fw.b2 is not None else x
     grid = (mb * (ta + tb),)  # a program a ticket: as many as the most tiles a call of this size can have
-    pfd = down_prefetch(p, num_experts, fw)
     _frag_moe_one[grid](x, x.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks, r.pair_valid, rw,
                         fw.w1, fw.w1.stride(0), fw.s1, fw.s1.stride(0), b1, b1.stride(0),
                         fw.w2, fw.w2.stride(0), fw.s2, fw.s2.stride(0), b2, b2.stride(0),
@@ -1338,8 +1264,7 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                         float(fw.limit), H=hdim, I=inter, TOPK=topk, ACT=fw.act, HAS_BIAS=fw.b1 is not None,
                         ROW_MUL=fw.row_mul, UP_OFF=fw.up_off, BM=16, NT1=t1.nt, KQS1=t1.kqs, PF1=int(t1.prefetch),
                         NT2=t2.nt, KQS2=t2.kqs, PF2=int(t2.prefetch), W=t1.warps, ST1=t1.stages, ST2=t2.stages,
-                        XR1=t1.xring, XR2=t2.xring, PFD=pfd, PFW=fw.w2[0].numel() if pfd else 0,
-                        PFS=fw.s2[0].numel() if pfd else 0, num_warps=t1.warps)
+                        XR1=t1.xring, XR2=t2.xring, num_warps=t1.warps)
     return out
 
 
@@ -1388,7 +1313,6 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
         blocks = r.max_blocks
     phases = tuple(range(1, groups + 2)) if phase_of_expert is not None else (0,)
     persist = uses_persist(t, topk, hdim, inter, direct)
-    pfd = down_prefetch(t * topk, num_experts, fw)
     h = torch.empty((blocks * 16, inter), dtype=torch.bfloat16, device=dev)
     y = torch.empty((r.num_pairs, hdim), dtype=torch.float32, device=dev)
     rw = topk_weights.reshape(-1).contiguous()
@@ -1397,7 +1321,7 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
         if ph >= 2 and between is not None:
             between(ph - 1)
         _launch(x, r, fw.w1, fw.s1, h, inter, topk, 1, t1, ph, fw.b1, fw.act, fw.row_mul, fw.up_off, alpha=fw.alpha,
-                limit=fw.limit, persist=persist, prefetch_down=(fw.w2, fw.s2), pfd=pfd)
+                limit=fw.limit, persist=persist)
         _launch(h, r, fw.w2, fw.s2, y, hdim, topk, 2, t2, ph, fw.b2, rw=rw, persist=persist)
     block = min(1024, _moe.triton_next_pow2(hdim))
     _moe._moe_combine[(t, triton_cdiv(hdim, block))](y, r.pair_valid, out, hdim, TOPK=topk, BLOCK=block, EMULATE=False,

@@ -220,8 +220,7 @@ needs_gluon = pytest.mark.skipif(F.gluon is None, reason="needs Triton's Gluon")
 SIG = {"x_ptr": "*bf16", "stride_x": "i32", "out_ptr": "*fp32", "stride_o": "i32", "pairs_ptr": "*i32", "slot_ptr": "*i32",
        "nblocks_ptr": "*i32", "phase_ptr": "*i32", "w_ptr": "*i32", "stride_ws": "i32", "s_ptr": "*i32", "stride_ss": "i32",
        "b_ptr": "*bf16", "stride_b": "i32", "rw_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "R": "i32",
-       "P": "i32", "alpha": "fp32", "limit": "fp32", "pf_w_ptr": "*i32", "pf_w_stride": "i32", "pf_s_ptr": "*i32",
-       "pf_s_stride": "i32"}
+       "P": "i32", "alpha": "fp32", "limit": "fp32"}
 
 
 @needs_gluon
@@ -595,105 +594,6 @@ def test_unsplit_tiles_give_the_same_bits(model, monkeypatch):
     full = F.fragment_moe(x, ids, wts, fw, e)  # 40 tokens: the last class
     for n in range(1, 8):  # every class of gpt-oss (top-4: 16 pairs = 4 tokens) and Qwen3 (top-8: 16, 48 = 2, 6 tokens)
         assert torch.equal(F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e), full[:n]), n
-
-
-@needs_gluon
-@pytest.mark.parametrize("h,i,tile,pfd,persist,direct", [(2048, 768, "4x4w4", 1, 0, 0), (2048, 768, "4x4w4aa3", 2, 1, 0),
-                                                         (2880, 2880, "4x2w4aa4", 1, 0, 1), (2880, 2880, "8x2w4aa3", 2, 1, 0)])
-def test_down_prefetch_compiles_for_sm90(h, i, tile, pfd, persist, direct, monkeypatch):
-    """The gate/up launch's down-weight prefetch (PFD) compiles for sm_90 to one predicated `prefetch.global.L2` a
-    128-byte line (with ::evict_last for mode 2) covering the tile's share (1 / weight-tile columns) of a slot's down words
-    and scale words, spread over the threads: as many prefetch instructions as the shares' lines over the threads; no
-    local memory, and the GEMM's MMAs as before. The one launch takes it too."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    t = F.FragTile.parse(tile)
-    pfw, pfs = h * i // 8, h * i // 128  # a slot's down words and scale words (int32)
-    ntl = -(-(i // 16) // (t.nt // 2))  # gate/up weight-tile columns: the shares
-    threads = 32 * t.warps
-    want = sum(-(-(-(-(-(-words // 32)) // ntl)) // threads) for words in (pfw, pfs))
-    const = dict(N=i, K=h, TOPK=4, EPI=1, ACT=0, HAS_BIAS=False, ROW_MUL=1, UP_OFF=0, PHASE=0, BM=16, NT=t.nt, KQS=t.kqs,
-                 W=t.warps, PREFETCH=t.prefetch, SPLIT=1, SS=(h // 64) // t.kqs, STAGES=t.stages, XRING=t.xring,
-                 DIRECT=direct, E=32, PERSIST=persist, PFD=pfd, PFW=pfw, PFS=pfs)
-    sig = dict(SIG, out_ptr="*bf16", **{c: "constexpr" for c in const})
-    ptx = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": t.warps}).asm["ptx"]
-    lines = re.findall(r"@%?\w+ prefetch\.global\.L2(::evict_last)? \[", ptx)
-    assert len(lines) == want, (len(lines), want)
-    assert all(bool(m) == (pfd == 2) for m in lines)
-    assert "mma.sync.aligned.m16n8k16" in ptx and ".local" not in ptx
-    const.update(PFD=0)
-    off = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": t.warps}).asm["ptx"]
-    assert "prefetch" not in off
-    oconst = dict(H=h, I=i, TOPK=4, ACT=0, HAS_BIAS=False, ROW_MUL=1, UP_OFF=0, BM=16, NT1=t.nt, KQS1=t.kqs,
-                  PF1=t.prefetch, NT2=4, KQS2=4, PF2=0, W=t.warps, ST1=t.stages, ST2=0, XR1=t.xring, XR2=0, PFD=pfd,
-                  PFW=pfw, PFS=pfs)
-    optx = triton.compile(GluonASTSource(F._frag_moe_one, dict(ONE_SIG, **{c: "constexpr" for c in oconst}), oconst),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": t.warps}).asm["ptx"]
-    assert len(re.findall(r"prefetch\.global\.L2", optx)) == want and ".local" not in optx
-
-
-def test_down_prefetch_bound(monkeypatch):
-    """`down_prefetch`: the served mode only where min(pairs, experts) slots' down words and scale words fit the byte
-    bound, and never where a slot's words are not contiguous."""
-    w2 = torch.zeros(8, 128, 12, 8, 4, 4, dtype=torch.int32)  # Qwen3-30B-A3B's down shape: 786432 bytes a slot
-    s2 = torch.zeros(8, 128, 12, 8, dtype=torch.int32)  # 49152 bytes
-    fw = F.FragmentExperts(w2, s2, w2, s2)
-    per = 786432 + 49152
-    monkeypatch.setattr(F, "PREFETCH_DOWN", 0)
-    assert F.down_prefetch(8, 128, fw) == 0
-    monkeypatch.setattr(F, "PREFETCH_DOWN", 2)
-    monkeypatch.setattr(F, "PREFETCH_DOWN_BYTES", 30 * per)
-    assert F.down_prefetch(30, 128, fw) == 2 and F.down_prefetch(31, 128, fw) == 0
-    assert F.down_prefetch(512, 30, fw) == 2  # (at most 30 experts, whatever the pairs)
-    gappy = F.FragmentExperts(w2, s2, w2[:, :, :6], s2)  # (a slot's words not contiguous)
-    assert F.down_prefetch(8, 128, gappy) == 0
-
-
-@cuda
-@needs_gluon
-@pytest.mark.gpu
-@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b"])
-def test_down_prefetch_gives_the_same_bits(model, monkeypatch):
-    """The gate/up launch's down-weight prefetch (PDFLASH_FP4_PREFETCH_DOWN 1 and 2) gives every bit of the call without
-    it: routed four launches, the routing-free small call, the one launch, persistent GEMMs, copy groups, and a CUDA
-    graph replay."""
-    e, w, fw, x, ids, wts = _moe_case(model, 16, seed=37)
-    few = ids.clone()
-    few[:] = ids[0]
-    phase = torch.randint(0, 3, (e,), device="cuda", dtype=torch.int8)
-    monkeypatch.setattr(F, "PREFETCH_DOWN_BYTES", 1 << 40)  # (every call of the case)
-
-    def calls():
-        out = [_four_launches(x[:n], i[:n], wts[:n], fw, e) for n in (1, 4, 16) for i in (ids, few)]
-        out.append(F.fragment_moe(x[:2], ids[:2], wts[:2], fw, e, direct=True))
-        saved, F.ONE_LAUNCH_PAIRS = F.ONE_LAUNCH_PAIRS, 128
-        try:
-            out += [F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e, direct=False) for n in (2, 16)]
-        finally:
-            F.ONE_LAUNCH_PAIRS = saved
-        out.append(F.fragment_moe(x, few, wts, fw, e, phase_of_expert=phase, groups=2))
-        return out
-
-    monkeypatch.setattr(F, "PREFETCH_DOWN", 0)
-    want = calls()
-    for mode in (1, 2):
-        monkeypatch.setattr(F, "PREFETCH_DOWN", mode)
-        assert F.down_prefetch(16 * ids.shape[1], e, fw) == mode
-        for c, (got, ref) in enumerate(zip(calls(), want)):
-            assert torch.equal(got, ref), (mode, c)
-        xs = x.clone()
-        _four_launches(xs, few, wts, fw, e)  # (compiled before the capture)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            got = _four_launches(xs, few, wts, fw, e)
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got, want[5]), mode
 
 
 @cuda
@@ -1091,9 +991,6 @@ def test_persist_ab_rows_run_the_settings_that_apply_to_them():
     assert list(row_settings(s, 128, (16, 32), True)) == ["p0", "p8", "o0"]
     assert list(row_settings(s, 8, (16, 32), False)) == ["p0", "p8", "d16", "d32"]
     assert list(row_settings({"p0": {}, "o0": {}}, 8, (), False)) == ["p0"]
-    f = {"p0": {}, "d16": {}, "f1": {}, "f2": {}}  # fN (the down prefetch) on every row
-    assert list(row_settings(f, 512, (16,), False)) == ["p0", "f1", "f2"]
-    assert list(row_settings(f, 8, (16,), False)) == ["p0", "d16", "f1", "f2"]
 
 
 def test_bench_routed_cases_route_like_a_verify_forward():
