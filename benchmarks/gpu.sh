@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|confirm|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|persist|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|confirm|direct|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|persist|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite (or SUITE_FILES), 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -176,6 +176,18 @@ if [[ " $STEPS " == *" persist "* ]]; then  # PDFLASH_FP4_PERSIST (a fixed grid 
     mkdir -p "$OUT/persist_kernels"
     PDFLASH_FP4_PERSIST=$best timeout ${KERNELS_S:-240} python3 benchmarks/kernel_bench.py --out "$OUT/persist_kernels" > "$OUT/persist_kernels/kernels.txt" 2>&1
     grep -E "\| mxfp4 \| (1|4|16) \|" "$OUT/persist_kernels/"kernels_*.md
+  fi
+fi
+if [[ " $STEPS " == *" direct "* ]]; then  # stop 52: routing-free calls whose programs group the pairs themselves (DIRECT_PAIRS up to 128): their bits tests, the A/B (d16..d128) on issue 12's small rows and verify-shaped rows, then issue 12's table at DIRECT_TABLE pairs (~8 min; not in `all`)
+  timeout ${DIRECT_TESTS_S:-200} python3 -m pytest -v -rfE -p no:cacheprovider tests/test_fragments.py -k "direct or persistent_programs" > "$OUT/direct_tests.txt" 2>&1
+  grep -E "PASSED|FAILED|ERROR" "$OUT/direct_tests.txt" | tail -12
+  timeout ${DIRECT_S:-170} python3 benchmarks/persist_ab.py --per-sm 8 --direct-pairs ${DIRECT_AB:-16,32,64,128} --tokens 1,4,16 \
+    --verify-tokens ${DIRECT_VERIFY:-1,2,4,8,16} --out "$OUT" > "$OUT/direct_ab.txt" 2>&1
+  grep -E "^\|" "$OUT/direct_ab.txt"
+  if [ "${DIRECT_TABLE:-128}" != 0 ]; then
+    mkdir -p "$OUT/direct_kernels"
+    PDFLASH_FP4_DIRECT_PAIRS=${DIRECT_TABLE:-128} timeout ${KERNELS_S:-200} python3 benchmarks/kernel_bench.py --out "$OUT/direct_kernels" > "$OUT/direct_kernels/kernels.txt" 2>&1
+    grep -E "\| mxfp4 \| (1|4|16) \|" "$OUT/direct_kernels/"kernels_*.md
   fi
 fi
 if [[ " $STEPS " == *" breakdown "* ]]; then  # the whole MoE call against its launches one by one, as a forward pays them (not in `all`)

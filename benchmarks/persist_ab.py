@@ -144,9 +144,9 @@ def main() -> None:
     per_sm = [int(p) for p in args.per_sm.split(",")]
     models = [m for m in args.models.split(",") if m]
     direct = tuple(int(d) for d in args.direct_pairs.split(",") if d)
-    bad = [m for m in models if m not in MODELS] + [p for p in per_sm if not 0 <= p <= 16] + [d for d in direct if not 0 <= d <= 64]
+    bad = [m for m in models if m not in MODELS] + [p for p in per_sm if not 0 <= p <= 16] + [d for d in direct if not 0 <= d <= 128]
     if bad:
-        ap.error(f"unknown models, --per-sm outside 0..16 or --direct-pairs outside 0..64: {bad}")
+        ap.error(f"unknown models, --per-sm outside 0..16 or --direct-pairs outside 0..128: {bad}")
     if not torch.cuda.is_available():
         raise SystemExit("persist_ab.py times CUDA kernels: no CUDA device here")
     verify = tuple(int(t) for t in args.verify_tokens.split(",") if t)

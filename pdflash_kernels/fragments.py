@@ -40,7 +40,7 @@ import typing
 import torch
 
 from pdflash_kernels import mxfp4, runtime
-from pdflash_kernels.moe import FAST_DECODE_MAX_SCALE, Routing, pair_word_decode_asm, triton_cdiv
+from pdflash_kernels.moe import FAST_DECODE_MAX_SCALE, Routing, pair_word_decode_asm, triton_cdiv, triton_next_pow2
 
 try:  # Gluon (Triton >= 3.5): explicit layouts. Optional like Triton itself.
     from triton.experimental import gluon
@@ -444,7 +444,7 @@ if gluon is not None:
                    BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
                    SPLIT: gl.constexpr, SS: gl.constexpr, PDL: gl.constexpr = 0, STAGES: gl.constexpr = 0,
                    XRING: gl.constexpr = 0, DIRECT: gl.constexpr = 0, E: gl.constexpr = 0, HAS_SLOT: gl.constexpr = 0,
-                   HAS_NVALID: gl.constexpr = 0, PERSIST: gl.constexpr = 0):
+                   HAS_NVALID: gl.constexpr = 0, PERSIST: gl.constexpr = 0, DP: gl.constexpr = 16):
         """One program: routing block program_id(0) x NT 16-row weight tiles (program_id(1)) x K range program_id(2).
         EPI 0: y (float32) at the block's rows = x[pair // TOPK] @ w^T (EPI 3: x[block row] @ w^T); EPI 1 (gate/up,
         rows [gates; ups] as `gate_up_order` stores them, N = I): the program's tiles are NT / 2 gate tiles and the NT / 2
@@ -454,12 +454,15 @@ if gluon is not None:
         into ranges of SS steps (the quads past the last whole step in the last range), each program's float32 partial
         sums into ws [SPLIT, R, weight rows]; the tile's last program (a counter in cnt as a semaphore) adds them in
         range order from zero and runs the epilogue: the same bits whichever program is last.
-        DIRECT (a small call without the routing launch, `fragment_moe`'s DIRECT_PAIRS): block program_id(0) is pair b
-        alone (its row 0; the block's other rows padding), its expert read from the top-k ids (pairs_ptr: ids [P]),
-        its slot from slot_ptr's table (HAS_SLOT) or the id; a pair of an id outside [0, E) or of a token at or past
-        n_valid (nblocks_ptr, HAS_NVALID) is dropped, and the gate/up programs of tile column 0 write each pair's
-        keep flag to phase_ptr (the combine's pair_valid, as `moe.align` defines it). The same products in the same
-        order as the routed blocks: the same bits.
+        DIRECT (a small call without the routing launch, `fragment_moe`'s DIRECT_PAIRS): block program_id(0) is led
+        by pair b, its expert read from the top-k ids (pairs_ptr: ids [P], P <= DP), its slot from slot_ptr's table
+        (HAS_SLOT) or the id; a pair of an id outside [0, E) or of a token at or past n_valid (nblocks_ptr, HAS_NVALID)
+        is dropped, and the gate/up programs of tile column 0 write each pair's keep flag to phase_ptr (the combine's
+        pair_valid, as `moe.align` defines it). Each program groups the pairs itself (`_same_expert`, one load of
+        the ids): b leads a block where it is its expert's 0th, 16th, ... kept pair, the block's rows that pair and
+        its expert's next 15 (`_group_rows`), as a routed block holds them; the other blocks are empty, so an expert's
+        weights are read once for its pairs, not once a pair. The same products in the same order as the routed
+        blocks: the same bits.
         PERSIST: a fixed grid of programs (`_launch`'s PERSIST_PER_SM a multiprocessor), each walking the live tiles
         (a block's weight tiles and K ranges one after another, blocks in order) up to the routing's block count: no
         program for the unused block slots (a routed call's grid is its worst case, ~max(P, E) blocks, of which P / 16
@@ -478,7 +481,7 @@ if gluon is not None:
                     x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr, w_ptr, stride_ws,
                     s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit, N,
                     K, TOPK, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, PHASE, BM, NT, KQS, W, PREFETCH,
-                    SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID)
+                    SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, DP)
                 gl.thread_barrier()  # (the next tile's stores into the shared buffers wait for every warp's reads)
                 tile += gl.num_programs(0)
         else:
@@ -489,7 +492,31 @@ if gluon is not None:
                 x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr, w_ptr, stride_ws,
                 s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit, N,
                 K, TOPK, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, PHASE, BM, NT, KQS, W, PREFETCH,
-                SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID)
+                SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, DP)
+
+    @gluon.jit
+    def _same_expert(pairs_ptr, b, eid, P, nv, TOPK: gl.constexpr, DP: gl.constexpr, W: gl.constexpr):
+        """A routing-free call's grouping, in every program: `same` [DP] (the pairs routed to pair b's expert eid and
+        kept: of a token below nv) and how many of them come before b."""
+        GL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+        q = gl.arange(0, DP, layout=GL)
+        ids = gl.load(pairs_ptr + q, mask=q < P, other=-1).to(gl.int32)
+        same = (ids == eid) & (q < P) & (q // TOPK < nv)
+        before = _reduce_add(gl.where(same & (q < b), 1, 0), 0)
+        return same, before
+
+    @gluon.jit
+    def _group_rows(same, before, P, BM: gl.constexpr, DP: gl.constexpr, W: gl.constexpr):
+        """The BM pairs of the block led by the `before`-th pair of `same` (in pair order; P where the expert has no
+        more): the rows a routed block of that expert holds, in the same order (`moe.align`'s stable sort)."""
+        GL2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, W], [1, 0])
+        rank = gl.associative_scan(same.to(gl.int32), 0, _add) - 1  # (for the pairs of `same`: their place among them)
+        rank = gl.convert_layout(rank, gl.SliceLayout(0, GL2))
+        hit = gl.convert_layout(same, gl.SliceLayout(0, GL2))
+        q = gl.arange(0, DP, layout=gl.SliceLayout(0, GL2))
+        m = gl.arange(0, BM, layout=gl.SliceLayout(1, GL2))
+        mine = hit[None, :] & (rank[None, :] == before + m[:, None])
+        return gl.reduce(gl.where(mine, q[None, :], P), 1, _min)
 
     @gluon.jit
     def _frag_tile(b, pid_n, pid_s, NTL: gl.constexpr, x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr,
@@ -499,7 +526,7 @@ if gluon is not None:
                    BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
                    SPLIT: gl.constexpr, SS: gl.constexpr, STAGES: gl.constexpr,
                    XRING: gl.constexpr, DIRECT: gl.constexpr, E: gl.constexpr, HAS_SLOT: gl.constexpr,
-                   HAS_NVALID: gl.constexpr):
+                   HAS_NVALID: gl.constexpr, DP: gl.constexpr = 16):
         """One tile of `_frag_gemm`: routing block b x weight tiles pid_n x K range pid_s (NTL weight tiles a block)."""
         BN: gl.constexpr = NT * 16
         WL: gl.constexpr = _layout("w", W)
@@ -511,14 +538,20 @@ if gluon is not None:
         TPP: gl.constexpr = NT // 2 if TWO else NT  # output tiles a program
         if DIRECT:
             eid = gl.load(pairs_ptr + b).to(gl.int32)
-            live = (eid >= 0) & (eid < E)
+            kept = (eid >= 0) & (eid < E)
+            nv = P // TOPK
             if HAS_NVALID:
-                live = live & (b // TOPK < gl.load(nblocks_ptr))
+                nv = gl.load(nblocks_ptr)
+                kept = kept & (b // TOPK < nv)
             if EPI == 1:
                 if pid_n == 0:
-                    gl.store(phase_ptr + b, live)
+                    gl.store(phase_ptr + b, kept)
+            # the kept pairs of b's expert (all DP <= 128 ids, one load): b leads a block where it is the 0th, 16th,
+            # ... of them in pair order, the block's rows that one and the next BM - 1 (`_group_rows`)
+            same, before = _same_expert(pairs_ptr, b, eid, P, nv, TOPK, DP, W)
+            live = kept & (before % BM == 0)
             if HAS_SLOT:
-                slot = gl.load(slot_ptr + gl.where(live, eid, 0))
+                slot = gl.load(slot_ptr + gl.where(kept, eid, 0))
             else:
                 slot = eid
         else:
@@ -530,7 +563,7 @@ if gluon is not None:
             # the block's rows (the MMA's N side), loaded once a step for all warps through shared memory
             mx = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
             if DIRECT:
-                pair_x = gl.where(mx == 0, b, P)
+                pair_x = gl.convert_layout(_group_rows(same, before, P, BM, DP, W), gl.SliceLayout(1, XL))
             else:
                 pair_x = gl.load(pairs_ptr + b * BM + mx)
             xok = pair_x < P
@@ -554,7 +587,7 @@ if gluon is not None:
             # the program's output: acc [BN, BM], row = weight row (tile * 16 + r), column m = the block's row m
             mr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
             if DIRECT:
-                pair = gl.where(mr == 0, b, P)
+                pair = gl.convert_layout(_group_rows(same, before, P, BM, DP, W), gl.SliceLayout(0, MMA))
             else:
                 pair = gl.load(pairs_ptr + b * BM + mr)
             p_ok = pair < P
@@ -636,6 +669,10 @@ if gluon is not None:
     @gluon.jit
     def _add(a, b):
         return a + b
+
+    @gluon.jit
+    def _min(a, b):
+        return gl.minimum(a, b)
 
     @gluon.jit
     def _reduce_add(x, axis: gl.constexpr):
@@ -825,7 +862,8 @@ def _check_async(tile: FragTile, *operands: torch.Tensor) -> None:
 
 
 class DirectPairs(typing.NamedTuple):
-    """A small call's pairs as the GEMMs take them without a routing launch (`_frag_gemm`'s DIRECT): block b = pair b.
+    """A small call's pairs as the GEMMs take them without a routing launch (`_frag_gemm`'s DIRECT): block b is led by
+    pair b (its expert's pairs grouped in each program; the block empty unless b is its expert's 0th, 16th, ... pair).
     ids: the top-k ids [P] (flat); slot_of_expert / n_valid as `moe.align` takes them (None: identity / every token);
     pair_valid: bool [P], written by the gate/up launch (the combine's keep flags)."""
 
@@ -862,7 +900,8 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
             raise ValueError(f"a call without the routing launch takes neither copy groups nor a K split (tile {tile})")
         args = (r.ids, r.slot_of_expert if r.slot_of_expert is not None else r.ids,
                 r.n_valid if r.n_valid is not None else r.ids, r.pair_valid)
-        dkw = dict(DIRECT=1, E=r.num_experts, HAS_SLOT=int(r.slot_of_expert is not None),
+        dkw = dict(DIRECT=1, E=r.num_experts, DP=max(16, triton_next_pow2(r.num_pairs)),
+                   HAS_SLOT=int(r.slot_of_expert is not None),
                    HAS_NVALID=int(r.n_valid is not None))
     else:
         bm, mb = r.sorted_pairs.numel() // r.max_blocks, r.max_blocks
@@ -979,10 +1018,16 @@ SIZE_TILES = runtime.env_flag("PDFLASH_FP4_SIZE_TILES", default=True)
 # us (4 pairs), 54.9 / 63.2 (8); Qwen3-30B-A3B 23.5 / 27.8 (8); Mixtral-8x7B 270.1 / 289.8 (8 pairs); on the H200
 # (call4, the served call with DIRECT_PAIRS 16 / four launches) 30.8 / 38.4, 48.2 / 54.8, 18.9 / 22.7, 228.5 / 235.3: more
 # than the routing launch's own time there (2.1-3.4 us; why is not measured). PDFLASH_FP4_DIRECT_PAIRS=N (0: off, at
-# most 64).
+# most DIRECT_MOST).
+# Stop 52: each pair was its own block, so an expert's weights were read once a pair: on an H100 (stop52_gpu/call1,
+# `persist_ab.py`, served / DIRECT_PAIRS 32) Qwen3-30B-A3B's 32-pair calls ran 26.6 / 33.3 us on 8 experts x 4 tokens,
+# but 44.7 / 39.8 on 32 x 1 and 43.2 / 38.6 on a 4-token verify's 29 experts; gpt-oss-20b 8 x 4 63.4 / 131.6. Now each
+# program groups the pairs itself (`_same_expert` / `_group_rows`: one load of the <= 128 ids), so a block holds an
+# expert's pairs as a routed block does and an expert's weights are read once for its pairs.
+DIRECT_MOST = 128
 _DIRECT = os.environ.get("PDFLASH_FP4_DIRECT_PAIRS") or "16"
-if not (_DIRECT.isdigit() and int(_DIRECT) <= 64):
-    raise ValueError(f"PDFLASH_FP4_DIRECT_PAIRS must be a number of pairs from 0 (off) to 64, got {_DIRECT!r}")
+if not (_DIRECT.isdigit() and int(_DIRECT) <= DIRECT_MOST):
+    raise ValueError(f"PDFLASH_FP4_DIRECT_PAIRS must be a number of pairs from 0 (off) to {DIRECT_MOST}, got {_DIRECT!r}")
 DIRECT_PAIRS = int(_DIRECT)
 
 # Persistent GEMMs (PDFLASH_FP4_PERSIST=N programs a multiprocessor, 0: off, at most 16; default 8): a routed call of at

@@ -264,11 +264,14 @@ def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, tile, epi,
 
 
 @needs_gluon
-@pytest.mark.parametrize("n,k,tile,epi,has_slot,has_nvalid", [(5760, 2880, "4x2w4aa4", 1, 1, 1), (2880, 2880, "4x4w4aa3", 2, 0, 0),
-                                                              (1536, 2048, "4x4w4", 1, 0, 1), (2048, 768, "8x2w4aa3", 2, 1, 0)])
-def test_direct_pair_kernel_compiles_for_sm90(n, k, tile, epi, has_slot, has_nvalid, monkeypatch):
-    """The GEMM without the routing launch (DIRECT: block b = pair b, its slot read through the top-k ids) compiles for
-    sm_90 with the same MMAs, nothing in local memory, no atomics; int64 top-k ids as the router gives them."""
+@pytest.mark.parametrize("n,k,tile,epi,has_slot,has_nvalid,dp", [(5760, 2880, "4x2w4aa4", 1, 1, 1, 16),
+                                                                 (2880, 2880, "4x4w4aa3", 2, 0, 0, 128),
+                                                                 (1536, 2048, "4x4w4", 1, 0, 1, 64),
+                                                                 (2048, 768, "8x2w4aa3", 2, 1, 0, 32)])
+def test_direct_pair_kernel_compiles_for_sm90(n, k, tile, epi, has_slot, has_nvalid, dp, monkeypatch):
+    """The GEMM without the routing launch (DIRECT: block b led by pair b, each program grouping the <= DP pairs by
+    expert itself, its slot read through the top-k ids) compiles for sm_90 with the same MMAs, nothing in local memory,
+    no atomics; int64 top-k ids as the router gives them."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     import triton
     from triton.backends.compiler import GPUTarget
@@ -277,7 +280,7 @@ def test_direct_pair_kernel_compiles_for_sm90(n, k, tile, epi, has_slot, has_nva
     nt, kqs, warps, pf, split, stages, xring = F.FragTile.parse(tile)
     const = dict(N=n // 2 if epi == 1 else n, K=k, TOPK=8, EPI=epi, ACT=0, HAS_BIAS=False, ROW_MUL=1, UP_OFF=0, PHASE=0,
                  BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf, SPLIT=1, SS=k // 64 // kqs, STAGES=stages, XRING=xring,
-                 DIRECT=1, E=128, HAS_SLOT=has_slot, HAS_NVALID=has_nvalid)
+                 DIRECT=1, E=128, HAS_SLOT=has_slot, HAS_NVALID=has_nvalid, DP=dp)
     sig = dict(SIG, out_ptr="*bf16" if epi == 1 else "*fp32", pairs_ptr="*i64", phase_ptr="*i1",
                **{c: "constexpr" for c in const})
     kern = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
@@ -302,7 +305,7 @@ def test_persistent_kernel_compiles_for_sm90(n, k, tile, epi, direct, monkeypatc
     split, ss = F.split_plan(k // 64, kqs, split)
     const = dict(N=n // 2 if epi == 1 else n, K=k, TOPK=8, EPI=epi, ACT=0, HAS_BIAS=False, ROW_MUL=1, UP_OFF=0, PHASE=0,
                  BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf, SPLIT=split, SS=ss, STAGES=stages, XRING=xring,
-                 DIRECT=direct, E=128, HAS_SLOT=0, HAS_NVALID=0, PERSIST=1)
+                 DIRECT=direct, E=128, HAS_SLOT=0, HAS_NVALID=0, PERSIST=1, DP=64)
     sig = dict(SIG, out_ptr="*bf16" if epi == 1 else "*fp32", **{c: "constexpr" for c in const})
     if direct:
         sig.update(pairs_ptr="*i64", phase_ptr="*i1")
@@ -363,7 +366,7 @@ def test_direct_pairs_are_small_unsplit_calls_only(monkeypatch):
     assert "split K" in F.direct_refusal(1, 2, 4096, 14336, F.FragTile(4, 4, 4), F.FragTile(4, 4, 4, split=4))
     from tests.test_kernels import _import_refuses
 
-    for bad in ("65", "-1", "some"):
+    for bad in ("129", "-1", "some"):
         _import_refuses("PDFLASH_FP4_DIRECT_PAIRS", bad, "pdflash_kernels.fragments")
 
 
@@ -649,15 +652,30 @@ def test_persistent_programs_give_the_same_bits(model, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small"])
 def test_direct_pairs_give_the_routed_bits(model, monkeypatch):
-    """A small call without the routing launch (each pair its own block) gives the routed call's bits: alone and as the
-    served path (DIRECT_PAIRS), with a slot table, with padding tokens past n_valid and ids out of range dropped (zero
-    rows, as the routed call gives them), and captured in a CUDA graph."""
+    """A small call without the routing launch (each program grouping the pairs itself) gives the routed call's bits:
+    alone and as the served path (DIRECT_PAIRS), 1 to 128 pairs, spread over experts or all on a token's k experts (an
+    expert's pairs over one block or several: 17-32 pairs an expert), with a slot table, with padding tokens past n_valid
+    and ids out of range dropped (zero rows, as the routed call gives them, also inside a shared expert's group), and
+    captured in a CUDA graph."""
     e, w, fw, x, ids, wts = _moe_case(model, 40, seed=29)
     k = ids.shape[1]
     routed = lambda *a, **kw: _four_launches(*a, **kw)  # noqa: E731 (the routing launch, then the GEMMs and combine)
-    for n in (1, 2, 3):
-        want = routed(x[:n], ids[:n], wts[:n], fw, e)
-        assert torch.equal(F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e, direct=True), want), n
+    few = ids.clone()
+    few[:] = ids[0]  # every token on the first token's k experts
+    half = ids.clone()
+    half[1::2] = ids[0]  # every other token on them
+    for n in (1, 2, 3, 4, 8, 16, 128 // k):
+        for i in (ids, few, half):
+            want = routed(x[:n], i[:n], wts[:n], fw, e)
+            assert torch.equal(F.fragment_moe(x[:n], i[:n], wts[:n], fw, e, direct=True), want), (n, int(i is few))
+    n = 128 // k
+    for i in (few, half):
+        dropped = i[:n].clone()
+        dropped[1, 0] = -1  # a dropped pair inside a shared expert's group (its block's rows move up one)
+        dropped[5 % n, 1] = e
+        nv5 = torch.tensor([n - 3], dtype=torch.int32, device="cuda")
+        want = routed(x[:n], dropped, wts[:n], fw, e, n_valid=nv5)
+        assert torch.equal(F.fragment_moe(x[:n], dropped, wts[:n], fw, e, n_valid=nv5, direct=True), want)
     perm = torch.randperm(e, device="cuda").to(torch.int32)  # experts in other slots of a pool
     import dataclasses
 
@@ -677,19 +695,23 @@ def test_direct_pairs_give_the_routed_bits(model, monkeypatch):
         assert not want[2:].any()  # the padding token's row
     with pytest.raises(ValueError, match="neither copy groups nor a K split"):
         F.fragment_moe(x[:1], ids[:1], wts[:1], fw, e, config=(F.FragTile(4, 2, 4, split=2), F.FragTile()), direct=True)
-    monkeypatch.setattr(F, "DIRECT_PAIRS", 16)
-    n = 16 // k
+    monkeypatch.setattr(F, "DIRECT_PAIRS", 64)
+    n = 64 // k
     assert F.direct_refusal(n, k, fw.hidden, fw.intermediate, *F.frag_config(fw.hidden, fw.intermediate, n * k)) is None
-    want = routed(x[:n], ids[:n], wts[:n], fw, e)
-    assert torch.equal(F.fragment_moe(x[:n], ids[:n], wts[:n], fw, e), want)
-    xs, got = x[:n].clone(), None
-    F.fragment_moe(xs, ids[:n], wts[:n], fw, e)  # (compiled before the capture)
+    want = routed(x[:n], half[:n], wts[:n], fw, e)
+    assert torch.equal(F.fragment_moe(x[:n], half[:n], wts[:n], fw, e), want)
+    xs, hs, got = x[:n].clone(), half[:n].clone(), None
+    F.fragment_moe(xs, hs, wts[:n], fw, e)  # (compiled before the capture)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        got = F.fragment_moe(xs, ids[:n], wts[:n], fw, e)
+        got = F.fragment_moe(xs, hs, wts[:n], fw, e)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)
+    hs.copy_(ids[:n])  # (other routing, the same graph)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, routed(x[:n], ids[:n], wts[:n], fw, e))
 
 
 @cuda
