@@ -1067,10 +1067,18 @@ def persist_grid(programs: int) -> int:
     return most if PERSIST_PER_SM and programs > most else 0
 
 
+# A routing-free call's grid is P blocks, of which (with the grouping, stop 52) only one an expert's 16 pairs is live:
+# PDFLASH_FP4_PERSIST_DIRECT=1 walks those calls' tiles with the persistent grid too (as routed calls of up to
+# `persist_pairs`); off by default until measured (benchmarks/persist_ab.py's dNq columns).
+PERSIST_DIRECT = runtime.env_flag("PDFLASH_FP4_PERSIST_DIRECT", default=False)
+
+
 def uses_persist(tokens: int, topk: int, hidden: int, inter: int, direct: bool) -> bool:
-    """Whether `fragment_moe` asks for persistent GEMMs for this call: a routed call (a call without the routing launch
-    has every block live) of at most `persist_pairs` pairs. `_launch` then walks where `persist_grid` says."""
-    return not direct and tokens * topk <= persist_pairs(hidden, inter)
+    """Whether `fragment_moe` asks for persistent GEMMs for this call: a routed call of at most `persist_pairs` pairs,
+    or a routing-free one where PERSIST_DIRECT. `_launch` then walks where `persist_grid` says."""
+    if direct:
+        return PERSIST_DIRECT
+    return tokens * topk <= persist_pairs(hidden, inter)
 
 
 def persist_pairs(hidden: int, inter: int) -> int:

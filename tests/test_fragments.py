@@ -326,6 +326,8 @@ def test_persist_setting_is_checked(monkeypatch):
     assert F.uses_persist(16, 8, 2048, 768, direct=False) and F.uses_persist(128, 4, 2880, 2880, direct=False)
     assert not F.uses_persist(65, 8, 2048, 768, direct=False)  # 520 pairs
     assert not F.uses_persist(2, 8, 2048, 768, direct=True) and not F.uses_persist(4, 2, 4096, 14336, direct=False)
+    monkeypatch.setattr(F, "PERSIST_DIRECT", True)  # (the routing-free calls on the persistent grid too: opt-in)
+    assert F.uses_persist(16, 8, 2048, 768, direct=True)
     sms = F.runtime.sm_count()
     assert F.persist_grid(8 * sms + 1) == 8 * sms and F.persist_grid(8 * sms) == 0 and F.persist_grid(136 * 24) == 8 * sms
     monkeypatch.setattr(F, "PERSIST_PER_SM", 0)
@@ -657,7 +659,7 @@ def test_direct_pairs_give_the_routed_bits(model, monkeypatch):
     expert's pairs over one block or several: 17-32 pairs an expert), with a slot table, with padding tokens past n_valid
     and ids out of range dropped (zero rows, as the routed call gives them, also inside a shared expert's group), and
     captured in a CUDA graph."""
-    e, w, fw, x, ids, wts = _moe_case(model, 40, seed=29)
+    e, w, fw, x, ids, wts = _moe_case(model, 64, seed=29)
     k = ids.shape[1]
     routed = lambda *a, **kw: _four_launches(*a, **kw)  # noqa: E731 (the routing launch, then the GEMMs and combine)
     few = ids.clone()
@@ -668,6 +670,16 @@ def test_direct_pairs_give_the_routed_bits(model, monkeypatch):
         for i in (ids, few, half):
             want = routed(x[:n], i[:n], wts[:n], fw, e)
             assert torch.equal(F.fragment_moe(x[:n], i[:n], wts[:n], fw, e, direct=True), want), (n, int(i is few))
+    monkeypatch.setattr(F, "PERSIST_DIRECT", True)  # the persistent grid walking a routing-free call's blocks
+    monkeypatch.setattr(F.runtime, "sm_count", lambda device=None: 4)
+    for per_sm in (1, 8):
+        monkeypatch.setattr(F, "PERSIST_PER_SM", per_sm)
+        for n in (2, 128 // k):
+            for i in (ids, few, half):
+                want = routed(x[:n], i[:n], wts[:n], fw, e)
+                got = F.fragment_moe(x[:n], i[:n], wts[:n], fw, e, direct=True)
+                assert torch.equal(got, want), (per_sm, n, int(i is few))
+    monkeypatch.undo()
     n = 128 // k
     for i in (few, half):
         dropped = i[:n].clone()
