@@ -186,7 +186,7 @@ if [[ " $STEPS " == *" direct "* ]]; then  # stop 52: routing-free calls whose p
   grep -E "^\|" "$OUT/direct_ab.txt"
   if [ "${DIRECT_TABLE:-128}" != 0 ]; then
     mkdir -p "$OUT/direct_kernels"
-    PDFLASH_FP4_DIRECT_PAIRS=${DIRECT_TABLE:-128} timeout ${KERNELS_S:-200} python3 benchmarks/kernel_bench.py --out "$OUT/direct_kernels" > "$OUT/direct_kernels/kernels.txt" 2>&1
+    PDFLASH_FP4_DIRECT_GROUP=1 PDFLASH_FP4_DIRECT_PAIRS=${DIRECT_TABLE:-128} timeout ${KERNELS_S:-200} python3 benchmarks/kernel_bench.py --out "$OUT/direct_kernels" > "$OUT/direct_kernels/kernels.txt" 2>&1
     grep -E "\| mxfp4 \| (1|4|16) \|" "$OUT/direct_kernels/"kernels_*.md
   fi
 fi

@@ -10,8 +10,8 @@ setting; and where the served call is the one launch (fragments.ONE_LAUNCH_SHAPE
 Per (model, active experts, tokens per expert; `kernel_bench.routing`): the served call (`moe_forward` on the served
 fragment arena, `kernel_bench.as_served`) timed as `kernel_bench.gpu_time_us` (a CUDA graph replayed; the "us (graph)"
 column of kernel_bench's table) at each setting: "pN", N programs a multiprocessor (p0: one program a tile), and "dN",
-calls of at most N pairs without the routing launch (each program grouping the pairs by expert itself, since stop 52;
-before, each pair its own block) with the served persistent GEMMs, only on rows of at most max(N) pairs, with
+calls of at most N pairs without the routing launch (each program grouping the pairs by expert itself, DIRECT_GROUP,
+since stop 52; --ungrouped: each pair its own block) with the served persistent GEMMs, only on rows of at most max(N) pairs, with
 --direct-persist also "dNq" (those calls on the persistent grid too, fragments.PERSIST_DIRECT), and "o0", the served settings without the one launch, on rows whose served call
 takes it; with --verify-tokens, also verify-shaped calls (A = "rand": T tokens, each routed to
 k distinct experts drawn uniformly, as an untrained router spreads a verify's tokens; the distinct experts in "experts");
@@ -44,7 +44,7 @@ def row_settings(settings: dict, pairs: int, direct: tuple[int, ...], one_launch
 
 
 def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, direct: tuple[int, ...] = (),
-        verify_tokens: tuple[int, ...] = (), direct_persist: bool = False) -> dict:
+        verify_tokens: tuple[int, ...] = (), direct_persist: bool = False, group: bool = True) -> dict:
     from pdflash_kernels import fragments as F
     from pdflash_kernels.installer import expert_weights
     from pdflash_kernels.moe import moe_forward
@@ -52,14 +52,14 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
     rate = copy_rate()
     rows = []
     served = dict(PERSIST_PER_SM=F.PERSIST_PER_SM, PERSIST_PAIRS=F.PERSIST_PAIRS, DIRECT_PAIRS=F.DIRECT_PAIRS,
-                  PERSIST_DIRECT=F.PERSIST_DIRECT,
+                  PERSIST_DIRECT=F.PERSIST_DIRECT, DIRECT_GROUP=F.DIRECT_GROUP,
                   ONE_LAUNCH_PAIRS=F.ONE_LAUNCH_PAIRS)
     settings = {f"p{p}": dict(PERSIST_PER_SM=p) for p in per_sm}
-    settings.update({f"d{d}": dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=d)
+    settings.update({f"d{d}": dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=d, DIRECT_GROUP=group)
                      for d in direct})
     if direct_persist:  # dNq: the routing-free calls on the persistent grid too (fragments.PERSIST_DIRECT)
-        settings.update({f"d{d}q": dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=d, PERSIST_DIRECT=True)
-                         for d in direct})
+        settings.update({f"d{d}q": dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=d, PERSIST_DIRECT=True,
+                                        DIRECT_GROUP=group) for d in direct})
     # o0: the served settings without the one launch (fragments.ONE_LAUNCH_SHAPES: gpt-oss-20b's 8-128 pairs on the H200),
     # on the rows whose served call takes it (there every pN column times the one launch, which has no persistent form)
     settings["o0"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], ONE_LAUNCH_PAIRS=0)
@@ -146,6 +146,8 @@ def main() -> None:
                     "uniformly (A = rand; e.g. 1,2,4,8,16; empty: none)")
     ap.add_argument("--direct-persist", action="store_true", help="also dNq: the routing-free calls on the persistent "
                     "grid (PDFLASH_FP4_PERSIST_DIRECT)")
+    ap.add_argument("--ungrouped", action="store_true", help="dN: each pair its own block (DIRECT_GROUP off; "
+                    "default: on, each program grouping the pairs by expert)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -158,7 +160,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("persist_ab.py times CUDA kernels: no CUDA device here")
     verify = tuple(int(t) for t in args.verify_tokens.split(",") if t)
-    res = run(per_sm, models, [int(t) for t in args.tokens.split(",")], args.rounds, direct, verify, args.direct_persist)
+    res = run(per_sm, models, [int(t) for t in args.tokens.split(",")], args.rounds, direct, verify, args.direct_persist,
+              not args.ungrouped)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"persist_ab_{device_tag()}"

@@ -444,7 +444,8 @@ if gluon is not None:
                    BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
                    SPLIT: gl.constexpr, SS: gl.constexpr, PDL: gl.constexpr = 0, STAGES: gl.constexpr = 0,
                    XRING: gl.constexpr = 0, DIRECT: gl.constexpr = 0, E: gl.constexpr = 0, HAS_SLOT: gl.constexpr = 0,
-                   HAS_NVALID: gl.constexpr = 0, PERSIST: gl.constexpr = 0, DP: gl.constexpr = 16):
+                   HAS_NVALID: gl.constexpr = 0, PERSIST: gl.constexpr = 0, DP: gl.constexpr = 16,
+                   GROUP: gl.constexpr = 0):
         """One program: routing block program_id(0) x NT 16-row weight tiles (program_id(1)) x K range program_id(2).
         EPI 0: y (float32) at the block's rows = x[pair // TOPK] @ w^T (EPI 3: x[block row] @ w^T); EPI 1 (gate/up,
         rows [gates; ups] as `gate_up_order` stores them, N = I): the program's tiles are NT / 2 gate tiles and the NT / 2
@@ -458,7 +459,8 @@ if gluon is not None:
         by pair b, its expert read from the top-k ids (pairs_ptr: ids [P], P <= DP), its slot from slot_ptr's table
         (HAS_SLOT) or the id; a pair of an id outside [0, E) or of a token at or past n_valid (nblocks_ptr, HAS_NVALID)
         is dropped, and the gate/up programs of tile column 0 write each pair's keep flag to phase_ptr (the combine's
-        pair_valid, as `moe.align` defines it). Each program groups the pairs itself (`_same_expert`, one load of
+        pair_valid, as `moe.align` defines it). GROUP 0: each pair its own block (its row 0). GROUP 1
+        (`DIRECT_GROUP`): each program groups the pairs itself (`_same_expert`, one load of
         the ids): b leads a block where it is its expert's 0th, 16th, ... kept pair, the block's rows that pair and
         its expert's next 15 (`_group_rows`), as a routed block holds them; the other blocks are empty, so an expert's
         weights are read once for its pairs, not once a pair. The same products in the same order as the routed
@@ -481,7 +483,7 @@ if gluon is not None:
                     x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr, w_ptr, stride_ws,
                     s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit, N,
                     K, TOPK, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, PHASE, BM, NT, KQS, W, PREFETCH,
-                    SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, DP)
+                    SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, DP, GROUP)
                 gl.thread_barrier()  # (the next tile's stores into the shared buffers wait for every warp's reads)
                 tile += gl.num_programs(0)
         else:
@@ -492,7 +494,7 @@ if gluon is not None:
                 x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr, w_ptr, stride_ws,
                 s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit, N,
                 K, TOPK, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, PHASE, BM, NT, KQS, W, PREFETCH,
-                SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, DP)
+                SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, DP, GROUP)
 
     @gluon.jit
     def _same_expert(pairs_ptr, b, eid, P, nv, TOPK: gl.constexpr, DP: gl.constexpr, W: gl.constexpr):
@@ -526,7 +528,7 @@ if gluon is not None:
                    BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
                    SPLIT: gl.constexpr, SS: gl.constexpr, STAGES: gl.constexpr,
                    XRING: gl.constexpr, DIRECT: gl.constexpr, E: gl.constexpr, HAS_SLOT: gl.constexpr,
-                   HAS_NVALID: gl.constexpr, DP: gl.constexpr = 16):
+                   HAS_NVALID: gl.constexpr, DP: gl.constexpr = 16, GROUP: gl.constexpr = 0):
         """One tile of `_frag_gemm`: routing block b x weight tiles pid_n x K range pid_s (NTL weight tiles a block)."""
         BN: gl.constexpr = NT * 16
         WL: gl.constexpr = _layout("w", W)
@@ -548,8 +550,11 @@ if gluon is not None:
                     gl.store(phase_ptr + b, kept)
             # the kept pairs of b's expert (all DP <= 128 ids, one load): b leads a block where it is the 0th, 16th,
             # ... of them in pair order, the block's rows that one and the next BM - 1 (`_group_rows`)
-            same, before = _same_expert(pairs_ptr, b, eid, P, nv, TOPK, DP, W)
-            live = kept & (before % BM == 0)
+            if GROUP:
+                same, before = _same_expert(pairs_ptr, b, eid, P, nv, TOPK, DP, W)
+                live = kept & (before % BM == 0)
+            else:  # (each pair its own block, row 0: the form before stop 52)
+                live = kept
             if HAS_SLOT:
                 slot = gl.load(slot_ptr + gl.where(kept, eid, 0))
             else:
@@ -563,7 +568,10 @@ if gluon is not None:
             # the block's rows (the MMA's N side), loaded once a step for all warps through shared memory
             mx = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
             if DIRECT:
-                pair_x = gl.convert_layout(_group_rows(same, before, P, BM, DP, W), gl.SliceLayout(1, XL))
+                if GROUP:
+                    pair_x = gl.convert_layout(_group_rows(same, before, P, BM, DP, W), gl.SliceLayout(1, XL))
+                else:
+                    pair_x = gl.where(mx == 0, b, P)
             else:
                 pair_x = gl.load(pairs_ptr + b * BM + mx)
             xok = pair_x < P
@@ -587,7 +595,10 @@ if gluon is not None:
             # the program's output: acc [BN, BM], row = weight row (tile * 16 + r), column m = the block's row m
             mr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
             if DIRECT:
-                pair = gl.convert_layout(_group_rows(same, before, P, BM, DP, W), gl.SliceLayout(0, MMA))
+                if GROUP:
+                    pair = gl.convert_layout(_group_rows(same, before, P, BM, DP, W), gl.SliceLayout(0, MMA))
+                else:
+                    pair = gl.where(mr == 0, b, P)
             else:
                 pair = gl.load(pairs_ptr + b * BM + mr)
             p_ok = pair < P
@@ -900,7 +911,7 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
             raise ValueError(f"a call without the routing launch takes neither copy groups nor a K split (tile {tile})")
         args = (r.ids, r.slot_of_expert if r.slot_of_expert is not None else r.ids,
                 r.n_valid if r.n_valid is not None else r.ids, r.pair_valid)
-        dkw = dict(DIRECT=1, E=r.num_experts, DP=max(16, triton_next_pow2(r.num_pairs)),
+        dkw = dict(DIRECT=1, E=r.num_experts, DP=max(16, triton_next_pow2(r.num_pairs)), GROUP=int(DIRECT_GROUP),
                    HAS_SLOT=int(r.slot_of_expert is not None),
                    HAS_NVALID=int(r.n_valid is not None))
     else:
@@ -1021,10 +1032,13 @@ SIZE_TILES = runtime.env_flag("PDFLASH_FP4_SIZE_TILES", default=True)
 # most DIRECT_MOST).
 # Stop 52: each pair was its own block, so an expert's weights were read once a pair: on an H100 (stop52_gpu/call1,
 # `persist_ab.py`, served / DIRECT_PAIRS 32) Qwen3-30B-A3B's 32-pair calls ran 26.6 / 33.3 us on 8 experts x 4 tokens,
-# but 44.7 / 39.8 on 32 x 1 and 43.2 / 38.6 on a 4-token verify's 29 experts; gpt-oss-20b 8 x 4 63.4 / 131.6. Now each
-# program groups the pairs itself (`_same_expert` / `_group_rows`: one load of the <= 128 ids), so a block holds an
+# but 44.7 / 39.8 on 32 x 1 and 43.2 / 38.6 on a 4-token verify's 29 experts; gpt-oss-20b 8 x 4 63.4 / 131.6. With
+# DIRECT_GROUP each program groups the pairs itself (`_same_expert` / `_group_rows`: one load of the <= 128 ids), so a block holds an
 # expert's pairs as a routed block does and an expert's weights are read once for its pairs.
 DIRECT_MOST = 128
+# PDFLASH_FP4_DIRECT_GROUP=1: the grouping above (off: each pair its own block, the form measured and GPU-tested up to
+# stop 51). Off by default until its GPU bits test has passed (written at stop 52 with no GPU run yet).
+DIRECT_GROUP = runtime.env_flag("PDFLASH_FP4_DIRECT_GROUP", default=False)
 _DIRECT = os.environ.get("PDFLASH_FP4_DIRECT_PAIRS") or "16"
 if not (_DIRECT.isdigit() and int(_DIRECT) <= DIRECT_MOST):
     raise ValueError(f"PDFLASH_FP4_DIRECT_PAIRS must be a number of pairs from 0 (off) to {DIRECT_MOST}, got {_DIRECT!r}")

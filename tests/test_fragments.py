@@ -280,7 +280,7 @@ def test_direct_pair_kernel_compiles_for_sm90(n, k, tile, epi, has_slot, has_nva
     nt, kqs, warps, pf, split, stages, xring = F.FragTile.parse(tile)
     const = dict(N=n // 2 if epi == 1 else n, K=k, TOPK=8, EPI=epi, ACT=0, HAS_BIAS=False, ROW_MUL=1, UP_OFF=0, PHASE=0,
                  BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf, SPLIT=1, SS=k // 64 // kqs, STAGES=stages, XRING=xring,
-                 DIRECT=1, E=128, HAS_SLOT=has_slot, HAS_NVALID=has_nvalid, DP=dp)
+                 DIRECT=1, E=128, HAS_SLOT=has_slot, HAS_NVALID=has_nvalid, DP=dp, GROUP=int(dp > 16))
     sig = dict(SIG, out_ptr="*bf16" if epi == 1 else "*fp32", pairs_ptr="*i64", phase_ptr="*i1",
                **{c: "constexpr" for c in const})
     kern = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
@@ -305,7 +305,7 @@ def test_persistent_kernel_compiles_for_sm90(n, k, tile, epi, direct, monkeypatc
     split, ss = F.split_plan(k // 64, kqs, split)
     const = dict(N=n // 2 if epi == 1 else n, K=k, TOPK=8, EPI=epi, ACT=0, HAS_BIAS=False, ROW_MUL=1, UP_OFF=0, PHASE=0,
                  BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf, SPLIT=split, SS=ss, STAGES=stages, XRING=xring,
-                 DIRECT=direct, E=128, HAS_SLOT=0, HAS_NVALID=0, PERSIST=1, DP=64)
+                 DIRECT=direct, E=128, HAS_SLOT=0, HAS_NVALID=0, PERSIST=1, DP=64, GROUP=1)
     sig = dict(SIG, out_ptr="*bf16" if epi == 1 else "*fp32", **{c: "constexpr" for c in const})
     if direct:
         sig.update(pairs_ptr="*i64", phase_ptr="*i1")
@@ -666,10 +666,13 @@ def test_direct_pairs_give_the_routed_bits(model, monkeypatch):
     few[:] = ids[0]  # every token on the first token's k experts
     half = ids.clone()
     half[1::2] = ids[0]  # every other token on them
-    for n in (1, 2, 3, 4, 8, 16, 128 // k):
-        for i in (ids, few, half):
-            want = routed(x[:n], i[:n], wts[:n], fw, e)
-            assert torch.equal(F.fragment_moe(x[:n], i[:n], wts[:n], fw, e, direct=True), want), (n, int(i is few))
+    for group in (False, True):  # each pair its own block / each program grouping the pairs by expert
+        monkeypatch.setattr(F, "DIRECT_GROUP", group)
+        for n in (1, 2, 3, 4, 8, 16, 128 // k):
+            for i in (ids, few, half):
+                want = routed(x[:n], i[:n], wts[:n], fw, e)
+                got = F.fragment_moe(x[:n], i[:n], wts[:n], fw, e, direct=True)
+                assert torch.equal(got, want), (group, n, int(i is few))
     monkeypatch.setattr(F, "PERSIST_DIRECT", True)  # the persistent grid walking a routing-free call's blocks
     monkeypatch.setattr(F.runtime, "sm_count", lambda device=None: 4)
     for per_sm in (1, 8):
@@ -680,6 +683,7 @@ def test_direct_pairs_give_the_routed_bits(model, monkeypatch):
                 got = F.fragment_moe(x[:n], i[:n], wts[:n], fw, e, direct=True)
                 assert torch.equal(got, want), (per_sm, n, int(i is few))
     monkeypatch.undo()
+    monkeypatch.setattr(F, "DIRECT_GROUP", True)
     n = 128 // k
     for i in (few, half):
         dropped = i[:n].clone()
