@@ -1036,8 +1036,16 @@ SIZE_TILES = runtime.env_flag("PDFLASH_FP4_SIZE_TILES", default=True)
 # DIRECT_GROUP each program groups the pairs itself (`_same_expert` / `_group_rows`: one load of the <= 128 ids), so a block holds an
 # expert's pairs as a routed block does and an expert's weights are read once for its pairs.
 DIRECT_MOST = 128
-# PDFLASH_FP4_DIRECT_GROUP=1: the grouping above (off: each pair its own block, the form measured and GPU-tested up to
-# stop 51). Off by default until its GPU bits test has passed (written at stop 52 with no GPU run yet).
+# PDFLASH_FP4_DIRECT_GROUP=1: the grouping above (off: each pair its own block). Its bits test passed on the H100 at
+# stop 52 (`test_direct_pairs_give_the_routed_bits`, both forms, persistent too), but the A/B was mixed, so it stays
+# opt-in (H100, stop52_gpu/call2 against call1, `persist_ab.py`, us, served / grouped / grouped + PERSIST_DIRECT at the
+# call's pairs): it removed the per-pair reads where pairs share experts (gpt-oss 8 x 4: 63.7 / 61.5 / 59.5, where
+# one-pair blocks took 131.6; Qwen3 8 x 16: 32.6 / 38.2 / 26.9; 32 x 4: 54.1 / 49.0 / 46.4) and helped a 16-token
+# verify's 128 pairs on 81 experts without the persistent grid (99.6 / 95.7 / 101.8), but on calls of 32 pairs on
+# ~30 experts every program's grouping cost more than the reads it saved (Qwen3 32 x 1: 46.4 / 48.9, one-pair blocks
+# 39.8 in call 1; a 4-token verify: 44.5 / 45.7, one-pair blocks 38.6) and gpt-oss's 128-pair calls lost 1-5%.
+# Untried: group once, in the gate/up launch's first tile column, writing the rows and slots as a routing's tables, so
+# the down launch runs as a routed one and only one launch pays the grouping.
 DIRECT_GROUP = runtime.env_flag("PDFLASH_FP4_DIRECT_GROUP", default=False)
 _DIRECT = os.environ.get("PDFLASH_FP4_DIRECT_PAIRS") or "16"
 if not (_DIRECT.isdigit() and int(_DIRECT) <= DIRECT_MOST):
@@ -1083,7 +1091,8 @@ def persist_grid(programs: int) -> int:
 
 # A routing-free call's grid is P blocks, of which (with the grouping, stop 52) only one an expert's 16 pairs is live:
 # PDFLASH_FP4_PERSIST_DIRECT=1 walks those calls' tiles with the persistent grid too (as routed calls of up to
-# `persist_pairs`); off by default until measured (benchmarks/persist_ab.py's dNq columns).
+# `persist_pairs`); opt-in: with DIRECT_GROUP it won where 128 pairs share few experts (Qwen3 8 x 16 26.9 against 32.6
+# us served) and lost on a verify's spread ones (101.8 against 99.6; H100, stop 52, persist_ab.py's dNq columns).
 PERSIST_DIRECT = runtime.env_flag("PDFLASH_FP4_PERSIST_DIRECT", default=False)
 
 
