@@ -179,9 +179,10 @@ if [[ " $STEPS " == *" persist "* ]]; then  # PDFLASH_FP4_PERSIST (a fixed grid 
   fi
 fi
 if [[ " $STEPS " == *" direct "* ]]; then  # stop 52: routing-free calls whose programs group the pairs themselves (DIRECT_PAIRS up to 128): their bits tests, the A/B (d16..d128) on issue 12's small rows and verify-shaped rows, then issue 12's table at DIRECT_TABLE pairs (~8 min; not in `all`)
-  timeout ${DIRECT_TESTS_S:-200} python3 -m pytest -v -rfE -p no:cacheprovider tests/test_fragments.py -k "direct or persistent_programs" > "$OUT/direct_tests.txt" 2>&1
+  timeout ${DIRECT_TESTS_S:-200} python3 -m pytest -v -rfE -p no:cacheprovider tests/test_fragments.py -k "${DIRECT_K:-direct or persistent_programs}" > "$OUT/direct_tests.txt" 2>&1
   grep -E "PASSED|FAILED|ERROR" "$OUT/direct_tests.txt" | tail -12
   timeout ${DIRECT_S:-170} python3 benchmarks/persist_ab.py --per-sm 8 --direct-pairs ${DIRECT_AB:-16,32,64,128} --direct-persist --tokens 1,4,16 \
+    --models ${DIRECT_MODELS:-qwen3-30b-a3b,gpt-oss-20b} \
     --verify-tokens ${DIRECT_VERIFY:-1,2,4,8,16} --out "$OUT" > "$OUT/direct_ab.txt" 2>&1
   grep -E "^\|" "$OUT/direct_ab.txt"
   if [ "${DIRECT_TABLE:-128}" != 0 ]; then

@@ -439,13 +439,13 @@ if gluon is not None:
     @gluon.jit
     def _frag_gemm(x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr,
                    w_ptr, stride_ws, s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit,
-                   N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr,
+                   tab_ptr, N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr,
                    HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, PHASE: gl.constexpr,
                    BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
                    SPLIT: gl.constexpr, SS: gl.constexpr, PDL: gl.constexpr = 0, STAGES: gl.constexpr = 0,
                    XRING: gl.constexpr = 0, DIRECT: gl.constexpr = 0, E: gl.constexpr = 0, HAS_SLOT: gl.constexpr = 0,
                    HAS_NVALID: gl.constexpr = 0, PERSIST: gl.constexpr = 0, DP: gl.constexpr = 16,
-                   GROUP: gl.constexpr = 0):
+                   GROUP: gl.constexpr = 0, TAB: gl.constexpr = 0):
         """One program: routing block program_id(0) x NT 16-row weight tiles (program_id(1)) x K range program_id(2).
         EPI 0: y (float32) at the block's rows = x[pair // TOPK] @ w^T (EPI 3: x[block row] @ w^T); EPI 1 (gate/up,
         rows [gates; ups] as `gate_up_order` stores them, N = I): the program's tiles are NT / 2 gate tiles and the NT / 2
@@ -481,9 +481,9 @@ if gluon is not None:
             while tile < nb * (NTL * SPLIT):
                 _frag_tile(tile // (NTL * SPLIT), tile % (NTL * SPLIT) // SPLIT, tile % SPLIT, NTL,
                     x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr, w_ptr, stride_ws,
-                    s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit, N,
+                    s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit, tab_ptr, N,
                     K, TOPK, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, PHASE, BM, NT, KQS, W, PREFETCH,
-                    SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, DP, GROUP)
+                    SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, DP, GROUP, TAB)
                 gl.thread_barrier()  # (the next tile's stores into the shared buffers wait for every warp's reads)
                 tile += gl.num_programs(0)
         else:
@@ -492,9 +492,9 @@ if gluon is not None:
                 pid_s = gl.program_id(2)
             _frag_tile(gl.program_id(0), gl.program_id(1), pid_s, NTL,
                 x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr, w_ptr, stride_ws,
-                s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit, N,
+                s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit, tab_ptr, N,
                 K, TOPK, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, PHASE, BM, NT, KQS, W, PREFETCH,
-                SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, DP, GROUP)
+                SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, DP, GROUP, TAB)
 
     @gluon.jit
     def _same_expert(pairs_ptr, b, eid, P, nv, TOPK: gl.constexpr, DP: gl.constexpr, W: gl.constexpr):
@@ -523,12 +523,12 @@ if gluon is not None:
     @gluon.jit
     def _frag_tile(b, pid_n, pid_s, NTL: gl.constexpr, x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr,
                    nblocks_ptr, phase_ptr, w_ptr, stride_ws, s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit,
-                   N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr,
+                   tab_ptr, N: gl.constexpr, K: gl.constexpr, TOPK: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr,
                    HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, PHASE: gl.constexpr,
                    BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
                    SPLIT: gl.constexpr, SS: gl.constexpr, STAGES: gl.constexpr,
                    XRING: gl.constexpr, DIRECT: gl.constexpr, E: gl.constexpr, HAS_SLOT: gl.constexpr,
-                   HAS_NVALID: gl.constexpr, DP: gl.constexpr = 16, GROUP: gl.constexpr = 0):
+                   HAS_NVALID: gl.constexpr, DP: gl.constexpr = 16, GROUP: gl.constexpr = 0, TAB: gl.constexpr = 0):
         """One tile of `_frag_gemm`: routing block b x weight tiles pid_n x K range pid_s (NTL weight tiles a block)."""
         BN: gl.constexpr = NT * 16
         WL: gl.constexpr = _layout("w", W)
@@ -559,6 +559,11 @@ if gluon is not None:
                 slot = gl.load(slot_ptr + gl.where(kept, eid, 0))
             else:
                 slot = eid
+            if TAB:  # (gate/up, grouped) the grouping as a routing's tables for the down launch: block slots, count
+                if pid_n == 0:
+                    gl.store(tab_ptr + P * BM + b, gl.where(live, slot, -1))
+                    if b == 0:
+                        gl.store(tab_ptr + P * BM + P, P)
         else:
             live = b < gl.load(nblocks_ptr)
             if PHASE != 0:
@@ -570,6 +575,9 @@ if gluon is not None:
             if DIRECT:
                 if GROUP:
                     pair_x = gl.convert_layout(_group_rows(same, before, P, BM, DP, W), gl.SliceLayout(1, XL))
+                    if TAB:  # (and the block's rows)
+                        if pid_n == 0:
+                            gl.store(tab_ptr + b * BM + mx, pair_x)
                 else:
                     pair_x = gl.where(mx == 0, b, P)
             else:
@@ -886,9 +894,18 @@ class DirectPairs(typing.NamedTuple):
     num_pairs: int
 
 
+def grouped_routing(tab: torch.Tensor, r: DirectPairs) -> Routing:
+    """The routing a grouped routing-free gate/up launch wrote into `tab` (P blocks of 16 rows, block b led by pair b;
+    a block that leads none has slot -1): the down launch runs on it as on `align`'s, without grouping again."""
+    p = r.num_pairs
+    return Routing(tab[: p * 16], tab[p * 16 : p * 17], tab[p * 17 :], r.pair_valid, p, p)
+
+
 def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, epi: int, tile: FragTile,
             phase: int = 0, bias=None, act: int = 0, row_mul: int = 1, up_off: int = 0, rw=None, alpha: float = 1.702,
-            limit: float = 7.0, persist: bool = False):
+            limit: float = 7.0, persist: bool = False, tab=None):
+    """One fragment GEMM launch. `tab` (a grouped routing-free gate/up launch): int32 [P * 16 + P + 1] that launch fills
+    with its grouping as a routing's sorted pairs, block slots and block count (`grouped_routing`)."""
     if gluon is None:
         raise RuntimeError("the fragment GEMMs need Triton's Gluon (triton >= 3.5)")
     if x.device.type != "cuda":
@@ -911,7 +928,10 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
             raise ValueError(f"a call without the routing launch takes neither copy groups nor a K split (tile {tile})")
         args = (r.ids, r.slot_of_expert if r.slot_of_expert is not None else r.ids,
                 r.n_valid if r.n_valid is not None else r.ids, r.pair_valid)
+        if tab is not None and (epi != 1 or not DIRECT_GROUP or tab.numel() != r.num_pairs * 17 + 1):
+            raise ValueError("a routing table comes from a grouped routing-free gate/up launch, [P * 17 + 1] int32")
         dkw = dict(DIRECT=1, E=r.num_experts, DP=max(16, triton_next_pow2(r.num_pairs)), GROUP=int(DIRECT_GROUP),
+                   TAB=int(tab is not None),
                    HAS_SLOT=int(r.slot_of_expert is not None),
                    HAS_NVALID=int(r.n_valid is not None))
     else:
@@ -940,6 +960,7 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
     b = bias if bias is not None else x
     _frag_gemm[grid](x, x.stride(0), out, out.stride(0), *args, words, words.stride(0), swords, swords.stride(0),
                      b, b.stride(0), rw if rw is not None else x, ws, cnt, rows, r.num_pairs, float(alpha), float(limit),
+                     tab if tab is not None else args[1],
                      N=n, K=k, TOPK=topk, EPI=epi, ACT=act, HAS_BIAS=bias is not None, ROW_MUL=row_mul, UP_OFF=up_off,
                      PHASE=phase, BM=bm, NT=nt, KQS=kqs, W=num_warps, PREFETCH=int(prefetch), SPLIT=split, SS=ss,
                      PDL=PDL_MODE, STAGES=stages, XRING=xring, PERSIST=int(walk > 0), num_warps=num_warps, **dkw,
@@ -1393,12 +1414,16 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     y = torch.empty((r.num_pairs, hdim), dtype=torch.float32, device=dev)
     rw = topk_weights.reshape(-1).contiguous()
     out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
+    tab = None
+    if direct and DIRECT_GROUP:  # the gate/up launch groups the pairs once and hands the down launch a routing
+        tab = torch.empty(r.num_pairs * 17 + 1, dtype=torch.int32, device=dev)
     for ph in phases:
         if ph >= 2 and between is not None:
             between(ph - 1)
         _launch(x, r, fw.w1, fw.s1, h, inter, topk, 1, t1, ph, fw.b1, fw.act, fw.row_mul, fw.up_off, alpha=fw.alpha,
-                limit=fw.limit, persist=persist)
-        _launch(h, r, fw.w2, fw.s2, y, hdim, topk, 2, t2, ph, fw.b2, rw=rw, persist=persist)
+                limit=fw.limit, persist=persist, tab=tab)
+        r2 = r if tab is None else grouped_routing(tab, r)
+        _launch(h, r2, fw.w2, fw.s2, y, hdim, topk, 2, t2, ph, fw.b2, rw=rw, persist=persist)
     block = min(1024, _moe.triton_next_pow2(hdim))
     _moe._moe_combine[(t, triton_cdiv(hdim, block))](y, r.pair_valid, out, hdim, TOPK=topk, BLOCK=block, EMULATE=False,
                                                       **_moe.runtime.pdl_launch())

@@ -220,7 +220,7 @@ needs_gluon = pytest.mark.skipif(F.gluon is None, reason="needs Triton's Gluon")
 SIG = {"x_ptr": "*bf16", "stride_x": "i32", "out_ptr": "*fp32", "stride_o": "i32", "pairs_ptr": "*i32", "slot_ptr": "*i32",
        "nblocks_ptr": "*i32", "phase_ptr": "*i32", "w_ptr": "*i32", "stride_ws": "i32", "s_ptr": "*i32", "stride_ss": "i32",
        "b_ptr": "*bf16", "stride_b": "i32", "rw_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "R": "i32",
-       "P": "i32", "alpha": "fp32", "limit": "fp32"}
+       "P": "i32", "alpha": "fp32", "limit": "fp32", "tab_ptr": "*i32"}
 
 
 @needs_gluon
@@ -280,7 +280,8 @@ def test_direct_pair_kernel_compiles_for_sm90(n, k, tile, epi, has_slot, has_nva
     nt, kqs, warps, pf, split, stages, xring = F.FragTile.parse(tile)
     const = dict(N=n // 2 if epi == 1 else n, K=k, TOPK=8, EPI=epi, ACT=0, HAS_BIAS=False, ROW_MUL=1, UP_OFF=0, PHASE=0,
                  BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf, SPLIT=1, SS=k // 64 // kqs, STAGES=stages, XRING=xring,
-                 DIRECT=1, E=128, HAS_SLOT=has_slot, HAS_NVALID=has_nvalid, DP=dp, GROUP=int(dp > 16))
+                 DIRECT=1, E=128, HAS_SLOT=has_slot, HAS_NVALID=has_nvalid, DP=dp, GROUP=int(dp > 16),
+                 TAB=int(dp > 16 and epi == 1))
     sig = dict(SIG, out_ptr="*bf16" if epi == 1 else "*fp32", pairs_ptr="*i64", phase_ptr="*i1",
                **{c: "constexpr" for c in const})
     kern = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
@@ -1017,6 +1018,18 @@ def test_persist_ab_table_names_every_setting_and_the_best():
     old = dict(device="d", copy_rate_bytes_per_s=3.0e12, per_sm=[0, 8],
                rows=[dict(row, us={"0": 43.3, "8": 32.5}, hbm_fraction={"0": 0.154, "8": 0.205}, best=8)])
     assert table(old)[-1] == "| qwen3-30b-a3b | 8 | 16 | 128 | 8 | 43.3 | 32.5 | p8 | 20% | 15% | True |"
+
+
+def test_grouped_routing_views_the_gate_up_launchs_table():
+    """A grouped routing-free gate/up launch's table [P * 16 rows | P block slots | the block count] read as the
+    routing the down launch runs on: P blocks of 16 rows, the keep flags the gate/up launch wrote."""
+    p = 5
+    tab = torch.arange(p * 17 + 1, dtype=torch.int32)
+    r = F.DirectPairs(torch.zeros(p, dtype=torch.long), None, None, torch.ones(p, dtype=torch.bool), 8, p)
+    g = F.grouped_routing(tab, r)
+    assert g.max_blocks == g.num_pairs == p and g.sorted_pairs.numel() == 16 * p and g.pair_valid is r.pair_valid
+    assert g.block_slot.tolist() == list(range(16 * p, 17 * p)) and g.num_blocks.tolist() == [17 * p]
+    assert g.sorted_pairs.data_ptr() == tab.data_ptr()  # (views: the down launch reads what the gate/up launch wrote)
 
 
 def test_persist_ab_rows_run_the_settings_that_apply_to_them():
