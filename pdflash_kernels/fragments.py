@@ -505,7 +505,8 @@ if gluon is not None:
         ids = gl.load(pairs_ptr + q, mask=q < P, other=-1).to(gl.int32)
         same = (ids == eid) & (q < P) & (q // TOPK < nv)
         before = _reduce_add(gl.where(same & (q < b), 1, 0), 0)
-        return same, before
+        alone = _reduce_add(same.to(gl.int32), 0) == 1  # (b's expert has no other pair: its block is b alone)
+        return same, before, alone
 
     @gluon.jit
     def _group_rows(same, before, P, BM: gl.constexpr, DP: gl.constexpr, W: gl.constexpr):
@@ -551,7 +552,7 @@ if gluon is not None:
             # the kept pairs of b's expert (all DP <= 128 ids, one load): b leads a block where it is the 0th, 16th,
             # ... of them in pair order, the block's rows that one and the next BM - 1 (`_group_rows`)
             if GROUP:
-                same, before = _same_expert(pairs_ptr, b, eid, P, nv, TOPK, DP, W)
+                same, before, alone = _same_expert(pairs_ptr, b, eid, P, nv, TOPK, DP, W)
                 live = kept & (before % BM == 0)
             else:  # (each pair its own block, row 0: the form before stop 52)
                 live = kept
@@ -574,7 +575,10 @@ if gluon is not None:
             mx = gl.arange(0, BM, layout=gl.SliceLayout(1, XL))
             if DIRECT:
                 if GROUP:
-                    pair_x = gl.convert_layout(_group_rows(same, before, P, BM, DP, W), gl.SliceLayout(1, XL))
+                    if alone:  # (a spread call's usual block: no scan, no reduction)
+                        pair_x = gl.where(mx == 0, b, P)
+                    else:
+                        pair_x = gl.convert_layout(_group_rows(same, before, P, BM, DP, W), gl.SliceLayout(1, XL))
                     if TAB:  # (and the block's rows)
                         if pid_n == 0:
                             gl.store(tab_ptr + b * BM + mx, pair_x)
@@ -604,7 +608,7 @@ if gluon is not None:
             mr = gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
             if DIRECT:
                 if GROUP:
-                    pair = gl.convert_layout(_group_rows(same, before, P, BM, DP, W), gl.SliceLayout(0, MMA))
+                    pair = gl.convert_layout(pair_x, gl.SliceLayout(0, MMA))  # (the rows found before the K loop)
                 else:
                     pair = gl.where(mr == 0, b, P)
             else:
