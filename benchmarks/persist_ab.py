@@ -11,12 +11,12 @@ Per (model, active experts, tokens per expert; `kernel_bench.routing`): the serv
 fragment arena, `kernel_bench.as_served`) timed as `kernel_bench.gpu_time_us` (a CUDA graph replayed; the "us (graph)"
 column of kernel_bench's table) at each setting: "pN", N programs a multiprocessor (p0: one program a tile), and "dN",
 calls of at most N pairs without the routing launch (each program grouping the pairs by expert itself, DIRECT_GROUP,
-since stop 52; --ungrouped: each pair its own block) with the served persistent GEMMs, only on rows of at most max(N) pairs, with
---direct-persist also "dNq" (those calls on the persistent grid too, fragments.PERSIST_DIRECT), and "o0", the served settings without the one launch, on rows whose served call
-takes it; with --verify-tokens, also verify-shaped calls (A = "rand": T tokens, each routed to
-k distinct experts drawn uniformly, as an untrained router spreads a verify's tokens; the distinct experts in "experts");
-the settings interleaved round by round, every setting's output checked
-bit-identical to the first's (the same tile programs, the same sums). Prints a table; writes
+since stop 52; --ungrouped: each pair its own block) with the served persistent GEMMs, only on rows of at most max(N)
+pairs; with --direct-persist also "dNq" (those calls on the persistent grid too, fragments.PERSIST_DIRECT); and "o0",
+the served settings without the one launch, on rows whose served call takes it. With --verify-tokens, also
+verify-shaped calls (A = "rand": T tokens, each routed to k distinct experts drawn uniformly, as an untrained router
+spreads a verify's tokens; the distinct experts in "experts"). The settings interleaved round by round, every setting's
+output checked bit-identical to the first's (the same tile programs, the same sums). Prints a table; writes
 persist_ab_<device>.json (`kernel_bench.device_tag`).
 """
 

@@ -934,7 +934,8 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
                 r.n_valid if r.n_valid is not None else r.ids, r.pair_valid)
         if tab is not None and (epi != 1 or not DIRECT_GROUP or tab.numel() != r.num_pairs * 17 + 1):
             raise ValueError("a routing table comes from a grouped routing-free gate/up launch, [P * 17 + 1] int32")
-        dkw = dict(DIRECT=1, E=r.num_experts, DP=max(16, triton_next_pow2(r.num_pairs)), GROUP=int(DIRECT_GROUP),
+        dp = max(16, triton_next_pow2(r.num_pairs)) if DIRECT_GROUP else 16  # (read only when grouping: one variant else)
+        dkw = dict(DIRECT=1, E=r.num_experts, DP=dp, GROUP=int(DIRECT_GROUP),
                    TAB=int(tab is not None),
                    HAS_SLOT=int(r.slot_of_expert is not None),
                    HAS_NVALID=int(r.n_valid is not None))
@@ -1064,13 +1065,13 @@ DIRECT_MOST = 128
 # PDFLASH_FP4_DIRECT_GROUP=1: the grouping above (off: each pair its own block). Its bits test passed on the H100 at
 # stop 52 (`test_direct_pairs_give_the_routed_bits`, both forms, persistent too), but the A/B was mixed, so it stays
 # opt-in (H100, stop52_gpu/call2 against call1, `persist_ab.py`, us, served / grouped / grouped + PERSIST_DIRECT at the
-# call's pairs): it removed the per-pair reads where pairs share experts (gpt-oss 8 x 4: 63.7 / 61.5 / 59.5, where
+# call's pairs): it removed the per-pair reads where pairs share experts (gpt-oss 8 x 4: 63.7 / 61.5 / 60.3, where
 # one-pair blocks took 131.6; Qwen3 8 x 16: 32.6 / 38.2 / 26.9; 32 x 4: 54.1 / 49.0 / 46.4) and helped a 16-token
 # verify's 128 pairs on 81 experts without the persistent grid (99.6 / 95.7 / 101.8), but on calls of 32 pairs on
 # ~30 experts every program's grouping cost more than the reads it saved (Qwen3 32 x 1: 46.4 / 48.9, one-pair blocks
-# 39.8 in call 1; a 4-token verify: 44.5 / 45.7, one-pair blocks 38.6) and gpt-oss's 128-pair calls lost 1-5%.
-# Untried: group once, in the gate/up launch's first tile column, writing the rows and slots as a routing's tables, so
-# the down launch runs as a routed one and only one launch pays the grouping.
+# 39.8 in call 1; a 4-token verify: 44.5 / 45.7, one-pair blocks 38.6) and gpt-oss's 128-pair calls lost 2-6%.
+# Written, not yet run on a GPU (branch group-once): group once, in the gate/up launch's first tile column, writing the
+# rows and slots as a routing's tables, so the down launch runs as a routed one and only one launch pays the grouping.
 DIRECT_GROUP = runtime.env_flag("PDFLASH_FP4_DIRECT_GROUP", default=False)
 _DIRECT = os.environ.get("PDFLASH_FP4_DIRECT_PAIRS") or "16"
 if not (_DIRECT.isdigit() and int(_DIRECT) <= DIRECT_MOST):

@@ -653,6 +653,32 @@ def test_persistent_programs_give_the_same_bits(model, monkeypatch):
 @cuda
 @needs_gluon
 @pytest.mark.gpu
+def test_grouped_direct_blocks_hold_an_experts_pairs(monkeypatch):
+    """DIRECT_GROUP is in effect, not only bit-compatible: with every token on the same k experts, the grouped gate/up
+    launch writes h rows only in the blocks its experts' first pairs lead (all their tokens' rows there), and leaves
+    the other blocks untouched; one-pair blocks write row 0 of every block."""
+    e, w, fw, x, ids, wts = _moe_case("qwen3-30b-a3b", 4, seed=41)
+    k, i = ids.shape[1], fw.intermediate
+    few = ids.clone()
+    few[:] = ids[0]  # 4 tokens x 8 pairs on 8 experts: pair b of token 0 leads expert b's block of 4 rows
+    p = few.numel()
+    for group in (False, True):
+        monkeypatch.setattr(F, "DIRECT_GROUP", group)
+        r = F.DirectPairs(few.reshape(-1).contiguous(), None, None, torch.empty(p, dtype=torch.bool, device="cuda"), e, p)
+        h = torch.full((p * 16, i), float("nan"), dtype=torch.bfloat16, device="cuda")
+        t1 = F.frag_config(fw.hidden, i, p)[0]
+        F._launch(x, r, fw.w1, fw.s1, h, i, k, 1, t1, 0, fw.b1, fw.act, fw.row_mul, fw.up_off)
+        written = ~h.view(p, 16, i).isnan().all(-1)  # [block, row]
+        if group:
+            assert written[:k, :4].all() and not written[:k, 4:].any() and not written[k:].any()
+        else:
+            assert written[:, 0].all() and not written[:, 1:].any()
+        assert r.pair_valid.all()
+
+
+@cuda
+@needs_gluon
+@pytest.mark.gpu
 @pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small"])
 def test_direct_pairs_give_the_routed_bits(model, monkeypatch):
     """A small call without the routing launch (each program grouping the pairs itself) gives the routed call's bits:
