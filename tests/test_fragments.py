@@ -1096,3 +1096,29 @@ def test_the_probes_source_edits_still_apply():
         for name, edits in variants.items():
             for a, _ in edits:
                 assert a in one_launch_probe.SRC, (name, a[:80])
+
+
+def test_launch_fit_recovers_a_launchs_fixed_cost_and_rate():
+    """benchmarks/launch_fit.py: a sweep whose best times are exactly 5 us + MB / 3 TB/s gives back 5 us and 3 TB/s,
+    and a call's allowed fixed cost is the goal's time less the streaming time."""
+    from benchmarks import launch_fit as L
+
+    assert L.fit_line([(1.0, 3.0), (2.0, 5.0), (4.0, 9.0)]) == pytest.approx((1.0, 2.0))
+    with pytest.raises(ValueError):
+        L.fit_line([(1.0, 3.0), (1.0, 4.0)])
+    per = L.launch_bytes("qwen3-30b-a3b")
+    rows = [dict(model="qwen3-30b-a3b", active_experts=a, tokens_per_expert=1,
+                 gate_up={"t": 5.0 + a * per["gate_up"] / 3e6, "u": 99.0}, down={"t": 4.0 + a * per["down"] / 3e6})
+            for a in (8, 32, 128)]
+    rate = 4e12
+    fits = L.fits({"rows": rows}, rate)
+    gu = next(f for f in fits if f["launch"] == "gate_up")
+    assert gu["fixed_us"] == pytest.approx(5.0) and gu["rate_tb_s"] == pytest.approx(3.0) and gu["rate_fraction"] == 0.75
+    wb = 8 * (per["gate_up"] + per["down"])
+    kern = {"copy_rate_bytes_per_s": rate, "align": [{"model": "qwen3-30b-a3b", "pairs": 8, "us": 3.0}],
+            "moe": [dict(model="qwen3-30b-a3b", weights="mxfp4", active_experts=8, tokens_per_expert=1, us=20.0,
+                         weight_bytes=wb)]}
+    (f,) = L.floors(fits, kern)
+    assert f["fixed_us"] == pytest.approx(12.0) and f["goal_us"] == pytest.approx(wb / (0.6 * rate) * 1e6, abs=0.05)
+    assert f["stream_us"] == pytest.approx(wb / 3e12 * 1e6, abs=0.05)
+    assert f["fixed_allowed_us"] == pytest.approx(f["goal_us"] - f["stream_us"], abs=0.11)
