@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|confirm|direct|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|persist|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|confirm|direct|deeptiles|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|persist|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite (or SUITE_FILES), 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -117,6 +117,16 @@ fi
 if has sweep; then
   # the MoE GEMM variants on the decode shapes (~4 minutes with compiles); also kernels_sweep_h200.txt/.json in OUT
   timeout ${SWEEP_S:-330} python3 benchmarks/kernel_bench.py --out "$OUT" --sweep --skip-main 2>&1 | tee "$OUT/sweep.txt" | tail -40
+fi
+if [[ " $STEPS " == *" deeptiles "* ]]; then  # stop 53: fragment tiles with more K steps in flight a program (deeper rings, 2-warp programs) on the small calls, each launch alone (benchmarks/launch_fit.py: a launch's fixed cost, not its rate, is what the small calls miss on); ~6 min, not in `all`
+  timeout ${DEEP_Q_S:-150} python3 benchmarks/fragment_bench.py --fused-sweep --models qwen3-30b-a3b --active 8,32 --tokens 1,4,16 \
+    --variants ${DEEP_Q:-4x4w4aa3,4x4w4,8x2w4aa3,2x4w2aa6,2x4w2a8,2x2w2a8,4x4w4a8,4x2w4a8,4x4w4aa5,2x4w2aa4,4x2w2aa4,2x2w2aa8} \
+    --out "$OUT/deep_qwen3" > "$OUT/deep_qwen3.txt" 2>&1
+  grep -E "A=|winners" "$OUT/deep_qwen3.txt" | cut -c1-140
+  timeout ${DEEP_G_S:-110} python3 benchmarks/fragment_bench.py --fused-sweep --models gpt-oss-20b --active 8,32 --tokens 1,16 \
+    --variants ${DEEP_G:-4x2w4aa4,4x4w4aa3,8x2w4aa3,4x2w4aa6,4x2w4aa8,2x2w2aa8,4x4w4aa5,2x4w2aa6} \
+    --out "$OUT/deep_gptoss" > "$OUT/deep_gptoss.txt" 2>&1
+  grep -E "A=|winners" "$OUT/deep_gptoss.txt" | cut -c1-140
 fi
 if has e2e; then  # the verify loop in process: demo, qwen3-8l, gptoss-24l (MXFP4 resident) by default (~4-5 min: run it alone)
   timeout ${E2E_S:-540} python3 benchmarks/e2e_gpu.py --out "$OUT" ${E2E_ARGS:-} > "$OUT/e2e.txt" 2>&1
