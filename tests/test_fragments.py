@@ -228,7 +228,10 @@ SIG = {"x_ptr": "*bf16", "stride_x": "i32", "out_ptr": "*fp32", "stride_o": "i32
                                          (80, 320, "4x2w4p", 3), (2880, 2880, "8x4w4ps4", 1), (14336, 4096, "4x8w4s2", 2),
                                          (2880, 2880, "8x2w4pp", 1), (768, 2048, "4x4w4pps2", 2),
                                          (2880, 2880, "8x2w4aa4", 1), (2048, 768, "4x4w4aa3", 2), (768, 2048, "4x4w4a2s2", 2),
-                                         (80, 320, "4x2w4a3", 3), (2880, 2880, "8x2w4a4", 1), (768, 2048, "4x4w4aa2s2", 2)])
+                                         (80, 320, "4x2w4a3", 3), (2880, 2880, "8x2w4a4", 1), (768, 2048, "4x4w4aa2s2", 2),
+                                         # (gpu.sh deeptiles: 2-warp programs, deeper rings)
+                                         (768, 2048, "2x4w2aa6", 1), (2048, 768, "4x4w4a8", 2),
+                                         (2880, 2880, "4x2w4aa8", 1), (2048, 768, "2x2w2a8", 2)])
 def test_kernel_compiles_for_sm90_with_no_operand_data_movement(n, k, tile, epi, monkeypatch):
     """The A operand's layout change is checked trivial at compile time (no shuffles; shared memory holds only the
     activation tile, read back with ldmatrix, and for gate/up the epilogue's exchange of the gate and up rows). Staged
