@@ -167,6 +167,15 @@ def _served(model):
     return mod, as_served(expert_weights(mod, "mxfp4"), pair_words=True)
 
 
+def sweep_winners(sums: dict, rejected: dict) -> tuple[str, str] | None:
+    """(gate/up tile, down tile) of least summed time ({1: {tile: us}, 2: {tile: us}}) among the tiles not rejected: a
+    tile rejected in a later case has a partial sum, so it never wins. None where every tile was rejected."""
+    ok = [{v: t for v, t in sums[g].items() if v not in rejected} for g in (1, 2)]
+    if not ok[0] or not ok[1]:
+        return None
+    return min(ok[0], key=ok[0].get), min(ok[1], key=ok[1].get)
+
+
 def fused_sweep(args) -> dict:
     """fragment_moe's two launches each alone, per tile variant: the gate/up GEMM with its activation (EPI 1) and the
     down GEMM with bias and routing weight (EPI 2), over the same routing blocks; each model's winner per GEMM is the
@@ -225,11 +234,9 @@ def fused_sweep(args) -> dict:
             print(f"{model:14s} A={active:3d} T={tpe:2d}  gate/up {b1} {times[1][b1]:.1f} us  down {b2} "
                   f"{times[2][b2]:.1f} us | " + " ".join(f"{v}:{times[1][v]:.0f}/{times[2][v]:.0f}" for v in times[1]),
                   flush=True)
-        for g in (1, 2):  # (a tile rejected in a later case has a partial sum: never a winner)
-            sums[g] = {v: t for v, t in sums[g].items() if v not in rejected}
-        if not sums[1]:
+        win = sweep_winners(sums, rejected)
+        if win is None:
             continue
-        win = (min(sums[1], key=sums[1].get), min(sums[2], key=sums[2].get))
         winners[(h, i)] = tuple(F.FragTile.parse(v) for v in win)
         print(f"{model}: winners gate/up {win[0]} ({sums[1][win[0]]:.1f} us summed), down {win[1]} "
               f"({sums[2][win[1]]:.1f} us)", flush=True)

@@ -118,7 +118,7 @@ if has sweep; then
   # the MoE GEMM variants on the decode shapes (~4 minutes with compiles); also kernels_sweep_h200.txt/.json in OUT
   timeout ${SWEEP_S:-330} python3 benchmarks/kernel_bench.py --out "$OUT" --sweep --skip-main 2>&1 | tee "$OUT/sweep.txt" | tail -40
 fi
-if [[ " $STEPS " == *" deeptiles "* ]]; then  # stop 53: fragment tiles with more K steps in flight a program (deeper rings, 2-warp programs) on the small calls, each launch alone (benchmarks/launch_fit.py: a launch's fixed cost, not its rate, is what the small calls miss on); ~6 min, not in `all`
+if [[ " $STEPS " == *" deeptiles "* ]]; then  # stop 53: fragment tiles with more K steps in flight a program (deeper rings, 2-warp programs) on the small calls, each launch alone (benchmarks/launch_fit.py: a launch's fixed cost, not its rate, is what the small calls miss on); ~5 min, not in `all`
   timeout ${DEEP_Q_S:-150} python3 benchmarks/fragment_bench.py --fused-sweep --models qwen3-30b-a3b --active 8,32 --tokens 1,4,16 \
     --variants ${DEEP_Q:-4x4w4aa3,4x4w4,8x2w4aa3,2x4w2aa6,2x4w2a8,2x2w2a8,4x4w4a8,4x2w4a8,4x4w4aa5,2x4w2aa4,4x2w2aa4,2x2w2aa8} \
     --out "$OUT/deep_qwen3" > "$OUT/deep_qwen3.txt" 2>&1

@@ -8,9 +8,12 @@ replayed): the best tile's time at each number of active experts, fitted by leas
 `us = fixed + weight MB / rate`. `fixed` is what a launch costs whatever its bytes (the graph launch, the first loads,
 each program's chain of K steps, the tail); `rate` the bandwidth each further MB of weights streams at, also as a share
 of the device-copy rate (`--kernels`' copy_rate_bytes_per_s, the same card). Then, per issue 12 row, the least time a
-call can take with those launches' fixed costs (gate/up + down + the routing launch as kernel_bench measured it) against
+call can take with those launches' fixed costs (gate/up + down + the routing launch, where the call takes it, as kernel_bench measured it) against
 the time 60% of the copy rate allows for the call's bytes: where the fixed costs alone exceed it, no tile choice meets
-the goal and only removing launches' fixed costs can. Prints a table; writes launch_fit_<device>.json / .md.
+the goal and only removing launches' fixed costs can. The `path` column says whether the call skips the routing
+launch (direct, `fragments.direct_refusal`); a routed call of gpt-oss-20b's 17-128 pairs takes the one launch on the
+H200 (`fragments.ONE_LAUNCH_SHAPES`), whose fixed cost is not the two GEMM launches' sum: there the fixed column is
+the four-launch form's. Prints a table; writes launch_fit_<device>.json / .md.
 """
 
 from __future__ import annotations
@@ -67,9 +70,19 @@ def fits(sweep: dict, rate: float) -> list[dict]:
     return out
 
 
+def routing_us(align: dict, model: str, pairs: int) -> float:
+    """The routing launch's time at `pairs` pairs (`kernels['align']`, {(model, pairs): us}): at the largest measured
+    pairs at or below it (the table measures 1, 4, 16, ... tokens, so a row's pairs may fall between; the launch's time
+    grows with the pairs, so this never overstates it); 0 where none is measured."""
+    below = [p for m, p in align if m == model and p <= pairs]
+    return align[(model, max(below))] if below else 0.0
+
+
 def floors(fit_rows: list[dict], kernels: dict) -> list[dict]:
     """Per issue 12 MXFP4 row (<= 16 tokens per expert) with both launches fitted: the fixed costs a call pays
     (gate/up + down + its routing launch at the call's pairs, `kernels['align']`) against the time the goal allows."""
+    from pdflash_kernels import fragments as F
+
     rate = kernels["copy_rate_bytes_per_s"]
     align = {(a["model"], a["pairs"]): a["us"] for a in kernels.get("align", [])}
     by = {(f["model"], f["tokens_per_expert"], f["launch"]): f for f in fit_rows}
@@ -81,15 +94,18 @@ def floors(fit_rows: list[dict], kernels: dict) -> list[dict]:
         gu, dn = by.get((*key, "gate_up")), by.get((*key, "down"))
         if gu is None or dn is None:
             continue
-        k = MODELS[r["model"]][1]
+        _, k, h, i = MODELS[r["model"]]
         pairs = r["active_experts"] * r["tokens_per_expert"]
-        route = align.get((r["model"], pairs), 0.0)
+        # (a call that skips the routing launch pays none: fragments.direct_refusal, at this process's DIRECT_PAIRS,
+        # the served 16 unless PDFLASH_FP4_DIRECT_PAIRS says otherwise, as when the table was measured)
+        direct = F.direct_refusal(pairs // k, k, h, i, *F.frag_config(h, i, pairs)) is None
+        route = 0.0 if direct else routing_us(align, r["model"], pairs)
         fixed = gu["fixed_us"] + dn["fixed_us"] + route
         goal_us = r["weight_bytes"] / (GOAL * rate) * 1e6
         per = launch_bytes(r["model"])  # (the streaming time at each launch's marginal rate)
         stream = sum(r["active_experts"] * per[f["launch"]] / (f["rate_tb_s"] * 1e12) * 1e6 for f in (gu, dn))
         out.append(dict(model=r["model"], active_experts=r["active_experts"], tokens_per_expert=r["tokens_per_expert"],
-                        pairs=pairs, topk=k, weight_mb=round(r["weight_bytes"] / 1e6, 1), us=r["us"],
+                        pairs=pairs, topk=k, direct=direct, weight_mb=round(r["weight_bytes"] / 1e6, 1), us=r["us"],
                         goal_us=round(goal_us, 1), stream_us=round(stream, 1), fixed_us=round(fixed, 1),
                         routing_us=route, fixed_allowed_us=round(goal_us - stream, 1)))
     return out
@@ -108,11 +124,12 @@ def table(fit_rows: list[dict], floor_rows: list[dict], device: str) -> list[str
     lines += ["", f"Issue 12's MXFP4 rows: the time {GOAL:.0%} of the copy rate allows for the call's bytes (goal), the "
               "time its bytes take at the launches' fitted marginal rates (stream), so the fixed costs the goal leaves "
               "room for (allowed = goal - stream), against the fixed costs the launches pay (gate/up + down fitted "
-              "above + the routing launch at the call's pairs; a routing-free call skips the last):", "",
-              "| model | active | tokens/expert | MB | measured us | goal us | stream us | fixed allowed us | fixed us |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "above + the routing launch at the call's pairs, where the call takes it: `direct` calls skip it):", "",
+              "| model | active | tokens/expert | MB | path | measured us | goal us | stream us | fixed allowed us | fixed us |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in floor_rows:
-        lines.append(f"| {r['model']} | {r['active_experts']} | {r['tokens_per_expert']} | {r['weight_mb']} | {r['us']} | "
+        lines.append(f"| {r['model']} | {r['active_experts']} | {r['tokens_per_expert']} | {r['weight_mb']} | "
+                     f"{'direct' if r['direct'] else 'routed'} | {r['us']} | "
                      f"{r['goal_us']} | {r['stream_us']} | {r['fixed_allowed_us']} | {r['fixed_us']} |")
     return lines
 

@@ -1117,11 +1117,27 @@ def test_launch_fit_recovers_a_launchs_fixed_cost_and_rate():
     fits = L.fits({"rows": rows}, rate)
     gu = next(f for f in fits if f["launch"] == "gate_up")
     assert gu["fixed_us"] == pytest.approx(5.0) and gu["rate_tb_s"] == pytest.approx(3.0) and gu["rate_fraction"] == 0.75
-    wb = 8 * (per["gate_up"] + per["down"])
-    kern = {"copy_rate_bytes_per_s": rate, "align": [{"model": "qwen3-30b-a3b", "pairs": 8, "us": 3.0}],
-            "moe": [dict(model="qwen3-30b-a3b", weights="mxfp4", active_experts=8, tokens_per_expert=1, us=20.0,
-                         weight_bytes=wb)]}
-    (f,) = L.floors(fits, kern)
-    assert f["fixed_us"] == pytest.approx(12.0) and f["goal_us"] == pytest.approx(wb / (0.6 * rate) * 1e6, abs=0.05)
+    wb = 32 * (per["gate_up"] + per["down"])
+    align = [{"model": "qwen3-30b-a3b", "pairs": p, "us": u} for p, u in ((8, 3.0), (128, 7.0))]
+    kern = {"copy_rate_bytes_per_s": rate, "align": align,
+            "moe": [dict(model="qwen3-30b-a3b", weights="mxfp4", active_experts=32, tokens_per_expert=1, us=50.0,
+                         weight_bytes=wb),  # 32 pairs: routed, the routing measured at 8 (none at 32)
+                    dict(model="qwen3-30b-a3b", weights="mxfp4", active_experts=8, tokens_per_expert=1, us=20.0,
+                         weight_bytes=wb // 4)]}  # 8 pairs: no routing launch (DIRECT_PAIRS)
+    f, g = L.floors(fits, kern)
+    assert not f["direct"] and f["routing_us"] == 3.0 and f["fixed_us"] == pytest.approx(12.0)
+    assert g["direct"] and g["routing_us"] == 0.0 and g["fixed_us"] == pytest.approx(9.0)
+    assert f["goal_us"] == pytest.approx(wb / (0.6 * rate) * 1e6, abs=0.05)
     assert f["stream_us"] == pytest.approx(wb / 3e12 * 1e6, abs=0.05)
     assert f["fixed_allowed_us"] == pytest.approx(f["goal_us"] - f["stream_us"], abs=0.11)
+
+
+def test_fused_sweep_winners_leave_out_rejected_tiles():
+    """fragment_bench.py --fused-sweep: a tile rejected in a later case (wrong or failed) has a smaller, partial sum; it
+    must not win, and a sweep whose every tile was rejected has no winner."""
+    from benchmarks.fragment_bench import sweep_winners
+
+    sums = {1: {"4x4w4": 30.0, "2x4w2aa6": 12.0}, 2: {"4x4w4": 20.0, "2x4w2aa6": 9.0}}
+    assert sweep_winners(sums, {}) == ("2x4w2aa6", "2x4w2aa6")
+    assert sweep_winners(sums, {"2x4w2aa6": "qwen3 A=32 T=1: 0.5 off the reference"}) == ("4x4w4", "4x4w4")
+    assert sweep_winners(sums, {"4x4w4": "x", "2x4w2aa6": "y"}) is None
