@@ -13,7 +13,8 @@ column of kernel_bench's table) at each setting: "pN", N programs a multiprocess
 calls of at most N pairs without the routing launch (each program grouping the pairs by expert itself, DIRECT_GROUP,
 since stop 52; --ungrouped: each pair its own block) with the served persistent GEMMs, only on rows of at most max(N)
 pairs; with --direct-persist also "dNq" (those calls on the persistent grid too, fragments.PERSIST_DIRECT); and "o0",
-the served settings without the one launch, on rows whose served call takes it. With --verify-tokens, also
+the served settings without the one launch, on rows whose served call takes it; with --direct-pairs also "u16" (the
+served form before stop 54's fragments.DIRECT_SHAPES: one-pair blocks up to 16 pairs, routed above). With --verify-tokens, also
 verify-shaped calls (A = "rand": T tokens, each routed to k distinct experts drawn uniformly, as an untrained router
 spreads a verify's tokens; the distinct experts in "experts"). The settings interleaved round by round, every setting's
 output checked bit-identical to the first's (the same tile programs, the same sums). Prints a table; writes
@@ -40,7 +41,7 @@ def row_settings(settings: dict, pairs: int, direct: tuple[int, ...], one_launch
     """The settings a row of `pairs` pairs runs: every pN; dN where the row has at most max(direct) pairs (the dN
     columns time the routing launch's skip); o0 where the served call takes the one launch."""
     return {n: c for n, c in settings.items()
-            if n[0] == "p" or (n[0] == "d" and direct and pairs <= max(direct)) or (n == "o0" and one_launch)}
+            if n[0] in "pu" or (n[0] == "d" and direct and pairs <= max(direct)) or (n == "o0" and one_launch)}
 
 
 def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, direct: tuple[int, ...] = (),
@@ -63,6 +64,9 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
     # o0: the served settings without the one launch (fragments.ONE_LAUNCH_SHAPES: gpt-oss-20b's 8-128 pairs on the H200),
     # on the rows whose served call takes it (there every pN column times the one launch, which has no persistent form)
     settings["o0"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], ONE_LAUNCH_PAIRS=0)
+    if direct:  # u16: the served form before stop 54's DIRECT_SHAPES (one-pair blocks up to 16 pairs, routed above)
+        settings["u16"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=16, DIRECT_GROUP=False,
+                               PERSIST_DIRECT=False)
     for model in models:
         e, k, h, i = MODELS[model]
         mod = hf_experts(model)

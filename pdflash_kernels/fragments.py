@@ -896,6 +896,7 @@ class DirectPairs(typing.NamedTuple):
     pair_valid: torch.Tensor
     num_experts: int
     num_pairs: int
+    group: bool = False  # each program groups the pairs by expert (`direct_group`); False: each pair its own block
 
 
 def grouped_routing(tab: torch.Tensor, r: DirectPairs) -> Routing:
@@ -932,10 +933,10 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
             raise ValueError(f"a call without the routing launch takes neither copy groups nor a K split (tile {tile})")
         args = (r.ids, r.slot_of_expert if r.slot_of_expert is not None else r.ids,
                 r.n_valid if r.n_valid is not None else r.ids, r.pair_valid)
-        if tab is not None and (epi != 1 or not DIRECT_GROUP or tab.numel() != r.num_pairs * 17 + 1):
+        if tab is not None and (epi != 1 or not r.group or tab.numel() != r.num_pairs * 17 + 1):
             raise ValueError("a routing table comes from a grouped routing-free gate/up launch, [P * 17 + 1] int32")
-        dp = max(16, triton_next_pow2(r.num_pairs)) if DIRECT_GROUP else 16  # (read only when grouping: one variant else)
-        dkw = dict(DIRECT=1, E=r.num_experts, DP=dp, GROUP=int(DIRECT_GROUP),
+        dp = max(16, triton_next_pow2(r.num_pairs)) if r.group else 16  # (read only when grouping: one variant else)
+        dkw = dict(DIRECT=1, E=r.num_experts, DP=dp, GROUP=int(r.group),
                    TAB=int(tab is not None),
                    HAS_SLOT=int(r.slot_of_expert is not None),
                    HAS_NVALID=int(r.n_valid is not None))
@@ -1062,21 +1063,57 @@ SIZE_TILES = runtime.env_flag("PDFLASH_FP4_SIZE_TILES", default=True)
 # DIRECT_GROUP each program groups the pairs itself (`_same_expert` / `_group_rows`: one load of the <= 128 ids), so a block holds an
 # expert's pairs as a routed block does and an expert's weights are read once for its pairs.
 DIRECT_MOST = 128
-# PDFLASH_FP4_DIRECT_GROUP=1: the grouping above (off: each pair its own block). Its bits test passed on the H100 at
-# stop 52 (`test_direct_pairs_give_the_routed_bits`, both forms, persistent too), but the A/B was mixed, so it stays
-# opt-in (H100, stop52_gpu/call2 against call1, `persist_ab.py`, us, served / grouped / grouped + PERSIST_DIRECT at the
+# The grouping above: its bits test passed on the H100 at stop 52 (`test_direct_pairs_give_the_routed_bits`, both
+# forms, persistent too), but the A/B was mixed, so it stayed opt-in (H100, stop52_gpu/call2 against call1, `persist_ab.py`, us, served / grouped / grouped + PERSIST_DIRECT at the
 # call's pairs): it removed the per-pair reads where pairs share experts (gpt-oss 8 x 4: 63.7 / 61.5 / 60.3, where
 # one-pair blocks took 131.6; Qwen3 8 x 16: 32.6 / 38.2 / 26.9; 32 x 4: 54.1 / 49.0 / 46.4) and helped a 16-token
 # verify's 128 pairs on 81 experts without the persistent grid (99.6 / 95.7 / 101.8), but on calls of 32 pairs on
 # ~30 experts every program's grouping cost more than the reads it saved (Qwen3 32 x 1: 46.4 / 48.9, one-pair blocks
 # 39.8 in call 1; a 4-token verify: 44.5 / 45.7, one-pair blocks 38.6) and gpt-oss's 128-pair calls lost 2-6%.
-# Written, not yet run on a GPU (branch group-once): group once, in the gate/up launch's first tile column, writing the
-# rows and slots as a routing's tables, so the down launch runs as a routed one and only one launch pays the grouping.
-DIRECT_GROUP = runtime.env_flag("PDFLASH_FP4_DIRECT_GROUP", default=False)
-_DIRECT = os.environ.get("PDFLASH_FP4_DIRECT_PAIRS") or "16"
-if not (_DIRECT.isdigit() and int(_DIRECT) <= DIRECT_MOST):
+# Stop 54 (branch group-once merged): the grouped gate/up launch writes its grouping as a routing's tables
+# (`grouped_routing`) and the down launch runs routed on them, so only one launch groups. Its bits tests passed on an
+# H100 (`test_direct_pairs_give_the_routed_bits`, 3 models; `test_grouped_direct_blocks_hold_an_experts_pairs`), and
+# on Qwen3-30B-A3B's shape it beat the served call (one-pair blocks up to 16 pairs, routed above) on every row of more
+# than 16 pairs measured, with the persistent grid (H100, stop54_gpu/call1, `persist_ab.py`, served / grouped on the
+# persistent grid, us): 8 experts x 4 / 16 tokens 26.4 / 25.6 and 32.5 / 26.6; 32 x 1 / 4 46.2 / 42.5 and 54.7 /
+# 48.5; 128 x 1 139.3 / 133.1; a verify's spread routing at 4 / 8 / 16 tokens (29 / 50 / 81 experts) 44.7 / 40.9,
+# 68.8 / 64.4, 98.4 / 96.4. At 16 pairs and fewer the one-pair blocks stayed faster (8 x 1: 16.2 / 17.1). gpt-oss-20b
+# was mixed (8 x 4: 63.6 / 60.8, a 16-token verify's 64 pairs: 162.3 / 190.8 on the grid, 159.1 off it; 32 x 4: 175.2
+# / 179.5), so it keeps the served form. Hence DIRECT_SHAPES: by the CUDA device's name, then (hidden, expert width),
+# the most pairs a call skips the routing launch with; there a call of more than DIRECT_BASE pairs groups its pairs
+# on the persistent grid (`direct_group`, `uses_persist`). Elsewhere: calls of up to DIRECT_BASE pairs, one-pair blocks.
+# The H200 is not measured yet, so it is not in the table.
+DIRECT_BASE = 16
+DIRECT_SHAPES: dict[str, dict[tuple[int, int], int]] = {"NVIDIA H100 80GB HBM3": {(2048, 768): 128}}
+
+
+def _env_choice(name: str) -> bool | None:
+    """An on/off override from the environment: "1" / "0", None unset or empty (the per-shape choice)."""
+    return runtime.env_flag(name) if os.environ.get(name) else None
+
+
+# PDFLASH_FP4_DIRECT_GROUP=1 / 0: every routing-free call groups / none does (unset: `direct_group`'s table).
+DIRECT_GROUP: bool | None = _env_choice("PDFLASH_FP4_DIRECT_GROUP")
+_DIRECT = os.environ.get("PDFLASH_FP4_DIRECT_PAIRS") or None
+if _DIRECT is not None and not (_DIRECT.isdigit() and int(_DIRECT) <= DIRECT_MOST):
     raise ValueError(f"PDFLASH_FP4_DIRECT_PAIRS must be a number of pairs from 0 (off) to {DIRECT_MOST}, got {_DIRECT!r}")
-DIRECT_PAIRS = int(_DIRECT)
+DIRECT_PAIRS: int | None = int(_DIRECT) if _DIRECT is not None else None  # None: DIRECT_SHAPES, else DIRECT_BASE
+
+
+def direct_pairs(hidden: int, inter: int, device: str | None = None) -> int:
+    """The most (token, expert) pairs a call on experts of this shape takes without the routing launch, on this device
+    (a name as `device_name` gives it; None: the current one)."""
+    if DIRECT_PAIRS is not None:
+        return DIRECT_PAIRS
+    return DIRECT_SHAPES.get(device_name() if device is None else device, {}).get((hidden, inter), DIRECT_BASE)
+
+
+def direct_group(pairs: int, hidden: int, inter: int, device: str | None = None) -> bool:
+    """Whether a routing-free call of `pairs` pairs groups them by expert (one block an expert's 16 pairs, the
+    grouping written once by the gate/up launch) rather than giving each pair its own block."""
+    if DIRECT_GROUP is not None:
+        return DIRECT_GROUP
+    return pairs > DIRECT_BASE and (hidden, inter) in DIRECT_SHAPES.get(device_name() if device is None else device, {})
 
 # Persistent GEMMs (PDFLASH_FP4_PERSIST=N programs a multiprocessor, 0: off, at most 16; default 8): a routed call of at
 # most `persist_pairs` (token, expert) pairs on its expert shape launches each fragment GEMM as at most N programs a
@@ -1117,16 +1154,18 @@ def persist_grid(programs: int) -> int:
 
 # A routing-free call's grid is P blocks, of which (with the grouping, stop 52) only one an expert's 16 pairs is live:
 # PDFLASH_FP4_PERSIST_DIRECT=1 walks those calls' tiles with the persistent grid too (as routed calls of up to
-# `persist_pairs`); opt-in: with DIRECT_GROUP it won where 128 pairs share few experts (Qwen3 8 x 16 26.9 against 32.6
+# `persist_pairs`); at stop 52 (each GEMM launch grouping) it won where 128 pairs share few experts (Qwen3 8 x 16 26.9 against 32.6
 # us served) and lost on a verify's spread ones (101.8 against 99.6; H100, stop 52, persist_ab.py's dNq columns).
-PERSIST_DIRECT = runtime.env_flag("PDFLASH_FP4_PERSIST_DIRECT", default=False)
+# Unset: a routing-free call takes the grid where it groups its pairs (`direct_group`; stop 54).
+PERSIST_DIRECT: bool | None = _env_choice("PDFLASH_FP4_PERSIST_DIRECT")
 
 
 def uses_persist(tokens: int, topk: int, hidden: int, inter: int, direct: bool) -> bool:
     """Whether `fragment_moe` asks for persistent GEMMs for this call: a routed call of at most `persist_pairs` pairs,
-    or a routing-free one where PERSIST_DIRECT. `_launch` then walks where `persist_grid` says."""
+    or a routing-free one where PERSIST_DIRECT says so (unset: where it groups its pairs, `direct_group`). `_launch`
+    then walks where `persist_grid` says."""
     if direct:
-        return PERSIST_DIRECT
+        return PERSIST_DIRECT if PERSIST_DIRECT is not None else direct_group(tokens * topk, hidden, inter)
     return tokens * topk <= persist_pairs(hidden, inter)
 
 
@@ -1306,8 +1345,9 @@ def direct_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile
     pairs = tokens * topk
     if pairs == 0:
         return "no pairs"
-    if pairs > DIRECT_PAIRS:
-        return f"{pairs} pairs (calls of at most {DIRECT_PAIRS} skip the routing launch: DIRECT_PAIRS)"
+    most = direct_pairs(hidden, inter)
+    if pairs > most:
+        return f"{pairs} pairs (calls of at most {most} skip the routing launch: DIRECT_PAIRS, DIRECT_SHAPES)"
     if _splits_k(hidden, inter, t1, t2):
         return f"tiles {t1} / {t2} split K"
     return None
@@ -1408,7 +1448,7 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     if direct:  # (`_launch` refuses copy groups and split tiles here)
         p = t * topk
         r = DirectPairs(topk_ids.reshape(-1).contiguous(), slot_of_expert, n_valid,
-                        torch.empty(p, dtype=torch.bool, device=dev), num_experts, p)
+                        torch.empty(p, dtype=torch.bool, device=dev), num_experts, p, direct_group(p, hdim, inter))
         blocks = p
     else:
         r = _moe.align_fused(topk_ids, num_experts, 16, slot_of_expert, n_valid, phase_of_expert)
@@ -1420,7 +1460,7 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     rw = topk_weights.reshape(-1).contiguous()
     out = torch.empty((t, hdim), dtype=x.dtype, device=dev)
     tab = None
-    if direct and DIRECT_GROUP:  # the gate/up launch groups the pairs once and hands the down launch a routing
+    if direct and r.group:  # the gate/up launch groups the pairs once and hands the down launch a routing
         tab = torch.empty(r.num_pairs * 17 + 1, dtype=torch.int32, device=dev)
     for ph in phases:
         if ph >= 2 and between is not None:

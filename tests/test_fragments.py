@@ -362,7 +362,22 @@ def test_persist_setting_is_checked(monkeypatch):
 
 def test_direct_pairs_are_small_unsplit_calls_only(monkeypatch):
     q = (F.FragTile(4, 4, 4), F.FragTile(4, 4, 4))
-    assert F.DIRECT_PAIRS == 16  # on by default since its GPU test passed (stop 45)
+    # on by default since its GPU test passed (stop 45): 16 pairs; 128 where DIRECT_SHAPES names the device and shape
+    # (stop 54), which group their pairs above 16 on the persistent grid
+    assert F.DIRECT_PAIRS is None and F.DIRECT_GROUP is None and F.PERSIST_DIRECT is None
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert F.direct_pairs(2048, 768, "") == F.direct_pairs(2880, 2880, h100) == 16 and F.direct_pairs(2048, 768, h100) == 128
+    assert F.direct_group(17, 2048, 768, h100) and not F.direct_group(16, 2048, 768, h100)
+    assert not F.direct_group(17, 2880, 2880, h100) and not F.direct_group(17, 2048, 768, "NVIDIA H200")
+    monkeypatch.setattr(F, "device_name", lambda: h100)
+    assert F.direct_refusal(16, 8, 2048, 768, *q) is None and "129 pairs" in F.direct_refusal(129, 1, 2048, 768, *q)
+    assert F.uses_persist(4, 8, 2048, 768, direct=True) and not F.uses_persist(2, 8, 2048, 768, direct=True)
+    monkeypatch.setattr(F, "DIRECT_GROUP", False)  # the overrides (PDFLASH_FP4_DIRECT_GROUP, _PERSIST_DIRECT)
+    assert not F.direct_group(64, 2048, 768) and not F.uses_persist(4, 8, 2048, 768, direct=True)
+    monkeypatch.setattr(F, "DIRECT_GROUP", True)
+    assert F.direct_group(8, 2880, 2880) and F.uses_persist(1, 8, 2048, 768, direct=True)
+    monkeypatch.setattr(F, "PERSIST_DIRECT", False)
+    assert not F.uses_persist(4, 8, 2048, 768, direct=True)
     monkeypatch.setattr(F, "DIRECT_PAIRS", 0)
     assert "DIRECT_PAIRS" in F.direct_refusal(1, 8, 2048, 768, *q)
     monkeypatch.setattr(F, "DIRECT_PAIRS", 16)
@@ -374,6 +389,8 @@ def test_direct_pairs_are_small_unsplit_calls_only(monkeypatch):
 
     for bad in ("129", "-1", "some"):
         _import_refuses("PDFLASH_FP4_DIRECT_PAIRS", bad, "pdflash_kernels.fragments")
+    for name in ("PDFLASH_FP4_DIRECT_GROUP", "PDFLASH_FP4_PERSIST_DIRECT"):
+        _import_refuses(name, "yes", "pdflash_kernels.fragments")
 
 
 def test_call_path_names_the_launches_a_call_takes(monkeypatch):
@@ -667,7 +684,8 @@ def test_grouped_direct_blocks_hold_an_experts_pairs(monkeypatch):
     p = few.numel()
     for group in (False, True):
         monkeypatch.setattr(F, "DIRECT_GROUP", group)
-        r = F.DirectPairs(few.reshape(-1).contiguous(), None, None, torch.empty(p, dtype=torch.bool, device="cuda"), e, p)
+        r = F.DirectPairs(few.reshape(-1).contiguous(), None, None, torch.empty(p, dtype=torch.bool, device="cuda"), e, p,
+                          group)
         h = torch.full((p * 16, i), float("nan"), dtype=torch.bfloat16, device="cuda")
         t1 = F.frag_config(fw.hidden, i, p)[0]
         F._launch(x, r, fw.w1, fw.s1, h, i, k, 1, t1, 0, fw.b1, fw.act, fw.row_mul, fw.up_off)
@@ -1066,10 +1084,10 @@ def test_persist_ab_rows_run_the_settings_that_apply_to_them():
     launch) only where the served call takes the one launch."""
     from benchmarks.persist_ab import row_settings
 
-    s = {"p0": {}, "p8": {}, "d16": {}, "d32": {}, "o0": {}}
-    assert list(row_settings(s, 32, (16, 32), True)) == ["p0", "p8", "d16", "d32", "o0"]
-    assert list(row_settings(s, 128, (16, 32), True)) == ["p0", "p8", "o0"]
-    assert list(row_settings(s, 8, (16, 32), False)) == ["p0", "p8", "d16", "d32"]
+    s = {"p0": {}, "p8": {}, "d16": {}, "d32": {}, "o0": {}, "u16": {}}  # (u16: the pre-stop-54 served form, every row)
+    assert list(row_settings(s, 32, (16, 32), True)) == ["p0", "p8", "d16", "d32", "o0", "u16"]
+    assert list(row_settings(s, 128, (16, 32), True)) == ["p0", "p8", "o0", "u16"]
+    assert list(row_settings(s, 8, (16, 32), False)) == ["p0", "p8", "d16", "d32", "u16"]
     assert list(row_settings({"p0": {}, "o0": {}}, 8, (), False)) == ["p0"]
 
 
