@@ -391,6 +391,20 @@ def test_direct_pairs_are_small_unsplit_calls_only(monkeypatch):
         _import_refuses("PDFLASH_FP4_DIRECT_PAIRS", bad, "pdflash_kernels.fragments")
     for name in ("PDFLASH_FP4_DIRECT_GROUP", "PDFLASH_FP4_PERSIST_DIRECT"):
         _import_refuses(name, "yes", "pdflash_kernels.fragments")
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    env = yaml.safe_load((pathlib.Path(__file__).parents[1] / "compose.gpu.yaml").read_text())["services"]["verifier"]["environment"]
+    for name in ("PDFLASH_FP4_DIRECT_PAIRS", "PDFLASH_FP4_DIRECT_GROUP", "PDFLASH_FP4_PERSIST_DIRECT"):
+        assert env[name] == "${%s:-}" % name  # empty = unset: by device and shape
+    r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.fragments as F; h = 'NVIDIA H100 80GB HBM3'; "
+                        "print(F.direct_pairs(2048, 768, h), F.direct_group(32, 2048, 768, h))"], capture_output=True,
+                       text=True, env={**os.environ, "PDFLASH_FP4_DIRECT_PAIRS": "", "PDFLASH_FP4_DIRECT_GROUP": "",
+                                       "PDFLASH_FP4_PERSIST_DIRECT": ""})
+    assert r.stdout.split() == ["128", "True"], r.stderr
 
 
 def test_call_path_names_the_launches_a_call_takes(monkeypatch):
