@@ -1082,9 +1082,13 @@ DIRECT_MOST = 128
 # / 179.5), so it keeps the served form. Hence DIRECT_SHAPES: by the CUDA device's name, then (hidden, expert width),
 # the most pairs a call skips the routing launch with; there a call of more than DIRECT_BASE pairs groups its pairs
 # on the persistent grid (`direct_group`, `uses_persist`). Elsewhere: calls of up to DIRECT_BASE pairs, one-pair blocks.
-# The H200 is not measured yet, so it is not in the table.
+# On the H200 (stop54_gpu/call2, the same A/B, served / grouped on the grid, us) likewise on Qwen3's shape: 8 x 4 / 16
+# 26.8 / 25.9 and 32.8 / 27.0; 32 x 1 / 4 43.8 / 40.3 and 53.2 / 46.7; 128 x 1 127.1 / 117.2; a verify's 4 / 8 / 16
+# tokens 43.1 / 39.2, 61.2 / 55.8, 89.6 / 86.3; at 16 pairs and fewer slower (8 x 1 16.4 / 17.4). gpt-oss-20b lost on
+# the H200 where its served call is the one launch (a verify's 8 / 16 tokens: 88.1 / 100.6, 133.0 / 174.6).
 DIRECT_BASE = 16
-DIRECT_SHAPES: dict[str, dict[tuple[int, int], int]] = {"NVIDIA H100 80GB HBM3": {(2048, 768): 128}}
+DIRECT_SHAPES: dict[str, dict[tuple[int, int], int]] = {"NVIDIA H100 80GB HBM3": {(2048, 768): 128},
+                                                        "NVIDIA H200": {(2048, 768): 128}}
 
 
 def _env_choice(name: str) -> bool | None:

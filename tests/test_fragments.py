@@ -368,7 +368,8 @@ def test_direct_pairs_are_small_unsplit_calls_only(monkeypatch):
     h100 = "NVIDIA H100 80GB HBM3"
     assert F.direct_pairs(2048, 768, "") == F.direct_pairs(2880, 2880, h100) == 16 and F.direct_pairs(2048, 768, h100) == 128
     assert F.direct_group(17, 2048, 768, h100) and not F.direct_group(16, 2048, 768, h100)
-    assert not F.direct_group(17, 2880, 2880, h100) and not F.direct_group(17, 2048, 768, "NVIDIA H200")
+    assert not F.direct_group(17, 2880, 2880, h100) and not F.direct_group(17, 2048, 768, "NVIDIA A100-SXM4-80GB")
+    assert F.direct_pairs(2048, 768, "NVIDIA H200") == 128 and F.direct_group(17, 2048, 768, "NVIDIA H200")
     monkeypatch.setattr(F, "device_name", lambda: h100)
     assert F.direct_refusal(16, 8, 2048, 768, *q) is None and "129 pairs" in F.direct_refusal(129, 1, 2048, 768, *q)
     assert F.uses_persist(4, 8, 2048, 768, direct=True) and not F.uses_persist(2, 8, 2048, 768, direct=True)
