@@ -3,7 +3,7 @@ on one GPU, next to transformers' own greedy and prompt-lookup decoding in the s
 
     python benchmarks/e2e_gpu.py [--targets demo qwen3-8l gptoss-24l] [--prompts N] [--new-tokens N] [--repeat N]
                                  [--prompt-tokens 128] [--blocks 8 16 32] [--layers N] [--kernels auto|on|off]
-                                 [--no-hf] [--out DIR]
+                                 [--no-hf] [--mxfp4-experts] [--out DIR]
     python benchmarks/e2e_gpu.py --device cpu --tiny --targets demo qwen3-2l gptoss-2l --prompts 2 --new-tokens 16
                                                                                    # the CPU smoke run (tests/test_bench_gptoss.py)
 
@@ -69,6 +69,12 @@ from verifier_svc.engine import PagedKVOptions, VerifierCore  # noqa: E402
 
 FAMILIES = {"qwen3": "qwen3_moe", "gptoss": "gpt_oss"}
 MXFP4_ARCHS = {"gpt_oss"}  # served as the model ships: MXFP4 experts, resident
+
+
+def mxfp4_served(arch: str | None, args) -> bool:
+    """Whether a target's experts are served in MXFP4: gpt-oss as it ships; every random target with --mxfp4-experts
+    (Qwen3's quantized from its random bf16 weights, as `--experts mxfp4` serves a checkpoint)."""
+    return arch in MXFP4_ARCHS or (arch is not None and getattr(args, "mxfp4_experts", False))
 DEFAULTS = {"demo": (4, 128), "qwen3": (4, 128), "gptoss": (2, 64)}  # prompts, new tokens
 REPLAY_BLOCK = 16
 TINY_VOCAB = 512
@@ -121,7 +127,7 @@ def peak_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's peak resident set (Linux: KiB)
 
 
-def estimate(cfg, arch: str, dtype: torch.dtype) -> dict:
+def estimate(cfg, arch: str, dtype: torch.dtype, mxfp4: bool | None = None) -> dict:
     """Bytes of the model to build (exact: built on the meta device) and, for MXFP4 targets, of its experts in MXFP4,
     with the peak they imply: the float model + its MXFP4 experts + the larger of a second copy of them (on their
     modules, then the served arena) and one layer's (de)quantization temporaries (~8 float32 copies of its largest
@@ -136,7 +142,7 @@ def estimate(cfg, arch: str, dtype: torch.dtype) -> dict:
     size = torch.empty((), dtype=dtype).element_size()
     total = sum(p.numel() for p in m.parameters()) * size
     out = {"model_bytes": total}
-    if arch in MXFP4_ARCHS:
+    if (arch in MXFP4_ARCHS) if mxfp4 is None else mxfp4:
         mods = list(experts_modules(m).values())
         weights = sum(p.numel() for mod in mods for n, p in mod.named_parameters() if not n.endswith("bias"))
         biases = sum(p.numel() for mod in mods for n, p in mod.named_parameters() if n.endswith("bias"))
@@ -168,7 +174,7 @@ def build(name: str, args, device: torch.device, dtype: torch.dtype) -> Target:
         return Target(name, family, model, d, prompts, new, pathlib.Path(default_drafter_dir()),
                       {"build_s": round(time.perf_counter() - t0, 2), "weights": "trained (pdflash/assets/demo)"})
     cfg = target_config(arch, layers, args.tiny)
-    est = estimate(cfg, arch, dtype)
+    est = estimate(cfg, arch, dtype, mxfp4_served(arch, args))
     print(f"[{name}] building {layers} layers of {arch} shapes{' (tiny)' if args.tiny else ''} on {device}: "
           f"{_size(est['model_bytes'])} of {str(dtype).removeprefix('torch.')} weights"
           + (f", {_size(est['mxfp4_expert_bytes'])} of MXFP4 experts" if "mxfp4_expert_bytes" in est else "")
@@ -180,7 +186,7 @@ def build(name: str, args, device: torch.device, dtype: torch.dtype) -> Target:
     _sync(device)
     info = {"layers": layers, "build_s": round(time.perf_counter() - t0, 2), "estimate": est,
             "weights": f"random {str(dtype).removeprefix('torch.')}, seed 0, built on {device.type}"}
-    if arch in MXFP4_ARCHS:
+    if mxfp4_served(arch, args):
         from verifier_svc.model import quantize_experts
 
         t1 = time.perf_counter()
@@ -245,7 +251,7 @@ def serve(t: Target, args, device: torch.device):
     from verifier_svc.model import serve_mxfp4, wrap_model
 
     arch = t.model.config.model_type
-    if arch in MXFP4_ARCHS:
+    if mxfp4_served(arch, args):
         target = serve_mxfp4(t.model, t.directory, kernels=args.kernels)
         how = ("MXFP4 resident (one arena on the device, the grouped MXFP4 kernel)" if target.expert_cache is None else
                "MXFP4, an expert cache holding every expert (no kernels: the torch reference)")
@@ -469,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
                          "and KV cache; gptoss's MXFP4 experts then go through an expert cache holding them all")
     ap.add_argument("--kv-cache-gb", type=float, default=8.0, help="the paged KV pool on CUDA")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' rows")
+    ap.add_argument("--mxfp4-experts", action="store_true",
+                    help="serve every random target's experts in MXFP4, resident (default: gptoss only, as it ships); "
+                         "qwen3's then take the fragment MoE kernels' small-call paths (fragments.DIRECT_SHAPES)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--tag", default="", help="appended to the output files' names (an A/B run next to the default one)")
     ap.add_argument("--repeat", type=int, default=1,

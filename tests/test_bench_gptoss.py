@@ -96,6 +96,20 @@ def test_gptoss_tiny_runs_end_to_end_and_block_one_is_transformers_greedy_on_the
     assert plain != want  # the verifier did not serve the float experts
 
 
+def test_mxfp4_experts_serves_a_qwen3_target_in_mxfp4_and_stays_identical_to_block_one(tmp_path):
+    """--mxfp4-experts: a Qwen3 target's experts quantized and served in MXFP4 (the fragment kernels' small-call paths
+    on a GPU), every mode identical to block 1; without it the same target keeps its float experts."""
+    args = ("--tiny", "--targets", "qwen3-2l", "--prompts", "1", "--new-tokens", "8", "--prompt-tokens", "24",
+            "--blocks", "4", "--no-hf")
+    result = _run(tmp_path, *args, "--mxfp4-experts")
+    info = result["targets"]["qwen3-2l"]
+    assert info["experts"].startswith("MXFP4") and info["mxfp4_expert_bytes"] > 0
+    assert all(r["identical"] is True for r in result["rows"]) and len(result["rows"]) == 3
+    plain = _run(tmp_path, *args)["targets"]["qwen3-2l"]
+    assert not plain["experts"].startswith("MXFP4") and "mxfp4_expert_bytes" not in plain
+    assert "quantized to MXFP4" in info["weights"] and "MXFP4" not in plain["weights"]
+
+
 def test_demo_dflash_and_hybrid_in_process_draft_from_the_verifier_features(tmp_path):
     result = _run(tmp_path, "--targets", "demo", "--prompts", "1", "--new-tokens", "24", "--blocks", "8", "--no-hf",
                   "--repeat", "2")
