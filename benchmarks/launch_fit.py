@@ -96,9 +96,9 @@ def floors(fit_rows: list[dict], kernels: dict) -> list[dict]:
             continue
         _, k, h, i = MODELS[r["model"]]
         pairs = r["active_experts"] * r["tokens_per_expert"]
-        # (a call that skips the routing launch pays none: fragments.direct_refusal, at this process's DIRECT_PAIRS,
-        # the served 16 unless PDFLASH_FP4_DIRECT_PAIRS says otherwise, as when the table was measured)
-        direct = F.direct_refusal(pairs // k, k, h, i, *F.frag_config(h, i, pairs)) is None
+        # (a call that skips the routing launch pays none: fragments.direct_refusal, at most DIRECT_BASE pairs, as
+        # served when the table was measured, before stop 54's DIRECT_SHAPES, whatever device this runs on)
+        direct = pairs <= F.DIRECT_BASE and F.direct_refusal(pairs // k, k, h, i, *F.frag_config(h, i, pairs)) is None
         route = 0.0 if direct else routing_us(align, r["model"], pairs)
         fixed = gu["fixed_us"] + dn["fixed_us"] + route
         goal_us = r["weight_bytes"] / (GOAL * rate) * 1e6
