@@ -69,12 +69,6 @@ from verifier_svc.engine import PagedKVOptions, VerifierCore  # noqa: E402
 
 FAMILIES = {"qwen3": "qwen3_moe", "gptoss": "gpt_oss"}
 MXFP4_ARCHS = {"gpt_oss"}  # served as the model ships: MXFP4 experts, resident
-
-
-def mxfp4_served(arch: str | None, args) -> bool:
-    """Whether a target's experts are served in MXFP4: gpt-oss as it ships; every random target with --mxfp4-experts
-    (Qwen3's quantized from its random bf16 weights, as `--experts mxfp4` serves a checkpoint)."""
-    return arch in MXFP4_ARCHS or (arch is not None and getattr(args, "mxfp4_experts", False))
 DEFAULTS = {"demo": (4, 128), "qwen3": (4, 128), "gptoss": (2, 64)}  # prompts, new tokens
 REPLAY_BLOCK = 16
 TINY_VOCAB = 512
@@ -90,6 +84,13 @@ class Target:
     new_tokens: int
     drafter_dir: pathlib.Path | None = None
     info: dict = dataclasses.field(default_factory=dict)
+
+
+def mxfp4_served(arch: str | None, args) -> bool:
+    """Whether a target's experts are served in MXFP4: gpt-oss as it ships; every random target with --mxfp4-experts
+    (Qwen3's quantized from its random bf16 weights, as `--experts mxfp4` serves a checkpoint). (getattr: waves.py,
+    forward_profile.py and prefill_profile.py build and serve through these helpers with arguments of their own.)"""
+    return arch in MXFP4_ARCHS or (arch is not None and getattr(args, "mxfp4_experts", False))
 
 
 def parse_target(name: str, layers: int = 0) -> tuple[str, str | None, int]:
@@ -127,7 +128,7 @@ def peak_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's peak resident set (Linux: KiB)
 
 
-def estimate(cfg, arch: str, dtype: torch.dtype, mxfp4: bool | None = None) -> dict:
+def estimate(cfg, arch: str, dtype: torch.dtype, mxfp4: bool) -> dict:
     """Bytes of the model to build (exact: built on the meta device) and, for MXFP4 targets, of its experts in MXFP4,
     with the peak they imply: the float model + its MXFP4 experts + the larger of a second copy of them (on their
     modules, then the served arena) and one layer's (de)quantization temporaries (~8 float32 copies of its largest
@@ -142,7 +143,7 @@ def estimate(cfg, arch: str, dtype: torch.dtype, mxfp4: bool | None = None) -> d
     size = torch.empty((), dtype=dtype).element_size()
     total = sum(p.numel() for p in m.parameters()) * size
     out = {"model_bytes": total}
-    if (arch in MXFP4_ARCHS) if mxfp4 is None else mxfp4:
+    if mxfp4:
         mods = list(experts_modules(m).values())
         weights = sum(p.numel() for mod in mods for n, p in mod.named_parameters() if not n.endswith("bias"))
         biases = sum(p.numel() for mod in mods for n, p in mod.named_parameters() if n.endswith("bias"))

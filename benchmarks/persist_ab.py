@@ -65,7 +65,7 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
     # on the rows whose served call takes it (there every pN column times the one launch, which has no persistent form)
     settings["o0"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], ONE_LAUNCH_PAIRS=0)
     if direct:  # u16: the served form before stop 54's DIRECT_SHAPES (one-pair blocks up to 16 pairs, routed above)
-        settings["u16"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=16, DIRECT_GROUP=False,
+        settings["u16"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=F.DIRECT_BASE, DIRECT_GROUP=False,
                                PERSIST_DIRECT=False)
     for model in models:
         e, k, h, i = MODELS[model]

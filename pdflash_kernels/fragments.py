@@ -1064,8 +1064,8 @@ SIZE_TILES = runtime.env_flag("PDFLASH_FP4_SIZE_TILES", default=True)
 # expert's pairs as a routed block does and an expert's weights are read once for its pairs.
 DIRECT_MOST = 128
 # The grouping above: its bits test passed on the H100 at stop 52 (`test_direct_pairs_give_the_routed_bits`, both
-# forms, persistent too), but the A/B was mixed, so it stayed opt-in (H100, stop52_gpu/call2 against call1, `persist_ab.py`, us, served / grouped / grouped + PERSIST_DIRECT at the
-# call's pairs): it removed the per-pair reads where pairs share experts (gpt-oss 8 x 4: 63.7 / 61.5 / 60.3, where
+# forms, persistent too), but the A/B was mixed, so it stayed opt-in (H100, stop52_gpu/call2 against call1,
+# `persist_ab.py`, us, served / grouped / grouped + PERSIST_DIRECT at the call's pairs): it removed the per-pair reads where pairs share experts (gpt-oss 8 x 4: 63.7 / 61.5 / 60.3, where
 # one-pair blocks took 131.6; Qwen3 8 x 16: 32.6 / 38.2 / 26.9; 32 x 4: 54.1 / 49.0 / 46.4) and helped a 16-token
 # verify's 128 pairs on 81 experts without the persistent grid (99.6 / 95.7 / 101.8), but on calls of 32 pairs on
 # ~30 experts every program's grouping cost more than the reads it saved (Qwen3 32 x 1: 46.4 / 48.9, one-pair blocks
@@ -1076,8 +1076,8 @@ DIRECT_MOST = 128
 # on Qwen3-30B-A3B's shape it beat the served call (one-pair blocks up to 16 pairs, routed above) on every row of more
 # than 16 pairs measured, with the persistent grid (H100, stop54_gpu/call1, `persist_ab.py`, served / grouped on the
 # persistent grid, us): 8 experts x 4 / 16 tokens 26.4 / 25.6 and 32.5 / 26.6; 32 x 1 / 4 46.2 / 42.5 and 54.7 /
-# 48.5; 128 x 1 139.3 / 133.1; a verify's spread routing at 4 / 8 / 16 tokens (29 / 50 / 81 experts) 44.7 / 40.9,
-# 68.8 / 64.4, 98.4 / 96.4. At 16 pairs and fewer the one-pair blocks stayed faster (8 x 1: 16.2 / 17.1). gpt-oss-20b
+# 48.5; 128 x 1 139.3 / 133.1; a verify's spread routing at 4 / 8 / 16 tokens (29 / 50 / 81 experts) 44.7 / 41.0,
+# 68.8 / 64.2, 98.4 / 96.4. At 16 pairs and fewer the one-pair blocks stayed faster (8 x 1: 16.2 / 17.1). gpt-oss-20b
 # was mixed (8 x 4: 63.6 / 60.8, a 16-token verify's 64 pairs: 162.3 / 190.8 on the grid, 159.1 off it; 32 x 4: 175.2
 # / 179.5), so it keeps the served form. Hence DIRECT_SHAPES: by the CUDA device's name, then (hidden, expert width),
 # the most pairs a call skips the routing launch with; there a call of more than DIRECT_BASE pairs groups its pairs
@@ -1089,6 +1089,11 @@ DIRECT_MOST = 128
 DIRECT_BASE = 16
 DIRECT_SHAPES: dict[str, dict[tuple[int, int], int]] = {"NVIDIA H100 80GB HBM3": {(2048, 768): 128},
                                                         "NVIDIA H200": {(2048, 768): 128}}
+
+
+def _direct_shapes(device: str | None) -> dict[tuple[int, int], int]:
+    """DIRECT_SHAPES' entry for a device (a name as `device_name` gives it; None: the current one)."""
+    return DIRECT_SHAPES.get(device_name() if device is None else device, {})
 
 
 def _env_choice(name: str) -> bool | None:
@@ -1109,7 +1114,7 @@ def direct_pairs(hidden: int, inter: int, device: str | None = None) -> int:
     (a name as `device_name` gives it; None: the current one)."""
     if DIRECT_PAIRS is not None:
         return DIRECT_PAIRS
-    return DIRECT_SHAPES.get(device_name() if device is None else device, {}).get((hidden, inter), DIRECT_BASE)
+    return _direct_shapes(device).get((hidden, inter), DIRECT_BASE)
 
 
 def direct_group(pairs: int, hidden: int, inter: int, device: str | None = None) -> bool:
@@ -1117,7 +1122,7 @@ def direct_group(pairs: int, hidden: int, inter: int, device: str | None = None)
     grouping written once by the gate/up launch) rather than giving each pair its own block."""
     if DIRECT_GROUP is not None:
         return DIRECT_GROUP
-    return pairs > DIRECT_BASE and (hidden, inter) in DIRECT_SHAPES.get(device_name() if device is None else device, {})
+    return pairs > DIRECT_BASE and (hidden, inter) in _direct_shapes(device)
 
 # Persistent GEMMs (PDFLASH_FP4_PERSIST=N programs a multiprocessor, 0: off, at most 16; default 8): a routed call of at
 # most `persist_pairs` (token, expert) pairs on its expert shape launches each fragment GEMM as at most N programs a
@@ -1158,8 +1163,9 @@ def persist_grid(programs: int) -> int:
 
 # A routing-free call's grid is P blocks, of which (with the grouping, stop 52) only one an expert's 16 pairs is live:
 # PDFLASH_FP4_PERSIST_DIRECT=1 walks those calls' tiles with the persistent grid too (as routed calls of up to
-# `persist_pairs`); at stop 52 (each GEMM launch grouping) it won where 128 pairs share few experts (Qwen3 8 x 16 26.9 against 32.6
-# us served) and lost on a verify's spread ones (101.8 against 99.6; H100, stop 52, persist_ab.py's dNq columns).
+# `persist_pairs`); at stop 52 (each GEMM launch grouping) it won where 128 pairs share few experts (Qwen3 8 x 16 26.9
+# against 32.6 us served) and lost on a verify's spread ones (101.8 against 99.6; H100, stop 52, persist_ab.py's dNq
+# columns).
 # Unset: a routing-free call takes the grid where it groups its pairs (`direct_group`; stop 54).
 PERSIST_DIRECT: bool | None = _env_choice("PDFLASH_FP4_PERSIST_DIRECT")
 
