@@ -149,6 +149,12 @@ def test_model_info_names_the_fragment_tiles(monkeypatch):
     assert _frag_tiles(fw) == "tiles 4x4w4aa3 / 8x2w4a4 from PDFLASH_FP4_TILES" + want
     monkeypatch.setattr(F, "PERSIST_PER_SM", 0)
     assert _frag_tiles(fw) == "tiles 4x4w4aa3 / 8x2w4a4 from PDFLASH_FP4_TILES"
+    monkeypatch.setattr(F, "FRAG_TILES", None)  # FEW_BLOCKS where it is on: the routed gate/up's other tile
+    monkeypatch.setitem(F.FEW_BLOCKS, (128, 64), (12, F.FragTile(4, 2, 4, stages=4, xring=1)))
+    monkeypatch.setattr(F, "FEW_BLOCKS_ON", True)
+    assert _frag_tiles(fw).endswith("; routed gate/up in 4x2w4aa4 where the routing makes at most 12 blocks")
+    monkeypatch.setattr(F, "FEW_BLOCKS_ON", False)
+    assert "routed gate/up" not in _frag_tiles(fw)
 
 
 def test_calls_take_their_size_class_tiles(monkeypatch):
