@@ -977,6 +977,8 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
         if cnt is None:  # more tiles than a counter region (or none made yet in a capture): zeroed counters of its own
             cnt = torch.zeros(tiles, dtype=torch.int32, device=x.device)
         grid = (*grid, split)
+    if sel == 1:  # (computes only where the routing made at most `few` blocks: a program a tile of those, no walk)
+        grid, persist = (min(grid[0], few), *grid[1:]), False
     walk = persist_grid(grid[0] * grid[1] * split) if persist else 0
     if walk:
         grid = (walk,)
