@@ -1250,7 +1250,14 @@ FRAG_TILES: tuple[FragTile, FragTile] | None = parse_tiles(_TILES) if _TILES els
 # most that many blocks. Such a call launches its gate/up GEMM twice, each launch reading the block count first: the
 # FEW_BLOCKS tile computes when the blocks are few (`_frag_gemm`'s SEL 1), the class's tile when they are more (SEL 2),
 # and the launch not chosen ends at once (its cost: one empty launch a call). Unsplit tiles add a row's K products in
-# the same order, so the bits are the class's (`test_few_blocks_tile_gives_the_same_bits`).
+# the same order, so the bits are the class's (`test_few_blocks_tile_gives_the_same_bits`: passed on an H100, stop 55).
+# The few-blocks launch runs a program a tile of at most FEW blocks (no walk: every block below the count is live).
+# Measured on an H100 (stop 55 calls 7-9, benchmarks/results/stop55_gpu; `persist_ab.py --few`, us, served / on): no
+# gain. gpt-oss-20b 8 x 4 65.7 / 67.8, 8 x 16 68.7 / 67.6; Qwen3-30B-A3B 32 x 16 60.1 / 59.8; spread calls 1.5-2.5 us
+# slower (the empty launch: gpt-oss verify 8 tokens 115.5 / 117.7, Qwen3 64 tokens 141.9 / 143.8). The sweep's gap
+# (each launch alone, H100: gpt-oss 8 x 4 gate/up 35.8 us in 4x2w4aa4 against 44 in 8x2w4aa3) does not survive into the
+# call as a forward pays it, where the persistent grid already recovers it (moe_call_breakdown.py, gpt-oss 8 x 4 whole:
+# 64.5 served; 69.5 one program a tile, 64.6 with this on). So off by default; the H200's A/B is not measured.
 # PDFLASH_FP4_FEW_BLOCKS=1 / 0: on / off (unset: FEW_BLOCKS_DEFAULT).
 FEW_BLOCKS: dict[tuple[int, int], tuple[int, FragTile]] = {
     (2880, 2880): (16, FragTile.parse("4x2w4aa4")),

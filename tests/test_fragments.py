@@ -370,6 +370,14 @@ def test_few_blocks_choice(monkeypatch):
     assert F.few_blocks(2880, 2880, t_big) is None
     for most, tile in F.FEW_BLOCKS.values():  # (unsplit, so a row's bits are the class's whichever launch computes)
         assert most >= 1 and tile.split == 1
+    import yaml
+
+    from tests.test_kernels import _import_refuses
+
+    _import_refuses("PDFLASH_FP4_FEW_BLOCKS", "sometimes", "pdflash_kernels.fragments")
+
+    env = yaml.safe_load((pathlib.Path(__file__).parents[1] / "compose.gpu.yaml").read_text())["services"]["verifier"]["environment"]
+    assert env["PDFLASH_FP4_FEW_BLOCKS"] == "${PDFLASH_FP4_FEW_BLOCKS:-}"  # (empty: the default)
     r = F.DirectPairs(torch.zeros(4, dtype=torch.int32), None, None, torch.zeros(4, dtype=torch.bool), 8, 4)
     with pytest.raises(ValueError, match="choice by block count"):
         F._launch(torch.zeros(1, 64), r, torch.zeros(1, 1, 1, dtype=torch.int32), torch.zeros(1), None, 16, 2, 1,
