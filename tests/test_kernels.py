@@ -5,6 +5,8 @@ CUDA). The same kernels compiled for the GPU are tested in tests/test_kernels_gp
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import re
 
 import pytest
 import torch
@@ -1268,3 +1270,14 @@ def test_ragged_attention_gives_each_sequence_the_bits_of_a_call_of_its_own(wind
         paged_attention(q_all, kp, vp, table, pos_all, 0.25, window, sk, seq_starts=seq_starts)
     with pytest.raises(ValueError, match="page table of 2 rows for 4 sequences"):
         paged_attention(q_all, kp, vp, table[:2], pos_all, 0.25, window, sk, seq_starts=seq_starts, max_rows=5)
+
+
+def test_gpu_sh_names_every_step_it_runs():
+    """benchmarks/gpu.sh's usage line lists exactly the steps its body runs (`has STEP` or a `" STEP "` match), so a
+    step added to one and not the other is caught on the CPU, not on the GPU machine's clock."""
+    src = (pathlib.Path(__file__).parents[1] / "benchmarks" / "gpu.sh").read_text()
+    usage = re.search(r"gpu\.sh OUT \[([a-z0-9|]+)\]", src)
+    assert usage, "gpu.sh's usage line"
+    named = set(usage.group(1).split("|"))
+    ran = set(re.findall(r"\bhas ([a-z0-9]+);", src)) | set(re.findall(r'== \*" ([a-z0-9]+) "\*', src))
+    assert named - {"all"} == ran - {"all"}, (sorted(named - ran), sorted(ran - named))
