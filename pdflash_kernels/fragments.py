@@ -1244,7 +1244,7 @@ FRAG_TILES: tuple[FragTile, FragTile] | None = parse_tiles(_TILES) if _TILES els
 # fall on, which only the routing launch knows (on the device, in `num_blocks`): the big-call classes' 8x2w4aa3 is the
 # best at 128 experts, and on few experts whose pairs are concentrated (issue 12's 8 or 32 experts x 4-16 tokens) it
 # leaves the GPU short of tiles (H200, each launch alone, fragment_fused_sweep_h200.json: gpt-oss-20b 8 experts x 4 /
-# 16 tokens 4x2w4aa4 32.5 / 32.6 us against 8x2w4aa3's 39.5+; Qwen3-30B-A3B 32 x 16 23.9 against 32.2, but 128 x 16
+# 16 tokens 4x2w4aa4 32.5 / 32.6 us against 8x2w4aa3's 44.5 / 44.8; Qwen3-30B-A3B 32 x 16 23.9 against 32.2, but 128 x 16
 # 79.2 against 72.1; as a forward pays it, stop 55 call 5's breakdown: gpt-oss 8 x 4 gate/up 43.8 us against 31.2 at 8
 # x 1 in 4x2w4aa4). FEW_BLOCKS (by expert shape): (most blocks, gate/up tile) for routed calls whose routing makes at
 # most that many blocks. Such a call launches its gate/up GEMM twice, each launch reading the block count first: the
@@ -1274,8 +1274,8 @@ def few_blocks(hidden: int, inter: int, t1: FragTile) -> tuple[int, FragTile] | 
     entry = FEW_BLOCKS.get((hidden, inter))
     if not on or FRAG_TILES or entry is None or entry[1] == t1:
         return None
-    if _splits_k(hidden, inter, t1, t1) or _splits_k(hidden, inter, entry[1], entry[1]):
-        return None  # (a K split's bits differ from the unsplit tiles')
+    if any(split_plan(hidden // QUAD, t.kqs, t.split)[0] > 1 for t in (t1, entry[1])):
+        return None  # (a K split of the gate/up GEMM's K gives other bits than the unsplit tiles)
     return entry
 
 
