@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|confirm|few|direct|deeptiles|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|persist|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|confirm|direct|deeptiles|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|persist|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite (or SUITE_FILES), 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -187,13 +187,6 @@ if [[ " $STEPS " == *" persist "* ]]; then  # PDFLASH_FP4_PERSIST (a fixed grid 
     PDFLASH_FP4_PERSIST=$best timeout ${KERNELS_S:-240} python3 benchmarks/kernel_bench.py --out "$OUT/persist_kernels" > "$OUT/persist_kernels/kernels.txt" 2>&1
     grep -E "\| mxfp4 \| (1|4|16) \|" "$OUT/persist_kernels/"kernels_*.md
   fi
-fi
-if [[ " $STEPS " == *" few "* ]]; then  # stop 55: FEW_BLOCKS (a routed gate/up GEMM as two launches, the block count picking on the device): its bits tests, then the A/B (f: on; fo: on, without the one launch) on issue 12's rows and verify-shaped ones (~1-2 min; not in `all`)
-  timeout ${FEW_TESTS_S:-170} python3 -m pytest -v -rfE -p no:cacheprovider --timeout=160 tests/test_fragments.py -k "few_blocks" > "$OUT/few_tests.txt" 2>&1
-  grep -E "PASSED|FAILED|ERROR" "$OUT/few_tests.txt" | tail -10
-  timeout ${FEW_S:-230} python3 benchmarks/persist_ab.py --per-sm 8 --few --tokens ${FEW_TOKENS:-4,16} --verify-tokens ${FEW_VERIFY:-8,16,32,64} \
-    --models ${FEW_MODELS:-qwen3-30b-a3b,gpt-oss-20b} --out "$OUT" > "$OUT/few_ab.txt" 2>&1
-  grep -E "^\|" "$OUT/few_ab.txt"
 fi
 if [[ " $STEPS " == *" direct "* ]]; then  # stop 52: routing-free calls whose programs group the pairs themselves (DIRECT_PAIRS up to 128): their bits tests, the A/B (d16..d128) on issue 12's small rows and verify-shaped rows, then issue 12's table at DIRECT_TABLE pairs (~8 min; not in `all`)
   timeout ${DIRECT_TESTS_S:-200} python3 -m pytest -v -rfE -p no:cacheprovider tests/test_fragments.py -k "${DIRECT_K:-direct or persistent_programs}" > "$OUT/direct_tests.txt" 2>&1

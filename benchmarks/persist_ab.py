@@ -13,9 +13,7 @@ column of kernel_bench's table) at each setting: "pN", N programs a multiprocess
 calls of at most N pairs without the routing launch (each program grouping the pairs by expert itself, DIRECT_GROUP,
 since stop 52; --ungrouped: each pair its own block) with the served persistent GEMMs, only on rows of at most max(N)
 pairs; with --direct-persist also "dNq" (those calls on the persistent grid too, fragments.PERSIST_DIRECT); and "o0",
-the served settings without the one launch, on rows whose served call takes it; with --few, "f" (routed calls' gate/up GEMM
-as a FEW_BLOCKS pair of launches chosen by the routing's block count, fragments.FEW_BLOCKS) and "fo" (that without the one
-launch, on the one launch's rows); with --direct-pairs also "u16" (the
+the served settings without the one launch, on rows whose served call takes it; with --direct-pairs also "u16" (the
 served form before stop 54's fragments.DIRECT_SHAPES: one-pair blocks up to 16 pairs, routed above). With --verify-tokens, also
 verify-shaped calls (A = "rand": T tokens, each routed to k distinct experts drawn uniformly, as an untrained router
 spreads a verify's tokens; the distinct experts in "experts"). The settings interleaved round by round, every setting's
@@ -43,12 +41,11 @@ def row_settings(settings: dict, pairs: int, direct: tuple[int, ...], one_launch
     """The settings a row of `pairs` pairs runs: every pN; dN where the row has at most max(direct) pairs (the dN
     columns time the routing launch's skip); o0 where the served call takes the one launch."""
     return {n: c for n, c in settings.items()
-            if n[0] in "puf" and n != "fo" or (n[0] == "d" and direct and pairs <= max(direct))
-            or (n in ("o0", "fo") and one_launch)}
+            if n[0] in "pu" or (n[0] == "d" and direct and pairs <= max(direct)) or (n == "o0" and one_launch)}
 
 
 def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, direct: tuple[int, ...] = (),
-        verify_tokens: tuple[int, ...] = (), direct_persist: bool = False, group: bool = True, few: bool = False) -> dict:
+        verify_tokens: tuple[int, ...] = (), direct_persist: bool = False, group: bool = True) -> dict:
     from pdflash_kernels import fragments as F
     from pdflash_kernels.installer import expert_weights
     from pdflash_kernels.moe import moe_forward
@@ -57,7 +54,7 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
     rows = []
     served = dict(PERSIST_PER_SM=F.PERSIST_PER_SM, PERSIST_PAIRS=F.PERSIST_PAIRS, DIRECT_PAIRS=F.DIRECT_PAIRS,
                   PERSIST_DIRECT=F.PERSIST_DIRECT, DIRECT_GROUP=F.DIRECT_GROUP,
-                  ONE_LAUNCH_PAIRS=F.ONE_LAUNCH_PAIRS, FEW_BLOCKS_ON=F.FEW_BLOCKS_ON)
+                  ONE_LAUNCH_PAIRS=F.ONE_LAUNCH_PAIRS)
     settings = {f"p{p}": dict(PERSIST_PER_SM=p) for p in per_sm}
     settings.update({f"d{d}": dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=d, DIRECT_GROUP=group)
                      for d in direct})
@@ -67,9 +64,6 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
     # o0: the served settings without the one launch (fragments.ONE_LAUNCH_SHAPES: gpt-oss-20b's 8-128 pairs on the H200),
     # on the rows whose served call takes it (there every pN column times the one launch, which has no persistent form)
     settings["o0"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], ONE_LAUNCH_PAIRS=0)
-    if few:  # f: routed calls' gate/up as a FEW_BLOCKS pair of launches; fo: also without the one launch (its rows)
-        settings["f"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], FEW_BLOCKS_ON=True)
-        settings["fo"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], FEW_BLOCKS_ON=True, ONE_LAUNCH_PAIRS=0)
     if direct:  # u16: the served form before stop 54's DIRECT_SHAPES (one-pair blocks up to 16 pairs, routed above)
         settings["u16"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=F.DIRECT_BASE, DIRECT_GROUP=False,
                                PERSIST_DIRECT=False)
@@ -158,8 +152,6 @@ def main() -> None:
                     "grid (PDFLASH_FP4_PERSIST_DIRECT)")
     ap.add_argument("--ungrouped", action="store_true", help="dN: each pair its own block (DIRECT_GROUP off; "
                     "default: on, each program grouping the pairs by expert)")
-    ap.add_argument("--few", action="store_true", help="also f: routed calls' gate/up GEMM as a FEW_BLOCKS pair of "
-                    "launches (PDFLASH_FP4_FEW_BLOCKS=1), and fo: that without the one launch, on its rows")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -173,7 +165,7 @@ def main() -> None:
         raise SystemExit("persist_ab.py times CUDA kernels: no CUDA device here")
     verify = tuple(int(t) for t in args.verify_tokens.split(",") if t)
     res = run(per_sm, models, [int(t) for t in args.tokens.split(",")], args.rounds, direct, verify, args.direct_persist,
-              not args.ungrouped, args.few)
+              not args.ungrouped)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"persist_ab_{device_tag()}"

@@ -445,7 +445,7 @@ if gluon is not None:
                    SPLIT: gl.constexpr, SS: gl.constexpr, PDL: gl.constexpr = 0, STAGES: gl.constexpr = 0,
                    XRING: gl.constexpr = 0, DIRECT: gl.constexpr = 0, E: gl.constexpr = 0, HAS_SLOT: gl.constexpr = 0,
                    HAS_NVALID: gl.constexpr = 0, PERSIST: gl.constexpr = 0, DP: gl.constexpr = 16,
-                   GROUP: gl.constexpr = 0, TAB: gl.constexpr = 0, SEL: gl.constexpr = 0, FEW: gl.constexpr = 0):
+                   GROUP: gl.constexpr = 0, TAB: gl.constexpr = 0):
         """One program: routing block program_id(0) x NT 16-row weight tiles (program_id(1)) x K range program_id(2).
         EPI 0: y (float32) at the block's rows = x[pair // TOPK] @ w^T (EPI 3: x[block row] @ w^T); EPI 1 (gate/up,
         rows [gates; ups] as `gate_up_order` stores them, N = I): the program's tiles are NT / 2 gate tiles and the NT / 2
@@ -468,9 +468,7 @@ if gluon is not None:
         PERSIST: a fixed grid of programs (`_launch`'s PERSIST_PER_SM a multiprocessor), each walking the live tiles
         (a block's weight tiles and K ranges one after another, blocks in order) up to the routing's block count: no
         program for the unused block slots (a routed call's grid is its worst case, ~max(P, E) blocks, of which P / 16
-        to E hold pairs). Each tile is the same program body: the same bits.
-        SEL (a routed call launched twice, once a tile each: `few_blocks`): 1, the launch computes only if the
-        routing made at most FEW blocks; 2, only if it made more (the other launch's programs find no live block)."""
+        to E hold pairs). Each tile is the same program body: the same bits."""
         _pdl_begin(PDL)  # before any load: the routing and the slots' copies come from the kernels before
         TPP0: gl.constexpr = NT // 2 if EPI == 1 else NT  # output tiles a program
         NTL: gl.constexpr = (N // 16 + TPP0 - 1) // TPP0  # weight tiles a block (the grid's program_id(1) range)
@@ -478,14 +476,14 @@ if gluon is not None:
             if DIRECT:
                 nb = P
             else:
-                nb = _selected_blocks(gl.load(nblocks_ptr), SEL, FEW)
+                nb = gl.load(nblocks_ptr)
             tile = gl.program_id(0)
             while tile < nb * (NTL * SPLIT):
                 _frag_tile(tile // (NTL * SPLIT), tile % (NTL * SPLIT) // SPLIT, tile % SPLIT, NTL,
                     x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr, w_ptr, stride_ws,
                     s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit, tab_ptr, N,
                     K, TOPK, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, PHASE, BM, NT, KQS, W, PREFETCH,
-                    SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, DP, GROUP, TAB, SEL, FEW)
+                    SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, DP, GROUP, TAB)
                 gl.thread_barrier()  # (the next tile's stores into the shared buffers wait for every warp's reads)
                 tile += gl.num_programs(0)
         else:
@@ -496,17 +494,7 @@ if gluon is not None:
                 x_ptr, stride_x, out_ptr, stride_o, pairs_ptr, slot_ptr, nblocks_ptr, phase_ptr, w_ptr, stride_ws,
                 s_ptr, stride_ss, b_ptr, stride_b, rw_ptr, ws_ptr, cnt_ptr, R, P, alpha, limit, tab_ptr, N,
                 K, TOPK, EPI, ACT, HAS_BIAS, ROW_MUL, UP_OFF, PHASE, BM, NT, KQS, W, PREFETCH,
-                SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, DP, GROUP, TAB, SEL, FEW)
-
-    @gluon.jit
-    def _selected_blocks(nb, SEL: gl.constexpr, FEW: gl.constexpr):
-        """The routing's block count as a launch of `_frag_gemm`'s SEL computes it: nb (SEL 0), nb where it is at most
-        FEW else 0 (SEL 1), nb where it is more than FEW else 0 (SEL 2)."""
-        if SEL == 1:
-            nb = nb * (nb <= FEW).to(gl.int32)
-        elif SEL == 2:
-            nb = nb * (nb > FEW).to(gl.int32)
-        return nb
+                SPLIT, SS, STAGES, XRING, DIRECT, E, HAS_SLOT, HAS_NVALID, DP, GROUP, TAB)
 
     @gluon.jit
     def _same_expert(pairs_ptr, b, eid, P, nv, TOPK: gl.constexpr, DP: gl.constexpr, W: gl.constexpr):
@@ -541,8 +529,7 @@ if gluon is not None:
                    BM: gl.constexpr, NT: gl.constexpr, KQS: gl.constexpr, W: gl.constexpr, PREFETCH: gl.constexpr,
                    SPLIT: gl.constexpr, SS: gl.constexpr, STAGES: gl.constexpr,
                    XRING: gl.constexpr, DIRECT: gl.constexpr, E: gl.constexpr, HAS_SLOT: gl.constexpr,
-                   HAS_NVALID: gl.constexpr, DP: gl.constexpr = 16, GROUP: gl.constexpr = 0, TAB: gl.constexpr = 0,
-                   SEL: gl.constexpr = 0, FEW: gl.constexpr = 0):
+                   HAS_NVALID: gl.constexpr, DP: gl.constexpr = 16, GROUP: gl.constexpr = 0, TAB: gl.constexpr = 0):
         """One tile of `_frag_gemm`: routing block b x weight tiles pid_n x K range pid_s (NTL weight tiles a block)."""
         BN: gl.constexpr = NT * 16
         WL: gl.constexpr = _layout("w", W)
@@ -579,7 +566,7 @@ if gluon is not None:
                     if b == 0:
                         gl.store(tab_ptr + P * BM + P, P)
         else:
-            live = b < _selected_blocks(gl.load(nblocks_ptr), SEL, FEW)
+            live = b < gl.load(nblocks_ptr)
             if PHASE != 0:
                 live = live & (gl.load(phase_ptr + b) == PHASE - 1)
             slot = gl.load(slot_ptr + b)
@@ -921,14 +908,9 @@ def grouped_routing(tab: torch.Tensor, r: DirectPairs) -> Routing:
 
 def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, epi: int, tile: FragTile,
             phase: int = 0, bias=None, act: int = 0, row_mul: int = 1, up_off: int = 0, rw=None, alpha: float = 1.702,
-            limit: float = 7.0, persist: bool = False, tab=None, sel: int = 0, few: int = 0):
+            limit: float = 7.0, persist: bool = False, tab=None):
     """One fragment GEMM launch. `tab` (a grouped routing-free gate/up launch): int32 [P * 16 + P + 1] that launch fills
-    with its grouping as a routing's sorted pairs, block slots and block count (`grouped_routing`). `sel` 1 / 2 (a
-    routed call's FEW_BLOCKS pair of launches): this launch computes only where the routing made at most / more than
-    `few` blocks."""
-    direct = isinstance(r, DirectPairs)
-    if sel not in (0, 1, 2) or (sel and (direct or few < 1)):
-        raise ValueError(f"sel {sel} / few {few}: a routed launch's choice by block count takes sel 1 or 2 and few >= 1")
+    with its grouping as a routing's sorted pairs, block slots and block count (`grouped_routing`)."""
     if gluon is None:
         raise RuntimeError("the fragment GEMMs need Triton's Gluon (triton >= 3.5)")
     if x.device.type != "cuda":
@@ -944,6 +926,7 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
         raise ValueError(f"tile {tile}: nt must be a multiple of the warps (and even for gate/up), kqs a power of two")
     if stages:
         _check_async(tile, x, words)
+    direct = isinstance(r, DirectPairs)
     if direct:
         bm, mb = 16, r.num_pairs
         if phase or split_plan(quads, kqs, split)[0] > 1:
@@ -962,7 +945,7 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
         if phase and r.block_phase is None:
             raise ValueError(f"phase {phase}: a routing made with phase_of_expert")
         args = (r.sorted_pairs, r.block_slot, r.num_blocks, r.block_phase if phase else r.block_slot)
-        dkw = dict(SEL=sel, FEW=few) if sel else {}
+        dkw = {}
     per_program = nt // 2 if epi == 1 else nt
     grid = (mb, triton_cdiv(n // 16, per_program))
     split, ss = split_plan(quads, kqs, split)
@@ -977,8 +960,6 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
         if cnt is None:  # more tiles than a counter region (or none made yet in a capture): zeroed counters of its own
             cnt = torch.zeros(tiles, dtype=torch.int32, device=x.device)
         grid = (*grid, split)
-    if sel == 1:  # (computes only where the routing made at most `few` blocks: a program a tile of those, no walk)
-        grid, persist = (min(grid[0], few), *grid[1:]), False
     walk = persist_grid(grid[0] * grid[1] * split) if persist else 0
     if walk:
         grid = (walk,)
@@ -1240,45 +1221,6 @@ _TILES = os.environ.get("PDFLASH_FP4_TILES") or None
 FRAG_TILES: tuple[FragTile, FragTile] | None = parse_tiles(_TILES) if _TILES else None
 
 
-# A routed call's tiles follow its pairs (FRAG_BY_SIZE), but which gate/up tile is fastest follows the experts the pairs
-# fall on, which only the routing launch knows (on the device, in `num_blocks`): the big-call classes' 8x2w4aa3 is the
-# best at 128 experts, and on few experts whose pairs are concentrated (issue 12's 8 or 32 experts x 4-16 tokens) it
-# leaves the GPU short of tiles (H200, each launch alone, fragment_fused_sweep_h200.json: gpt-oss-20b 8 experts x 4 /
-# 16 tokens 4x2w4aa4 32.5 / 32.6 us against 8x2w4aa3's 44.5 / 44.8; Qwen3-30B-A3B 32 x 16 23.9 against 32.2, but 128 x 16
-# 79.2 against 72.1; as a forward pays it, stop 55 call 5's breakdown: gpt-oss 8 x 4 gate/up 43.8 us against 31.2 at 8
-# x 1 in 4x2w4aa4). FEW_BLOCKS (by expert shape): (most blocks, gate/up tile) for routed calls whose routing makes at
-# most that many blocks. Such a call launches its gate/up GEMM twice, each launch reading the block count first: the
-# FEW_BLOCKS tile computes when the blocks are few (`_frag_gemm`'s SEL 1), the class's tile when they are more (SEL 2),
-# and the launch not chosen ends at once (its cost: one empty launch a call). Unsplit tiles add a row's K products in
-# the same order, so the bits are the class's (`test_few_blocks_tile_gives_the_same_bits`: passed on an H100, stop 55).
-# The few-blocks launch runs a program a tile of at most FEW blocks (no walk: every block below the count is live).
-# Measured on an H100 (stop 55 calls 7-9, benchmarks/results/stop55_gpu; `persist_ab.py --few`, us, served / on): no
-# gain. gpt-oss-20b 8 x 4 65.7 / 67.8, 8 x 16 68.7 / 67.6; Qwen3-30B-A3B 32 x 16 60.1 / 59.8; spread calls 1.5-2.5 us
-# slower (the empty launch: gpt-oss verify 8 tokens 115.5 / 117.7, Qwen3 64 tokens 141.9 / 143.8). The sweep's gap
-# (each launch alone, H100: gpt-oss 8 x 4 gate/up 35.8 us in 4x2w4aa4 against 44 in 8x2w4aa3) does not survive into the
-# call as a forward pays it, where the persistent grid already recovers it (moe_call_breakdown.py, gpt-oss 8 x 4 whole:
-# 64.5 served; 69.5 one program a tile, 64.6 with this on). So off by default; the H200's A/B is not measured.
-# PDFLASH_FP4_FEW_BLOCKS=1 / 0: on / off (unset: FEW_BLOCKS_DEFAULT).
-FEW_BLOCKS: dict[tuple[int, int], tuple[int, FragTile]] = {
-    (2880, 2880): (16, FragTile.parse("4x2w4aa4")),
-    (2048, 768): (48, FragTile.parse("4x2w4aa4")),
-}
-FEW_BLOCKS_DEFAULT = False
-FEW_BLOCKS_ON: bool | None = _env_choice("PDFLASH_FP4_FEW_BLOCKS")
-
-
-def few_blocks(hidden: int, inter: int, t1: FragTile) -> tuple[int, FragTile] | None:
-    """(most blocks, gate/up tile) where a routed call on experts of this shape whose class tile is `t1` launches its
-    gate/up GEMM as two launches chosen on the device by the routing's block count (FEW_BLOCKS); None: one launch."""
-    on = FEW_BLOCKS_ON if FEW_BLOCKS_ON is not None else FEW_BLOCKS_DEFAULT
-    entry = FEW_BLOCKS.get((hidden, inter))
-    if not on or FRAG_TILES or entry is None or entry[1] == t1:
-        return None
-    if any(split_plan(hidden // QUAD, t.kqs, t.split)[0] > 1 for t in (t1, entry[1])):
-        return None  # (a K split of the gate/up GEMM's K gives other bits than the unsplit tiles)
-    return entry
-
-
 def frag_config(hidden: int, inter: int, pairs: int | None = None) -> tuple[FragTile, FragTile]:
     """(gate/up tile, down tile) for a call of `pairs` (token, expert) pairs on experts of this shape (None: a big
     call's). The row bits are the same whichever this picks (`FRAG_BY_SIZE`)."""
@@ -1530,15 +1472,11 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
     tab = None
     if direct and r.group:  # the gate/up launch groups the pairs once and hands the down launch a routing
         tab = torch.empty(r.num_pairs * 17 + 1, dtype=torch.int32, device=dev)
-    few = None if direct else few_blocks(hdim, inter, t1)
-    # the gate/up launch(es): one in the class's tile, or (FEW_BLOCKS) one in each tile, chosen on the device
-    gate_up = [(t1, 0, 0)] if few is None else [(few[1], 1, few[0]), (t1, 2, few[0])]
     for ph in phases:
         if ph >= 2 and between is not None:
             between(ph - 1)
-        for tile, sel, most in gate_up:
-            _launch(x, r, fw.w1, fw.s1, h, inter, topk, 1, tile, ph, fw.b1, fw.act, fw.row_mul, fw.up_off,
-                    alpha=fw.alpha, limit=fw.limit, persist=persist, tab=tab, sel=sel, few=most)
+        _launch(x, r, fw.w1, fw.s1, h, inter, topk, 1, t1, ph, fw.b1, fw.act, fw.row_mul, fw.up_off, alpha=fw.alpha,
+                limit=fw.limit, persist=persist, tab=tab)
         r2 = r if tab is None else grouped_routing(tab, r)
         _launch(h, r2, fw.w2, fw.s2, y, hdim, topk, 2, t2, ph, fw.b2, rw=rw, persist=persist)
     block = min(1024, _moe.triton_next_pow2(hdim))

@@ -738,9 +738,6 @@ def _frag_tiles(w) -> str:
                "multiprocessor" if most and fragments.PERSIST_PER_SM else "")
     if fragments.FRAG_TILES:
         return f"tiles {t1} / {t2} from PDFLASH_FP4_TILES{persist}"
-    few = fragments.few_blocks(w.hidden, w.intermediate, t1)  # (for a big call's gate/up tile)
-    if few is not None:
-        persist += f"; routed gate/up in {few[1]} where the routing makes at most {few[0]} blocks"
     classes = fragments.size_classes(w.hidden, w.intermediate)
     if not classes:
         return f"tiles {t1} / {t2}{persist}"

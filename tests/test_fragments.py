@@ -149,12 +149,6 @@ def test_model_info_names_the_fragment_tiles(monkeypatch):
     assert _frag_tiles(fw) == "tiles 4x4w4aa3 / 8x2w4a4 from PDFLASH_FP4_TILES" + want
     monkeypatch.setattr(F, "PERSIST_PER_SM", 0)
     assert _frag_tiles(fw) == "tiles 4x4w4aa3 / 8x2w4a4 from PDFLASH_FP4_TILES"
-    monkeypatch.setattr(F, "FRAG_TILES", None)  # FEW_BLOCKS where it is on: the routed gate/up's other tile
-    monkeypatch.setitem(F.FEW_BLOCKS, (128, 64), (12, F.FragTile(4, 2, 4, stages=4, xring=1)))
-    monkeypatch.setattr(F, "FEW_BLOCKS_ON", True)
-    assert _frag_tiles(fw).endswith("; routed gate/up in 4x2w4aa4 where the routing makes at most 12 blocks")
-    monkeypatch.setattr(F, "FEW_BLOCKS_ON", False)
-    assert "routed gate/up" not in _frag_tiles(fw)
 
 
 def test_calls_take_their_size_class_tiles(monkeypatch):
@@ -325,63 +319,6 @@ def test_persistent_kernel_compiles_for_sm90(n, k, tile, epi, direct, monkeypatc
     assert "mma.sync.aligned.m16n8k16" in ptx and ".local" not in ptx
     assert "%nctaid.x" in ptx  # the walk's stride: the grid's size
     assert ("atom.global" in ptx) == (split > 1)
-
-
-@needs_gluon
-@pytest.mark.parametrize("tile,persist,sel", [("4x2w4aa4", 1, 1), ("8x2w4aa3", 1, 2), ("4x2w4aa4", 0, 1), ("8x2w4aa3", 0, 2)])
-def test_few_blocks_kernel_compiles_for_sm90(tile, persist, sel, monkeypatch):
-    """A routed gate/up launch of a FEW_BLOCKS pair (SEL 1: computes when the routing made at most FEW blocks, SEL 2:
-    when more) compiles for sm_90, persistent or one program a tile, with the tile's MMAs and nothing in local memory,
-    and reads the block count against FEW (a compare with the constant)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    nt, kqs, warps, pf, split, stages, xring = F.FragTile.parse(tile)
-    const = dict(N=2880, K=2880, TOPK=4, EPI=1, ACT=1, HAS_BIAS=True, ROW_MUL=2, UP_OFF=1, PHASE=0, BM=16, NT=nt,
-                 KQS=kqs, W=warps, PREFETCH=pf, SPLIT=1, SS=2880 // 64 // kqs, STAGES=stages, XRING=xring,
-                 PERSIST=persist, SEL=sel, FEW=16)
-    sig = dict(SIG, out_ptr="*bf16", **{c: "constexpr" for c in const})
-    kern = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps})
-    ptx = kern.asm["ptx"]
-    assert "mma.sync.aligned.m16n8k16" in ptx and ".local" not in ptx
-    assert re.search(r"setp\.\w+\.s32\s+%p\d+, %r\d+, (16|17|15);", ptx)  # the block count against FEW
-
-
-def test_few_blocks_choice(monkeypatch):
-    """FEW_BLOCKS pairs a routed call's gate/up launch only where it is on (PDFLASH_FP4_FEW_BLOCKS, else the default),
-    the shape has an entry, its tile differs from the call's class tile and neither splits K; a forced tile
-    (PDFLASH_FP4_TILES) turns it off; `_launch` refuses a choice on a routing-free call."""
-    t_big = F.frag_config(2880, 2880, 128)[0]
-    monkeypatch.setattr(F, "FEW_BLOCKS_ON", True)
-    assert F.few_blocks(2880, 2880, t_big) == F.FEW_BLOCKS[(2880, 2880)]
-    assert F.few_blocks(2048, 768, F.frag_config(2048, 768, 512)[0]) == F.FEW_BLOCKS[(2048, 768)]
-    assert F.few_blocks(2880, 2880, F.FEW_BLOCKS[(2880, 2880)][1]) is None  # (the class's tile already)
-    assert F.few_blocks(4096, 14336, F.frag_config(4096, 14336, 64)[0]) is None  # (no entry: Mixtral)
-    assert F.few_blocks(2880, 2880, F.FragTile.parse("8x2w4s2")) is None  # (a K split)
-    monkeypatch.setattr(F, "FEW_BLOCKS_ON", False)
-    assert F.few_blocks(2880, 2880, t_big) is None
-    monkeypatch.setattr(F, "FEW_BLOCKS_ON", None)
-    assert (F.few_blocks(2880, 2880, t_big) is not None) == F.FEW_BLOCKS_DEFAULT
-    monkeypatch.setattr(F, "FEW_BLOCKS_ON", True)
-    monkeypatch.setattr(F, "FRAG_TILES", (t_big, t_big))
-    assert F.few_blocks(2880, 2880, t_big) is None
-    for most, tile in F.FEW_BLOCKS.values():  # (unsplit, so a row's bits are the class's whichever launch computes)
-        assert most >= 1 and tile.split == 1
-    import yaml
-
-    from tests.test_kernels import _import_refuses
-
-    _import_refuses("PDFLASH_FP4_FEW_BLOCKS", "sometimes", "pdflash_kernels.fragments")
-
-    env = yaml.safe_load((pathlib.Path(__file__).parents[1] / "compose.gpu.yaml").read_text())["services"]["verifier"]["environment"]
-    assert env["PDFLASH_FP4_FEW_BLOCKS"] == "${PDFLASH_FP4_FEW_BLOCKS:-}"  # (empty: the default)
-    r = F.DirectPairs(torch.zeros(4, dtype=torch.int32), None, None, torch.zeros(4, dtype=torch.bool), 8, 4)
-    with pytest.raises(ValueError, match="choice by block count"):
-        F._launch(torch.zeros(1, 64), r, torch.zeros(1, 1, 1, dtype=torch.int32), torch.zeros(1), None, 16, 2, 1,
-                  F.FragTile(), sel=1, few=4)
 
 
 def test_persist_setting_is_checked(monkeypatch):
@@ -1053,53 +990,6 @@ def _four_launches(*args, **kw):
 @needs_gluon
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small"])
-def test_few_blocks_tile_gives_the_same_bits(model, monkeypatch):
-    """A routed call whose gate/up GEMM is a FEW_BLOCKS pair of launches (the block count read on the device picks
-    which one computes) gives the one-launch gate/up's bits: routings of few blocks (every token on the same k
-    experts: exactly FEW blocks, the bound) and of many (spread), one program a tile and persistent, and in a CUDA
-    graph captured on one routing and replayed on the other (the choice is the device's, not the capture's)."""
-    e, w, fw, x, ids, wts = _moe_case(model, 128, seed=31)
-    k, shape = ids.shape[1], (fw.hidden, fw.intermediate)
-    if model == "small":  # (no entry for this shape: one of its own, a tile other than its class's)
-        monkeypatch.setitem(F.FEW_BLOCKS, shape, (2 * k, F.FragTile.parse("4x2w4")))
-    most, tile = F.FEW_BLOCKS[shape]
-    n = 16 * most // k  # every token on the same k experts: k experts x 16 * most / k pairs = most blocks
-    assert n <= ids.shape[0]
-    few = ids[:n].clone()
-    few[:] = ids[0]
-    spread = ids[:n]
-    monkeypatch.setattr(F, "FEW_BLOCKS_ON", True)
-    assert F.few_blocks(*shape, F.frag_config(*shape, n * k)[0]) == (most, tile)  # (so both launches run below)
-    monkeypatch.setattr(F.runtime, "sm_count", lambda device=None: 4)  # (a walk of many tiles a program)
-    for per_sm, pairs in ((0, None), (8, 1 << 20)):  # one program a tile; persistent
-        monkeypatch.setattr(F, "PERSIST_PER_SM", per_sm)
-        monkeypatch.setattr(F, "PERSIST_PAIRS", pairs)
-        for i in (few, spread):
-            monkeypatch.setattr(F, "FEW_BLOCKS_ON", False)
-            want = _four_launches(x[:n], i, wts[:n], fw, e)
-            monkeypatch.setattr(F, "FEW_BLOCKS_ON", True)
-            got = _four_launches(x[:n], i, wts[:n], fw, e)
-            assert torch.equal(got, want), (per_sm, int(i is few))
-    monkeypatch.setattr(F, "FEW_BLOCKS_ON", False)
-    wants = [_four_launches(x[:n], i, wts[:n], fw, e) for i in (few, spread)]
-    monkeypatch.setattr(F, "FEW_BLOCKS_ON", True)
-    for first in (0, 1):  # captured on few blocks, replayed on many; and the other way
-        hs = (few, spread)[first].clone()
-        _four_launches(x[:n], hs, wts[:n], fw, e)  # (compiled before the capture)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            got = _four_launches(x[:n], hs, wts[:n], fw, e)
-        for j in (first, 1 - first, first):
-            hs.copy_((few, spread)[j])
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(got, wants[j]), (first, j)
-
-
-@cuda
-@needs_gluon
-@pytest.mark.gpu
-@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small"])
 def test_one_launch_is_bit_identical_to_the_four_launches(model, monkeypatch):
     """Every output bit of the one-launch call equals the four launches' (routing, gate/up, down, combine): 1 to 128
     pairs, tokens sharing experts (a block full, an expert over several blocks), dropped ids, padding rows (n_valid),
@@ -1214,10 +1104,6 @@ def test_persist_ab_rows_run_the_settings_that_apply_to_them():
     assert list(row_settings(s, 128, (16, 32), True)) == ["p0", "p8", "o0", "u16"]
     assert list(row_settings(s, 8, (16, 32), False)) == ["p0", "p8", "d16", "d32", "u16"]
     assert list(row_settings({"p0": {}, "o0": {}}, 8, (), False)) == ["p0"]
-    # --few: f (FEW_BLOCKS on) every row; fo (that without the one launch) only on the one launch's rows
-    f = {"p8": {}, "o0": {}, "f": {}, "fo": {}}
-    assert list(row_settings(f, 32, (), True)) == ["p8", "o0", "f", "fo"]
-    assert list(row_settings(f, 32, (), False)) == ["p8", "f"]
 
 
 def test_bench_routed_cases_route_like_a_verify_forward():
