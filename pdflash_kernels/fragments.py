@@ -115,6 +115,30 @@ def one_launch_pairs(hidden: int, inter: int, device: str | None = None) -> int:
     return one_launch_range(hidden, inter, device)[1]
 
 
+# The one launch's gate/up tile where the routing made few blocks (`_frag_moe_one`'s FEW1): (most blocks, FragTile)
+# by (hidden, expert width). A call's size class goes by its (token, expert) pairs, and above 16 pairs gpt-oss-20b's class
+# takes 8x2w4aa3 (the best gate/up tile on ~18-32 experts); but where those pairs fall on few experts (8 x 4 or 8 x 16
+# tokens: 8 blocks) the smaller 4x2w4aa4 tile gives twice the programs to the same bytes (each launch alone on the H200,
+# `fragment_fused_sweep_h200.md`: 32.5 against 38.2 us at 8 experts x 4 tokens). The four launches have the persistent
+# grid, which already balances such calls (a second gate/up launch chosen on the device, stops 55-56, gained nothing);
+# the one launch is a program a ticket, so it picks the tile itself: the block count is read by every program, so all
+# agree on the tickets, and unsplit tiles give a row the same bits. PDFLASH_FP4_ONE_FEW=1 / 0: on / off (unset:
+# ONE_FEW_DEFAULT).
+ONE_LAUNCH_FEW: dict[tuple[int, int], tuple[int, "FragTile"]] = {}  # (filled below, after FragTile)
+ONE_FEW_DEFAULT = False
+ONE_FEW_ON: bool | None = runtime.env_flag("PDFLASH_FP4_ONE_FEW") if os.environ.get("PDFLASH_FP4_ONE_FEW") else None
+
+
+def one_launch_few(hidden: int, inter: int, t1: "FragTile") -> "tuple[int, FragTile] | None":
+    """(most blocks, gate/up tile) the one launch computes gate/up in where the routing made that few blocks
+    (ONE_LAUNCH_FEW, where on), for a call whose size class gives gate/up `t1`; None: `t1` for every call."""
+    on = ONE_FEW_ON if ONE_FEW_ON is not None else ONE_FEW_DEFAULT
+    entry = ONE_LAUNCH_FEW.get((hidden, inter)) if on else None
+    if entry is None or entry[1] == t1 or entry[1].warps != t1.warps or t1.split > 1 or entry[1].split > 1:
+        return None
+    return entry
+
+
 def _codes(blocks: torch.Tensor) -> torch.Tensor:
     """[..., K/2] uint8 (lower index in the low nibble) -> [..., K] E2M1 codes 0..15."""
     return torch.stack((blocks & 0xF, blocks >> 4), dim=-1).reshape(*blocks.shape[:-1], -1)
@@ -736,6 +760,24 @@ if gluon is not None:
                  mask=fin[:, None] & n_ok[None, :])
 
     @gluon.jit
+    def _one_gate_up(xr1, xok, slot, j, pair_r, p_ok, rows, w1_ptr, stride_w1, s1_ptr, stride_s1, b1_ptr, stride_b1, h_ptr,
+                     stride_h, rw_ptr, alpha, limit, H: gl.constexpr, I: gl.constexpr, ACT: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, BM: gl.constexpr,
+                     NT1: gl.constexpr, KQS1: gl.constexpr, PF1: gl.constexpr, ST1: gl.constexpr, XR1: gl.constexpr,
+                     W: gl.constexpr):
+        """`_frag_moe_one`'s gate/up tile j of a block in the FragTile NT1 x KQS1 (PF1, ST1, XR1): `_frag_gemm`'s EPI 1
+        program (the same MMAs in the same order, the same roundings)."""
+        WL: gl.constexpr = _layout("w", W)
+        MMA: gl.constexpr = _layout("mma", W)
+        Q1: gl.constexpr = H // 64
+        w_rows1, s_rows1, n_ok1 = _weight_tiles(w1_ptr, stride_w1, s1_ptr, stride_s1, slot, j, I, Q1, NT1, True,
+                                                NT1 // 2, WL)
+        acc1 = _tile_sums(xr1, xok, w_rows1, s_rows1, n_ok1, 0, Q1 // KQS1 * KQS1, True, NT1 * 16, BM, NT1, KQS1,
+                          Q1, PF1, W, False, ST1, XR1)
+        _epilogue(acc1, h_ptr, stride_h, b1_ptr, stride_b1, rw_ptr, slot, pair_r, p_ok, rows, alpha, limit, j, I,
+                  1, ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT1 * 16, BM, NT1 // 2, W, MMA)
+
+    @gluon.jit
     def _frag_moe_one(x_ptr, stride_x, pairs_ptr, slot_ptr, nblocks_ptr, valid_ptr, rw_ptr,
                       w1_ptr, stride_w1, s1_ptr, stride_s1, b1_ptr, stride_b1,
                       w2_ptr, stride_w2, s2_ptr, stride_s2, b2_ptr, stride_b2,
@@ -744,7 +786,9 @@ if gluon is not None:
                       ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, BM: gl.constexpr,
                       NT1: gl.constexpr, KQS1: gl.constexpr, PF1: gl.constexpr,
                       NT2: gl.constexpr, KQS2: gl.constexpr, PF2: gl.constexpr, W: gl.constexpr, ST1: gl.constexpr = 0,
-                      ST2: gl.constexpr = 0, XR1: gl.constexpr = 0, XR2: gl.constexpr = 0):
+                      ST2: gl.constexpr = 0, XR1: gl.constexpr = 0, XR2: gl.constexpr = 0, FEW1: gl.constexpr = 0,
+                      NT1F: gl.constexpr = 4, KQS1F: gl.constexpr = 2, PF1F: gl.constexpr = 0, ST1F: gl.constexpr = 0,
+                      XR1F: gl.constexpr = 0):
         """`fragment_moe`'s gate/up, down and combine in one launch over `align`'s routing blocks: a program a tile,
         each taking a work ticket.
 
@@ -759,22 +803,26 @@ if gluon is not None:
         One tile a program, not a loop over tickets: a loop kept both roles' invariants live (ptxas -v, an earlier form
         of this kernel on Qwen3's shapes: 128 registers with the loop, 93 without; now 88, a GEMM alone 80). (Grouping
         the pairs in every program instead of `align` cost ~5 us a call on the H200:
-        benchmarks/results/stop40_gpu/one_launch_probe_call5.txt.)"""
+        benchmarks/results/stop40_gpu/one_launch_probe_call5.txt.)
+        FEW1 > 0 (`ONE_LAUNCH_FEW`): where the routing made at most FEW1 blocks, the gate/up tiles are the FragTile
+        NT1F x KQS1F (PF1F, ST1F, XR1F) instead, TA their count a block: every program reads the same block count, so
+        all agree on the tickets. Unsplit tiles of either form add a row's products in the same order (the same bits)."""
         WL: gl.constexpr = _layout("w", W)
         MMA: gl.constexpr = _layout("mma", W)
         XL: gl.constexpr = _layout("x", W)
-        TPP1: gl.constexpr = NT1 // 2
-        TA: gl.constexpr = (I // 16 + TPP1 - 1) // TPP1
+        TA: gl.constexpr = (I // 16 + NT1 // 2 - 1) // (NT1 // 2)
+        TAF: gl.constexpr = (I // 16 + NT1F // 2 - 1) // (NT1F // 2)
         TB: gl.constexpr = (H // 16 + NT2 - 1) // NT2
-        Q1: gl.constexpr = H // 64
         Q2: gl.constexpr = I // 64
         t = gl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")  # this program's ticket
         nblocks = gl.load(nblocks_ptr)
-        na = nblocks * TA
+        few = nblocks <= FEW1  # (FEW1 0: never, and read only where FEW1 > 0)
+        ta = TA + (TAF - TA) * few.to(gl.int32)  # gate/up tiles a block (TA where FEW1 is 0)
+        na = nblocks * ta
         if t < na + nblocks * TB:
             down = t >= na
             u = gl.where(down, t - na, t)
-            per = gl.where(down, TB, TA)
+            per = gl.where(down, TB, ta)
             b = u // per
             j = u % per
             slot = gl.load(slot_ptr + b)
@@ -787,7 +835,7 @@ if gluon is not None:
             rows = (b * BM + mr).to(gl.int64)
             if down:
                 ready = gl.atomic_add(cnt_ptr + 2 + b, 0, sem="acquire", scope="gpu")
-                while ready < TA:  # the block's gate/up tiles (taken before this ticket, so running or done)
+                while ready < ta:  # the block's gate/up tiles (taken before this ticket, so running or done)
                     ready = gl.atomic_add(cnt_ptr + 2 + b, 0, sem="acquire", scope="gpu")
                 gl.thread_barrier()
                 xr2 = h_ptr + (b * BM + mx).to(gl.int64) * stride_h
@@ -801,12 +849,19 @@ if gluon is not None:
                               H, TB, NT2 * 16, BM, W)
             else:
                 xr1 = x_ptr + gl.where(xok, pair_x // TOPK, 0).to(gl.int64) * stride_x
-                w_rows1, s_rows1, n_ok1 = _weight_tiles(w1_ptr, stride_w1, s1_ptr, stride_s1, slot, j, I, Q1, NT1, True,
-                                                        TPP1, WL)
-                acc1 = _tile_sums(xr1, xok, w_rows1, s_rows1, n_ok1, 0, Q1 // KQS1 * KQS1, True, NT1 * 16, BM, NT1, KQS1,
-                                  Q1, PF1, W, False, ST1, XR1)
-                _epilogue(acc1, h_ptr, stride_h, b1_ptr, stride_b1, rw_ptr, slot, pair_r, p_ok, rows, alpha, limit, j, I,
-                          1, ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT1 * 16, BM, TPP1, W, MMA)
+                if FEW1 > 0:  # (a static choice: one gate/up form compiled without ONE_LAUNCH_FEW)
+                    if few:
+                        _one_gate_up(xr1, xok, slot, j, pair_r, p_ok, rows, w1_ptr, stride_w1, s1_ptr, stride_s1, b1_ptr,
+                                     stride_b1, h_ptr, stride_h, rw_ptr, alpha, limit, H, I, ACT, HAS_BIAS, ROW_MUL, UP_OFF,
+                                     BM, NT1F, KQS1F, PF1F, ST1F, XR1F, W)
+                    else:
+                        _one_gate_up(xr1, xok, slot, j, pair_r, p_ok, rows, w1_ptr, stride_w1, s1_ptr, stride_s1, b1_ptr,
+                                     stride_b1, h_ptr, stride_h, rw_ptr, alpha, limit, H, I, ACT, HAS_BIAS, ROW_MUL, UP_OFF,
+                                     BM, NT1, KQS1, PF1, ST1, XR1, W)
+                else:
+                    _one_gate_up(xr1, xok, slot, j, pair_r, p_ok, rows, w1_ptr, stride_w1, s1_ptr, stride_s1, b1_ptr,
+                                 stride_b1, h_ptr, stride_h, rw_ptr, alpha, limit, H, I, ACT, HAS_BIAS, ROW_MUL, UP_OFF, BM,
+                                 NT1, KQS1, PF1, ST1, XR1, W)
                 gl.thread_barrier()  # every thread's h rows stored before the tile counts itself done
                 gl.atomic_add(cnt_ptr + 2 + b, 1, sem="release", scope="gpu")
         ZL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
@@ -1011,6 +1066,7 @@ FRAG_SHAPES: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
     (4096, 14336): (FragTile.parse("8x2w4aa3"), FragTile.parse("4x4w4aa3")),
 }
 FRAG_DEFAULT = (FragTile(4, 4, 4), FragTile(4, 4, 4))
+ONE_LAUNCH_FEW[(2880, 2880)] = (16, FragTile.parse("4x2w4aa4"))  # (gpt-oss-20b: ONE_LAUNCH_FEW above)
 # Tiles by call size (PDFLASH_FP4_SIZE_TILES=1): the best tile follows the number of active experts, and in a verify
 # forward those grow with the (token, expert) pairs of the call (expected under uniform random top-k, E (1 - (1 - k/E)^T):
 # gpt-oss-20b 4 / 7.5 / 13.4 / 28 experts at 1 / 2 / 4 / 16 tokens, Qwen3-30B-A3B 8 / 15.5 / 30 / 81). From the stop-42 fused sweep (each launch alone,
@@ -1394,12 +1450,14 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     p = t * topk
     mb = _moe.max_blocks(p, num_experts, 16)
     ta, tb = triton_cdiv(inter // 16, t1.nt // 2), triton_cdiv(hdim // 16, t2.nt)
+    few = one_launch_few(hdim, inter, t1)
+    most, tf = few if few is not None else (0, t1)
     cnt = linear._counters(x.device, 2 + mb + t * tb)
     if cnt is None:
         return None
     x = x.contiguous()
-    if t1.stages or t2.stages:
-        _check_async(t1 if t1.stages else t2, x, fw.w1, fw.w2)
+    if t1.stages or t2.stages or tf.stages:
+        _check_async(next(t for t in (t1, t2, tf) if t.stages), x, fw.w1, fw.w2)
     r = _moe.align_fused(topk_ids, num_experts, 16, slot_of_expert, n_valid)
     dev = x.device
     h = torch.empty((mb * 16, inter), dtype=torch.bfloat16, device=dev)
@@ -1408,6 +1466,7 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     rw = topk_weights.reshape(-1).contiguous()
     b1 = fw.b1 if fw.b1 is not None else x
     b2 = fw.b2 if fw.b2 is not None else x
+    ta = max(ta, triton_cdiv(inter // 16, tf.nt // 2))
     grid = (mb * (ta + tb),)  # a program a ticket: as many as the most tiles a call of this size can have
     _frag_moe_one[grid](x, x.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks, r.pair_valid, rw,
                         fw.w1, fw.w1.stride(0), fw.s1, fw.s1.stride(0), b1, b1.stride(0),
@@ -1416,7 +1475,8 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                         float(fw.limit), H=hdim, I=inter, TOPK=topk, ACT=fw.act, HAS_BIAS=fw.b1 is not None,
                         ROW_MUL=fw.row_mul, UP_OFF=fw.up_off, BM=16, NT1=t1.nt, KQS1=t1.kqs, PF1=int(t1.prefetch),
                         NT2=t2.nt, KQS2=t2.kqs, PF2=int(t2.prefetch), W=t1.warps, ST1=t1.stages, ST2=t2.stages,
-                        XR1=t1.xring, XR2=t2.xring, num_warps=t1.warps)
+                        XR1=t1.xring, XR2=t2.xring, FEW1=most, NT1F=tf.nt, KQS1F=tf.kqs, PF1F=int(tf.prefetch),
+                        ST1F=tf.stages, XR1F=tf.xring, num_warps=t1.warps)
     return out
 
 
