@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|confirm|onefew|direct|deeptiles|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|persist|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|confirm|direct|deeptiles|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|persist|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite (or SUITE_FILES), 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -65,13 +65,6 @@ if [[ " $STEPS " == *" confirm "* ]]; then  # stop 45's open item: the gpt_oss s
     cat "$OUT/confirm.txt" >> "$OUT/confirm_all.txt"
     [ $rc -eq 0 ] && break
   done
-fi
-if [[ " $STEPS " == *" onefew "* ]]; then  # stop 56: the one launch's few-block gate/up tile (fragments.ONE_LAUNCH_FEW): its bits tests with the one launch's, then the A/B (o1: the one launch forced on 17-128 pairs; o1f: with the few-block tile) on gpt-oss-20b's rows and verify-shaped ones (~2-3 min; not in `all`)
-  timeout ${ONEFEW_TESTS_S:-200} python3 -m pytest -v -rfE -p no:cacheprovider --timeout=190 tests/test_fragments.py -k "one_launch or few_block" > "$OUT/onefew_tests.txt" 2>&1
-  grep -E "PASSED|FAILED|ERROR" "$OUT/onefew_tests.txt" | tail -20
-  timeout ${ONEFEW_S:-300} python3 benchmarks/persist_ab.py --per-sm 8 --one-few --tokens ${ONEFEW_TOKENS:-1,4,16} --verify-tokens ${ONEFEW_VERIFY:-4,8,16,32} \
-    --models ${ONEFEW_MODELS:-gpt-oss-20b} --out "$OUT" > "$OUT/onefew_ab.txt" 2>&1
-  grep -E "^\|" "$OUT/onefew_ab.txt"
 fi
 if [[ " $STEPS " == *" waves "* ]]; then  # stop 46: multi-session verify waves, never run on a GPU yet (not in `all`)
   timeout ${WAVES_TESTS_S:-300} python3 -m pytest -v -rfE --tb=short -p no:cacheprovider --timeout=280 \

@@ -34,7 +34,7 @@ VARIANTS = {
     "sleep": [(WAIT, WAIT + SLEEP)],
     "up_only": [("        if t < na + nblocks * TB:\n", "        if t < na:\n")],
     "down_nowait": [("        if t < na + nblocks * TB:\n", "        if (t >= na) & (t < na + nblocks * TB):\n"),
-                    ("while ready < ta:", "while ready < 0:")],
+                    ("while ready < TA:", "while ready < 0:")],
     "no_combine": [("                _combine_tile(y_ptr,", "                if False:\n                    _combine_tile(y_ptr,")],
     "prologue": [("        if t < na + nblocks * TB:\n", "        if t < 0:\n")],
     # roles by program id, no ticket (safe only while the GPU starts programs in id order: timing only)

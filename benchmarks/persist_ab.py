@@ -3,7 +3,7 @@ live tiles (pdflash_kernels.fragments.PERSIST_PER_SM, PDFLASH_FP4_PERSIST), in o
 with --direct-pairs, small calls with and without the routing launch (fragments.DIRECT_PAIRS) at the served persistent
 setting; and where the served call is the one launch (fragments.ONE_LAUNCH_SHAPES), the served four launches ("o0").
 
-    python benchmarks/persist_ab.py [--per-sm 0,2,4,8] [--direct-pairs 16,32,64,128] [--direct-persist] [--one-few]
+    python benchmarks/persist_ab.py [--per-sm 0,2,4,8] [--direct-pairs 16,32,64,128] [--direct-persist] [--one-launch]
         [--models qwen3-30b-a3b,gpt-oss-20b]
         [--tokens 1,4,16,64] [--verify-tokens 1,2,4,8,16] [--out DIR]
 
@@ -39,17 +39,16 @@ from benchmarks.kernel_bench import (MODELS, as_served, copy_rate, device_tag, g
 
 def row_settings(settings: dict, pairs: int, direct: tuple[int, ...], one_launch: bool) -> dict:
     """The settings a row of `pairs` pairs runs: every pN; dN where the row has at most max(direct) pairs (the dN
-    columns time the routing launch's skip); o0 where the served call takes the one launch; o1 / o1f (the one launch
-    forced, without / with ONE_LAUNCH_FEW) on rows of 17 to 128 pairs (the one launch's most; below, the routing-free
-    call is served)."""
+    columns time the routing launch's skip); o0 where the served call takes the one launch; o1 (the one launch forced)
+    on rows of 17 to 128 pairs (the one launch's most; below, the routing-free call is served)."""
     return {n: c for n, c in settings.items()
             if n[0] in "pu" or (n[0] == "d" and direct and pairs <= max(direct)) or (n == "o0" and one_launch)
-            or (n in ("o1", "o1f") and 16 < pairs <= 128)}
+            or (n == "o1" and 16 < pairs <= 128)}
 
 
 def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, direct: tuple[int, ...] = (),
         verify_tokens: tuple[int, ...] = (), direct_persist: bool = False, group: bool = True,
-        one_few: bool = False) -> dict:
+        one_launch: bool = False) -> dict:
     from pdflash_kernels import fragments as F
     from pdflash_kernels.installer import expert_weights
     from pdflash_kernels.moe import moe_forward
@@ -58,7 +57,7 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
     rows = []
     served = dict(PERSIST_PER_SM=F.PERSIST_PER_SM, PERSIST_PAIRS=F.PERSIST_PAIRS, DIRECT_PAIRS=F.DIRECT_PAIRS,
                   PERSIST_DIRECT=F.PERSIST_DIRECT, DIRECT_GROUP=F.DIRECT_GROUP,
-                  ONE_LAUNCH_PAIRS=F.ONE_LAUNCH_PAIRS, ONE_FEW_ON=F.ONE_FEW_ON)
+                  ONE_LAUNCH_PAIRS=F.ONE_LAUNCH_PAIRS)
     settings = {f"p{p}": dict(PERSIST_PER_SM=p) for p in per_sm}
     settings.update({f"d{d}": dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=d, DIRECT_GROUP=group)
                      for d in direct})
@@ -68,9 +67,8 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
     # o0: the served settings without the one launch (fragments.ONE_LAUNCH_SHAPES: gpt-oss-20b's 8-128 pairs on the H200),
     # on the rows whose served call takes it (there every pN column times the one launch, which has no persistent form)
     settings["o0"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], ONE_LAUNCH_PAIRS=0)
-    if one_few:  # o1 / o1f: the one launch on every call of 17-128 pairs, without / with ONE_LAUNCH_FEW's gate/up tile
-        settings["o1"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], ONE_LAUNCH_PAIRS=128, ONE_FEW_ON=False)
-        settings["o1f"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], ONE_LAUNCH_PAIRS=128, ONE_FEW_ON=True)
+    if one_launch:  # o1: the one launch on every call of 17-128 pairs that does not skip the routing launch
+        settings["o1"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], ONE_LAUNCH_PAIRS=128)
     if direct:  # u16: the served form before stop 54's DIRECT_SHAPES (one-pair blocks up to 16 pairs, routed above)
         settings["u16"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=F.DIRECT_BASE, DIRECT_GROUP=False,
                                PERSIST_DIRECT=False)
@@ -159,8 +157,8 @@ def main() -> None:
                     "grid (PDFLASH_FP4_PERSIST_DIRECT)")
     ap.add_argument("--ungrouped", action="store_true", help="dN: each pair its own block (DIRECT_GROUP off; "
                     "default: on, each program grouping the pairs by expert)")
-    ap.add_argument("--one-few", action="store_true", help="also o1 / o1f: the one launch forced on calls of 17-128 pairs, "
-                    "without / with its few-block gate/up tile (fragments.ONE_LAUNCH_FEW, PDFLASH_FP4_ONE_FEW)")
+    ap.add_argument("--one-launch", action="store_true", help="also o1: the one launch forced on calls of 17-128 pairs "
+                    "(PDFLASH_FP4_ONE_LAUNCH_PAIRS=128; calls the routing-free path takes stay there)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -174,7 +172,7 @@ def main() -> None:
         raise SystemExit("persist_ab.py times CUDA kernels: no CUDA device here")
     verify = tuple(int(t) for t in args.verify_tokens.split(",") if t)
     res = run(per_sm, models, [int(t) for t in args.tokens.split(",")], args.rounds, direct, verify, args.direct_persist,
-              not args.ungrouped, args.one_few)
+              not args.ungrouped, args.one_launch)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"persist_ab_{device_tag()}"

@@ -78,12 +78,20 @@ PDL_MODE = PDL_ON if runtime.PDL and _PDL_ASKED else 0
 # block-1 forward was 0.19 ms slower with one launch at 4 pairs, its block-16 forward 0.24 ms faster:
 # benchmarks/results/gpu_runs_h200.md). On the H100 (80GB HBM3) the one launch lost on gpt-oss-20b: 71.1 / 63.2 us at
 # 8 experts x 1 token and 194.0 / 168.4 us at 32 (stop 45, `benchmarks/moe_call_breakdown.py`,
-# benchmarks/results/stop45_gpu/call2), so the H100 takes none (as vLLM's fused-MoE configs, tuned per device name).
+# benchmarks/results/stop45_gpu/call2), so the H100 took none (as vLLM's fused-MoE configs, tuned per device name).
+# Since the staged tiles (stop 42) and the persistent four launches (stop 50) that changed: on the H100 at stop 56
+# (`persist_ab.py --one-launch`, o1 = the one launch forced, against the served four launches, us) gpt-oss-20b ran
+# 63.0 / 63.9 at 8 experts x 4 tokens, 164.2 / 171.6 at 32 x 1, and a verify's spread 8 / 16 / 32 tokens 101.9 / 115.8,
+# 152.6 / 163.0, 167.6 / 174.0, every bit the same; end to end gpt-oss-24l's replay@16 forward took 4.55 / 4.59 ms
+# against 4.86 / 4.86 (two runs each, alternating; block 1 unchanged), so the H100 takes 17-128 pairs (below 17 the
+# routing-free call is served: DIRECT_PAIRS; stop56_gpu/call2-3). (A smaller gate/up tile in the one launch where the
+# routing made few blocks, chosen on the device, ran slower there: 67.7 against 63.0 us at 8 x 4, more tickets; removed.)
 # Qwen3-30B-A3B is slower in one launch, 29.1 / 25.1 us on the H200 (8 experts, 1 token each): the tickets (one atomic
 # on one address a program, ~450 programs) delay the tiles ~5 us (`benchmarks/one_launch_probe.py`, stop 41: 22.8 us
 # with roles by program id, which is not safe without a ticket).
 # PDFLASH_FP4_ONE_LAUNCH_PAIRS=N: 1 to N pairs on every shape and device (0: off everywhere; N at most 128).
-ONE_LAUNCH_SHAPES: dict[str, dict[tuple[int, int], tuple[int, int]]] = {"NVIDIA H200": {(2880, 2880): (8, 128)}}
+ONE_LAUNCH_SHAPES: dict[str, dict[tuple[int, int], tuple[int, int]]] = {"NVIDIA H200": {(2880, 2880): (8, 128)},
+                                                                     "NVIDIA H100 80GB HBM3": {(2880, 2880): (17, 128)}}
 _ONE = os.environ.get("PDFLASH_FP4_ONE_LAUNCH_PAIRS") or None  # (empty, as compose.gpu.yaml passes it unset: by shape)
 if _ONE is not None and not (_ONE.isdigit() and int(_ONE) <= 128):
     raise ValueError(f"PDFLASH_FP4_ONE_LAUNCH_PAIRS must be a number of pairs from 0 (off) to 128, got {_ONE!r}")
@@ -113,30 +121,6 @@ def one_launch_range(hidden: int, inter: int, device: str | None = None) -> tupl
 def one_launch_pairs(hidden: int, inter: int, device: str | None = None) -> int:
     """The most (token, expert) pairs a call of this expert shape takes in `fragment_moe_one` (0: none)."""
     return one_launch_range(hidden, inter, device)[1]
-
-
-# The one launch's gate/up tile where the routing made few blocks (`_frag_moe_one`'s FEW1): (most blocks, FragTile)
-# by (hidden, expert width). A call's size class goes by its (token, expert) pairs, and above 16 pairs gpt-oss-20b's class
-# takes 8x2w4aa3 (the best gate/up tile on ~18-32 experts); but where those pairs fall on few experts (8 x 4 or 8 x 16
-# tokens: 8 blocks) the smaller 4x2w4aa4 tile gives twice the programs to the same bytes (each launch alone on the H200,
-# `fragment_fused_sweep_h200.md`: 32.5 against 38.2 us at 8 experts x 4 tokens). The four launches have the persistent
-# grid, which already balances such calls (a second gate/up launch chosen on the device, stops 55-56, gained nothing);
-# the one launch is a program a ticket, so it picks the tile itself: the block count is read by every program, so all
-# agree on the tickets, and unsplit tiles give a row the same bits. PDFLASH_FP4_ONE_FEW=1 / 0: on / off (unset:
-# ONE_FEW_DEFAULT).
-ONE_LAUNCH_FEW: dict[tuple[int, int], tuple[int, "FragTile"]] = {}  # (filled below, after FragTile)
-ONE_FEW_DEFAULT = False
-ONE_FEW_ON: bool | None = runtime.env_flag("PDFLASH_FP4_ONE_FEW") if os.environ.get("PDFLASH_FP4_ONE_FEW") else None
-
-
-def one_launch_few(hidden: int, inter: int, t1: "FragTile") -> "tuple[int, FragTile] | None":
-    """(most blocks, gate/up tile) the one launch computes gate/up in where the routing made that few blocks
-    (ONE_LAUNCH_FEW, where on), for a call whose size class gives gate/up `t1`; None: `t1` for every call."""
-    on = ONE_FEW_ON if ONE_FEW_ON is not None else ONE_FEW_DEFAULT
-    entry = ONE_LAUNCH_FEW.get((hidden, inter)) if on else None
-    if entry is None or entry[1] == t1 or entry[1].warps != t1.warps or t1.split > 1 or entry[1].split > 1:
-        return None
-    return entry
 
 
 def _codes(blocks: torch.Tensor) -> torch.Tensor:
@@ -760,24 +744,6 @@ if gluon is not None:
                  mask=fin[:, None] & n_ok[None, :])
 
     @gluon.jit
-    def _one_gate_up(xr1, xok, slot, j, pair_r, p_ok, rows, w1_ptr, stride_w1, s1_ptr, stride_s1, b1_ptr, stride_b1, h_ptr,
-                     stride_h, rw_ptr, alpha, limit, H: gl.constexpr, I: gl.constexpr, ACT: gl.constexpr,
-                     HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, BM: gl.constexpr,
-                     NT1: gl.constexpr, KQS1: gl.constexpr, PF1: gl.constexpr, ST1: gl.constexpr, XR1: gl.constexpr,
-                     W: gl.constexpr):
-        """`_frag_moe_one`'s gate/up tile j of a block in the FragTile NT1 x KQS1 (PF1, ST1, XR1): `_frag_gemm`'s EPI 1
-        program (the same MMAs in the same order, the same roundings)."""
-        WL: gl.constexpr = _layout("w", W)
-        MMA: gl.constexpr = _layout("mma", W)
-        Q1: gl.constexpr = H // 64
-        w_rows1, s_rows1, n_ok1 = _weight_tiles(w1_ptr, stride_w1, s1_ptr, stride_s1, slot, j, I, Q1, NT1, True,
-                                                NT1 // 2, WL)
-        acc1 = _tile_sums(xr1, xok, w_rows1, s_rows1, n_ok1, 0, Q1 // KQS1 * KQS1, True, NT1 * 16, BM, NT1, KQS1,
-                          Q1, PF1, W, False, ST1, XR1)
-        _epilogue(acc1, h_ptr, stride_h, b1_ptr, stride_b1, rw_ptr, slot, pair_r, p_ok, rows, alpha, limit, j, I,
-                  1, ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT1 * 16, BM, NT1 // 2, W, MMA)
-
-    @gluon.jit
     def _frag_moe_one(x_ptr, stride_x, pairs_ptr, slot_ptr, nblocks_ptr, valid_ptr, rw_ptr,
                       w1_ptr, stride_w1, s1_ptr, stride_s1, b1_ptr, stride_b1,
                       w2_ptr, stride_w2, s2_ptr, stride_s2, b2_ptr, stride_b2,
@@ -786,9 +752,7 @@ if gluon is not None:
                       ROW_MUL: gl.constexpr, UP_OFF: gl.constexpr, BM: gl.constexpr,
                       NT1: gl.constexpr, KQS1: gl.constexpr, PF1: gl.constexpr,
                       NT2: gl.constexpr, KQS2: gl.constexpr, PF2: gl.constexpr, W: gl.constexpr, ST1: gl.constexpr = 0,
-                      ST2: gl.constexpr = 0, XR1: gl.constexpr = 0, XR2: gl.constexpr = 0, FEW1: gl.constexpr = 0,
-                      NT1F: gl.constexpr = 4, KQS1F: gl.constexpr = 2, PF1F: gl.constexpr = 0, ST1F: gl.constexpr = 0,
-                      XR1F: gl.constexpr = 0):
+                      ST2: gl.constexpr = 0, XR1: gl.constexpr = 0, XR2: gl.constexpr = 0):
         """`fragment_moe`'s gate/up, down and combine in one launch over `align`'s routing blocks: a program a tile,
         each taking a work ticket.
 
@@ -803,26 +767,22 @@ if gluon is not None:
         One tile a program, not a loop over tickets: a loop kept both roles' invariants live (ptxas -v, an earlier form
         of this kernel on Qwen3's shapes: 128 registers with the loop, 93 without; now 88, a GEMM alone 80). (Grouping
         the pairs in every program instead of `align` cost ~5 us a call on the H200:
-        benchmarks/results/stop40_gpu/one_launch_probe_call5.txt.)
-        FEW1 > 0 (`ONE_LAUNCH_FEW`): where the routing made at most FEW1 blocks, the gate/up tiles are the FragTile
-        NT1F x KQS1F (PF1F, ST1F, XR1F) instead, TA their count a block: every program reads the same block count, so
-        all agree on the tickets. Unsplit tiles of either form add a row's products in the same order (the same bits)."""
+        benchmarks/results/stop40_gpu/one_launch_probe_call5.txt.)"""
         WL: gl.constexpr = _layout("w", W)
         MMA: gl.constexpr = _layout("mma", W)
         XL: gl.constexpr = _layout("x", W)
-        TA: gl.constexpr = (I // 16 + NT1 // 2 - 1) // (NT1 // 2)
-        TAF: gl.constexpr = (I // 16 + NT1F // 2 - 1) // (NT1F // 2)
+        TPP1: gl.constexpr = NT1 // 2
+        TA: gl.constexpr = (I // 16 + TPP1 - 1) // TPP1
         TB: gl.constexpr = (H // 16 + NT2 - 1) // NT2
+        Q1: gl.constexpr = H // 64
         Q2: gl.constexpr = I // 64
         t = gl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")  # this program's ticket
         nblocks = gl.load(nblocks_ptr)
-        few = nblocks <= FEW1  # (FEW1 0: never, and read only where FEW1 > 0)
-        ta = TA + (TAF - TA) * few.to(gl.int32)  # gate/up tiles a block (TA where FEW1 is 0)
-        na = nblocks * ta
+        na = nblocks * TA
         if t < na + nblocks * TB:
             down = t >= na
             u = gl.where(down, t - na, t)
-            per = gl.where(down, TB, ta)
+            per = gl.where(down, TB, TA)
             b = u // per
             j = u % per
             slot = gl.load(slot_ptr + b)
@@ -835,7 +795,7 @@ if gluon is not None:
             rows = (b * BM + mr).to(gl.int64)
             if down:
                 ready = gl.atomic_add(cnt_ptr + 2 + b, 0, sem="acquire", scope="gpu")
-                while ready < ta:  # the block's gate/up tiles (taken before this ticket, so running or done)
+                while ready < TA:  # the block's gate/up tiles (taken before this ticket, so running or done)
                     ready = gl.atomic_add(cnt_ptr + 2 + b, 0, sem="acquire", scope="gpu")
                 gl.thread_barrier()
                 xr2 = h_ptr + (b * BM + mx).to(gl.int64) * stride_h
@@ -849,19 +809,12 @@ if gluon is not None:
                               H, TB, NT2 * 16, BM, W)
             else:
                 xr1 = x_ptr + gl.where(xok, pair_x // TOPK, 0).to(gl.int64) * stride_x
-                if FEW1 > 0:  # (a static choice: one gate/up form compiled without ONE_LAUNCH_FEW)
-                    if few:
-                        _one_gate_up(xr1, xok, slot, j, pair_r, p_ok, rows, w1_ptr, stride_w1, s1_ptr, stride_s1, b1_ptr,
-                                     stride_b1, h_ptr, stride_h, rw_ptr, alpha, limit, H, I, ACT, HAS_BIAS, ROW_MUL, UP_OFF,
-                                     BM, NT1F, KQS1F, PF1F, ST1F, XR1F, W)
-                    else:
-                        _one_gate_up(xr1, xok, slot, j, pair_r, p_ok, rows, w1_ptr, stride_w1, s1_ptr, stride_s1, b1_ptr,
-                                     stride_b1, h_ptr, stride_h, rw_ptr, alpha, limit, H, I, ACT, HAS_BIAS, ROW_MUL, UP_OFF,
-                                     BM, NT1, KQS1, PF1, ST1, XR1, W)
-                else:
-                    _one_gate_up(xr1, xok, slot, j, pair_r, p_ok, rows, w1_ptr, stride_w1, s1_ptr, stride_s1, b1_ptr,
-                                 stride_b1, h_ptr, stride_h, rw_ptr, alpha, limit, H, I, ACT, HAS_BIAS, ROW_MUL, UP_OFF, BM,
-                                 NT1, KQS1, PF1, ST1, XR1, W)
+                w_rows1, s_rows1, n_ok1 = _weight_tiles(w1_ptr, stride_w1, s1_ptr, stride_s1, slot, j, I, Q1, NT1, True,
+                                                        TPP1, WL)
+                acc1 = _tile_sums(xr1, xok, w_rows1, s_rows1, n_ok1, 0, Q1 // KQS1 * KQS1, True, NT1 * 16, BM, NT1, KQS1,
+                                  Q1, PF1, W, False, ST1, XR1)
+                _epilogue(acc1, h_ptr, stride_h, b1_ptr, stride_b1, rw_ptr, slot, pair_r, p_ok, rows, alpha, limit, j, I,
+                          1, ACT, HAS_BIAS, ROW_MUL, UP_OFF, NT1 * 16, BM, TPP1, W, MMA)
                 gl.thread_barrier()  # every thread's h rows stored before the tile counts itself done
                 gl.atomic_add(cnt_ptr + 2 + b, 1, sem="release", scope="gpu")
         ZL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
@@ -1066,7 +1019,6 @@ FRAG_SHAPES: dict[tuple[int, int], tuple[FragTile, FragTile]] = {
     (4096, 14336): (FragTile.parse("8x2w4aa3"), FragTile.parse("4x4w4aa3")),
 }
 FRAG_DEFAULT = (FragTile(4, 4, 4), FragTile(4, 4, 4))
-ONE_LAUNCH_FEW[(2880, 2880)] = (16, FragTile.parse("4x2w4aa4"))  # (gpt-oss-20b: ONE_LAUNCH_FEW above)
 # Tiles by call size (PDFLASH_FP4_SIZE_TILES=1): the best tile follows the number of active experts, and in a verify
 # forward those grow with the (token, expert) pairs of the call (expected under uniform random top-k, E (1 - (1 - k/E)^T):
 # gpt-oss-20b 4 / 7.5 / 13.4 / 28 experts at 1 / 2 / 4 / 16 tokens, Qwen3-30B-A3B 8 / 15.5 / 30 / 81). From the stop-42 fused sweep (each launch alone,
@@ -1450,14 +1402,12 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     p = t * topk
     mb = _moe.max_blocks(p, num_experts, 16)
     ta, tb = triton_cdiv(inter // 16, t1.nt // 2), triton_cdiv(hdim // 16, t2.nt)
-    few = one_launch_few(hdim, inter, t1)
-    most, tf = few if few is not None else (0, t1)
     cnt = linear._counters(x.device, 2 + mb + t * tb)
     if cnt is None:
         return None
     x = x.contiguous()
-    if t1.stages or t2.stages or tf.stages:
-        _check_async(next(t for t in (t1, t2, tf) if t.stages), x, fw.w1, fw.w2)
+    if t1.stages or t2.stages:
+        _check_async(t1 if t1.stages else t2, x, fw.w1, fw.w2)
     r = _moe.align_fused(topk_ids, num_experts, 16, slot_of_expert, n_valid)
     dev = x.device
     h = torch.empty((mb * 16, inter), dtype=torch.bfloat16, device=dev)
@@ -1466,7 +1416,6 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     rw = topk_weights.reshape(-1).contiguous()
     b1 = fw.b1 if fw.b1 is not None else x
     b2 = fw.b2 if fw.b2 is not None else x
-    ta = max(ta, triton_cdiv(inter // 16, tf.nt // 2))
     grid = (mb * (ta + tb),)  # a program a ticket: as many as the most tiles a call of this size can have
     _frag_moe_one[grid](x, x.stride(0), r.sorted_pairs, r.block_slot, r.num_blocks, r.pair_valid, rw,
                         fw.w1, fw.w1.stride(0), fw.s1, fw.s1.stride(0), b1, b1.stride(0),
@@ -1475,8 +1424,7 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                         float(fw.limit), H=hdim, I=inter, TOPK=topk, ACT=fw.act, HAS_BIAS=fw.b1 is not None,
                         ROW_MUL=fw.row_mul, UP_OFF=fw.up_off, BM=16, NT1=t1.nt, KQS1=t1.kqs, PF1=int(t1.prefetch),
                         NT2=t2.nt, KQS2=t2.kqs, PF2=int(t2.prefetch), W=t1.warps, ST1=t1.stages, ST2=t2.stages,
-                        XR1=t1.xring, XR2=t2.xring, FEW1=most, NT1F=tf.nt, KQS1F=tf.kqs, PF1F=int(tf.prefetch),
-                        ST1F=tf.stages, XR1F=tf.xring, num_warps=t1.warps)
+                        XR1=t1.xring, XR2=t2.xring, num_warps=t1.warps)
     return out
 
 

@@ -869,13 +869,11 @@ ONE_SIG = {"x_ptr": "*bf16", "stride_x": "i32", "pairs_ptr": "*i32", "slot_ptr":
 @pytest.mark.parametrize("h,i,k,tiles,gptoss", [(2048, 768, 8, "4x4w4,4x4w4", False), (2880, 2880, 4, "8x2w4p,4x4w4p", True),
                                                  (320, 192, 2, "4x4w4,4x4w4", True), (2048, 768, 8, "4x4w4a3,4x4w4aa3", False),
                                                  (2880, 2880, 4, "4x2w4aa4,4x4w4aa3", True),  # (gpt-oss's served tiles)
-                                                 (2880, 2880, 4, "8x2w4aa3,4x4w4aa3", True),  # (its big-call size class)
-                                                 (2880, 2880, 4, "8x2w4aa3,4x4w4aa3,4x2w4aa4", True)])  # (and ONE_LAUNCH_FEW's)
+                                                 (2880, 2880, 4, "8x2w4aa3,4x4w4aa3", True)])  # (its big-call size class)
 def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, gptoss, monkeypatch):
-    """The gate/up, down and combine launch compiles for sm_90 with both tiles' MMAs (a third tile: ONE_LAUNCH_FEW's
-    gate/up form where the routing made few blocks), its ticket / block / combine counters as GPU-scope atomics
-    (acquire on the down tiles' wait), nothing spilled to local memory and at most 25% more registers than the largest
-    of its GEMMs alone (a cap on the SMs' occupancy: ptxas -v)."""
+    """The gate/up, down and combine launch compiles for sm_90 with both tiles' MMAs, its ticket / block / combine
+    counters as GPU-scope atomics (acquire on the down tiles' wait), nothing spilled to local memory and at most 25%
+    more registers than the larger of its two GEMMs alone (a cap on the SMs' occupancy: ptxas -v)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     import os
     import re
@@ -885,12 +883,10 @@ def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, gptoss, monkeypatch
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    t1, t2, *tf = (F.FragTile.parse(t) for t in tiles.split(","))
+    t1, t2 = (F.FragTile.parse(t) for t in tiles.split(","))
     const = dict(H=h, I=i, TOPK=k, ACT=int(gptoss), HAS_BIAS=gptoss, ROW_MUL=2 if gptoss else 1, UP_OFF=int(gptoss), BM=16,
                  NT1=t1.nt, KQS1=t1.kqs, PF1=t1.prefetch, NT2=t2.nt, KQS2=t2.kqs, PF2=t2.prefetch, W=t1.warps,
-                 ST1=t1.stages, ST2=t2.stages, XR1=t1.xring, XR2=t2.xring, FEW1=0, NT1F=4, KQS1F=2, PF1F=0, ST1F=0, XR1F=0)
-    if tf:
-        const.update(FEW1=16, NT1F=tf[0].nt, KQS1F=tf[0].kqs, PF1F=tf[0].prefetch, ST1F=tf[0].stages, XR1F=tf[0].xring)
+                 ST1=t1.stages, ST2=t2.stages, XR1=t1.xring, XR2=t2.xring)
     sig = dict(ONE_SIG, **{c: "constexpr" for c in const})
     kern = triton.compile(GluonASTSource(F._frag_moe_one, sig, const), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": t1.warps})
@@ -899,7 +895,7 @@ def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, gptoss, monkeypatch
     assert "ld.global.gpu.acquire" in ptx or "atom.global.gpu.acquire" in ptx  # the down tiles' wait (an add of 0: a load)
     assert "st.local" not in ptx and "ld.local" not in ptx
     gemms = []
-    for t, epi, n, kk, out in ((t1, 1, i, h, "*bf16"), (t2, 2, h, i, "*fp32"), *((t, 1, i, h, "*bf16") for t in tf)):  # each GEMM alone, as four launches run it
+    for t, epi, n, kk, out in ((t1, 1, i, h, "*bf16"), (t2, 2, h, i, "*fp32")):  # each GEMM alone, as four launches run it
         gconst = dict(N=n, K=kk, TOPK=k, EPI=epi, ACT=int(gptoss), HAS_BIAS=gptoss, ROW_MUL=2 if gptoss else 1,
                       UP_OFF=int(gptoss), PHASE=0, BM=16, NT=t.nt, KQS=t.kqs, W=t.warps, PREFETCH=t.prefetch, SPLIT=1, SS=1,
                       STAGES=t.stages, XRING=t.xring)
@@ -908,10 +904,6 @@ def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, gptoss, monkeypatch
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         return
-    if tf:  # (and the one launch without ONE_LAUNCH_FEW's form, to compare occupancy)
-        two = dict(const, FEW1=0)
-        gemms.append(triton.compile(GluonASTSource(F._frag_moe_one, sig, two), target=GPUTarget("cuda", 90, 32),
-                                    options={"num_warps": t1.warps}))
     regs = []
     for code in (ptx, *(g.asm["ptx"] for g in gemms)):
         path = f"/tmp/pdflash_one_{os.getpid()}.ptx"
@@ -919,11 +911,7 @@ def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, gptoss, monkeypatch
             f.write(code)
         out = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", os.devnull], capture_output=True, text=True).stderr
         regs.append(int(re.search(r"Used (\d+) registers", out)[1]))
-    if tf:  # the third form costs registers (122 against 112 at stop 56) but no program a multiprocessor
-        per_sm = [65536 // (-(-r // 8) * 8 * 32 * t1.warps) for r in (regs[0], regs[-1])]
-        assert per_sm[0] == per_sm[1] and regs[0] <= 1.25 * regs[-1], (regs, per_sm)
-    else:
-        assert regs[0] <= 1.25 * max(regs[1:]), regs  # (the larger GEMM's registers: the one launch runs both roles)
+    assert regs[0] <= 1.25 * max(regs[1:]), regs  # (the larger GEMM's registers: the one launch runs both roles)
 
 
 def test_one_launch_takes_small_unsplit_calls(monkeypatch):
@@ -943,8 +931,10 @@ def test_one_launch_takes_small_unsplit_calls(monkeypatch):
     assert F.one_launch_refusal(2, 4, 2880, 2880, *gptoss) is None  # 8 pairs
     assert "at least 8" in F.one_launch_refusal(1, 4, 2880, 2880, *gptoss)  # one token's top-4: four launches ran faster
     assert "at most 0" in F.one_launch_refusal(1, 8, 2048, 768, *F.frag_config(2048, 768))
-    monkeypatch.setattr(F, "device_name", lambda: "NVIDIA H100 80GB HBM3")  # measured slower there: none
-    assert "at most 0" in F.one_launch_refusal(32, 4, 2880, 2880, *gptoss) and F.one_launch_range(2880, 2880, "") == (1, 0)
+    monkeypatch.setattr(F, "device_name", lambda: "NVIDIA H100 80GB HBM3")  # (stop 56: measured faster there from 32 pairs)
+    assert F.one_launch_refusal(8, 4, 2880, 2880, *gptoss) is None and "at least 17" in F.one_launch_refusal(4, 4, 2880, 2880, *gptoss)
+    assert "at most 0" in F.one_launch_refusal(8, 8, 2048, 768, *F.frag_config(2048, 768))  # (Qwen3: none)
+    assert F.one_launch_range(2880, 2880, "") == (1, 0)  # (an unknown device: none)
     assert F.one_launch_range(2880, 2880, "NVIDIA H200") == (8, 128)
     monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 128)  # set: 1 to 128 pairs on every shape and device
     assert F.one_launch_refusal(1, 4, 2880, 2880, *gptoss) is None and F.one_launch_range(2048, 768) == (1, 128)
@@ -1060,49 +1050,6 @@ def test_one_launch_replays_in_a_cuda_graph(monkeypatch):
         assert torch.equal(out, _four_launches(x[s0:s0 + 4], ids[s0:s0 + 4], wts[s0:s0 + 4], fw, e)), s0
 
 
-@cuda
-@needs_gluon
-@pytest.mark.gpu
-@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small"])
-def test_one_launch_few_block_tile_gives_the_same_bits(model, monkeypatch):
-    """ONE_LAUNCH_FEW: the one launch computes gate/up in another tile where the routing made few blocks (every program
-    reads the count, so all agree on the tickets). Few-block routings (8 experts x 4 and x 16 tokens) and spread ones
-    (each token its own experts), eager and in a CUDA graph captured on one kind and replayed on the other: every bit is
-    the four launches'."""
-    e, w, fw, x, ids, wts = _moe_case(model, 128, seed=17)
-    k = ids.shape[1]
-    shape = (fw.hidden, fw.intermediate)
-    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 128)
-    big = F.frag_config(*shape, 128)[0]
-    few_tile = F.FragTile.parse("4x2w4aa4" if big != F.FragTile.parse("4x2w4aa4") else "4x4w4")
-    most = 4 if e <= 8 else 8  # (the small shape's 8 experts: a few-block call uses 4 of them)
-    monkeypatch.setitem(F.ONE_LAUNCH_FEW, shape, (most, few_tile))
-    monkeypatch.setattr(F, "ONE_FEW_ON", True)
-    g = torch.Generator(device="cuda").manual_seed(5)
-    some = torch.randperm(e, generator=g, device="cuda")[:most]
-    cases = []
-    for tpe in (4, 16):  # every token's top-k from the same `most` experts: `most` blocks
-        n = most * tpe // k
-        few_ids = torch.stack([some[torch.randperm(most, generator=g, device="cuda")[:k]] for _ in range(n)])
-        cases.append((x[:n], few_ids.contiguous(), wts[:n]))
-    n = 128 // k
-    cases.append((x[:n], ids[:n], wts[:n]))  # spread: more than `most` blocks
-    for xs, is_, ws in cases:
-        one = F.fragment_moe_one(xs, is_, ws, fw, e)
-        assert one is not None and torch.equal(one, _four_launches(xs, is_, ws, fw, e))
-    assert F.one_launch_few(*shape, big) == (most, few_tile)  # (so 128-pair calls ran the device's choice above)
-    xs, is_, ws = (c.clone() for c in cases[0])  # captured on the few-block routing, replayed on a spread one of the same size
-    F.fragment_moe_one(xs, is_, ws, fw, e)  # (warm: compiled, counters made)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = F.fragment_moe_one(xs, is_, ws, fw, e)
-    for src in (ids[: xs.shape[0]], cases[0][1]):
-        is_.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, _four_launches(xs, is_, ws, fw, e))
-
-
 def test_breakdown_probe_takes_whole_token_cases_only():
     """benchmarks/moe_call_breakdown.py's cases (model:active experts:tokens per expert) are checked before any GPU work:
     a known model, from top-k to all experts, whole tokens."""
@@ -1159,8 +1106,8 @@ def test_persist_ab_rows_run_the_settings_that_apply_to_them():
     assert list(row_settings(s, 128, (16, 32), True)) == ["p0", "p8", "o0", "u16"]
     assert list(row_settings(s, 8, (16, 32), False)) == ["p0", "p8", "d16", "d32", "u16"]
     assert list(row_settings({"p0": {}, "o0": {}}, 8, (), False)) == ["p0"]
-    one = {"p8": {}, "o1": {}, "o1f": {}}  # (--one-few: the forced one launch on 17-128 pairs)
-    assert list(row_settings(one, 32, (), False)) == ["p8", "o1", "o1f"] == list(row_settings(one, 128, (), True))
+    one = {"p8": {}, "o1": {}}  # (--one-launch: the one launch forced on 17-128 pairs)
+    assert list(row_settings(one, 32, (), False)) == ["p8", "o1"] == list(row_settings(one, 128, (), True))
     assert list(row_settings(one, 16, (), False)) == ["p8"] == list(row_settings(one, 129, (), False))
 
 
