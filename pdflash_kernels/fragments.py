@@ -84,14 +84,18 @@ PDL_MODE = PDL_ON if runtime.PDL and _PDL_ASKED else 0
 # 63.0 / 63.9 at 8 experts x 4 tokens, 164.2 / 171.6 at 32 x 1, and a verify's spread 8 / 16 / 32 tokens 101.9 / 115.8,
 # 152.6 / 163.0, 167.6 / 174.0, every bit the same; end to end gpt-oss-24l's replay@16 forward took 4.55 / 4.59 ms
 # against 4.86 / 4.86 (two runs each, alternating; block 1 unchanged), so the H100 takes 17-128 pairs (below 17 the
-# routing-free call is served: DIRECT_PAIRS; stop56_gpu/call2-3). (A smaller gate/up tile in the one launch where the
+# routing-free call is served: DIRECT_PAIRS; stop56_gpu/call2-3). Mixtral-8x7B's experts likewise on the H100 (call 5,
+# o1 against four launches, us): 8 experts x 4 / 16 tokens 264.5 / 271.2 and 269.8 / 276.7, a verify's spread 16 / 32 /
+# 64 tokens 264.9 / 271.4, 267.8 / 278.3, 400.6 / 419.9, every bit the same; not measured on the H200, which keeps
+# four launches for it. (A smaller gate/up tile in the one launch where the
 # routing made few blocks, chosen on the device, ran slower there: 67.7 against 63.0 us at 8 x 4, more tickets; removed.)
 # Qwen3-30B-A3B is slower in one launch, 29.1 / 25.1 us on the H200 (8 experts, 1 token each): the tickets (one atomic
 # on one address a program, ~450 programs) delay the tiles ~5 us (`benchmarks/one_launch_probe.py`, stop 41: 22.8 us
 # with roles by program id, which is not safe without a ticket).
 # PDFLASH_FP4_ONE_LAUNCH_PAIRS=N: 1 to N pairs on every shape and device (0: off everywhere; N at most 128).
 ONE_LAUNCH_SHAPES: dict[str, dict[tuple[int, int], tuple[int, int]]] = {"NVIDIA H200": {(2880, 2880): (8, 128)},
-                                                                     "NVIDIA H100 80GB HBM3": {(2880, 2880): (17, 128)}}
+                                                                     "NVIDIA H100 80GB HBM3": {(2880, 2880): (17, 128),
+                                                                                               (4096, 14336): (17, 128)}}
 _ONE = os.environ.get("PDFLASH_FP4_ONE_LAUNCH_PAIRS") or None  # (empty, as compose.gpu.yaml passes it unset: by shape)
 if _ONE is not None and not (_ONE.isdigit() and int(_ONE) <= 128):
     raise ValueError(f"PDFLASH_FP4_ONE_LAUNCH_PAIRS must be a number of pairs from 0 (off) to 128, got {_ONE!r}")
