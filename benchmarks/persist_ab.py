@@ -67,8 +67,9 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
     # o0: the served settings without the one launch (fragments.ONE_LAUNCH_SHAPES: gpt-oss-20b's 8-128 pairs on the H200),
     # on the rows whose served call takes it (there every pN column times the one launch, which has no persistent form)
     settings["o0"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], ONE_LAUNCH_PAIRS=0)
-    if one_launch:  # o1: the one launch on every call of 17-128 pairs that does not skip the routing launch
-        settings["o1"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], ONE_LAUNCH_PAIRS=128)
+    if one_launch:  # o1: the one launch on every call of 17-128 pairs (routing-free calls only up to DIRECT_BASE pairs,
+        # so Qwen3's 17-128 pair calls, served routing-free by DIRECT_SHAPES, take it too)
+        settings["o1"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], ONE_LAUNCH_PAIRS=128, DIRECT_PAIRS=F.DIRECT_BASE)
     if direct:  # u16: the served form before stop 54's DIRECT_SHAPES (one-pair blocks up to 16 pairs, routed above)
         settings["u16"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=F.DIRECT_BASE, DIRECT_GROUP=False,
                                PERSIST_DIRECT=False)
@@ -158,7 +159,7 @@ def main() -> None:
     ap.add_argument("--ungrouped", action="store_true", help="dN: each pair its own block (DIRECT_GROUP off; "
                     "default: on, each program grouping the pairs by expert)")
     ap.add_argument("--one-launch", action="store_true", help="also o1: the one launch forced on calls of 17-128 pairs "
-                    "(PDFLASH_FP4_ONE_LAUNCH_PAIRS=128; calls the routing-free path takes stay there)")
+                    "(PDFLASH_FP4_ONE_LAUNCH_PAIRS=128, routing-free calls only up to 16 pairs)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
