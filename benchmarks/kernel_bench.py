@@ -290,6 +290,7 @@ def bench_linear() -> list[dict]:
 
 ALIGN_TOKENS = (1, 4, 16, 64, 256, 1024)
 ALIGN_CHUNKS = (64, 256, 1024)
+ALIGN_PROGRAM_CHUNKS = (128, 256, 512)  # moe.align_fused(programs=True): the pairs a program ranks
 
 
 def bench_align(baseline: str | None = None) -> list[dict]:
@@ -311,17 +312,25 @@ def bench_align(baseline: str | None = None) -> list[dict]:
         for t in ALIGN_TOKENS:
             ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(t)])
             slots = torch.randperm(e, device="cuda").int()
-            new = align_fused(ids, e, 16, slots)
+            new = align_fused(ids, e, 16, slots, programs=False)
             row = dict(model=model, tokens=t, pairs=t * k, us=round(gpu_time_us(lambda: align_fused(ids, e, 16, slots)), 2))
             for ch in ALIGN_CHUNKS:  # the pairs one step sorts, against the default rule's
-                row[f"chunk{ch}_us"] = round(gpu_time_us(lambda: align_fused(ids, e, 16, slots, chunk=ch)), 2)
+                row[f"chunk{ch}_us"] = round(gpu_time_us(lambda: align_fused(ids, e, 16, slots, chunk=ch, programs=False)), 2)
+            for ch in ALIGN_PROGRAM_CHUNKS:  # a program a chunk (moe.ALIGN_PROGRAMS): the same routing, checked
+                many = align_fused(ids, e, 16, slots, chunk=ch, programs=True)
+                row[f"prog{ch}_same"] = bool(torch.equal(many.sorted_pairs, new.sorted_pairs)
+                                            and torch.equal(many.block_slot, new.block_slot)
+                                            and torch.equal(many.num_blocks, new.num_blocks))
+                row[f"prog{ch}_us"] = round(gpu_time_us(lambda: align_fused(ids, e, 16, slots, chunk=ch, programs=True)), 2)
             if old is not None:
                 ref = old.align_fused(ids, e, 16, slots)
                 row["baseline_us"] = round(gpu_time_us(lambda: old.align_fused(ids, e, 16, slots)), 2)
                 row["same_blocks"] = bool(torch.equal(ref.sorted_pairs, new.sorted_pairs) and torch.equal(ref.block_slot, new.block_slot))
             rows.append(row)
             print(f"align {model:14s} {t:5d} tokens {t * k:6d} pairs {row['us']:8.2f} us (chunk "
-                  + ", ".join(f"{ch}: {row[f'chunk{ch}_us']}" for ch in ALIGN_CHUNKS) + ")"
+                  + ", ".join(f"{ch}: {row[f'chunk{ch}_us']}" for ch in ALIGN_CHUNKS) + "; a program a chunk of "
+                  + ", ".join(f"{ch}: {row[f'prog{ch}_us']}{'' if row[f'prog{ch}_same'] else ' NOT THE SAME'}"
+                              for ch in ALIGN_PROGRAM_CHUNKS) + ")"
                   + (f"  (baseline {row['baseline_us']:8.2f} us, same blocks {row['same_blocks']})" if old is not None else ""), flush=True)
     return rows
 
@@ -628,9 +637,12 @@ def main() -> None:
         md.append(f"| {r['model']} | {r['weights']} | {r['tokens_per_expert']} | {r['active_experts']} | {r['us']} | {r['eager_us']} | {r['torch_bf16_us']} | {r['speedup']}x | {r['weight_bytes'] / 1e6:.1f} | {r['gbps']} | {r['hbm_fraction']:.0%} | {r['copy_us']} | {r['copy_fraction']:.0%} | {r['of_same_size_copy']:.0%} |")
     base = any("baseline_us" in r for r in result["align"])
     md += ["", "The routing step alone (`align_fused`, CUDA graph)" + (f", against `{args.align_baseline}`" if base else "") + ":", "",
-           "| model | tokens | pairs | us |" + (" baseline us | same blocks |" if base else ""),
-           "|---|---|---|---|" + ("---|---|" if base else "")]
+           "| model | tokens | pairs | us |" + (" baseline us | same blocks |" if base else "")
+           + "".join(f" a program a {ch} pairs us |" for ch in ALIGN_PROGRAM_CHUNKS),
+           "|---|---|---|---|" + ("---|---|" if base else "") + "---|" * len(ALIGN_PROGRAM_CHUNKS)]
     md += [f"| {r['model']} | {r['tokens']} | {r['pairs']} | {r['us']} |" + (f" {r['baseline_us']} | {r['same_blocks']} |" if base else "")
+           + "".join(f" {r.get(f'prog{ch}_us', '-')}{'' if r.get(f'prog{ch}_same', True) else ' (NOT THE SAME)'} |"
+                     for ch in ALIGN_PROGRAM_CHUNKS)
            for r in result["align"]]
     md += ["", "| M | N | K | invariant us (graph) | cuBLAS us (graph) | ratio |", "|---|---|---|---|---|---|"]
     md += [f"| {r['M']} | {r['N']} | {r['K']} | {r['us']} | {r['cublas_us']} | {r['ratio']} |" for r in result["linear"]]

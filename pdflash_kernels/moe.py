@@ -378,6 +378,12 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 # (H200, Qwen3's 128 experts: 512 pairs take 8.05 us in 512-pair steps, 10.07 in 256, 10.58 in 1024; 2048 pairs 18.2 us in
 # 1024-pair steps, 22.6 in 256: benchmarks/results/kernels_align_h200.txt)
 ALIGN_CHUNKS = (64, 256, 512, 1024)
+# A program a chunk (`_align_programs_kernel`, stop 56): every program counts all the pairs, then ranks and scatters its
+# own chunk, so calls of several chunks sort them side by side rather than one after another (the one program took
+# 18.2 us for Qwen3's 2048 pairs on the H200, 7 of a 141 us MoE call's 8-us gap to issue 12's 4x goal). Opt-in
+# (PDFLASH_ALIGN_PROGRAMS=1) until timed on a GPU (`kernel_bench.py --align`'s prog columns); the same routing either way.
+ALIGN_PROGRAMS = runtime.env_flag("PDFLASH_ALIGN_PROGRAMS", default=False)
+ALIGN_PROGRAMS_CHUNK = 256
 
 
 def align_chunk(pairs: int) -> int:
@@ -393,10 +399,13 @@ def align_fused(
     phase_of_expert: torch.Tensor | None = None,
     chunk: int | None = None,
     sort: bool | None = None,
+    programs: bool | None = None,
 ) -> Routing:
     """`align` as one Triton launch (the torch version below is ~28 small kernels: ~85 us of a decode layer). `chunk`:
     the pairs one step sorts (a power of two, 64-1024; default `align_chunk`), for benchmarks/kernel_bench.py. `sort`:
-    rank a chunk's pairs by tl.sort (default on a GPU) or by a pairwise compare (default under the interpreter)."""
+    rank a chunk's pairs by tl.sort (default on a GPU) or by a pairwise compare (default under the interpreter).
+    `programs`: a program a chunk of `chunk` pairs (default ALIGN_PROGRAMS_CHUNK) where the call has more than one
+    chunk (`_align_programs_kernel`; default ALIGN_PROGRAMS, PDFLASH_ALIGN_PROGRAMS): the same routing."""
     t, topk = topk_ids.shape
     p = t * topk
     dev = topk_ids.device
@@ -417,6 +426,27 @@ def align_fused(
         sort = not runtime.interpreting()
     if not sort:  # the compare is CH x CH: smaller steps
         ch = min(ch, chunk or 256)
+    if programs is None:
+        programs = ALIGN_PROGRAMS
+    if programs:
+        ch = chunk or ALIGN_PROGRAMS_CHUNK
+        if not sort:
+            ch = min(ch, 256)
+        grid = triton.cdiv(p, ch)
+        if grid > 1:
+            bpp = triton.cdiv(mb, grid)
+            _align_programs_kernel[(grid,)](
+                ids, n_valid if n_valid is not None else ids, slot_of_expert if slot_of_expert is not None else ids,
+                sorted_pairs, block_slot, num_blocks, valid, p, mb, bpp,
+                phase_of_expert if phase_of_expert is not None else ids, block_phase if block_phase is not None else block_slot,
+                E=num_experts, NB=nb, TOPK=topk, BM=block_m, HAS_NVALID=n_valid is not None,
+                HAS_SLOT=slot_of_expert is not None, HAS_PHASE=phase_of_expert is not None, CH=ch, C=64 if nb <= 128 else 32,
+                SORT=sort, num_warps=8 if ch >= 512 else 4, **runtime.pdl_launch(),
+            )
+            return Routing(sorted_pairs, block_slot, num_blocks, valid, mb, p, block_phase)
+        ch = align_chunk(p) if chunk is None else chunk  # (one chunk: the one program's form)
+        if not sort:
+            ch = min(ch, chunk or 256)
     _align_kernel[(1,)](
         ids, n_valid if n_valid is not None else ids, slot_of_expert if slot_of_expert is not None else ids,
         sorted_pairs, block_slot, num_blocks, valid, p, mb,
@@ -1353,6 +1383,76 @@ if triton is not None:
                 ph = tl.where(ph < 0, 1, ph)  # (an expert in flight from a prefetch: the first copy group)
                 tl.store(block_phase_ptr + b, tl.where(used, ph, 0).to(tl.int8), mask=b < MB)
             tl.store(block_slot_ptr + b, tl.where(used, tl.gather(slot_of, e_b, 0), -1), mask=b < MB)
+            bstart += C
+
+    @triton.jit(do_not_specialize=["P", "MB", "BPP"])
+    def _align_programs_kernel(
+        ids_ptr, nvalid_ptr, slot_ptr, sorted_ptr, block_slot_ptr, num_blocks_ptr, valid_ptr,
+        P, MB, BPP, phase_ptr, block_phase_ptr,
+        E: tl.constexpr, NB: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
+        HAS_NVALID: tl.constexpr, HAS_SLOT: tl.constexpr, CH: tl.constexpr, C: tl.constexpr,
+        HAS_PHASE: tl.constexpr = False, SORT: tl.constexpr = True,
+    ):
+        """`_align_kernel`'s routing with a program a chunk of CH pairs (`align_fused(programs=True)`): the same rows.
+
+        Every program counts all the pairs' experts (a histogram a chunk, as the one program's first pass) and so knows
+        every expert's blocks and the pairs of its expert in the chunks before its own; it ranks and scatters only its
+        own chunk (one sort of CH pairs, in parallel with the other programs' instead of one after another), writes its
+        chunk's keep flags, and for its BPP blocks the block slots (phases) and the padding rows: a block's rows past
+        its expert's count, every row of an unused block. No row is written by two programs and no program waits for
+        another, so the output is `_align_kernel`'s whatever the programs' order."""
+        runtime.pdl_begin()
+        pid = tl.program_id(0)
+        ev = tl.arange(0, NB)
+        ci = tl.arange(0, CH)
+        e_ok = ev < E
+        slot_of = ev
+        if HAS_SLOT:
+            slot_of = tl.load(slot_ptr + ev, mask=e_ok, other=0)
+        phase_of = tl.zeros((NB,), tl.int8)
+        if HAS_PHASE:
+            phase_of = tl.load(phase_ptr + ev, mask=e_ok, other=0)
+        nv = P // TOPK
+        if HAS_NVALID:
+            nv = tl.load(nvalid_ptr)
+        mine = pid * CH
+        counts = tl.zeros((NB,), tl.int32)
+        earlier = tl.zeros((NB,), tl.int32)  # the pairs of each expert in the chunks before this program's
+        start = P * 0
+        while start < P:
+            ok, valid, key = _pair_keys(ids_ptr, start + ci, P, nv, E, TOPK)
+            hist = tl.histogram(tl.minimum(key, E - 1), NB, mask=valid)
+            counts += hist
+            earlier += hist * (start < mine).to(tl.int32)
+            start += CH
+        blocks = tl.where(e_ok, (counts + BM - 1) // BM, 0)
+        block_end = tl.cumsum(blocks, axis=0)
+        num_blocks = tl.sum(blocks, axis=0)
+        if pid == 0:
+            tl.store(num_blocks_ptr, num_blocks)
+        first_row = (block_end - blocks) * BM
+        ok, valid, key = _pair_keys(ids_ptr, mine + ci, P, nv, E, TOPK)
+        tl.store(valid_ptr + mine + ci, valid, mask=ok)
+        hist = tl.histogram(tl.minimum(key, E - 1), NB, mask=valid)
+        _align_scatter(sorted_ptr, key, ci, first_row + earlier, tl.cumsum(hist, axis=0) - hist, mine, E, CH, SORT)
+        bi = tl.arange(0, C)
+        mi = tl.arange(0, BM)
+        b_hi = tl.minimum(pid * BPP + BPP, MB)
+        bstart = pid * BPP
+        while bstart < b_hi:
+            b = bstart + bi
+            inb = b < b_hi
+            e_b = tl.sum(((block_end[None, :] <= b[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
+            used = b < num_blocks
+            e_b = tl.minimum(e_b, E - 1)
+            if HAS_PHASE:
+                ph = tl.gather(phase_of, e_b, 0)
+                ph = tl.where(ph < 0, 1, ph)  # (an expert in flight from a prefetch: the first copy group)
+                tl.store(block_phase_ptr + b, tl.where(used, ph, 0).to(tl.int8), mask=inb)
+            tl.store(block_slot_ptr + b, tl.where(used, tl.gather(slot_of, e_b, 0), -1), mask=inb)
+            rows = b[:, None] * BM + mi[None, :]
+            fill = rows - tl.gather(first_row, e_b, 0)[:, None] < tl.gather(counts, e_b, 0)[:, None]  # a pair's row
+            tl.store(sorted_ptr + rows, tl.zeros((C, BM), tl.int32) + P, mask=inb[:, None] & ~(used[:, None] & fill))
             bstart += C
 
     @triton.jit

@@ -169,9 +169,18 @@ def test_fused_align_equals_torch_align(t, k, e, bm, nv, slots):
     n = torch.tensor([nv]) if nv is not None else None
     a = align(ids, e, bm, so, n)
     # one pass or 64-pair steps; ranked by a pairwise compare (the interpreter's default) or by tl.sort (the GPU's)
-    for b in (align_fused(ids, e, bm, so, n), align_fused(ids, e, bm, so, n, chunk=64), align_fused(ids, e, bm, so, n, chunk=64, sort=True)):
+    # and a program a chunk (ALIGN_PROGRAMS: each program counts every pair, ranks its own chunk, pads its own blocks)
+    for b in (align_fused(ids, e, bm, so, n), align_fused(ids, e, bm, so, n, chunk=64), align_fused(ids, e, bm, so, n, chunk=64, sort=True),
+              align_fused(ids, e, bm, so, n, chunk=64, programs=True), align_fused(ids, e, bm, so, n, chunk=64, sort=True, programs=True)):
         assert torch.equal(a.sorted_pairs, b.sorted_pairs) and torch.equal(a.block_slot, b.block_slot)
         assert int(a.num_blocks) == int(b.num_blocks) and torch.equal(a.pair_valid, b.pair_valid)
+    phase = torch.randint(-1, 3, (e,), generator=g).to(torch.int8)  # (copy groups; -1: in flight from a prefetch)
+    one, many = (align_fused(ids, e, bm, so, n, phase_of_expert=phase, chunk=64, programs=pr) for pr in (False, True))
+    assert torch.equal(one.block_phase, many.block_phase) and torch.equal(one.sorted_pairs, many.sorted_pairs)
+
+def test_align_programs_option_is_checked():
+    """PDFLASH_ALIGN_PROGRAMS (a program a chunk for the routing step): 0 / 1; anything else stops the import."""
+    _import_refuses("PDFLASH_ALIGN_PROGRAMS", "fast", "pdflash_kernels.moe")
 
 
 # The GEMM variants (pdflash_kernels.moe.SWEEP_VARIANTS*) on small shapes: tiles shrunk to the shapes (several K steps).
@@ -1281,3 +1290,34 @@ def test_gpu_sh_names_every_step_it_runs():
     named = set(usage.group(1).split("|"))
     ran = set(re.findall(r"\bhas ([a-z0-9]+);", src)) | set(re.findall(r'== \*" ([a-z0-9]+) "\*', src))
     assert named - {"all"} == ran - {"all"}, (sorted(named - ran), sorted(ran - named))
+
+
+@needs_triton
+@pytest.mark.parametrize("kernel", ["_align_kernel", "_align_programs_kernel"])
+def test_align_kernels_compile_for_sm90(kernel):
+    """Both forms of the routing step compile for sm_90 with tl.sort (the GPU's ranking; the interpreter tests above
+    rank by a compare), on Qwen3-30B-A3B's 128 experts with slots and copy groups. In a process without
+    TRITON_INTERPRET (under it the kernels are interpreted functions, which do not compile)."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pdflash_kernels import moe
+sig = {{"ids_ptr": "*i32", "nvalid_ptr": "*i32", "slot_ptr": "*i32", "sorted_ptr": "*i32", "block_slot_ptr": "*i32",
+       "num_blocks_ptr": "*i32", "valid_ptr": "*i1", "P": "i32", "MB": "i32", "phase_ptr": "*i8", "block_phase_ptr": "*i8"}}
+const = dict(E=128, NB=128, TOPK=8, BM=16, HAS_NVALID=True, HAS_SLOT=True, CH=256, C=64, HAS_PHASE=True, SORT=True)
+if "{kernel}" == "_align_programs_kernel":
+    sig["BPP"] = "i32"
+else:
+    const["PAD_C"] = 1024
+sig.update({{c: "constexpr" for c in const}})
+kern = triton.compile(ASTSource(moe.{kernel}, sig, const), target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4}})
+print("st.global" in kern.asm["ptx"])
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
