@@ -379,11 +379,50 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 # 1024-pair steps, 22.6 in 256: benchmarks/results/kernels_align_h200.txt)
 ALIGN_CHUNKS = (64, 256, 512, 1024)
 # A program a chunk (`_align_programs_kernel`, stop 56): every program counts all the pairs, then ranks and scatters its
-# own chunk, so calls of several chunks sort them side by side rather than one after another (the one program took
-# 18.2 us for Qwen3's 2048 pairs on the H200, 7 of a 141 us MoE call's 8-us gap to issue 12's 4x goal). Opt-in
-# (PDFLASH_ALIGN_PROGRAMS=1) until timed on a GPU (`kernel_bench.py --align`'s prog columns); the same routing either way.
-ALIGN_PROGRAMS = runtime.env_flag("PDFLASH_ALIGN_PROGRAMS", default=False)
-ALIGN_PROGRAMS_CHUNK = 256
+# own chunk, so calls of several chunks sort them side by side rather than one after another. The same routing (every
+# row of `kernel_bench.py --align-only` on the H100, and the GPU align tests). On the H100 (stop 56 calls 8-11,
+# benchmarks/results/stop56_gpu/call8): Qwen3-30B-A3B's 512 / 2048 / 8192 pairs 7.99 / 18.4 / 59.6 us in one program,
+# 5.93 / 7.83 / 12.6 a program a chunk; gpt-oss-20b's 1024 / 4096 pairs 7.2 / 25.7 against 4.77 / 7.31; Qwen3's MoE call
+# at 128 experts x 16 tokens 149.9 against 159.1 us. On by default; PDFLASH_ALIGN_PROGRAMS=0: one program.
+ALIGN_PROGRAMS = runtime.env_flag("PDFLASH_ALIGN_PROGRAMS", default=True)
+
+
+def align_programs_chunk(pairs: int) -> int:
+    """The pairs a program of the routing step ranks (`_align_programs_kernel`): 128 up to 512 pairs, 256 up to 2048,
+    512 above (H100, stop 56 call 8: Qwen3's 512 pairs 5.97 us in 128-pair chunks, 7.65 in 256; 2048 pairs 8.05 in
+    256, 7.89 in 512; 8192 pairs 12.76 in 512, 15.97 in 256)."""
+    return 128 if pairs <= 512 else 256 if pairs <= 2048 else 512
+
+
+def align_forms() -> list[tuple[int | None, tuple[str, int]]]:
+    """The routing step's compiled forms on a GPU, ascending: (most pairs, or None above the last bound; (kind, pairs a
+    step)), kind "one" (`_align_kernel`) or "programs" (`_align_programs_kernel`). verifier_svc/warmup.py prefills one
+    prompt a form."""
+    if ALIGN_PROGRAMS:
+        return [(64, ("one", 64)), (128, ("one", 256)), (512, ("programs", 128)), (2048, ("programs", 256)),
+                (None, ("programs", 512))]
+    return [(c, ("one", c)) for c in ALIGN_CHUNKS[:-1]] + [(None, ("one", ALIGN_CHUNKS[-1]))]
+
+
+def align_plan(pairs: int, programs: bool | None = None, chunk: int | None = None, sort: bool = True) -> tuple[str, int]:
+    """(kind, pairs a step) `align_fused` runs a call of `pairs` pairs in: "programs" (a program a chunk, where `programs`
+    (default ALIGN_PROGRAMS) and the call has more than one chunk) or "one" (one program). `sort` False (the
+    interpreter's compare, CH x CH): steps of at most 256 pairs."""
+    if programs is None:
+        programs = ALIGN_PROGRAMS
+    if programs:
+        ch = chunk or align_programs_chunk(pairs)
+        ch = ch if sort else min(ch, 256)
+        if triton_cdiv(pairs, ch) > 1:
+            return "programs", ch
+    ch = chunk or align_chunk(pairs)
+    return "one", ch if sort else min(ch, chunk or 256)
+
+
+def align_form(pairs: int) -> tuple[str, int]:
+    """The compiled form (`align_forms`, the table verifier_svc/warmup.py prefills by) a call of `pairs` pairs takes in
+    `align_fused` on a GPU."""
+    return align_plan(pairs)
 
 
 def align_chunk(pairs: int) -> int:
@@ -404,8 +443,8 @@ def align_fused(
     """`align` as one Triton launch (the torch version below is ~28 small kernels: ~85 us of a decode layer). `chunk`:
     the pairs one step sorts (a power of two, 64-1024; default `align_chunk`), for benchmarks/kernel_bench.py. `sort`:
     rank a chunk's pairs by tl.sort (default on a GPU) or by a pairwise compare (default under the interpreter).
-    `programs`: a program a chunk of `chunk` pairs (default ALIGN_PROGRAMS_CHUNK) where the call has more than one
-    chunk (`_align_programs_kernel`; default ALIGN_PROGRAMS, PDFLASH_ALIGN_PROGRAMS): the same routing."""
+    `programs`: a program a chunk of `chunk` pairs (default `align_programs_chunk`) where the call has more than one
+    chunk (`_align_programs_kernel`; default ALIGN_PROGRAMS, PDFLASH_ALIGN_PROGRAMS; `align_plan`): the same routing."""
     t, topk = topk_ids.shape
     p = t * topk
     dev = topk_ids.device
@@ -421,32 +460,20 @@ def align_fused(
     # NB histogram bins: the experts (a dropped pair, key E, is masked out of the counts). CH pairs a step (ALIGN_CHUNKS);
     # C blocks a step of the block -> expert search; the padding stores PAD_C entries at a time
     nb = triton.next_power_of_2(num_experts)
-    ch = chunk or align_chunk(p)
     if sort is None:
         sort = not runtime.interpreting()
-    if not sort:  # the compare is CH x CH: smaller steps
-        ch = min(ch, chunk or 256)
-    if programs is None:
-        programs = ALIGN_PROGRAMS
-    if programs:
-        ch = chunk or ALIGN_PROGRAMS_CHUNK
-        if not sort:
-            ch = min(ch, 256)
+    kind, ch = align_plan(p, programs, chunk, sort)
+    if kind == "programs":
         grid = triton.cdiv(p, ch)
-        if grid > 1:
-            bpp = triton.cdiv(mb, grid)
-            _align_programs_kernel[(grid,)](
-                ids, n_valid if n_valid is not None else ids, slot_of_expert if slot_of_expert is not None else ids,
-                sorted_pairs, block_slot, num_blocks, valid, p, mb, bpp,
-                phase_of_expert if phase_of_expert is not None else ids, block_phase if block_phase is not None else block_slot,
-                E=num_experts, NB=nb, TOPK=topk, BM=block_m, HAS_NVALID=n_valid is not None,
-                HAS_SLOT=slot_of_expert is not None, HAS_PHASE=phase_of_expert is not None, CH=ch, C=64 if nb <= 128 else 32,
-                SORT=sort, num_warps=8 if ch >= 512 else 4, **runtime.pdl_launch(),
-            )
-            return Routing(sorted_pairs, block_slot, num_blocks, valid, mb, p, block_phase)
-        ch = align_chunk(p) if chunk is None else chunk  # (one chunk: the one program's form)
-        if not sort:
-            ch = min(ch, chunk or 256)
+        _align_programs_kernel[(grid,)](
+            ids, n_valid if n_valid is not None else ids, slot_of_expert if slot_of_expert is not None else ids,
+            sorted_pairs, block_slot, num_blocks, valid, p, mb, triton.cdiv(mb, grid),
+            phase_of_expert if phase_of_expert is not None else ids, block_phase if block_phase is not None else block_slot,
+            E=num_experts, NB=nb, TOPK=topk, BM=block_m, HAS_NVALID=n_valid is not None,
+            HAS_SLOT=slot_of_expert is not None, HAS_PHASE=phase_of_expert is not None, CH=ch, C=64 if nb <= 128 else 32,
+            SORT=sort, num_warps=8 if ch >= 512 else 4, **runtime.pdl_launch(),
+        )
+        return Routing(sorted_pairs, block_slot, num_blocks, valid, mb, p, block_phase)
     _align_kernel[(1,)](
         ids, n_valid if n_valid is not None else ids, slot_of_expert if slot_of_expert is not None else ids,
         sorted_pairs, block_slot, num_blocks, valid, p, mb,

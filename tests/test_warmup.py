@@ -351,14 +351,22 @@ def test_reset_stats_of_the_device_managed_cache_keeps_what_is_resident():
     core.end(pre.session_id)
 
 
-def test_align_lengths_reach_every_compiled_form_of_the_moe_align():
-    """The warm-up's extra prefills: one prompt a form of the MoE align (pdflash_kernels.moe.ALIGN_CHUNKS), whatever the experts
-    a token; none for a dense model; none longer than half the context."""
-    from pdflash_kernels.moe import ALIGN_CHUNKS, align_chunk
+def test_align_lengths_reach_every_compiled_form_of_the_moe_align(monkeypatch):
+    """The warm-up's extra prefills: one prompt a form of the MoE align (pdflash_kernels.moe.align_forms: one program or a
+    program a chunk, ALIGN_PROGRAMS either way), whatever the experts a token; none for a dense model; none longer than
+    half the context."""
+    from pdflash_kernels import moe
     from verifier_svc.warmup import align_lengths
 
-    for k in (1, 2, 4, 8, 32):
-        assert [align_chunk(n * k) for n in align_lengths(k, 1 << 16)] == list(ALIGN_CHUNKS)
+    for programs in (True, False):
+        monkeypatch.setattr(moe, "ALIGN_PROGRAMS", programs)
+        forms = [form for _, form in moe.align_forms()]
+        for k in (1, 2, 4, 8, 32):
+            assert [moe.align_form(n * k) for n in align_lengths(k, 1 << 16)] == forms
+        if not programs:
+            assert forms == [("one", c) for c in moe.ALIGN_CHUNKS]
+        for pairs in range(1, 5000, 7):  # (the table is the form align_fused picks)
+            assert moe.align_form(pairs) == next(f for most, f in moe.align_forms() if most is None or pairs <= most), pairs
     assert align_lengths(0, 4096) == []
-    assert align_lengths(1, 200) == [64, 65]  # 257 and 513 tokens do not fit half of a 200-token context
+    assert align_lengths(1, 200) == [64, 65]  # longer prompts do not fit half of a 200-token context
 

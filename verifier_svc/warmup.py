@@ -39,15 +39,16 @@ PROMPT_LENGTHS = (16, 13)
 
 
 def align_lengths(experts_per_token: int, max_context: int) -> list[int]:
-    """Prompt lengths whose (token, expert) pairs reach each compiled form of the MoE align (pdflash_kernels.moe.ALIGN_CHUNKS:
-    the pairs one step sorts; the pair count itself is not specialized on), so no prompt's prefill compiles one at serve
-    time: one length a form, its pairs at most the form's chunk and above the one before."""
+    """Prompt lengths whose (token, expert) pairs reach each compiled form of the MoE align (pdflash_kernels.moe.align_forms:
+    one program or a program a chunk, and the pairs a step; the pair count itself is not specialized on), so no prompt's
+    prefill compiles one at serve time: one length a form, its pairs within the form's bounds."""
     if experts_per_token <= 0:
         return []
-    from pdflash_kernels.moe import ALIGN_CHUNKS
+    from pdflash_kernels.moe import align_forms
 
     k = experts_per_token
-    lengths = [max(1, ALIGN_CHUNKS[0] // k)] + [c // k + 1 for c in ALIGN_CHUNKS[:-1]]
+    bounds = [most for most, _ in align_forms()[:-1]]
+    lengths = [max(1, bounds[0] // k)] + [b // k + 1 for b in bounds]
     return [n for n in lengths if n <= max_context // 2]
 
 
