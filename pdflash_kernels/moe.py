@@ -1355,18 +1355,9 @@ if triton is not None:
         ids; the expert -> slot and phase tables are read at the start, not after the counts (one memory round trip
         fewer on the program's path)."""
         runtime.pdl_begin()
-        ev = tl.arange(0, NB)
         ci = tl.arange(0, CH)
-        e_ok = ev < E
-        slot_of = ev
-        if HAS_SLOT:
-            slot_of = tl.load(slot_ptr + ev, mask=e_ok, other=0)
-        phase_of = tl.zeros((NB,), tl.int8)
-        if HAS_PHASE:
-            phase_of = tl.load(phase_ptr + ev, mask=e_ok, other=0)
-        nv = P // TOPK
-        if HAS_NVALID:
-            nv = tl.load(nvalid_ptr)
+        e_ok, slot_of, phase_of, nv = _align_tables(slot_ptr, phase_ptr, nvalid_ptr, P, E, NB, TOPK, HAS_SLOT, HAS_PHASE,
+                                                    HAS_NVALID)
         # while-loops with runtime bounds: P varies with the token count (a range() over it would not run under
         # Triton's interpreter, and a constexpr P would compile once per prompt length)
         start = P * 0
@@ -1402,14 +1393,8 @@ if triton is not None:
         bi = tl.arange(0, C)
         while bstart < MB:
             b = bstart + bi
-            e_b = tl.sum(((block_end[None, :] <= b[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
-            used = b < num_blocks
-            e_b = tl.minimum(e_b, E - 1)
-            if HAS_PHASE:
-                ph = tl.gather(phase_of, e_b, 0)
-                ph = tl.where(ph < 0, 1, ph)  # (an expert in flight from a prefetch: the first copy group)
-                tl.store(block_phase_ptr + b, tl.where(used, ph, 0).to(tl.int8), mask=b < MB)
-            tl.store(block_slot_ptr + b, tl.where(used, tl.gather(slot_of, e_b, 0), -1), mask=b < MB)
+            _align_block_slots(b, b < MB, block_end, e_ok, num_blocks, slot_of, phase_of, block_slot_ptr,
+                               block_phase_ptr, E, HAS_PHASE)
             bstart += C
 
     @triton.jit(do_not_specialize=["P", "MB", "BPP"])
@@ -1430,18 +1415,9 @@ if triton is not None:
         another, so the output is `_align_kernel`'s whatever the programs' order."""
         runtime.pdl_begin()
         pid = tl.program_id(0)
-        ev = tl.arange(0, NB)
         ci = tl.arange(0, CH)
-        e_ok = ev < E
-        slot_of = ev
-        if HAS_SLOT:
-            slot_of = tl.load(slot_ptr + ev, mask=e_ok, other=0)
-        phase_of = tl.zeros((NB,), tl.int8)
-        if HAS_PHASE:
-            phase_of = tl.load(phase_ptr + ev, mask=e_ok, other=0)
-        nv = P // TOPK
-        if HAS_NVALID:
-            nv = tl.load(nvalid_ptr)
+        e_ok, slot_of, phase_of, nv = _align_tables(slot_ptr, phase_ptr, nvalid_ptr, P, E, NB, TOPK, HAS_SLOT, HAS_PHASE,
+                                                    HAS_NVALID)
         mine = pid * CH
         counts = tl.zeros((NB,), tl.int32)
         earlier = tl.zeros((NB,), tl.int32)  # the pairs of each expert in the chunks before this program's
@@ -1452,12 +1428,7 @@ if triton is not None:
             counts += hist
             earlier += hist * (start < mine).to(tl.int32)
             start += CH
-        blocks = tl.where(e_ok, (counts + BM - 1) // BM, 0)
-        block_end = tl.cumsum(blocks, axis=0)
-        num_blocks = tl.sum(blocks, axis=0)
-        if pid == 0:
-            tl.store(num_blocks_ptr, num_blocks)
-        first_row = (block_end - blocks) * BM
+        block_end, num_blocks, first_row = _align_blocks(counts, e_ok, num_blocks_ptr, BM, pid == 0)
         ok, valid, key = _pair_keys(ids_ptr, mine + ci, P, nv, E, TOPK)
         tl.store(valid_ptr + mine + ci, valid, mask=ok)
         hist = tl.histogram(tl.minimum(key, E - 1), NB, mask=valid)
@@ -1469,26 +1440,54 @@ if triton is not None:
         while bstart < b_hi:
             b = bstart + bi
             inb = b < b_hi
-            e_b = tl.sum(((block_end[None, :] <= b[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
-            used = b < num_blocks
-            e_b = tl.minimum(e_b, E - 1)
-            if HAS_PHASE:
-                ph = tl.gather(phase_of, e_b, 0)
-                ph = tl.where(ph < 0, 1, ph)  # (an expert in flight from a prefetch: the first copy group)
-                tl.store(block_phase_ptr + b, tl.where(used, ph, 0).to(tl.int8), mask=inb)
-            tl.store(block_slot_ptr + b, tl.where(used, tl.gather(slot_of, e_b, 0), -1), mask=inb)
+            e_b, used = _align_block_slots(b, inb, block_end, e_ok, num_blocks, slot_of, phase_of, block_slot_ptr,
+                                           block_phase_ptr, E, HAS_PHASE)
             rows = b[:, None] * BM + mi[None, :]
             fill = rows - tl.gather(first_row, e_b, 0)[:, None] < tl.gather(counts, e_b, 0)[:, None]  # a pair's row
             tl.store(sorted_ptr + rows, tl.zeros((C, BM), tl.int32) + P, mask=inb[:, None] & ~(used[:, None] & fill))
             bstart += C
 
     @triton.jit
-    def _align_blocks(counts, e_ok, num_blocks_ptr, BM: tl.constexpr):
-        """Each expert's pair count [NB] -> its blocks' end (cumulative), the block count (stored) and its first row."""
+    def _align_tables(slot_ptr, phase_ptr, nvalid_ptr, P, E: tl.constexpr, NB: tl.constexpr, TOPK: tl.constexpr,
+                      HAS_SLOT: tl.constexpr, HAS_PHASE: tl.constexpr, HAS_NVALID: tl.constexpr):
+        """What both align kernels read first: the experts in range [NB], their slots and copy groups (identity / 0 when
+        not given), and the tokens kept (n_valid, else every token)."""
+        ev = tl.arange(0, NB)
+        e_ok = ev < E
+        slot_of = ev
+        if HAS_SLOT:
+            slot_of = tl.load(slot_ptr + ev, mask=e_ok, other=0)
+        phase_of = tl.zeros((NB,), tl.int8)
+        if HAS_PHASE:
+            phase_of = tl.load(phase_ptr + ev, mask=e_ok, other=0)
+        nv = P // TOPK
+        if HAS_NVALID:
+            nv = tl.load(nvalid_ptr)
+        return e_ok, slot_of, phase_of, nv
+
+    @triton.jit
+    def _align_block_slots(b, inb, block_end, e_ok, num_blocks, slot_of, phase_of, block_slot_ptr, block_phase_ptr,
+                           E: tl.constexpr, HAS_PHASE: tl.constexpr):
+        """Blocks b (where inb): each one's expert (the experts' cumulative block ends searched), its slot (-1 past the
+        block count) and copy group stored; returns (expert, used)."""
+        e_b = tl.sum(((block_end[None, :] <= b[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
+        used = b < num_blocks
+        e_b = tl.minimum(e_b, E - 1)
+        if HAS_PHASE:
+            ph = tl.gather(phase_of, e_b, 0)
+            ph = tl.where(ph < 0, 1, ph)  # (an expert in flight from a prefetch: the first copy group)
+            tl.store(block_phase_ptr + b, tl.where(used, ph, 0).to(tl.int8), mask=inb)
+        tl.store(block_slot_ptr + b, tl.where(used, tl.gather(slot_of, e_b, 0), -1), mask=inb)
+        return e_b, used
+
+    @triton.jit
+    def _align_blocks(counts, e_ok, num_blocks_ptr, BM: tl.constexpr, store=True):
+        """Each expert's pair count [NB] -> its blocks' end (cumulative), the block count (stored where `store`) and its
+        first row."""
         blocks = tl.where(e_ok, (counts + BM - 1) // BM, 0)
         block_end = tl.cumsum(blocks, axis=0)
         num_blocks = tl.sum(blocks, axis=0)
-        tl.store(num_blocks_ptr, num_blocks)
+        tl.store(num_blocks_ptr, num_blocks, mask=store)
         tl.debug_barrier()  # the padding stores land before the scatter that follows
         return block_end, num_blocks, (block_end - blocks) * BM
 
