@@ -61,6 +61,9 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--no-expert-fill-overlap", dest="expert_fill_overlap", action="store_false",
                    help="offloaded experts (device-managed cache): copy a layer's missing experts before any of its GEMMs "
                         "instead of while its resident experts' GEMMs run (the same output either way)")
+    v.add_argument("--kv-cache-gb", type=_number, default=0.0, metavar="GIB",
+                   help="size of the verifier's paged KV pool in GiB (0 = automatic: a quarter of the free GPU memory, "
+                        "0.25 on a CPU)")
     v.add_argument("--prefill-chunk", type=_number, default=0, metavar="TOKENS",
                    help="prompt tokens one prefill forward takes on the paged KV (0 = the whole prompt): verifies waiting "
                         "for the device run between a long prompt's chunks; the output is the same either way")
@@ -173,6 +176,9 @@ def _check_stack_args(args) -> None:
         v.append(int_violation("max_crashes", args.max_crashes, 1, 1_000_000))
     _check([x for x in v if x is not None], flags)
     _check_seconds(args, "startup_timeout", *(("crash_window",) if hasattr(args, "crash_window") else ()))
+    kv = getattr(args, "kv_cache_gb", 0.0)
+    if isinstance(kv, bool) or not isinstance(kv, (int, float)) or not 0.0 <= kv < float("inf"):
+        raise UsageError([f"--kv-cache-gb: must be a number of GiB >= 0 (0 = automatic), got {kv}"])
     gb = getattr(args, "expert_cache_gb", 0.0)
     if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0.0 <= gb < float("inf"):
         raise UsageError([f"--expert-cache-gb: must be a number of GiB >= 0 (0 = every expert resident), got {gb}"])
@@ -236,7 +242,8 @@ def _verifier_args(args) -> list[str]:
     for flag, default in (("device", "auto"), ("dtype", "auto"), ("kernels", "auto"), ("experts", "native"), ("expert_cache_gb", 0.0),
                           ("expert_prefetch", "union,layer"), ("expert_cache_mode", "device"), ("expert_eviction", "lru"),
                           ("expert_arrival_share", 0.5), ("expert_guess_width", 0), ("expert_fill_overlap", True),
-                          ("max_wave_sessions", 0), ("prefill_chunk", 0), ("prefill_graphs", True), ("warmup", "auto")):
+                          ("kv_cache_gb", 0.0), ("max_wave_sessions", 0), ("prefill_chunk", 0), ("prefill_graphs", True),
+                          ("warmup", "auto")):
         value = getattr(args, flag, default)
         if value != default:
             out += _flag(flag, value).split(" ", 1)

@@ -231,6 +231,8 @@ def test_pdflash_up_passes_the_verifier_device_and_kernel_options():
     cmd = Stack(spec)._cmd("verifier")
     assert cmd[cmd.index("--device") + 1] == "cuda:1" and cmd[cmd.index("--kernels") + 1] == "off"
     assert _spec(build_parser().parse_args(["up"])).verifier_args == []  # defaults: the verifier decides
+    kv = Stack(_spec(build_parser().parse_args(["up", "--kv-cache-gb", "2.5"])))._cmd("verifier")
+    assert kv[kv.index("--kv-cache-gb") + 1] == "2.5"
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["up", "--experts", "fp8"])
     assert e.value.code == 2
@@ -240,6 +242,8 @@ def test_pdflash_up_refuses_a_bad_expert_cache_before_anything_starts(capsys):
     from pdflash.cli import main
 
     for argv, words in ((["--expert-cache-gb", "-1"], "must be a number of GiB >= 0"), (["--expert-cache-gb", "nan"], "got nan"),
-                        (["--expert-cache-gb", "0.5"], "add --experts mxfp4")):
+                        (["--expert-cache-gb", "0.5"], "add --experts mxfp4"),
+                        (["--kv-cache-gb", "-2"], "--kv-cache-gb: must be a number of GiB >= 0"),
+                        (["--kv-cache-gb", "inf"], "got inf")):
         assert main(["up", *argv]) == 2
         assert words in capsys.readouterr().err

@@ -30,7 +30,7 @@ HIDDEN_ATOL, HIDDEN_RTOL = 1e-4, 1e-5
 
 #: Kernel-launching aten ops (views apart) the fused drafter dispatches on the CPU in float32, and the same with each
 #: F.rms_norm counted as its one CUDA kernel (`cuda`), per call of any bucket; benchmarks/drafter_ops.py prints them. A
-#: change that adds ops fails here: cut them again, or raise the bound knowingly (and update the README's table).
+#: change that adds ops fails here: cut them again, or raise the bound knowingly (and update benchmarks/README.md's table).
 MAX_KERNELS = {
     ("static", "propose"): (163, 93),
     ("static", "commit"): (19, 11),

@@ -134,7 +134,7 @@ def test_drafter_cuda_graphs_option_flag_env_and_pdflash_up():
 
 
 def test_help_names_the_no_form_of_options_that_are_on_by_default(capsys, monkeypatch):
-    """README tells `serve-drafter --no-drafter-cuda-graphs`; --help listed only --drafter-cuda-graphs (on by default, so
+    """docs/gpu.md tells `serve-drafter --no-drafter-cuda-graphs`; --help listed only --drafter-cuda-graphs (on by default, so
     a no-op), hiding the flag that does something. Every option on by default says its --no- form."""
     from pdflash.cli import build_parser
 

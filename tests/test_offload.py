@@ -278,7 +278,7 @@ def test_up_refuses_an_arrival_share_out_of_range(value, why, capsys):
 @pytest.mark.parametrize("command", ["up", "demo"])
 def test_up_refuses_offload_options_that_cannot_apply_before_anything_starts(command, capsys, monkeypatch):
     """--expert-prefetch / --expert-cache-mode / --expert-eviction without an expert cache were ignored silently, and
-    README's `--expert-eviction cyclic` line (no --expert-cache-mode host) started the stack only for the verifier to
+    docs/gpu.md's `--expert-eviction cyclic` line (no --expert-cache-mode host) started the stack only for the verifier to
     refuse it: one line and exit code 2 before anything starts. The verifier's own PDFLASH_ variables count."""
     from pdflash import cli
 
@@ -296,7 +296,7 @@ def test_up_refuses_offload_options_that_cannot_apply_before_anything_starts(com
         assert cli.main([command, "--model", "/nonexistent", *argv]) == 2, argv
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and err[0].startswith(f"pdflash {command}: ") and words in err[0], err
-    # the README's line, and the same through the verifier's environment, pass these checks (then no model there)
+    # docs/gpu.md's line, and the same through the verifier's environment, pass these checks (then no model there)
     assert cli.main([command, "--model", "/nonexistent", "--experts", "mxfp4", "--expert-cache-gb", "4",
                      "--expert-cache-mode", "host", "--expert-eviction", "cyclic"]) == 2
     assert "--model '/nonexistent': no config.json" in capsys.readouterr().err
