@@ -276,8 +276,8 @@ def _start(stack, timeout: float, say, abort=None) -> bool:
     """Start the services and wait until the drafter serves; on failure stop them and say one line."""
     from pdflash.stack import StartupError
 
-    stack.start()
     try:
+        stack.start()
         stack.wait_ready(timeout, abort=abort)
         return True
     except StartupError as e:
@@ -342,6 +342,14 @@ def cmd_demo(args) -> int:
     say(f"service logs: {args.log_dir}")
     _drafter_note(args, say)
     stack = Stack(spec)
+    busy = stack.busy_ports()
+    if busy and _default_ports(args):  # the demo is self-contained: another stack on the defaults is not an error
+        from pdflash.stack import free_ports
+
+        spec.drafter_port, spec.scheduler_port, spec.verifier_port = free_ports(3)
+        spec.metrics_ports = (-1, -1, -1)
+        say(f"port in use ({', '.join(busy)}): the demo runs on free ports {spec.drafter_port}, {spec.scheduler_port}, "
+            f"{spec.verifier_port}, without metrics")
     try:
         if not _start(stack, args.startup_timeout, say):
             return 1
@@ -349,7 +357,7 @@ def cmd_demo(args) -> int:
             info = client.model_info()
             print(f"model {info.model} ({info.architecture}); drafters available: "
                   f"{', '.join(k.removeprefix('DRAFTER_KIND_').lower() for k in map(_kind_name, info.drafters))}", file=sys.stderr)
-            print(f">>> {args.prompt}", file=sys.stderr)
+            print(">>> " + args.prompt.replace("\n", "\n... "), file=sys.stderr)
             sys.stdout.write(args.prompt)
             t0 = time.perf_counter()
             n = 0
@@ -369,6 +377,11 @@ def cmd_demo(args) -> int:
     finally:
         stack.stop()
     return 0
+
+
+def _default_ports(args) -> bool:
+    """The stack's three ports are the defaults (none given on the command line)."""
+    return (args.port, args.scheduler_port, args.verifier_port) == (50051, 50052, 50053)
 
 
 def _kind_name(k: int) -> str:
@@ -465,14 +478,16 @@ def _finish_name(r: int) -> str:
 
 
 def cmd_health(args) -> int:
-    from pdflash.stack import check_health
-
+    from pdflash.stack import health_status
     from pdflash.tls import channel_credentials
 
     _check_seconds(args, "timeout")
-    ok = check_health(args.target, args.service, args.timeout, channel_credentials(args.tls_ca, args.tls_cert, args.tls_key))
-    print("SERVING" if ok else "NOT_SERVING")
-    return 0 if ok else 1
+    status, why = health_status(args.target, args.service, args.timeout,
+                                channel_credentials(args.tls_ca, args.tls_cert, args.tls_key))
+    print(status)
+    if why:
+        print(f"pdflash health: {why}", file=sys.stderr)
+    return 0 if status == "SERVING" else 1
 
 
 def _add_stub_command(sub) -> None:
@@ -550,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_number, default=None,
                    help="sampling: seed in [0, 2^64 - 1], the same seed gives the same text (default: none)")
     p.add_argument("--repetition-penalty", type=_number, default=1.0,
-                   help="penalize the prompt's and output's tokens (transformers' semantics; 1 = off, the default; (0, 10])")
+                   help="penalize the prompt's and output's tokens (transformers' semantics; 1 = off, the default, as is 0; (0, 10])")
     p.add_argument("--presence-penalty", type=_number, default=0.0, help="subtract from output tokens' logits once ([-2, 2])")
     p.add_argument("--frequency-penalty", type=_number, default=0.0,
                    help="subtract from output tokens' logits per occurrence ([-2, 2])")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import os
 import shutil
 import signal
@@ -35,6 +36,24 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """True when a listening socket already holds host:port, as the service's own bind would find (SO_REUSEADDR as
+    gRPC sets it, so a port a stopped stack left in TIME_WAIT counts as free). A host that does not resolve, or a
+    bind refused for another reason, is left for the service itself to report."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError):
+        return False
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
 # The gRPC service each process serves: readiness asks for it by name, so another server that happens to
 # answer on the port (a stale process, a port picked twice) is never taken for this one.
 SERVICE_NAMES = {
@@ -53,6 +72,22 @@ def check_health(target: str, service: str = "", timeout: float = 2.0, credentia
             return r.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
+
+
+def health_status(target: str, service: str = "", timeout: float = 2.0,
+                  credentials: grpc.ChannelCredentials | None = None) -> tuple[str, str]:
+    """(status, why): SERVING / NOT_SERVING / ... as the server answers, or UNREACHABLE or UNKNOWN_SERVICE with a
+    line saying why (nothing listening, TLS refused, a service name the server does not know)."""
+    try:
+        with (grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials is not None
+              else grpc.insecure_channel(target, options=CHANNEL_OPTIONS)) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status), ""
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.NOT_FOUND:
+            return "UNKNOWN_SERVICE", f"{target} does not serve {service!r} (its services: pdflash.v1.Drafter, " \
+                                      "pdflash.v1.Scheduler or pdflash.v1.Verifier, or '' for the whole server)"
+        return "UNREACHABLE", f"{target}: {e.code().name}: {e.details()}"
 
 
 @dataclasses.dataclass
@@ -248,7 +283,23 @@ class Stack:
         self.procs[name] = p
         return p
 
+    def ports(self) -> dict[str, tuple[str, int]]:
+        """Where each service listens: (host, port)."""
+        s = self.spec
+        return {"drafter": (s.drafter_host, s.drafter_port), "scheduler": ("127.0.0.1", s.scheduler_port),
+                "verifier": ("127.0.0.1", s.verifier_port)}
+
+    def busy_ports(self) -> list[str]:
+        """The services whose port something already listens on (another stack, say), as 'name host:port'."""
+        return [f"{name} {host}:{port}" for name, (host, port) in self.ports().items() if port and port_in_use(host, port)]
+
     def start(self) -> "Stack":
+        """Start the three services. StartupError, before any starts, when one's port is already taken: otherwise the
+        readiness probe could be answered by whatever holds it (another stack) while this one's service fails to bind."""
+        busy = self.busy_ports()
+        if busy:
+            raise StartupError(busy[0].split()[0], f"port in use: {', '.join(busy)} (another pdflash stack? stop it, or "
+                                                   "pick others with --port, --scheduler-port, --verifier-port)")
         for name in ("scheduler", "verifier", "drafter"):
             self.start_one(name)
         return self
@@ -272,16 +323,21 @@ class Stack:
         raise StartupError(name, f"{name} not SERVING after {timeout:.0f}s (--startup-timeout); its log: {where}")
 
     def stop(self, grace: float = 10.0) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        """Stop the services front to back: the drafter first (it stops taking requests and lets those in flight
+        finish within its --grace-s, while the scheduler and the verifier they need still serve), then the other two.
+        Each stage waits at most `grace` seconds before killing what is left."""
+        for stage in (("drafter",), ("scheduler", "verifier")):
+            procs = [p for n, p in self.procs.items() if n in stage]
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for p in procs:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
         for f in self._logs:
             f.close()
         self._logs.clear()

@@ -94,3 +94,21 @@ def test_model_info_kernels_json_says_how_the_forward_runs():
     assert json.loads(model_kernels_json({"batch_invariant": True}, {})) == {"batch_invariant": True}
     both = json.loads(model_kernels_json({"batch_invariant": True}, {"attention": "fused"}))
     assert both == {"batch_invariant": True, "forward": {"attention": "fused"}}
+
+
+def test_an_asked_kv_pool_must_fit_the_free_device_memory(monkeypatch):
+    """`--kv-cache-gb` larger than the GPU has free: one line saying how much there is (it was the allocator's
+    out-of-memory error, 'Tried to allocate 416.67 GiB', at load); automatic sizing takes a quarter of the free memory."""
+    from verifier_svc.engine import KV_FREE_SHARE, PagedKVOptions
+
+    free = 10 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
+    cuda = torch.device("cuda", 0)
+    assert PagedKVOptions(kv_cache_gb=0).budget_bytes(cuda) == free / 4
+    assert PagedKVOptions(kv_cache_gb=8).budget_bytes(cuda) == 8 * 2**30
+    with pytest.raises(ValueError, match=r"^--kv-cache-gb 5000: cuda:0 has 10.0 GiB free after loading the model, .*"
+                                         r"at most 90% of it \(9.0 GiB; .*ask for less, or 0 for a quarter"):
+        PagedKVOptions(kv_cache_gb=5000).budget_bytes(cuda)
+    assert KV_FREE_SHARE == 0.9
+    assert PagedKVOptions(kv_cache_gb=5000).budget_bytes(torch.device("cpu")) == 5000 * 2**30  # host memory: as asked
+    assert PagedKVOptions().budget_bytes(torch.device("cpu")) == 0.25 * 2**30

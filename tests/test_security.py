@@ -260,7 +260,8 @@ def test_cli_generate_and_health_over_mtls(secure, pki):
     ok = subprocess.run([*cli, "health", secure.verifier, *tls], capture_output=True, text=True, timeout=60)
     assert (ok.returncode, ok.stdout.strip()) == (0, "SERVING"), ok.stderr
     plain = subprocess.run([*cli, "health", secure.verifier], capture_output=True, text=True, timeout=60)
-    assert (plain.returncode, plain.stdout.strip()) == (1, "NOT_SERVING")
+    assert (plain.returncode, plain.stdout.strip()) == (1, "UNREACHABLE")  # a plaintext probe of a TLS server
+    assert plain.stderr.startswith(f"pdflash health: {secure.verifier}: UNAVAILABLE: "), plain.stderr
     gen = subprocess.run([*cli, "generate", PROMPT, "--max-tokens", "6", "--stats", "--fixed-width", "--target", secure.drafter, *tls],
                          capture_output=True, text=True, timeout=120, env=env)
     assert gen.returncode == 0, gen.stderr

@@ -257,6 +257,23 @@ def test_health_reflection_and_undecodable_requests(pdflash_stub):
     assert {"pdflash.v1.Drafter", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= reflection_services(pdflash_stub.address)
 
 
+def test_pdflash_health_says_what_it_found(pdflash_stub):
+    """`pdflash health`: SERVING (exit 0); a service name the server does not know, or nothing listening, is said as
+    such (exit 1, why on stderr) rather than as NOT_SERVING."""
+    from pdflash.stack import free_ports, health_status
+
+    assert health_status(pdflash_stub.address, "pdflash.v1.Drafter") == ("SERVING", "")
+    status, why = health_status(pdflash_stub.address, "bogus.Service")
+    assert status == "UNKNOWN_SERVICE" and why.startswith(f"{pdflash_stub.address} does not serve 'bogus.Service'"), why
+    cli = [sys.executable, "-m", "pdflash.cli", "health"]
+    ok = subprocess.run([*cli, pdflash_stub.address], capture_output=True, text=True, timeout=60)
+    assert (ok.returncode, ok.stdout, ok.stderr) == (0, "SERVING\n", "")
+    nobody = f"127.0.0.1:{free_ports(1)[0]}"
+    r = subprocess.run([*cli, nobody, "--timeout", "2"], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (1, "UNREACHABLE\n")
+    assert r.stderr.startswith(f"pdflash health: {nobody}: UNAVAILABLE: ") and "Connection refused" in r.stderr, r.stderr
+
+
 def test_request_ids_are_checked_and_echoed_as_the_drafter_does(pdflash_stub):
     c = pdflash_stub.client
     via_metadata = c.stub.Generate(Client.request("x", max_tokens=2), metadata=(("x-request-id", "from-md"),), timeout=10)

@@ -11,8 +11,10 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -21,10 +23,10 @@ import pytest
 from benchmarks.load import greedy_reference
 from pdflash.client import Client
 from pdflash.defaults import ASSETS, default_drafter_dir
-from pdflash.stack import free_ports
+from pdflash.stack import Stack, StackSpec, StartupError, free_ports, port_in_use
 from pdflash.tiny import ARCHITECTURES
 from pdflash.types import DrafterKind
-from tests.conftest import DEVICE, DTYPE
+from tests.conftest import DEVICE, DTYPE, start_stack
 
 PROMPT = "import os\n\ndef main():\n    "
 MAX_TOKENS = 16
@@ -287,9 +289,101 @@ def test_demo_keeps_service_logs_out_of_the_completion(tiny, tmp_path):
     assert logs, err
     rest = [line for line in err[1:] if not line.startswith("pdflash demo: serving n-gram drafting")]
     assert rest[0].startswith("model ") and rest[1] == ">>> " + PROMPT.splitlines()[0]
+    assert rest[2:4] == ["... " + line for line in PROMPT.splitlines()[1:3]], "the prompt's other lines as a REPL shows them"
     assert re.match(r"--- \d+ tokens in ", rest[-1]), err
     assert not any(line.lstrip().startswith("{") for line in err), "no service log line on the terminal"
     log_dir = tmp_path / logs.group(1) if not os.path.isabs(logs.group(1)) else logs.group(1)
     for name in ("scheduler", "verifier", "drafter"):
         text = open(os.path.join(log_dir, f"{name}.log")).read()
         assert '"event": "effective configuration"' in text, name
+
+
+# -- ports taken, and stopping with requests in flight ------------------------------------------------------------
+
+
+def listening(port: int = 0) -> socket.socket:
+    """A socket listening on 127.0.0.1:port (0: a free one), as another server would hold it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    return sock
+
+
+def test_a_stack_refuses_a_port_in_use_before_any_service_starts():
+    """Another stack (or anything) on one of the ports: one line naming the service and the port, and nothing
+    started, instead of a stack whose readiness probe the other server answers while its own service crash-loops."""
+    with listening() as held:
+        busy = held.getsockname()[1]
+        assert port_in_use("127.0.0.1", busy) and port_in_use("0.0.0.0", busy)
+        drafter, scheduler, verifier = free_ports(3)
+        assert not port_in_use("127.0.0.1", drafter)
+        stack = Stack(StackSpec(drafter_port=drafter, scheduler_port=busy, verifier_port=verifier))
+        assert stack.busy_ports() == [f"scheduler 127.0.0.1:{busy}"]
+        with pytest.raises(StartupError, match=re.escape(f"port in use: scheduler 127.0.0.1:{busy} (another pdflash stack?")) as e:
+            stack.start()
+        assert e.value.service == "scheduler" and stack.procs == {}
+    assert not port_in_use("localhost-does-not-resolve.invalid", 1), "a host that does not resolve: the service says why"
+
+
+def test_up_on_a_port_in_use_is_one_line_and_starts_nothing(tmp_path):
+    with listening() as held:
+        busy = held.getsockname()[1]
+        scheduler, verifier = free_ports(2)
+        r = subprocess.run([sys.executable, "-m", "pdflash.cli", "up", "--port", str(busy), "--scheduler-port", str(scheduler),
+                            "--verifier-port", str(verifier), *PLACEMENT], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines()[-1] == (f"pdflash up: could not start: port in use: drafter 127.0.0.1:{busy} (another pdflash "
+                                         "stack? stop it, or pick others with --port, --scheduler-port, --verifier-port)")
+    assert "serving" not in r.stderr and not any(n in r.stderr for n in NOISE), r.stderr
+
+
+@pytest.mark.slow
+def test_demo_runs_on_free_ports_when_another_stack_holds_the_defaults(tiny, tmp_path):
+    """`pdflash demo` is self-contained: with a default port taken it answers from its own stack on free ports (it
+    used to print the other stack's answer, its own services having failed to bind)."""
+    try:
+        held = listening(50053)
+    except OSError:  # something holds it already: the case under test as it is
+        held = None
+    try:
+        r = subprocess.run([sys.executable, "-m", "pdflash.cli", "demo", "--model", str(tiny.target("qwen3_moe")),
+                            "--max-tokens", "8", *PLACEMENT], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                           env={**os.environ, "TMPDIR": str(tmp_path)})
+    finally:
+        if held is not None:
+            held.close()
+    assert r.returncode == 0, r.stderr[-4000:]
+    note = [line for line in r.stderr.splitlines() if "port in use" in line]
+    assert len(note) == 1 and re.search(r"the demo runs on free ports \d+, \d+, \d+, without metrics", note[0]), r.stderr
+    assert "model tiny-qwen3_moe (qwen3_moe)" in r.stderr or "(qwen3_moe)" in r.stderr, r.stderr
+    assert re.search(r"--- 8 tokens in ", r.stderr), r.stderr
+
+
+@pytest.mark.slow
+def test_stopping_the_stack_lets_a_request_in_flight_finish(tiny, tmp_path):
+    """Ctrl-C / SIGTERM to `pdflash up` (Stack.stop) stops the drafter first, which finishes what is in flight within
+    its --grace-s while the scheduler and the verifier still serve; they stop after it. (All three used to stop at
+    once, so a request in flight failed on its next admission: UNAVAILABLE, "retry shortly".)"""
+    stack = start_stack(tiny.target("qwen3_moe"), None, tmp_path, drafter_args=["--grace-s", "60"])
+    stopper = threading.Thread(target=stack.stop, kwargs={"grace": 60})
+    try:
+        with Client(stack.drafter) as c:
+            stream = c.stream(Client.request(PROMPT, max_tokens=300, ignore_eos=True, drafter="none"), timeout=120)
+            first = next(stream)
+            assert first.HasField("chunk")
+            stopper.start()
+            deadline = time.monotonic() + 10
+            while stack.procs["drafter"].poll() is None and not any(
+                    "shutting down" in line for line in (tmp_path / "drafter.log").read_text().splitlines()):
+                assert time.monotonic() < deadline, "the drafter was not asked to stop"
+                time.sleep(0.05)
+            rest = list(stream)
+    finally:
+        if stopper.is_alive():
+            stopper.join(90)
+        stack.stop()
+    final = rest[-1].final
+    assert final.usage.completion_tokens == 300, "the request in flight when the stop began finished whole"
+    assert all(p.poll() is not None for p in stack.procs.values())

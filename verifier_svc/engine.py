@@ -44,6 +44,9 @@ class PrefillInput:
     top_logprobs: int = 0  # with logprobs: the likeliest alternatives at each position
 
 
+KV_FREE_SHARE = 0.9  # the most of the device's free memory (after the model) an asked --kv-cache-gb may take
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedKVOptions:
     """The paged KV pool and CUDA graphs (used when the batch-invariant kernels are installed)."""
@@ -64,12 +67,19 @@ class PagedKVOptions:
         return True
 
     def budget_bytes(self, device: torch.device) -> float:
-        if self.kv_cache_gb > 0:
-            return self.kv_cache_gb * 2**30
+        """The pool's bytes. On CUDA an asked size must fit the memory the device has free once the model is loaded
+        (ValueError saying how much there is, rather than an out-of-memory error from the allocator)."""
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            return free / 4
-        return 0.25 * 2**30
+            if self.kv_cache_gb <= 0:
+                return free / 4
+            if self.kv_cache_gb * 2**30 > KV_FREE_SHARE * free:
+                raise ValueError(f"--kv-cache-gb {self.kv_cache_gb:g}: {device} has {free / 2**30:.1f} GiB free after "
+                                 f"loading the model, and the KV pool may take at most {KV_FREE_SHARE:.0%} of it "
+                                 f"({KV_FREE_SHARE * free / 2**30:.1f} GiB; the rest holds the forward's activations and "
+                                 "CUDA graphs); ask for less, or 0 for a quarter of the free memory")
+            return self.kv_cache_gb * 2**30
+        return self.kv_cache_gb * 2**30 if self.kv_cache_gb > 0 else 0.25 * 2**30
 
 
 @dataclasses.dataclass
