@@ -379,6 +379,15 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _rpc_failed(e) -> int:
+    """A call the server failed (a grpc.RpcError): its status and message on stderr; exit code 2 when it refused a
+    value (as the client-side checks do), 1 otherwise (the server unreachable, a deadline, ...)."""
+    import grpc
+
+    print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+    return 2 if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE) else 1
+
+
 def _default_ports(args) -> bool:
     """The stack's three ports are the defaults (none given on the command line)."""
     return (args.port, args.scheduler_port, args.verifier_port) == (50051, 50052, 50053)
@@ -414,6 +423,7 @@ def cmd_generate(args) -> int:
         try:
             final = None
             scored = []  # (id, logprob, alternatives) per token, with --logprobs
+            t0 = time.perf_counter()
             for msg in client.stream(req, timeout=args.timeout):
                 if msg.HasField("chunk"):
                     sys.stdout.write(msg.chunk.text)
@@ -424,9 +434,9 @@ def cmd_generate(args) -> int:
                     final = msg.final
                     sys.stdout.write(final.text)
             sys.stdout.write("\n")
+            elapsed = time.perf_counter() - t0  # the whole call as the client sees it, prefill included
         except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 2
+            return _rpc_failed(e)
         for tok, lp, top in scored:  # after the text, on stderr: the token id, its logprob, the alternatives
             alts = "" if top is None else "  " + " ".join(f"{i}:{x:.4f}" for i, x in zip(top.token_ids, top.logprobs))
             print(f"{tok}\t{lp:.4f}{alts}", file=sys.stderr)
@@ -434,7 +444,8 @@ def cmd_generate(args) -> int:
             u = final.usage
             print(f"finish={_finish_name(final.finish_reason)}"
                   + (f" stop_sequence={final.stop_sequence!r}" if final.stop_sequence else "") + f" prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
-                  f"rounds={u.rounds} mean_acceptance_length={u.mean_acceptance_length:.2f}", file=sys.stderr)
+                  f"rounds={u.rounds} mean_acceptance_length={u.mean_acceptance_length:.2f} seconds={elapsed:.3f} "
+                  f"tokens_per_second={u.completion_tokens / max(elapsed, 1e-9):.1f}", file=sys.stderr)
     return 0
 
 
@@ -456,8 +467,7 @@ def cmd_tokenize(args) -> int:
         try:
             r = client.tokenize(_conversation(args), timeout=args.timeout)
         except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 2
+            return _rpc_failed(e)
     print(f"{r.count} tokens" + ("" if r.fits_prompt else " (more than a prompt may hold on this server)"))
     if args.ids:
         print(" ".join(map(str, r.ids)))
