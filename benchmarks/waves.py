@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         target, how = serve(t, bargs, device)
         core = VerifierCore(target, max_block_size=32, max_tokens_limit=4096,
                             paged_kv=PagedKVOptions(kv_cache_gb=args.kv_cache_gb if device.type == "cuda" else 0.0),
-                            max_wave_sessions=max(*args.sessions, *(args.prefill_waves or ())))  # (a prefill-wave graph holds that many prompts)
+                            max_wave_sessions=max([*args.sessions, *(args.prefill_waves or ())]))  # (a prefill-wave graph holds that many prompts)
         refs = core_run(core, t.prompts, t.new_tokens, 1, propose=none_propose)["outputs"]
         for n in args.sessions:
             base = None

@@ -103,11 +103,14 @@ def test_an_asked_kv_pool_must_fit_the_free_device_memory(monkeypatch):
 
     free = 10 * 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**30)  # 1 GiB of it unused, counted free
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * 2**30)
     cuda = torch.device("cuda", 0)
     assert PagedKVOptions(kv_cache_gb=0).budget_bytes(cuda) == free / 4
     assert PagedKVOptions(kv_cache_gb=8).budget_bytes(cuda) == 8 * 2**30
-    with pytest.raises(ValueError, match=r"^--kv-cache-gb 5000: cuda:0 has 10.0 GiB free after loading the model, .*"
-                                         r"at most 90% of it \(9.0 GiB; .*ask for less, or 0 for a quarter"):
+    assert PagedKVOptions(kv_cache_gb=9.5).budget_bytes(cuda) == 9.5 * 2**30  # within 90% of 10 + 1 GiB
+    with pytest.raises(ValueError, match=r"^--kv-cache-gb 5000: cuda:0 has 11.0 GiB free after loading the model, .*"
+                                         r"at most 90% of it \(9.9 GiB; .*ask for less, or 0 for a quarter"):
         PagedKVOptions(kv_cache_gb=5000).budget_bytes(cuda)
     assert KV_FREE_SHARE == 0.9
     assert PagedKVOptions(kv_cache_gb=5000).budget_bytes(torch.device("cpu")) == 5000 * 2**30  # host memory: as asked

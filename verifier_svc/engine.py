@@ -73,6 +73,8 @@ class PagedKVOptions:
             free, _ = torch.cuda.mem_get_info(device)
             if self.kv_cache_gb <= 0:
                 return free / 4
+            # what torch's caching allocator holds unused counts too: the pool's allocation takes it first
+            free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
             if self.kv_cache_gb * 2**30 > KV_FREE_SHARE * free:
                 raise ValueError(f"--kv-cache-gb {self.kv_cache_gb:g}: {device} has {free / 2**30:.1f} GiB free after "
                                  f"loading the model, and the KV pool may take at most {KV_FREE_SHARE:.0%} of it "
