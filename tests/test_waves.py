@@ -296,6 +296,15 @@ def test_the_waves_benchmark_runs_on_the_cpu(tmp_path):
     assert pw["prompts"] == 2 and pw["same"] and pw["wave_ms"] > 0
 
 
+def test_the_waves_benchmark_runs_one_session_alone(tmp_path):
+    """`gpu.sh prefillbench`'s form, one session and no prefill waves (its max() over the session counts took a bare
+    int there and stopped at once: stop 57)."""
+    from benchmarks import waves
+
+    assert waves.main(["--device", "cpu", "--targets", "demo", "--sessions", "1", "--new-tokens", "3",
+                       "--prompt-tokens", "16", "--prefill-tokens", "24", "--chunks", "16", "--out", str(tmp_path)]) == 0
+
+
 def test_the_prefill_profile_runs_on_the_cpu(tmp_path):
     """benchmarks/prefill_profile.py's smoke run: the demo target (transformers' cache on the CPU: a prompt is one
     forward whatever the chunk), its forwards' ops by CPU time."""
