@@ -524,11 +524,27 @@ def _serving_missing() -> list[str]:
     return [m for m in SERVING_MODULES if importlib.util.find_spec(m) is None]
 
 
+def _version() -> str:
+    """The installed distribution's version (a checkout on PYTHONPATH without an install: pyproject.toml's)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("pdflash")
+    except metadata.PackageNotFoundError:
+        import pathlib
+        import re
+
+        text = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+        m = re.search(r'^version = "([^"]+)"', text, re.M)
+        return m.group(1) if m else "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdflash", description="Speculative decoding for offloaded MoE models, as gRPC services.", epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     # Only the option classes are imported here: `pdflash health` and `generate` must start fast

@@ -100,8 +100,8 @@ def make_tiny_checkpoint(out_dir: str | pathlib.Path, arch: str = "qwen3_moe", s
     """Write config.json, model.safetensors, tokenizer files and generation_config.json to out_dir.
 
     mxfp4 (gpt_oss only): the experts as gpt-oss publishes them (`save_gpt_oss_mxfp4`), everything else float32.
-    The architecture is checked before anything is written: a call with its arguments swapped,
-    `make_tiny_checkpoint("qwen3_moe", path)`, once left a tokenizer in ./qwen3_moe/ (committed by accident).
+    The architecture is checked before anything is written, so a call with its arguments swapped,
+    `make_tiny_checkpoint("qwen3_moe", path)`, writes nothing.
     """
     from transformers import AutoModelForCausalLM
 

@@ -121,3 +121,13 @@ def test_client_and_server_refuse_with_the_same_words(stack):
             Client.request("x = 1", max_tokens=4, **sampling)
         client = {v.field: v.description for v in e.value.violations}
         assert client == server, (sampling, client, server)
+
+
+def test_pdflash_version(capsys):
+    from pdflash.cli import _version, main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out == f"pdflash {_version()}\n" and _version()[0].isdigit(), out
