@@ -26,8 +26,8 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
                         "the co-located verifier leaves them)")
     p.add_argument("--host", default="127.0.0.1", help="drafter (public) bind address")
     p.add_argument("--port", type=_number, default=50051, help="drafter (public) port")
-    p.add_argument("--scheduler-port", type=_number, default=50052)
-    p.add_argument("--verifier-port", type=_number, default=50053)
+    p.add_argument("--scheduler-port", type=_number, default=50052, help="scheduler port (loopback; default 50052)")
+    p.add_argument("--verifier-port", type=_number, default=50053, help="verifier port (loopback; default 50053)")
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<service>.log instead of the terminal")
     p.add_argument("--startup-timeout", type=_number, default=300.0, help="seconds the services may take to become ready")
     v = p.add_argument_group("verifier", "the target's device and kernels (as serve-verifier's options of the same names)")
@@ -575,13 +575,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="start the stack, answer one request with statistics, stop")
     _add_stack_args(p)
-    p.add_argument("--prompt", default="class Stack:\n    def __init__(self):\n")
-    p.add_argument("--max-tokens", type=_number, default=96)
+    p.add_argument("--prompt", default="class Stack:\n    def __init__(self):\n",
+                   help="the prompt to complete (default: the start of a Python class)")
+    p.add_argument("--max-tokens", type=_number, default=96, help="tokens to generate (default 96)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("generate", help="stream a completion from a running stack")
-    p.add_argument("prompt")
-    p.add_argument("--target", default="127.0.0.1:50051", help="drafter address")
+    p.add_argument("prompt", help="the text to complete (with --chat: the user's message)")
+    p.add_argument("--target", default="127.0.0.1:50051", help="the drafter's address, host:port (default 127.0.0.1:50051)")
     p.add_argument("--max-tokens", type=_number, default=64,
                    help="most tokens to generate, up to the server's limit (0 = the server's default; default 64)")
     p.add_argument("--temperature", type=_number, default=0.0,
@@ -612,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help="a stop sequence (repeatable, at most 16): the text ends before the first one generated "
                         "(bash: --stop $'\\n\\n' for a blank line)")
-    p.add_argument("--timeout", type=_number, default=300.0, help="seconds")
+    p.add_argument("--timeout", type=_number, default=300.0, help="deadline of the whole call in seconds (default 300)")
     p.add_argument("--stats", action="store_true", help="print usage statistics to stderr")
     p.add_argument("--token", default=os.environ.get("PDFLASH_AUTH_TOKEN", ""),
                    help="bearer token of the public API [env PDFLASH_AUTH_TOKEN]")
@@ -620,21 +621,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("tokenize", help="count a prompt's tokens as a running stack's model does")
-    p.add_argument("prompt")
-    p.add_argument("--target", default="127.0.0.1:50051", help="drafter address")
+    p.add_argument("prompt", help="the text to tokenize")
+    p.add_argument("--target", default="127.0.0.1:50051", help="the drafter's address, host:port (default 127.0.0.1:50051)")
     p.add_argument("--chat", action="store_true", help="the prompt as the user's message, through the model's chat template")
     p.add_argument("--system", default=None, metavar="TEXT", help="with --chat (implied): a system message first")
     p.add_argument("--ids", action="store_true", help="print the token ids too")
-    p.add_argument("--timeout", type=_number, default=10.0, help="seconds")
+    p.add_argument("--timeout", type=_number, default=10.0, help="deadline in seconds (default 10)")
     p.add_argument("--token", default=os.environ.get("PDFLASH_AUTH_TOKEN", ""),
                    help="bearer token of the public API [env PDFLASH_AUTH_TOKEN]")
     _add_client_tls_args(p)
     p.set_defaults(func=cmd_tokenize)
 
     p = sub.add_parser("health", help="probe grpc.health.v1 (exit 0 when SERVING)")
-    p.add_argument("target", nargs="?", default="127.0.0.1:50051")
-    p.add_argument("--service", default="")
-    p.add_argument("--timeout", type=_number, default=3.0, help="seconds")
+    p.add_argument("target", nargs="?", default="127.0.0.1:50051", help="host:port to probe (default 127.0.0.1:50051)")
+    p.add_argument("--service", default="", help="the service to ask about: pdflash.v1.Drafter, pdflash.v1.Scheduler, "
+                                                 "pdflash.v1.Verifier, or '' (the default) for the whole server")
+    p.add_argument("--timeout", type=_number, default=3.0, help="deadline in seconds (default 3)")
     _add_client_tls_args(p)
     p.set_defaults(func=cmd_health)
 
