@@ -437,9 +437,19 @@ def cmd_generate(args) -> int:
             elapsed = time.perf_counter() - t0  # the whole call as the client sees it, prefill included
         except grpc.RpcError as e:
             return _rpc_failed(e)
-        for tok, lp, top in scored:  # after the text, on stderr: the token id, its logprob, the alternatives
-            alts = "" if top is None else "  " + " ".join(f"{i}:{x:.4f}" for i, x in zip(top.token_ids, top.logprobs))
-            print(f"{tok}\t{lp:.4f}{alts}", file=sys.stderr)
+        pieces: dict[int, str] = {}  # each token's own text (Detokenize, special tokens kept), as Python writes a str
+
+        def piece(i: int) -> str:
+            if i not in pieces:
+                try:
+                    pieces[i] = repr(client.detokenize([i], skip_special_tokens=False))
+                except grpc.RpcError:
+                    pieces[i] = "?"
+            return pieces[i]
+
+        for tok, lp, top in scored:  # after the text, on stderr: id, text, logprob, then the alternatives id:text:logprob
+            alts = "" if top is None else "\t" + " ".join(f"{i}:{piece(i)}:{x:.4f}" for i, x in zip(top.token_ids, top.logprobs))
+            print(f"{tok}\t{piece(tok)}\t{lp:.4f}{alts}", file=sys.stderr)
         if args.stats and final is not None:
             u = final.usage
             print(f"finish={_finish_name(final.finish_reason)}"

@@ -130,3 +130,17 @@ def test_the_stub_is_certain_of_its_script(pdflash_stub):
     out = pdflash_stub.client.generate("anything", max_tokens=10, ignore_eos=True, logprobs=True, top_logprobs=4)
     assert out.logprobs == [0.0] * 10 and out.top_logprobs == [[(t, 0.0)] for t in out.token_ids]
     assert pdflash_stub.client.generate("anything", max_tokens=4).logprobs is None
+
+
+@pytest.mark.pdflash_stub(text="The quick brown fox. ", chunk_tokens=3)
+def test_the_cli_prints_each_tokens_text_with_its_logprob(pdflash_stub, capsys):
+    """`pdflash generate --logprobs --top-logprobs N`: after the text, a line a token on stderr: its id, its own text
+    (as Python writes a str), its log-probability, then the alternatives as id:text:logprob."""
+    from pdflash.cli import main
+
+    assert main(["generate", "anything", "--target", pdflash_stub.address, "--max-tokens", "4", "--ignore-eos",
+                 "--logprobs", "--top-logprobs", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "The \n"
+    lines = err.splitlines()
+    assert lines == [f"{ord(c)}\t{c!r}\t0.0000\t{ord(c)}:{c!r}:0.0000" for c in "The "], lines
