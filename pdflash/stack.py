@@ -402,6 +402,16 @@ class Supervisor:
             if name in self.pending:
                 if now >= self.pending[name]:
                     del self.pending[name]
+                    host, port = self.stack.ports()[name]
+                    if port and port_in_use(host, port):  # another process took it: its health answers are not ours
+                        n = self.policy.record(self.crashes.setdefault(name, collections.deque()), now)
+                        held = f"{name} cannot restart: {host}:{port} is held by another process"
+                        if self.policy.gives_up(n):
+                            return f"{held} ({n} failed starts in {self.policy.window_s:g} s): stopping the stack"
+                        delay = self.policy.delay(n)
+                        self.pending[name] = now + delay
+                        self.say(f"{held}; trying again in {delay:g} s")
+                        continue
                     p = self.stack.start_one(name)
                     self.recovering.add(name)
                     self.say(f"{name} restarted (pid {p.pid})")

@@ -326,6 +326,47 @@ def test_a_stack_refuses_a_port_in_use_before_any_service_starts():
     assert not port_in_use("localhost-does-not-resolve.invalid", 1), "a host that does not resolve: the service says why"
 
 
+class _Exited:
+    """A service process that has exited (what Supervisor sees of a crashed one)."""
+
+    pid, returncode = 4242, 1
+
+    def poll(self):
+        return self.returncode
+
+    def wait(self, timeout=None):
+        return self.returncode
+
+
+def test_the_supervisor_does_not_restart_onto_a_port_another_process_took(monkeypatch):
+    """A crashed service whose port something else took meanwhile: said as such and retried with the crash back-off,
+    then the stack stops; never "serving again" on the other server's health answers."""
+    from pdflash.stack import RestartPolicy, Supervisor
+
+    with listening() as held:
+        busy = held.getsockname()[1]
+        drafter, verifier = free_ports(2)
+        stack = Stack(StackSpec(drafter_port=drafter, scheduler_port=busy, verifier_port=verifier))
+        stack.procs = {"scheduler": _Exited()}
+        started = []
+        monkeypatch.setattr(stack, "start_one", lambda name: started.append(name))
+        now = [0.0]
+        said = []
+        sup = Supervisor(stack, RestartPolicy(max_crashes=3, window_s=60), say=said.append, clock=lambda: now[0])
+        reason = None
+        for _ in range(40):
+            reason = sup.step()
+            if reason:
+                break
+            now[0] += 0.5
+        stack.stop()
+    assert started == [] and not any("serving again" in line for line in said), said
+    assert said[0].startswith("scheduler (pid 4242) exited with code 1; its log: the terminal, above; restarting it in 0.5 s"), said
+    assert said[1] == f"scheduler cannot restart: 127.0.0.1:{busy} is held by another process; trying again in 1 s", said
+    assert reason == f"scheduler cannot restart: 127.0.0.1:{busy} is held by another process (3 failed starts in 60 s): " \
+                     "stopping the stack", reason
+
+
 def test_up_on_a_port_in_use_is_one_line_and_starts_nothing(tmp_path):
     with listening() as held:
         busy = held.getsockname()[1]
