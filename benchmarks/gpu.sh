@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
 #   bash benchmarks/gpu.sh OUT [suite|confirm|direct|deeptiles|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|persist|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
-# Installs the carried wheels (.whl/py312: what the machine's image lacks, REFERENCE.md section 8), runs the
+# Installs the carried wheels (.whl/py312, not in git: what the GPU machine's image lacks), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite (or SUITE_FILES), 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
 #          cores, tests/conftest.py), into OUT/gpu_suite.txt. Not part of `all`: run it on its own.

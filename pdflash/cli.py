@@ -28,6 +28,9 @@ def _add_stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=_number, default=50051, help="drafter (public) port")
     p.add_argument("--scheduler-port", type=_number, default=50052, help="scheduler port (loopback; default 50052)")
     p.add_argument("--verifier-port", type=_number, default=50053, help="verifier port (loopback; default 50053)")
+    p.add_argument("--metrics-port", type=_number, default=9101,
+                   help="the drafter's Prometheus /metrics port; the scheduler and the verifier take the next two "
+                        "(default 9101: 9101-9103; -1 = no metrics)")
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<service>.log instead of the terminal")
     p.add_argument("--startup-timeout", type=_number, default=300.0, help="seconds the services may take to become ready")
     v = p.add_argument_group("verifier", "the target's device and kernels (as serve-verifier's options of the same names)")
@@ -167,8 +170,10 @@ def _check_stack_args(args) -> None:
     from pdflash.validation import int_violation
 
     flags = {n: "--" + n.replace("_", "-") for n in ("port", "scheduler_port", "verifier_port", "max_crashes",
-                                                      "max_wave_sessions", "prefill_chunk")}
+                                                      "max_wave_sessions", "prefill_chunk", "metrics_port")}
     v = [int_violation(n, getattr(args, n), 1, 65535) for n in ("port", "scheduler_port", "verifier_port")]
+    if getattr(args, "metrics_port", -1) != -1:
+        v.append(int_violation("metrics_port", args.metrics_port, 1, 65533, "(-1 = no metrics)"))
     if hasattr(args, "max_wave_sessions"):
         v.append(int_violation("max_wave_sessions", args.max_wave_sessions, 0, 1024))
         v.append(int_violation("prefill_chunk", args.prefill_chunk, 0, 1 << 20))
@@ -233,6 +238,7 @@ def _spec(args):
         tls_mutual=not args.tls_no_client_auth, tls_client_cert=args.tls_client_cert, tls_client_key=args.tls_client_key,
         auth_token=os.environ.get("PDFLASH_AUTH_TOKEN", ""), ticket_secret=os.environ.get("PDFLASH_TICKET_SECRET", ""),
         pin=not args.no_pin, verifier_args=_verifier_args(args), drafter_args=_drafter_args(args),
+        metrics_ports=(-1, -1, -1) if args.metrics_port == -1 else tuple(args.metrics_port + i for i in range(3)),
     )
 
 
@@ -305,8 +311,10 @@ def cmd_up(args) -> int:
         if not _start(stack, args.startup_timeout, say, abort=lambda: stop["flag"]):
             return 130 if stop["flag"] else 1
         pids = ", ".join(f"{n} {p.pid}" for n, p in stack.procs.items())
+        metrics = ("no metrics" if args.metrics_port == -1
+                   else f"metrics :{args.metrics_port}-{args.metrics_port + 2}")
         say(f"serving: drafter {args.host}:{args.port} (scheduler :{args.scheduler_port}, verifier :{args.verifier_port}; "
-            f"pids {pids}); Ctrl-C stops it")
+            f"{metrics}; pids {pids}); Ctrl-C stops it")
         policy = RestartPolicy(max_crashes=args.max_crashes, window_s=args.crash_window)
         reason = Supervisor(stack, policy, say=say).run(lambda: stop["flag"])
         if reason is not None:

@@ -233,6 +233,11 @@ def test_pdflash_up_passes_the_verifier_device_and_kernel_options():
     assert _spec(build_parser().parse_args(["up"])).verifier_args == []  # defaults: the verifier decides
     kv = Stack(_spec(build_parser().parse_args(["up", "--kv-cache-gb", "2.5"])))._cmd("verifier")
     assert kv[kv.index("--kv-cache-gb") + 1] == "2.5"
+    assert _spec(build_parser().parse_args(["up"])).metrics_ports == (9101, 9102, 9103)
+    moved = Stack(_spec(build_parser().parse_args(["up", "--metrics-port", "9201"])))
+    assert moved.spec.metrics_ports == (9201, 9202, 9203)
+    assert [c[c.index("--metrics-port") + 1] for c in map(moved._cmd, ("drafter", "scheduler", "verifier"))] == ["9201", "9202", "9203"]
+    assert _spec(build_parser().parse_args(["up", "--metrics-port", "-1"])).metrics_ports == (-1, -1, -1)
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["up", "--experts", "fp8"])
     assert e.value.code == 2
@@ -244,6 +249,7 @@ def test_pdflash_up_refuses_a_bad_expert_cache_before_anything_starts(capsys):
     for argv, words in ((["--expert-cache-gb", "-1"], "must be a number of GiB >= 0"), (["--expert-cache-gb", "nan"], "got nan"),
                         (["--expert-cache-gb", "0.5"], "add --experts mxfp4"),
                         (["--kv-cache-gb", "-2"], "--kv-cache-gb: must be a number of GiB >= 0"),
-                        (["--kv-cache-gb", "inf"], "got inf")):
+                        (["--kv-cache-gb", "inf"], "got inf"),
+                        (["--metrics-port", "65534"], "--metrics-port: must be in [1, 65533] (-1 = no metrics), got 65534")):
         assert main(["up", *argv]) == 2
         assert words in capsys.readouterr().err
