@@ -107,14 +107,19 @@ def main(argv=None) -> int:
     for mode in args.modes:
         for busy in args.busy_ms:
             addr = f"127.0.0.1:{free_ports(1)[0]}"
-            ready = mp.Event()
-            proc = mp.Process(target=_server, args=(addr, busy / 1e3, ready))
+            # spawn, never fork: a forked child of a process whose gRPC core already runs threads (a test process
+            # with live channels) may never answer, and the client then waited forever (a CI run hung here once)
+            ctx = mp.get_context("spawn")
+            ready = ctx.Event()
+            proc = ctx.Process(target=_server, args=(addr, busy / 1e3, ready))
             proc.start()
             server_cpu = []
             try:
-                ready.wait(30)
-                rtt, client_cpu = asyncio.run(_client(addr, busy / 1e3, args.n, mode,
-                                                      on_start=lambda: server_cpu.append(cpu_seconds(proc.pid))))
+                if not ready.wait(60):
+                    raise RuntimeError(f"the ping-pong server on {addr} did not start within 60 s")
+                rtt, client_cpu = asyncio.run(asyncio.wait_for(
+                    _client(addr, busy / 1e3, args.n, mode, on_start=lambda: server_cpu.append(cpu_seconds(proc.pid))),
+                    timeout=120))
                 server_cpu.append(cpu_seconds(proc.pid))
             finally:
                 proc.kill()
