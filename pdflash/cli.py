@@ -162,6 +162,14 @@ def _flag(name: str, value) -> str:
     return f"--{name.replace('_', '-')} {value}"
 
 
+def _check_gib(args, name: str, zero: str) -> float:
+    """A size option in GiB (0 or more, finite); UsageError naming it otherwise. Returns its value."""
+    gb = getattr(args, name, 0.0)
+    if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0.0 <= gb < float("inf"):
+        raise UsageError([f"--{name.replace('_', '-')}: must be a number of GiB >= 0 ({zero}), got {gb}"])
+    return gb
+
+
 def _check_stack_args(args) -> None:
     """What `up` and `demo` check before anything starts: numbers in range, the model and drafter directories
     exist, and a named drafter fits the target."""
@@ -181,12 +189,8 @@ def _check_stack_args(args) -> None:
         v.append(int_violation("max_crashes", args.max_crashes, 1, 1_000_000))
     _check([x for x in v if x is not None], flags)
     _check_seconds(args, "startup_timeout", *(("crash_window",) if hasattr(args, "crash_window") else ()))
-    kv = getattr(args, "kv_cache_gb", 0.0)
-    if isinstance(kv, bool) or not isinstance(kv, (int, float)) or not 0.0 <= kv < float("inf"):
-        raise UsageError([f"--kv-cache-gb: must be a number of GiB >= 0 (0 = automatic), got {kv}"])
-    gb = getattr(args, "expert_cache_gb", 0.0)
-    if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0.0 <= gb < float("inf"):
-        raise UsageError([f"--expert-cache-gb: must be a number of GiB >= 0 (0 = every expert resident), got {gb}"])
+    _check_gib(args, "kv_cache_gb", "0 = automatic")
+    gb = _check_gib(args, "expert_cache_gb", "0 = every expert resident")
     share = getattr(args, "expert_arrival_share", 0.5)
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
         raise UsageError([f"--expert-arrival-share: must be a share of the cache's slots in [0, 1] (0 = off), got {share}"])
@@ -543,18 +547,13 @@ def _serving_missing() -> list[str]:
 
 
 def _version() -> str:
-    """The installed distribution's version (a checkout on PYTHONPATH without an install: pyproject.toml's)."""
+    """The installed distribution's version."""
     from importlib import metadata
 
     try:
         return metadata.version("pdflash")
     except metadata.PackageNotFoundError:
-        import pathlib
-        import re
-
-        text = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-        m = re.search(r'^version = "([^"]+)"', text, re.M)
-        return m.group(1) if m else "unknown"
+        return "(not installed: run from a checkout)"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -65,13 +65,7 @@ SERVICE_NAMES = {
 
 def check_health(target: str, service: str = "", timeout: float = 2.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
     """True when target answers SERVING for service ("" = the whole server). credentials: TLS, None = plaintext."""
-    try:
-        with (grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials is not None
-              else grpc.insecure_channel(target, options=CHANNEL_OPTIONS)) as ch:
-            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-            return r.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
+    return health_status(target, service, timeout, credentials)[0] == "SERVING"
 
 
 def health_status(target: str, service: str = "", timeout: float = 2.0,
@@ -404,12 +398,10 @@ class Supervisor:
                     del self.pending[name]
                     host, port = self.stack.ports()[name]
                     if port and port_in_use(host, port):  # another process took it: its health answers are not ours
-                        n = self.policy.record(self.crashes.setdefault(name, collections.deque()), now)
                         held = f"{name} cannot restart: {host}:{port} is held by another process"
-                        if self.policy.gives_up(n):
-                            return f"{held} ({n} failed starts in {self.policy.window_s:g} s): stopping the stack"
-                        delay = self.policy.delay(n)
-                        self.pending[name] = now + delay
+                        n, window, delay = self._count_failure(name, now)
+                        if delay is None:
+                            return f"{held} ({n} failed starts in {window}): stopping the stack"
                         self.say(f"{held}; trying again in {delay:g} s")
                         continue
                     p = self.stack.start_one(name)
@@ -418,13 +410,10 @@ class Supervisor:
                 continue
             if proc.poll() is None:
                 continue
-            n = self.policy.record(self.crashes.setdefault(name, collections.deque()), now)
             self.recovering.discard(name)
-            window = f"{self.policy.window_s:g} s"
-            if self.policy.gives_up(n):
+            n, window, delay = self._count_failure(name, now)
+            if delay is None:
                 return f"{self.stack.failure(name)}; it crashed {n} times in {window}: stopping the stack"
-            delay = self.policy.delay(n)
-            self.pending[name] = now + delay
             self.say(f"{self.stack.failure(name)}; restarting it in {delay:g} s "
                      f"(crash {n} in {window}; {self.policy.max_crashes} stop the stack)")
         creds = self.stack.spec.credentials()
@@ -433,6 +422,17 @@ class Supervisor:
                 self.recovering.discard(name)
                 self.say(f"{name} is serving again")
         return None
+
+    def _count_failure(self, name: str, now: float) -> tuple[int, str, float | None]:
+        """A service that failed to run (it exited, or cannot start again), counted against the restart policy:
+        (failures in the window, the window as said, the delay before its next start; None: the policy gives up)."""
+        n = self.policy.record(self.crashes.setdefault(name, collections.deque()), now)
+        window = f"{self.policy.window_s:g} s"
+        if self.policy.gives_up(n):
+            return n, window, None
+        delay = self.policy.delay(n)
+        self.pending[name] = now + delay
+        return n, window, delay
 
     def run(self, should_stop: Callable[[], bool], interval_s: float = 0.25) -> str | None:
         """step() until should_stop() (None) or a service crashed too often (its reason)."""
