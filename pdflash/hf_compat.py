@@ -32,3 +32,36 @@ def cache_kwargs(model_or_name: Any, cache: Any) -> dict[str, Any]:
     """`{keyword: cache}` for a forward call; pass a name from `cache_kwarg` on hot paths."""
     name = model_or_name if isinstance(model_or_name, str) else cache_kwarg(model_or_name)
     return {name: cache}
+
+
+def keeps_recurrent_states() -> bool:
+    """Whether this transformers' caches can roll a linear-attention / state-space layer's recurrent state back after
+    rejected tokens (`activate_past_recording(recurrent_states_to_keep=N)`, transformers >= 5.25; before it, `crop`
+    restores their convolution states alone)."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return "recurrent_states_to_keep" in inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters
+
+
+def new_session_cache(config: Any, max_block: int):
+    """A DynamicCache for one session that can drop a verify block's rejected tokens (`crop(-n)`): sliding-window
+    layers keep what they would evict, linear-attention / state-space layers (Qwen3-Next, Jamba, ...) the recurrent
+    state after each of a block's last `max_block` tokens where this transformers can (`keeps_recurrent_states`)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    if keeps_recurrent_states():
+        cache.activate_past_recording(recurrent_states_to_keep=max_block)
+    else:
+        cache.activate_past_recording()
+    return cache
+
+
+def plain_attention_cache(cache: Any) -> bool:
+    """Whether every layer of `cache` holds keys and values alone (full or sliding-window attention), which `crop`
+    is known to roll back; False for a cache with linear-attention / state-space layers or of a model's own class."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+    return type(cache) is DynamicCache and all(
+        isinstance(layer, DynamicLayer) and not isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)

@@ -13,6 +13,13 @@ import sysconfig
 import torch
 
 ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss")
+# More MoE architectures of transformers that pdflash serves (tests/test_architectures.py: greedy decoding at blocks 1 and
+# 8 equals transformers' own on the CPU), made by `generic_config`: MLA attention (deepseek_v3, glm4_moe_lite), shared
+# experts (qwen2_moe, dots1, ...), linear-attention / state-space hybrids whose recurrent state rolls back through
+# transformers' past recording (qwen3_next, qwen3_5_moe_text, jamba).
+MORE_ARCHITECTURES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen2_moe", "olmoe", "glm4_moe", "ernie4_5_moe",
+                      "granitemoe", "granitemoeshared", "phimoe", "minimax_m2", "hunyuan_v1_moe", "dots1", "flex_olmo",
+                      "exaone_moe", "afmoe", "cohere2_moe", "qwen3_next", "qwen3_5_moe_text", "jamba")
 EOS = "<|endoftext|>"
 MASK = "<|mask|>"
 # A ChatML-like template, so that GenerateRequest.messages can be tried (and tested) on a tiny checkpoint: each turn
@@ -92,7 +99,42 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int, num_layers: int = 2):
             num_local_experts=8, num_experts_per_tok=2, sliding_window=1024,
             layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
         )
-    raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHITECTURES}")
+    if arch in MORE_ARCHITECTURES:
+        return generic_config(arch, vocab_size, eos_id, num_layers)
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHITECTURES + MORE_ARCHITECTURES}")
+
+
+def generic_config(arch: str, vocab_size: int, eos_id: int, num_layers: int = 2, hidden: int = 64, heads: int = 4,
+                   experts: int = 8, top_k: int = 2, expert_width: int = 32):
+    """A small config of any MoE model type transformers knows: its defaults, with the sizes every such config names
+    (whichever of the aliases it uses) made small. Multi-head latent attention (DeepSeek-V2/V3) gets all heads as KV
+    heads and its rotary part as head_dim; a hybrid of linear and full attention at least 4 layers of its own pattern
+    (Qwen3-Next: 3 linear, 1 full); a model with dense first layers (DeepSeek) one of them."""
+    from transformers import AutoConfig
+
+    base = AutoConfig.for_model(arch)
+    sizes = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=heads,
+                 num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads, intermediate_size=2 * hidden,
+                 moe_intermediate_size=expert_width, shared_expert_intermediate_size=expert_width, n_shared_experts=1,
+                 num_experts=experts, num_local_experts=experts, n_routed_experts=experts, moe_num_experts=experts,
+                 num_experts_per_tok=top_k, moe_k=top_k, max_position_embeddings=2048, eos_token_id=eos_id,
+                 pad_token_id=eos_id, bos_token_id=None, tie_word_embeddings=False, initializer_range=0.1,
+                 first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=hidden // 4, q_lora_rank=None,
+                 qk_rope_head_dim=hidden // heads // 2, qk_nope_head_dim=hidden // heads // 2, v_head_dim=hidden // heads,
+                 mlp_only_layers=[], decoder_sparse_step=1, sliding_window=16)
+    kw = {k: v for k, v in sizes.items() if hasattr(base, k)}
+    if hasattr(base, "qk_rope_head_dim"):  # MLA: one latent KV shared by every head
+        kw["head_dim"], kw["num_key_value_heads"] = kw["qk_rope_head_dim"], heads
+    pattern = list(getattr(base, "layer_types", None) or [])
+    if "linear_attention" in pattern:  # a hybrid: its own pattern, long enough to hold a full-attention layer
+        kw["num_hidden_layers"] = max(num_layers, pattern.index("full_attention") + 1)
+    if pattern:
+        kw["layer_types"] = [pattern[i % len(pattern)] for i in range(kw["num_hidden_layers"])]
+    if arch == "jamba":  # its pattern is periods and offsets: attention every 4th layer from the 4th, experts every 2nd
+        kw.update(num_hidden_layers=max(num_layers, 4), attn_layer_period=4, attn_layer_offset=3, expert_layer_period=2,
+                  expert_layer_offset=1)
+        kw.pop("layer_types", None)
+    return AutoConfig.for_model(arch, **kw)
 
 
 def make_tiny_checkpoint(out_dir: str | pathlib.Path, arch: str = "qwen3_moe", seed: int = 0, num_layers: int = 2,
@@ -105,8 +147,8 @@ def make_tiny_checkpoint(out_dir: str | pathlib.Path, arch: str = "qwen3_moe", s
     """
     from transformers import AutoModelForCausalLM
 
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHITECTURES}")
+    if arch not in ARCHITECTURES + MORE_ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHITECTURES + MORE_ARCHITECTURES}")
     if mxfp4 and arch != "gpt_oss":
         raise ValueError(f"native MXFP4 checkpoints are gpt-oss's format; {arch!r} has none")
     out = pathlib.Path(out_dir)

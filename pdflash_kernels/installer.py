@@ -634,6 +634,8 @@ def _fused_router_forward(router: nn.Module, variant: tuple, hidden_states: torc
     w, b = router.weight, getattr(router, "bias", None)
     b = b if isinstance(b, torch.Tensor) else None
     x = hidden_states.reshape(-1, w.shape[1])
+    if x.dtype != w.dtype:  # a router kept in float32 (ERNIE 4.5, DeepSeek-V2): its linear runs in the weight's dtype,
+        x = x.to(w.dtype)   # as its own forward casts (the variant was probed on inputs of that dtype)
     CALLS["fused"] += 1
     if x.dtype == w.dtype and (b is None or b.dtype in (torch.float32, torch.bfloat16, torch.float16)):
         # the router linear's K partials summed by the routing kernel itself: the bits of linear + route, one launch fewer

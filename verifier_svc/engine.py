@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
+from pdflash.hf_compat import new_session_cache
 from pdflash.errors import FailedPrecondition, FieldViolation, PdflashError, check
 from pdflash.logging import get_logger
 from pdflash.penalties import Penalties
@@ -25,6 +25,7 @@ from pdflash.types import DraftResult, ExpertUnion, FinishReason, SamplingParams
 from verifier_svc.model import TargetModel
 from pdflash_kernels.attention import PAGE
 from verifier_svc.kv import SequenceKV
+from verifier_svc import servable
 from verifier_svc.session import Session, SessionStore
 from verifier_svc.verify import accept_greedy, accept_sampled
 
@@ -140,8 +141,13 @@ class VerifierCore:
         # CUDA graphs replay it per block-size bucket. Otherwise transformers' DynamicCache and model forward.
         self.pool = self.runner = self.graphs = None
         self.max_block_size = max_block_size
+        self.paged_off: str | None = None  # why the paged forward was wanted and does not serve this model
         if paged_kv is not None and paged_kv.enabled(target):
             self._init_paged(paged_kv)
+        if self.pool is None:  # transformers' cache: it must drop a block's rejected drafts, or nothing is exact
+            why = servable.rollback_error(target.model, target.cache_arg, max_block_size, target.device)
+            if why is not None:
+                raise ValueError(f"{target.architecture}: pdflash cannot verify drafts on this model: {why}")
         self.max_tokens_limit = max_tokens_limit
         # CPU threads for prefill forwards (0 = as verify forwards). A prompt is compute-bound and the
         # other services wait for it; a verify block is latency-bound and shares the machine with them.
@@ -162,7 +168,19 @@ class VerifierCore:
         pages = KVPool.pages_for(kv_heads, head_dim, t.num_layers, t.dtype, int(opts.budget_bytes(t.device)))
         self.pool = KVPool(t.num_layers, kv_heads, head_dim, pages, t.dtype, t.device)
         # every position a session can reach: SequenceKV(pool, t.max_context) reserves whole pages up to this bound
-        self.runner = ForwardRunner(t.model, t.seam, self.pool, max_positions=(t.max_context + PAGE - 1) // PAGE * PAGE)
+        try:
+            self.runner = ForwardRunner(t.model, t.seam, self.pool, max_positions=(t.max_context + PAGE - 1) // PAGE * PAGE)
+        except Exception as e:  # noqa: BLE001 - a model the runner cannot take apart (DeepSeek-V2's complex rotary)
+            why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        else:
+            why = servable.paged_error(self.runner, self.pool, t.model, t.cache_arg, t.device)
+        if why is not None:  # e.g. multi-head latent attention, whose cache is a latent rather than keys and values
+            log.warning("paged KV off: the model runs on transformers' cache (no CUDA graphs, no verify waves in one "
+                        "forward)", reason=why)
+            self.paged_off, self.pool, self.runner = why, None, None
+            if t.device.type == "cuda":
+                torch.cuda.empty_cache()  # the pool's memory
+            return
         log.info("paged forward", rotary=self.runner.rotary, layers=self.runner.prenorm, attention=self.runner.attention,
                  kv_pages=pages)
         # offloaded experts sync once per layer (which experts to fetch): one graph per stretch between them
@@ -179,7 +197,8 @@ class VerifierCore:
         """How a verify forward runs (model info's `kernels` JSON, key "forward"): {} on transformers' own cache, else
         the paged KV, the layer chain, the attention's form and its KV split, and the CUDA graphs' buckets."""
         if self.runner is None:
-            return {}
+            return {} if self.paged_off is None else {"kv": f"transformers' DynamicCache (the paged forward does not "
+                                                            f"fit this model: {self.paged_off})"}
         from pdflash_kernels import attention, moe, runtime
 
         return {"kv": f"paged: {self.pool.num_pages} pages of {PAGE} positions", "rotary": self.runner.rotary,
@@ -392,8 +411,7 @@ class VerifierCore:
         if self.pool is not None:
             kv = SequenceKV(self.pool, t.max_context)
         else:
-            cache = DynamicCache(config=t.model.config)
-            cache.activate_past_recording()  # lets sliding-window layers roll back after a rejected draft
+            cache = new_session_cache(t.model.config, self.max_block_size)  # rolls back a rejected draft's tokens
         s = Session(
             session_id=self.sessions.new_id(),
             request_id=req.request_id,

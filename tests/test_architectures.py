@@ -1,0 +1,139 @@
+"""MoE architectures beyond the three the rest of the suite uses: pdflash serves any transformers MoE whose cache can drop
+a block's rejected drafts, token for token as transformers' own greedy decoding, and refuses the others at load.
+
+Each architecture is a tiny random checkpoint (`pdflash.tiny.generic_config`): multi-head latent attention (DeepSeek-V2/V3,
+GLM-4.7-Flash), shared experts, sliding-window layers, float32 routers, and hybrids of linear attention / state-space and
+full attention (Qwen3-Next, Qwen3.5, Jamba), whose recurrent state rolls back through transformers' past recording.
+On the GPU `python benchmarks/arch_matrix.py --device cuda --mxfp4` runs the same matrix with the kernels, the paged KV
+and offloaded experts (benchmarks/results/arch_matrix_gpu.md).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+from pdflash.client import Client
+from pdflash.tiny import MORE_ARCHITECTURES, make_tiny_checkpoint
+from tests.conftest import start_stack
+from verifier_svc.engine import VerifierCore
+from verifier_svc.model import load_target
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from arch_matrix import PROMPTS, hf_greedy, replay_propose  # noqa: E402
+from inprocess import core_run  # noqa: E402
+
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("archs")
+    made: dict[str, pathlib.Path] = {}
+
+    def get(arch: str) -> pathlib.Path:
+        if arch not in made:
+            made[arch] = make_tiny_checkpoint(root / arch, arch)
+        return made[arch]
+
+    return get
+
+
+def _prompts(model_dir: pathlib.Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [tok.encode(p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("arch", MORE_ARCHITECTURES)
+def test_greedy_decoding_equals_transformers_at_every_width(arch, checkpoints):
+    """Block 1, n-gram drafts at block 16, and drafts that replay the output with every 4th one wrong (a rejection in
+    most rounds: the KV, and a hybrid's recurrent state, rolled back to mid-block each time) give transformers' tokens."""
+    d = checkpoints(arch)
+    prompts = _prompts(d)
+    want = hf_greedy(d, prompts, NEW)
+    core = VerifierCore(load_target(d, "cpu"), max_block_size=16)
+    one = core_run(core, prompts, NEW, 1)
+    assert [o[:NEW] for o in one["outputs"]] == want
+    assert [o[:NEW] for o in core_run(core, prompts, NEW, 16)["outputs"]] == want
+    replay = core_run(core, prompts, NEW, 16, propose=replay_propose(want, core.target.vocab_size))
+    assert [o[:NEW] for o in replay["outputs"]] == want
+    rounds = replay["round_log"]
+    assert any(0 < acc < drafts for drafts, acc, _ in rounds), "no round rolled back to mid-block"
+    assert len(core.sessions) == 0
+
+
+def test_a_model_whose_cache_cannot_drop_tokens_is_refused_at_load(checkpoints, tmp_path):
+    """MiniMax-Text-01's own cache class refuses `crop`: the verifier says so when it loads, before any request."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pdflash.tiny import EOS, _save, make_tokenizer
+
+    tok = make_tokenizer(tmp_path)
+    cfg = AutoConfig.for_model("minimax", vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=4,
+                               num_experts_per_tok=2, eos_token_id=tok.convert_tokens_to_ids(EOS),
+                               layer_types=["linear_attention", "full_attention"])
+    _save(AutoModelForCausalLM.from_config(cfg), tmp_path, False)
+    with pytest.raises(ValueError, match="minimax: pdflash cannot verify drafts on this model: .*cache"):
+        VerifierCore(load_target(tmp_path, "cpu"))
+
+
+def test_a_hybrid_whose_recurrent_state_does_not_roll_back_is_refused(checkpoints, monkeypatch):
+    """Before transformers 5.25, `crop` restored a linear-attention layer's convolution state but not its recurrent
+    state: every rejected draft would stay in the model's memory. The load-time rollback check sees the logits move
+    and refuses the model, naming the version that fixes it. (Emulated: crop leaves the recurrent state as it is.)"""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    from verifier_svc import servable
+
+    crop = LinearAttentionCacheLayerMixin.crop
+
+    def crop_conv_only(self, tokens_to_remove):
+        kept = dict(self.recurrent_states)
+        crop(self, tokens_to_remove)
+        self.recurrent_states.update(kept)
+
+    d = checkpoints("qwen3_next")
+    target = load_target(d, "cpu")
+    assert VerifierCore(target, max_block_size=8) is not None  # rolled back right: served
+    monkeypatch.setattr(LinearAttentionCacheLayerMixin, "crop", crop_conv_only)
+    monkeypatch.setattr(servable, "keeps_recurrent_states", lambda: False)
+    with pytest.raises(ValueError, match=r"qwen3_next: .*leaves them in its state .*transformers >= 5\.25"):
+        VerifierCore(target, max_block_size=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next"])
+def test_the_stack_serves_them_token_for_token(arch, checkpoints, tmp_path):
+    """Through the three services (a DFlash drafter made for the model, conditioned on its hidden states): every
+    drafter gives transformers' greedy tokens, and each verify reports the experts it routed."""
+    from drafter_svc.drafters.dflash import make_tiny_dflash
+
+    d = checkpoints(arch)
+    drafter = make_tiny_dflash(d, tmp_path / "drafter", num_layers=1, block_size=8)
+    want = hf_greedy(d, _prompts(d)[:1], NEW)[0]
+    stack = start_stack(d, drafter, tmp_path / "logs")
+    try:
+        with Client(stack.drafter) as client:
+            for drafter_kind in ("none", "ngram", "dflash", "hybrid"):
+                got = client.generate(PROMPTS[0], max_tokens=NEW, drafter=drafter_kind, ignore_eos=True)
+                assert got.token_ids == want, drafter_kind
+                assert got.usage.completion_tokens == NEW
+            info = client.model_info()
+            assert info.architecture == arch
+    finally:
+        stack.stop()
+
+
+def test_hybrid_caches_are_probed_and_plain_ones_are_not():
+    from transformers import AutoConfig
+
+    from pdflash.hf_compat import new_session_cache, plain_attention_cache
+
+    assert plain_attention_cache(new_session_cache(AutoConfig.for_model("gpt_oss"), 8))  # sliding window: keys/values
+    assert plain_attention_cache(new_session_cache(AutoConfig.for_model("deepseek_v3"), 8))
+    assert not plain_attention_cache(new_session_cache(AutoConfig.for_model("qwen3_next"), 8))
