@@ -98,6 +98,33 @@ def _log_softmax(x, dim, half_to_float):
     return reduce.softmax(x, dim, log=True, dtype=torch.float32 if half_to_float else None)
 
 
+def _layer_norm_parts(x, normalized_shape, weight, bias, eps):
+    """LayerNorm over the last dimension from the invariant row reductions, in float32 (its mean, then the variance of
+    the centred row): a row's result depends on that row alone. -> (output in x's dtype, mean, rstd)."""
+    xf = x.float()
+    mean = reduce.row_sum(xf, [-1], keepdim=True, mean=True)
+    centred = xf - mean
+    rstd = torch.rsqrt(reduce.row_sum(centred * centred, [-1], keepdim=True, mean=True) + eps)
+    y = centred * rstd
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype), mean, rstd
+
+
+def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    if not _ok(x) or len(normalized_shape) != 1:  # (Phi-3.5-MoE, Granite hybrids: LayerNorm where others have RMSNorm)
+        return NotImplemented
+    return _layer_norm_parts(x, normalized_shape, weight, bias, eps)[0]
+
+
+def _native_layer_norm(x, normalized_shape, weight, bias, eps):
+    if not _ok(x) or len(normalized_shape) != 1:
+        return NotImplemented
+    return _layer_norm_parts(x, normalized_shape, weight, bias, eps)
+
+
 TABLE = {
     aten.linear.default: _linear,
     aten.matmul.default: _matmul,
@@ -110,6 +137,8 @@ TABLE = {
     aten._log_softmax.default: _log_softmax,
     aten.softmax.int: _softmax_int,
     aten.log_softmax.int: _log_softmax_int,
+    aten.layer_norm.default: _layer_norm,
+    aten.native_layer_norm.default: _native_layer_norm,
 }
 
 # Ops whose result for one row can depend on the other rows (reductions, matmuls, atomics) when run by

@@ -641,6 +641,28 @@ def test_linear_reduce_softmax_kernels():
 
 
 @needs_triton
+def test_layer_norm_under_the_mode_is_torchs_to_rounding_and_row_invariant():
+    """LayerNorm (Phi-3.5-MoE's norms) runs on the invariant row reductions under InvariantMode: torch's values to float
+    rounding, and a row's bits whatever rows share the call; the mode's recorder no longer lists it as uncovered."""
+    from pdflash_kernels.dispatch import InvariantMode, Recorder
+
+    g = torch.Generator().manual_seed(4)
+    ln = torch.nn.LayerNorm(96).bfloat16()
+    with torch.no_grad():
+        ln.weight.copy_(torch.randn(96, generator=g))
+        ln.bias.copy_(torch.randn(96, generator=g))
+    x = (torch.randn(9, 96, generator=g) * 3 + 1).bfloat16()
+    rec = Recorder()
+    with torch.inference_mode(), InvariantMode(rec):
+        out = ln(x)
+        alone = [ln(x[i : i + 1]) for i in (0, 5)]
+    ref = torch.nn.functional.layer_norm(x.float(), (96,), ln.weight.float(), ln.bias.float(), 1e-5)
+    assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max() < 0.05
+    assert torch.equal(alone[0], out[0:1]) and torch.equal(alone[1], out[5:6])
+    assert not rec.uncovered
+
+
+@needs_triton
 @pytest.mark.parametrize("m,n,k", [(1, 512, 2048), (3, 300, 700), (70, 130, 1024)])
 def test_linear_in_one_launch_gives_the_two_launch_bits(m, n, k, monkeypatch):
     """PDFLASH_LINEAR_ONE_LAUNCH: the last program of a tile adds the K splits' partials in split order, as the second
