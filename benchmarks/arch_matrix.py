@@ -164,7 +164,7 @@ def main() -> None:
     md = [f"# MoE architectures on {dev} (`python benchmarks/arch_matrix.py --device {args.device}"
           f"{' --mxfp4' if args.mxfp4 else ''}`)", "",
           f"Random weights, hidden {hidden}, 8 experts top-2, {args.new} new tokens on {len(PROMPTS)} prompts; `ok` = greedy "
-          "output at block 16 (n-gram drafts; replayed block-1 output with every 4th draft wrong) identical to block 1" + (" and to transformers' `generate`" if args.device == "cpu" else "")
+          "output at block 16 (n-gram drafts; replayed block-1 output with every 4th draft wrong) identical to block 1" + (" and, native rows, to transformers' `generate`" if args.device == "cpu" else "")
           + ".", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         md.append("| " + " | ".join(str(r.get(c, "")).replace("|", "/") for c in cols) + " |")

@@ -16,10 +16,11 @@ ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss")
 # More MoE architectures of transformers that pdflash serves (tests/test_architectures.py: greedy decoding at blocks 1 and
 # 8 equals transformers' own on the CPU), made by `generic_config`: MLA attention (deepseek_v3, glm4_moe_lite), shared
 # experts (qwen2_moe, dots1, ...), linear-attention / state-space hybrids whose recurrent state rolls back through
-# transformers' past recording (qwen3_next, qwen3_5_moe_text, jamba).
+# transformers' past recording (qwen3_next, qwen3_5_moe_text, jamba, kimi_linear, granitemoehybrid; lfm2_moe's short convolutions).
 MORE_ARCHITECTURES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen2_moe", "olmoe", "glm4_moe", "ernie4_5_moe",
                       "granitemoe", "granitemoeshared", "phimoe", "minimax_m2", "hunyuan_v1_moe", "dots1", "flex_olmo",
-                      "exaone_moe", "afmoe", "cohere2_moe", "qwen3_next", "qwen3_5_moe_text", "jamba")
+                      "exaone_moe", "afmoe", "cohere2_moe", "lfm2_moe", "qwen3_next", "qwen3_5_moe_text", "jamba",
+                      "granitemoehybrid", "kimi_linear")
 EOS = "<|endoftext|>"
 MASK = "<|mask|>"
 # A ChatML-like template, so that GenerateRequest.messages can be tried (and tested) on a tiny checkpoint: each turn
@@ -126,7 +127,7 @@ def generic_config(arch: str, vocab_size: int, eos_id: int, num_layers: int = 2,
     if hasattr(base, "qk_rope_head_dim"):  # MLA: one latent KV shared by every head
         kw["head_dim"], kw["num_key_value_heads"] = kw["qk_rope_head_dim"], heads
     pattern = list(getattr(base, "layer_types", None) or [])
-    if "linear_attention" in pattern:  # a hybrid: its own pattern, long enough to hold a full-attention layer
+    if "linear_attention" in pattern and "full_attention" in pattern:  # a hybrid: its own pattern, long enough to hold a full-attention layer
         kw["num_hidden_layers"] = max(num_layers, pattern.index("full_attention") + 1)
     if pattern:
         kw["layer_types"] = [pattern[i % len(pattern)] for i in range(kw["num_hidden_layers"])]
@@ -134,6 +135,15 @@ def generic_config(arch: str, vocab_size: int, eos_id: int, num_layers: int = 2,
         kw.update(num_hidden_layers=max(num_layers, 4), attn_layer_period=4, attn_layer_offset=3, expert_layer_period=2,
                   expert_layer_offset=1)
         kw.pop("layer_types", None)
+    if arch == "granitemoehybrid":  # Granite 4.0-H: Mamba-2 layers and an attention layer, its heads sized from hidden
+        kw.update(num_hidden_layers=max(num_layers, 4), mamba_n_heads=hidden // 8, mamba_d_head=16, mamba_d_state=16,
+                  mamba_chunk_size=16, layer_types=["linear_attention"] * (max(num_layers, 4) - 1) + ["full_attention"])
+    if arch == "kimi_linear":  # Kimi Linear: KDA linear attention and MLA, dense first layer; its own names for sizes
+        kw.update(num_experts_per_token=top_k, num_shared_experts=1, linear_num_heads=heads, linear_head_dim=hidden // heads,
+                  mlp_layer_types=["dense"] + ["sparse"] * (kw["num_hidden_layers"] - 1))
+    if arch == "lfm2_moe":  # LFM2: short-convolution layers and attention, dense first layers
+        kw.update(num_hidden_layers=max(num_layers, 4), num_dense_layers=1,
+                  layer_types=["conv", "conv", "full_attention", "conv"][: max(num_layers, 4)])
     return AutoConfig.for_model(arch, **kw)
 
 
