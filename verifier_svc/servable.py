@@ -53,8 +53,10 @@ def rollback_error(model, cache_arg: str, max_block: int, device: torch.device) 
                 cache.crop(-crop_after_first_block)
         return _last_logits(out)
 
-    try:
-        with torch.inference_mode():
+    from pdflash_kernels.installer import experts_stubbed
+
+    try:  # (experts served by the kernels stubbed, as in paged_error: no expert cache is touched before serving)
+        with torch.inference_mode(), experts_stubbed():
             got = run(ids[:3], ids[3:6], [ids[6]], crop_after_first_block=2)
             ref = run(ids[:4] + [ids[6]])
             kept = run(ids[:6] + [ids[6]])  # what a cache that dropped nothing would give
