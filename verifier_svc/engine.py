@@ -174,6 +174,8 @@ class VerifierCore:
             why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         else:
             why = servable.paged_error(self.runner, self.pool, t.model, t.cache_arg, t.device)
+        if why is not None and opts.mode == "on":
+            raise ValueError(f"--paged-kv on: the paged forward does not fit this model ({why}); use auto or off")
         if why is not None:  # e.g. multi-head latent attention, whose cache is a latent rather than keys and values
             log.warning("paged KV off: the model runs on transformers' cache (no CUDA graphs, no verify waves in one "
                         "forward)", reason=why)
