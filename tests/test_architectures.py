@@ -149,3 +149,23 @@ def test_hybrid_caches_are_probed_and_plain_ones_are_not():
     assert plain_attention_cache(new_session_cache(AutoConfig.for_model("gpt_oss"), 8))  # sliding window: keys/values
     assert plain_attention_cache(new_session_cache(AutoConfig.for_model("deepseek_v3"), 8))
     assert not plain_attention_cache(new_session_cache(AutoConfig.for_model("qwen3_next"), 8))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_model_the_paged_forward_does_not_fit_runs_on_transformers_cache(checkpoints):
+    """DeepSeek-V3's multi-head latent attention caches a latent, not per-head keys and values: with the kernels (under
+    Triton's interpreter here; on the GPU in benchmarks/results/arch_matrix_gpu.md) the paged forward's load-time check
+    fails, so `auto` serves the model on transformers' cache and says why, and an explicit `--paged-kv on` is refused."""
+    from pdflash_kernels import runtime
+    from verifier_svc.engine import PagedKVOptions
+
+    if not runtime.triton_usable("cpu"):
+        pytest.skip("needs triton (interpreted on CPU)")
+    target = load_target(checkpoints("deepseek_v3"), "cpu", "bfloat16", kernels="on")
+    assert target.batch_invariant
+    core = VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="auto", kv_cache_gb=0.01))
+    assert core.pool is None and core.runner is None and core.paged_off
+    assert core.forward_info["kv"].startswith("transformers' DynamicCache (the paged forward does not fit this model: ")
+    with pytest.raises(ValueError, match="--paged-kv on: the paged forward does not fit this model"):
+        VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="on", kv_cache_gb=0.01))
