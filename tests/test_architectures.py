@@ -3,7 +3,8 @@ a block's rejected drafts, token for token as transformers' own greedy decoding,
 
 Each architecture is a tiny random checkpoint (`pdflash.tiny.generic_config`): multi-head latent attention (DeepSeek-V2/V3,
 GLM-4.7-Flash), shared experts, sliding-window layers, float32 routers, and hybrids of linear attention / state-space and
-full attention (Qwen3-Next, Qwen3.5, Jamba, Kimi Linear, Granite 4.0-H, LFM2), whose recurrent state rolls back through transformers' past recording.
+full attention (Qwen3-Next, Qwen3.5, Jamba, Kimi Linear, Granite 4.0-H, LFM2), whose recurrent state rolls back through
+transformers' past recording.
 On the GPU `python benchmarks/arch_matrix.py --device cuda --mxfp4` runs the same matrix with the kernels, the paged KV
 and offloaded experts (benchmarks/results/arch_matrix_gpu.md).
 """
@@ -29,7 +30,8 @@ from inprocess import core_run  # noqa: E402
 NEW = 32
 # linear-attention / state-space hybrids: their recurrent state rolls back with transformers >= 5.25, and an older one
 # refuses them at load (what the GPU machine's transformers 5.17 did: benchmarks/results/arch_matrix_gpu.md)
-HYBRIDS = ("qwen3_next", "qwen3_5_moe_text", "jamba", "kimi_linear")  # (granitemoehybrid and lfm2_moe roll back with 5.17 too)
+# (granitemoehybrid's Mamba-2 and lfm2_moe's convolutions roll back with 5.17 too)
+HYBRIDS = ("qwen3_next", "qwen3_5_moe_text", "jamba", "kimi_linear")
 OLD_TRANSFORMERS = r"leaves them in its state .*transformers >= 5\.25"
 
 
