@@ -1,6 +1,7 @@
 """Which MoE architectures of transformers pdflash serves, and how: one small random-weight checkpoint per model type
-(`pdflash.tiny.generic_config`), loaded as `pdflash serve-verifier` loads it, decoded greedily at block 1, with n-gram drafts
-at block 16, and at block 16 with drafts that replay block 1's output with every 4th one wrong, through `VerifierCore` (the verifier's core, no RPC), the two outputs compared token for token.
+(`pdflash.tiny.generic_config`), loaded as `pdflash serve-verifier` loads it and decoded greedily through `VerifierCore`
+(the verifier's core, no RPC) three ways: at block 1, at block 16 with n-gram drafts, and at block 16 with drafts that
+replay block 1's output with every 4th one wrong (`e2e_gpu.replay`); the three outputs are compared token for token.
 
 On CUDA (bf16, the batch-invariant kernels, the paged KV and CUDA graphs where they apply, as the server's defaults do)
 each row also says what the kernels installer covered and how the forward runs; `--mxfp4` adds a row with the experts
@@ -69,19 +70,8 @@ def hf_greedy(d: pathlib.Path, prompts: list[list[int]], new: int) -> list[list[
     return outs
 
 
-def replay_propose(reference: list[list[int]], vocab: int):
-    """A drafter that proposes the target's own block-1 continuation with every 4th draft wrong: long accepted runs and
-    a rejection in most rounds, so every verify rolls the KV (and a hybrid's recurrent state) back to mid-block."""
-
-    def propose(i: int, prompt, out: list[int], k: int, state: dict) -> list[int]:
-        ref = reference[i]
-        drafts = ref[len(out): len(out) + k]
-        return [(t + 1) % vocab if (len(out) + j) % 4 == 3 else t for j, t in enumerate(drafts)]
-
-    return propose
-
-
 def run_arch(arch: str, d: pathlib.Path, prompts, new: int, device: str, experts: str, cache_gb: float) -> dict:
+    from e2e_gpu import replay
     from inprocess import core_run
     from verifier_svc.engine import PagedKVOptions, VerifierCore
     from verifier_svc.model import load_target
@@ -104,15 +94,15 @@ def run_arch(arch: str, d: pathlib.Path, prompts, new: int, device: str, experts
     try:
         b1 = core_run(core, prompts, new, 1)
         b16 = core_run(core, prompts, new, 16)
-        replay = core_run(core, prompts, new, 16, propose=replay_propose(b1["outputs"], target.vocab_size))
+        replayed = core_run(core, prompts, new, 16, propose=replay(b1["outputs"]))
     except Exception as e:  # noqa: BLE001
         row.update(status="failed serving", why=f"{type(e).__name__}: {e}".splitlines()[0][:300],
                    trace=traceback.format_exc()[-1500:])
         return row
-    o1, o16, orp = ([o[:new] for o in r["outputs"]] for r in (b1, b16, replay))
+    o1, o16, orp = ([o[:new] for o in r["outputs"]] for r in (b1, b16, replayed))
     row.update(ngram16_equals_block1=o1 == o16, replay16_equals_block1=o1 == orp, tokens=sum(map(len, o1)),
-               ngram16_rounds=b16["rounds"], replay16_rounds=replay["rounds"], block1_tok_s=round(b1["tok_per_s"], 1),
-               replay16_tok_s=round(replay["tok_per_s"], 1), outputs=o1)
+               ngram16_rounds=b16["rounds"], replay16_rounds=replayed["rounds"], block1_tok_s=round(b1["tok_per_s"], 1),
+               replay16_tok_s=round(replayed["tok_per_s"], 1), outputs=o1)
     row["status"] = "ok" if o1 == o16 == orp else "MISMATCH"
     return row
 
@@ -157,15 +147,16 @@ def main() -> None:
             rows.append(run_arch(arch, d, prompts, args.new, args.device, "mxfp4", gb))
         r = rows[-1]
         print(f"{arch:18} {r.get('experts', ''):32} {r['status']:16} {r.get('why', '')[:120]}", flush=True)
-        torch.cuda.empty_cache() if args.device == "cuda" else None
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     cols = ["arch", "experts", "status", "batch_invariant", "paged_kv", "cuda_graphs", "ngram16_rounds", "replay16_rounds",
             "block1_tok_s", "replay16_tok_s", "attention", "forward", "why"]
     md = [f"# MoE architectures on {dev} (`python benchmarks/arch_matrix.py --device {args.device}"
           f"{' --mxfp4' if args.mxfp4 else ''}`)", "",
           f"Random weights, hidden {hidden}, 8 experts top-2, {args.new} new tokens on {len(PROMPTS)} prompts; `ok` = greedy "
-          "output at block 16 (n-gram drafts; replayed block-1 output with every 4th draft wrong) identical to block 1" + (" and, native rows, to transformers' `generate`" if args.device == "cpu" else "")
-          + ".", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+          "output at block 16 (n-gram drafts; replayed block-1 output with every 4th draft wrong) identical to block 1"
+          + (" and, native rows, to transformers' `generate`" if args.device == "cpu" else "") + ".", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         md.append("| " + " | ".join(str(r.get(c, "")).replace("|", "/") for c in cols) + " |")
     out = pathlib.Path(args.out)

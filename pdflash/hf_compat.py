@@ -8,6 +8,7 @@ and every call site passes the cache through `cache_kwargs`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -34,6 +35,7 @@ def cache_kwargs(model_or_name: Any, cache: Any) -> dict[str, Any]:
     return {name: cache}
 
 
+@functools.lru_cache(maxsize=None)
 def keeps_recurrent_states() -> bool:
     """Whether this transformers' caches can roll a linear-attention / state-space layer's recurrent state back after
     rejected tokens (`activate_past_recording(recurrent_states_to_keep=N)`, transformers >= 5.25; before it, `crop`

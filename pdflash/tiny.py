@@ -14,9 +14,9 @@ import torch
 
 ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss")
 # More MoE architectures of transformers that pdflash serves (tests/test_architectures.py: greedy decoding at blocks 1 and
-# 8 equals transformers' own on the CPU), made by `generic_config`: MLA attention (deepseek_v3, glm4_moe_lite), shared
-# experts (qwen2_moe, dots1, ...), linear-attention / state-space hybrids whose recurrent state rolls back through
-# transformers' past recording (qwen3_next, qwen3_5_moe_text, jamba, kimi_linear, granitemoehybrid; lfm2_moe's short convolutions).
+# 16 equals transformers' own on the CPU), made by `generic_config`: MLA attention (deepseek_v3, glm4_moe_lite), shared
+# experts (qwen2_moe, dots1, ...), linear-attention / state-space / convolution hybrids whose state rolls back through
+# transformers' past recording (qwen3_next, qwen3_5_moe_text, jamba, kimi_linear, granitemoehybrid, lfm2_moe).
 MORE_ARCHITECTURES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen2_moe", "olmoe", "glm4_moe", "ernie4_5_moe",
                       "granitemoe", "granitemoeshared", "phimoe", "minimax_m2", "hunyuan_v1_moe", "dots1", "flex_olmo",
                       "exaone_moe", "afmoe", "cohere2_moe", "lfm2_moe", "qwen3_next", "qwen3_5_moe_text", "jamba",
@@ -127,7 +127,7 @@ def generic_config(arch: str, vocab_size: int, eos_id: int, num_layers: int = 2,
     if hasattr(base, "qk_rope_head_dim"):  # MLA: one latent KV shared by every head
         kw["head_dim"], kw["num_key_value_heads"] = kw["qk_rope_head_dim"], heads
     pattern = list(getattr(base, "layer_types", None) or [])
-    if "linear_attention" in pattern and "full_attention" in pattern:  # a hybrid: its own pattern, long enough to hold a full-attention layer
+    if "linear_attention" in pattern and "full_attention" in pattern:  # a hybrid: its pattern, to its first full layer
         kw["num_hidden_layers"] = max(num_layers, pattern.index("full_attention") + 1)
     if pattern:
         kw["layer_types"] = [pattern[i % len(pattern)] for i in range(kw["num_hidden_layers"])]

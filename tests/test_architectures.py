@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from pdflash.client import Client
+from pdflash_kernels import runtime
 from pdflash.hf_compat import keeps_recurrent_states
 from pdflash.tiny import MORE_ARCHITECTURES, make_tiny_checkpoint
 from tests.conftest import start_stack
@@ -24,7 +25,8 @@ from verifier_svc.engine import VerifierCore
 from verifier_svc.model import load_target
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from arch_matrix import PROMPTS, hf_greedy, replay_propose  # noqa: E402
+from arch_matrix import PROMPTS, hf_greedy  # noqa: E402
+from e2e_gpu import replay  # noqa: E402
 from inprocess import core_run  # noqa: E402
 
 NEW = 32
@@ -70,9 +72,9 @@ def test_greedy_decoding_equals_transformers_at_every_width(arch, checkpoints):
     one = core_run(core, prompts, NEW, 1)
     assert [o[:NEW] for o in one["outputs"]] == want
     assert [o[:NEW] for o in core_run(core, prompts, NEW, 16)["outputs"]] == want
-    replay = core_run(core, prompts, NEW, 16, propose=replay_propose(want, core.target.vocab_size))
-    assert [o[:NEW] for o in replay["outputs"]] == want
-    rounds = replay["round_log"]
+    replayed = core_run(core, prompts, NEW, 16, propose=replay(want))
+    assert [o[:NEW] for o in replayed["outputs"]] == want
+    rounds = replayed["round_log"]
     assert any(0 < acc < drafts for drafts, acc, _ in rounds), "no round rolled back to mid-block"
     assert len(core.sessions) == 0
 
@@ -119,14 +121,13 @@ def test_a_hybrid_whose_recurrent_state_does_not_roll_back_is_refused(checkpoint
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", pytest.param("qwen3_next", marks=pytest.mark.skipif(
+    not keeps_recurrent_states(), reason="a hybrid needs transformers >= 5.25 (an older one refuses it at load: tested above)"))])
 def test_the_stack_serves_them_token_for_token(arch, checkpoints, tmp_path):
     """Through the three services (a DFlash drafter made for the model, conditioned on its hidden states): every
     drafter gives transformers' greedy tokens, and each verify reports the experts it routed."""
     from drafter_svc.drafters.dflash import make_tiny_dflash
 
-    if arch in HYBRIDS and not keeps_recurrent_states():
-        pytest.skip("a hybrid needs transformers >= 5.25 (an older one refuses it at load: tested above)")
     d = checkpoints(arch)
     drafter = make_tiny_dflash(d, tmp_path / "drafter", num_layers=1, block_size=8)
     want = hf_greedy(d, _prompts(d)[:1], NEW)[0]
@@ -155,15 +156,13 @@ def test_hybrid_caches_are_probed_and_plain_ones_are_not():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.skipif(not runtime.triton_usable("cpu"), reason="needs triton (interpreted on CPU)")
 def test_a_model_the_paged_forward_does_not_fit_runs_on_transformers_cache(checkpoints):
     """DeepSeek-V3's multi-head latent attention caches a latent, not per-head keys and values: with the kernels (under
     Triton's interpreter here; on the GPU in benchmarks/results/arch_matrix_gpu.md) the paged forward's load-time check
     fails, so `auto` serves the model on transformers' cache and says why, and an explicit `--paged-kv on` is refused."""
-    from pdflash_kernels import runtime
     from verifier_svc.engine import PagedKVOptions
 
-    if not runtime.triton_usable("cpu"):
-        pytest.skip("needs triton (interpreted on CPU)")
     target = load_target(checkpoints("deepseek_v3"), "cpu", "bfloat16", kernels="on")
     assert target.batch_invariant
     core = VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="auto", kv_cache_gb=0.01))
