@@ -55,8 +55,9 @@ if triton is not None:
     @triton.jit
     def _attn_chunk(
         c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs, kpos0, S, last, scaling, window,
-        kmask_ptr, smb, b, dd, table_ptr, stb,
+        kmask_ptr, smb, b, dd, table_ptr, stb, qr, kr_ptr, krbase, skrp, skrs,
         HAS_KMASK: tl.constexpr, BLOCK_N: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr,
+        DR: tl.constexpr, BLOCK_DR: tl.constexpr, V_IS_K: tl.constexpr,
     ):
         kp = c + tl.arange(0, BLOCK_N)
         j = kp - kpos0
@@ -69,11 +70,26 @@ if triton is not None:
             koff = j[:, None] * sks
             voff = j[:, None] * svs
         kt = tl.load(k_ptr + kbase + koff + dd[None, :], mask=k_ok[:, None], other=0.0)
-        vt = tl.load(v_ptr + vbase + voff + dd[None, :], mask=k_ok[:, None], other=0.0)
         if F32DOT:
             kt = kt.to(tl.float32)
-            vt = vt.to(tl.float32)
-        s = tl.dot(q, tl.trans(kt)) * scaling
+        if V_IS_K:  # multi-head latent attention: the values are the latent keys themselves
+            vt = kt
+        else:
+            vt = tl.load(v_ptr + vbase + voff + dd[None, :], mask=k_ok[:, None], other=0.0)
+            if F32DOT:
+                vt = vt.to(tl.float32)
+        s = tl.dot(q, tl.trans(kt))
+        if BLOCK_DR > 0:  # MLA's decoupled rotary part: its own query and key pool, added to the latent score
+            drr = tl.arange(0, BLOCK_DR)
+            if PAGED:
+                roff = page * skrp + (kp - c)[:, None] * skrs
+            else:
+                roff = j[:, None] * skrs
+            krt = tl.load(kr_ptr + krbase + roff + drr[None, :], mask=k_ok[:, None] & (drr < DR)[None, :], other=0.0)
+            if F32DOT:
+                krt = krt.to(tl.float32)
+            s += tl.dot(qr, tl.trans(krt))
+        s = s * scaling
         allowed = k_ok[None, :] & (kp[None, :] <= qpos[:, None])
         if window > 0:
             allowed = allowed & (kp[None, :] > qpos[:, None] - window)
@@ -95,9 +111,10 @@ if triton is not None:
     @triton.jit
     def _segment(
         s, c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs, kpos0, S, last, scaling, window,
-        kmask_ptr, smb, b, dd, table_ptr, stb,
+        kmask_ptr, smb, b, dd, table_ptr, stb, qr, kr_ptr, krbase, skrp, skrs,
         HAS_KMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_CHUNKS: tl.constexpr,
         D: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr,
+        DR: tl.constexpr, BLOCK_DR: tl.constexpr, V_IS_K: tl.constexpr,
     ):
         """Segment s's state, from empty, over its chunks in ascending order (those from c0 up to hi)."""
         # a finite "minus infinity" for the running max: exp(m - m) = 1 for a row that has seen no key yet, never NaN
@@ -110,14 +127,14 @@ if triton is not None:
             c = c_lo
             while c <= c_hi:
                 m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs,
-                                            kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
-                                            HAS_KMASK, BLOCK_N, F32DOT, PAGED)
+                                            kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb, qr, kr_ptr, krbase, skrp, skrs,
+                                            HAS_KMASK, BLOCK_N, F32DOT, PAGED, DR, BLOCK_DR, V_IS_K)
                 c += BLOCK_N
         else:
             for c in range(c_lo, c_hi + 1, BLOCK_N):
                 m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs,
-                                            kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
-                                            HAS_KMASK, BLOCK_N, F32DOT, PAGED)
+                                            kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb, qr, kr_ptr, krbase, skrp, skrs,
+                                            HAS_KMASK, BLOCK_N, F32DOT, PAGED, DR, BLOCK_DR, V_IS_K)
         return m_i, l_i, acc
 
     @triton.jit
@@ -134,8 +151,9 @@ if triton is not None:
     @triton.jit
     def _walk_step(
         c, c0, m_t, l_t, acc_t, m_i, l_i, acc, q, qpos, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs, kpos0, S, last,
-        scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
+        scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb, qr, kr_ptr, krbase, skrp, skrs,
         HAS_KMASK: tl.constexpr, BLOCK_N: tl.constexpr, SEG_CHUNKS: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr,
+        DR: tl.constexpr, BLOCK_DR: tl.constexpr, V_IS_K: tl.constexpr,
     ):
         """Chunk c of `_walk`: at a segment's first chunk (not the walk's first) the segment so far is merged into the
         total and the segment state starts again from empty; then the chunk."""
@@ -144,16 +162,17 @@ if triton is not None:
         m_t, l_t, acc_t = tl.where(new, m_n, m_t), tl.where(new, l_n, l_t), tl.where(new, acc_n, acc_t)
         m_i, l_i, acc = tl.where(new, -1.0e30, m_i), tl.where(new, 0.0, l_i), tl.where(new, 0.0, acc)
         m_i, l_i, acc = _attn_chunk(c, q, qpos, m_i, l_i, acc, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs, kpos0, S,
-                                    last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb, HAS_KMASK, BLOCK_N,
-                                    F32DOT, PAGED)
+                                    last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb, qr, kr_ptr, krbase, skrp, skrs, HAS_KMASK, BLOCK_N,
+                                    F32DOT, PAGED, DR, BLOCK_DR, V_IS_K)
         return m_t, l_t, acc_t, m_i, l_i, acc
 
     @triton.jit
     def _walk(
         c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs, kpos0, S, last, scaling, window,
-        kmask_ptr, smb, b, dd, table_ptr, stb,
+        kmask_ptr, smb, b, dd, table_ptr, stb, qr, kr_ptr, krbase, skrp, skrs,
         HAS_KMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_CHUNKS: tl.constexpr,
         D: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr,
+        DR: tl.constexpr, BLOCK_DR: tl.constexpr, V_IS_K: tl.constexpr,
     ):
         """Every segment from c0 to hi in one loop over the chunks (one loop the compiler can pipeline): at each
         segment's first chunk the state so far is merged into the total and starts again from empty, so the result
@@ -169,15 +188,15 @@ if triton is not None:
             while c <= hi:
                 m_t, l_t, acc_t, m_i, l_i, acc = _walk_step(
                     c, c0, m_t, l_t, acc_t, m_i, l_i, acc, q, qpos, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs,
-                    kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
-                    HAS_KMASK, BLOCK_N, SEG_CHUNKS, F32DOT, PAGED)
+                    kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb, qr, kr_ptr, krbase, skrp, skrs,
+                    HAS_KMASK, BLOCK_N, SEG_CHUNKS, F32DOT, PAGED, DR, BLOCK_DR, V_IS_K)
                 c += BLOCK_N
         else:
             for c in range(c0, hi + 1, BLOCK_N):
                 m_t, l_t, acc_t, m_i, l_i, acc = _walk_step(
                     c, c0, m_t, l_t, acc_t, m_i, l_i, acc, q, qpos, k_ptr, v_ptr, kbase, vbase, skp, svp, sks, svs,
-                    kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
-                    HAS_KMASK, BLOCK_N, SEG_CHUNKS, F32DOT, PAGED)
+                    kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb, qr, kr_ptr, krbase, skrp, skrs,
+                    HAS_KMASK, BLOCK_N, SEG_CHUNKS, F32DOT, PAGED, DR, BLOCK_DR, V_IS_K)
         return _merge(m_t, l_t, acc_t, m_i, l_i, acc)
 
     @triton.jit
@@ -190,12 +209,14 @@ if triton is not None:
         kmask_ptr, smb,
         sink_ptr,
         table_ptr, stb,
+        qr_ptr, sqrb, sqrh, sqrt, kr_ptr, skrp, skrh, skrs,
         ws_ptr, ml_ptr, cnt_ptr, NSEG,
         cu_ptr,
         T, S, scaling, window,
         GROUP: tl.constexpr, D: tl.constexpr, HAS_SINK: tl.constexpr, HAS_KMASK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG_CHUNKS: tl.constexpr, PROGRAMS: tl.constexpr,
-        DIRECT_SEGS: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr, RAGGED: tl.constexpr,
+        DIRECT_SEGS: tl.constexpr, F32DOT: tl.constexpr, PAGED: tl.constexpr,
+        DR: tl.constexpr, BLOCK_DR: tl.constexpr, V_IS_K: tl.constexpr, RAGGED: tl.constexpr,
     ):
         runtime.pdl_begin()
         pid_m = tl.program_id(0)
@@ -226,6 +247,14 @@ if triton is not None:
                     other=0.0)
         if F32DOT:
             q = q.to(tl.float32)
+        if BLOCK_DR > 0:
+            drq = tl.arange(0, BLOCK_DR)
+            qr = tl.load(qr_ptr + xb * sqrb + h[:, None] * sqrh + (s0 + tok)[:, None] * sqrt + drq[None, :],
+                         mask=row_ok[:, None] & (drq < DR)[None, :], other=0.0)
+            if F32DOT:
+                qr = qr.to(tl.float32)
+        else:
+            qr = q
         hi = tl.max(tl.where(row_ok, qpos, -1), axis=0)
         lo = kpos0
         if window > 0:
@@ -234,6 +263,7 @@ if triton is not None:
         c0 = (lo // BLOCK_N) * BLOCK_N
         s_lo = c0 // (SEG_CHUNKS * BLOCK_N)
         nseg = (hi // (SEG_CHUNKS * BLOCK_N) - s_lo + 1).to(tl.int32)
+        krbase = kh * skrh
         if PAGED:
             kbase = kh * skh
             vbase = kh * svh
@@ -246,14 +276,14 @@ if triton is not None:
         done = p < nseg  # this program has segments, and (one program per tile) holds the tile's result
         if PROGRAMS == 1:  # (a constexpr branch: the split form's semaphore is not compiled, its buffers are dummies)
             m_t, l_t, acc_t = _walk(c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skb, svb, sks, svs, kpos0, S, last,
-                                    scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
-                                    HAS_KMASK, BLOCK_M, BLOCK_N, SEG_CHUNKS, D, F32DOT, PAGED)
+                                    scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb, qr, kr_ptr, krbase, skrp, skrs,
+                                    HAS_KMASK, BLOCK_M, BLOCK_N, SEG_CHUNKS, D, F32DOT, PAGED, DR, BLOCK_DR, V_IS_K)
         elif nseg <= DIRECT_SEGS:  # a short context: program 0 walks it (the others have none)
             done = p == 0
             if done:
                 m_t, l_t, acc_t = _walk(c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skb, svb, sks, svs, kpos0, S, last,
-                                        scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
-                                        HAS_KMASK, BLOCK_M, BLOCK_N, SEG_CHUNKS, D, F32DOT, PAGED)
+                                        scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb, qr, kr_ptr, krbase, skrp, skrs,
+                                        HAS_KMASK, BLOCK_M, BLOCK_N, SEG_CHUNKS, D, F32DOT, PAGED, DR, BLOCK_DR, V_IS_K)
         else:
             tile = (b * tl.num_programs(1) + kh) * tl.num_programs(0) + pid_m
             ws = ws_ptr + tile * NSEG * BLOCK_M * D
@@ -261,8 +291,8 @@ if triton is not None:
             i = p.to(tl.int32)
             while i < nseg:  # segments p, p + PROGRAMS, ...: each state stored on its own
                 m_s, l_s, acc_s = _segment(s_lo + i, c0, hi, q, qpos, k_ptr, v_ptr, kbase, vbase, skb, svb, sks, svs,
-                                           kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb,
-                                           HAS_KMASK, BLOCK_M, BLOCK_N, SEG_CHUNKS, D, F32DOT, PAGED)
+                                           kpos0, S, last, scaling, window, kmask_ptr, smb, b, dd, table_ptr, stb, qr, kr_ptr, krbase, skrp, skrs,
+                                           HAS_KMASK, BLOCK_M, BLOCK_N, SEG_CHUNKS, D, F32DOT, PAGED, DR, BLOCK_DR, V_IS_K)
                 tl.store(ws + (i * BLOCK_M + tl.arange(0, BLOCK_M))[:, None] * D + dd[None, :], acc_s)
                 tl.store(ml + i * 2 * BLOCK_M + tl.arange(0, BLOCK_M), m_s)
                 tl.store(ml + (i * 2 + 1) * BLOCK_M + tl.arange(0, BLOCK_M), l_s)
@@ -323,10 +353,11 @@ def _programs(t: int, page_table, programs: int | None) -> int:
 
 
 def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_table, s, programs=None,
-            seq_starts=None, max_rows=None) -> torch.Tensor:
+            seq_starts=None, max_rows=None, q_rope=None, k_rope=None) -> torch.Tensor:
     """One launcher for both layouts: k/v [B, Hkv, S, D] (page_table None) or pools [pages, Hkv, PAGE, D]; with
     `seq_starts` (paged only) q [1, Hq, R, D] holds the rows of B = len(seq_starts) - 1 sequences, at most `max_rows`
-    each, and the output is [1, R, Hq, D]."""
+    each, and the output is [1, R, Hq, D]. Multi-head latent attention (paged only): v None (the values are the keys),
+    and q_rope [.., Hq, T, DR] / k_rope [pages, Hkv, PAGE, DR] a second query/key pair whose scores add to q.k's."""
     bsz, hq, t, d = q.shape
     rows = t
     if seq_starts is not None:
@@ -337,12 +368,23 @@ def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_t
         if page_table.shape[0] != bsz:
             raise ValueError(f"page table of {page_table.shape[0]} rows for {bsz} sequences")
     hkv = k.shape[1]
+    v_is_k = v is None
+    if v_is_k:
+        v = k
+    if (q_rope is None) != (k_rope is None) or (q_rope is not None and page_table is None):
+        raise ValueError("a rotary query/key pair is for paged latent attention: both q_rope and k_rope, and a page table")
+    dr = q_rope.shape[-1] if q_rope is not None else 0
+    if q_rope is not None and (k_rope.shape[-1] != dr or k_rope.shape[1] != hkv or q_rope.shape[:3] != q.shape[:3]):
+        raise ValueError(f"rotary query {tuple(q_rope.shape)} / key pool {tuple(k_rope.shape)} do not match q "
+                         f"{tuple(q.shape)} over {hkv} key heads")
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not group over {hkv} key/value heads")
     if d & (d - 1) or d < 16:
         raise ValueError(f"head_dim {d} is not a power of two >= 16")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if q_rope is not None and (q_rope.stride(-1) != 1 or k_rope.stride(-1) != 1):
+        q_rope, k_rope = q_rope.contiguous(), k_rope.contiguous()
     if seq_starts is not None:
         out = torch.zeros((1, rows, hq, d), dtype=q.dtype, device=q.device)  # (a padded wave's tail: zeros)
         pos = positions.reshape(1, rows)
@@ -380,14 +422,33 @@ def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_t
         km, km.stride(0),
         sinks if sinks is not None else q,
         table, table.stride(0) if page_table is not None else 0,
+        *((q_rope, q_rope.stride(0), q_rope.stride(1), q_rope.stride(2), k_rope, k_rope.stride(0), k_rope.stride(1),
+           k_rope.stride(2)) if q_rope is not None else (q, 0, 0, 0, k, 0, 0, 0)),
         ws, ml, cnt, nseg,
         seq_starts if seq_starts is not None else pos,
         t, s, float(scaling), int(sliding_window or 0),
         GROUP=group, D=d, HAS_SINK=sinks is not None, HAS_KMASK=key_mask is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SEG_CHUNKS=SEG_CHUNKS, PROGRAMS=nprog, DIRECT_SEGS=DIRECT_SEGS, F32DOT=runtime.interpreting(),
-        PAGED=page_table is not None, RAGGED=seq_starts is not None, **runtime.pdl_launch(),
+        PAGED=page_table is not None, RAGGED=seq_starts is not None,
+        DR=dr, BLOCK_DR=max(16, triton.next_power_of_2(dr)) if dr else 0, V_IS_K=v_is_k, **_launch_options(d),
+        **runtime.pdl_launch(),
     )
     return out
+
+
+#: pipeline stages of the key walk for wide heads (MLA's 512-wide latent: a 64-key chunk is 64 KiB of bf16, so Triton's
+#: default 3 stages would not fit an SM's shared memory). PDFLASH_MLA_STAGES overrides.
+_WIDE_STAGES = os.environ.get("PDFLASH_MLA_STAGES", "2")
+if _WIDE_STAGES not in ("1", "2", "3"):
+    raise ValueError(f"PDFLASH_MLA_STAGES must be 1, 2 or 3, got {_WIDE_STAGES!r}")
+
+
+def _launch_options(d: int) -> dict:
+    """num_warps / num_stages: Triton's defaults for the heads of 64-128 every GQA model has (their compiled kernels
+    unchanged); 8 warps and fewer stages for heads of 256 and wider (MLA's latent)."""
+    if d < 256:
+        return {}
+    return {"num_warps": 8, "num_stages": int(_WIDE_STAGES)}
 
 
 def attention(
@@ -441,6 +502,32 @@ def paged_attention(
                    seq_starts, max_rows)
 
 
+def paged_latent_attention(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent_pool: torch.Tensor,
+    rope_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    positions: torch.Tensor,
+    scaling: float,
+    programs: int | None = None,
+    seq_starts: torch.Tensor | None = None,
+    max_rows: int | None = None,
+) -> torch.Tensor:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash) in its absorbed form over the paged latent
+    cache: every query head attends to one shared key per position, the latent c [L] and its rotary part r [DR]; the
+    score is (q_latent . c + q_rope . r) * scaling and the value is c itself. q_latent [B, H, T, L] (the no-rope query
+    already multiplied by the key up-projection, `pdflash_kernels.mla`), q_rope [B, H, T, DR]; pools [pages, 1, PAGE, L]
+    and [pages, 1, PAGE, DR]. Returns the latent output [B, T, H, L] (before the value up-projection). The same
+    chunks, segments, merge order and ragged rows as `paged_attention`: a row's bits do not depend on the call's rows."""
+    if latent_pool.shape[2] != PAGE or rope_pool.shape[2] != PAGE:
+        raise ValueError(f"latent pages must hold {PAGE} positions, got {latent_pool.shape[2]} / {rope_pool.shape[2]}")
+    if seq_starts is not None and max_rows is None:
+        raise ValueError("ragged attention needs max_rows (the most rows of one sequence)")
+    return _launch(q_latent, latent_pool, None, positions, scaling, None, None, None, page_table, 0, programs,
+                   seq_starts, max_rows, q_rope=q_rope, k_rope=rope_pool)
+
+
 # ---- the paged KV write: a block's K and V rows into the layer's two page pools, one launch -------------------------
 if triton is not None:
 
@@ -449,7 +536,7 @@ if triton is not None:
         k_ptr, skh, skt, v_ptr, svh, svt,
         kp_ptr, kps_p, kps_h, kps_s, vp_ptr, vps_p, vps_h, vps_s,
         pages_ptr, offs_ptr,
-        D: tl.constexpr, BLOCK_D: tl.constexpr,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         runtime.pdl_begin()
         t = tl.program_id(0)
@@ -458,11 +545,13 @@ if triton is not None:
         off = tl.load(offs_ptr + t).to(tl.int64)
         dd = tl.arange(0, BLOCK_D)
         ok = dd < D
+        dv = tl.arange(0, BLOCK_DV)  # (MLA: the latent and its rotary part, of two widths)
+        ok_v = dv < DV
         t = t.to(tl.int64)
         k = tl.load(k_ptr + h * skh + t * skt + dd, mask=ok)  # same element type in and out: the bits as they are
-        v = tl.load(v_ptr + h * svh + t * svt + dd, mask=ok)
+        v = tl.load(v_ptr + h * svh + t * svt + dv, mask=ok_v)
         tl.store(kp_ptr + page * kps_p + h * kps_h + off * kps_s + dd, k, mask=ok)
-        tl.store(vp_ptr + page * vps_p + h * vps_h + off * vps_s + dd, v, mask=ok)
+        tl.store(vp_ptr + page * vps_p + h * vps_h + off * vps_s + dv, v, mask=ok_v)
 
 
 def paged_write_reference(k_pool, v_pool, key, value, pages, offsets) -> None:
@@ -473,8 +562,8 @@ def paged_write_reference(k_pool, v_pool, key, value, pages, offsets) -> None:
 
 def paged_write(k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 pages: torch.Tensor, offsets: torch.Tensor) -> None:
-    """Write a block's keys and values into a layer's page pools: key/value [Hkv, T, D] (any strides), pools [pages,
-    Hkv, PAGE, D]; row t goes to page `pages[t]` at offset `offsets[t]` (pages/offsets [T] integer, on the device).
+    """Write a block's keys and values into a layer's page pools: key [Hkv, T, D] / value [Hkv, T, DV] (any strides;
+    DV = D but for MLA's latent and rotary key), pools [pages, Hkv, PAGE, D or DV]; row t goes to page `pages[t]` at offset `offsets[t]` (pages/offsets [T] integer, on the device).
     One Triton launch for both pools (exact copies: the same bits as `paged_write_reference`); the torch path where
     Triton is not usable. Rows must go to distinct slots (a block's positions are distinct)."""
     if not runtime.triton_usable(key.device):
@@ -490,12 +579,14 @@ def paged_write(k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, v
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
         return paged_write_reference(k_pool, v_pool, key, value, pages, offsets)
     hkv, t, d = key.shape
+    dv = value.shape[-1]
     if t == 0:
         return None
     _kv_write_kernel[(t, hkv)](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
         k_pool, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool, v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-        pages, offsets, D=d, BLOCK_D=triton.next_power_of_2(d), **runtime.pdl_launch(),
+        pages, offsets, D=d, BLOCK_D=triton.next_power_of_2(d), DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
+        **runtime.pdl_launch(),
     )
     return None

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from pdflash_kernels import attention as attn_kernels
-from pdflash_kernels import fused, linear, mxfp4, runtime
+from pdflash_kernels import fused, linear, mla, mxfp4, runtime
 from pdflash_kernels.dispatch import InvariantMode, Recorder
 from pdflash_kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights, moe_forward
 from pdflash.hf_compat import cache_kwarg
@@ -365,11 +365,29 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
     CALLS["attention"] += 1
     ctx = _forward_ctx.get()
+    if ctx is not None and ctx.page_table is not None and mla.is_latent_attention(module):  # latent and rotary pools
+        return mla.latent_attention(module, query, key, value, ctx.page_table, positions, scaling, ctx.seq_starts,
+                                    ctx.max_rows), None
     if ctx is not None and ctx.page_table is not None:  # key/value are the layer's page pools
         return attn_kernels.paged_attention(query, key, value, ctx.page_table, positions, scaling, sliding_window, sinks,
                                             seq_starts=ctx.seq_starts, max_rows=ctx.max_rows), None
     out = attn_kernels.attention(query, key, value, positions, scaling, sliding_window, sinks, key_mask)
     return out, None
+
+
+def _latent_expand_kv(expand_kv):
+    """An MLA module's `expand_kv` (latents -> per-head keys and values through kv_b_proj) that, in a paged forward,
+    hands the layer's latent and rotary pools through as they are: the attention then runs in the absorbed form over
+    them (pdflash_kernels.mla) and nothing is expanded. On transformers' cache the module's own."""
+
+    @functools.wraps(expand_kv)
+    def wrapped(kv_nope, k_rot):
+        ctx = _forward_ctx.get()
+        if ctx is not None and ctx.page_table is not None:
+            return kv_nope, k_rot
+        return expand_kv(kv_nope, k_rot)
+
+    return wrapped
 
 
 def _fallback_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, s_aux, **kwargs):
@@ -791,6 +809,9 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
     for m in model.modules():
         if hasattr(m, "num_key_value_groups") and hasattr(m, "scaling"):
             m._pdflash_attn_fallback = fallback
+        if mla.is_latent_attention(m):
+            m.expand_kv = _latent_expand_kv(m.expand_kv)
+            undo.append(functools.partial(m.__dict__.pop, "expand_kv", None))
     _set_attn_impl(model, ATTN_IMPL)
     undo.append(lambda: _set_attn_impl(model, prev_attn))
 

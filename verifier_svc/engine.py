@@ -163,10 +163,9 @@ class VerifierCore:
 
         t = self.target
         cfg = t.model.config.get_text_config()
-        kv_heads = int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        pages = KVPool.pages_for(kv_heads, head_dim, t.num_layers, t.dtype, int(opts.budget_bytes(t.device)))
-        self.pool = KVPool(t.num_layers, kv_heads, head_dim, pages, t.dtype, t.device)
+        kv_heads, k_dim, v_dim = KVPool.layout(cfg)  # (MLA: one latent and its rotary key a position)
+        pages = KVPool.pages_for(kv_heads, k_dim, t.num_layers, t.dtype, int(opts.budget_bytes(t.device)), v_dim)
+        self.pool = KVPool(t.num_layers, kv_heads, k_dim, pages, t.dtype, t.device, v_dim)
         # every position a session can reach: SequenceKV(pool, t.max_context) reserves whole pages up to this bound
         try:
             self.runner = ForwardRunner(t.model, t.seam, self.pool, max_positions=(t.max_context + PAGE - 1) // PAGE * PAGE)

@@ -19,11 +19,16 @@ from pdflash.errors import ResourceExhausted
 
 
 class KVPool:
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, num_pages: int, dtype: torch.dtype, device: torch.device):
+    """`k`/`v`: each layer's pools. `v_dim` (default head_dim): a value width of its own; multi-head latent attention
+    keeps its latent in `k` ([pages, 1, PAGE, L]) and the latent's rotary key in `v` ([pages, 1, PAGE, DR])
+    (`layout`)."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, num_pages: int, dtype: torch.dtype, device: torch.device,
+                 v_dim: int | None = None):
         shape = (num_pages, kv_heads, PAGE, head_dim)
         # zeros, not empty: a masked key is still multiplied by a zero probability, and 0 * NaN would be NaN
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape[:-1] + (v_dim or head_dim,), dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_pages = num_pages
         self.device = device
         self._free = list(range(num_pages - 1, -1, -1))
@@ -44,9 +49,23 @@ class KVPool:
         self._free.extend(reversed(pages))
 
     @staticmethod
-    def pages_for(kv_heads: int, head_dim: int, num_layers: int, dtype: torch.dtype, budget_bytes: int) -> int:
-        per_page = 2 * num_layers * kv_heads * PAGE * head_dim * torch.empty((), dtype=dtype).element_size()
+    def pages_for(kv_heads: int, head_dim: int, num_layers: int, dtype: torch.dtype, budget_bytes: int,
+                  v_dim: int | None = None) -> int:
+        per_page = num_layers * kv_heads * PAGE * (head_dim + (v_dim or head_dim)) * torch.empty((), dtype=dtype).element_size()
         return max(1, budget_bytes // per_page)
+
+    @staticmethod
+    def layout(config) -> tuple[int, int, int]:
+        """(kv_heads, k width, v width) of a text config's pools: its key/value heads and head_dim, or for multi-head
+        latent attention (kv_lora_rank and qk_rope_head_dim set) one latent of kv_lora_rank and its rotary key."""
+        from pdflash_kernels.mla import latent_layout
+
+        latent = latent_layout(config)
+        if latent is not None:
+            return 1, latent[0], latent[1]
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        return kv_heads, head_dim, head_dim
 
 
 _SEQ_IDS = itertools.count(1)

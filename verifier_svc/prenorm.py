@@ -30,9 +30,9 @@ class _ProbeCache:
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         g = torch.Generator().manual_seed(4)
-        shape = (*key.shape[:2], PROBE_PAST, key.shape[3])
-        pk = torch.randn(shape, generator=g).to(device=key.device, dtype=key.dtype)
-        pv = torch.randn(shape, generator=g).to(device=value.device, dtype=value.dtype)
+        shape = (*key.shape[:2], PROBE_PAST)
+        pk = torch.randn(shape + key.shape[3:], generator=g).to(device=key.device, dtype=key.dtype)
+        pv = torch.randn(shape + value.shape[3:], generator=g).to(device=value.device, dtype=value.dtype)  # (MLA: widths differ)
         return torch.cat([pk, key], 2), torch.cat([pv, value], 2)
 
 

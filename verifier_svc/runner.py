@@ -94,14 +94,15 @@ class RotaryTable:
             for s in range(0, positions, self.CHUNK):
                 n = min(self.CHUNK, positions - s)
                 pos = torch.arange(s, s + n, device=device).unsqueeze(0)
-                cos, sin = module(x.expand(1, n, hidden), pos)
-                parts.append(torch.stack((cos[0], sin[0])))  # [2, n, D]
-            self.table = torch.cat(parts, dim=1)  # [2, positions, D]: cos, sin
+                out = module(x.expand(1, n, hidden), pos)
+                self.pair = not isinstance(out, torch.Tensor)  # (cos, sin); DeepSeek-V2: one complex freqs_cis
+                parts.append(torch.stack((out[0][0], out[1][0])) if self.pair else out)  # [2 or 1, n, D]
+            self.table = torch.cat(parts, dim=1)  # [2, positions, D]: cos, sin (or [1, positions, D])
 
-    def __call__(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """pos [B, T] -> (cos, sin), each [B, T, D] contiguous, as the module returns them."""
-        g = self.table.index_select(1, pos.reshape(-1)).view(2, *pos.shape, self.table.shape[-1])
-        return g[0], g[1]
+    def __call__(self, pos: torch.Tensor):
+        """pos [B, T] -> (cos, sin), each [B, T, D] contiguous, or the one tensor, as the module returns them."""
+        g = self.table.index_select(1, pos.reshape(-1)).view(self.table.shape[0], *pos.shape, self.table.shape[-1])
+        return (g[0], g[1]) if self.pair else g[0]
 
 
 class PagedLayerCache:
