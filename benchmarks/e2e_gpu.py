@@ -17,6 +17,10 @@ Targets:
   MXFP4 in one arena, read by the grouped MXFP4 kernel (`verifier_svc.model.serve_mxfp4`, the path `--experts mxfp4`
   without an expert cache serves). transformers' rows run the same model: the MXFP4 experts dequantized to bf16 (biases
   as the kernels hold them, bf16) in the modules' own layout (`verifier_svc.model.quantize_experts`).
+- `dsv3-<N>l`: DeepSeek-V3 / Kimi K2 layer shapes, N layers (hidden 7168, multi-head latent attention: 128 heads, q
+  rank 1536, latent 512 + rotary 64; a dense first layer of 18432, then 32 of the 256 routed experts (width 2048) top-8
+  in 8 groups (4 chosen) and a shared expert), random bf16 weights built on the GPU, experts bf16 (native); the paged KV
+  holds one latent a position and attention runs in the absorbed form (pdflash_kernels.mla).
 Random targets use a 4096-token vocabulary and random prompt ids (the same on every run). `--layers N` overrides the
 layer count of every random target; `--tiny` builds them with tiny shapes instead (pdflash.tiny.tiny_config: hidden 64,
 8 experts top-2; gpt-oss's sliding window 64) for CPU smoke runs.
@@ -67,9 +71,9 @@ from benchmarks.inprocess import core_run, drafter_propose, ngram_propose  # noq
 from benchmarks.kernel_bench import device_tag  # noqa: E402
 from verifier_svc.engine import PagedKVOptions, VerifierCore  # noqa: E402
 
-FAMILIES = {"qwen3": "qwen3_moe", "gptoss": "gpt_oss"}
+FAMILIES = {"qwen3": "qwen3_moe", "gptoss": "gpt_oss", "dsv3": "deepseek_v3"}
 MXFP4_ARCHS = {"gpt_oss"}  # served as the model ships: MXFP4 experts, resident
-DEFAULTS = {"demo": (4, 128), "qwen3": (4, 128), "gptoss": (2, 64)}  # prompts, new tokens
+DEFAULTS = {"demo": (4, 128), "qwen3": (4, 128), "gptoss": (2, 64), "dsv3": (2, 64)}  # prompts, new tokens
 REPLAY_BLOCK = 16
 TINY_VOCAB = 512
 
@@ -99,15 +103,17 @@ def parse_target(name: str, layers: int = 0) -> tuple[str, str | None, int]:
         return "demo", None, 0
     family, _, n = name.partition("-")
     if family not in FAMILIES or not n.endswith("l") or not n[:-1].isdigit() or int(n[:-1]) < 1:
-        raise SystemExit(f"unknown target {name!r}: use demo, qwen3-<N>l or gptoss-<N>l (e.g. gptoss-24l)")
+        raise SystemExit(f"unknown target {name!r}: use demo, qwen3-<N>l, gptoss-<N>l or dsv3-<N>l (e.g. gptoss-24l)")
     return family, FAMILIES[family], layers or int(n[:-1])
 
 
 def target_config(arch: str, layers: int, tiny: bool):
-    from pdflash.tiny import real_shape_config, tiny_config
+    from pdflash.tiny import ARCHITECTURES, generic_config, real_shape_config, tiny_config
 
     if not tiny:
         return real_shape_config(arch, num_layers=layers)
+    if arch not in ARCHITECTURES:  # (dsv3: DeepSeek-V3's attention and routing at tiny widths)
+        return generic_config(arch, TINY_VOCAB, 0, num_layers=layers)
     cfg = tiny_config(arch, TINY_VOCAB, 0, num_layers=layers)
     if arch == "gpt_oss":
         cfg.sliding_window = 64  # crossed by the default 128-token prompts, as the real 128 is

@@ -171,8 +171,9 @@ def make_tiny_checkpoint(out_dir: str | pathlib.Path, arch: str = "qwen3_moe", s
 
 
 def real_shape_config(arch: str, vocab_size: int = 4096, num_layers: int = 2, eos_id: int = 0):
-    """The layer shapes of a real model (Qwen3-30B-A3B, gpt-oss-20b, Mixtral-8x7B), few layers, a small
-    vocabulary: random weights of real size have the near ties that bf16 kernels turn into different tokens."""
+    """The layer shapes of a real model (Qwen3-30B-A3B, gpt-oss-20b, Mixtral-8x7B, DeepSeek-V3 with 32 of its 256
+    experts), few layers, a small vocabulary: random weights of real size have the near ties that bf16 kernels turn
+    into different tokens."""
     common = dict(vocab_size=vocab_size, num_hidden_layers=num_layers, max_position_embeddings=4096, tie_word_embeddings=False,
                   initializer_range=0.05, eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None)
     if arch == "qwen3_moe":
@@ -193,6 +194,14 @@ def real_shape_config(arch: str, vocab_size: int = 4096, num_layers: int = 2, eo
 
         return MixtralConfig(**common, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                              intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)
+    if arch == "deepseek_v3":  # DeepSeek-V3 / Kimi K2's attention (MLA) and expert widths; 32 routed experts, not 256
+        from transformers import DeepseekV3Config
+
+        return DeepseekV3Config(**common, hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
+                                q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                v_head_dim=128, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=32,
+                                num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                                norm_topk_prob=True, first_k_dense_replace=1, rope_interleave=True)
     raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES}")
 
 

@@ -15,6 +15,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 from pdflash.client import Client
 from pdflash_kernels import runtime
@@ -154,19 +155,73 @@ def test_hybrid_caches_are_probed_and_plain_ones_are_not():
     assert not plain_attention_cache(new_session_cache(AutoConfig.for_model("qwen3_next"), 8))
 
 
+needs_triton = pytest.mark.skipif(not runtime.triton_usable("cpu"), reason="needs triton (interpreted on CPU)")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(not runtime.triton_usable("cpu"), reason="needs triton (interpreted on CPU)")
-def test_a_model_the_paged_forward_does_not_fit_runs_on_transformers_cache(checkpoints):
-    """DeepSeek-V3's multi-head latent attention caches a latent, not per-head keys and values: with the kernels (under
-    Triton's interpreter here; on the GPU in benchmarks/results/arch_matrix_gpu.md) the paged forward's load-time check
-    fails, so `auto` serves the model on transformers' cache and says why, and an explicit `--paged-kv on` is refused."""
+@needs_triton
+def test_latent_attention_models_run_on_the_paged_latent_kv(checkpoints):
+    """DeepSeek-V3 (and Kimi K2, GLM-4.7-Flash: the same module) with the kernels (under Triton's interpreter here; bf16
+    at real widths on the GPU: tests/test_mla_gpu.py): the paged KV keeps one latent and its rotary key a position and
+    attention runs in the absorbed form. Greedy at block 1 gives the tokens of the same kernels on transformers' cache
+    (expanded keys and values), and drafts replayed with every 4th one wrong (rollbacks mid-block) give block 1's."""
     from verifier_svc.engine import PagedKVOptions
 
-    target = load_target(checkpoints("deepseek_v3"), "cpu", "bfloat16", kernels="on")
+    d = checkpoints("deepseek_v3")
+    target = load_target(d, "cpu", "bfloat16", kernels="on")
+    prompts, n = _prompts(d)[:1], 5
+    paged = VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="on", kv_cache_gb=0.01))
+    assert paged.pool.k[0].shape[1:] == (1, 64, target.model.config.kv_lora_rank)  # one latent a position
+    assert paged.pool.v[0].shape[-1] == target.model.config.qk_rope_head_dim
+    assert paged.forward_info["kv"].startswith("paged: ")
+    one = core_run(paged, prompts, n, 1)["outputs"]
+    replayed = core_run(paged, prompts, n, 8, propose=replay([o[:n] for o in one]))
+    assert [o[:n] for o in replayed["outputs"]] == [o[:n] for o in one]
+    assert any(0 < acc < drafts for drafts, acc, _ in replayed["round_log"])
+    assert len(paged.sessions) == 0 and paged.pool.free_pages == paged.pool.num_pages
+    expanded = VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="off"))
+    assert expanded.pool is None
+    assert [o[:n] for o in core_run(expanded, prompts, n, 1)["outputs"]] == [o[:n] for o in one]
+
+
+@pytest.mark.slow
+@needs_triton
+def test_deepseek_v2s_complex_rotary_is_tabled_and_fits_the_paged_forward(checkpoints):
+    """DeepSeek-V2's rotary module returns one complex freqs_cis, not (cos, sin): the runner's table holds it (the
+    module's bits, gathered by position), and the paged forward passes its load-time check against the model's own."""
+    from verifier_svc.engine import PagedKVOptions
+
+    target = load_target(checkpoints("deepseek_v2"), "cpu", "bfloat16", kernels="on")
+    core = VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="on", kv_cache_gb=0.01))
+    assert core.runner.rotary.startswith("table")
+    rope = core.runner.rope
+    pos = torch.tensor([[0, 5, 77, 1000]])
+    want = target.model.model.rotary_emb(torch.zeros(1, 4, target.model.config.hidden_size, dtype=torch.bfloat16), pos)
+    assert want.is_complex() and torch.equal(rope(pos), want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@needs_triton
+def test_a_model_the_paged_forward_does_not_fit_runs_on_transformers_cache(tmp_path):
+    """An MLA model whose latent is not a power of two wide (24 here; real ones have 512) does not fit the paged latent
+    attention kernel: with the kernels (interpreted here) the paged forward's load-time check fails, so `auto` serves
+    the model on transformers' cache and says why, and an explicit `--paged-kv on` is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from pdflash.tiny import EOS, _save, generic_config, make_tokenizer
+    from verifier_svc.engine import PagedKVOptions
+
+    tok = make_tokenizer(tmp_path)
+    cfg = generic_config("deepseek_v3", len(tok), tok.convert_tokens_to_ids(EOS))
+    cfg.kv_lora_rank = 24
+    _save(AutoModelForCausalLM.from_config(cfg), tmp_path, False)
+    target = load_target(tmp_path, "cpu", "bfloat16", kernels="on")
     assert target.batch_invariant
     core = VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="auto", kv_cache_gb=0.01))
     assert core.pool is None and core.runner is None and core.paged_off
     assert core.forward_info["kv"].startswith("transformers' DynamicCache (the paged forward does not fit this model: ")
+    assert "24 is not a power of two" in core.forward_info["kv"]
     with pytest.raises(ValueError, match="--paged-kv on: the paged forward does not fit this model"):
         VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="on", kv_cache_gb=0.01))

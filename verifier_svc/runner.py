@@ -22,6 +22,7 @@ import torch
 from pdflash_kernels.attention import PAGE, paged_write
 from pdflash_kernels.dispatch import InvariantMode
 from pdflash_kernels.installer import ForwardContext, forward_context
+from pdflash_kernels.mla import is_latent_attention
 from pdflash.errors import ResourceExhausted
 from pdflash.hf_compat import cache_kwarg
 from verifier_svc.kv import SequenceKV
@@ -147,6 +148,9 @@ class ForwardRunner:
         if not isinstance(self.chain, PreNormChain):
             self.chain = None
         self.attention = self._fuse_attention() if self.chain is not None else "the modules (no layer chain)"
+        if any(is_latent_attention(layer.self_attn) for layer in self.inner.layers[: self.num_layers]):
+            self.attention = ("multi-head latent attention, absorbed over the paged latent cache (pdflash_kernels.mla), "
+                              "the modules' projections")
 
     def _layer_kwargs(self, h: torch.Tensor, pos: torch.Tensor, cache) -> dict:
         """What a decoder layer (and, in the chain, its attention) gets besides its input."""
