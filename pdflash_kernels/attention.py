@@ -465,7 +465,15 @@ def attention(
 ) -> torch.Tensor:
     """q [B, Hq, T, D], k/v [B, Hkv, S, D] (the cache's keys, the last of them at the last query's position),
     positions [B, T] (absolute, the queries'), key_mask [B, >= last position + 1] (0 = padding) or None.
-    Returns [B, T, Hq, D]."""
+    Returns [B, T, Hq, D]. A head width that is not a power of two, or values narrower than the keys (MLA's expanded
+    form on transformers' cache: keys of 192, values of 128), run zero-padded to the next power of two: the zeros add
+    nothing to any dot, and every call pads the same way; the output is cut back to the values' width."""
+    dv = v.shape[-1]
+    width = max(16, triton.next_power_of_2(max(q.shape[-1], dv)))
+    if width != q.shape[-1] or dv != q.shape[-1]:
+        pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[-1]))  # noqa: E731
+        return _launch(pad(q), pad(k), pad(v), positions, scaling, sliding_window, sinks, key_mask, None, k.shape[2],
+                       programs)[..., :dv]
     return _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, None, k.shape[2], programs)
 
 

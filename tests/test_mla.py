@@ -140,3 +140,24 @@ def test_paged_write_takes_a_value_of_its_own_width():
     paged_write_reference(*ref, lat, rope, pages, offs)
     assert torch.equal(pools[0], ref[0]) and torch.equal(pools[1], ref[1])
     assert torch.equal(pools[1][1, 0, 5], rope[0, 4])
+
+
+@needs_triton
+def test_attention_pads_odd_head_widths_and_narrower_values():
+    """The non-paged attention (transformers' cache: MLA's expanded keys of nope + rope and values of v, e.g. 192 / 128
+    in DeepSeek-V3) zero-pads to the next power of two: close to the reference, and a row's bits do not change with the
+    call's rows."""
+    from pdflash_kernels.attention import attention
+    from pdflash_kernels.reference import attention_reference
+
+    g = torch.Generator().manual_seed(2)
+    s, t = 90, 4
+    q = torch.randn(1, 4, t, 24, generator=g).bfloat16().to(DEV)
+    k = torch.randn(1, 4, s, 24, generator=g).bfloat16().to(DEV)
+    v = torch.randn(1, 4, s, 16, generator=g).bfloat16().to(DEV)
+    pos = torch.arange(s - t, s).reshape(1, t).to(DEV)
+    out = attention(q, k, v, pos, 24**-0.5)
+    assert out.shape == (1, t, 4, 16)
+    ref = attention_reference(q, k, v, pos[0], 0, 24**-0.5)
+    assert (out.float() - ref.float()).abs().max() < 0.02
+    assert torch.equal(attention(q[:, :, -1:], k, v, pos[:, -1:], 24**-0.5), out[:, -1:])
