@@ -1,0 +1,138 @@
+"""The attention kernels compiled for sm_90a without a GPU (Triton and the ptxas it ships): whether each form compiles,
+its registers, spills and shared memory against an H100/H200 SM's 227 KiB. A check before device time is spent, above
+all on forms no GPU has run yet (multi-head latent attention's 512-wide latent); not a timing.
+
+    python benchmarks/attention_sass.py [--out DIR]
+
+Rows: the GQA forms every served model runs (head 64 and 128, paged, split over programs or not, ragged waves) and the
+MLA forms (latent 512 + rotary 64, 128 query heads on one latent, values = keys) at 1 and 2 pipeline stages, plus
+`mla.head_matmul` at DeepSeek-V3's widths. Writes attention_sass.json / .md under --out (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real, whatever the caller's environment says
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SMEM_LIMIT = 227 * 1024  # an sm_90 SM's shared memory a block may take
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return str(pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def usage(kern) -> dict:
+    """Registers and spill bytes from the cubin (cuobjdump), shared memory from Triton's metadata."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kern.asm["cubin"])
+    try:
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    reg = re.search(r"REG:(\d+)", res)
+    spill = re.search(r"STACK:(\d+)", res)
+    return {"registers": int(reg.group(1)) if reg else -1, "stack_bytes": int(spill.group(1)) if spill else -1,
+            "shared_bytes": int(kern.metadata.shared)}
+
+
+def compile_attention(name: str, d: int, group: int, dr: int, paged: bool, programs: int, ragged: bool,
+                      num_warps: int, num_stages: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pdflash_kernels import attention as a
+
+    fn = a._attn_kernel
+    const = dict(GROUP=group, D=d, HAS_SINK=False, HAS_KMASK=False, BLOCK_M=a.BLOCK_M, BLOCK_N=a.BLOCK_N,
+                 SEG_CHUNKS=a.SEG_CHUNKS, PROGRAMS=programs, DIRECT_SEGS=a.DIRECT_SEGS, F32DOT=False, PAGED=paged,
+                 DR=dr, BLOCK_DR=max(16, triton.next_power_of_2(dr)) if dr else 0, V_IS_K=dr > 0, RAGGED=ragged)
+    ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "pos_ptr": "*i64", "kmask_ptr": "*i64",
+            "sink_ptr": "*bf16", "table_ptr": "*i32", "qr_ptr": "*bf16", "kr_ptr": "*bf16", "ws_ptr": "*fp32",
+            "ml_ptr": "*fp32", "cnt_ptr": "*i32", "cu_ptr": "*i32", "scaling": "fp32"}
+    sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
+    t = time.time()
+    row = {"kernel": name, "head": d, "rotary": dr, "group": group, "paged": paged, "programs": programs, "ragged": ragged,
+           "num_warps": num_warps, "num_stages": num_stages}
+    try:
+        kern = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    except Exception as e:  # noqa: BLE001 - a form that does not compile is the finding
+        return {**row, "compiles": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+    return {**row, "compiles": True, "compile_s": round(time.time() - t, 1), **usage(kern)}
+
+
+def compile_head_matmul(k: int, n: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pdflash_kernels import mla
+
+    fn = mla._head_mm_kernel
+    const = dict(K=k, N=n, BLOCK_M=mla.BLOCK_M, BLOCK_N=max(16, min(64, triton.next_power_of_2(n))),
+                 BLOCK_K=max(16, min(64, triton.next_power_of_2(k))), PRECISION="tf32", F32DOT=False)
+    sig = {nm: ("constexpr" if nm in const else {"x_ptr": "*bf16", "w_ptr": "*bf16", "o_ptr": "*bf16"}.get(nm, "i32"))
+           for nm in fn.arg_names}
+    row = {"kernel": f"head_matmul K={k} N={n}", "head": k, "rotary": 0, "group": 0, "paged": False, "programs": 1,
+           "ragged": False, "num_warps": 4, "num_stages": 3}
+    t = time.time()
+    try:
+        kern = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    except Exception as e:  # noqa: BLE001
+        return {**row, "compiles": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+    return {**row, "compiles": True, "compile_s": round(time.time() - t, 1), **usage(kern)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+    from pdflash_kernels.attention import _launch_options
+
+    rows = []
+    for d, group in ((128, 8), (64, 8)):  # Qwen3 / Mixtral heads; gpt-oss's
+        opts = _launch_options(d)
+        w, s = opts.get("num_warps", 4), opts.get("num_stages", 3)
+        rows.append(compile_attention("gqa prefill", d, group, 0, False, 1, False, w, s))
+        rows.append(compile_attention("gqa paged split", d, group, 0, True, 16, False, w, s))
+        rows.append(compile_attention("gqa paged wave", d, group, 0, True, 16, True, w, s))
+    for stages in (1, 2):  # MLA: DeepSeek-V3 / Kimi K2's latent
+        rows.append(compile_attention("mla paged", 512, 128, 64, True, 1, False, 8, stages))
+        rows.append(compile_attention("mla paged split", 512, 128, 64, True, 16, False, 8, stages))
+        rows.append(compile_attention("mla paged wave", 512, 128, 64, True, 16, True, 8, stages))
+    rows.append(compile_head_matmul(128, 512))  # q_nope @ W_UK
+    rows.append(compile_head_matmul(512, 128))  # o_latent @ W_UV^T
+    cols = ["kernel", "head", "rotary", "programs", "ragged", "num_warps", "num_stages", "compiles", "registers",
+            "stack_bytes", "shared_bytes", "fits_smem", "compile_s", "error"]
+    for r in rows:
+        if r.get("compiles"):
+            r["fits_smem"] = r["shared_bytes"] <= SMEM_LIMIT
+    md = ["# Attention kernels compiled for sm_90a on a CPU machine (`python benchmarks/attention_sass.py`)", "",
+          f"Shared memory limit a block: {SMEM_LIMIT} bytes. Registers and stack (spill) bytes from cuobjdump.", "",
+          "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    md += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    text = "\n".join(md) + "\n"
+    print(text)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attention_sass.md").write_text(text)
+    (out / "attention_sass.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return 0 if all(r.get("compiles") and r.get("fits_smem") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
