@@ -133,7 +133,7 @@ if has archs; then  # MoE architectures beyond the three: each tiny model exact 
   grep -E "^\| [a-z]" "$OUT/arch_matrix_gpu.md" | cut -c1-160
 fi
 if has mla; then  # multi-head latent attention: its GPU tests (real DeepSeek-V3 widths), then dsv3-4l's verify loop in process
-  timeout ${MLA_TESTS_S:-200} python3 -m pytest -v -p no:cacheprovider --timeout=180 --durations=5 tests/test_mla_gpu.py 2>&1 | tail -15 | tee "$OUT/mla_tests.txt"
+  timeout ${MLA_TESTS_S:-200} python3 -m pytest -v -p no:cacheprovider --timeout=180 --durations=5 tests/test_mla.py tests/test_mla_gpu.py 2>&1 | tail -15 | tee "$OUT/mla_tests.txt"
   timeout ${MLA_E2E_S:-240} python3 benchmarks/e2e_gpu.py --out "$OUT" --targets dsv3-4l --blocks 16 ${MLA_E2E_ARGS:---prompts 2 --new-tokens 64} > "$OUT/mla_e2e.txt" 2>&1
   rc=$?; grep -E "^\| dsv3|^- dsv3" "$OUT/mla_e2e.txt" | cut -c1-300; echo "mla e2e: exit $rc" | tee -a "$OUT/mla_e2e.txt"
 fi
