@@ -45,6 +45,36 @@ def native_mxfp4(config) -> bool:
     return str(getattr(method, "value", method) or "").lower() == "mxfp4"
 
 
+def fp8_blocks(config) -> tuple[int, int] | None:
+    """The weight block of a block-scaled FP8 checkpoint (DeepSeek-V3's and Kimi K2's form: `quantization_config:
+    {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}`; each quantized `X.weight` is float8 e4m3
+    with a float32 `X.weight_scale_inv` of one scale a block), else None."""
+    q = getattr(config, "quantization_config", None)
+    get = (lambda k: q.get(k)) if isinstance(q, dict) else (lambda k: getattr(q, k, None))
+    method = get("quant_method") if q is not None else None
+    if str(getattr(method, "value", method) or "").lower() != "fp8":
+        return None
+    block = get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        return None
+    return int(block[0]), int(block[1])
+
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A block-scaled FP8 weight [..., rows, cols] in `dtype`: each element times its block's scale, in float32, then
+    rounded once (transformers' dequantization at load). The scale grid is [..., ceil(rows / block[0]), ceil(cols /
+    block[1])]: the last blocks of a dimension the block does not divide are partial (DeepSeek-V3's 576-row
+    kv_a_proj_with_mqa)."""
+    rows, cols = weight.shape[-2:]
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape[-2:]) != grid or scale_inv.shape[:-2] != weight.shape[:-2]:
+        raise ValueError(f"FP8 scales {list(scale_inv.shape)} do not match a weight {list(weight.shape)} in "
+                         f"{block[0]}x{block[1]} blocks (expected [..., {grid[0]}, {grid[1]}])")
+    s = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
+    return (weight.float() * s).to(dtype)
+
+
 class Tensors:
     """Which safetensors file holds each tensor of a checkpoint directory (headers only; nothing is read)."""
 
@@ -146,6 +176,7 @@ class ExpertsForm:
     act: int
     alpha: float
     limit: float
+    fp8_block: tuple[int, int] | None = None  # float experts stored block-scaled FP8 (each weight has its scale_inv)
 
     @property
     def layout(self) -> ExpertLayout:
@@ -159,6 +190,8 @@ class ExpertsForm:
             ks = [f"{p}.gate_up_proj", f"{p}.down_proj"]
         else:
             ks = [f"{p}.{e}.{n}_proj.weight" for e in range(self.num_experts) for n in ("gate", "up", "down")]
+        if self.fp8_block is not None:
+            ks += [f"{k}_scale_inv" for k in ks]
         if self.has_bias:
             ks += [f"{p}.gate_up_proj_bias", f"{p}.down_proj_bias"]
         return ks
@@ -185,6 +218,11 @@ class ExpertsForm:
                 out[f"{p}.{x}.gate_proj.weight"] = ((i, h), None)
                 out[f"{p}.{x}.up_proj.weight"] = ((i, h), None)
                 out[f"{p}.{x}.down_proj.weight"] = ((h, i), None)
+        if self.fp8_block is not None:  # the weights float8 e4m3, each with its float32 grid of block scales
+            bn, bk = self.fp8_block
+            for key, (shape, _) in list(out.items()):
+                out[key] = (shape, "F8_E4M3")
+                out[f"{key}_scale_inv"] = ((*shape[:-2], -(-shape[-2] // bn), -(-shape[-1] // bk)), "F32")
         if self.has_bias:
             out[f"{p}.gate_up_proj_bias"] = ((e, 2 * i), None)
             out[f"{p}.down_proj_bias"] = ((e, h), None)
@@ -218,7 +256,8 @@ def _why_not(module: nn.Module) -> str | None:
     return None
 
 
-def experts_form(tensors: Tensors, path: str, module: nn.Module, mxfp4_config: bool) -> ExpertsForm | str:
+def experts_form(tensors: Tensors, path: str, module: nn.Module, mxfp4_config: bool,
+                 fp8_block: tuple[int, int] | None = None) -> ExpertsForm | str:
     """How the checkpoint stores this experts module, or why it cannot be read here (then from_pretrained loads it).
     The module's parameters give the shapes (they may be on the meta device)."""
     why = _why_not(module)
@@ -244,8 +283,14 @@ def experts_form(tensors: Tensors, path: str, module: nn.Module, mxfp4_config: b
         return f"no experts tensors under {path} in a form read here (fused gate_up_proj, experts.N.gate_proj, MXFP4 blocks)"
     if h % mxfp4.GROUP or inter % mxfp4.GROUP:
         return f"hidden {h} / intermediate {inter} not multiples of {mxfp4.GROUP} (MXFP4 groups)"
+    fp8 = fp8_block if kind != "mxfp4" and fp8_block is not None and f"{form_key(path, kind)}_scale_inv" in tensors else None
     return ExpertsForm(path, kind, e, h, inter, has_bias, transposed, row_mul, up_off, act,
-                       float(getattr(module, "alpha", 1.702)), float(getattr(module, "limit", 7.0)))
+                       float(getattr(module, "alpha", 1.702)), float(getattr(module, "limit", 7.0)), fp8)
+
+
+def form_key(path: str, kind: str) -> str:
+    """The first weight tensor of a float experts module stored as `kind`."""
+    return f"{path}.gate_up_proj" if kind == "fused" else f"{path}.0.gate_proj.weight"
 
 
 def read_experts(tensors: Tensors, form: ExpertsForm, quantize_on: torch.device | None = None) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
@@ -275,15 +320,23 @@ def read_experts(tensors: Tensors, form: ExpertsForm, quantize_on: torch.device 
                     "w2_scales": read(f"{p}.down_proj_scales", e),
                 }
             else:
+                fb = form.fp8_block
+
+                def weight(key: str, index: int | None = None) -> torch.Tensor:
+                    """The stored float weight; block-scaled FP8 dequantized exactly (float32, no rounding before the
+                    MXFP4 quantization)."""
+                    w = read(key, index)
+                    return w if fb is None else dequantize_fp8(w, read(f"{key}_scale_inv", index), fb, torch.float32)
+
                 if form.kind == "fused":  # rows = output features (K-major)
                     k1, k2 = f"{p}.gate_up_proj", f"{p}.down_proj"
-                    w1, w2 = read(k1, e), read(k2, e)
+                    w1, w2 = weight(k1, e), weight(k2, e)
                     if form.transposed:
                         w1, w2 = w1.T, w2.T
                 else:
                     k1, k2 = f"{p}.{e}.gate_proj.weight", f"{p}.{e}.down_proj.weight"
-                    w1 = torch.cat([read(k1), read(f"{p}.{e}.up_proj.weight")])
-                    w2 = read(k2)
+                    w1 = torch.cat([weight(k1), weight(f"{p}.{e}.up_proj.weight")])
+                    w2 = weight(k2)
                 (b1q, s1q), (b2q, s2q) = q(w1, k1), q(w2, k2)
                 parts = {"w1_blocks": b1q, "w1_scales": s1q, "w2_blocks": b2q, "w2_scales": s2q}
             if form.has_bias:
@@ -300,6 +353,7 @@ class DirectLoad:
     rest: dict[str, list[tuple[nn.Module, str]]]  # checkpoint key -> every (module, attribute) holding it
     dtype: torch.dtype
     native_mxfp4: bool
+    fp8_block: tuple[int, int] | None = None  # a block-scaled FP8 checkpoint: its quantized weights are dequantized
 
     @property
     def num_experts(self) -> dict[int, int]:
@@ -314,6 +368,9 @@ class DirectLoad:
             old = module._parameters.get(attr) if attr in module._parameters else module._buffers.get(attr)
             if tuple(t.shape) != tuple(old.shape):
                 raise ValueError(f"checkpoint tensor {key} is {list(t.shape)}, the model expects {list(old.shape)}")
+            if self.fp8_block is not None and f"{key}_scale_inv" in self.tensors:
+                with self.tensors.open([f"{key}_scale_inv"]) as read:
+                    t = dequantize_fp8(t, read(f"{key}_scale_inv"), self.fp8_block, old.dtype)
             dtype = torch.float32 if keep is not None and keep.search(key) and t.is_floating_point() else (
                 old.dtype if t.is_floating_point() else t.dtype)
             t = t.to(dtype)
@@ -342,10 +399,11 @@ def plan(directory: str | pathlib.Path, config, dtype: torch.dtype) -> DirectLoa
     from transformers import AutoModelForCausalLM
 
     native = native_mxfp4(config)
+    fp8 = fp8_blocks(config)
     quant = getattr(config, "quantization_config", None)
-    if quant is not None and not native:  # fp8, gptq, ...: their non-expert weights need transformers' quantizer
+    if quant is not None and not native and fp8 is None:  # gptq, awq, ...: their weights need transformers' quantizer
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-        return f"a {method} checkpoint (only MXFP4 or float experts are read directly)"
+        return f"a {method} checkpoint (only MXFP4, block-scaled FP8 or float experts are read directly)"
     tensors = Tensors(directory)
     cfg = copy.deepcopy(config)
     if hasattr(cfg, "quantization_config"):
@@ -359,7 +417,7 @@ def plan(directory: str | pathlib.Path, config, dtype: torch.dtype) -> DirectLoa
     path_of = {id(m): name for name, m in model.named_modules()}
     forms: dict[int, ExpertsForm] = {}
     for layer, module in modules.items():
-        form = experts_form(tensors, path_of[id(module)], module, native)
+        form = experts_form(tensors, path_of[id(module)], module, native, fp8)
         if isinstance(form, str):
             if native:
                 raise ValueError(f"layer {layer}: experts the MXFP4 store cannot hold ({form})")
@@ -396,4 +454,4 @@ def plan(directory: str | pathlib.Path, config, dtype: torch.dtype) -> DirectLoa
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(str(directory))
-    return DirectLoad(tensors, model, forms, rest, dtype, native)
+    return DirectLoad(tensors, model, forms, rest, dtype, native, fp8)

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pdflash.hf_compat import cache_kwarg
 from pdflash.logging import get_logger
-from verifier_svc.checkpoint import DirectLoad, native_mxfp4, plan
+from verifier_svc.checkpoint import DirectLoad, fp8_blocks, native_mxfp4, plan
 from verifier_svc.experts import ExpertsSeam, expert_byte_map, experts_modules
 
 log = get_logger("pdflash.verifier.model")
@@ -168,7 +168,9 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, use_safetensors=True, **kw)
     except Exception as e:  # noqa: BLE001 - one line that names the checkpoint (pdflash.server.failure_reason)
-        hint = "; its experts are MXFP4: use --experts mxfp4" if native else ""
+        hint = ("; its experts are MXFP4: use --experts mxfp4" if native else
+                "; its weights are block-scaled FP8: use --experts mxfp4 (read directly, the experts to MXFP4)"
+                if fp8_blocks(config) is not None else "")
         raise ValueError(f"cannot load the checkpoint in {directory}: {type(e).__name__}: {e}{hint}") from e
     if experts == "mxfp4" and expert_cache_gb > 0:
         cache = offload_experts(model, dev, expert_cache_gb, expert_prefetch, mode=expert_cache_mode,
