@@ -97,6 +97,28 @@ def compile_head_matmul(k: int, n: int) -> dict:
     return {**row, "compiles": True, "compile_s": round(time.time() - t, 1), **usage(kern)}
 
 
+def compile_kv_write(d: int, dv: int) -> dict:
+    """The paged KV write (MLA: the 512-wide latent into one pool, its 64-wide rotary key into the other)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pdflash_kernels import attention as a
+
+    fn = a._kv_write_kernel
+    const = dict(D=d, BLOCK_D=triton.next_power_of_2(d), DV=dv, BLOCK_DV=triton.next_power_of_2(dv))
+    ptrs = {"k_ptr": "*bf16", "v_ptr": "*bf16", "kp_ptr": "*bf16", "vp_ptr": "*bf16", "pages_ptr": "*i64", "offs_ptr": "*i64"}
+    sig = {nm: ("constexpr" if nm in const else ptrs.get(nm, "i32")) for nm in fn.arg_names}
+    row = {"kernel": f"paged_write {d}/{dv}", "head": d, "rotary": dv, "group": 0, "paged": True, "programs": 1,
+           "ragged": False, "num_warps": 4, "num_stages": 3}
+    t = time.time()
+    try:
+        kern = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    except Exception as e:  # noqa: BLE001
+        return {**row, "compiles": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+    return {**row, "compiles": True, "compile_s": round(time.time() - t, 1), **usage(kern)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -116,6 +138,8 @@ def main() -> int:
         rows.append(compile_attention("mla paged wave", 512, 128, 64, True, 16, True, 8, stages))
     rows.append(compile_head_matmul(128, 512))  # q_nope @ W_UK
     rows.append(compile_head_matmul(512, 128))  # o_latent @ W_UV^T
+    rows.append(compile_kv_write(128, 128))  # every GQA model's
+    rows.append(compile_kv_write(512, 64))  # MLA's latent and rotary key
     cols = ["kernel", "head", "rotary", "programs", "ragged", "num_warps", "num_stages", "compiles", "registers",
             "stack_bytes", "shared_bytes", "fits_smem", "compile_s", "error"]
     for r in rows:
