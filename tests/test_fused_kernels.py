@@ -302,7 +302,8 @@ ptx(linear._linear_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", bias_ptr="*fp32", 
                                 cnt_ptr="*fp32"), {**const, "SPLIT": 1, "HAS_BIAS": False, "FIXUP": False, "PARTIALS": True})
 from pdflash_kernels import attention
 at = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", pos_ptr="*i64", kmask_ptr="*i64", sink_ptr="*fp32",
-          table_ptr="*i32", ws_ptr="*fp32", ml_ptr="*fp32", cnt_ptr="*i32", cu_ptr="*i32", scaling="fp32")
+          table_ptr="*i32", ws_ptr="*fp32", ml_ptr="*fp32", cnt_ptr="*i32", cu_ptr="*i32", scaling="fp32", qr_ptr="*bf16",
+          kr_ptr="*bf16")
 dummy = dict(ws_ptr="*bf16", ml_ptr="*bf16", cnt_ptr="*bf16")  # one program: the launcher passes the output as the buffers
 # (ragged: a multi-session wave's rows, sequence b's from cu_ptr; else the launcher passes the positions as cu_ptr)
 for progs, paged, sink, group, ragged in ((16, True, False, 8, False), (1, True, True, 8, False), (1, False, False, 4, False),
@@ -310,7 +311,8 @@ for progs, paged, sink, group, ragged in ((16, True, False, 8, False), (1, True,
     p = ptx(attention._attn_kernel, {**(at if progs > 1 else {**at, **dummy}), **({} if ragged else {"cu_ptr": "*i64"})},
             dict(GROUP=group, D=128 if group != 8 or not sink else 64, HAS_SINK=sink, HAS_KMASK=not paged,
                  BLOCK_M=16, BLOCK_N=64, SEG_CHUNKS=attention.SEG_CHUNKS, PROGRAMS=progs,
-                 DIRECT_SEGS=attention.DIRECT_SEGS, F32DOT=False, PAGED=paged, RAGGED=ragged))
+                 DIRECT_SEGS=attention.DIRECT_SEGS, F32DOT=False, PAGED=paged, RAGGED=ragged, DR=0, BLOCK_DR=0,
+                 V_IS_K=False))
     if progs > 1:
         assert "atom.global.gpu.acq_rel.add" in p and "ld.global.cg" in p, "the split attention's semaphore or L2 reads"
 from pdflash_kernels import moe
@@ -375,7 +377,7 @@ for mt in (1, 4):  # the same MMA for every row tile whatever MT: a row's bits c
     mmas = set(re.findall(r"(mma\.sync\.aligned\.\S+|wgmma\.\S+)", ptx(linear._linear_kernel, lt, {**lc, "BLOCK_M": 16, "MT": mt, "LOOP_STAGES": 4 if mt > 1 else None})))
     assert mmas == {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}, (mt, mmas)
 ac = dict(GROUP=8, D=128, HAS_SINK=False, HAS_KMASK=False, BLOCK_M=16, BLOCK_N=64, SEG_CHUNKS=attention.SEG_CHUNKS,
-          PROGRAMS=1, DIRECT_SEGS=attention.DIRECT_SEGS, F32DOT=False, PAGED=True, RAGGED=False)
+          PROGRAMS=1, DIRECT_SEGS=attention.DIRECT_SEGS, F32DOT=False, PAGED=True, RAGGED=False, DR=0, BLOCK_DR=0, V_IS_K=False)
 _, sync, streamed = loop_loads(compiled_ir(attention._attn_kernel, {**at, **dummy}, ac, [n for n in attention._attn_kernel.arg_names
                                            if n.endswith("_ptr") or n in ("sqb", "sqh", "sqt", "skb", "skh", "sks", "svb",
                                                                           "svh", "svs", "sob", "sot", "soh")], 4, 3))
