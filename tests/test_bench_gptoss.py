@@ -207,3 +207,12 @@ def test_the_iid_replay_drafter_errs_a_third_of_the_time_wherever_a_round_starts
     assert all(abs(first_wrong["iid", s] - 1 / 3) < 0.06 for s in (0, 1, 2))  # the same at any alignment
     assert [first_wrong["periodic", s] for s in (0, 1, 2)] == [0.0, 0.0, 1.0]  # the periodic one depends on it
     assert iid(0, None, [0] * 5, 8, {}) == iid(0, None, [0] * 5, 8, {})  # a fixed mask: every run the same drafts
+
+
+def test_a_deepseek_v3_target_runs_identical_to_block_one(tmp_path):
+    """`dsv3-<N>l` (DeepSeek-V3's MLA and group-limited routing; tiny widths here, real ones on the GPU): every mode
+    identical to block 1."""
+    result = _run(tmp_path, "--tiny", "--targets", "dsv3-2l", "--prompts", "1", "--new-tokens", "8", "--prompt-tokens",
+                  "24", "--blocks", "4", "--no-hf")
+    assert result["targets"]["dsv3-2l"]["layers"] == 2
+    assert all(r["identical"] is True for r in result["rows"]) and len(result["rows"]) == 3
