@@ -151,12 +151,25 @@ def test_a_missing_fp8_scale_fails_at_load_naming_the_tensor(checkpoints, tmp_pa
         load_target(tmp_path, DEVICE, DTYPE, experts="mxfp4", expert_cache_gb=1.0)
 
 
-def test_native_experts_on_an_fp8_checkpoint_fail_in_one_line_that_names_the_way(checkpoints):
-    """--experts native goes through transformers' loader, whose FP8 path the project's install cannot take (it needs
-    accelerate, and a GPU for its FP8 matmuls): one line that says to read it with --experts mxfp4."""
+def test_native_experts_on_an_fp8_checkpoint_are_its_dequantized_twin(checkpoints):
+    """--experts native (the default) on the FP8 checkpoint: read directly too (transformers' FP8 loader needs
+    accelerate and a GPU), every weight dequantized to the model's dtype: the very parameters, experts included, and
+    greedy tokens of transformers' load of the dequantized twin."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.inprocess import core_run
+    from verifier_svc.engine import VerifierCore
     from verifier_svc.model import load_target
 
-    fp8_dir, _, _ = checkpoints
-    with pytest.raises(ValueError, match="block-scaled FP8: use --experts mxfp4") as err:
-        load_target(fp8_dir, DEVICE, DTYPE)
-    assert "\n" not in str(err.value)
+    fp8_dir, ref_dir, _ = checkpoints
+    ours = load_target(fp8_dir, DEVICE, DTYPE)
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=getattr(torch, DTYPE))
+    mine = dict(ours.model.named_parameters())
+    names = [n for n, _ in ref.named_parameters()]
+    assert sorted(mine) == sorted(names) and any(".mlp.experts." in n for n in names)
+    for name, t in ref.named_parameters():
+        assert mine[name].dtype == t.dtype and torch.equal(mine[name], t), name
+    twin = load_target(ref_dir, DEVICE, DTYPE)
+    prompt = list(range(5, 30))
+    outs = [core_run(VerifierCore(t, max_block_size=8), [prompt], 12, 4)["outputs"] for t in (ours, twin)]
+    assert outs[0] == outs[1]

@@ -319,29 +319,30 @@ def read_experts(tensors: Tensors, form: ExpertsForm, quantize_on: torch.device 
                     "w2_blocks": read(f"{p}.down_proj_blocks", e).flatten(1),
                     "w2_scales": read(f"{p}.down_proj_scales", e),
                 }
-            else:
-                fb = form.fp8_block
-
-                def weight(key: str, index: int | None = None) -> torch.Tensor:
-                    """The stored float weight; block-scaled FP8 dequantized exactly (float32, no rounding before the
-                    MXFP4 quantization)."""
-                    w = read(key, index)
-                    return w if fb is None else dequantize_fp8(w, read(f"{key}_scale_inv", index), fb, torch.float32)
-
-                if form.kind == "fused":  # rows = output features (K-major)
-                    k1, k2 = f"{p}.gate_up_proj", f"{p}.down_proj"
-                    w1, w2 = weight(k1, e), weight(k2, e)
-                    if form.transposed:
-                        w1, w2 = w1.T, w2.T
-                else:
-                    k1, k2 = f"{p}.{e}.gate_proj.weight", f"{p}.{e}.down_proj.weight"
-                    w1 = torch.cat([weight(k1), weight(f"{p}.{e}.up_proj.weight")])
-                    w2 = weight(k2)
+            else:  # (block-scaled FP8 dequantized exactly: float32, no rounding before the MXFP4 quantization)
+                k1, w1, k2, w2 = _float_expert(read, form, e, torch.float32)
                 (b1q, s1q), (b2q, s2q) = q(w1, k1), q(w2, k2)
                 parts = {"w1_blocks": b1q, "w1_scales": s1q, "w2_blocks": b2q, "w2_scales": s2q}
             if form.has_bias:
                 parts["b1"], parts["b2"] = b1[e], b2[e]
             yield e, parts
+
+
+def _float_expert(read, form: ExpertsForm, e: int, fp8_dtype: torch.dtype):
+    """(key, gate_up [2I, H], key, down [H, I]) of expert e of a float experts layer (rows = output features), as
+    stored; block-scaled FP8 dequantized to `fp8_dtype`."""
+    p, fb = form.path, form.fp8_block
+
+    def weight(key: str, index: int | None = None) -> torch.Tensor:
+        w = read(key, index)
+        return w if fb is None else dequantize_fp8(w, read(f"{key}_scale_inv", index), fb, fp8_dtype)
+
+    if form.kind == "fused":
+        k1, k2 = f"{p}.gate_up_proj", f"{p}.down_proj"
+        w1, w2 = weight(k1, e), weight(k2, e)
+        return (k1, w1.T, k2, w2.T) if form.transposed else (k1, w1, k2, w2)
+    k1, k2 = f"{p}.{e}.gate_proj.weight", f"{p}.{e}.down_proj.weight"
+    return k1, torch.cat([weight(k1), weight(f"{p}.{e}.up_proj.weight")]), k2, weight(k2)
 
 
 # ---- the plan: model skeleton + what is read from where --------------------------------------------------------
@@ -386,6 +387,24 @@ class DirectLoad:
         for name, p in list(self.model.named_parameters()) + list(self.model.named_buffers()):
             if p.device.type == "meta":
                 raise ValueError(f"{name} was not loaded from the checkpoint in {self.tensors.directory}")
+
+    def load_float_experts(self) -> None:
+        """Every experts module's weights in the model's dtype, as transformers would hold them (`--experts native` on
+        a block-scaled FP8 checkpoint: each weight dequantized in float32, then rounded once to the model's dtype)."""
+        for form in self.forms.values():
+            if form.kind == "mxfp4":
+                raise ValueError(f"{form.path}: MXFP4 experts are served with --experts mxfp4")
+            _check(self.tensors, form)
+            module = self.model.get_submodule(form.path)
+            with self.tensors.open(form.keys()) as read:
+                pairs = [_float_expert(read, form, e, self.dtype)[1::2] for e in range(form.num_experts)]
+                params = {"gate_up_proj": torch.stack([w1.T if form.transposed else w1 for w1, _ in pairs]),
+                          "down_proj": torch.stack([w2.T if form.transposed else w2 for _, w2 in pairs])}
+                if form.has_bias:
+                    params["gate_up_proj_bias"] = read(f"{form.path}.gate_up_proj_bias")
+                    params["down_proj_bias"] = read(f"{form.path}.down_proj_bias")
+            for name, t in params.items():
+                setattr(module, name, nn.Parameter(t.to(self.dtype).contiguous(), requires_grad=False))
 
     def experts(self, quantize_on: torch.device | None = None):
         """(layer, iterator of (expert, parts)) for every MoE layer, read lazily (`read_experts`)."""

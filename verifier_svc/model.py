@@ -147,16 +147,23 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
     native = native_mxfp4(config)
     log.info("loading target", path=str(directory), architecture=config.model_type, dtype=str(torch_dtype), device=str(dev),
              experts="mxfp4 (checkpoint)" if native else experts)
-    if experts == "mxfp4":
+    fp8 = fp8_blocks(config) is not None  # (transformers' own FP8 loader needs accelerate and a GPU: read it here)
+    if experts == "mxfp4" or fp8:
         try:
             direct = plan(directory, config, torch_dtype)
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - one line that names the checkpoint (pdflash.server.failure_reason)
             raise ValueError(f"cannot load the checkpoint in {directory}: {type(e).__name__}: {e}") from e
-        if isinstance(direct, DirectLoad):
+        if isinstance(direct, DirectLoad) and experts == "mxfp4":
             return load_direct(direct, directory, dev, kernels, expert_cache_gb, expert_prefetch, expert_cache_mode,
                                expert_eviction)
+        if isinstance(direct, DirectLoad):  # FP8, --experts native: every weight dequantized to the model's dtype
+            direct.load_rest()
+            direct.load_float_experts()
+            return wrap_model(direct.model.to(dev), directory, kernels, experts)
+        if fp8:
+            raise ValueError(f"cannot read the FP8 checkpoint in {directory}: {direct}")
         log.info("experts quantized after a transformers load (not read layer by layer)", reason=direct)
     kw = {}
     if native:  # transformers dequantizes them (its MXFP4 kernels need the hub's `kernels` package and a GPU)
@@ -168,9 +175,7 @@ def load_target(directory: str | pathlib.Path, device: str = "cpu", dtype: str =
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, use_safetensors=True, **kw)
     except Exception as e:  # noqa: BLE001 - one line that names the checkpoint (pdflash.server.failure_reason)
-        hint = ("; its experts are MXFP4: use --experts mxfp4" if native else
-                "; its weights are block-scaled FP8: use --experts mxfp4 (read directly, the experts to MXFP4)"
-                if fp8_blocks(config) is not None else "")
+        hint = "; its experts are MXFP4: use --experts mxfp4" if native else ""
         raise ValueError(f"cannot load the checkpoint in {directory}: {type(e).__name__}: {e}{hint}") from e
     if experts == "mxfp4" and expert_cache_gb > 0:
         cache = offload_experts(model, dev, expert_cache_gb, expert_prefetch, mode=expert_cache_mode,
