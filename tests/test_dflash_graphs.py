@@ -195,7 +195,8 @@ def test_sessions_take_turns_in_the_working_buffer(demo, sequences):
     a, b = pairs[0]
     assert a.propose() == b.propose()  # loads session 0 back; the closed one is dropped, not saved
     assert g.resident is pairs[0][1].s.graphed
-    assert resident.store is store and torch.equal(store, stale)
+    # (bytes, not values: the store's rows past the session's length are uninitialized and may hold NaN patterns)
+    assert resident.store is store and torch.equal(store.view(torch.uint8), stale.view(torch.uint8))
 
 
 def test_a_prompt_beyond_the_capacity_runs_eagerly_from_the_start(demo, sequences):
