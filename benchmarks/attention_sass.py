@@ -2,11 +2,12 @@
 its registers, spills and shared memory against an H100/H200 SM's 227 KiB. A check before device time is spent, above
 all on forms no GPU has run yet (multi-head latent attention's 512-wide latent); not a timing.
 
-    python benchmarks/attention_sass.py [--out DIR]
+    python benchmarks/attention_sass.py [--out DIR] [--against REV]
 
 Rows: the GQA forms every served model runs (head 64 and 128, paged, split over programs or not, ragged waves) and the
 MLA forms (latent 512 + rotary 64, 128 query heads on one latent, values = keys) at 1 and 2 pipeline stages, plus
-`mla.head_matmul` at DeepSeek-V3's widths. Writes attention_sass.json / .md under --out (default benchmarks/results).
+`mla.head_matmul` at DeepSeek-V3's widths and the paged KV write. `--against REV`: the GQA forms' SASS compared
+instruction by instruction with REV's source of the kernel. Writes attention_sass.json / .md under --out (default benchmarks/results).
 """
 
 from __future__ import annotations
@@ -48,80 +49,114 @@ def usage(kern) -> dict:
             "shared_bytes": int(kern.metadata.shared)}
 
 
-def compile_attention(name: str, d: int, group: int, dr: int, paged: bool, programs: int, ragged: bool,
-                      num_warps: int, num_stages: int) -> dict:
+def _compile(fn, types: dict, const: dict, row: dict, sass: bool = False) -> dict:
+    """`row` + whether `fn` compiles for sm_90a with `const` (pointer types from `types`, other arguments i32) at the
+    row's warps and stages, and its registers, stack and shared memory; with `sass` its SASS instructions too (parameter
+    offsets normalized), for comparing two sources of one kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    const = {n: v for n, v in const.items() if n in fn.arg_names}  # (an older source: without its later constexprs)
+    sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
+    t = time.time()
+    try:
+        kern = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=row["num_warps"], num_stages=row["num_stages"]))
+    except Exception as e:  # noqa: BLE001 - a form that does not compile is the finding
+        return {**row, "compiles": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+    out = {**row, "compiles": True, "compile_s": round(time.time() - t, 1), **usage(kern)}
+    if sass:
+        out["sass"] = sass_of(kern)
+    return out
+
+
+def sass_of(kern) -> list[str]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kern.asm["cubin"])
+    try:
+        text = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return [re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[param]", m.group(1).strip())
+            for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", text)]
+
+
+ATTN_TYPES = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "pos_ptr": "*i64",
+              "kmask_ptr": "*i64", "sink_ptr": "*bf16", "table_ptr": "*i32", "qr_ptr": "*bf16", "kr_ptr": "*bf16",
+              "ws_ptr": "*fp32", "ml_ptr": "*fp32", "cnt_ptr": "*i32", "cu_ptr": "*i32", "scaling": "fp32"}
+
+
+def compile_attention(name: str, d: int, group: int, dr: int, paged: bool, programs: int, ragged: bool,
+                      num_warps: int, num_stages: int, module=None, sass: bool = False) -> dict:
+    """`_attn_kernel` of pdflash_kernels.attention (or of `module`, another source of it)."""
+    import triton
+
     from pdflash_kernels import attention as a
 
-    fn = a._attn_kernel
     const = dict(GROUP=group, D=d, HAS_SINK=False, HAS_KMASK=False, BLOCK_M=a.BLOCK_M, BLOCK_N=a.BLOCK_N,
                  SEG_CHUNKS=a.SEG_CHUNKS, PROGRAMS=programs, DIRECT_SEGS=a.DIRECT_SEGS, F32DOT=False, PAGED=paged,
                  DR=dr, BLOCK_DR=max(16, triton.next_power_of_2(dr)) if dr else 0, V_IS_K=dr > 0, RAGGED=ragged)
-    ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "pos_ptr": "*i64", "kmask_ptr": "*i64",
-            "sink_ptr": "*bf16", "table_ptr": "*i32", "qr_ptr": "*bf16", "kr_ptr": "*bf16", "ws_ptr": "*fp32",
-            "ml_ptr": "*fp32", "cnt_ptr": "*i32", "cu_ptr": "*i32", "scaling": "fp32"}
-    sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
-    t = time.time()
     row = {"kernel": name, "head": d, "rotary": dr, "group": group, "paged": paged, "programs": programs, "ragged": ragged,
            "num_warps": num_warps, "num_stages": num_stages}
-    try:
-        kern = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
-    except Exception as e:  # noqa: BLE001 - a form that does not compile is the finding
-        return {**row, "compiles": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
-    return {**row, "compiles": True, "compile_s": round(time.time() - t, 1), **usage(kern)}
+    return _compile((module or a)._attn_kernel, ATTN_TYPES, const, row, sass)
 
 
 def compile_head_matmul(k: int, n: int) -> dict:
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from pdflash_kernels import mla
 
-    fn = mla._head_mm_kernel
     const = dict(K=k, N=n, BLOCK_M=mla.BLOCK_M, BLOCK_N=max(16, min(64, triton.next_power_of_2(n))),
                  BLOCK_K=max(16, min(64, triton.next_power_of_2(k))), PRECISION="tf32", F32DOT=False)
-    sig = {nm: ("constexpr" if nm in const else {"x_ptr": "*bf16", "w_ptr": "*bf16", "o_ptr": "*bf16"}.get(nm, "i32"))
-           for nm in fn.arg_names}
     row = {"kernel": f"head_matmul K={k} N={n}", "head": k, "rotary": 0, "group": 0, "paged": False, "programs": 1,
            "ragged": False, "num_warps": 4, "num_stages": 3}
-    t = time.time()
-    try:
-        kern = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    except Exception as e:  # noqa: BLE001
-        return {**row, "compiles": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
-    return {**row, "compiles": True, "compile_s": round(time.time() - t, 1), **usage(kern)}
+    return _compile(mla._head_mm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "o_ptr": "*bf16"}, const, row)
 
 
 def compile_kv_write(d: int, dv: int) -> dict:
     """The paged KV write (MLA: the 512-wide latent into one pool, its 64-wide rotary key into the other)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from pdflash_kernels import attention as a
 
-    fn = a._kv_write_kernel
     const = dict(D=d, BLOCK_D=triton.next_power_of_2(d), DV=dv, BLOCK_DV=triton.next_power_of_2(dv))
-    ptrs = {"k_ptr": "*bf16", "v_ptr": "*bf16", "kp_ptr": "*bf16", "vp_ptr": "*bf16", "pages_ptr": "*i64", "offs_ptr": "*i64"}
-    sig = {nm: ("constexpr" if nm in const else ptrs.get(nm, "i32")) for nm in fn.arg_names}
+    types = {"k_ptr": "*bf16", "v_ptr": "*bf16", "kp_ptr": "*bf16", "vp_ptr": "*bf16", "pages_ptr": "*i64", "offs_ptr": "*i64"}
     row = {"kernel": f"paged_write {d}/{dv}", "head": d, "rotary": dv, "group": 0, "paged": True, "programs": 1,
            "ragged": False, "num_warps": 4, "num_stages": 3}
-    t = time.time()
-    try:
-        kern = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    except Exception as e:  # noqa: BLE001
-        return {**row, "compiles": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
-    return {**row, "compiles": True, "compile_s": round(time.time() - t, 1), **usage(kern)}
+    return _compile(a._kv_write_kernel, types, const, row)
+
+
+GQA_FORMS = (("gqa prefill", 128, False, 1, False), ("gqa paged split", 128, True, 16, False),
+             ("gqa paged wave", 64, True, 16, True))
+
+
+def same_sass_as(rev: str) -> list[dict]:
+    """The GQA forms compiled from this checkout's pdflash_kernels/attention.py and from `rev`'s (git show): their
+    SASS instruction counts and how many instructions differ (0: the same kernel, so the same bits on the GPU)."""
+    import importlib.util
+
+    src = subprocess.run(["git", "show", f"{rev}:pdflash_kernels/attention.py"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "attention_at_rev.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location("pdflash_kernels.attention_at_rev", path)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)  # (triton.jit reads the source file: compile before the directory goes)
+        out = []
+        for name, d, paged, programs, ragged in GQA_FORMS:
+            now = compile_attention(name, d, 8, 0, paged, programs, ragged, 4, 3, sass=True)["sass"]
+            then = compile_attention(name, d, 8, 0, paged, programs, ragged, 4, 3, module=old, sass=True)["sass"]
+            out.append({"kernel": name, "head": d, "instructions": len(now), f"instructions_at_{rev}": len(then),
+                        "differing": sum(a != b for a, b in zip(now, then)) + abs(len(now) - len(then))})
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--against", metavar="REV", help="also compare the GQA forms' SASS with a git revision's attention.py")
     args = ap.parse_args()
     from pdflash_kernels.attention import _launch_options
 
@@ -149,13 +184,20 @@ def main() -> int:
           f"Shared memory limit a block: {SMEM_LIMIT} bytes. Registers and stack (spill) bytes from cuobjdump.", "",
           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    same = same_sass_as(args.against) if args.against else []
+    if same:
+        md += ["", f"The GQA forms' SASS against {args.against}'s `pdflash_kernels/attention.py` (`--against "
+               f"{args.against}`; parameter offsets aside):", "", "| kernel | head | instructions | at " + args.against
+               + " | differing |", "|---|---|---|---|---|"]
+        md += [f"| {r['kernel']} | {r['head']} | {r['instructions']} | {r[f'instructions_at_{args.against}']} | "
+               f"{r['differing']} |" for r in same]
     text = "\n".join(md) + "\n"
     print(text)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "attention_sass.md").write_text(text)
-    (out / "attention_sass.json").write_text(json.dumps(rows, indent=1) + "\n")
-    return 0 if all(r.get("compiles") and r.get("fits_smem") for r in rows) else 1
+    (out / "attention_sass.json").write_text(json.dumps({"forms": rows, "same_sass": same}, indent=1) + "\n")
+    return 0 if all(r.get("compiles") and r.get("fits_smem") for r in rows) and not any(r["differing"] for r in same) else 1
 
 
 if __name__ == "__main__":

@@ -480,6 +480,14 @@ def attention(
 PAGE = BLOCK_N  # positions per KV page: one attention chunk reads exactly one page
 
 
+def _check_paged(pools, seq_starts, max_rows) -> None:
+    for pool in pools:
+        if pool.shape[2] != PAGE:
+            raise ValueError(f"KV pages must hold {PAGE} positions, got {pool.shape[2]}")
+    if seq_starts is not None and max_rows is None:
+        raise ValueError("ragged attention needs max_rows (the most rows of one sequence)")
+
+
 def paged_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -503,10 +511,7 @@ def paged_attention(
     (rows past seq_starts[B], a padded wave's tail, are left unwritten); `max_rows` (a host int) bounds every
     sequence's rows. Returns [1, R, Hq, D]. A tile holds rows of one sequence only, starting at its first row, so each
     sequence's rows get the bits of a call of that sequence alone."""
-    if k_pool.shape[2] != PAGE:
-        raise ValueError(f"KV pages must hold {PAGE} positions, got {k_pool.shape[2]}")
-    if seq_starts is not None and max_rows is None:
-        raise ValueError("ragged attention needs max_rows (the most rows of one sequence)")
+    _check_paged((k_pool, v_pool), seq_starts, max_rows)
     return _launch(q, k_pool, v_pool, positions, scaling, sliding_window, sinks, None, page_table, 0, programs,
                    seq_starts, max_rows)
 
@@ -529,10 +534,7 @@ def paged_latent_attention(
     already multiplied by the key up-projection, `pdflash_kernels.mla`), q_rope [B, H, T, DR]; pools [pages, 1, PAGE, L]
     and [pages, 1, PAGE, DR]. Returns the latent output [B, T, H, L] (before the value up-projection). The same
     chunks, segments, merge order and ragged rows as `paged_attention`: a row's bits do not depend on the call's rows."""
-    if latent_pool.shape[2] != PAGE or rope_pool.shape[2] != PAGE:
-        raise ValueError(f"latent pages must hold {PAGE} positions, got {latent_pool.shape[2]} / {rope_pool.shape[2]}")
-    if seq_starts is not None and max_rows is None:
-        raise ValueError("ragged attention needs max_rows (the most rows of one sequence)")
+    _check_paged((latent_pool, rope_pool), seq_starts, max_rows)
     return _launch(q_latent, latent_pool, None, positions, scaling, None, None, None, page_table, 0, programs,
                    seq_starts, max_rows, q_rope=q_rope, k_rope=rope_pool)
 

@@ -21,7 +21,7 @@ from pdflash.client import Client
 from pdflash_kernels import runtime
 from pdflash.hf_compat import keeps_recurrent_states
 from pdflash.tiny import MORE_ARCHITECTURES, make_tiny_checkpoint
-from tests.conftest import start_stack
+from tests.conftest import needs_triton, start_stack
 from verifier_svc.engine import VerifierCore
 from verifier_svc.model import load_target
 
@@ -155,9 +155,6 @@ def test_hybrid_caches_are_probed_and_plain_ones_are_not():
     assert not plain_attention_cache(new_session_cache(AutoConfig.for_model("qwen3_next"), 8))
 
 
-needs_triton = pytest.mark.skipif(not runtime.triton_usable("cpu"), reason="needs triton (interpreted on CPU)")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @needs_triton
@@ -174,7 +171,8 @@ def test_latent_attention_models_run_on_the_paged_latent_kv(checkpoints):
     paged = VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="on", kv_cache_gb=0.01))
     assert paged.pool.k[0].shape[1:] == (1, 64, target.model.config.kv_lora_rank)  # one latent a position
     assert paged.pool.v[0].shape[-1] == target.model.config.qk_rope_head_dim
-    assert paged.forward_info["kv"].startswith("paged: ")
+    assert paged.forward_info["kv"].startswith("paged: ") and "latent" in paged.forward_info["attention"]
+    assert paged.runner.chain is not None  # the layer probe drove an MLA layer (its cache's values of their own width)
     one = core_run(paged, prompts, n, 1)["outputs"]
     replayed = core_run(paged, prompts, n, 8, propose=replay([o[:n] for o in one]))
     assert [o[:n] for o in replayed["outputs"]] == [o[:n] for o in one]

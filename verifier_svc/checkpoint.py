@@ -363,15 +363,17 @@ class DirectLoad:
     def load_rest(self, progress: Callable[[int], None] | None = None) -> None:
         """Every non-expert parameter and persistent buffer from the safetensors, cast to the model's dtype."""
         keep = _keep_fp32(self.model, self.dtype)
+        scales = {}  # block-scaled FP8: every weight's scale grid (small), read in one pass over the files
+        if self.fp8_block is not None:
+            scales = dict(self.tensors.read([f"{k}_scale_inv" for k in self.rest if f"{k}_scale_inv" in self.tensors]))
         for key, t in self.tensors.read(list(self.rest)):
             owners = self.rest[key]
             module, attr = owners[0]
             old = module._parameters.get(attr) if attr in module._parameters else module._buffers.get(attr)
             if tuple(t.shape) != tuple(old.shape):
                 raise ValueError(f"checkpoint tensor {key} is {list(t.shape)}, the model expects {list(old.shape)}")
-            if self.fp8_block is not None and f"{key}_scale_inv" in self.tensors:
-                with self.tensors.open([f"{key}_scale_inv"]) as read:
-                    t = dequantize_fp8(t, read(f"{key}_scale_inv"), self.fp8_block, old.dtype)
+            if f"{key}_scale_inv" in scales:
+                t = dequantize_fp8(t, scales[f"{key}_scale_inv"], self.fp8_block, old.dtype)
             dtype = torch.float32 if keep is not None and keep.search(key) and t.is_floating_point() else (
                 old.dtype if t.is_floating_point() else t.dtype)
             t = t.to(dtype)
