@@ -437,9 +437,10 @@ def _launch(q, k, v, positions, scaling, sliding_window, sinks, key_mask, page_t
 
 
 #: pipeline stages of the key walk for wide heads (MLA's 512-wide latent: a 64-key chunk is 64 KiB of bf16, so Triton's
-#: default 3 stages would not fit an SM's shared memory): 1 (no prefetch) until 2 is timed on the GPU. PDFLASH_MLA_STAGES
+#: default 3 stages would not fit an SM's shared memory): 2, the next chunk loaded while one is computed (dsv3-4l on an
+#: H100, stop 60: forward 2.27 ms against 2.42 with 1 stage; benchmarks/results/stop60_gpu/call1). PDFLASH_MLA_STAGES
 #: sets it (the arithmetic, so the bits, are the same at any count).
-_WIDE_STAGES = os.environ.get("PDFLASH_MLA_STAGES", "1")
+_WIDE_STAGES = os.environ.get("PDFLASH_MLA_STAGES", "2")
 if _WIDE_STAGES not in ("1", "2", "3"):
     raise ValueError(f"PDFLASH_MLA_STAGES must be 1, 2 or 3, got {_WIDE_STAGES!r}")
 
