@@ -21,6 +21,9 @@ Targets:
   rank 1536, latent 512 + rotary 64; a dense first layer of 18432, then 32 of the 256 routed experts (width 2048) top-8
   in 8 groups (4 chosen) and a shared expert), random bf16 weights built on the GPU, experts bf16 (native); the paged KV
   holds one latent a position and attention runs in the absorbed form (pdflash_kernels.mla).
+- `qnext-<N>l`: Qwen3-Next-80B-A3B layer shapes, N >= 4 layers (hidden 2048; three Gated DeltaNet layers of 16 key / 32
+  value heads of 128 for each full-attention layer of 16 heads of 256 on 2 KV heads; 64 of the 512 experts (width 512)
+  top-10 and a shared expert), random bf16; the linear-attention layers on pdflash_kernels.gdn, on transformers' cache.
 Random targets use a 4096-token vocabulary and random prompt ids (the same on every run). `--layers N` overrides the
 layer count of every random target; `--tiny` builds them with tiny shapes instead (pdflash.tiny.tiny_config: hidden 64,
 8 experts top-2; gpt-oss's sliding window 64) for CPU smoke runs.
@@ -71,9 +74,9 @@ from benchmarks.inprocess import core_run, drafter_propose, ngram_propose  # noq
 from benchmarks.kernel_bench import device_tag  # noqa: E402
 from verifier_svc.engine import PagedKVOptions, VerifierCore  # noqa: E402
 
-FAMILIES = {"qwen3": "qwen3_moe", "gptoss": "gpt_oss", "dsv3": "deepseek_v3"}
+FAMILIES = {"qwen3": "qwen3_moe", "gptoss": "gpt_oss", "dsv3": "deepseek_v3", "qnext": "qwen3_next"}
 MXFP4_ARCHS = {"gpt_oss"}  # served as the model ships: MXFP4 experts, resident
-DEFAULTS = {"demo": (4, 128), "qwen3": (4, 128), "gptoss": (2, 64), "dsv3": (2, 64)}  # prompts, new tokens
+DEFAULTS = {"demo": (4, 128), "qwen3": (4, 128), "gptoss": (2, 64), "dsv3": (2, 64), "qnext": (2, 64)}  # prompts, new tokens
 REPLAY_BLOCK = 16
 TINY_VOCAB = 512
 
@@ -103,7 +106,7 @@ def parse_target(name: str, layers: int = 0) -> tuple[str, str | None, int]:
         return "demo", None, 0
     family, _, n = name.partition("-")
     if family not in FAMILIES or not n.endswith("l") or not n[:-1].isdigit() or int(n[:-1]) < 1:
-        raise SystemExit(f"unknown target {name!r}: use demo, qwen3-<N>l, gptoss-<N>l or dsv3-<N>l (e.g. gptoss-24l)")
+        raise SystemExit(f"unknown target {name!r}: use demo, qwen3-<N>l, gptoss-<N>l, dsv3-<N>l or qnext-<N>l (e.g. gptoss-24l)")
     return family, FAMILIES[family], layers or int(n[:-1])
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|archs|mla|confirm|direct|deeptiles|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|persist|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|archs|mla|gdn|confirm|direct|deeptiles|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|persist|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312, not in git: what the GPU machine's image lacks), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite (or SUITE_FILES), 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -136,6 +136,11 @@ if has mla; then  # multi-head latent attention: its GPU tests (real DeepSeek-V3
   timeout ${MLA_TESTS_S:-200} python3 -m pytest -v -p no:cacheprovider --timeout=180 --durations=5 tests/test_mla.py tests/test_mla_gpu.py 2>&1 | tail -15 | tee "$OUT/mla_tests.txt"
   timeout ${MLA_E2E_S:-240} python3 benchmarks/e2e_gpu.py --out "$OUT" --targets dsv3-4l --blocks 16 ${MLA_E2E_ARGS:---prompts 2 --new-tokens 64} > "$OUT/mla_e2e.txt" 2>&1
   rc=$?; grep -E "^\| dsv3|^- dsv3" "$OUT/mla_e2e.txt" | cut -c1-300; echo "mla e2e: exit $rc" | tee -a "$OUT/mla_e2e.txt"
+fi
+if has gdn; then  # Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention): its GPU tests at real widths, then qnext-4l's verify loop
+  timeout ${GDN_TESTS_S:-240} python3 -m pytest -v -p no:cacheprovider --timeout=220 --durations=5 tests/test_gdn_gpu.py 2>&1 | tail -15 | tee "$OUT/gdn_tests.txt"
+  timeout ${GDN_E2E_S:-240} python3 benchmarks/e2e_gpu.py --out "$OUT" --targets qnext-4l --blocks 16 ${GDN_E2E_ARGS:---prompts 2 --new-tokens 64} > "$OUT/gdn_e2e.txt" 2>&1
+  rc=$?; grep -E "^\| qnext|^- qnext" "$OUT/gdn_e2e.txt" | cut -c1-300; echo "gdn e2e: exit $rc" | tee -a "$OUT/gdn_e2e.txt"
 fi
 if has e2e; then  # the verify loop in process: demo, qwen3-8l, gptoss-24l (MXFP4 resident) by default (~4-5 min: run it alone)
   timeout ${E2E_S:-540} python3 benchmarks/e2e_gpu.py --out "$OUT" ${E2E_ARGS:-} > "$OUT/e2e.txt" 2>&1

@@ -122,7 +122,10 @@ def generic_config(arch: str, vocab_size: int, eos_id: int, num_layers: int = 2,
                  pad_token_id=eos_id, bos_token_id=None, tie_word_embeddings=False, initializer_range=0.1,
                  first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=hidden // 4, q_lora_rank=None,
                  qk_rope_head_dim=hidden // heads // 2, qk_nope_head_dim=hidden // heads // 2, v_head_dim=hidden // heads,
-                 mlp_only_layers=[], decoder_sparse_step=1, sliding_window=16)
+                 mlp_only_layers=[], decoder_sparse_step=1, sliding_window=16,
+                 # Gated DeltaNet (Qwen3-Next, Qwen3.5): 2 key heads, 4 value heads of 16 (its defaults are real widths)
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=hidden // heads,
+                 linear_value_head_dim=hidden // heads)
     kw = {k: v for k, v in sizes.items() if hasattr(base, k)}
     if hasattr(base, "qk_rope_head_dim"):  # MLA: one latent KV shared by every head
         kw["head_dim"], kw["num_key_value_heads"] = kw["qk_rope_head_dim"], heads
@@ -172,7 +175,7 @@ def make_tiny_checkpoint(out_dir: str | pathlib.Path, arch: str = "qwen3_moe", s
 
 def real_shape_config(arch: str, vocab_size: int = 4096, num_layers: int = 2, eos_id: int = 0):
     """The layer shapes of a real model (Qwen3-30B-A3B, gpt-oss-20b, Mixtral-8x7B, DeepSeek-V3 with 32 of its 256
-    experts), few layers, a small vocabulary: random weights of real size have the near ties that bf16 kernels turn
+    experts, Qwen3-Next-80B-A3B with 64 of its 512 and at least 4 layers), few layers, a small vocabulary: random weights of real size have the near ties that bf16 kernels turn
     into different tokens."""
     common = dict(vocab_size=vocab_size, num_hidden_layers=num_layers, max_position_embeddings=4096, tie_word_embeddings=False,
                   initializer_range=0.05, eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None)
@@ -202,7 +205,19 @@ def real_shape_config(arch: str, vocab_size: int = 4096, num_layers: int = 2, eo
                                 v_head_dim=128, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=32,
                                 num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
                                 norm_topk_prob=True, first_k_dense_replace=1, rope_interleave=True)
-    raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES}")
+    if arch == "qwen3_next":  # Qwen3-Next-80B-A3B's layers (Qwen3.5's Gated DeltaNet too); 64 of its 512 experts
+        from transformers import Qwen3NextConfig
+
+        layers = max(num_layers, 4)  # three Gated DeltaNet layers, then full attention, as the model repeats them
+        return Qwen3NextConfig(**{**common, "num_hidden_layers": layers}, hidden_size=2048, num_attention_heads=16,
+                               num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25, linear_num_key_heads=16,
+                               linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                               linear_conv_kernel_dim=4, intermediate_size=5120, moe_intermediate_size=512,
+                               shared_expert_intermediate_size=512, num_experts=64, num_experts_per_tok=10,
+                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                               layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                            for i in range(layers)])
+    raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES} or deepseek_v3, qwen3_next")
 
 
 def make_real_shape_checkpoint(out_dir: str | pathlib.Path, arch: str, num_layers: int = 2, seed: int = 0,

@@ -707,6 +707,7 @@ class Installation:
     experts_format: str
     _undo: list = dataclasses.field(default_factory=list, repr=False)
     fused: dict[str, str] = dataclasses.field(default_factory=dict)  # rms_norm / rotary / router -> how it runs
+    linear_attention: str = ""  # how a hybrid's linear-attention layers run ("" for a model without them)
 
     @property
     def exact(self) -> bool:
@@ -727,6 +728,7 @@ class Installation:
             "dense": self.dense,
             "uncovered_ops": dict(self.uncovered),
             "fused": dict(self.fused),
+            **({"linear_attention": self.linear_attention} if self.linear_attention else {}),
         }
 
     def uninstall(self) -> None:
@@ -812,6 +814,7 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
         if mla.is_latent_attention(m):
             m.expand_kv = _latent_expand_kv(m.expand_kv)
             undo.append(functools.partial(m.__dict__.pop, "expand_kv", None))
+    linear_layers = _install_linear_attention(model, undo)
     _set_attn_impl(model, ATTN_IMPL)
     undo.append(lambda: _set_attn_impl(model, prev_attn))
 
@@ -830,6 +833,9 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
         undo.append(lambda module=module: _forget(module))
 
     inst = Installation(model, report, f"triton ({ATTN_IMPL}, absolute-position KV chunks)", "triton (linear/matmul/mm/addmm/bmm, sum/mean, softmax)", {}, experts_format, undo, fused_report)
+    if linear_layers:
+        inst.linear_attention = (f"triton gated delta rule, token by token ({len(linear_layers)} layers: "
+                                 "pdflash_kernels.gdn; rejected tokens rolled back by replaying the accepted ones)")
     if probe:
         before = dict(CALLS)
         inst.uncovered = probe_uncovered(model, orig_forward)
@@ -838,6 +844,21 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
         if any(v.startswith("triton") for v in report.values()) and CALLS["experts"] == before["experts"]:
             inst.experts = {layer: "not reached by the probe forward" for layer in report}
     return inst
+
+
+def _install_linear_attention(model: nn.Module, undo: list) -> list[int]:
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5) onto pdflash_kernels.gdn's forward, whose state lives on the session's
+    cache layer and rolls back itself; the layers' indices. Other linear-attention / state-space layers keep
+    transformers' forward (the probe lists their ops as uncovered, and the model is reported not batch-invariant)."""
+    from pdflash_kernels import gdn
+
+    layers = []
+    for m in model.modules():
+        if gdn.is_gated_delta_net(m):
+            m.forward = functools.partial(gdn.forward, m)
+            undo.append(functools.partial(m.__dict__.pop, "forward", None))
+            layers.append(int(m.layer_idx))
+    return layers
 
 
 def _drop_native(module: nn.Module, w: ExpertWeights) -> None:

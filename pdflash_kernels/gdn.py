@@ -1,0 +1,357 @@
+"""Gated DeltaNet (the linear-attention layers of Qwen3-Next and Qwen3.5-MoE), batch-invariant, with its own rollback.
+
+transformers runs these layers with a chunked algorithm for a block of tokens and a token-by-token one for a single
+token, and a depthwise `conv1d` whose kernels change with the length: a token's output then depends on how many tokens
+share its forward, and greedy verification at block > 1 stops equalling block 1 on the GPU. Here both steps are one
+Triton kernel each that treats every token alike:
+
+- `causal_conv`: the short causal depthwise convolution (kernel `K`, 4 in both models) over the layer's committed
+  history, then SiLU: each output a float32 sum of `K` products in a fixed order, rounded to the input's dtype.
+- `gated_delta`: the gated delta rule token by token (`S <- S * exp(g)`, `S <- S + k (beta (v - S^T k))^T`,
+  `o = S^T q`, q and k L2-normalized in float32, q scaled by 1/sqrt(d_k)), one program per (sequence, value head,
+  value-column tile), the state tile in registers; every token runs the same loop body.
+
+**Rollback without per-token states.** A verify block's rejected tokens must leave no trace in the state. Rather than
+store the state after every token of every block (Qwen3-Next: 2 MB a layer a token), a layer keeps the state *before*
+its last block (`S`, committed) and that block's inputs (`pending`). `crop` records how many of them were accepted; the
+next forward replays those first, inside the same loop that then runs its own tokens, and writes the new committed
+state at the seam. A replayed token goes through the same instructions as when it was first run, so the state, and
+every later output, is bit-identical to never having run the rejected tokens. The convolution does the same with its
+last `K - 1` inputs.
+
+`GDNState` holds this per (session, layer); `pdflash_kernels.installer` puts `forward` under each such module, with the
+state kept on transformers' cache layer (so a session's cache, and its `crop`, carry it). Torch references
+(`causal_conv_ref`, `gated_delta_ref`) compute the same in float64 for the tests and serve the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from pdflash_kernels import runtime
+from pdflash_kernels.runtime import tl, triton
+
+EPS = 1e-6  # the L2 norm's (transformers' and FLA's)
+
+
+def is_gated_delta_net(module) -> bool:
+    """A Gated DeltaNet layer of the form these kernels serve (Qwen3-Next's fused q/k/v/z and b/a projections, or
+    Qwen3.5's separate ones), by its parts rather than its class name."""
+    parts = ("A_log", "dt_bias", "conv1d", "norm", "out_proj", "head_k_dim", "head_v_dim", "num_k_heads", "num_v_heads")
+    if not all(hasattr(module, p) for p in parts):
+        return False
+    fused = hasattr(module, "in_proj_qkvz") and hasattr(module, "in_proj_ba")
+    split = all(hasattr(module, p) for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+    return (fused or split) and getattr(module, "activation", "silu") in ("silu", "swish")
+
+
+# ---- the state ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class GDNState:
+    """One layer's recurrent state for a batch of sequences: `S` [B, Hv, dk, dv] float32 and the convolution's last
+    `K - 1` inputs `hist` [B, K - 1, C], both as of the tokens before `pending`; `pending` = the last forward's
+    (conv inputs [B, T, C], conv outputs [B, T, C], g [B, T, Hv] float32, beta [B, T, Hv]) and `accepted` how many of
+    its T tokens the next forward replays (all of them unless `crop` said otherwise)."""
+
+    S: torch.Tensor
+    hist: torch.Tensor
+    pending: tuple | None = None
+    accepted: int = 0
+
+    @classmethod
+    def zeros(cls, batch: int, hv: int, dk: int, dv: int, k: int, channels: int, dtype, device) -> "GDNState":
+        return cls(torch.zeros(batch, hv, dk, dv, dtype=torch.float32, device=device),
+                   torch.zeros(batch, k - 1, channels, dtype=dtype, device=device))
+
+    @property
+    def pending_tokens(self) -> int:
+        return 0 if self.pending is None else int(self.pending[0].shape[1])
+
+    def drop(self, n: int) -> None:
+        """The last `n` tokens of the last forward were rejected (transformers' `crop(-n)`)."""
+        if n < 0 or n > self.pending_tokens:
+            raise ValueError(f"cannot drop {n} tokens of a forward of {self.pending_tokens}")
+        self.accepted = self.pending_tokens - n
+
+
+# ---- torch references (float64: the tests' oracle; any device) ---------------------------------------------------
+def causal_conv_ref(x: torch.Tensor, hist: torch.Tensor, pend: torch.Tensor | None, accepted: int,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(SiLU(conv) of x's T tokens in x's dtype, the new history [B, K - 1, C]). x [B, T, C], hist [B, K - 1, C],
+    pend [B, Tp, C] of which the first `accepted` precede x; weight [C, K]."""
+    k = weight.shape[-1]
+    parts = [hist] + ([pend[:, :accepted]] if accepted else []) + [x]
+    seq = torch.cat(parts, dim=1).double()
+    t = x.shape[1]
+    w = weight.double()
+    out = torch.zeros(x.shape[0], t, x.shape[2], dtype=torch.float64, device=x.device)
+    base = seq.shape[1] - t - (k - 1)
+    for j in range(k):
+        out += w[:, j] * seq[:, base + j: base + j + t]
+    if bias is not None:
+        out += bias.double()
+    out = F.silu(out.to(x.dtype).double()).to(x.dtype)
+    committed = torch.cat([hist] + ([pend[:, :accepted]] if accepted else []), dim=1)
+    return out, committed[:, committed.shape[1] - (k - 1):].clone()
+
+
+def gated_delta_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(outputs [B, T, Hv, dv] in v's dtype, the state after the T tokens, float32). q, k [B, T, Hk, dk], v [B, T, Hv,
+    dv], g, beta [B, T, Hv], state [B, Hv, dk, dv]; value head h reads key head h // (Hv / Hk)."""
+    b, t, hk, dk = k.shape
+    hv = v.shape[2]
+    rep = hv // hk
+    q, k = (x.double().repeat_interleave(rep, dim=2) for x in (q, k))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + EPS) / math.sqrt(dk)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + EPS)
+    s = state.double().clone()
+    out = torch.empty(b, t, hv, v.shape[-1], dtype=torch.float64, device=v.device)
+    for i in range(t):
+        s = s * g[:, i].double().exp()[..., None, None]
+        kv = (s * k[:, i, :, :, None]).sum(-2)
+        delta = (v[:, i].double() - kv) * beta[:, i].double()[..., None]
+        s = s + k[:, i, :, :, None] * delta[:, :, None, :]
+        out[:, i] = (s * q[:, i, :, :, None]).sum(-2)
+    return out.to(v.dtype), s.float()
+
+
+# ---- Triton kernels ------------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _conv_token(t, A, b, c, cm, bias, x_ptr, hist_ptr, pend_ptr, w_ptr, out_ptr, sxb, sxt, shb, sht, spb, spt, sob,
+                    sot, K: tl.constexpr):
+        """Token t's output: SiLU of the rounded float32 sum over j of w[j] * seq[A + t + j] (seq = hist ++ pend[:A] ++ x)."""
+        acc = tl.zeros(c.shape, dtype=tl.float32)
+        for j in tl.static_range(K):
+            u = A + t + j
+            in_h = u < K - 1
+            in_p = (u >= K - 1) & (u < K - 1 + A)
+            in_x = u >= K - 1 + A
+            xv = tl.load(hist_ptr + b * shb + u * sht + c, mask=cm & in_h, other=0.0).to(tl.float32)
+            xv += tl.load(pend_ptr + b * spb + (u - (K - 1)) * spt + c, mask=cm & in_p, other=0.0).to(tl.float32)
+            xv += tl.load(x_ptr + b * sxb + (u - (K - 1) - A) * sxt + c, mask=cm & in_x, other=0.0).to(tl.float32)
+            acc = tl.fma(tl.load(w_ptr + c * K + j, mask=cm, other=0.0).to(tl.float32), xv, acc)
+        acc += bias
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = y / (1.0 + tl.exp(-y))
+        tl.store(out_ptr + b * sob + t * sot + c, y.to(out_ptr.dtype.element_ty), mask=cm)
+
+    @triton.jit(do_not_specialize=["T", "A"])
+    def _conv_kernel(x_ptr, hist_ptr, pend_ptr, w_ptr, b_ptr, out_ptr, T, A, C,
+                     sxb, sxt, shb, sht, spb, spt, sob, sot,
+                     K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                     INTERP: tl.constexpr):
+        """One program: one sequence's BLOCK_C channels, every token. The sequence it convolves is hist (K - 1) ++
+        pend[:A] ++ x (T); afterwards hist becomes that sequence's last K - 1 entries before x (the committed ones).
+        A program reads and writes only its own channels, all reads before the barrier."""
+        b = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cm = c < C
+        bias = tl.load(b_ptr + c, mask=cm & HAS_BIAS, other=0.0).to(tl.float32)
+        if INTERP:  # Triton's interpreter cannot run a range() over a kernel argument
+            t = 0
+            while t < T:
+                _conv_token(t, A, b, c, cm, bias, x_ptr, hist_ptr, pend_ptr, w_ptr, out_ptr, sxb, sxt, shb, sht, spb,
+                            spt, sob, sot, K)
+                t += 1
+        else:
+            for t in range(T):
+                _conv_token(t, A, b, c, cm, bias, x_ptr, hist_ptr, pend_ptr, w_ptr, out_ptr, sxb, sxt, shb, sht, spb,
+                            spt, sob, sot, K)
+        # the committed history: entries A .. A + K - 2 of hist ++ pend[:A], all read before any is written
+        r = tl.arange(0, BLOCK_H)
+        u = A + r
+        rm = (r < K - 1)[:, None] & cm[None, :]
+        in_h = (u < K - 1)[:, None]
+        hv = tl.load(hist_ptr + b * shb + u[:, None] * sht + c[None, :], mask=rm & in_h, other=0.0)
+        pv = tl.load(pend_ptr + b * spb + (u[:, None] - (K - 1)) * spt + c[None, :], mask=rm & (u >= K - 1)[:, None],
+                     other=0.0)
+        news = tl.where(in_h, hv, pv)
+        tl.debug_barrier()
+        tl.store(hist_ptr + b * shb + r[:, None] * sht + c[None, :], news, mask=rm)
+
+    @triton.jit
+    def _delta_token(S, i, A, b, h, kh, kk, vv, km, vm, sm, s_ptrs, new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr, bp_ptr,
+                     out_ptr, snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt, sob, sot, soh,
+                     DK: tl.constexpr, DV: tl.constexpr, Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
+                     SCALE: tl.constexpr):
+        """Token i of the loop (i < A: a replayed one, from pend; else this forward's i - A): the state after it, and its
+        output stored for this forward's tokens; the state after the last replayed token is written back."""
+        replay = i < A
+        t = tl.where(replay, i, i - A)
+        row = tl.where(replay, pend_ptr + b * spb + t * spt, new_ptr + b * snb + t * snt)
+        g = tl.load(tl.where(replay, gp_ptr + b * sgpb + t * sgpt, gn_ptr + b * sgnb + t * sgnt) + h)
+        beta = tl.load(tl.where(replay, bp_ptr + b * sbpb + t * sbpt, bn_ptr + b * sbnb + t * sbnt) + h).to(tl.float32)
+        k = tl.load(row + K_OFF + kh * DK + kk, mask=km, other=0.0).to(tl.float32)
+        k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
+        v = tl.load(row + V_OFF + h * DV + vv, mask=vm, other=0.0).to(tl.float32)
+        S = S * tl.exp(g)
+        kv = tl.sum(S * k[:, None], axis=0)
+        delta = (v - kv) * beta
+        S = tl.fma(k[:, None], delta[None, :], S)
+        tl.store(s_ptrs, S, mask=sm & (i == A - 1))
+        q = tl.load(row + Q_OFF + kh * DK + kk, mask=km & (i >= A), other=0.0).to(tl.float32)
+        q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * SCALE
+        o = tl.sum(S * q[:, None], axis=0)
+        tl.store(out_ptr + b * sob + t * sot + h * soh + vv, o.to(out_ptr.dtype.element_ty), mask=vm & (i >= A))
+        return S
+
+    @triton.jit(do_not_specialize=["T", "A"])
+    def _delta_kernel(new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr, bp_ptr, s_ptr, out_ptr, T, A,
+                      snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt, ssb, ssh, sob, sot, soh,
+                      HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, SCALE: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERP: tl.constexpr):
+        """One program: value head h of sequence b, value columns [v0, v0 + BLOCK_V). Tokens 0 .. A - 1 are the last
+        forward's accepted ones (from pend/gp/bp: replayed, no output), A .. A + T - 1 this forward's; the state after
+        the replayed ones is written back (the new committed state). q, k, v are columns of the conv output rows."""
+        b = tl.program_id(0) // HV
+        h = tl.program_id(0) % HV
+        kh = h // REP
+        kk = tl.arange(0, BLOCK_K)
+        vv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        km = kk < DK
+        vm = vv < DV
+        sm = km[:, None] & vm[None, :]
+        s_ptrs = s_ptr + b * ssb + h * ssh + kk[:, None] * DV + vv[None, :]
+        S = tl.load(s_ptrs, mask=sm, other=0.0)
+        if INTERP:  # Triton's interpreter cannot run a range() over a kernel argument
+            i = 0
+            while i < A + T:
+                S = _delta_token(S, i, A, b, h, kh, kk, vv, km, vm, sm, s_ptrs, new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr,
+                                 bp_ptr, out_ptr, snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt,
+                                 sob, sot, soh, DK, DV, Q_OFF, K_OFF, V_OFF, SCALE)
+                i += 1
+        else:
+            for i in range(A + T):
+                S = _delta_token(S, i, A, b, h, kh, kk, vv, km, vm, sm, s_ptrs, new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr,
+                                 bp_ptr, out_ptr, snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt,
+                                 sob, sot, soh, DK, DV, Q_OFF, K_OFF, V_OFF, SCALE)
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and runtime.triton_usable(x.device)
+
+
+def causal_conv(x: torch.Tensor, state: GDNState, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(causal depthwise conv) of x [B, T, C] after the state's committed inputs and its pending accepted ones;
+    updates `state.hist` to the committed inputs (the kernel, or the reference off Triton). weight [C, K]."""
+    pend = state.pending[0] if state.pending is not None else None
+    a = state.accepted if pend is not None else 0
+    if not _use_triton(x):
+        out, state.hist = causal_conv_ref(x, state.hist, pend, a, weight, bias)
+        return out
+    b, t, c = x.shape
+    k = weight.shape[-1]
+    x = x.contiguous()
+    p = pend if pend is not None else x
+    out = torch.empty_like(x)
+    block_c = 256
+    _conv_kernel[(b, triton.cdiv(c, block_c))](
+        x, state.hist, p, weight.contiguous(), bias if bias is not None else weight, out, t, a, c,
+        x.stride(0), x.stride(1), state.hist.stride(0), state.hist.stride(1), p.stride(0), p.stride(1),
+        out.stride(0), out.stride(1), K=k, HAS_BIAS=bias is not None, BLOCK_C=block_c,
+        BLOCK_H=max(2, triton.next_power_of_2(k - 1)), INTERP=runtime.interpreting())
+    return out
+
+
+def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: GDNState, hk: int, hv: int, dk: int,
+                dv: int) -> torch.Tensor:
+    """The gated delta rule over this forward's tokens after replaying the pending accepted ones: mixed [B, T, C] the
+    conv outputs (q | k | v columns), g [B, T, Hv] float32, beta [B, T, Hv]; returns [B, T, Hv, dv] in mixed's dtype
+    and leaves `state.S` the committed state (before this forward's tokens)."""
+    b, t, _ = mixed.shape
+    pend = state.pending
+    a = state.accepted if pend is not None else 0
+    if not _use_triton(mixed):
+        if a:
+            pm, pg, pb = pend[1][:, :a], pend[2][:, :a], pend[3][:, :a]
+            _, state.S = gated_delta_ref(*_split(pm, hk, hv, dk, dv), pg, pb, state.S)
+        out, _ = gated_delta_ref(*_split(mixed, hk, hv, dk, dv), g, beta, state.S)
+        return out
+    out = torch.empty(b, t, hv, dv, dtype=mixed.dtype, device=mixed.device)
+    pm, pg, pb = (pend[1], pend[2], pend[3]) if pend is not None else (mixed, g, beta)
+    block_k = max(16, triton.next_power_of_2(dk))
+    block_v = min(32, max(16, triton.next_power_of_2(dv)))
+    S = state.S
+    _delta_kernel[(b * hv, triton.cdiv(dv, block_v))](
+        mixed, pm, g, pg, beta, pb, S, out, t, a,
+        mixed.stride(0), mixed.stride(1), pm.stride(0), pm.stride(1), g.stride(0), g.stride(1), pg.stride(0),
+        pg.stride(1), beta.stride(0), beta.stride(1), pb.stride(0), pb.stride(1), S.stride(0), S.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        HV=hv, REP=hv // hk, DK=dk, DV=dv, Q_OFF=0, K_OFF=hk * dk, V_OFF=2 * hk * dk, SCALE=1.0 / math.sqrt(dk),
+        BLOCK_K=block_k, BLOCK_V=block_v, INTERP=runtime.interpreting(), num_warps=4)
+    return out
+
+
+def _split(mixed: torch.Tensor, hk: int, hv: int, dk: int, dv: int):
+    b, t, _ = mixed.shape
+    q = mixed[..., : hk * dk].reshape(b, t, hk, dk)
+    k = mixed[..., hk * dk: 2 * hk * dk].reshape(b, t, hk, dk)
+    v = mixed[..., 2 * hk * dk: 2 * hk * dk + hv * dv].reshape(b, t, hv, dv)
+    return q, k, v
+
+
+# ---- the layer's forward -------------------------------------------------------------------------------------------
+def _layer_state(module, cache, batch: int, channels: int, dtype, device) -> GDNState:
+    """The layer's GDNState in `cache` (made on the first forward, with the cache layer's `crop` routed to it); a fresh
+    one without a cache."""
+    k = module.conv1d.kernel_size[0]
+    fresh = lambda: GDNState.zeros(batch, module.num_v_heads, module.head_k_dim, module.head_v_dim, k, channels, dtype,
+                                   device)
+    if cache is None:
+        return fresh()
+    layer = cache.layers[module.layer_idx]
+    st = getattr(layer, "_pdflash_gdn", None)
+    if st is None or st.S.shape[0] != batch:
+        st = layer._pdflash_gdn = fresh()
+        layer.crop = lambda n, layer=layer: _crop(layer, n)
+    return st
+
+
+def _crop(layer, n: int) -> None:
+    """transformers' `crop` of a cache layer this module's state lives on: `n` <= 0 tokens to drop from the last
+    forward (0: none; the count of a positive legacy length is not known here and is refused)."""
+    if n > 0:
+        raise RuntimeError("a Gated DeltaNet layer's cache is cropped by a negative count of tokens to drop")
+    layer._pdflash_gdn.drop(-n)
+    count = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(count, torch.Tensor) and n:
+        count.sub_(-n)
+
+
+def forward(module, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None, **kwargs):
+    """A Gated DeltaNet layer's forward on these kernels (the module's own projections, norm and output projection;
+    under the installer's dispatch mode its linears are the batch-invariant ones)."""
+    if cache is None:
+        cache = kwargs.pop("cache_params", None) or kwargs.pop("past_key_values", None)
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[0] > 1 and attention_mask.shape[1] > 1:
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    bsz, t, _ = hidden_states.shape
+    hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
+    if hasattr(module, "in_proj_qkvz"):
+        q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden_states),
+                                                               module.in_proj_ba(hidden_states))
+        mixed = torch.cat([x.reshape(bsz, t, -1) for x in (q, k, v)], dim=-1)
+    else:
+        mixed = module.in_proj_qkv(hidden_states)
+        z = module.in_proj_z(hidden_states).reshape(bsz, t, -1, dv)
+        b, a = module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
+    mixed = mixed.contiguous()
+    st = _layer_state(module, cache, bsz, mixed.shape[-1], mixed.dtype, mixed.device)
+    conv = causal_conv(mixed, st, module.conv1d.weight.squeeze(1), module.conv1d.bias)
+    beta = b.reshape(bsz, t, hv).sigmoid().contiguous()
+    g = (-module.A_log.float().exp() * F.softplus(a.reshape(bsz, t, hv).float() + module.dt_bias)).contiguous()
+    core = gated_delta(conv, g, beta, st, hk, hv, dk, dv)
+    if cache is not None:
+        st.pending, st.accepted = (mixed, conv, g, beta), t
+        count = getattr(cache.layers[module.layer_idx], "cumulative_length_linear", None)
+        if isinstance(count, torch.Tensor):
+            count.add_(t)
+    out = module.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(bsz, t, -1)
+    return module.out_proj(out)

@@ -1,0 +1,184 @@
+"""Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention) on pdflash_kernels.gdn: the references equal transformers'
+own formulas; the kernels (Triton's interpreter here, bf16 at real widths on the GPU: tests/test_gdn_gpu.py) give a
+token the same bits whatever block it is forwarded in and whatever rejected tokens were forwarded and dropped before
+it; the installed forward rolls back on any transformers (its state is its own), so the engine verifies drafts on
+these hybrids exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdflash_kernels import gdn
+from tests.conftest import needs_triton
+
+B, HK, HV, DK, DV, K = 2, 2, 4, 16, 16, 4
+C = 2 * HK * DK + HV * DV
+
+
+def _inputs(t: int, seed: int, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, t, C, generator=g).to(dtype)
+    decay = -torch.rand(B, t, HV, generator=g) * 0.7
+    beta = torch.rand(B, t, HV, generator=g).to(dtype)
+    return x, decay, beta
+
+
+def _run(chunks, drops, weight, dtype=torch.bfloat16):
+    """Forward `chunks` ((x, g, beta) each) one after another, dropping drops[i] tokens after forward i, as the
+    installed layer does; the outputs of the kept tokens, and the state."""
+    st = gdn.GDNState.zeros(B, HV, DK, DV, K, C, dtype, "cpu")
+    kept = []
+    for (x, dec, beta), d in zip(chunks, drops):
+        conv = gdn.causal_conv(x, st, weight)
+        out = gdn.gated_delta(conv, dec, beta, st, HK, HV, DK, DV)
+        st.pending, st.accepted = (x, conv, dec, beta), x.shape[1]
+        st.drop(d)
+        kept.append(out[:, : x.shape[1] - d])
+    return torch.cat(kept, dim=1), st
+
+
+def test_the_references_are_transformers_formulas():
+    """gated_delta_ref is transformers' token-by-token rule (q, k L2-normalized, q / sqrt(d_k), grouped value heads),
+    and causal_conv_ref its causal depthwise convolution + SiLU, within float32 rounding."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    x, dec, beta = _inputs(7, 0, torch.float32)
+    w = torch.randn(C, K)
+    hist = torch.zeros(B, K - 1, C)
+    conv, new_hist = gdn.causal_conv_ref(x, hist, None, 0, w)
+    want = m.torch_causal_conv1d_fn(x.transpose(1, 2), w, None, activation="silu") if hasattr(
+        m, "torch_causal_conv1d_fn") else m.causal_conv1d_fn(x.transpose(1, 2), w, None, activation="silu")
+    torch.testing.assert_close(conv, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    assert torch.equal(new_hist, hist)  # nothing accepted before x yet: x is still pending
+
+    q, k, v = gdn._split(conv, HK, HV, DK, DV)
+    s0 = torch.randn(B, HV, DK, DV) * 0.1
+    out, s = gdn.gated_delta_ref(q, k, v, dec, beta, s0)
+    rule = getattr(m, "torch_recurrent_gated_delta_rule")
+    want_out, want_s = rule(q, k, v, g=dec, beta=beta, initial_state=s0, output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s, want_s, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+def test_the_kernels_match_the_float64_references():
+    x, dec, beta = _inputs(6, 1)
+    w = (torch.randn(C, K) * 0.5).to(torch.bfloat16)
+    st = gdn.GDNState.zeros(B, HV, DK, DV, K, C, torch.bfloat16, "cpu")
+    st.S = torch.randn(B, HV, DK, DV) * 0.1
+    s0, h0 = st.S.clone(), torch.randn(B, K - 1, C).to(torch.bfloat16)
+    st.hist = h0.clone()
+    conv = gdn.causal_conv(x, st, w)
+    out = gdn.gated_delta(conv, dec, beta, st, HK, HV, DK, DV)
+    want_conv, _ = gdn.causal_conv_ref(x, h0, None, 0, w)
+    torch.testing.assert_close(conv.float(), want_conv.float(), rtol=2e-2, atol=2e-2)
+    want_out, _ = gdn.gated_delta_ref(*gdn._split(conv, HK, HV, DK, DV), dec, beta, s0)
+    torch.testing.assert_close(out.float(), want_out.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(st.S, s0)  # nothing replayed: the committed state is untouched until the next forward
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [
+    [(3, 0), (4, 2), (1, 0), (1, 0), (5, 3)],  # a block whose last 2 were rejected, singles, a block with 3 rejected
+    [(1, 0), (8, 7), (8, 0), (2, 1)],  # a block where only the anchor was kept, then one where all were
+    [(6, 0), (6, 5), (6, 5), (3, 0)],  # rollbacks back to back
+])
+def test_a_token_has_the_same_bits_whatever_block_it_is_in_and_whatever_was_rolled_back(split):
+    """The same token sequence forwarded one token at a time (block 1) and in blocks that carry rejected tokens (random
+    ones, dropped afterwards): every kept token's output and the final state are bit-identical."""
+    total = sum(n - d for n, d in split)
+    x, dec, beta = _inputs(total, 2)
+    w = (torch.randn(C, K) * 0.5).to(torch.bfloat16)
+    one, st_one = _run([(x[:, i:i + 1], dec[:, i:i + 1], beta[:, i:i + 1]) for i in range(total)], [0] * total, w)
+    chunks, at = [], 0
+    for n, d in split:
+        keep = n - d
+        junk_x, junk_g, junk_b = _inputs(d, 100 + at)
+        chunks.append((torch.cat([x[:, at:at + keep], junk_x], 1), torch.cat([dec[:, at:at + keep], junk_g], 1),
+                       torch.cat([beta[:, at:at + keep], junk_b], 1)))
+        at += keep
+    blocks, st_blocks = _run(chunks, [d for _, d in split], w)
+    assert torch.equal(one.view(torch.int16), blocks.view(torch.int16))
+    # the committed state after one more (empty-output) forward: both replay their pending tokens
+    for st in (st_one, st_blocks):
+        gdn.causal_conv(x[:, :1], st, w)
+        gdn.gated_delta(gdn.causal_conv_ref(x[:, :1], st.hist, None, 0, w)[0], dec[:, :1], beta[:, :1], st, HK, HV, DK, DV)
+    assert torch.equal(st_one.S, st_blocks.S) and torch.equal(st_one.hist, st_blocks.hist)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text"])
+def test_the_layer_forward_is_transformers_and_rolls_back_itself(arch, monkeypatch):
+    """gdn.forward on a real Qwen3-Next / Qwen3.5 layer (float32, the references: CPU) gives the layer's own outputs,
+    with and without a cache; after a block whose last 2 tokens are cropped, the next token's output equals a run that
+    never saw them, even where transformers' own crop would not roll the recurrent state back (transformers < 5.25,
+    emulated by a crop that does nothing to it: the state is gdn's own)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    from pdflash.hf_compat import new_session_cache
+    from pdflash.tiny import generic_config
+
+    monkeypatch.setattr(gdn, "_use_triton", lambda x: False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(generic_config(arch, 64, 1, 2)).eval()
+    layer = next(m for m in model.modules() if gdn.is_gated_delta_net(m))
+    h = torch.randn(1, 6, model.config.hidden_size)
+    with torch.inference_mode():
+        want = layer(h)
+        torch.testing.assert_close(gdn.forward(layer, h), want, rtol=1e-4, atol=1e-5)
+        monkeypatch.setattr(LinearAttentionCacheLayerMixin, "crop", lambda self, n: None)  # rolls nothing back
+        cache = new_session_cache(model.config, 8)
+        kw = {"cache": cache}
+        gdn.forward(layer, h[:, :3], **kw)
+        gdn.forward(layer, torch.cat([h[:, 3:4], torch.randn(1, 2, h.shape[-1])], 1), **kw)
+        cache.crop(-2)
+        got = gdn.forward(layer, h[:, 4:6], **kw)
+        torch.testing.assert_close(got, want[:, 4:6], rtol=1e-4, atol=1e-5)
+        fresh = DynamicCache(config=model.config)
+        torch.testing.assert_close(gdn.forward(layer, h, cache=fresh), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+@needs_triton
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text"])
+def test_hybrids_with_the_kernels_verify_drafts_exactly_on_any_transformers(arch, tmp_path, monkeypatch):
+    """A tiny Qwen3-Next / Qwen3.5 with the kernels (Triton's interpreter): every part of the forward is reported
+    batch-invariant (no op left on torch's kernels), and drafts replayed with every 4th one wrong give block 1's tokens.
+    With transformers' crop unable to roll the recurrent state back (transformers 5.17's, emulated), the load-time
+    rollback check still passes: the installed layers roll back themselves."""
+    import sys
+    import pathlib
+
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    from pdflash.tiny import make_tiny_checkpoint
+    from verifier_svc import servable
+    from verifier_svc.engine import VerifierCore
+    from verifier_svc.model import load_target
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    from e2e_gpu import replay
+    from inprocess import core_run
+
+    crop = LinearAttentionCacheLayerMixin.crop
+
+    def crop_conv_only(self, tokens_to_remove):
+        kept = dict(self.recurrent_states)
+        crop(self, tokens_to_remove)
+        self.recurrent_states.update(kept)
+
+    monkeypatch.setattr(LinearAttentionCacheLayerMixin, "crop", crop_conv_only)
+    monkeypatch.setattr(servable, "keeps_recurrent_states", lambda: False)
+    d = make_tiny_checkpoint(tmp_path / arch, arch)
+    target = load_target(d, "cpu", "bfloat16", kernels="on")
+    info = target.kernels
+    assert info["batch_invariant"] and not info["uncovered_ops"], info
+    assert info["linear_attention"].startswith("triton gated delta rule")
+    core = VerifierCore(target, max_block_size=8)
+    prompts, n = [[5, 9, 13, 2, 7, 11]], 8
+    one = core_run(core, prompts, n, 1)["outputs"]
+    replayed = core_run(core, prompts, n, 8, propose=replay([o[:n] for o in one]))
+    assert [o[:n] for o in replayed["outputs"]] == [o[:n] for o in one]
+    assert any(0 < acc < drafts for drafts, acc, _ in replayed["round_log"])

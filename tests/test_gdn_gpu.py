@@ -1,0 +1,96 @@
+"""Gated DeltaNet on a CUDA GPU (skipped without one), bf16 at Qwen3-Next-80B-A3B / Qwen3.5's real widths (16 key and 32
+value heads of 128, convolution 4): the compiled kernels give a token the same bits whatever block it is in and whatever
+was rolled back before it, close to the float64 references; and a Qwen3-Next-shaped model (four layers: three Gated
+DeltaNet layers and a full-attention one, 64 of its 512 experts, random weights) served with the kernels gives its
+block-1 tokens for n-gram drafts and for drafts that roll back mid-block. Run with `bash benchmarks/gpu.sh OUT gdn`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdflash_kernels import gdn
+from tests.test_gpu_verifier import _ngram, _no_drafts, _prompts, _replay, _run
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+B, HK, HV, DK, DV, K = 2, 16, 32, 128, 128, 4
+C = 2 * HK * DK + HV * DV
+
+
+def _inputs(t: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, t, C, generator=g).bfloat16().cuda()
+    decay = (-torch.rand(B, t, HV, generator=g) * 0.7).cuda()
+    beta = torch.rand(B, t, HV, generator=g).bfloat16().cuda()
+    return x, decay, beta
+
+
+def _run_chunks(chunks, drops, w):
+    st = gdn.GDNState.zeros(B, HV, DK, DV, K, C, torch.bfloat16, "cuda")
+    kept = []
+    for (x, dec, beta), d in zip(chunks, drops):
+        conv = gdn.causal_conv(x, st, w)
+        out = gdn.gated_delta(conv, dec, beta, st, HK, HV, DK, DV)
+        st.pending, st.accepted = (x, conv, dec, beta), x.shape[1]
+        st.drop(d)
+        kept.append(out[:, : x.shape[1] - d])
+    return torch.cat(kept, dim=1)
+
+
+def test_gated_delta_at_qwen3_next_widths():
+    total = 40
+    x, dec, beta = _inputs(total, 0)
+    w = (torch.randn(C, K, generator=torch.Generator().manual_seed(1)) * 0.5).bfloat16().cuda()
+    one = _run_chunks([(x[:, i:i + 1], dec[:, i:i + 1], beta[:, i:i + 1]) for i in range(total)], [0] * total, w)
+    for split in ([(16, 0)] * 2 + [(8, 0)], [(7, 0), (16, 13), (16, 9), (16, 0), (10, 4)], [(32, 0), (12, 4)]):
+        chunks, at = [], 0
+        for n, d in split:
+            keep = n - d
+            jx, jg, jb = _inputs(d, 100 + at)
+            chunks.append((torch.cat([x[:, at:at + keep], jx], 1), torch.cat([dec[:, at:at + keep], jg], 1),
+                           torch.cat([beta[:, at:at + keep], jb], 1)))
+            at += keep
+        assert at == total
+        got = _run_chunks(chunks, [d for _, d in split], w)
+        assert torch.equal(got, one), split
+    st = gdn.GDNState.zeros(B, HV, DK, DV, K, C, torch.bfloat16, "cuda")
+    conv = gdn.causal_conv(x, st, w)
+    ref_conv, _ = gdn.causal_conv_ref(x.cpu(), torch.zeros(B, K - 1, C).bfloat16(), None, 0, w.cpu())
+    torch.testing.assert_close(conv.cpu().float(), ref_conv.float(), rtol=1e-2, atol=1e-2)
+    out = gdn.gated_delta(conv, dec, beta, st, HK, HV, DK, DV)
+    ref, _ = gdn.gated_delta_ref(*gdn._split(conv.cpu(), HK, HV, DK, DV), dec.cpu(), beta.cpu(), torch.zeros(B, HV, DK, DV))
+    torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=0.0, atol=0.02 * ref.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def core(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from pdflash.tiny import real_shape_config
+    from verifier_svc.engine import VerifierCore
+    from verifier_svc.model import wrap_model
+
+    cfg = real_shape_config("qwen3_next", num_layers=4)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    target = wrap_model(model, tmp_path_factory.mktemp("qnext"), kernels="on")
+    assert target.batch_invariant, target.kernels
+    assert target.kernels["linear_attention"].startswith("triton gated delta rule (3 layers")
+    c = VerifierCore(target, max_block_size=32, max_tokens_limit=1024)  # (transformers' cache: its rollback check passes)
+    yield c
+    del c, target, model
+    torch.cuda.empty_cache()
+
+
+def test_qwen3_next_shapes_give_block_one_tokens_for_every_drafter(core):
+    """Greedy at real Gated DeltaNet shapes (near ties): n-gram drafts at block 8 and drafts replaying the output with
+    every 3rd one wrong at block 16 (a rollback most rounds) give block 1's tokens."""
+    vocab = core.target.vocab_size
+    prompts = _prompts(vocab, 2)
+    solo = [_run(core, p, _no_drafts) for p in prompts]
+    for i, p in enumerate(prompts):
+        assert _run(core, p, _ngram(), width=8) == solo[i]
+        assert _run(core, p, _replay(solo[i], 3, vocab), width=16) == solo[i]
+    assert len(core.sessions) == 0
