@@ -13,7 +13,8 @@ Triton kernel each that treats every token alike:
 
 **Rollback without per-token states.** A verify block's rejected tokens must leave no trace in the state. Rather than
 store the state after every token of every block (Qwen3-Next: 2 MB a layer a token), a layer keeps the state *before*
-its last block (`S`, committed) and that block's inputs (`pending`). `crop` records how many of them were accepted; the
+its last block (`S`, committed) and that block's inputs (`pending`; a prompt's tokens but the last ROLLBACK_TOKENS
+enter the state at once). `crop` records how many of them were accepted; the
 next forward replays those first, inside the same loop that then runs its own tokens, and writes the new committed
 state at the seam. A replayed token goes through the same instructions as when it was first run, so the state, and
 every later output, is bit-identical to never having run the rejected tokens. The convolution does the same with its
@@ -36,6 +37,9 @@ from pdflash_kernels import runtime
 from pdflash_kernels.runtime import tl, triton
 
 EPS = 1e-6  # the L2 norm's (transformers' and FLA's)
+#: a forward's last tokens that stay pending (can be dropped by the next crop); its earlier ones, a prompt's, enter the
+#: state at once (their inputs are not kept). Verify blocks are far shorter (max_block_size: 32 by default).
+ROLLBACK_TOKENS = 256
 
 
 def is_gated_delta_net(module) -> bool:
@@ -72,10 +76,12 @@ class GDNState:
         return 0 if self.pending is None else int(self.pending[0].shape[1])
 
     def drop(self, n: int) -> None:
-        """The last `n` tokens of the last forward were rejected (transformers' `crop(-n)`)."""
-        if n < 0 or n > self.pending_tokens:
-            raise ValueError(f"cannot drop {n} tokens of a forward of {self.pending_tokens}")
-        self.accepted = self.pending_tokens - n
+        """n more of the last forward's tokens are rejected, from its end (transformers' `crop(-n)`; `crop(0)` keeps
+        them all). Only its last ROLLBACK_TOKENS tokens can be dropped: the others are already in the state."""
+        if n < 0 or n > self.accepted:
+            raise ValueError(f"cannot drop {n} tokens of a Gated DeltaNet layer: {self.accepted} of the last forward's "
+                             f"tokens can still be dropped (its last {ROLLBACK_TOKENS} at most, gdn.ROLLBACK_TOKENS)")
+        self.accepted -= n
 
 
 # ---- torch references (float64: the tests' oracle; any device) ---------------------------------------------------
@@ -142,13 +148,13 @@ if triton is not None:
         y = y / (1.0 + tl.exp(-y))
         tl.store(out_ptr + b * sob + t * sot + c, y.to(out_ptr.dtype.element_ty), mask=cm)
 
-    @triton.jit(do_not_specialize=["T", "A"])
-    def _conv_kernel(x_ptr, hist_ptr, pend_ptr, w_ptr, b_ptr, out_ptr, T, A, C,
+    @triton.jit(do_not_specialize=["T", "A", "CT"])
+    def _conv_kernel(x_ptr, hist_ptr, pend_ptr, w_ptr, b_ptr, out_ptr, T, A, CT, C,
                      sxb, sxt, shb, sht, spb, spt, sob, sot,
                      K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
                      INTERP: tl.constexpr):
         """One program: one sequence's BLOCK_C channels, every token. The sequence it convolves is hist (K - 1) ++
-        pend[:A] ++ x (T); afterwards hist becomes that sequence's last K - 1 entries before x (the committed ones).
+        pend[:A] ++ x (T); afterwards hist becomes the last K - 1 entries of hist ++ pend[:A] ++ x[:CT] (committed).
         A program reads and writes only its own channels, all reads before the barrier."""
         b = tl.program_id(0)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -164,25 +170,28 @@ if triton is not None:
             for t in range(T):
                 _conv_token(t, A, b, c, cm, bias, x_ptr, hist_ptr, pend_ptr, w_ptr, out_ptr, sxb, sxt, shb, sht, spb,
                             spt, sob, sot, K)
-        # the committed history: entries A .. A + K - 2 of hist ++ pend[:A], all read before any is written
+        # the committed history: entries A + CT .. A + CT + K - 2 of hist ++ pend[:A] ++ x[:CT], all read before any is
+        # written
         r = tl.arange(0, BLOCK_H)
-        u = A + r
+        u = (A + CT + r)[:, None]
         rm = (r < K - 1)[:, None] & cm[None, :]
-        in_h = (u < K - 1)[:, None]
-        hv = tl.load(hist_ptr + b * shb + u[:, None] * sht + c[None, :], mask=rm & in_h, other=0.0)
-        pv = tl.load(pend_ptr + b * spb + (u[:, None] - (K - 1)) * spt + c[None, :], mask=rm & (u >= K - 1)[:, None],
-                     other=0.0)
-        news = tl.where(in_h, hv, pv)
+        in_h = u < K - 1
+        in_p = (u >= K - 1) & (u < K - 1 + A)
+        hv = tl.load(hist_ptr + b * shb + u * sht + c[None, :], mask=rm & in_h, other=0.0)
+        pv = tl.load(pend_ptr + b * spb + (u - (K - 1)) * spt + c[None, :], mask=rm & in_p, other=0.0)
+        xv = tl.load(x_ptr + b * sxb + (u - (K - 1) - A) * sxt + c[None, :], mask=rm & (u >= K - 1 + A), other=0.0)
+        news = tl.where(in_h, hv, tl.where(in_p, pv, xv.to(pv.dtype)))
         tl.debug_barrier()
         tl.store(hist_ptr + b * shb + r[:, None] * sht + c[None, :], news, mask=rm)
 
     @triton.jit
-    def _delta_token(S, i, A, b, h, kh, kk, vv, km, vm, sm, s_ptrs, new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr, bp_ptr,
+    def _delta_token(S, i, A, AC, b, h, kh, kk, vv, km, vm, sm, s_ptrs, new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr, bp_ptr,
                      out_ptr, snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt, sob, sot, soh,
                      DK: tl.constexpr, DV: tl.constexpr, Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
                      SCALE: tl.constexpr):
         """Token i of the loop (i < A: a replayed one, from pend; else this forward's i - A): the state after it, and its
-        output stored for this forward's tokens; the state after the last replayed token is written back."""
+        output stored for this forward's tokens; the state after token AC - 1 (the replayed ones and this forward's
+        first CT = AC - A) is written back."""
         replay = i < A
         t = tl.where(replay, i, i - A)
         row = tl.where(replay, pend_ptr + b * spb + t * spt, new_ptr + b * snb + t * snt)
@@ -195,15 +204,15 @@ if triton is not None:
         kv = tl.sum(S * k[:, None], axis=0)
         delta = (v - kv) * beta
         S = tl.fma(k[:, None], delta[None, :], S)
-        tl.store(s_ptrs, S, mask=sm & (i == A - 1))
+        tl.store(s_ptrs, S, mask=sm & (i == AC - 1))
         q = tl.load(row + Q_OFF + kh * DK + kk, mask=km & (i >= A), other=0.0).to(tl.float32)
         q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * SCALE
         o = tl.sum(S * q[:, None], axis=0)
         tl.store(out_ptr + b * sob + t * sot + h * soh + vv, o.to(out_ptr.dtype.element_ty), mask=vm & (i >= A))
         return S
 
-    @triton.jit(do_not_specialize=["T", "A"])
-    def _delta_kernel(new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr, bp_ptr, s_ptr, out_ptr, T, A,
+    @triton.jit(do_not_specialize=["T", "A", "AC"])
+    def _delta_kernel(new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr, bp_ptr, s_ptr, out_ptr, T, A, AC,
                       snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt, ssb, ssh, sob, sot, soh,
                       HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, SCALE: tl.constexpr,
@@ -224,13 +233,13 @@ if triton is not None:
         if INTERP:  # Triton's interpreter cannot run a range() over a kernel argument
             i = 0
             while i < A + T:
-                S = _delta_token(S, i, A, b, h, kh, kk, vv, km, vm, sm, s_ptrs, new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr,
+                S = _delta_token(S, i, A, AC, b, h, kh, kk, vv, km, vm, sm, s_ptrs, new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr,
                                  bp_ptr, out_ptr, snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt,
                                  sob, sot, soh, DK, DV, Q_OFF, K_OFF, V_OFF, SCALE)
                 i += 1
         else:
             for i in range(A + T):
-                S = _delta_token(S, i, A, b, h, kh, kk, vv, km, vm, sm, s_ptrs, new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr,
+                S = _delta_token(S, i, A, AC, b, h, kh, kk, vv, km, vm, sm, s_ptrs, new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr,
                                  bp_ptr, out_ptr, snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt,
                                  sob, sot, soh, DK, DV, Q_OFF, K_OFF, V_OFF, SCALE)
 
@@ -238,13 +247,17 @@ def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and runtime.triton_usable(x.device)
 
 
-def causal_conv(x: torch.Tensor, state: GDNState, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def causal_conv(x: torch.Tensor, state: GDNState, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                commit: int = 0) -> torch.Tensor:
     """SiLU(causal depthwise conv) of x [B, T, C] after the state's committed inputs and its pending accepted ones;
-    updates `state.hist` to the committed inputs (the kernel, or the reference off Triton). weight [C, K]."""
+    updates `state.hist` to the committed inputs, those and x's first `commit` tokens included (the kernel, or the
+    reference off Triton). weight [C, K]."""
     pend = state.pending[0] if state.pending is not None else None
     a = state.accepted if pend is not None else 0
     if not _use_triton(x):
-        out, state.hist = causal_conv_ref(x, state.hist, pend, a, weight, bias)
+        out, _ = causal_conv_ref(x, state.hist, pend, a, weight, bias)
+        _, state.hist = causal_conv_ref(x[:, :0], state.hist, torch.cat([pend[:, :a], x[:, :commit]], 1) if pend is not None
+                                        else x[:, :commit], a + commit, weight, bias)
         return out
     b, t, c = x.shape
     k = weight.shape[-1]
@@ -253,7 +266,7 @@ def causal_conv(x: torch.Tensor, state: GDNState, weight: torch.Tensor, bias: to
     out = torch.empty_like(x)
     block_c = 256
     _conv_kernel[(b, triton.cdiv(c, block_c))](
-        x, state.hist, p, weight.contiguous(), bias if bias is not None else weight, out, t, a, c,
+        x, state.hist, p, weight.contiguous(), bias if bias is not None else weight, out, t, a, commit, c,
         x.stride(0), x.stride(1), state.hist.stride(0), state.hist.stride(1), p.stride(0), p.stride(1),
         out.stride(0), out.stride(1), K=k, HAS_BIAS=bias is not None, BLOCK_C=block_c,
         BLOCK_H=max(2, triton.next_power_of_2(k - 1)), INTERP=runtime.interpreting())
@@ -261,10 +274,10 @@ def causal_conv(x: torch.Tensor, state: GDNState, weight: torch.Tensor, bias: to
 
 
 def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: GDNState, hk: int, hv: int, dk: int,
-                dv: int) -> torch.Tensor:
+                dv: int, commit: int = 0) -> torch.Tensor:
     """The gated delta rule over this forward's tokens after replaying the pending accepted ones: mixed [B, T, C] the
     conv outputs (q | k | v columns), g [B, T, Hv] float32, beta [B, T, Hv]; returns [B, T, Hv, dv] in mixed's dtype
-    and leaves `state.S` the committed state (before this forward's tokens)."""
+    and leaves `state.S` the committed state: after the replayed tokens and this forward's first `commit`."""
     b, t, _ = mixed.shape
     pend = state.pending
     a = state.accepted if pend is not None else 0
@@ -273,6 +286,9 @@ def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state:
             pm, pg, pb = pend[1][:, :a], pend[2][:, :a], pend[3][:, :a]
             _, state.S = gated_delta_ref(*_split(pm, hk, hv, dk, dv), pg, pb, state.S)
         out, _ = gated_delta_ref(*_split(mixed, hk, hv, dk, dv), g, beta, state.S)
+        if commit:
+            _, state.S = gated_delta_ref(*_split(mixed[:, :commit], hk, hv, dk, dv), g[:, :commit], beta[:, :commit],
+                                         state.S)
         return out
     out = torch.empty(b, t, hv, dv, dtype=mixed.dtype, device=mixed.device)
     pm, pg, pb = (pend[1], pend[2], pend[3]) if pend is not None else (mixed, g, beta)
@@ -280,7 +296,7 @@ def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state:
     block_v = min(32, max(16, triton.next_power_of_2(dv)))
     S = state.S
     _delta_kernel[(b * hv, triton.cdiv(dv, block_v))](
-        mixed, pm, g, pg, beta, pb, S, out, t, a,
+        mixed, pm, g, pg, beta, pb, S, out, t, a, a + commit,
         mixed.stride(0), mixed.stride(1), pm.stride(0), pm.stride(1), g.stride(0), g.stride(1), pg.stride(0),
         pg.stride(1), beta.stride(0), beta.stride(1), pb.stride(0), pb.stride(1), S.stride(0), S.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
@@ -344,12 +360,16 @@ def forward(module, hidden_states: torch.Tensor, cache=None, attention_mask: tor
         b, a = module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
     mixed = mixed.contiguous()
     st = _layer_state(module, cache, bsz, mixed.shape[-1], mixed.dtype, mixed.device)
-    conv = causal_conv(mixed, st, module.conv1d.weight.squeeze(1), module.conv1d.bias)
+    commit = max(0, t - ROLLBACK_TOKENS) if cache is not None else 0
+    conv = causal_conv(mixed, st, module.conv1d.weight.squeeze(1), module.conv1d.bias, commit)
     beta = b.reshape(bsz, t, hv).sigmoid().contiguous()
     g = (-module.A_log.float().exp() * F.softplus(a.reshape(bsz, t, hv).float() + module.dt_bias)).contiguous()
-    core = gated_delta(conv, g, beta, st, hk, hv, dk, dv)
+    core = gated_delta(conv, g, beta, st, hk, hv, dk, dv, commit)
     if cache is not None:
-        st.pending, st.accepted = (mixed, conv, g, beta), t
+        pending = (mixed, conv, g, beta)
+        if commit:  # (copies: the slices would keep the whole prompt's tensors alive)
+            pending = tuple(x[:, commit:].clone() for x in pending)
+        st.pending, st.accepted = pending, t - commit
         count = getattr(cache.layers[module.layer_idx], "cumulative_length_linear", None)
         if isinstance(count, torch.Tensor):
             count.add_(t)

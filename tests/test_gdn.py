@@ -24,15 +24,17 @@ def _inputs(t: int, seed: int, dtype=torch.bfloat16):
     return x, decay, beta
 
 
-def _run(chunks, drops, weight, dtype=torch.bfloat16):
+def _run(chunks, drops, weight, dtype=torch.bfloat16, commits=None):
     """Forward `chunks` ((x, g, beta) each) one after another, dropping drops[i] tokens after forward i, as the
-    installed layer does; the outputs of the kept tokens, and the state."""
+    installed layer does (commits[i]: forward i's first tokens put into the state at once, as a long prompt's are);
+    the outputs of the kept tokens, and the state."""
     st = gdn.GDNState.zeros(B, HV, DK, DV, K, C, dtype, "cpu")
     kept = []
-    for (x, dec, beta), d in zip(chunks, drops):
-        conv = gdn.causal_conv(x, st, weight)
-        out = gdn.gated_delta(conv, dec, beta, st, HK, HV, DK, DV)
-        st.pending, st.accepted = (x, conv, dec, beta), x.shape[1]
+    for i, ((x, dec, beta), d) in enumerate(zip(chunks, drops)):
+        c = commits[i] if commits else 0
+        conv = gdn.causal_conv(x, st, weight, commit=c)
+        out = gdn.gated_delta(conv, dec, beta, st, HK, HV, DK, DV, commit=c)
+        st.pending, st.accepted = tuple(t[:, c:].clone() for t in (x, conv, dec, beta)), x.shape[1] - c
         st.drop(d)
         kept.append(out[:, : x.shape[1] - d])
     return torch.cat(kept, dim=1), st
@@ -84,22 +86,23 @@ def test_the_kernels_match_the_float64_references():
     [(3, 0), (4, 2), (1, 0), (1, 0), (5, 3)],  # a block whose last 2 were rejected, singles, a block with 3 rejected
     [(1, 0), (8, 7), (8, 0), (2, 1)],  # a block where only the anchor was kept, then one where all were
     [(6, 0), (6, 5), (6, 5), (3, 0)],  # rollbacks back to back
-])
+    [(7, 0, 5), (6, 2, 1), (3, 0)],  # a "prompt" whose first 5 tokens enter the state at once, then a block of 6 whose
+])                                   # first enters it at once and whose last 2 are dropped
 def test_a_token_has_the_same_bits_whatever_block_it_is_in_and_whatever_was_rolled_back(split):
     """The same token sequence forwarded one token at a time (block 1) and in blocks that carry rejected tokens (random
     ones, dropped afterwards): every kept token's output and the final state are bit-identical."""
-    total = sum(n - d for n, d in split)
+    total = sum(sp[0] - sp[1] for sp in split)
     x, dec, beta = _inputs(total, 2)
     w = (torch.randn(C, K) * 0.5).to(torch.bfloat16)
     one, st_one = _run([(x[:, i:i + 1], dec[:, i:i + 1], beta[:, i:i + 1]) for i in range(total)], [0] * total, w)
     chunks, at = [], 0
-    for n, d in split:
+    for n, d, *_ in split:
         keep = n - d
         junk_x, junk_g, junk_b = _inputs(d, 100 + at)
         chunks.append((torch.cat([x[:, at:at + keep], junk_x], 1), torch.cat([dec[:, at:at + keep], junk_g], 1),
                        torch.cat([beta[:, at:at + keep], junk_b], 1)))
         at += keep
-    blocks, st_blocks = _run(chunks, [d for _, d in split], w)
+    blocks, st_blocks = _run(chunks, [sp[1] for sp in split], w, commits=[(sp[2:] or [0])[0] for sp in split])
     assert torch.equal(one.view(torch.int16), blocks.view(torch.int16))
     # the committed state after one more (empty-output) forward: both replay their pending tokens
     for st in (st_one, st_blocks):
@@ -108,12 +111,25 @@ def test_a_token_has_the_same_bits_whatever_block_it_is_in_and_whatever_was_roll
     assert torch.equal(st_one.S, st_blocks.S) and torch.equal(st_one.hist, st_blocks.hist)
 
 
+def test_dropping_more_than_the_last_forward_left_pending_is_refused():
+    st = gdn.GDNState.zeros(1, HV, DK, DV, K, C, torch.float32, "cpu")
+    x = torch.zeros(1, 4, C)
+    st.pending, st.accepted = (x, x, x[..., :HV], x[..., :HV]), 4
+    st.drop(1)
+    st.drop(0)  # crop(0) after a crop keeps what the first left
+    assert st.accepted == 3
+    with pytest.raises(ValueError, match="3 of the last forward's tokens can still be dropped"):
+        st.drop(4)
+
+
+@pytest.mark.parametrize("keep", [gdn.ROLLBACK_TOKENS, 2])
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text"])
-def test_the_layer_forward_is_transformers_and_rolls_back_itself(arch, monkeypatch):
+def test_the_layer_forward_is_transformers_and_rolls_back_itself(arch, keep, monkeypatch):
     """gdn.forward on a real Qwen3-Next / Qwen3.5 layer (float32, the references: CPU) gives the layer's own outputs,
     with and without a cache; after a block whose last 2 tokens are cropped, the next token's output equals a run that
     never saw them, even where transformers' own crop would not roll the recurrent state back (transformers < 5.25,
-    emulated by a crop that does nothing to it: the state is gdn's own)."""
+    emulated by a crop that does nothing to it: the state is gdn's own); the same where only a forward's last 2 tokens
+    stay pending."""
     from transformers import AutoModelForCausalLM, DynamicCache
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
@@ -121,6 +137,7 @@ def test_the_layer_forward_is_transformers_and_rolls_back_itself(arch, monkeypat
     from pdflash.tiny import generic_config
 
     monkeypatch.setattr(gdn, "_use_triton", lambda x: False)
+    monkeypatch.setattr(gdn, "ROLLBACK_TOKENS", keep)  # 2: each forward's first tokens enter the state at once
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(generic_config(arch, 64, 1, 2)).eval()
     layer = next(m for m in model.modules() if gdn.is_gated_delta_net(m))
