@@ -164,7 +164,7 @@ def test_hybrids_with_the_kernels_verify_drafts_exactly_on_any_transformers(arch
     """A tiny Qwen3-Next / Qwen3.5 with the kernels (Triton's interpreter): every part of the forward is reported
     batch-invariant (no op left on torch's kernels), and drafts replayed with every 4th one wrong give block 1's tokens.
     With transformers' crop unable to roll the recurrent state back (transformers 5.17's, emulated), the load-time
-    rollback check still passes: the installed layers roll back themselves."""
+    rollback check still passes: the installed layers roll back themselves. The paged KV (auto) says why it is off."""
     import sys
     import pathlib
 
@@ -193,7 +193,10 @@ def test_hybrids_with_the_kernels_verify_drafts_exactly_on_any_transformers(arch
     info = target.kernels
     assert info["batch_invariant"] and not info["uncovered_ops"], info
     assert info["linear_attention"].startswith("triton gated delta rule")
-    core = VerifierCore(target, max_block_size=8)
+    from verifier_svc.engine import PagedKVOptions
+
+    core = VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="auto", kv_cache_gb=0.01))
+    assert core.pool is None and "linear_attention layers keep a recurrent state" in core.paged_off  # said, not a crash
     prompts, n = [[5, 9, 13, 2, 7, 11]], 8
     one = core_run(core, prompts, n, 1)["outputs"]
     replayed = core_run(core, prompts, n, 8, propose=replay([o[:n] for o in one]))

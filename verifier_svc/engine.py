@@ -163,6 +163,16 @@ class VerifierCore:
 
         t = self.target
         cfg = t.model.config.get_text_config()
+        mixers = sorted({k for k in getattr(cfg, "layer_types", None) or [] if k == "linear_attention" or "attention" not in k})
+        if mixers:  # a hybrid: its recurrent layers' state is per session, not in pages
+            why = (f"its {', '.join(mixers)} layers keep a recurrent state the paged KV does not hold yet (hybrid models "
+                   "run on transformers' cache)")
+            if opts.mode == "on":
+                raise ValueError(f"--paged-kv on: the paged forward does not fit this model ({why}); use auto or off")
+            log.warning("paged KV off: the model runs on transformers' cache (no CUDA graphs, no verify waves in one "
+                        "forward)", reason=why)
+            self.paged_off = why
+            return
         kv_heads, k_dim, v_dim = KVPool.layout(cfg)  # (MLA: one latent and its rotary key a position)
         pages = KVPool.pages_for(kv_heads, k_dim, t.num_layers, t.dtype, int(opts.budget_bytes(t.device)), v_dim)
         self.pool = KVPool(t.num_layers, kv_heads, k_dim, pages, t.dtype, t.device, v_dim)
