@@ -108,7 +108,8 @@ def causal_conv_ref(x: torch.Tensor, hist: torch.Tensor, pend: torch.Tensor | No
 def gated_delta_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(outputs [B, T, Hv, dv] in v's dtype, the state after the T tokens, float32). q, k [B, T, Hk, dk], v [B, T, Hv,
-    dv], g, beta [B, T, Hv], state [B, Hv, dk, dv]; value head h reads key head h // (Hv / Hk)."""
+    dv], g [B, T, Hv] (or [B, T, Hv, dk]: a decay per key channel, Kimi Delta Attention), beta [B, T, Hv], state [B, Hv,
+    dk, dv]; value head h reads key head h // (Hv / Hk)."""
     b, t, hk, dk = k.shape
     hv = v.shape[2]
     rep = hv // hk
@@ -118,7 +119,8 @@ def gated_delta_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     s = state.double().clone()
     out = torch.empty(b, t, hv, v.shape[-1], dtype=torch.float64, device=v.device)
     for i in range(t):
-        s = s * g[:, i].double().exp()[..., None, None]
+        decay = g[:, i].double().exp()  # [B, Hv] (a gated DeltaNet's) or [B, Hv, dk] (Kimi Delta Attention's)
+        s = s * (decay[..., None] if g.dim() == 4 else decay[..., None, None])
         kv = (s * k[:, i, :, :, None]).sum(-2)
         delta = (v[:, i].double() - kv) * beta[:, i].double()[..., None]
         s = s + k[:, i, :, :, None] * delta[:, :, None, :]
@@ -188,19 +190,22 @@ if triton is not None:
     def _delta_token(S, i, A, AC, b, h, kh, kk, vv, km, vm, sm, s_ptrs, new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr, bp_ptr,
                      out_ptr, snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt, sob, sot, soh,
                      DK: tl.constexpr, DV: tl.constexpr, Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
-                     SCALE: tl.constexpr):
+                     SCALE: tl.constexpr, G_VEC: tl.constexpr):
         """Token i of the loop (i < A: a replayed one, from pend; else this forward's i - A): the state after it, and its
         output stored for this forward's tokens; the state after token AC - 1 (the replayed ones and this forward's
         first CT = AC - A) is written back."""
         replay = i < A
         t = tl.where(replay, i, i - A)
         row = tl.where(replay, pend_ptr + b * spb + t * spt, new_ptr + b * snb + t * snt)
-        g = tl.load(tl.where(replay, gp_ptr + b * sgpb + t * sgpt, gn_ptr + b * sgnb + t * sgnt) + h)
+        g_row = tl.where(replay, gp_ptr + b * sgpb + t * sgpt, gn_ptr + b * sgnb + t * sgnt)
         beta = tl.load(tl.where(replay, bp_ptr + b * sbpb + t * sbpt, bn_ptr + b * sbnb + t * sbnt) + h).to(tl.float32)
         k = tl.load(row + K_OFF + kh * DK + kk, mask=km, other=0.0).to(tl.float32)
         k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
         v = tl.load(row + V_OFF + h * DV + vv, mask=vm, other=0.0).to(tl.float32)
-        S = S * tl.exp(g)
+        if G_VEC:  # Kimi Delta Attention: a decay per key channel
+            S = S * tl.exp(tl.load(g_row + h * DK + kk, mask=km, other=0.0))[:, None]
+        else:
+            S = S * tl.exp(tl.load(g_row + h))
         kv = tl.sum(S * k[:, None], axis=0)
         delta = (v - kv) * beta
         S = tl.fma(k[:, None], delta[None, :], S)
@@ -216,7 +221,7 @@ if triton is not None:
                       snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt, ssb, ssh, sob, sot, soh,
                       HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, SCALE: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERP: tl.constexpr):
+                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERP: tl.constexpr, G_VEC: tl.constexpr):
         """One program: value head h of sequence b, value columns [v0, v0 + BLOCK_V). Tokens 0 .. A - 1 are the last
         forward's accepted ones (from pend/gp/bp: replayed, no output), A .. A + T - 1 this forward's; the state after
         the replayed ones is written back (the new committed state). q, k, v are columns of the conv output rows."""
@@ -235,13 +240,13 @@ if triton is not None:
             while i < A + T:
                 S = _delta_token(S, i, A, AC, b, h, kh, kk, vv, km, vm, sm, s_ptrs, new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr,
                                  bp_ptr, out_ptr, snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt,
-                                 sob, sot, soh, DK, DV, Q_OFF, K_OFF, V_OFF, SCALE)
+                                 sob, sot, soh, DK, DV, Q_OFF, K_OFF, V_OFF, SCALE, G_VEC)
                 i += 1
         else:
             for i in range(A + T):
                 S = _delta_token(S, i, A, AC, b, h, kh, kk, vv, km, vm, sm, s_ptrs, new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr,
                                  bp_ptr, out_ptr, snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt,
-                                 sob, sot, soh, DK, DV, Q_OFF, K_OFF, V_OFF, SCALE)
+                                 sob, sot, soh, DK, DV, Q_OFF, K_OFF, V_OFF, SCALE, G_VEC)
 
 def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and runtime.triton_usable(x.device)
@@ -301,7 +306,7 @@ def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state:
         pg.stride(1), beta.stride(0), beta.stride(1), pb.stride(0), pb.stride(1), S.stride(0), S.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         HV=hv, REP=hv // hk, DK=dk, DV=dv, Q_OFF=0, K_OFF=hk * dk, V_OFF=2 * hk * dk, SCALE=1.0 / math.sqrt(dk),
-        BLOCK_K=block_k, BLOCK_V=block_v, INTERP=runtime.interpreting(), num_warps=4)
+        BLOCK_K=block_k, BLOCK_V=block_v, INTERP=runtime.interpreting(), G_VEC=g.dim() == 4, num_warps=4)
     return out
 
 
@@ -314,12 +319,18 @@ def _split(mixed: torch.Tensor, hk: int, hv: int, dk: int, dv: int):
 
 
 # ---- the layer's forward -------------------------------------------------------------------------------------------
+def _dims(module) -> tuple[int, int, int, int]:
+    """(key heads, value heads, key width, value width) of a Gated DeltaNet or Kimi Delta Attention module."""
+    if is_kimi_delta(module):
+        return module.num_heads, module.num_heads, module.head_dim, module.head_dim
+    return module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
+
+
 def _layer_state(module, cache, batch: int, channels: int, dtype, device) -> GDNState:
     """The layer's GDNState in `cache` (made on the first forward, with the cache layer's `crop` routed to it); a fresh
     one without a cache."""
-    k = module.conv1d.kernel_size[0]
-    fresh = lambda: GDNState.zeros(batch, module.num_v_heads, module.head_k_dim, module.head_v_dim, k, channels, dtype,
-                                   device)
+    _, hv, dk, dv = _dims(module)
+    fresh = lambda: GDNState.zeros(batch, hv, dk, dv, module.conv1d.kernel_size[0], channels, dtype, device)
     if cache is None:
         return fresh()
     layer = cache.layers[module.layer_idx]
@@ -341,15 +352,44 @@ def _crop(layer, n: int) -> None:
         count.sub_(-n)
 
 
+def _cache_of(cache, kwargs):
+    return cache if cache is not None else (kwargs.pop("cache_params", None) or kwargs.pop("past_key_values", None))
+
+
+def _masked(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """transformers' apply_mask_to_padding_states: padded rows of a batch zeroed."""
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[0] > 1 and attention_mask.shape[1] > 1:
+        return (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    return hidden_states
+
+
+def _mix(module, cache, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """The convolution and the delta rule of one layer's forward over its session state in `cache`; [B, T, Hv, dv]."""
+    bsz, t, _ = mixed.shape
+    hk, hv, dk, dv = _dims(module)
+    mixed = mixed.contiguous()
+    st = _layer_state(module, cache, bsz, mixed.shape[-1], mixed.dtype, mixed.device)
+    commit = max(0, t - ROLLBACK_TOKENS) if cache is not None else 0
+    conv = causal_conv(mixed, st, module.conv1d.weight.squeeze(1), module.conv1d.bias, commit)
+    core = gated_delta(conv, g.contiguous(), beta.contiguous(), st, hk, hv, dk, dv, commit)
+    if cache is not None:
+        pending = (mixed, conv, g.contiguous(), beta.contiguous())
+        if commit:  # (copies: the slices would keep the whole prompt's tensors alive)
+            pending = tuple(x[:, commit:].clone() for x in pending)
+        st.pending, st.accepted = pending, t - commit
+        count = getattr(cache.layers[module.layer_idx], "cumulative_length_linear", None)
+        if isinstance(count, torch.Tensor):
+            count.add_(t)
+    return core
+
+
 def forward(module, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None, **kwargs):
     """A Gated DeltaNet layer's forward on these kernels (the module's own projections, norm and output projection;
     under the installer's dispatch mode its linears are the batch-invariant ones)."""
-    if cache is None:
-        cache = kwargs.pop("cache_params", None) or kwargs.pop("past_key_values", None)
-    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[0] > 1 and attention_mask.shape[1] > 1:
-        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    cache = _cache_of(cache, kwargs)
+    hidden_states = _masked(hidden_states, attention_mask)
     bsz, t, _ = hidden_states.shape
-    hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
+    _, hv, _, dv = _dims(module)
     if hasattr(module, "in_proj_qkvz"):
         q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden_states),
                                                                module.in_proj_ba(hidden_states))
@@ -358,20 +398,30 @@ def forward(module, hidden_states: torch.Tensor, cache=None, attention_mask: tor
         mixed = module.in_proj_qkv(hidden_states)
         z = module.in_proj_z(hidden_states).reshape(bsz, t, -1, dv)
         b, a = module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
-    mixed = mixed.contiguous()
-    st = _layer_state(module, cache, bsz, mixed.shape[-1], mixed.dtype, mixed.device)
-    commit = max(0, t - ROLLBACK_TOKENS) if cache is not None else 0
-    conv = causal_conv(mixed, st, module.conv1d.weight.squeeze(1), module.conv1d.bias, commit)
-    beta = b.reshape(bsz, t, hv).sigmoid().contiguous()
-    g = (-module.A_log.float().exp() * F.softplus(a.reshape(bsz, t, hv).float() + module.dt_bias)).contiguous()
-    core = gated_delta(conv, g, beta, st, hk, hv, dk, dv, commit)
-    if cache is not None:
-        pending = (mixed, conv, g, beta)
-        if commit:  # (copies: the slices would keep the whole prompt's tensors alive)
-            pending = tuple(x[:, commit:].clone() for x in pending)
-        st.pending, st.accepted = pending, t - commit
-        count = getattr(cache.layers[module.layer_idx], "cumulative_length_linear", None)
-        if isinstance(count, torch.Tensor):
-            count.add_(t)
+    beta = b.reshape(bsz, t, hv).sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.reshape(bsz, t, hv).float() + module.dt_bias)
+    core = _mix(module, cache, mixed, g, beta)
     out = module.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(bsz, t, -1)
     return module.out_proj(out)
+
+
+def is_kimi_delta(module) -> bool:
+    """A Kimi Delta Attention layer (Kimi Linear): the gated delta rule with a decay per key channel."""
+    parts = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj",
+             "num_heads", "head_dim")
+    return all(hasattr(module, p) for p in parts) and getattr(module, "activation", "silu") in ("silu", "swish")
+
+
+def kda_forward(module, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None, **kwargs):
+    """A Kimi Delta Attention layer's forward on these kernels (its projections, forget gate, gated norm and output
+    projection are the module's own)."""
+    cache = _cache_of(cache, kwargs)
+    hidden_states = _masked(hidden_states, attention_mask)
+    bsz, t, _ = hidden_states.shape
+    shape = (bsz, t, -1, module.head_dim)
+    mixed = torch.cat([module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)], dim=-1)
+    g = module.forget_gate(hidden_states).float()  # [B, T, H, dk]
+    beta = torch.sigmoid(module.b_proj(hidden_states))
+    core = _mix(module, cache, mixed, g, beta)
+    gate = module.g_b_proj(module.g_a_proj(hidden_states)).view(shape)
+    return module.o_proj(module.o_norm(core, gate).reshape(bsz, t, -1))

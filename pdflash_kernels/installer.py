@@ -847,15 +847,17 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
 
 
 def _install_linear_attention(model: nn.Module, undo: list) -> list[int]:
-    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5) onto pdflash_kernels.gdn's forward, whose state lives on the session's
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5) and Kimi Delta Attention layers (Kimi Linear) onto
+    pdflash_kernels.gdn's forwards, whose state lives on the session's
     cache layer and rolls back itself; the layers' indices. Other linear-attention / state-space layers keep
     transformers' forward (the probe lists their ops as uncovered, and the model is reported not batch-invariant)."""
     from pdflash_kernels import gdn
 
     layers = []
     for m in model.modules():
-        if gdn.is_gated_delta_net(m):
-            m.forward = functools.partial(gdn.forward, m)
+        fwd = gdn.forward if gdn.is_gated_delta_net(m) else gdn.kda_forward if gdn.is_kimi_delta(m) else None
+        if fwd is not None:
+            m.forward = functools.partial(fwd, m)
             undo.append(functools.partial(m.__dict__.pop, "forward", None))
             layers.append(int(m.layer_idx))
     return layers

@@ -16,10 +16,10 @@ B, HK, HV, DK, DV, K = 2, 2, 4, 16, 16, 4
 C = 2 * HK * DK + HV * DV
 
 
-def _inputs(t: int, seed: int, dtype=torch.bfloat16):
+def _inputs(t: int, seed: int, dtype=torch.bfloat16, per_channel: bool = False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, t, C, generator=g).to(dtype)
-    decay = -torch.rand(B, t, HV, generator=g) * 0.7
+    decay = -torch.rand(B, t, HV, *([DK] if per_channel else []), generator=g) * 0.7  # per key channel: Kimi's
     beta = torch.rand(B, t, HV, generator=g).to(dtype)
     return x, decay, beta
 
@@ -64,6 +64,19 @@ def test_the_references_are_transformers_formulas():
     torch.testing.assert_close(s, want_s, rtol=1e-5, atol=1e-5)
 
 
+def test_the_reference_is_kimi_delta_attentions_rule_with_a_decay_per_channel():
+    from transformers.models.kimi_linear import modeling_kimi_linear as m
+
+    _, dec, beta = _inputs(5, 3, torch.float32, per_channel=True)
+    q, k, v = gdn._split(torch.randn(B, 5, 3 * HV * DK), HV, HV, DK, DV)  # (Kimi: as many key heads as value heads)
+    s0 = torch.randn(B, HV, DK, DV) * 0.1
+    out, s = gdn.gated_delta_ref(q, k, v, dec, beta, s0)
+    want_out, want_s = m.recurrent_kimi_delta_attention(q, k, v, g=dec, beta=beta, initial_state=s0,
+                                                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s, want_s, rtol=1e-5, atol=1e-5)
+
+
 @needs_triton
 def test_the_kernels_match_the_float64_references():
     x, dec, beta = _inputs(6, 1)
@@ -88,17 +101,19 @@ def test_the_kernels_match_the_float64_references():
     [(6, 0), (6, 5), (6, 5), (3, 0)],  # rollbacks back to back
     [(7, 0, 5), (6, 2, 1), (3, 0)],  # a "prompt" whose first 5 tokens enter the state at once, then a block of 6 whose
 ])                                   # first enters it at once and whose last 2 are dropped
-def test_a_token_has_the_same_bits_whatever_block_it_is_in_and_whatever_was_rolled_back(split):
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gated-deltanet", "kimi-delta"])
+def test_a_token_has_the_same_bits_whatever_block_it_is_in_and_whatever_was_rolled_back(split, per_channel):
     """The same token sequence forwarded one token at a time (block 1) and in blocks that carry rejected tokens (random
-    ones, dropped afterwards): every kept token's output and the final state are bit-identical."""
+    ones, dropped afterwards): every kept token's output and the final state are bit-identical (a decay per head, or
+    per key channel as Kimi Delta Attention's)."""
     total = sum(sp[0] - sp[1] for sp in split)
-    x, dec, beta = _inputs(total, 2)
+    x, dec, beta = _inputs(total, 2, per_channel=per_channel)
     w = (torch.randn(C, K) * 0.5).to(torch.bfloat16)
     one, st_one = _run([(x[:, i:i + 1], dec[:, i:i + 1], beta[:, i:i + 1]) for i in range(total)], [0] * total, w)
     chunks, at = [], 0
     for n, d, *_ in split:
         keep = n - d
-        junk_x, junk_g, junk_b = _inputs(d, 100 + at)
+        junk_x, junk_g, junk_b = _inputs(d, 100 + at, per_channel=per_channel)
         chunks.append((torch.cat([x[:, at:at + keep], junk_x], 1), torch.cat([dec[:, at:at + keep], junk_g], 1),
                        torch.cat([beta[:, at:at + keep], junk_b], 1)))
         at += keep
@@ -123,7 +138,7 @@ def test_dropping_more_than_the_last_forward_left_pending_is_refused():
 
 
 @pytest.mark.parametrize("keep", [gdn.ROLLBACK_TOKENS, 2])
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text", "kimi_linear"])
 def test_the_layer_forward_is_transformers_and_rolls_back_itself(arch, keep, monkeypatch):
     """gdn.forward on a real Qwen3-Next / Qwen3.5 layer (float32, the references: CPU) gives the layer's own outputs,
     with and without a cache; after a block whose last 2 tokens are cropped, the next token's output equals a run that
@@ -140,26 +155,27 @@ def test_the_layer_forward_is_transformers_and_rolls_back_itself(arch, keep, mon
     monkeypatch.setattr(gdn, "ROLLBACK_TOKENS", keep)  # 2: each forward's first tokens enter the state at once
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(generic_config(arch, 64, 1, 2)).eval()
-    layer = next(m for m in model.modules() if gdn.is_gated_delta_net(m))
+    layer = next(m for m in model.modules() if gdn.is_gated_delta_net(m) or gdn.is_kimi_delta(m))
+    fwd = gdn.kda_forward if gdn.is_kimi_delta(layer) else gdn.forward
     h = torch.randn(1, 6, model.config.hidden_size)
     with torch.inference_mode():
         want = layer(h)
-        torch.testing.assert_close(gdn.forward(layer, h), want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fwd(layer, h), want, rtol=1e-4, atol=1e-5)
         monkeypatch.setattr(LinearAttentionCacheLayerMixin, "crop", lambda self, n: None)  # rolls nothing back
         cache = new_session_cache(model.config, 8)
         kw = {"cache": cache}
-        gdn.forward(layer, h[:, :3], **kw)
-        gdn.forward(layer, torch.cat([h[:, 3:4], torch.randn(1, 2, h.shape[-1])], 1), **kw)
+        fwd(layer, h[:, :3], **kw)
+        fwd(layer, torch.cat([h[:, 3:4], torch.randn(1, 2, h.shape[-1])], 1), **kw)
         cache.crop(-2)
-        got = gdn.forward(layer, h[:, 4:6], **kw)
+        got = fwd(layer, h[:, 4:6], **kw)
         torch.testing.assert_close(got, want[:, 4:6], rtol=1e-4, atol=1e-5)
         fresh = DynamicCache(config=model.config)
-        torch.testing.assert_close(gdn.forward(layer, h, cache=fresh), want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fwd(layer, h, cache=fresh), want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
 @needs_triton
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text", "kimi_linear"])
 def test_hybrids_with_the_kernels_verify_drafts_exactly_on_any_transformers(arch, tmp_path, monkeypatch):
     """A tiny Qwen3-Next / Qwen3.5 with the kernels (Triton's interpreter): every part of the forward is reported
     batch-invariant (no op left on torch's kernels), and drafts replayed with every 4th one wrong give block 1's tokens.
