@@ -32,7 +32,8 @@ from inprocess import core_run  # noqa: E402
 
 NEW = 32
 # linear-attention / state-space hybrids: their recurrent state rolls back with transformers >= 5.25, and an older one
-# refuses them at load (what the GPU machine's transformers 5.17 did: benchmarks/results/arch_matrix_gpu.md)
+# refuses them at load (what the GPU machine's transformers 5.17 did: benchmarks/results/arch_matrix_gpu.md), unless the
+# kernels serve their layers (Gated DeltaNet, Kimi Delta Attention: tests/test_gdn.py)
 # (granitemoehybrid's Mamba-2 and lfm2_moe's convolutions roll back with 5.17 too)
 HYBRIDS = ("qwen3_next", "qwen3_5_moe_text", "jamba", "kimi_linear")
 OLD_TRANSFORMERS = r"leaves them in its state .*transformers >= 5\.25"
@@ -117,8 +118,8 @@ def test_a_hybrid_whose_recurrent_state_does_not_roll_back_is_refused(checkpoint
         assert VerifierCore(target, max_block_size=8) is not None  # rolled back right: served
     monkeypatch.setattr(LinearAttentionCacheLayerMixin, "crop", crop_conv_only)
     monkeypatch.setattr(servable, "keeps_recurrent_states", lambda: False)
-    with pytest.raises(ValueError, match="qwen3_next: .*" + OLD_TRANSFORMERS):
-        VerifierCore(target, max_block_size=8)
+    with pytest.raises(ValueError, match="qwen3_next: .*" + OLD_TRANSFORMERS + r".*serve it with the kernels"):
+        VerifierCore(target, max_block_size=8)  # (with them its Gated DeltaNet layers roll back: tests/test_gdn.py)
 
 
 @pytest.mark.slow

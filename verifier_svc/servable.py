@@ -10,6 +10,8 @@ or, worse, answering with other tokens than the model's.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pdflash.hf_compat import keeps_recurrent_states, new_session_cache, plain_attention_cache
@@ -66,10 +68,21 @@ def rollback_error(model, cache_arg: str, max_block: int, device: torch.device) 
     if err > TOLERANCE * max(gap, 1e-3) and err > 1e-4:
         hint = ("" if keeps_recurrent_states() else
                 "; its linear-attention / state-space layers' recurrent state rolls back with transformers >= 5.25 "
-                "(upgrade transformers)")
+                "(upgrade transformers)" + _kernel_hint(model))
         return (f"dropping rejected tokens from its cache leaves them in its state (logits {err:.2g} off the model's "
                 f"own, {gap:.2g} with nothing dropped){hint}")
     return None
+
+
+def _kernel_hint(model) -> str:
+    """For a model whose linear-attention layers pdflash's kernels serve (Gated DeltaNet, Kimi Delta Attention) and are
+    not installed: that the kernels would roll them back on this transformers."""
+    from pdflash_kernels import gdn
+
+    served = any(gdn.is_gated_delta_net(m) or gdn.is_kimi_delta(m) for m in model.modules())
+    if not served or any(isinstance(getattr(m, "forward", None), functools.partial) for m in model.modules()):
+        return ""
+    return ", or serve it with the kernels (a GPU, --kernels auto), whose linear-attention layers roll back themselves"
 
 
 def paged_error(runner, pool, model, cache_arg: str, device: torch.device) -> str | None:
