@@ -175,9 +175,9 @@ def test_the_layer_forward_is_transformers_and_rolls_back_itself(arch, keep, mon
 
 @pytest.mark.slow
 @needs_triton
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text", "kimi_linear"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear"])  # (Qwen3.5's projections: the layer-forward test)
 def test_hybrids_with_the_kernels_verify_drafts_exactly_on_any_transformers(arch, tmp_path, monkeypatch):
-    """A tiny Qwen3-Next / Qwen3.5 with the kernels (Triton's interpreter): every part of the forward is reported
+    """A tiny Qwen3-Next / Kimi Linear with the kernels (Triton's interpreter): every part of the forward is reported
     batch-invariant (no op left on torch's kernels), and drafts replayed with every 4th one wrong give block 1's tokens.
     With transformers' crop unable to roll the recurrent state back (transformers 5.17's, emulated), the load-time
     rollback check still passes: the installed layers roll back themselves. The paged KV (auto) says why it is off."""
