@@ -1,4 +1,5 @@
-"""Gated DeltaNet (the linear-attention layers of Qwen3-Next and Qwen3.5-MoE), batch-invariant, with its own rollback.
+"""Gated DeltaNet (the linear-attention layers of Qwen3-Next and Qwen3.5-MoE) and Kimi Delta Attention (Kimi Linear:
+the same rule with a decay per key channel), batch-invariant, with their own rollback.
 
 transformers runs these layers with a chunked algorithm for a block of tokens and a token-by-token one for a single
 token, and a depthwise `conv1d` whose kernels change with the length: a token's output then depends on how many tokens
@@ -14,13 +15,13 @@ Triton kernel each that treats every token alike:
 **Rollback without per-token states.** A verify block's rejected tokens must leave no trace in the state. Rather than
 store the state after every token of every block (Qwen3-Next: 2 MB a layer a token), a layer keeps the state *before*
 its last block (`S`, committed) and that block's inputs (`pending`; a prompt's tokens but the last ROLLBACK_TOKENS
-enter the state at once). `crop` records how many of them were accepted; the
-next forward replays those first, inside the same loop that then runs its own tokens, and writes the new committed
+enter the state at once). `crop` records how many of them were accepted; the next forward replays those first, inside the same loop that then runs its own tokens, and writes the new committed
 state at the seam. A replayed token goes through the same instructions as when it was first run, so the state, and
 every later output, is bit-identical to never having run the rejected tokens. The convolution does the same with its
 last `K - 1` inputs.
 
-`GDNState` holds this per (session, layer); `pdflash_kernels.installer` puts `forward` under each such module, with the
+`GDNState` holds this per (session, layer); `pdflash_kernels.installer` puts `forward` (or `kda_forward`) under each such
+module, with the
 state kept on transformers' cache layer (so a session's cache, and its `crop`, carry it). Torch references
 (`causal_conv_ref`, `gated_delta_ref`) compute the same in float64 for the tests and serve the CPU.
 """
