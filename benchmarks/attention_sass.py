@@ -35,14 +35,19 @@ def _tool(name: str) -> str:
     return str(pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def usage(kern) -> dict:
-    """Registers and spill bytes from the cubin (cuobjdump), shared memory from Triton's metadata."""
+def _cuobjdump(kern, flag: str) -> str:
+    """cuobjdump `flag`'s output for the compiled kernel's cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kern.asm["cubin"])
     try:
-        res = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([_tool("cuobjdump"), flag, f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def usage(kern) -> dict:
+    """Registers and spill bytes from the cubin (cuobjdump), shared memory from Triton's metadata."""
+    res = _cuobjdump(kern, "-res-usage")
     reg = re.search(r"REG:(\d+)", res)
     spill = re.search(r"STACK:(\d+)", res)
     return {"registers": int(reg.group(1)) if reg else -1, "stack_bytes": int(spill.group(1)) if spill else -1,
@@ -72,12 +77,7 @@ def _compile(fn, types: dict, const: dict, row: dict, sass: bool = False) -> dic
 
 
 def sass_of(kern) -> list[str]:
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kern.asm["cubin"])
-    try:
-        text = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
+    text = _cuobjdump(kern, "-sass")
     return [re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[param]", m.group(1).strip())
             for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", text)]
 

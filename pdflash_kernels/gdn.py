@@ -87,12 +87,13 @@ class GDNState:
 
 # ---- torch references (float64: the tests' oracle; any device) ---------------------------------------------------
 def causal_conv_ref(x: torch.Tensor, hist: torch.Tensor, pend: torch.Tensor | None, accepted: int,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(SiLU(conv) of x's T tokens in x's dtype, the new history [B, K - 1, C]). x [B, T, C], hist [B, K - 1, C],
-    pend [B, Tp, C] of which the first `accepted` precede x; weight [C, K]."""
+                    weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    commit: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(SiLU(conv) of x's T tokens in x's dtype, the new history [B, K - 1, C]: the last K - 1 inputs up to x's first
+    `commit`). x [B, T, C], hist [B, K - 1, C], pend [B, Tp, C] of which the first `accepted` precede x; weight [C, K]."""
     k = weight.shape[-1]
-    parts = [hist] + ([pend[:, :accepted]] if accepted else []) + [x]
-    seq = torch.cat(parts, dim=1).double()
+    parts = [hist] + ([pend[:, :accepted]] if accepted else [])
+    seq = torch.cat(parts + [x], dim=1).double()
     t = x.shape[1]
     w = weight.double()
     out = torch.zeros(x.shape[0], t, x.shape[2], dtype=torch.float64, device=x.device)
@@ -102,7 +103,7 @@ def causal_conv_ref(x: torch.Tensor, hist: torch.Tensor, pend: torch.Tensor | No
     if bias is not None:
         out += bias.double()
     out = F.silu(out.to(x.dtype).double()).to(x.dtype)
-    committed = torch.cat([hist] + ([pend[:, :accepted]] if accepted else []), dim=1)
+    committed = torch.cat(parts + [x[:, :commit]], dim=1)
     return out, committed[:, committed.shape[1] - (k - 1):].clone()
 
 
@@ -261,9 +262,7 @@ def causal_conv(x: torch.Tensor, state: GDNState, weight: torch.Tensor, bias: to
     pend = state.pending[0] if state.pending is not None else None
     a = state.accepted if pend is not None else 0
     if not _use_triton(x):
-        out, _ = causal_conv_ref(x, state.hist, pend, a, weight, bias)
-        _, state.hist = causal_conv_ref(x[:, :0], state.hist, torch.cat([pend[:, :a], x[:, :commit]], 1) if pend is not None
-                                        else x[:, :commit], a + commit, weight, bias)
+        out, state.hist = causal_conv_ref(x, state.hist, pend, a, weight, bias, commit)
         return out
     b, t, c = x.shape
     k = weight.shape[-1]
@@ -368,13 +367,13 @@ def _mix(module, cache, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
     """The convolution and the delta rule of one layer's forward over its session state in `cache`; [B, T, Hv, dv]."""
     bsz, t, _ = mixed.shape
     hk, hv, dk, dv = _dims(module)
-    mixed = mixed.contiguous()
+    mixed, g, beta = mixed.contiguous(), g.contiguous(), beta.contiguous()
     st = _layer_state(module, cache, bsz, mixed.shape[-1], mixed.dtype, mixed.device)
     commit = max(0, t - ROLLBACK_TOKENS) if cache is not None else 0
     conv = causal_conv(mixed, st, module.conv1d.weight.squeeze(1), module.conv1d.bias, commit)
-    core = gated_delta(conv, g.contiguous(), beta.contiguous(), st, hk, hv, dk, dv, commit)
+    core = gated_delta(conv, g, beta, st, hk, hv, dk, dv, commit)
     if cache is not None:
-        pending = (mixed, conv, g.contiguous(), beta.contiguous())
+        pending = (mixed, conv, g, beta)
         if commit:  # (copies: the slices would keep the whole prompt's tensors alive)
             pending = tuple(x[:, commit:].clone() for x in pending)
         st.pending, st.accepted = pending, t - commit

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdflash_kernels import gdn
-from tests.test_gpu_verifier import _ngram, _no_drafts, _prompts, _replay, _run
+from tests.test_gpu_verifier import _ngram, _no_drafts, _prompts, _replay, _run, real_shape_target
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -65,22 +65,13 @@ def test_gated_delta_at_qwen3_next_widths():
 
 @pytest.fixture(scope="module")
 def core(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from pdflash.tiny import real_shape_config
     from verifier_svc.engine import VerifierCore
-    from verifier_svc.model import wrap_model
 
-    cfg = real_shape_config("qwen3_next", num_layers=4)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    target = wrap_model(model, tmp_path_factory.mktemp("qnext"), kernels="on")
-    assert target.batch_invariant, target.kernels
+    target = real_shape_target("qwen3_next", tmp_path_factory.mktemp("qnext"), 4)
     assert target.kernels["linear_attention"].startswith("triton gated delta rule (3 layers")
     c = VerifierCore(target, max_block_size=32, max_tokens_limit=1024)  # (transformers' cache: its rollback check passes)
     yield c
-    del c, target, model
+    del c, target
     torch.cuda.empty_cache()
 
 

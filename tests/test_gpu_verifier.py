@@ -40,6 +40,22 @@ def core(request, tmp_path_factory):
     torch.cuda.empty_cache()
 
 
+def real_shape_target(arch: str, directory, num_layers: int):
+    """A random bf16 model of `arch`'s real layer shapes (pdflash.tiny.real_shape_config) built on the GPU and wrapped
+    with the kernels, which must report it batch-invariant."""
+    from transformers import AutoModelForCausalLM
+
+    from pdflash.tiny import real_shape_config
+    from verifier_svc.model import wrap_model
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(real_shape_config(arch, num_layers=num_layers), dtype=torch.bfloat16)
+    target = wrap_model(model, directory, kernels="on")
+    assert target.batch_invariant, target.kernels
+    return target
+
+
 def _prompts(vocab: int, n: int = 3) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(2, vocab) for _ in range(rng.randrange(20, 120))] for _ in range(n)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_gpu_verifier import Session, _no_drafts, _ngram, _prompts, _replay, _run, run_in_waves
+from tests.test_gpu_verifier import Session, _no_drafts, _ngram, _prompts, _replay, _run, real_shape_target, run_in_waves
 from tests.test_mla import _expanded_reference, _pools
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -52,23 +52,15 @@ def test_latent_attention_at_deepseek_v3_widths():
 
 @pytest.fixture(scope="module")
 def core(tmp_path_factory):
-    from pdflash.tiny import real_shape_config
-    from transformers import AutoModelForCausalLM
     from verifier_svc.engine import PagedKVOptions, VerifierCore
-    from verifier_svc.model import wrap_model
 
-    cfg = real_shape_config("deepseek_v3", num_layers=2)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    target = wrap_model(model, tmp_path_factory.mktemp("dsv3"), kernels="on")
-    assert target.batch_invariant, target.kernels
+    target = real_shape_target("deepseek_v3", tmp_path_factory.mktemp("dsv3"), 2)
     c = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=4),
                      max_wave_sessions=4)
     assert c.graphs is not None and c.pool.k[0].shape[1:] == (1, 64, L) and c.pool.v[0].shape[-1] == DR
     assert "latent" in c.forward_info["attention"]
     yield c
-    del c, target, model
+    del c, target
     torch.cuda.empty_cache()
 
 

@@ -10,8 +10,6 @@ or, worse, answering with other tokens than the model's.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from pdflash.hf_compat import keeps_recurrent_states, new_session_cache, plain_attention_cache
@@ -79,8 +77,8 @@ def _kernel_hint(model) -> str:
     not installed: that the kernels would roll them back on this transformers."""
     from pdflash_kernels import gdn
 
-    served = any(gdn.is_gated_delta_net(m) or gdn.is_kimi_delta(m) for m in model.modules())
-    if not served or any(isinstance(getattr(m, "forward", None), functools.partial) for m in model.modules()):
+    bare = [m for m in model.modules() if (gdn.is_gated_delta_net(m) or gdn.is_kimi_delta(m)) and "forward" not in vars(m)]
+    if not bare:  # (none, or the kernels' forwards already installed)
         return ""
     return ", or serve it with the kernels (a GPU, --kernels auto), whose linear-attention layers roll back themselves"
 
