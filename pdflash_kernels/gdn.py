@@ -131,11 +131,24 @@ def gated_delta_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 
 # ---- Triton kernels ------------------------------------------------------------------------------------------------
+# Both kernels read a row of int32 `meta` per sequence (`META` fields): its state slot, how many pending tokens it
+# replays (A), how many of its own tokens it commits (CT), which half of a paged state's pending buffers it reads (the
+# other is written), its first row in the flattened rows and its row count (T). The transformers-cache path (GDNState)
+# passes one row per batch sequence (slot b, rows b * T ..) and keeps its pending inputs itself; the paged path
+# (PagedGDN: one slot per session, CUDA-graph friendly: every count is read from device memory) has the kernels write
+# the tokens they leave pending into the other half.
+META = ("slot", "replay", "commit", "half", "row0", "rows")
+
 if triton is not None:
 
     @triton.jit
-    def _conv_token(t, A, b, c, cm, bias, x_ptr, hist_ptr, pend_ptr, w_ptr, out_ptr, sxb, sxt, shb, sht, spb, spt, sob,
-                    sot, K: tl.constexpr):
+    def _meta(meta_ptr, b):
+        m = meta_ptr + b * 6
+        return (tl.load(m).to(tl.int64), tl.load(m + 1), tl.load(m + 2), tl.load(m + 3).to(tl.int64),
+                tl.load(m + 4).to(tl.int64), tl.load(m + 5))
+
+    @triton.jit
+    def _conv_token(t, A, c, cm, bias, x_row, hist_s, pend_s, w_ptr, out_row, sxt, sht, spt, sot, K: tl.constexpr):
         """Token t's output: SiLU of the rounded float32 sum over j of w[j] * seq[A + t + j] (seq = hist ++ pend[:A] ++ x)."""
         acc = tl.zeros(c.shape, dtype=tl.float32)
         for j in tl.static_range(K):
@@ -143,71 +156,97 @@ if triton is not None:
             in_h = u < K - 1
             in_p = (u >= K - 1) & (u < K - 1 + A)
             in_x = u >= K - 1 + A
-            xv = tl.load(hist_ptr + b * shb + u * sht + c, mask=cm & in_h, other=0.0).to(tl.float32)
-            xv += tl.load(pend_ptr + b * spb + (u - (K - 1)) * spt + c, mask=cm & in_p, other=0.0).to(tl.float32)
-            xv += tl.load(x_ptr + b * sxb + (u - (K - 1) - A) * sxt + c, mask=cm & in_x, other=0.0).to(tl.float32)
+            xv = tl.load(hist_s + u * sht + c, mask=cm & in_h, other=0.0).to(tl.float32)
+            xv += tl.load(pend_s + (u - (K - 1)) * spt + c, mask=cm & in_p, other=0.0).to(tl.float32)
+            xv += tl.load(x_row + (u - (K - 1) - A) * sxt + c, mask=cm & in_x, other=0.0).to(tl.float32)
             acc = tl.fma(tl.load(w_ptr + c * K + j, mask=cm, other=0.0).to(tl.float32), xv, acc)
         acc += bias
-        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        y = y / (1.0 + tl.exp(-y))
-        tl.store(out_ptr + b * sob + t * sot + c, y.to(out_ptr.dtype.element_ty), mask=cm)
+        y = acc.to(out_row.dtype.element_ty).to(tl.float32)
+        y = (y / (1.0 + tl.exp(-y))).to(out_row.dtype.element_ty)
+        tl.store(out_row + t * sot + c, y, mask=cm)
+        return y
 
-    @triton.jit(do_not_specialize=["T", "A", "CT"])
-    def _conv_kernel(x_ptr, hist_ptr, pend_ptr, w_ptr, b_ptr, out_ptr, T, A, CT, C,
-                     sxb, sxt, shb, sht, spb, spt, sob, sot,
+    @triton.jit
+    def _conv_pend(t, CT, c, cm, y, x_row, px_w, pc_w, sxt, spt):
+        """A paged state's pending copies of token t (>= CT: not committed): its input and its output."""
+        keep = cm & (t >= CT)
+        tl.store(px_w + (t - CT) * spt + c, tl.load(x_row + t * sxt + c, mask=keep, other=0.0), mask=keep)
+        tl.store(pc_w + (t - CT) * spt + c, y, mask=keep)
+
+    @triton.jit
+    def _conv_kernel(x_ptr, meta_ptr, hist_ptr, pend_ptr, pc_ptr, w_ptr, b_ptr, out_ptr, C,
+                     sxt, shs, sht, sps, sph, spt, sot,
                      K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-                     INTERP: tl.constexpr):
+                     INTERP: tl.constexpr, WRITE_PEND: tl.constexpr):
         """One program: one sequence's BLOCK_C channels, every token. The sequence it convolves is hist (K - 1) ++
         pend[:A] ++ x (T); afterwards hist becomes the last K - 1 entries of hist ++ pend[:A] ++ x[:CT] (committed).
         A program reads and writes only its own channels, all reads before the barrier."""
-        b = tl.program_id(0)
+        slot, A, CT, half, row0, T = _meta(meta_ptr, tl.program_id(0))
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = c < C
         bias = tl.load(b_ptr + c, mask=cm & HAS_BIAS, other=0.0).to(tl.float32)
+        x_row = x_ptr + row0 * sxt
+        out_row = out_ptr + row0 * sot
+        hist_s = hist_ptr + slot * shs
+        pend_s = pend_ptr + slot * sps + half * sph
+        px_w = pend_ptr + slot * sps + (1 - half) * sph  # (WRITE_PEND: the half this forward leaves pending in)
+        pc_w = pc_ptr + slot * sps + (1 - half) * sph
         if INTERP:  # Triton's interpreter cannot run a range() over a kernel argument
             t = 0
             while t < T:
-                _conv_token(t, A, b, c, cm, bias, x_ptr, hist_ptr, pend_ptr, w_ptr, out_ptr, sxb, sxt, shb, sht, spb,
-                            spt, sob, sot, K)
+                y = _conv_token(t, A, c, cm, bias, x_row, hist_s, pend_s, w_ptr, out_row, sxt, sht, spt, sot, K)
+                if WRITE_PEND:
+                    _conv_pend(t, CT, c, cm, y, x_row, px_w, pc_w, sxt, spt)
                 t += 1
         else:
             for t in range(T):
-                _conv_token(t, A, b, c, cm, bias, x_ptr, hist_ptr, pend_ptr, w_ptr, out_ptr, sxb, sxt, shb, sht, spb,
-                            spt, sob, sot, K)
+                y = _conv_token(t, A, c, cm, bias, x_row, hist_s, pend_s, w_ptr, out_row, sxt, sht, spt, sot, K)
+                if WRITE_PEND:
+                    _conv_pend(t, CT, c, cm, y, x_row, px_w, pc_w, sxt, spt)
         # the committed history: entries A + CT .. A + CT + K - 2 of hist ++ pend[:A] ++ x[:CT], all read before any is
-        # written
+        # written (an empty sequence, T = 0, writes nothing: a wave's unused sequence slots share one scratch slot)
         r = tl.arange(0, BLOCK_H)
         u = (A + CT + r)[:, None]
         rm = (r < K - 1)[:, None] & cm[None, :]
         in_h = u < K - 1
         in_p = (u >= K - 1) & (u < K - 1 + A)
-        hv = tl.load(hist_ptr + b * shb + u * sht + c[None, :], mask=rm & in_h, other=0.0)
-        pv = tl.load(pend_ptr + b * spb + (u - (K - 1)) * spt + c[None, :], mask=rm & in_p, other=0.0)
-        xv = tl.load(x_ptr + b * sxb + (u - (K - 1) - A) * sxt + c[None, :], mask=rm & (u >= K - 1 + A), other=0.0)
+        hv = tl.load(hist_s + u * sht + c[None, :], mask=rm & in_h, other=0.0)
+        pv = tl.load(pend_s + (u - (K - 1)) * spt + c[None, :], mask=rm & in_p, other=0.0)
+        xv = tl.load(x_row + (u - (K - 1) - A) * sxt + c[None, :], mask=rm & (u >= K - 1 + A), other=0.0)
         news = tl.where(in_h, hv, tl.where(in_p, pv, xv.to(pv.dtype)))
         tl.debug_barrier()
-        tl.store(hist_ptr + b * shb + r[:, None] * sht + c[None, :], news, mask=rm)
+        tl.store(hist_s + r[:, None] * sht + c[None, :], news, mask=rm & (T > 0))
 
     @triton.jit
-    def _delta_token(S, i, A, AC, b, h, kh, kk, vv, km, vm, sm, s_ptrs, new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr, bp_ptr,
-                     out_ptr, snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt, sob, sot, soh,
+    def _delta_token(S, i, A, AC, h, kh, kk, vv, km, vm, sm, s_ptrs, new_row, pend_s, gn_row, gp_s, bn_row, bp_s,
+                     out_row, gw, bw, wtile, snt, spt, sgnt, sgpt, sbnt, sbpt, sot, soh,
                      DK: tl.constexpr, DV: tl.constexpr, Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
-                     SCALE: tl.constexpr, G_VEC: tl.constexpr):
+                     SCALE: tl.constexpr, G_VEC: tl.constexpr, WRITE_PEND: tl.constexpr):
         """Token i of the loop (i < A: a replayed one, from pend; else this forward's i - A): the state after it, and its
         output stored for this forward's tokens; the state after token AC - 1 (the replayed ones and this forward's
-        first CT = AC - A) is written back."""
+        first CT = AC - A) is written back. WRITE_PEND: the programs of `wtile` copy this forward's pending g and beta
+        (its tokens from CT on) to `gw`/`bw`."""
         replay = i < A
         t = tl.where(replay, i, i - A)
-        row = tl.where(replay, pend_ptr + b * spb + t * spt, new_ptr + b * snb + t * snt)
-        g_row = tl.where(replay, gp_ptr + b * sgpb + t * sgpt, gn_ptr + b * sgnb + t * sgnt)
-        beta = tl.load(tl.where(replay, bp_ptr + b * sbpb + t * sbpt, bn_ptr + b * sbnb + t * sbnt) + h).to(tl.float32)
+        row = tl.where(replay, pend_s + t * spt, new_row + t * snt)
+        g_row = tl.where(replay, gp_s + t * sgpt, gn_row + t * sgnt)
+        beta = tl.load(tl.where(replay, bp_s + t * sbpt, bn_row + t * sbnt) + h).to(tl.float32)
         k = tl.load(row + K_OFF + kh * DK + kk, mask=km, other=0.0).to(tl.float32)
         k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
         v = tl.load(row + V_OFF + h * DV + vv, mask=vm, other=0.0).to(tl.float32)
+        keep = (i >= AC) & wtile  # (WRITE_PEND) this forward's token left pending: its g and beta copied
         if G_VEC:  # Kimi Delta Attention: a decay per key channel
-            S = S * tl.exp(tl.load(g_row + h * DK + kk, mask=km, other=0.0))[:, None]
+            gv = tl.load(g_row + h * DK + kk, mask=km, other=0.0)
+            S = S * tl.exp(gv)[:, None]
+            if WRITE_PEND:
+                tl.store(gw + (i - AC) * sgpt + h * DK + kk, gv, mask=km & keep)
         else:
-            S = S * tl.exp(tl.load(g_row + h))
+            gv = tl.load(g_row + h)
+            S = S * tl.exp(gv)
+            if WRITE_PEND:
+                tl.store(gw + (i - AC) * sgpt + h, gv, mask=keep)
+        if WRITE_PEND:
+            tl.store(bw + (i - AC) * sbpt + h, beta.to(bw.dtype.element_ty), mask=keep)
         kv = tl.sum(S * k[:, None], axis=0)
         delta = (v - kv) * beta
         S = tl.fma(k[:, None], delta[None, :], S)
@@ -215,43 +254,105 @@ if triton is not None:
         q = tl.load(row + Q_OFF + kh * DK + kk, mask=km & (i >= A), other=0.0).to(tl.float32)
         q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * SCALE
         o = tl.sum(S * q[:, None], axis=0)
-        tl.store(out_ptr + b * sob + t * sot + h * soh + vv, o.to(out_ptr.dtype.element_ty), mask=vm & (i >= A))
+        tl.store(out_row + t * sot + h * soh + vv, o.to(out_row.dtype.element_ty), mask=vm & (i >= A))
         return S
 
-    @triton.jit(do_not_specialize=["T", "A", "AC"])
-    def _delta_kernel(new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr, bp_ptr, s_ptr, out_ptr, T, A, AC,
-                      snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt, ssb, ssh, sob, sot, soh,
+    @triton.jit
+    def _delta_kernel(new_ptr, meta_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr, bp_ptr, s_ptr, out_ptr,
+                      snt, sps, sph, spt, sgnt, sgps, sgph, sgpt, sbnt, sbps, sbph, sbpt, sss, ssh, sot, soh,
                       HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, SCALE: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERP: tl.constexpr, G_VEC: tl.constexpr):
+                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERP: tl.constexpr, G_VEC: tl.constexpr,
+                      WRITE_PEND: tl.constexpr):
         """One program: value head h of sequence b, value columns [v0, v0 + BLOCK_V). Tokens 0 .. A - 1 are the last
         forward's accepted ones (from pend/gp/bp: replayed, no output), A .. A + T - 1 this forward's; the state after
-        the replayed ones is written back (the new committed state). q, k, v are columns of the conv output rows."""
+        the replayed ones and this forward's first CT is written back (the new committed state). q, k, v are columns of
+        the conv output rows. WRITE_PEND: the programs of the first value-column tile copy this forward's pending g and
+        beta of their head into the other half (the conv kernel copied its pending rows)."""
         b = tl.program_id(0) // HV
         h = tl.program_id(0) % HV
+        slot, A, CT, half, row0, T = _meta(meta_ptr, b)
         kh = h // REP
         kk = tl.arange(0, BLOCK_K)
         vv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         km = kk < DK
         vm = vv < DV
         sm = km[:, None] & vm[None, :]
-        s_ptrs = s_ptr + b * ssb + h * ssh + kk[:, None] * DV + vv[None, :]
+        s_ptrs = s_ptr + slot * sss + h * ssh + kk[:, None] * DV + vv[None, :]
+        new_row = new_ptr + row0 * snt
+        gn_row = gn_ptr + row0 * sgnt
+        bn_row = bn_ptr + row0 * sbnt
+        out_row = out_ptr + row0 * sot
+        pend_s = pend_ptr + slot * sps + half * sph
+        gp_s = gp_ptr + slot * sgps + half * sgph
+        bp_s = bp_ptr + slot * sbps + half * sbph
+        gw = gp_ptr + slot * sgps + (1 - half) * sgph
+        bw = bp_ptr + slot * sbps + (1 - half) * sbph
+        wtile = tl.program_id(1) == 0
+        AC = A + CT
         S = tl.load(s_ptrs, mask=sm, other=0.0)
         if INTERP:  # Triton's interpreter cannot run a range() over a kernel argument
             i = 0
             while i < A + T:
-                S = _delta_token(S, i, A, AC, b, h, kh, kk, vv, km, vm, sm, s_ptrs, new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr,
-                                 bp_ptr, out_ptr, snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt,
-                                 sob, sot, soh, DK, DV, Q_OFF, K_OFF, V_OFF, SCALE, G_VEC)
+                S = _delta_token(S, i, A, AC, h, kh, kk, vv, km, vm, sm, s_ptrs, new_row, pend_s, gn_row, gp_s, bn_row,
+                                 bp_s, out_row, gw, bw, wtile, snt, spt, sgnt, sgpt, sbnt, sbpt, sot, soh,
+                                 DK, DV, Q_OFF, K_OFF, V_OFF, SCALE, G_VEC, WRITE_PEND)
                 i += 1
         else:
             for i in range(A + T):
-                S = _delta_token(S, i, A, AC, b, h, kh, kk, vv, km, vm, sm, s_ptrs, new_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr,
-                                 bp_ptr, out_ptr, snb, snt, spb, spt, sgnb, sgnt, sgpb, sgpt, sbnb, sbnt, sbpb, sbpt,
-                                 sob, sot, soh, DK, DV, Q_OFF, K_OFF, V_OFF, SCALE, G_VEC)
+                S = _delta_token(S, i, A, AC, h, kh, kk, vv, km, vm, sm, s_ptrs, new_row, pend_s, gn_row, gp_s, bn_row,
+                                 bp_s, out_row, gw, bw, wtile, snt, spt, sgnt, sgpt, sbnt, sbpt, sot, soh,
+                                 DK, DV, Q_OFF, K_OFF, V_OFF, SCALE, G_VEC, WRITE_PEND)
 
 def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and runtime.triton_usable(x.device)
+
+
+_META_CACHE: dict = {}
+
+
+def _dense_meta(batch: int, t: int, a: int, commit: int, device) -> torch.Tensor:
+    """The kernels' per-sequence rows for a [B, T, ...] batch on GDNState (slot b, rows b * T ..; cached: a forward's
+    layers share it, and a verify loop repeats a few shapes)."""
+    key = (batch, t, a, commit, str(device))
+    m = _META_CACHE.get(key)
+    if m is None:
+        if len(_META_CACHE) > 256:
+            _META_CACHE.clear()
+        m = _META_CACHE[key] = torch.tensor([[b, a, commit, 0, b * t, t] for b in range(batch)], dtype=torch.int32,
+                                            device=device)
+    return m
+
+
+def _launch_conv(x2: torch.Tensor, meta: torch.Tensor, sequences: int, hist: torch.Tensor, pend: torch.Tensor,
+                 pend_out: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out2: torch.Tensor,
+                 write_pend: bool) -> None:
+    """x2/out2 [rows, C]; hist [slots, K - 1, C]; pend / pend_out [slots, halves, P, C] (4-D) or [slots, P, C]."""
+    c = x2.shape[-1]
+    k = weight.shape[-1]
+    half_stride = pend.stride(1) if pend.dim() == 4 else 0
+    block_c = 256
+    _conv_kernel[(sequences, triton.cdiv(c, block_c))](
+        x2, meta, hist, pend, pend_out, weight.contiguous(), bias if bias is not None else weight, out2, c,
+        x2.stride(0), hist.stride(0), hist.stride(1), pend.stride(0), half_stride, pend.stride(-2), out2.stride(0),
+        K=k, HAS_BIAS=bias is not None, BLOCK_C=block_c, BLOCK_H=max(2, triton.next_power_of_2(k - 1)),
+        INTERP=runtime.interpreting(), WRITE_PEND=write_pend)
+
+
+def _launch_delta(mixed2, g2, beta2, meta, sequences: int, pend, pg, pb, S, out3, hk: int, hv: int, dk: int, dv: int,
+                  write_pend: bool) -> None:
+    """mixed2 [rows, C], g2 [rows, Hv(*dk)], beta2 [rows, Hv], out3 [rows, Hv, dv]; pend/pg/pb per slot (and half)."""
+    half = lambda x: x.stride(1) if x.dim() == 4 else 0  # noqa: E731
+    block_k = max(16, triton.next_power_of_2(dk))
+    block_v = min(32, max(16, triton.next_power_of_2(dv)))
+    _delta_kernel[(sequences * hv, triton.cdiv(dv, block_v))](
+        mixed2, meta, pend, g2, pg, beta2, pb, S, out3,
+        mixed2.stride(0), pend.stride(0), half(pend), pend.stride(-2), g2.stride(0), pg.stride(0), half(pg),
+        pg.stride(-2), beta2.stride(0), pb.stride(0), half(pb), pb.stride(-2), S.stride(0), S.stride(1),
+        out3.stride(0), out3.stride(1),
+        HV=hv, REP=hv // hk, DK=dk, DV=dv, Q_OFF=0, K_OFF=hk * dk, V_OFF=2 * hk * dk, SCALE=1.0 / math.sqrt(dk),
+        BLOCK_K=block_k, BLOCK_V=block_v, INTERP=runtime.interpreting(), G_VEC=g2.dim() == 3, WRITE_PEND=write_pend,
+        num_warps=4)
 
 
 def causal_conv(x: torch.Tensor, state: GDNState, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -265,16 +366,11 @@ def causal_conv(x: torch.Tensor, state: GDNState, weight: torch.Tensor, bias: to
         out, state.hist = causal_conv_ref(x, state.hist, pend, a, weight, bias, commit)
         return out
     b, t, c = x.shape
-    k = weight.shape[-1]
     x = x.contiguous()
     p = pend if pend is not None else x
     out = torch.empty_like(x)
-    block_c = 256
-    _conv_kernel[(b, triton.cdiv(c, block_c))](
-        x, state.hist, p, weight.contiguous(), bias if bias is not None else weight, out, t, a, commit, c,
-        x.stride(0), x.stride(1), state.hist.stride(0), state.hist.stride(1), p.stride(0), p.stride(1),
-        out.stride(0), out.stride(1), K=k, HAS_BIAS=bias is not None, BLOCK_C=block_c,
-        BLOCK_H=max(2, triton.next_power_of_2(k - 1)), INTERP=runtime.interpreting())
+    _launch_conv(x.view(b * t, c), _dense_meta(b, t, a, commit, x.device), b, state.hist, p, p, weight, bias,
+                 out.view(b * t, c), False)
     return out
 
 
@@ -297,16 +393,10 @@ def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state:
         return out
     out = torch.empty(b, t, hv, dv, dtype=mixed.dtype, device=mixed.device)
     pm, pg, pb = (pend[1], pend[2], pend[3]) if pend is not None else (mixed, g, beta)
-    block_k = max(16, triton.next_power_of_2(dk))
-    block_v = min(32, max(16, triton.next_power_of_2(dv)))
-    S = state.S
-    _delta_kernel[(b * hv, triton.cdiv(dv, block_v))](
-        mixed, pm, g, pg, beta, pb, S, out, t, a, a + commit,
-        mixed.stride(0), mixed.stride(1), pm.stride(0), pm.stride(1), g.stride(0), g.stride(1), pg.stride(0),
-        pg.stride(1), beta.stride(0), beta.stride(1), pb.stride(0), pb.stride(1), S.stride(0), S.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        HV=hv, REP=hv // hk, DK=dk, DV=dv, Q_OFF=0, K_OFF=hk * dk, V_OFF=2 * hk * dk, SCALE=1.0 / math.sqrt(dk),
-        BLOCK_K=block_k, BLOCK_V=block_v, INTERP=runtime.interpreting(), G_VEC=g.dim() == 4, num_warps=4)
+    rows = b * t
+    _launch_delta(mixed.reshape(rows, -1), g.reshape(rows, *g.shape[2:]), beta.reshape(rows, -1),
+                  _dense_meta(b, t, a, commit, mixed.device), b, pm, pg.flatten(2) if pg.dim() == 4 else pg, pb,
+                  state.S, out.view(rows, hv, dv), hk, hv, dk, dv, False)
     return out
 
 
@@ -365,6 +455,9 @@ def _masked(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) ->
 
 def _mix(module, cache, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """The convolution and the delta rule of one layer's forward over its session state in `cache`; [B, T, Hv, dv]."""
+    step = getattr(cache, "linear_step", None)  # the paged forward (verifier_svc.runner): a slot per session
+    if step is not None:
+        return paged_mix(module, step.states.layers[module.layer_idx], step.meta, step.rows, mixed, g, beta)
     bsz, t, _ = mixed.shape
     hk, hv, dk, dv = _dims(module)
     mixed, g, beta = mixed.contiguous(), g.contiguous(), beta.contiguous()
@@ -425,3 +518,85 @@ def kda_forward(module, hidden_states: torch.Tensor, cache=None, attention_mask:
     core = _mix(module, cache, mixed, g, beta)
     gate = module.g_b_proj(module.g_a_proj(hidden_states)).view(shape)
     return module.o_proj(module.o_norm(core, gate).reshape(bsz, t, -1))
+
+
+# ---- the paged state: one slot per session ------------------------------------------------------------------------
+class PagedGDN:
+    """One Gated DeltaNet / Kimi Delta Attention layer's state for every session slot of a paged verifier (what
+    verifier_svc.kv's LinearStates holds per layer): `S` [slots, Hv, dk, dv] float32 and `hist` [slots, K - 1, C] as of
+    the slot's committed tokens, and its pending tokens (up to `pending` of them, the last forward's, which the next
+    forward replays as far as it starts past them) in two halves that forwards alternate between: conv inputs `px`,
+    conv outputs `pc` [slots, 2, P, C], g `pg` [slots, 2, P, Hv or Hv * dk] float32, beta `pb` [slots, 2, P, Hv]. A
+    forward reads one half and the kernels write the tokens it leaves pending into the other, so no program overwrites
+    what another still replays."""
+
+    def __init__(self, slots: int, hv: int, dk: int, dv: int, k: int, channels: int, per_channel: bool, pending: int,
+                 dtype, device):
+        self.S = torch.zeros(slots, hv, dk, dv, dtype=torch.float32, device=device)
+        self.hist = torch.zeros(slots, k - 1, channels, dtype=dtype, device=device)
+        self.px = torch.zeros(slots, 2, pending, channels, dtype=dtype, device=device)
+        self.pc = torch.zeros_like(self.px)
+        self.pg = torch.zeros(slots, 2, pending, hv * (dk if per_channel else 1), dtype=torch.float32, device=device)
+        self.pb = torch.zeros(slots, 2, pending, hv, dtype=dtype, device=device)
+
+    @classmethod
+    def for_module(cls, module, slots: int, pending: int, dtype, device) -> "PagedGDN":
+        hk, hv, dk, dv = _dims(module)
+        return cls(slots, hv, dk, dv, module.conv1d.kernel_size[0], 2 * hk * dk + hv * dv, is_kimi_delta(module), pending,
+                   dtype, device)
+
+    @staticmethod
+    def slot_bytes(module, pending: int, dtype) -> int:
+        """Device bytes of one slot of `module`'s state."""
+        hk, hv, dk, dv = _dims(module)
+        c, e = 2 * hk * dk + hv * dv, torch.empty((), dtype=dtype).element_size()
+        g = hv * (dk if is_kimi_delta(module) else 1)
+        return 4 * hv * dk * dv + (module.conv1d.kernel_size[0] - 1) * c * e + 2 * pending * (2 * c * e + 4 * g + hv * e)
+
+    def reset(self, slot: int) -> None:
+        """A new session's slot: no tokens yet (its pending halves are never read before being written)."""
+        self.S[slot].zero_()
+        self.hist[slot].zero_()
+
+
+def paged_mix(module, states: PagedGDN, meta: torch.Tensor, meta_rows: list, mixed: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor) -> torch.Tensor:
+    """The convolution and the delta rule of one layer over a paged forward's rows ([1, R, ...]: one or several
+    sessions' rows one after the other, `meta` [S, 6] int32 on the device, the same rows on the host in `meta_rows`);
+    [1, R, Hv, dv], zero in rows no sequence holds (a CUDA graph's padding)."""
+    hk, hv, dk, dv = _dims(module)
+    x2, g2, b2 = mixed[0].contiguous(), g[0].contiguous(), beta[0].contiguous()
+    rows = x2.shape[0]
+    conv = torch.zeros_like(x2)
+    out = torch.zeros(rows, hv, dv, dtype=x2.dtype, device=x2.device)
+    w, bias = module.conv1d.weight.squeeze(1), module.conv1d.bias
+    if _use_triton(x2):
+        _launch_conv(x2, meta, meta.shape[0], states.hist, states.px, states.pc, w, bias, conv, True)
+        _launch_delta(conv, g2, b2, meta, meta.shape[0], states.pc, states.pg, states.pb, states.S, out, hk, hv, dk, dv,
+                      True)
+        return out[None]
+    for slot, a, ct, half, row0, t in meta_rows:  # the references, one sequence at a time (the CPU)
+        if t == 0:
+            continue
+        x = x2[row0: row0 + t][None]
+        y, states.hist[slot] = causal_conv_ref(x, states.hist[slot: slot + 1], states.px[slot: slot + 1, half], a, w, bias,
+                                               ct)
+        conv[row0: row0 + t] = y[0]
+        gs, bs = g2[row0: row0 + t][None], b2[row0: row0 + t][None]
+        gp = states.pg[slot: slot + 1, half, :a]
+        S = states.S[slot: slot + 1]
+        if a:
+            pm = states.pc[slot: slot + 1, half, :a]
+            _, S = gated_delta_ref(*_split(pm, hk, hv, dk, dv), gp.view(1, a, *gs.shape[2:]),
+                                   states.pb[slot: slot + 1, half, :a], S)
+        o, _ = gated_delta_ref(*_split(y, hk, hv, dk, dv), gs, bs, S)
+        if ct:
+            _, S = gated_delta_ref(*_split(y[:, :ct], hk, hv, dk, dv), gs[:, :ct], bs[:, :ct], S)
+        states.S[slot] = S[0]
+        out[row0: row0 + t] = o[0]
+        keep, w_half = t - ct, 1 - half
+        states.px[slot, w_half, :keep] = x[0, ct:]
+        states.pc[slot, w_half, :keep] = y[0, ct:]
+        states.pg[slot, w_half, :keep] = gs[0, ct:].reshape(keep, -1)
+        states.pb[slot, w_half, :keep] = bs[0, ct:]
+    return out[None]

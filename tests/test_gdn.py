@@ -180,7 +180,9 @@ def test_hybrids_with_the_kernels_verify_drafts_exactly_on_any_transformers(arch
     """A tiny Qwen3-Next / Kimi Linear with the kernels (Triton's interpreter): every part of the forward is reported
     batch-invariant (no op left on torch's kernels), and drafts replayed with every 4th one wrong give block 1's tokens.
     With transformers' crop unable to roll the recurrent state back (transformers 5.17's, emulated), the load-time
-    rollback check still passes: the installed layers roll back themselves. The paged KV (auto) says why it is off."""
+    rollback check still passes: the installed layers roll back themselves. Qwen3-Next runs on the paged forward (its
+    Gated DeltaNet state in per-session slots) and gives the tokens of transformers' cache; where the paged forward
+    does not fit (Kimi Linear) it says why."""
     import sys
     import pathlib
 
@@ -212,9 +214,67 @@ def test_hybrids_with_the_kernels_verify_drafts_exactly_on_any_transformers(arch
     from verifier_svc.engine import PagedKVOptions
 
     core = VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="auto", kv_cache_gb=0.01))
-    assert core.pool is None and "linear_attention layers keep a recurrent state" in core.paged_off  # said, not a crash
+    if arch == "qwen3_next":  # the paged forward, a recurrent-state slot per session
+        assert core.pool is not None and core.pool.linear is not None and not core.pool.k[0].numel()
+    else:  # Kimi Linear's attention has no positions (no rotary module): transformers' cache, said, not a crash
+        assert core.pool is None and "has no rotary module" in core.paged_off
     prompts, n = [[5, 9, 13, 2, 7, 11]], 8
     one = core_run(core, prompts, n, 1)["outputs"]
     replayed = core_run(core, prompts, n, 8, propose=replay([o[:n] for o in one]))
     assert [o[:n] for o in replayed["outputs"]] == [o[:n] for o in one]
     assert any(0 < acc < drafts for drafts, acc, _ in replayed["round_log"])
+    if core.pool is not None:
+        dense = VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="off"))
+        assert core_run(dense, prompts, n, 1)["outputs"] == one
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear"])
+def test_the_paged_state_gives_block_ones_bits_in_waves_with_rollbacks(arch):
+    """The paged form (a state slot per session, pending tokens in alternating halves written by the kernels, every
+    count read from device memory: what CUDA graphs replay): two sessions forwarded in solo forwards and in waves of
+    both, with rejected tokens, a forward that commits all but its last `pending` tokens and a wave's padding rows past
+    both sessions, give each kept token the bits of that session's token-by-token forward on transformers' cache."""
+    from transformers import AutoModelForCausalLM
+
+    from pdflash.hf_compat import new_session_cache
+    from pdflash.tiny import generic_config
+    from verifier_svc.kv import KVPool, LinearStates, SequenceKV
+    from verifier_svc.runner import LinearStep, PagedLayerCache
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(generic_config(arch, 64, 1, 2)).to(torch.bfloat16).eval()
+    layer = next(m for m in model.modules() if gdn.is_gated_delta_net(m) or gdn.is_kimi_delta(m))
+    fwd = gdn.kda_forward if gdn.is_kimi_delta(layer) else gdn.forward
+    hidden = model.config.hidden_size
+    streams = [torch.randn(1, 14, hidden).to(torch.bfloat16) for _ in range(2)]
+    with torch.inference_mode():
+        want = []
+        for h in streams:
+            cache = new_session_cache(model.config, 8)
+            want.append(torch.cat([fwd(layer, h[:, i:i + 1], cache=cache) for i in range(h.shape[1])], 1))
+        states = LinearStates({layer.layer_idx: layer}, 3, 4, torch.bfloat16, torch.device("cpu"))
+        pool = KVPool(1, 1, 8, 4, torch.bfloat16, torch.device("cpu"), kv_layers=set(), linear=states)
+        seqs, at = [SequenceKV(pool, 64), SequenceKV(pool, 64)], [0, 0]
+        # (session, kept, junk) per forward; a list of them is a wave (then 3 padding rows follow)
+        plan = [[(0, 6, 0)], [(1, 2, 1), (0, 1, 3)], [(1, 3, 0)], [(0, 4, 0), (1, 2, 2)], [(1, 1, 0)], [(0, 3, 1)],
+                [(1, 6, 0)]]
+        for step in plan:
+            xs, rows, row0 = [], [], 0
+            for s, keep, junk in step:
+                x = torch.cat([streams[s][:, at[s]: at[s] + keep], torch.randn(1, junk, hidden).to(torch.bfloat16)], 1)
+                rows.append(seqs[s].linear_row(at[s], keep + junk, row0))
+                xs.append(x)
+                row0 += x.shape[1]
+            pad = 3 if len(step) > 1 else 0
+            x = torch.cat(xs + [torch.randn(1, pad, hidden).to(torch.bfloat16)], 1)
+            step_ = LinearStep(states, torch.tensor(rows, dtype=torch.int32), rows)
+            out = fwd(layer, x, cache=PagedLayerCache(pool, None, None, step_))
+            for (s, keep, _), (_, _, _, _, r0, _) in zip(step, rows):
+                assert torch.equal(out[:, r0: r0 + keep], want[s][:, at[s]: at[s] + keep]), (step, s)
+                at[s] += keep
+        assert at == [14, 14]
+        seqs[0].free()
+        assert states.free_slots == 1 and seqs[0].linear is None
+        with pytest.raises(ValueError, match="cannot continue the recurrent state"):
+            seqs[1].linear_row(3, 1)  # before the tokens its last forward left pending

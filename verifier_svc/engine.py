@@ -158,15 +158,13 @@ class VerifierCore:
         self.warmup_seconds = 0.0  # what the warm-up at load took (verifier_svc.warmup); 0 = none ran
 
     def _init_paged(self, opts: "PagedKVOptions") -> None:
-        from verifier_svc.kv import KVPool
+        from verifier_svc.kv import KVPool, LinearStates
         from verifier_svc.runner import ForwardRunner, GraphRunner
 
         t = self.target
         cfg = t.model.config.get_text_config()
-        mixers = sorted({k for k in getattr(cfg, "layer_types", None) or [] if k == "linear_attention" or "attention" not in k})
-        if mixers:  # a hybrid: its recurrent layers' state is per session, not in pages
-            why = (f"its {', '.join(mixers)} layers keep a recurrent state the paged KV does not hold yet (hybrid models "
-                   "run on transformers' cache)")
+        linear, why = self._recurrent_layers(cfg)
+        if why is not None:  # a hybrid whose recurrent layers' state the paged forward does not hold
             if opts.mode == "on":
                 raise ValueError(f"--paged-kv on: the paged forward does not fit this model ({why}); use auto or off")
             log.warning("paged KV off: the model runs on transformers' cache (no CUDA graphs, no verify waves in one "
@@ -174,8 +172,18 @@ class VerifierCore:
             self.paged_off = why
             return
         kv_heads, k_dim, v_dim = KVPool.layout(cfg)  # (MLA: one latent and its rotary key a position)
-        pages = KVPool.pages_for(kv_heads, k_dim, t.num_layers, t.dtype, int(opts.budget_bytes(t.device)), v_dim)
-        self.pool = KVPool(t.num_layers, kv_heads, k_dim, pages, t.dtype, t.device, v_dim)
+        budget = int(opts.budget_bytes(t.device))
+        states = None
+        if linear:  # a slot of recurrent state per session (and the graphs' scratch), at most half the budget
+            per_slot = LinearStates.slot_bytes(linear, self.max_block_size, t.dtype)
+            slots = max(2, min(self.sessions.max_sessions + 2, budget // 2 // per_slot))
+            states = LinearStates(linear, slots, self.max_block_size, t.dtype, t.device)
+            budget -= slots * per_slot
+            log.info("recurrent state on the paged forward", layers=len(linear), slots=slots, mib_per_slot=round(per_slot / 2**20, 1))
+        kv_layers = set(range(t.num_layers)) - set(linear)
+        pages = KVPool.pages_for(kv_heads, k_dim, len(kv_layers), t.dtype, budget, v_dim)
+        self.pool = KVPool(t.num_layers, kv_heads, k_dim, pages, t.dtype, t.device, v_dim, kv_layers=kv_layers,
+                           linear=states)
         # every position a session can reach: SequenceKV(pool, t.max_context) reserves whole pages up to this bound
         try:
             self.runner = ForwardRunner(t.model, t.seam, self.pool, max_positions=(t.max_context + PAGE - 1) // PAGE * PAGE)
@@ -202,6 +210,23 @@ class VerifierCore:
                 t0 = time.perf_counter()
                 n = self.graphs.capture(max_rows=self.max_block_size)
                 log.info("cuda graphs captured", graphs=n, seconds=round(time.perf_counter() - t0, 2))
+
+    def _recurrent_layers(self, cfg) -> tuple[dict, str | None]:
+        """A hybrid's recurrent layers the paged forward holds a state for ({layer index: module}: Gated DeltaNet and Kimi
+        Delta Attention layers on pdflash_kernels.gdn's forward), and why it cannot run the model (None: it can)."""
+        from pdflash_kernels import gdn
+
+        types = list(getattr(cfg, "layer_types", None) or [])[: self.target.num_layers]
+        recurrent = [i for i, k in enumerate(types) if k == "linear_attention" or "attention" not in k]
+        if not recurrent:
+            return {}, None
+        served = {int(m.layer_idx): m for m in self.target.model.modules()
+                  if (gdn.is_gated_delta_net(m) or gdn.is_kimi_delta(m)) and "forward" in vars(m)}
+        other = sorted({types[i] for i in recurrent if i not in served})
+        if other:
+            return {}, (f"its {', '.join(other)} layers keep a recurrent state the paged KV does not hold (only Gated "
+                        "DeltaNet and Kimi Delta Attention layers on the kernels; such hybrids run on transformers' cache)")
+        return {i: served[i] for i in recurrent}, None
 
     @property
     def forward_info(self) -> dict:

@@ -106,12 +106,24 @@ class RotaryTable:
         return (g[0], g[1]) if self.pair else g[0]
 
 
+@dataclasses.dataclass
+class LinearStep:
+    """A forward's rows for a hybrid's recurrent layers (pdflash_kernels.gdn.paged_mix): the slots' states
+    (verifier_svc.kv.LinearStates), `meta` [sequences, 6] int32 on the device (SequenceKV.linear_row per sequence), and
+    the same rows on the host for the CPU's reference path (None in a CUDA graph: read from `meta` where needed)."""
+
+    states: object
+    meta: torch.Tensor
+    rows: list | None
+
+
 class PagedLayerCache:
     """What transformers' attention modules call `cache.update(k, v, layer_idx)` on: writes the block's keys and
-    values at their slots (`pdflash_kernels.attention.paged_write`: one launch for both pools) and returns the layer's pools."""
+    values at their slots (`pdflash_kernels.attention.paged_write`: one launch for both pools) and returns the layer's
+    pools. A hybrid's recurrent layers read `linear_step` (their state slots and this forward's rows)."""
 
-    def __init__(self, pool, pages: torch.Tensor, offsets: torch.Tensor):
-        self.pool, self.pages, self.offsets = pool, pages, offsets
+    def __init__(self, pool, pages: torch.Tensor, offsets: torch.Tensor, linear_step: LinearStep | None = None):
+        self.pool, self.pages, self.offsets, self.linear_step = pool, pages, offsets, linear_step
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         kp, vp = self.pool.k[layer_idx], self.pool.v[layer_idx]
@@ -136,6 +148,9 @@ class ForwardRunner:
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.layer_kw = cache_kwarg(self.inner.layers[0])
         self.rope: RotaryTable | None = None
+        if not isinstance(getattr(self.inner, "rotary_emb", None), torch.nn.Module):  # (Kimi Linear: no positions at all)
+            raise ValueError(f"{type(self.inner).__name__} has no rotary module (rotary_emb), which the paged forward's "
+                             "layers take their positions from")
         why = "no max_positions" if max_positions is None else static_rope(self.inner.rotary_emb)
         if why is None:
             with torch.inference_mode():  # the dtype the embeddings hand the rotary module
@@ -148,7 +163,7 @@ class ForwardRunner:
         if not isinstance(self.chain, PreNormChain):
             self.chain = None
         self.attention = self._fuse_attention() if self.chain is not None else "the modules (no layer chain)"
-        if any(is_latent_attention(layer.self_attn) for layer in self.inner.layers[: self.num_layers]):
+        if any(is_latent_attention(getattr(layer, "self_attn", None)) for layer in self.inner.layers[: self.num_layers]):
             self.attention = ("multi-head latent attention, absorbed over the paged latent cache (pdflash_kernels.mla), "
                               "the modules' projections")
 
@@ -204,14 +219,15 @@ class ForwardRunner:
         return h, f
 
     def forward_tensors(self, ids, pos, table, pages, offsets, valid_rows, feature_layers, last_only: bool, segments=None,
-                        seq_starts=None, max_rows=None, rows=None):
+                        seq_starts=None, max_rows=None, rows=None, linear: LinearStep | None = None):
         """Everything on the device (what a CUDA graph captures): ids/pos [1, B], table [1, max_pages]. `segments`:
         the capture of a segmented graph (offloaded experts split the forward, see _SegmentedGraph). A wave
         (`seq_starts` [S + 1], `max_rows`): the rows are S sequences' one after the other, table [S, max_pages].
-        `rows` (a long tensor of row indices): the logits of those rows only (a prefill wave: each prompt's last)."""
+        `rows` (a long tensor of row indices): the logits of those rows only (a prefill wave: each prompt's last).
+        `linear`: a hybrid's recurrent layers' rows (`linear_step`)."""
         ctx = ForwardContext(page_table=table, valid_rows=valid_rows, segments=segments, seq_starts=seq_starts,
                              max_rows=max_rows)
-        cache = PagedLayerCache(self.pool, pages, offsets)
+        cache = PagedLayerCache(self.pool, pages, offsets, linear)
         with torch.inference_mode(), InvariantMode(), forward_context(ctx), self.seam.record() as rec:
             h, feats = self._layers(ids, pos, cache, feature_layers)
             if rows is not None:
@@ -234,7 +250,15 @@ class ForwardRunner:
         pages, offsets = seq.slots(start, len(tokens))
         ids = torch.tensor([tokens], dtype=torch.long, device=dev)
         pos = torch.arange(start, start + len(tokens), device=dev).unsqueeze(0)
-        return self.forward_tensors(ids, pos, seq.table.unsqueeze(0), pages, offsets, None, tuple(feature_layers), last_only)
+        return self.forward_tensors(ids, pos, seq.table.unsqueeze(0), pages, offsets, None, tuple(feature_layers), last_only,
+                                    linear=self.linear_step([seq.linear_row(start, len(tokens))] if seq.linear is not None
+                                                            else None))
+
+    def linear_step(self, rows: list | None) -> LinearStep | None:
+        """The recurrent layers' step for these rows (SequenceKV.linear_row's; None: a model without such layers)."""
+        if rows is None or self.pool.linear is None:
+            return None
+        return LinearStep(self.pool.linear, torch.tensor(rows, dtype=torch.int32).to(self.pool.device), rows)
 
 
     def forward_wave(self, items: "list[tuple[list[int], int, SequenceKV]]", feature_layers=(), last_rows: bool = False) -> ForwardOut:
@@ -259,10 +283,12 @@ class ForwardRunner:
         starts = wave_starts([len(t) for t, _, _ in items])
         as_long = lambda v: torch.tensor(v, dtype=torch.long, device=dev)  # noqa: E731
         table = torch.stack([seq.table for _, _, seq in items])
+        linear = self.linear_step([seq.linear_row(start, len(t), a) for (t, start, seq), a in zip(items, starts)]
+                                  if self.pool.linear is not None else None)
         return self.forward_tensors(as_long([ids]), as_long([pos]), table, as_long(pages), as_long(offsets), None,
                                     tuple(feature_layers), False, seq_starts=torch.tensor(starts, dtype=torch.int32, device=dev),
                                     max_rows=max(len(t) for t, _, _ in items),
-                                    rows=as_long([e - 1 for e in starts[1:]]) if last_rows else None)
+                                    rows=as_long([e - 1 for e in starts[1:]]) if last_rows else None, linear=linear)
 
 
 def wave_starts(lengths: list[int]) -> list[int]:
@@ -296,6 +322,7 @@ class _Graph:
         dev = runner.pool.device
         args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers,
                 getattr(self, "last_only", False))
+        kw = dict(kw, linear=self.linear)
         self._served = _served_by(runner.model)  # offloaded experts: the graph reads these caches' state
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -323,6 +350,25 @@ class _Graph:
         self.offsets.copy_(torch.arange(bucket))
         self.table[:] = scratch_page
         self.valid = torch.ones(1, dtype=torch.int32, device=dev)
+        self._linear_inputs(runner, 1, bucket)
+
+    def _linear_inputs(self, runner: ForwardRunner, sequences: int, bucket: int) -> None:
+        """A hybrid's recurrent layers' rows (`LinearStep`), static, with a pinned host twin: until the first replay
+        the first sequence runs every row in the scratch slot, the others none."""
+        states = runner.pool.linear
+        self.linear = self.linear_host = None
+        if states is None:
+            return
+        self.linear_host = torch.tensor([states.scratch_row(bucket)] + [states.scratch_row(0, bucket)] * (sequences - 1),
+                                        dtype=torch.int32).pin_memory()
+        self.linear = LinearStep(states, self.linear_host.to(runner.pool.device), None)
+
+    def _set_linear(self, rows: list) -> None:
+        if self.linear is not None:
+            host = self.linear_host.numpy()
+            host[:] = self.linear.states.scratch_row(0)  # (a wave's unused sequence slots: no rows)
+            host[: len(rows)] = rows
+            self.linear.meta.copy_(self.linear_host, non_blocking=True)
 
     def set_inputs(self, tokens: list[int], start: int, seq: SequenceKV) -> None:
         """A round's inputs: `tokens` at positions start.., padded to the bucket with later positions (the padding
@@ -341,6 +387,8 @@ class _Graph:
         if self.table_of != (seq.uid, len(seq.pages)):
             self.table[0, : seq.table.numel()].copy_(seq.table)
             self.table_of = (seq.uid, len(seq.pages))
+        if self.linear is not None:
+            self._set_linear([seq.linear_row(start, n)])
         self.valid.fill_(n)
 
     def replay(self, n: int) -> None:
@@ -370,6 +418,7 @@ class _WaveGraph(_Graph):
         self.starts = torch.zeros(sessions + 1, dtype=torch.int32, device=dev)
         self.starts[1] = bucket  # the warm-up and the capture: one sequence over every row, in the scratch page
         self.starts[2:] = bucket
+        self._linear_inputs(runner, sessions, bucket)
         self.valid.fill_(bucket)
         self.positions_of_scratch = torch.arange(bucket) % PAGE  # (a wave bucket may pass one page's positions)
         self.pos.copy_(self.positions_of_scratch.view(1, -1))
@@ -409,6 +458,8 @@ class _WaveGraph(_Graph):
             if self.table_of[b] != (seq.uid, len(seq.pages)):
                 self.table[b].copy_(seq.table)
                 self.table_of[b] = (seq.uid, len(seq.pages))
+        if self.linear is not None:
+            self._set_linear([seq.linear_row(start, len(t), a) for (t, start, seq), a in zip(items, starts)])
         self.valid.fill_(n)
         return n
 
@@ -428,6 +479,7 @@ class _SegmentedGraph(_Graph):
         dev = runner.pool.device  # (`pool` unused: a host-stepped forward keeps a pool of its own, below)
         self._static_inputs(runner, bucket, max_pages, scratch_page)
         args = (self.ids, self.pos, self.table, self.pages, self.offsets, self.valid, feature_layers, False)
+        kw = dict(linear=self.linear)
         self._served = _served_by(runner.model)
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.steps: list[tuple] = []  # (module, cache, layer, device mask) per experts call, in forward order
@@ -435,9 +487,9 @@ class _SegmentedGraph(_Graph):
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            runner.forward_tensors(*args)  # warm-up, eager: Triton compiles, the allocator settles, the cache fills
+            runner.forward_tensors(*args, **kw)  # warm-up, eager: Triton compiles, the allocator settles, the cache fills
             self._begin()
-            self.out = runner.forward_tensors(*args, segments=self)
+            self.out = runner.forward_tensors(*args, segments=self, **kw)
             self._current.capture_end()
             self.graphs.append(self._current)
         torch.cuda.current_stream(dev).wait_stream(side)
