@@ -2,7 +2,8 @@
 value heads of 128, convolution 4): the compiled kernels give a token the same bits whatever block it is in and whatever
 was rolled back before it, close to the float64 references; and a Qwen3-Next-shaped model (four layers: three Gated
 DeltaNet layers and a full-attention one, 64 of its 512 experts, random weights) served with the kernels gives its
-block-1 tokens for n-gram drafts and for drafts that roll back mid-block. Run with `bash benchmarks/gpu.sh OUT gdn`."""
+block-1 tokens for n-gram drafts, for drafts that roll back mid-block and in multi-session waves, on the paged forward
+with CUDA graphs (a state slot per session) and on transformers' cache alike. Run with `bash benchmarks/gpu.sh OUT gdn`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from pdflash_kernels import gdn
-from tests.test_gpu_verifier import _ngram, _no_drafts, _prompts, _replay, _run, real_shape_target
+from tests.test_gpu_verifier import Session, _ngram, _no_drafts, _prompts, _replay, _run, real_shape_target, run_in_waves
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -64,24 +65,43 @@ def test_gated_delta_at_qwen3_next_widths():
 
 
 @pytest.fixture(scope="module")
-def core(tmp_path_factory):
-    from verifier_svc.engine import VerifierCore
-
-    target = real_shape_target("qwen3_next", tmp_path_factory.mktemp("qnext"), 4)
-    assert target.kernels["linear_attention"].startswith("triton gated delta rule (3 layers")
-    c = VerifierCore(target, max_block_size=32, max_tokens_limit=1024)  # (transformers' cache: its rollback check passes)
-    yield c
-    del c, target
+def target(tmp_path_factory):
+    t = real_shape_target("qwen3_next", tmp_path_factory.mktemp("qnext"), 4)
+    assert t.kernels["linear_attention"].startswith("triton gated delta rule (3 layers")
+    yield t
+    del t
     torch.cuda.empty_cache()
 
 
-def test_qwen3_next_shapes_give_block_one_tokens_for_every_drafter(core):
-    """Greedy at real Gated DeltaNet shapes (near ties): n-gram drafts at block 8 and drafts replaying the output with
-    every 3rd one wrong at block 16 (a rollback most rounds) give block 1's tokens."""
+@pytest.fixture(scope="module")
+def core(target):
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
+
+    c = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=4),
+                     max_wave_sessions=4)
+    # the paged forward with CUDA graphs, the Gated DeltaNet state in per-session slots, no pages for those layers
+    assert c.graphs is not None and c.pool.linear is not None and not c.pool.k[0].numel() and c.pool.k[3].numel()
+    yield c
+    del c
+    torch.cuda.empty_cache()
+
+
+def test_qwen3_next_shapes_give_block_one_tokens_for_every_drafter_and_in_waves(core, target):
+    """Greedy at real Gated DeltaNet shapes (near ties), on the paged forward with CUDA graphs: n-gram drafts at block
+    8, drafts replaying the output with every 3rd one wrong at block 16 (a rollback most rounds), and the same
+    sessions verified together in waves give block 1's tokens; and block 1 on transformers' cache (the layers' state on
+    the cache, eager) gives the same tokens."""
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
+
     vocab = core.target.vocab_size
     prompts = _prompts(vocab, 2)
     solo = [_run(core, p, _no_drafts) for p in prompts]
     for i, p in enumerate(prompts):
         assert _run(core, p, _ngram(), width=8) == solo[i]
         assert _run(core, p, _replay(solo[i], 3, vocab), width=16) == solo[i]
-    assert len(core.sessions) == 0
+    sessions = [Session(core, p, _replay(solo[i], 3 + 2 * i, vocab), 16, True) for i, p in enumerate(prompts)]
+    run_in_waves(core, sessions)
+    assert [s.out for s in sessions] == solo
+    assert len(core.sessions) == 0 and core.pool.linear.free_slots == core.pool.linear.slots - 1
+    dense = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(mode="off"))
+    assert [_run(dense, p, _replay(solo[i], 3, vocab), width=16) for i, p in enumerate(prompts)] == solo

@@ -237,7 +237,12 @@ class VerifierCore:
                                                             f"fit this model: {self.paged_off})"}
         from pdflash_kernels import attention, moe, runtime
 
-        return {"kv": f"paged: {self.pool.num_pages} pages of {PAGE} positions", "rotary": self.runner.rotary,
+        lin = self.pool.linear
+        recurrent = {} if lin is None else {"recurrent_state": (
+            f"{len(lin.layers)} Gated DeltaNet / Kimi Delta Attention layers: a slot per session ({lin.slots - 1} slots and "
+            f"the graphs' scratch), the last forward's last {lin.pending} tokens pending (replayed as far as the next "
+            "forward starts past them)")}
+        return {**recurrent, "kv": f"paged: {self.pool.num_pages} pages of {PAGE} positions", "rotary": self.runner.rotary,
                 "layers": self.runner.prenorm, "attention": self.runner.attention,
                 "attention_kv_split": (f"segments of {attention.SEG} positions merged in order; verify forwards of <= "
                                        f"{attention.SPLIT_MAX_T} tokens spread them over <= {attention.MAX_PROGRAMS} "
