@@ -93,6 +93,30 @@ def test_the_rotary_table_builds_in_chunks(monkeypatch):
     assert torch.equal(chunked.table, whole.table) and whole.table.shape == (2, 1000, model.config.head_dim // 2)
 
 
+def test_a_multimodal_rope_is_tabled_from_its_three_grids_of_text_positions():
+    """Qwen3.5's M-RoPE module (`mrope_section`) gets a text position on each of its 3 grids ([3, B, T], as the
+    model's own forward gives it; transformers 5.17's module indexes three dimensions): the table equals the module
+    called so, and a module of 5.17's form (positions must be 3-D) builds the same table."""
+    from verifier_svc.runner import rotary_positions
+
+    model = _tiny("qwen3_5_moe_text", torch.bfloat16)
+    rot = model.model.rotary_emb
+    assert rot.mrope_section is not None
+    table = RotaryTable(rot, 64, torch.bfloat16, torch.device("cpu"), model.config.hidden_size)
+    pos = torch.arange(5, 12).unsqueeze(0)
+    assert rotary_positions(rot, pos).shape == (3, 1, 7)
+    want = rot(torch.zeros(1, 1, model.config.hidden_size, dtype=torch.bfloat16), pos.expand(3, 1, 7))
+    assert all(torch.equal(a, b) for a, b in zip(table(pos), want))
+    forward = type(rot).forward
+
+    def three_d_only(self, x, position_ids):
+        assert position_ids.dim() == 3, "transformers 5.17's M-RoPE indexes [3, B, T] positions"
+        return forward(self, x, position_ids)
+
+    rot.forward = three_d_only.__get__(rot)
+    assert torch.equal(RotaryTable(rot, 64, torch.bfloat16, torch.device("cpu"), model.config.hidden_size).table, table.table)
+
+
 # ---- the paged KV write ----------------------------------------------------------------------------------------
 def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view({torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float16: torch.int16}[x.dtype])

@@ -78,6 +78,13 @@ def static_rope(module) -> str | None:
     return None
 
 
+def rotary_positions(module, pos: torch.Tensor) -> torch.Tensor:
+    """The position ids a model's rotary module takes for text positions `pos` [B, T]: as they are, or for a
+    multimodal RoPE (`mrope_section`: Qwen3.5) the same positions on each of its 3 grids, [3, B, T], as the model's own
+    forward gives a text-only input (transformers 5.17's module indexes three dimensions)."""
+    return pos.expand(3, *pos.shape) if getattr(module, "mrope_section", None) is not None and pos.dim() == 2 else pos
+
+
 class RotaryTable:
     """cos/sin of positions [0, positions), computed once by the model's own rotary module (every element is a function
     of its position alone: inv_freq * p, cos/sin, the scaling, the cast), and gathered by position in the forward: one
@@ -95,7 +102,7 @@ class RotaryTable:
             for s in range(0, positions, self.CHUNK):
                 n = min(self.CHUNK, positions - s)
                 pos = torch.arange(s, s + n, device=device).unsqueeze(0)
-                out = module(x.expand(1, n, hidden), pos)
+                out = module(x.expand(1, n, hidden), rotary_positions(module, pos))
                 self.pair = not isinstance(out, torch.Tensor)  # (cos, sin); DeepSeek-V2: one complex freqs_cis
                 parts.append(torch.stack((out[0][0], out[1][0])) if self.pair else out)  # [2 or 1, n, D]
             self.table = torch.cat(parts, dim=1)  # [2, positions, D]: cos, sin (or [1, positions, D])
@@ -169,7 +176,7 @@ class ForwardRunner:
 
     def _layer_kwargs(self, h: torch.Tensor, pos: torch.Tensor, cache) -> dict:
         """What a decoder layer (and, in the chain, its attention) gets besides its input."""
-        pe = self.rope(pos) if self.rope is not None else self.inner.rotary_emb(h, pos)
+        pe = self.rope(pos) if self.rope is not None else self.inner.rotary_emb(h, rotary_positions(self.inner.rotary_emb, pos))
         return dict(attention_mask=None, position_ids=pos, use_cache=True, position_embeddings=pe, **{self.layer_kw: cache})
 
     def _probe_chain(self) -> "PreNormChain | str":
