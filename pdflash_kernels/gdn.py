@@ -88,9 +88,10 @@ class GDNState:
 # ---- torch references (float64: the tests' oracle; any device) ---------------------------------------------------
 def causal_conv_ref(x: torch.Tensor, hist: torch.Tensor, pend: torch.Tensor | None, accepted: int,
                     weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    commit: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(SiLU(conv) of x's T tokens in x's dtype, the new history [B, K - 1, C]: the last K - 1 inputs up to x's first
-    `commit`). x [B, T, C], hist [B, K - 1, C], pend [B, Tp, C] of which the first `accepted` precede x; weight [C, K]."""
+                    commit: int = 0, act: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(SiLU(conv) (`act`; else the conv) of x's T tokens in x's dtype, the new history [B, K - 1, C]: the last K - 1
+    inputs up to x's first `commit`). x [B, T, C], hist [B, K - 1, C], pend [B, Tp, C] of which the first `accepted`
+    precede x; weight [C, K]."""
     k = weight.shape[-1]
     parts = [hist] + ([pend[:, :accepted]] if accepted else [])
     seq = torch.cat(parts + [x], dim=1).double()
@@ -102,7 +103,7 @@ def causal_conv_ref(x: torch.Tensor, hist: torch.Tensor, pend: torch.Tensor | No
         out += w[:, j] * seq[:, base + j: base + j + t]
     if bias is not None:
         out += bias.double()
-    out = F.silu(out.to(x.dtype).double()).to(x.dtype)
+    out = F.silu(out.to(x.dtype).double()).to(x.dtype) if act else out.to(x.dtype)
     committed = torch.cat(parts + [x[:, :commit]], dim=1)
     return out, committed[:, committed.shape[1] - (k - 1):].clone()
 
@@ -148,8 +149,10 @@ if triton is not None:
                 tl.load(m + 4).to(tl.int64), tl.load(m + 5))
 
     @triton.jit
-    def _conv_token(t, A, c, cm, bias, x_row, hist_s, pend_s, w_ptr, out_row, sxt, sht, spt, sot, K: tl.constexpr):
-        """Token t's output: SiLU of the rounded float32 sum over j of w[j] * seq[A + t + j] (seq = hist ++ pend[:A] ++ x)."""
+    def _conv_token(t, A, c, cm, bias, x_row, hist_s, pend_s, w_ptr, out_row, sxt, sht, spt, sot, K: tl.constexpr,
+                    ACT: tl.constexpr):
+        """Token t's output: the rounded float32 sum over j of w[j] * seq[A + t + j] (seq = hist ++ pend[:A] ++ x), then
+        SiLU (ACT; LFM2's short convolution has none)."""
         acc = tl.zeros(c.shape, dtype=tl.float32)
         for j in tl.static_range(K):
             u = A + t + j
@@ -161,8 +164,10 @@ if triton is not None:
             xv += tl.load(x_row + (u - (K - 1) - A) * sxt + c, mask=cm & in_x, other=0.0).to(tl.float32)
             acc = tl.fma(tl.load(w_ptr + c * K + j, mask=cm, other=0.0).to(tl.float32), xv, acc)
         acc += bias
-        y = acc.to(out_row.dtype.element_ty).to(tl.float32)
-        y = (y / (1.0 + tl.exp(-y))).to(out_row.dtype.element_ty)
+        y = acc.to(out_row.dtype.element_ty)
+        if ACT:
+            y = y.to(tl.float32)
+            y = (y / (1.0 + tl.exp(-y))).to(out_row.dtype.element_ty)
         tl.store(out_row + t * sot + c, y, mask=cm)
         return y
 
@@ -177,7 +182,7 @@ if triton is not None:
     def _conv_kernel(x_ptr, meta_ptr, hist_ptr, pend_ptr, pc_ptr, w_ptr, b_ptr, out_ptr, C,
                      sxt, shs, sht, sps, sph, spt, sot,
                      K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-                     INTERP: tl.constexpr, WRITE_PEND: tl.constexpr):
+                     INTERP: tl.constexpr, WRITE_PEND: tl.constexpr, ACT: tl.constexpr):
         """One program: one sequence's BLOCK_C channels, every token. The sequence it convolves is hist (K - 1) ++
         pend[:A] ++ x (T); afterwards hist becomes the last K - 1 entries of hist ++ pend[:A] ++ x[:CT] (committed).
         A program reads and writes only its own channels, all reads before the barrier."""
@@ -194,13 +199,13 @@ if triton is not None:
         if INTERP:  # Triton's interpreter cannot run a range() over a kernel argument
             t = 0
             while t < T:
-                y = _conv_token(t, A, c, cm, bias, x_row, hist_s, pend_s, w_ptr, out_row, sxt, sht, spt, sot, K)
+                y = _conv_token(t, A, c, cm, bias, x_row, hist_s, pend_s, w_ptr, out_row, sxt, sht, spt, sot, K, ACT)
                 if WRITE_PEND:
                     _conv_pend(t, CT, c, cm, y, x_row, px_w, pc_w, sxt, spt)
                 t += 1
         else:
             for t in range(T):
-                y = _conv_token(t, A, c, cm, bias, x_row, hist_s, pend_s, w_ptr, out_row, sxt, sht, spt, sot, K)
+                y = _conv_token(t, A, c, cm, bias, x_row, hist_s, pend_s, w_ptr, out_row, sxt, sht, spt, sot, K, ACT)
                 if WRITE_PEND:
                     _conv_pend(t, CT, c, cm, y, x_row, px_w, pc_w, sxt, spt)
         # the committed history: entries A + CT .. A + CT + K - 2 of hist ++ pend[:A] ++ x[:CT], all read before any is
@@ -326,7 +331,7 @@ def _dense_meta(batch: int, t: int, a: int, commit: int, device) -> torch.Tensor
 
 def _launch_conv(x2: torch.Tensor, meta: torch.Tensor, sequences: int, hist: torch.Tensor, pend: torch.Tensor,
                  pend_out: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out2: torch.Tensor,
-                 write_pend: bool) -> None:
+                 write_pend: bool, act: bool = True) -> None:
     """x2/out2 [rows, C]; hist [slots, K - 1, C]; pend / pend_out [slots, halves, P, C] (4-D) or [slots, P, C]."""
     c = x2.shape[-1]
     k = weight.shape[-1]
@@ -336,7 +341,7 @@ def _launch_conv(x2: torch.Tensor, meta: torch.Tensor, sequences: int, hist: tor
         x2, meta, hist, pend, pend_out, weight.contiguous(), bias if bias is not None else weight, out2, c,
         x2.stride(0), hist.stride(0), hist.stride(1), pend.stride(0), half_stride, pend.stride(-2), out2.stride(0),
         K=k, HAS_BIAS=bias is not None, BLOCK_C=block_c, BLOCK_H=max(2, triton.next_power_of_2(k - 1)),
-        INTERP=runtime.interpreting(), WRITE_PEND=write_pend)
+        INTERP=runtime.interpreting(), WRITE_PEND=write_pend, ACT=act)
 
 
 def _launch_delta(mixed2, g2, beta2, meta, sequences: int, pend, pg, pb, S, out3, hk: int, hv: int, dk: int, dv: int,
@@ -356,21 +361,22 @@ def _launch_delta(mixed2, g2, beta2, meta, sequences: int, pend, pg, pb, S, out3
 
 
 def causal_conv(x: torch.Tensor, state: GDNState, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                commit: int = 0) -> torch.Tensor:
-    """SiLU(causal depthwise conv) of x [B, T, C] after the state's committed inputs and its pending accepted ones;
+                commit: int = 0, act: bool = True) -> torch.Tensor:
+    """SiLU(causal depthwise conv) (`act`; else the conv) of x [B, T, C] after the state's committed inputs and its
+    pending accepted ones;
     updates `state.hist` to the committed inputs, those and x's first `commit` tokens included (the kernel, or the
     reference off Triton). weight [C, K]."""
     pend = state.pending[0] if state.pending is not None else None
     a = state.accepted if pend is not None else 0
     if not _use_triton(x):
-        out, state.hist = causal_conv_ref(x, state.hist, pend, a, weight, bias, commit)
+        out, state.hist = causal_conv_ref(x, state.hist, pend, a, weight, bias, commit, act)
         return out
     b, t, c = x.shape
     x = x.contiguous()
     p = pend if pend is not None else x
     out = torch.empty_like(x)
     _launch_conv(x.view(b * t, c), _dense_meta(b, t, a, commit, x.device), b, state.hist, p, p, weight, bias,
-                 out.view(b * t, c), False)
+                 out.view(b * t, c), False, act)
     return out
 
 
@@ -410,7 +416,10 @@ def _split(mixed: torch.Tensor, hk: int, hv: int, dk: int, dv: int):
 
 # ---- the layer's forward -------------------------------------------------------------------------------------------
 def _dims(module) -> tuple[int, int, int, int]:
-    """(key heads, value heads, key width, value width) of a Gated DeltaNet or Kimi Delta Attention module."""
+    """(key heads, value heads, key width, value width) of a Gated DeltaNet or Kimi Delta Attention module (a short
+    convolution has no delta rule: zeros)."""
+    if is_short_conv(module):
+        return 0, 0, 0, 0
     if is_kimi_delta(module):
         return module.num_heads, module.num_heads, module.head_dim, module.head_dim
     return module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
@@ -420,7 +429,7 @@ def _layer_state(module, cache, batch: int, channels: int, dtype, device) -> GDN
     """The layer's GDNState in `cache` (made on the first forward, with the cache layer's `crop` routed to it); a fresh
     one without a cache."""
     _, hv, dk, dv = _dims(module)
-    fresh = lambda: GDNState.zeros(batch, hv, dk, dv, module.conv1d.kernel_size[0], channels, dtype, device)
+    fresh = lambda: GDNState.zeros(batch, hv, dk, dv, _conv(module).kernel_size[0], channels, dtype, device)
     if cache is None:
         return fresh()
     layer = cache.layers[module.layer_idx]
@@ -442,6 +451,16 @@ def _crop(layer, n: int) -> None:
         count.sub_(-n)
 
 
+def _conv(module) -> torch.nn.Conv1d:
+    """The layer's depthwise convolution (`conv1d`; LFM2's short convolution: `conv`)."""
+    return module.conv if is_short_conv(module) else module.conv1d
+
+
+def _conv_params(module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    conv = _conv(module)
+    return conv.weight.squeeze(1), conv.bias
+
+
 def _cache_of(cache, kwargs):
     return cache if cache is not None else (kwargs.pop("cache_params", None) or kwargs.pop("past_key_values", None))
 
@@ -453,22 +472,26 @@ def _masked(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) ->
     return hidden_states
 
 
-def _mix(module, cache, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """The convolution and the delta rule of one layer's forward over its session state in `cache`; [B, T, Hv, dv]."""
+def _mix(module, cache, mixed: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor | None) -> torch.Tensor:
+    """The convolution and the delta rule of one layer's forward over its session state in `cache`; [B, T, Hv, dv] (a
+    short convolution, g and beta None: the convolution's output [B, T, C])."""
     step = getattr(cache, "linear_step", None)  # the paged forward (verifier_svc.runner): a slot per session
     if step is not None:
         return paged_mix(module, step.states.layers[module.layer_idx], step.meta, step.rows, mixed, g, beta)
     bsz, t, _ = mixed.shape
     hk, hv, dk, dv = _dims(module)
-    mixed, g, beta = mixed.contiguous(), g.contiguous(), beta.contiguous()
+    short = g is None
+    mixed = mixed.contiguous()
+    if not short:
+        g, beta = g.contiguous(), beta.contiguous()
     st = _layer_state(module, cache, bsz, mixed.shape[-1], mixed.dtype, mixed.device)
     commit = max(0, t - ROLLBACK_TOKENS) if cache is not None else 0
-    conv = causal_conv(mixed, st, module.conv1d.weight.squeeze(1), module.conv1d.bias, commit)
-    core = gated_delta(conv, g, beta, st, hk, hv, dk, dv, commit)
+    conv = causal_conv(mixed, st, *_conv_params(module), commit, act=not short)
+    core = conv if short else gated_delta(conv, g, beta, st, hk, hv, dk, dv, commit)
     if cache is not None:
         pending = (mixed, conv, g, beta)
         if commit:  # (copies: the slices would keep the whole prompt's tensors alive)
-            pending = tuple(x[:, commit:].clone() for x in pending)
+            pending = tuple(x[:, commit:].clone() if x is not None else None for x in pending)
         st.pending, st.accepted = pending, t - commit
         count = getattr(cache.layers[module.layer_idx], "cumulative_length_linear", None)
         if isinstance(count, torch.Tensor):
@@ -496,6 +519,34 @@ def forward(module, hidden_states: torch.Tensor, cache=None, attention_mask: tor
     core = _mix(module, cache, mixed, g, beta)
     out = module.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(bsz, t, -1)
     return module.out_proj(out)
+
+
+def is_short_conv(module) -> bool:
+    """LFM2's short convolution layer (lfm2, lfm2_moe): in_proj to B, C, x; B * x through a depthwise causal convolution
+    (no activation); C times it; out_proj."""
+    conv = getattr(module, "conv", None)
+    return (isinstance(conv, torch.nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
+            and all(hasattr(module, p) for p in ("in_proj", "out_proj", "layer_idx", "conv_kernel_size")))
+
+
+def short_conv_forward(module, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None,
+                       **kwargs):
+    """LFM2's short convolution layer on the convolution kernel (its projections are the module's own)."""
+    cache = _cache_of(cache, kwargs)
+    hidden_states = _masked(hidden_states, attention_mask)
+    b, c, x = module.in_proj(hidden_states).chunk(3, dim=-1)
+    conv = _mix(module, cache, b * x, None, None)
+    return module.out_proj(c * conv)
+
+
+def layer_forward(module):
+    """The forward these kernels give `module` (Gated DeltaNet, Kimi Delta Attention, LFM2's short convolution), or
+    None for any other module."""
+    if is_gated_delta_net(module):
+        return forward
+    if is_kimi_delta(module):
+        return kda_forward
+    return short_conv_forward if is_short_conv(module) else None
 
 
 def is_kimi_delta(module) -> bool:
@@ -542,16 +593,16 @@ class PagedGDN:
     @classmethod
     def for_module(cls, module, slots: int, pending: int, dtype, device) -> "PagedGDN":
         hk, hv, dk, dv = _dims(module)
-        return cls(slots, hv, dk, dv, module.conv1d.kernel_size[0], 2 * hk * dk + hv * dv, is_kimi_delta(module), pending,
+        return cls(slots, hv, dk, dv, _conv(module).kernel_size[0], _channels(module), is_kimi_delta(module), pending,
                    dtype, device)
 
     @staticmethod
     def slot_bytes(module, pending: int, dtype) -> int:
         """Device bytes of one slot of `module`'s state."""
         hk, hv, dk, dv = _dims(module)
-        c, e = 2 * hk * dk + hv * dv, torch.empty((), dtype=dtype).element_size()
+        c, e = _channels(module), torch.empty((), dtype=dtype).element_size()
         g = hv * (dk if is_kimi_delta(module) else 1)
-        return 4 * hv * dk * dv + (module.conv1d.kernel_size[0] - 1) * c * e + 2 * pending * (2 * c * e + 4 * g + hv * e)
+        return 4 * hv * dk * dv + (_conv(module).kernel_size[0] - 1) * c * e + 2 * pending * (2 * c * e + 4 * g + hv * e)
 
     def reset(self, slot: int) -> None:
         """A new session's slot: no tokens yet (its pending halves are never read before being written)."""
@@ -559,44 +610,53 @@ class PagedGDN:
         self.hist[slot].zero_()
 
 
-def paged_mix(module, states: PagedGDN, meta: torch.Tensor, meta_rows: list, mixed: torch.Tensor, g: torch.Tensor,
-              beta: torch.Tensor) -> torch.Tensor:
+def _channels(module) -> int:
+    """The convolution's channels: q | k | v of a delta-rule layer, LFM2's hidden size."""
+    hk, hv, dk, dv = _dims(module)
+    return _conv(module).in_channels if is_short_conv(module) else 2 * hk * dk + hv * dv
+
+
+def paged_mix(module, states: PagedGDN, meta: torch.Tensor, meta_rows: list | None, mixed: torch.Tensor,
+              g: torch.Tensor | None, beta: torch.Tensor | None) -> torch.Tensor:
     """The convolution and the delta rule of one layer over a paged forward's rows ([1, R, ...]: one or several
     sessions' rows one after the other, `meta` [S, 6] int32 on the device, the same rows on the host in `meta_rows`);
-    [1, R, Hv, dv], zero in rows no sequence holds (a CUDA graph's padding)."""
+    [1, R, Hv, dv] (a short convolution, g None: [1, R, C]), zero in rows no sequence holds (a CUDA graph's padding)."""
     hk, hv, dk, dv = _dims(module)
-    x2, g2, b2 = mixed[0].contiguous(), g[0].contiguous(), beta[0].contiguous()
-    rows = x2.shape[0]
+    short = g is None
+    x2 = mixed[0].contiguous()
     conv = torch.zeros_like(x2)
-    out = torch.zeros(rows, hv, dv, dtype=x2.dtype, device=x2.device)
-    w, bias = module.conv1d.weight.squeeze(1), module.conv1d.bias
+    out = conv if short else torch.zeros(x2.shape[0], hv, dv, dtype=x2.dtype, device=x2.device)
+    w, bias = _conv_params(module)
     if _use_triton(x2):
-        _launch_conv(x2, meta, meta.shape[0], states.hist, states.px, states.pc, w, bias, conv, True)
-        _launch_delta(conv, g2, b2, meta, meta.shape[0], states.pc, states.pg, states.pb, states.S, out, hk, hv, dk, dv,
-                      True)
+        _launch_conv(x2, meta, meta.shape[0], states.hist, states.px, states.pc, w, bias, conv, True, act=not short)
+        if not short:
+            _launch_delta(conv, g[0].contiguous(), beta[0].contiguous(), meta, meta.shape[0], states.pc, states.pg,
+                          states.pb, states.S, out, hk, hv, dk, dv, True)
         return out[None]
-    for slot, a, ct, half, row0, t in meta_rows:  # the references, one sequence at a time (the CPU)
+    for slot, a, ct, half, row0, t in (meta_rows if meta_rows is not None else meta.tolist()):  # the references (CPU)
         if t == 0:
             continue
+        keep, w_half = t - ct, 1 - half
         x = x2[row0: row0 + t][None]
-        y, states.hist[slot] = causal_conv_ref(x, states.hist[slot: slot + 1], states.px[slot: slot + 1, half], a, w, bias,
-                                               ct)
+        y, hist = causal_conv_ref(x, states.hist[slot: slot + 1], states.px[slot: slot + 1, half], a, w, bias, ct,
+                                  act=not short)
+        states.hist[slot] = hist[0]
         conv[row0: row0 + t] = y[0]
-        gs, bs = g2[row0: row0 + t][None], b2[row0: row0 + t][None]
-        gp = states.pg[slot: slot + 1, half, :a]
+        states.px[slot, w_half, :keep] = x[0, ct:]
+        states.pc[slot, w_half, :keep] = y[0, ct:]
+        if short:
+            continue
+        gs, bs = g[0, row0: row0 + t][None], beta[0, row0: row0 + t][None]
         S = states.S[slot: slot + 1]
         if a:
-            pm = states.pc[slot: slot + 1, half, :a]
-            _, S = gated_delta_ref(*_split(pm, hk, hv, dk, dv), gp.view(1, a, *gs.shape[2:]),
+            _, S = gated_delta_ref(*_split(states.pc[slot: slot + 1, half, :a], hk, hv, dk, dv),
+                                   states.pg[slot: slot + 1, half, :a].view(1, a, *gs.shape[2:]),
                                    states.pb[slot: slot + 1, half, :a], S)
         o, _ = gated_delta_ref(*_split(y, hk, hv, dk, dv), gs, bs, S)
         if ct:
             _, S = gated_delta_ref(*_split(y[:, :ct], hk, hv, dk, dv), gs[:, :ct], bs[:, :ct], S)
         states.S[slot] = S[0]
         out[row0: row0 + t] = o[0]
-        keep, w_half = t - ct, 1 - half
-        states.px[slot, w_half, :keep] = x[0, ct:]
-        states.pc[slot, w_half, :keep] = y[0, ct:]
         states.pg[slot, w_half, :keep] = gs[0, ct:].reshape(keep, -1)
         states.pb[slot, w_half, :keep] = bs[0, ct:]
     return out[None]

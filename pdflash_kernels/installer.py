@@ -834,8 +834,8 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
 
     inst = Installation(model, report, f"triton ({ATTN_IMPL}, absolute-position KV chunks)", "triton (linear/matmul/mm/addmm/bmm, sum/mean, softmax)", {}, experts_format, undo, fused_report)
     if linear_layers:
-        inst.linear_attention = (f"triton gated delta rule, token by token ({len(linear_layers)} layers: "
-                                 "pdflash_kernels.gdn; rejected tokens rolled back by replaying the accepted ones)")
+        inst.linear_attention = (f"triton gated delta rule / short convolution, token by token ({len(linear_layers)} "
+                                 "layers: pdflash_kernels.gdn; rejected tokens rolled back by replaying the accepted ones)")
     if probe:
         before = dict(CALLS)
         inst.uncovered = probe_uncovered(model, orig_forward)
@@ -847,15 +847,15 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
 
 
 def _install_linear_attention(model: nn.Module, undo: list) -> list[int]:
-    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5) and Kimi Delta Attention layers (Kimi Linear) onto
-    pdflash_kernels.gdn's forwards, whose state lives on the session's
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5), Kimi Delta Attention layers (Kimi Linear) and LFM2's short
+    convolutions onto pdflash_kernels.gdn's forwards, whose state lives on the session's
     cache layer and rolls back itself; the layers' indices. Other linear-attention / state-space layers keep
     transformers' forward (the probe lists their ops as uncovered, and the model is reported not batch-invariant)."""
     from pdflash_kernels import gdn
 
     layers = []
     for m in model.modules():
-        fwd = gdn.forward if gdn.is_gated_delta_net(m) else gdn.kda_forward if gdn.is_kimi_delta(m) else None
+        fwd = gdn.layer_forward(m)
         if fwd is not None:
             m.forward = functools.partial(fwd, m)
             undo.append(functools.partial(m.__dict__.pop, "forward", None))

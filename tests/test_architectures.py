@@ -33,7 +33,7 @@ from inprocess import core_run  # noqa: E402
 NEW = 32
 # linear-attention / state-space hybrids: their recurrent state rolls back with transformers >= 5.25, and an older one
 # refuses them at load (what the GPU machine's transformers 5.17 did: benchmarks/results/arch_matrix_gpu.md), unless the
-# kernels serve their layers (Gated DeltaNet, Kimi Delta Attention: tests/test_gdn.py)
+# kernels serve their layers (Gated DeltaNet, Kimi Delta Attention, LFM2's short convolutions: tests/test_gdn.py)
 # (granitemoehybrid's Mamba-2 and lfm2_moe's convolutions roll back with 5.17 too)
 HYBRIDS = ("qwen3_next", "qwen3_5_moe_text", "jamba", "kimi_linear")
 OLD_TRANSFORMERS = r"leaves them in its state .*transformers >= 5\.25"

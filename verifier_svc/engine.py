@@ -212,8 +212,9 @@ class VerifierCore:
                 log.info("cuda graphs captured", graphs=n, seconds=round(time.perf_counter() - t0, 2))
 
     def _recurrent_layers(self, cfg) -> tuple[dict, str | None]:
-        """A hybrid's recurrent layers the paged forward holds a state for ({layer index: module}: Gated DeltaNet and Kimi
-        Delta Attention layers on pdflash_kernels.gdn's forward), and why it cannot run the model (None: it can)."""
+        """A hybrid's recurrent layers the paged forward holds a state for ({layer index: module}: Gated DeltaNet, Kimi
+        Delta Attention and LFM2 short-convolution layers on pdflash_kernels.gdn's forwards), and why it cannot run the
+        model (None: it can)."""
         from pdflash_kernels import gdn
 
         types = list(getattr(cfg, "layer_types", None) or [])[: self.target.num_layers]
@@ -221,11 +222,12 @@ class VerifierCore:
         if not recurrent:
             return {}, None
         served = {int(m.layer_idx): m for m in self.target.model.modules()
-                  if (gdn.is_gated_delta_net(m) or gdn.is_kimi_delta(m)) and "forward" in vars(m)}
+                  if gdn.layer_forward(m) is not None and "forward" in vars(m)}
         other = sorted({types[i] for i in recurrent if i not in served})
         if other:
             return {}, (f"its {', '.join(other)} layers keep a recurrent state the paged KV does not hold (only Gated "
-                        "DeltaNet and Kimi Delta Attention layers on the kernels; such hybrids run on transformers' cache)")
+                        "DeltaNet, Kimi Delta Attention and short-convolution layers on the kernels; such hybrids run on "
+                        "transformers' cache)")
         return {i: served[i] for i in recurrent}, None
 
     @property
@@ -239,8 +241,8 @@ class VerifierCore:
 
         lin = self.pool.linear
         recurrent = {} if lin is None else {"recurrent_state": (
-            f"{len(lin.layers)} Gated DeltaNet / Kimi Delta Attention layers: a slot per session ({lin.slots - 1} slots and "
-            f"the graphs' scratch), the last forward's last {lin.pending} tokens pending (replayed as far as the next "
+            f"{len(lin.layers)} recurrent layers (Gated DeltaNet, Kimi Delta Attention, short convolutions): a slot per "
+            f"session ({lin.slots - 1} slots and the graphs' scratch), the last forward's last {lin.pending} tokens pending (replayed as far as the next "
             "forward starts past them)")}
         return {**recurrent, "kv": f"paged: {self.pool.num_pages} pages of {PAGE} positions", "rotary": self.runner.rotary,
                 "layers": self.runner.prenorm, "attention": self.runner.attention,

@@ -145,6 +145,11 @@ class ForwardOut:
     recorder: object  # verifier_svc.experts.RouteRecorder
 
 
+def _submodule(module, names: tuple[str, ...]):
+    """The first of `names` that is a submodule of `module`, or None."""
+    return next((m for a in names if isinstance(m := getattr(module, a, None), torch.nn.Module)), None)
+
+
 class ForwardRunner:
     """`max_positions`: the positions a forward can see (the verifier's context, a whole number of pages); with it a
     static RoPE's cos/sin are a table gathered by position (`RotaryTable`; `self.rotary` says which path runs)."""
@@ -155,14 +160,19 @@ class ForwardRunner:
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.layer_kw = cache_kwarg(self.inner.layers[0])
         self.rope: RotaryTable | None = None
-        if not isinstance(getattr(self.inner, "rotary_emb", None), torch.nn.Module):  # (Kimi Linear: no positions at all)
+        # the rotary module and the final norm (LFM2 names them pos_emb and embedding_norm)
+        self.rotary_emb, self.final_norm = (_submodule(self.inner, names) for names in (("rotary_emb", "pos_emb"),
+                                                                                       ("norm", "embedding_norm")))
+        if self.final_norm is None:
+            raise ValueError(f"{type(self.inner).__name__} has no final norm (norm) the paged forward knows")
+        if self.rotary_emb is None:  # (Kimi Linear: no positions at all)
             raise ValueError(f"{type(self.inner).__name__} has no rotary module (rotary_emb), which the paged forward's "
                              "layers take their positions from")
-        why = "no max_positions" if max_positions is None else static_rope(self.inner.rotary_emb)
+        why = "no max_positions" if max_positions is None else static_rope(self.rotary_emb)
         if why is None:
             with torch.inference_mode():  # the dtype the embeddings hand the rotary module
                 h = self.inner.embed_tokens(torch.zeros(1, 1, dtype=torch.long, device=pool.device))
-            self.rope = RotaryTable(self.inner.rotary_emb, int(max_positions), h.dtype, pool.device, h.shape[-1])
+            self.rope = RotaryTable(self.rotary_emb, int(max_positions), h.dtype, pool.device, h.shape[-1])
         self.rotary = f"table ({max_positions} positions)" if self.rope is not None else f"module per forward ({why})"
         self.chain = self._probe_chain()
         self.prenorm = ("residual adds fused into the next norm" if isinstance(self.chain, PreNormChain)
@@ -176,7 +186,7 @@ class ForwardRunner:
 
     def _layer_kwargs(self, h: torch.Tensor, pos: torch.Tensor, cache) -> dict:
         """What a decoder layer (and, in the chain, its attention) gets besides its input."""
-        pe = self.rope(pos) if self.rope is not None else self.inner.rotary_emb(h, rotary_positions(self.inner.rotary_emb, pos))
+        pe = self.rope(pos) if self.rope is not None else self.rotary_emb(h, rotary_positions(self.rotary_emb, pos))
         return dict(attention_mask=None, position_ids=pos, use_cache=True, position_embeddings=pe, **{self.layer_kw: cache})
 
     def _probe_chain(self) -> "PreNormChain | str":
@@ -186,7 +196,7 @@ class ForwardRunner:
 
         layers = self.inner.layers[: self.num_layers]
         with torch.inference_mode(), InvariantMode(), experts_stubbed():
-            return PreNormChain.probe(self.model, layers, self.inner.norm, self._layer_kwargs)
+            return PreNormChain.probe(self.model, layers, self.final_norm, self._layer_kwargs)
 
     def _fuse_attention(self) -> str:
         """Give the chain each layer's fused attention (verifier_svc.fused_attention) when the first layer of each kind
@@ -221,7 +231,7 @@ class ForwardRunner:
                 h = out[0] if isinstance(out, tuple) else out
                 if i in feature_layers:
                     feats.append((i, h))
-            h = self.inner.norm(h)
+            h = self.final_norm(h)
         f = torch.cat([x for _, x in sorted(feats, key=lambda p: feature_layers.index(p[0]))], dim=-1)[0].float() if feats else None
         return h, f
 

@@ -77,7 +77,7 @@ def _kernel_hint(model) -> str:
     not installed: that the kernels would roll them back on this transformers."""
     from pdflash_kernels import gdn
 
-    bare = [m for m in model.modules() if (gdn.is_gated_delta_net(m) or gdn.is_kimi_delta(m)) and "forward" not in vars(m)]
+    bare = [m for m in model.modules() if gdn.layer_forward(m) is not None and "forward" not in vars(m)]
     if not bare:  # (none, or the kernels' forwards already installed)
         return ""
     return ", or serve it with the kernels (a GPU, --kernels auto), whose linear-attention layers roll back themselves"
