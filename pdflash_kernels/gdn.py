@@ -108,26 +108,45 @@ def causal_conv_ref(x: torch.Tensor, hist: torch.Tensor, pend: torch.Tensor | No
     return out, committed[:, committed.shape[1] - (k - 1):].clone()
 
 
+@dataclasses.dataclass
+class Rule:
+    """What differs between the recurrences the kernels run. Gated DeltaNet and Kimi Delta Attention (the default):
+    q | k | v columns, q and k L2-normalized (q scaled by 1/sqrt(dk)), the delta rule's correction. Mamba-2 (`MAMBA2`,
+    with its D): x | B | C columns (v | k | q), the plain outer-product update `S <- S + B (dt x)^T` (beta = dt), the
+    output `S^T C + D x`."""
+
+    delta: bool = True
+    qk_norm: bool = True
+    layout: str = "qkv"  # or "xbc"
+    D: torch.Tensor | None = None  # [Hv] float32 (Mamba-2's skip)
+
+
+GDN_RULE = Rule()
+
+
 def gated_delta_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    state: torch.Tensor, rule: Rule = GDN_RULE) -> tuple[torch.Tensor, torch.Tensor]:
     """(outputs [B, T, Hv, dv] in v's dtype, the state after the T tokens, float32). q, k [B, T, Hk, dk], v [B, T, Hv,
     dv], g [B, T, Hv] (or [B, T, Hv, dk]: a decay per key channel, Kimi Delta Attention), beta [B, T, Hv], state [B, Hv,
-    dk, dv]; value head h reads key head h // (Hv / Hk)."""
+    dk, dv]; value head h reads key head h // (Hv / Hk). `rule`: Mamba-2's form (no normalization, no correction, D)."""
     b, t, hk, dk = k.shape
     hv = v.shape[2]
     rep = hv // hk
     q, k = (x.double().repeat_interleave(rep, dim=2) for x in (q, k))
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + EPS) / math.sqrt(dk)
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + EPS)
+    if rule.qk_norm:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + EPS) / math.sqrt(dk)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + EPS)
     s = state.double().clone()
     out = torch.empty(b, t, hv, v.shape[-1], dtype=torch.float64, device=v.device)
     for i in range(t):
         decay = g[:, i].double().exp()  # [B, Hv] (a gated DeltaNet's) or [B, Hv, dk] (Kimi Delta Attention's)
         s = s * (decay[..., None] if g.dim() == 4 else decay[..., None, None])
-        kv = (s * k[:, i, :, :, None]).sum(-2)
+        kv = (s * k[:, i, :, :, None]).sum(-2) if rule.delta else 0.0
         delta = (v[:, i].double() - kv) * beta[:, i].double()[..., None]
         s = s + k[:, i, :, :, None] * delta[:, :, None, :]
         out[:, i] = (s * q[:, i, :, :, None]).sum(-2)
+        if rule.D is not None:
+            out[:, i] += rule.D.double()[:, None] * v[:, i].double()
     return out.to(v.dtype), s.float()
 
 
@@ -225,8 +244,9 @@ if triton is not None:
     @triton.jit
     def _delta_token(S, i, A, AC, h, kh, kk, vv, km, vm, sm, s_ptrs, new_row, pend_s, gn_row, gp_s, bn_row, bp_s,
                      out_row, gw, bw, wtile, snt, spt, sgnt, sgpt, sbnt, sbpt, sot, soh,
-                     DK: tl.constexpr, DV: tl.constexpr, Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr,
-                     SCALE: tl.constexpr, G_VEC: tl.constexpr, WRITE_PEND: tl.constexpr):
+                     d_skip, DK: tl.constexpr, DV: tl.constexpr, Q_OFF: tl.constexpr, K_OFF: tl.constexpr,
+                     V_OFF: tl.constexpr, SCALE: tl.constexpr, G_VEC: tl.constexpr, WRITE_PEND: tl.constexpr,
+                     DELTA: tl.constexpr, QK_NORM: tl.constexpr, HAS_D: tl.constexpr):
         """Token i of the loop (i < A: a replayed one, from pend; else this forward's i - A): the state after it, and its
         output stored for this forward's tokens; the state after token AC - 1 (the replayed ones and this forward's
         first CT = AC - A) is written back. WRITE_PEND: the programs of `wtile` copy this forward's pending g and beta
@@ -237,7 +257,8 @@ if triton is not None:
         g_row = tl.where(replay, gp_s + t * sgpt, gn_row + t * sgnt)
         beta = tl.load(tl.where(replay, bp_s + t * sbpt, bn_row + t * sbnt) + h).to(tl.float32)
         k = tl.load(row + K_OFF + kh * DK + kk, mask=km, other=0.0).to(tl.float32)
-        k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
+        if QK_NORM:
+            k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
         v = tl.load(row + V_OFF + h * DV + vv, mask=vm, other=0.0).to(tl.float32)
         keep = (i >= AC) & wtile  # (WRITE_PEND) this forward's token left pending: its g and beta copied
         if G_VEC:  # Kimi Delta Attention: a decay per key channel
@@ -252,23 +273,28 @@ if triton is not None:
                 tl.store(gw + (i - AC) * sgpt + h, gv, mask=keep)
         if WRITE_PEND:
             tl.store(bw + (i - AC) * sbpt + h, beta.to(bw.dtype.element_ty), mask=keep)
-        kv = tl.sum(S * k[:, None], axis=0)
-        delta = (v - kv) * beta
+        if DELTA:
+            delta = (v - tl.sum(S * k[:, None], axis=0)) * beta
+        else:  # Mamba-2: S <- S + B (dt x)^T
+            delta = v * beta
         S = tl.fma(k[:, None], delta[None, :], S)
         tl.store(s_ptrs, S, mask=sm & (i == AC - 1))
         q = tl.load(row + Q_OFF + kh * DK + kk, mask=km & (i >= A), other=0.0).to(tl.float32)
-        q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * SCALE
+        if QK_NORM:
+            q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * SCALE
         o = tl.sum(S * q[:, None], axis=0)
+        if HAS_D:  # Mamba-2's skip
+            o = tl.fma(d_skip, v, o)
         tl.store(out_row + t * sot + h * soh + vv, o.to(out_row.dtype.element_ty), mask=vm & (i >= A))
         return S
 
     @triton.jit
-    def _delta_kernel(new_ptr, meta_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr, bp_ptr, s_ptr, out_ptr,
+    def _delta_kernel(new_ptr, meta_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr, bp_ptr, s_ptr, out_ptr, d_ptr,
                       snt, sps, sph, spt, sgnt, sgps, sgph, sgpt, sbnt, sbps, sbph, sbpt, sss, ssh, sot, soh,
                       HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, SCALE: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERP: tl.constexpr, G_VEC: tl.constexpr,
-                      WRITE_PEND: tl.constexpr):
+                      WRITE_PEND: tl.constexpr, DELTA: tl.constexpr, QK_NORM: tl.constexpr, HAS_D: tl.constexpr):
         """One program: value head h of sequence b, value columns [v0, v0 + BLOCK_V). Tokens 0 .. A - 1 are the last
         forward's accepted ones (from pend/gp/bp: replayed, no output), A .. A + T - 1 this forward's; the state after
         the replayed ones and this forward's first CT is written back (the new committed state). q, k, v are columns of
@@ -295,19 +321,20 @@ if triton is not None:
         bw = bp_ptr + slot * sbps + (1 - half) * sbph
         wtile = tl.program_id(1) == 0
         AC = A + CT
+        d_skip = tl.load(d_ptr + h).to(tl.float32) if HAS_D else 0.0
         S = tl.load(s_ptrs, mask=sm, other=0.0)
         if INTERP:  # Triton's interpreter cannot run a range() over a kernel argument
             i = 0
             while i < A + T:
                 S = _delta_token(S, i, A, AC, h, kh, kk, vv, km, vm, sm, s_ptrs, new_row, pend_s, gn_row, gp_s, bn_row,
-                                 bp_s, out_row, gw, bw, wtile, snt, spt, sgnt, sgpt, sbnt, sbpt, sot, soh,
-                                 DK, DV, Q_OFF, K_OFF, V_OFF, SCALE, G_VEC, WRITE_PEND)
+                                 bp_s, out_row, gw, bw, wtile, snt, spt, sgnt, sgpt, sbnt, sbpt, sot, soh, d_skip,
+                                 DK, DV, Q_OFF, K_OFF, V_OFF, SCALE, G_VEC, WRITE_PEND, DELTA, QK_NORM, HAS_D)
                 i += 1
         else:
             for i in range(A + T):
                 S = _delta_token(S, i, A, AC, h, kh, kk, vv, km, vm, sm, s_ptrs, new_row, pend_s, gn_row, gp_s, bn_row,
-                                 bp_s, out_row, gw, bw, wtile, snt, spt, sgnt, sgpt, sbnt, sbpt, sot, soh,
-                                 DK, DV, Q_OFF, K_OFF, V_OFF, SCALE, G_VEC, WRITE_PEND)
+                                 bp_s, out_row, gw, bw, wtile, snt, spt, sgnt, sgpt, sbnt, sbpt, sot, soh, d_skip,
+                                 DK, DV, Q_OFF, K_OFF, V_OFF, SCALE, G_VEC, WRITE_PEND, DELTA, QK_NORM, HAS_D)
 
 def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and runtime.triton_usable(x.device)
@@ -345,19 +372,27 @@ def _launch_conv(x2: torch.Tensor, meta: torch.Tensor, sequences: int, hist: tor
 
 
 def _launch_delta(mixed2, g2, beta2, meta, sequences: int, pend, pg, pb, S, out3, hk: int, hv: int, dk: int, dv: int,
-                  write_pend: bool) -> None:
+                  write_pend: bool, rule: Rule = GDN_RULE) -> None:
     """mixed2 [rows, C], g2 [rows, Hv(*dk)], beta2 [rows, Hv], out3 [rows, Hv, dv]; pend/pg/pb per slot (and half)."""
     half = lambda x: x.stride(1) if x.dim() == 4 else 0  # noqa: E731
     block_k = max(16, triton.next_power_of_2(dk))
     block_v = min(32, max(16, triton.next_power_of_2(dv)))
+    q_off, k_off, v_off = _offsets(rule, hk, hv, dk, dv)
     _delta_kernel[(sequences * hv, triton.cdiv(dv, block_v))](
-        mixed2, meta, pend, g2, pg, beta2, pb, S, out3,
+        mixed2, meta, pend, g2, pg, beta2, pb, S, out3, rule.D if rule.D is not None else S,
         mixed2.stride(0), pend.stride(0), half(pend), pend.stride(-2), g2.stride(0), pg.stride(0), half(pg),
         pg.stride(-2), beta2.stride(0), pb.stride(0), half(pb), pb.stride(-2), S.stride(0), S.stride(1),
         out3.stride(0), out3.stride(1),
-        HV=hv, REP=hv // hk, DK=dk, DV=dv, Q_OFF=0, K_OFF=hk * dk, V_OFF=2 * hk * dk, SCALE=1.0 / math.sqrt(dk),
+        HV=hv, REP=hv // hk, DK=dk, DV=dv, Q_OFF=q_off, K_OFF=k_off, V_OFF=v_off, SCALE=1.0 / math.sqrt(dk),
         BLOCK_K=block_k, BLOCK_V=block_v, INTERP=runtime.interpreting(), G_VEC=g2.dim() == 3, WRITE_PEND=write_pend,
-        num_warps=4)
+        DELTA=rule.delta, QK_NORM=rule.qk_norm, HAS_D=rule.D is not None, num_warps=4)
+
+
+def _offsets(rule: Rule, hk: int, hv: int, dk: int, dv: int) -> tuple[int, int, int]:
+    """(q, k, v) column offsets in a conv output row: q | k | v, or Mamba-2's x | B | C."""
+    if rule.layout == "xbc":
+        return hv * dv + hk * dk, hv * dv, 0
+    return 0, hk * dk, 2 * hk * dk
 
 
 def causal_conv(x: torch.Tensor, state: GDNState, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -381,7 +416,7 @@ def causal_conv(x: torch.Tensor, state: GDNState, weight: torch.Tensor, bias: to
 
 
 def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: GDNState, hk: int, hv: int, dk: int,
-                dv: int, commit: int = 0) -> torch.Tensor:
+                dv: int, commit: int = 0, rule: Rule = GDN_RULE) -> torch.Tensor:
     """The gated delta rule over this forward's tokens after replaying the pending accepted ones: mixed [B, T, C] the
     conv outputs (q | k | v columns), g [B, T, Hv] float32, beta [B, T, Hv]; returns [B, T, Hv, dv] in mixed's dtype
     and leaves `state.S` the committed state: after the replayed tokens and this forward's first `commit`."""
@@ -391,26 +426,27 @@ def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state:
     if not _use_triton(mixed):
         if a:
             pm, pg, pb = pend[1][:, :a], pend[2][:, :a], pend[3][:, :a]
-            _, state.S = gated_delta_ref(*_split(pm, hk, hv, dk, dv), pg, pb, state.S)
-        out, _ = gated_delta_ref(*_split(mixed, hk, hv, dk, dv), g, beta, state.S)
+            _, state.S = gated_delta_ref(*_split(pm, hk, hv, dk, dv, rule), pg, pb, state.S, rule)
+        out, _ = gated_delta_ref(*_split(mixed, hk, hv, dk, dv, rule), g, beta, state.S, rule)
         if commit:
-            _, state.S = gated_delta_ref(*_split(mixed[:, :commit], hk, hv, dk, dv), g[:, :commit], beta[:, :commit],
-                                         state.S)
+            _, state.S = gated_delta_ref(*_split(mixed[:, :commit], hk, hv, dk, dv, rule), g[:, :commit],
+                                         beta[:, :commit], state.S, rule)
         return out
     out = torch.empty(b, t, hv, dv, dtype=mixed.dtype, device=mixed.device)
     pm, pg, pb = (pend[1], pend[2], pend[3]) if pend is not None else (mixed, g, beta)
     rows = b * t
     _launch_delta(mixed.reshape(rows, -1), g.reshape(rows, *g.shape[2:]), beta.reshape(rows, -1),
                   _dense_meta(b, t, a, commit, mixed.device), b, pm, pg.flatten(2) if pg.dim() == 4 else pg, pb,
-                  state.S, out.view(rows, hv, dv), hk, hv, dk, dv, False)
+                  state.S, out.view(rows, hv, dv), hk, hv, dk, dv, False, rule)
     return out
 
 
-def _split(mixed: torch.Tensor, hk: int, hv: int, dk: int, dv: int):
+def _split(mixed: torch.Tensor, hk: int, hv: int, dk: int, dv: int, rule: Rule = GDN_RULE):
     b, t, _ = mixed.shape
-    q = mixed[..., : hk * dk].reshape(b, t, hk, dk)
-    k = mixed[..., hk * dk: 2 * hk * dk].reshape(b, t, hk, dk)
-    v = mixed[..., 2 * hk * dk: 2 * hk * dk + hv * dv].reshape(b, t, hv, dv)
+    qo, ko, vo = _offsets(rule, hk, hv, dk, dv)
+    q = mixed[..., qo: qo + hk * dk].reshape(b, t, hk, dk)
+    k = mixed[..., ko: ko + hk * dk].reshape(b, t, hk, dk)
+    v = mixed[..., vo: vo + hv * dv].reshape(b, t, hv, dv)
     return q, k, v
 
 
@@ -420,6 +456,8 @@ def _dims(module) -> tuple[int, int, int, int]:
     convolution has no delta rule: zeros)."""
     if is_short_conv(module):
         return 0, 0, 0, 0
+    if is_mamba2(module):
+        return module.n_groups, module.num_heads, module.ssm_state_size, module.head_dim
     if is_kimi_delta(module):
         return module.num_heads, module.num_heads, module.head_dim, module.head_dim
     return module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
@@ -487,7 +525,7 @@ def _mix(module, cache, mixed: torch.Tensor, g: torch.Tensor | None, beta: torch
     st = _layer_state(module, cache, bsz, mixed.shape[-1], mixed.dtype, mixed.device)
     commit = max(0, t - ROLLBACK_TOKENS) if cache is not None else 0
     conv = causal_conv(mixed, st, *_conv_params(module), commit, act=not short)
-    core = conv if short else gated_delta(conv, g, beta, st, hk, hv, dk, dv, commit)
+    core = conv if short else gated_delta(conv, g, beta, st, hk, hv, dk, dv, commit, _rule(module))
     if cache is not None:
         pending = (mixed, conv, g, beta)
         if commit:  # (copies: the slices would keep the whole prompt's tensors alive)
@@ -546,7 +584,37 @@ def layer_forward(module):
         return forward
     if is_kimi_delta(module):
         return kda_forward
+    if is_mamba2(module):
+        return mamba2_forward
     return short_conv_forward if is_short_conv(module) else None
+
+
+def is_mamba2(module) -> bool:
+    """A Mamba-2 mixer (granitemoehybrid; bamba, nemotron_h, falcon_h1 name the same parts): in_proj to gate | x B C |
+    dt, a SiLU causal convolution over x B C, the selective state space scan (`A_log`, `dt_bias`, `D`), a gated norm,
+    out_proj."""
+    parts = ("in_proj", "conv1d", "A_log", "D", "dt_bias", "norm", "out_proj", "n_groups", "ssm_state_size", "head_dim",
+             "num_heads", "intermediate_size", "conv_dim", "time_step_limit", "layer_idx")
+    return all(hasattr(module, p) for p in parts) and getattr(module, "activation", "silu") in ("silu", "swish")
+
+
+def mamba2_forward(module, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None, **kwargs):
+    """A Mamba-2 mixer's forward on these kernels: the token-by-token scan `S <- exp(dt A) S + B (dt x)^T`,
+    `y = S^T C + D x` (the delta kernel without normalization or correction), dt = softplus(dt + dt_bias) within
+    time_step_limit; the module's own projections and gated norm."""
+    cache = _cache_of(cache, kwargs)
+    hidden_states = _masked(hidden_states, attention_mask)
+    bsz, t, _ = hidden_states.shape
+    gate, xbc, dt = module.in_proj(hidden_states).split([module.intermediate_size, module.conv_dim, module.num_heads],
+                                                        dim=-1)
+    dt = F.softplus(dt.float() + module.dt_bias.float())
+    lo, hi = module.time_step_limit
+    if lo > 0.0 or hi != float("inf"):
+        dt = dt.clamp(lo, hi)
+    g = dt * -torch.exp(module.A_log.float())
+    core = _mix(module, cache, xbc, g, dt)
+    out = module.norm(core.reshape(bsz, t, -1), gate)
+    return module.out_proj(out.to(hidden_states.dtype))
 
 
 def is_kimi_delta(module) -> bool:
@@ -582,19 +650,19 @@ class PagedGDN:
     what another still replays."""
 
     def __init__(self, slots: int, hv: int, dk: int, dv: int, k: int, channels: int, per_channel: bool, pending: int,
-                 dtype, device):
+                 dtype, device, beta_dtype=None):
         self.S = torch.zeros(slots, hv, dk, dv, dtype=torch.float32, device=device)
         self.hist = torch.zeros(slots, k - 1, channels, dtype=dtype, device=device)
         self.px = torch.zeros(slots, 2, pending, channels, dtype=dtype, device=device)
         self.pc = torch.zeros_like(self.px)
         self.pg = torch.zeros(slots, 2, pending, hv * (dk if per_channel else 1), dtype=torch.float32, device=device)
-        self.pb = torch.zeros(slots, 2, pending, hv, dtype=dtype, device=device)
+        self.pb = torch.zeros(slots, 2, pending, hv, dtype=beta_dtype or dtype, device=device)
 
     @classmethod
     def for_module(cls, module, slots: int, pending: int, dtype, device) -> "PagedGDN":
         hk, hv, dk, dv = _dims(module)
         return cls(slots, hv, dk, dv, _conv(module).kernel_size[0], _channels(module), is_kimi_delta(module), pending,
-                   dtype, device)
+                   dtype, device, _beta_dtype(module, dtype))
 
     @staticmethod
     def slot_bytes(module, pending: int, dtype) -> int:
@@ -602,7 +670,8 @@ class PagedGDN:
         hk, hv, dk, dv = _dims(module)
         c, e = _channels(module), torch.empty((), dtype=dtype).element_size()
         g = hv * (dk if is_kimi_delta(module) else 1)
-        return 4 * hv * dk * dv + (_conv(module).kernel_size[0] - 1) * c * e + 2 * pending * (2 * c * e + 4 * g + hv * e)
+        eb = torch.empty((), dtype=_beta_dtype(module, dtype)).element_size()
+        return 4 * hv * dk * dv + (_conv(module).kernel_size[0] - 1) * c * e + 2 * pending * (2 * c * e + 4 * g + hv * eb)
 
     def reset(self, slot: int) -> None:
         """A new session's slot: no tokens yet (its pending halves are never read before being written)."""
@@ -613,7 +682,16 @@ class PagedGDN:
 def _channels(module) -> int:
     """The convolution's channels: q | k | v of a delta-rule layer, LFM2's hidden size."""
     hk, hv, dk, dv = _dims(module)
-    return _conv(module).in_channels if is_short_conv(module) else 2 * hk * dk + hv * dv
+    return _conv(module).in_channels if is_short_conv(module) else 2 * hk * dk + hv * dv  # (Mamba-2: x | B | C)
+
+
+def _beta_dtype(module, dtype):
+    """beta's dtype: the model's (a sigmoid of a projection), or Mamba-2's dt, float32."""
+    return torch.float32 if is_mamba2(module) else dtype
+
+
+def _rule(module) -> Rule:
+    return Rule(delta=False, qk_norm=False, layout="xbc", D=module.D.float()) if is_mamba2(module) else GDN_RULE
 
 
 def paged_mix(module, states: PagedGDN, meta: torch.Tensor, meta_rows: list | None, mixed: torch.Tensor,
@@ -627,11 +705,12 @@ def paged_mix(module, states: PagedGDN, meta: torch.Tensor, meta_rows: list | No
     conv = torch.zeros_like(x2)
     out = conv if short else torch.zeros(x2.shape[0], hv, dv, dtype=x2.dtype, device=x2.device)
     w, bias = _conv_params(module)
+    rule = _rule(module)
     if _use_triton(x2):
         _launch_conv(x2, meta, meta.shape[0], states.hist, states.px, states.pc, w, bias, conv, True, act=not short)
         if not short:
             _launch_delta(conv, g[0].contiguous(), beta[0].contiguous(), meta, meta.shape[0], states.pc, states.pg,
-                          states.pb, states.S, out, hk, hv, dk, dv, True)
+                          states.pb, states.S, out, hk, hv, dk, dv, True, rule)
         return out[None]
     for slot, a, ct, half, row0, t in (meta_rows if meta_rows is not None else meta.tolist()):  # the references (CPU)
         if t == 0:
@@ -649,12 +728,12 @@ def paged_mix(module, states: PagedGDN, meta: torch.Tensor, meta_rows: list | No
         gs, bs = g[0, row0: row0 + t][None], beta[0, row0: row0 + t][None]
         S = states.S[slot: slot + 1]
         if a:
-            _, S = gated_delta_ref(*_split(states.pc[slot: slot + 1, half, :a], hk, hv, dk, dv),
+            _, S = gated_delta_ref(*_split(states.pc[slot: slot + 1, half, :a], hk, hv, dk, dv, rule),
                                    states.pg[slot: slot + 1, half, :a].view(1, a, *gs.shape[2:]),
-                                   states.pb[slot: slot + 1, half, :a], S)
-        o, _ = gated_delta_ref(*_split(y, hk, hv, dk, dv), gs, bs, S)
+                                   states.pb[slot: slot + 1, half, :a], S, rule)
+        o, _ = gated_delta_ref(*_split(y, hk, hv, dk, dv, rule), gs, bs, S, rule)
         if ct:
-            _, S = gated_delta_ref(*_split(y[:, :ct], hk, hv, dk, dv), gs[:, :ct], bs[:, :ct], S)
+            _, S = gated_delta_ref(*_split(y[:, :ct], hk, hv, dk, dv, rule), gs[:, :ct], bs[:, :ct], S, rule)
         states.S[slot] = S[0]
         out[row0: row0 + t] = o[0]
         states.pg[slot, w_half, :keep] = gs[0, ct:].reshape(keep, -1)

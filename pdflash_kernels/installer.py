@@ -834,7 +834,7 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
 
     inst = Installation(model, report, f"triton ({ATTN_IMPL}, absolute-position KV chunks)", "triton (linear/matmul/mm/addmm/bmm, sum/mean, softmax)", {}, experts_format, undo, fused_report)
     if linear_layers:
-        inst.linear_attention = (f"triton gated delta rule / short convolution, token by token ({len(linear_layers)} "
+        inst.linear_attention = (f"triton gated delta rule / Mamba-2 scan / short convolution, token by token ({len(linear_layers)} "
                                  "layers: pdflash_kernels.gdn; rejected tokens rolled back by replaying the accepted ones)")
     if probe:
         before = dict(CALLS)

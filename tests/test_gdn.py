@@ -138,11 +138,10 @@ def test_dropping_more_than_the_last_forward_left_pending_is_refused():
 
 
 @pytest.mark.parametrize("keep", [gdn.ROLLBACK_TOKENS, 2])
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text", "kimi_linear", "lfm2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text", "kimi_linear", "lfm2_moe", "granitemoehybrid"])
 def test_the_layer_forward_is_transformers_and_rolls_back_itself(arch, keep, monkeypatch):
-    """gdn's forward on a real Qwen3-Next / Qwen3.5 / Kimi Linear / LFM2 layer (float32, the references: CPU) gives the
-    layer's own outputs,
-    with and without a cache; after a block whose last 2 tokens are cropped, the next token's output equals a run that
+    """gdn's forward on a real Qwen3-Next / Qwen3.5 / Kimi Linear / LFM2 / Granite-4.0-H (Mamba-2) layer (float32, the
+    references: CPU) gives the layer's own outputs, with and without a cache; after a block whose last 2 tokens are cropped, the next token's output equals a run that
     never saw them, even where transformers' own crop would not roll the recurrent state back (transformers < 5.25,
     emulated by a crop that does nothing to it: the state is gdn's own); the same where only a forward's last 2 tokens
     stay pending."""
@@ -176,14 +175,14 @@ def test_the_layer_forward_is_transformers_and_rolls_back_itself(arch, keep, mon
 
 @pytest.mark.slow
 @needs_triton
-@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear"])  # (Qwen3.5's projections: the layer-forward test)
+@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear", "granitemoehybrid"])  # (Qwen3.5, LFM2: the layer tests)
 def test_hybrids_with_the_kernels_verify_drafts_exactly_on_any_transformers(arch, tmp_path, monkeypatch):
-    """A tiny Qwen3-Next / Kimi Linear with the kernels (Triton's interpreter): every part of the forward is reported
-    batch-invariant (no op left on torch's kernels), and drafts replayed with every 4th one wrong give block 1's tokens.
-    With transformers' crop unable to roll the recurrent state back (transformers 5.17's, emulated), the load-time
-    rollback check still passes: the installed layers roll back themselves. Qwen3-Next runs on the paged forward (its
-    Gated DeltaNet state in per-session slots) and gives the tokens of transformers' cache; where the paged forward
-    does not fit (Kimi Linear) it says why."""
+    """A tiny Qwen3-Next / Kimi Linear (latent attention without positions) / Granite-4.0-H (Mamba-2, no positions) with
+    the kernels (Triton's interpreter): every part of the forward is reported batch-invariant (no op left on torch's
+    kernels), and drafts replayed with every 4th one wrong give block 1's tokens. With transformers' crop unable to roll
+    the recurrent state back (transformers 5.17's, emulated), the load-time rollback check still passes: the installed
+    layers roll back themselves. Each runs on the paged forward (the recurrent state in per-session slots, no KV pages
+    for those layers) and gives the tokens of transformers' cache."""
     import sys
     import pathlib
 
@@ -215,22 +214,19 @@ def test_hybrids_with_the_kernels_verify_drafts_exactly_on_any_transformers(arch
     from verifier_svc.engine import PagedKVOptions
 
     core = VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="auto", kv_cache_gb=0.01))
-    if arch == "qwen3_next":  # the paged forward, a recurrent-state slot per session
-        assert core.pool is not None and core.pool.linear is not None and not core.pool.k[0].numel()
-    else:  # Kimi Linear's attention has no positions (no rotary module): transformers' cache, said, not a crash
-        assert core.pool is None and "has no rotary module" in core.paged_off
+    assert core.pool is not None and core.pool.linear is not None and not core.pool.k[0].numel(), core.paged_off
+    assert core.wave_forward  # (positions: a table, or none at all)
     prompts, n = [[5, 9, 13, 2, 7, 11]], 8
     one = core_run(core, prompts, n, 1)["outputs"]
     replayed = core_run(core, prompts, n, 8, propose=replay([o[:n] for o in one]))
     assert [o[:n] for o in replayed["outputs"]] == [o[:n] for o in one]
     assert any(0 < acc < drafts for drafts, acc, _ in replayed["round_log"])
-    if core.pool is not None:
-        dense = VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="off"))
-        assert core_run(dense, prompts, n, 1)["outputs"] == one
+    dense = VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="off"))
+    assert core_run(dense, prompts, n, 1)["outputs"] == one
 
 
 @pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_triton), False], ids=["kernels", "references"])
-@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear", "lfm2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear", "lfm2_moe", "granitemoehybrid"])
 def test_the_paged_state_gives_block_ones_bits_in_waves_with_rollbacks(arch, kernels, monkeypatch):
     """The paged form (a state slot per session, pending tokens in alternating halves written by the kernels, every
     count read from device memory: what CUDA graphs replay): two sessions forwarded in solo forwards and in waves of

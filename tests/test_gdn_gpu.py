@@ -67,7 +67,7 @@ def test_gated_delta_at_qwen3_next_widths():
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     t = real_shape_target("qwen3_next", tmp_path_factory.mktemp("qnext"), 4)
-    assert t.kernels["linear_attention"].startswith("triton gated delta rule / short convolution, token by token (3 layers")
+    assert t.kernels["linear_attention"].startswith("triton gated delta rule / Mamba-2 scan / short convolution, token by token (3 layers")
     yield t
     del t
     torch.cuda.empty_cache()

@@ -241,7 +241,7 @@ class VerifierCore:
 
         lin = self.pool.linear
         recurrent = {} if lin is None else {"recurrent_state": (
-            f"{len(lin.layers)} recurrent layers (Gated DeltaNet, Kimi Delta Attention, short convolutions): a slot per "
+            f"{len(lin.layers)} recurrent layers (Gated DeltaNet, Kimi Delta Attention, Mamba-2, short convolutions): a slot per "
             f"session ({lin.slots - 1} slots and the graphs' scratch), the last forward's last {lin.pending} tokens pending (replayed as far as the next "
             "forward starts past them)")}
         return {**recurrent, "kv": f"paged: {self.pool.num_pages} pages of {PAGE} positions", "rotary": self.runner.rotary,
@@ -479,7 +479,7 @@ class VerifierCore:
         """Whether prompts are prefilled `prefill_chunk` tokens a forward: on the paged KV, where cos/sin are a position
         table (a RoPE that rescales with the longest position in the call, such as "longrope" past its original
         length, would give a chunk's rows other frequencies than a one-go prefill)."""
-        return self.prefill_chunk > 0 and self.runner is not None and self.runner.rope is not None
+        return self.prefill_chunk > 0 and self.runner is not None and self.runner.positions_static
 
     def _prepare(self, draft: DraftResult, return_features: bool):
         """A verify's checks and its block: (session, block, whether it returns features), or the StepOutput of a
@@ -556,7 +556,7 @@ class VerifierCore:
         """Whether `verify_wave` runs several sessions' blocks in one forward (the paged KV, every kernel batch-invariant,
         cos/sin a function of the position alone: a RoPE that rescales with the longest position in the call, such as
         "dynamic", would give a session other cos/sin beside a longer one), rather than one forward after another."""
-        return self.runner is not None and self.runner.rope is not None
+        return self.runner is not None and self.runner.positions_static
 
     def verify_wave(self, items: "list[tuple[DraftResult, bool]]") -> "list[StepOutput | BaseException]":
         """Several sessions' verifies (draft, return_features) at once: on the paged KV one forward over all their blocks

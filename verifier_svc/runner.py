@@ -165,15 +165,16 @@ class ForwardRunner:
                                                                                        ("norm", "embedding_norm")))
         if self.final_norm is None:
             raise ValueError(f"{type(self.inner).__name__} has no final norm (norm) the paged forward knows")
-        if self.rotary_emb is None:  # (Kimi Linear: no positions at all)
-            raise ValueError(f"{type(self.inner).__name__} has no rotary module (rotary_emb), which the paged forward's "
-                             "layers take their positions from")
-        why = "no max_positions" if max_positions is None else static_rope(self.rotary_emb)
+        # no rotary module (Granite-4.0-H, Kimi Linear: NoPE): the layers get no position embeddings
+        why = ("no max_positions" if max_positions is None else
+               "no rotary module" if self.rotary_emb is None else static_rope(self.rotary_emb))
         if why is None:
             with torch.inference_mode():  # the dtype the embeddings hand the rotary module
                 h = self.inner.embed_tokens(torch.zeros(1, 1, dtype=torch.long, device=pool.device))
             self.rope = RotaryTable(self.rotary_emb, int(max_positions), h.dtype, pool.device, h.shape[-1])
-        self.rotary = f"table ({max_positions} positions)" if self.rope is not None else f"module per forward ({why})"
+        self.rotary = (f"table ({max_positions} positions)" if self.rope is not None else
+                       "none (the model has no rotary module: its attention takes no positions)" if self.rotary_emb is None
+                       else f"module per forward ({why})")
         self.chain = self._probe_chain()
         self.prenorm = ("residual adds fused into the next norm" if isinstance(self.chain, PreNormChain)
                         else f"layers as they are ({self.chain})")
@@ -184,9 +185,16 @@ class ForwardRunner:
             self.attention = ("multi-head latent attention, absorbed over the paged latent cache (pdflash_kernels.mla), "
                               "the modules' projections")
 
+    @property
+    def positions_static(self) -> bool:
+        """Whether a row's position embeddings are a function of its position alone (a table, or none at all), so that
+        rows of other lengths beside it (a wave, a chunked prompt) change nothing."""
+        return self.rope is not None or self.rotary_emb is None
+
     def _layer_kwargs(self, h: torch.Tensor, pos: torch.Tensor, cache) -> dict:
         """What a decoder layer (and, in the chain, its attention) gets besides its input."""
-        pe = self.rope(pos) if self.rope is not None else self.rotary_emb(h, rotary_positions(self.rotary_emb, pos))
+        pe = (self.rope(pos) if self.rope is not None else None if self.rotary_emb is None else
+              self.rotary_emb(h, rotary_positions(self.rotary_emb, pos)))
         return dict(attention_mask=None, position_ids=pos, use_cache=True, position_embeddings=pe, **{self.layer_kw: cache})
 
     def _probe_chain(self) -> "PreNormChain | str":
