@@ -1,6 +1,7 @@
 """Gated DeltaNet on a CUDA GPU (skipped without one), bf16 at Qwen3-Next-80B-A3B / Qwen3.5's real widths (16 key and 32
-value heads of 128, convolution 4): the compiled kernels give a token the same bits whatever block it is in and whatever
-was rolled back before it, close to the float64 references; and a Qwen3-Next-shaped model (four layers: three Gated
+value heads of 128, convolution 4), and Mamba-2 at Granite-4.0-H-Small's (128 heads of 64, state 128): the compiled
+kernels give a token the same bits whatever block it is in and whatever was rolled back before it, close to the float64
+references; and a Qwen3-Next-shaped model (four layers: three Gated
 DeltaNet layers and a full-attention one, 64 of its 512 experts, random weights) served with the kernels gives its
 block-1 tokens for n-gram drafts, for drafts that roll back mid-block and in multi-session waves, on the paged forward
 with CUDA graphs (a state slot per session) and on transformers' cache alike. Run with `bash benchmarks/gpu.sh OUT gdn`."""
@@ -15,52 +16,64 @@ from tests.test_gpu_verifier import Session, _ngram, _no_drafts, _prompts, _repl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-B, HK, HV, DK, DV, K = 2, 16, 32, 128, 128, 4
-C = 2 * HK * DK + HV * DV
+B, K = 2, 4
+# (key heads, value heads, key width, value width, Mamba-2): Qwen3-Next-80B-A3B's Gated DeltaNet (16 / 32 heads of 128),
+# Granite-4.0-H-Small's Mamba-2 (1 group, 128 heads of 64, state 128)
+WIDTHS = {"qwen3_next": (16, 32, 128, 128, False), "granite_4_h_mamba2": (1, 128, 128, 64, True)}
 
 
-def _inputs(t: int, seed: int):
+def _inputs(t: int, seed: int, hk: int, hv: int, dk: int, dv: int, mamba: bool):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, t, C, generator=g).bfloat16().cuda()
-    decay = (-torch.rand(B, t, HV, generator=g) * 0.7).cuda()
-    beta = torch.rand(B, t, HV, generator=g).bfloat16().cuda()
-    return x, decay, beta
+    x = torch.randn(B, t, 2 * hk * dk + hv * dv, generator=g).bfloat16().cuda()
+    decay = (-torch.rand(B, t, hv, generator=g) * 0.7).cuda()
+    beta = torch.rand(B, t, hv, generator=g) * (0.1 if mamba else 1.0)  # (Mamba-2: dt, float32)
+    return x, decay, (beta if mamba else beta.bfloat16()).cuda()
 
 
-def _run_chunks(chunks, drops, w):
-    st = gdn.GDNState.zeros(B, HV, DK, DV, K, C, torch.bfloat16, "cuda")
+def _run_chunks(chunks, drops, w, dims, rule):
+    hk, hv, dk, dv = dims
+    st = gdn.GDNState.zeros(B, hv, dk, dv, K, 2 * hk * dk + hv * dv, torch.bfloat16, "cuda")
     kept = []
     for (x, dec, beta), d in zip(chunks, drops):
         conv = gdn.causal_conv(x, st, w)
-        out = gdn.gated_delta(conv, dec, beta, st, HK, HV, DK, DV)
+        out = gdn.gated_delta(conv, dec, beta, st, hk, hv, dk, dv, rule=rule)
         st.pending, st.accepted = (x, conv, dec, beta), x.shape[1]
         st.drop(d)
         kept.append(out[:, : x.shape[1] - d])
     return torch.cat(kept, dim=1)
 
 
-def test_gated_delta_at_qwen3_next_widths():
+@pytest.mark.parametrize("widths", list(WIDTHS))
+def test_the_recurrences_at_real_widths(widths):
+    """Gated DeltaNet at Qwen3-Next's widths and Mamba-2 at Granite-4.0-H's: a token's output has the same bits at
+    block 1 and in blocks that carry rejected tokens (rolled back), and is close to the float64 references."""
+    hk, hv, dk, dv, mamba = WIDTHS[widths]
+    dims, c = (hk, hv, dk, dv), 2 * hk * dk + hv * dv
+    rule = (gdn.Rule(delta=False, qk_norm=False, layout="xbc", D=torch.rand(hv).cuda()) if mamba else gdn.GDN_RULE)
     total = 40
-    x, dec, beta = _inputs(total, 0)
-    w = (torch.randn(C, K, generator=torch.Generator().manual_seed(1)) * 0.5).bfloat16().cuda()
-    one = _run_chunks([(x[:, i:i + 1], dec[:, i:i + 1], beta[:, i:i + 1]) for i in range(total)], [0] * total, w)
+    x, dec, beta = _inputs(total, 0, *WIDTHS[widths])
+    w = (torch.randn(c, K, generator=torch.Generator().manual_seed(1)) * 0.5).bfloat16().cuda()
+    one = _run_chunks([(x[:, i:i + 1], dec[:, i:i + 1], beta[:, i:i + 1]) for i in range(total)], [0] * total, w, dims,
+                      rule)
     for split in ([(16, 0)] * 2 + [(8, 0)], [(7, 0), (16, 13), (16, 9), (16, 0), (11, 4)], [(32, 0), (12, 4)]):
         chunks, at = [], 0
         for n, d in split:
             keep = n - d
-            jx, jg, jb = _inputs(d, 100 + at)
+            jx, jg, jb = _inputs(d, 100 + at, *WIDTHS[widths])
             chunks.append((torch.cat([x[:, at:at + keep], jx], 1), torch.cat([dec[:, at:at + keep], jg], 1),
                            torch.cat([beta[:, at:at + keep], jb], 1)))
             at += keep
         assert at == total
-        got = _run_chunks(chunks, [d for _, d in split], w)
+        got = _run_chunks(chunks, [d for _, d in split], w, dims, rule)
         assert torch.equal(got, one), split
-    st = gdn.GDNState.zeros(B, HV, DK, DV, K, C, torch.bfloat16, "cuda")
+    st = gdn.GDNState.zeros(B, hv, dk, dv, K, c, torch.bfloat16, "cuda")
     conv = gdn.causal_conv(x, st, w)
-    ref_conv, _ = gdn.causal_conv_ref(x.cpu(), torch.zeros(B, K - 1, C).bfloat16(), None, 0, w.cpu())
-    torch.testing.assert_close(conv.cpu().float(), ref_conv.float(), rtol=1e-2, atol=1e-2)
-    out = gdn.gated_delta(conv, dec, beta, st, HK, HV, DK, DV)
-    ref, _ = gdn.gated_delta_ref(*gdn._split(conv.cpu(), HK, HV, DK, DV), dec.cpu(), beta.cpu(), torch.zeros(B, HV, DK, DV))
+    ref_conv, _ = gdn.causal_conv_ref(x.cpu(), torch.zeros(B, K - 1, c).bfloat16(), None, 0, w.cpu())
+    torch.testing.assert_close(conv.cpu().float(), ref_conv.float(), rtol=2e-2, atol=1e-2)  # (1 bf16 ulp: 2^-6 relative)
+    out = gdn.gated_delta(conv, dec, beta, st, hk, hv, dk, dv, rule=rule)
+    cpu_rule = gdn.Rule(rule.delta, rule.qk_norm, rule.layout, rule.D.cpu() if rule.D is not None else None)
+    ref, _ = gdn.gated_delta_ref(*gdn._split(conv.cpu(), hk, hv, dk, dv, cpu_rule), dec.cpu(), beta.cpu(),
+                                 torch.zeros(B, hv, dk, dv), cpu_rule)
     torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=0.0, atol=0.02 * ref.abs().max().item())
 
 
