@@ -118,7 +118,7 @@ class Rule:
     delta: bool = True
     qk_norm: bool = True
     layout: str = "qkv"  # or "xbc"
-    D: torch.Tensor | None = None  # [Hv] float32 (Mamba-2's skip)
+    D: torch.Tensor | None = None  # [Hv] (Mamba-2's skip; the kernel reads it as float32)
 
 
 GDN_RULE = Rule()
@@ -398,8 +398,7 @@ def _offsets(rule: Rule, hk: int, hv: int, dk: int, dv: int) -> tuple[int, int, 
 def causal_conv(x: torch.Tensor, state: GDNState, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 commit: int = 0, act: bool = True) -> torch.Tensor:
     """SiLU(causal depthwise conv) (`act`; else the conv) of x [B, T, C] after the state's committed inputs and its
-    pending accepted ones;
-    updates `state.hist` to the committed inputs, those and x's first `commit` tokens included (the kernel, or the
+    pending accepted ones; updates `state.hist` to the committed inputs, those and x's first `commit` tokens included (the kernel, or the
     reference off Triton). weight [C, K]."""
     pend = state.pending[0] if state.pending is not None else None
     a = state.accepted if pend is not None else 0
@@ -419,7 +418,8 @@ def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state:
                 dv: int, commit: int = 0, rule: Rule = GDN_RULE) -> torch.Tensor:
     """The gated delta rule over this forward's tokens after replaying the pending accepted ones: mixed [B, T, C] the
     conv outputs (q | k | v columns), g [B, T, Hv] float32, beta [B, T, Hv]; returns [B, T, Hv, dv] in mixed's dtype
-    and leaves `state.S` the committed state: after the replayed tokens and this forward's first `commit`."""
+    and leaves `state.S` the committed state: after the replayed tokens and this forward's first `commit`. `rule`: another
+    recurrence on the same loop (Mamba-2's)."""
     b, t, _ = mixed.shape
     pend = state.pending
     a = state.accepted if pend is not None else 0
@@ -452,8 +452,8 @@ def _split(mixed: torch.Tensor, hk: int, hv: int, dk: int, dv: int, rule: Rule =
 
 # ---- the layer's forward -------------------------------------------------------------------------------------------
 def _dims(module) -> tuple[int, int, int, int]:
-    """(key heads, value heads, key width, value width) of a Gated DeltaNet or Kimi Delta Attention module (a short
-    convolution has no delta rule: zeros)."""
+    """(key heads, value heads, key width, value width) of a Gated DeltaNet or Kimi Delta Attention module; Mamba-2's
+    (groups, heads, state size, head width); a short convolution has no recurrence: zeros."""
     if is_short_conv(module):
         return 0, 0, 0, 0
     if is_mamba2(module):
@@ -691,7 +691,7 @@ def _beta_dtype(module, dtype):
 
 
 def _rule(module) -> Rule:
-    return Rule(delta=False, qk_norm=False, layout="xbc", D=module.D.float()) if is_mamba2(module) else GDN_RULE
+    return Rule(delta=False, qk_norm=False, layout="xbc", D=module.D) if is_mamba2(module) else GDN_RULE
 
 
 def paged_mix(module, states: PagedGDN, meta: torch.Tensor, meta_rows: list | None, mixed: torch.Tensor,

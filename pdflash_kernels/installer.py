@@ -834,8 +834,9 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
 
     inst = Installation(model, report, f"triton ({ATTN_IMPL}, absolute-position KV chunks)", "triton (linear/matmul/mm/addmm/bmm, sum/mean, softmax)", {}, experts_format, undo, fused_report)
     if linear_layers:
-        inst.linear_attention = (f"triton gated delta rule / Mamba-2 scan / short convolution, token by token ({len(linear_layers)} "
-                                 "layers: pdflash_kernels.gdn; rejected tokens rolled back by replaying the accepted ones)")
+        inst.linear_attention = ("triton gated delta rule / Mamba-2 scan / short convolution, token by token "
+                                 f"({len(linear_layers)} layers: pdflash_kernels.gdn; rejected tokens rolled back by "
+                                 "replaying the accepted ones)")
     if probe:
         before = dict(CALLS)
         inst.uncovered = probe_uncovered(model, orig_forward)
@@ -847,8 +848,8 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
 
 
 def _install_linear_attention(model: nn.Module, undo: list) -> list[int]:
-    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5), Kimi Delta Attention layers (Kimi Linear) and LFM2's short
-    convolutions onto pdflash_kernels.gdn's forwards, whose state lives on the session's
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5), Kimi Delta Attention layers (Kimi Linear), Mamba-2 mixers
+    (Granite-4.0-H) and LFM2's short convolutions onto pdflash_kernels.gdn's forwards (`gdn.layer_forward`), whose state lives on the session's
     cache layer and rolls back itself; the layers' indices. Other linear-attention / state-space layers keep
     transformers' forward (the probe lists their ops as uncovered, and the model is reported not batch-invariant)."""
     from pdflash_kernels import gdn

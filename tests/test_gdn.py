@@ -282,3 +282,41 @@ def test_the_paged_state_gives_block_ones_bits_in_waves_with_rollbacks(arch, ker
         assert states.free_slots == 1 and seqs[0].linear is None
         with pytest.raises(ValueError, match="cannot continue the recurrent state"):
             seqs[1].linear_row(3, 1)  # before the tokens its last forward left pending
+
+
+@needs_triton
+def test_a_kv_budget_too_small_for_one_sessions_recurrent_state_is_said(tmp_path):
+    """The recurrent state's slots take at most half of --kv-cache-gb: a budget without room for one session's (and the
+    graphs' scratch) turns the paged forward off in auto, saying how much to ask for, and is refused with `on`."""
+    from pdflash.tiny import make_tiny_checkpoint
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
+    from verifier_svc.model import load_target
+
+    target = load_target(make_tiny_checkpoint(tmp_path / "qnext", "qwen3_next"), "cpu", "bfloat16", kernels="on")
+    core = VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="auto", kv_cache_gb=1e-7))
+    assert core.pool is None and "holds the recurrent state of no session" in core.paged_off
+    with pytest.raises(ValueError, match=r"--paged-kv on: .* ask --kv-cache-gb [0-9.e-]+ or more"):
+        VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="on", kv_cache_gb=1e-7))
+
+
+def test_a_session_beyond_the_recurrent_state_slots_is_told_to_retry():
+    """Slot 0 is the graphs' scratch: with 2 slots one sequence gets a state, the next is refused with a retry hint
+    (RESOURCE_EXHAUSTED), and a freed slot is handed out again, reset."""
+    from transformers import AutoModelForCausalLM
+
+    from pdflash.errors import ResourceExhausted
+    from pdflash.tiny import generic_config
+    from verifier_svc.kv import KVPool, LinearStates, SequenceKV
+
+    model = AutoModelForCausalLM.from_config(generic_config("qwen3_next", 64, 1, 2))
+    layer = next(m for m in model.modules() if gdn.layer_forward(m) is not None)
+    states = LinearStates({layer.layer_idx: layer}, 2, 4, torch.float32, torch.device("cpu"))
+    pool = KVPool(1, 1, 8, 4, torch.float32, torch.device("cpu"), kv_layers=set(), linear=states)
+    first = SequenceKV(pool, 64)
+    assert first.linear == 1
+    states.layers[layer.layer_idx].S[1].fill_(1.0)
+    with pytest.raises(ResourceExhausted, match="every recurrent-state slot is taken"):
+        SequenceKV(pool, 64)
+    first.free()
+    again = SequenceKV(pool, 64)
+    assert again.linear == 1 and not states.layers[layer.layer_idx].S[1].any()

@@ -164,6 +164,14 @@ class VerifierCore:
         t = self.target
         cfg = t.model.config.get_text_config()
         linear, why = self._recurrent_layers(cfg)
+        budget = int(opts.budget_bytes(t.device)) if why is None else 0
+        if linear and why is None:  # a slot of recurrent state per session (and the graphs' scratch), in half the budget
+            per_slot = LinearStates.slot_bytes(linear, self.max_block_size, t.dtype)
+            slots = min(self.sessions.max_sessions + 2, budget // 2 // per_slot)
+            if slots < 2:
+                why = (f"a KV budget of {budget / 2**30:.3g} GiB holds the recurrent state of no session: half of it must "
+                       f"hold 2 slots of {per_slot / 2**20:.1f} MiB (one session and the CUDA graphs' scratch); ask "
+                       f"--kv-cache-gb {4 * per_slot / 2**30:.3g} or more")
         if why is not None:  # a hybrid whose recurrent layers' state the paged forward does not hold
             if opts.mode == "on":
                 raise ValueError(f"--paged-kv on: the paged forward does not fit this model ({why}); use auto or off")
@@ -172,14 +180,10 @@ class VerifierCore:
             self.paged_off = why
             return
         kv_heads, k_dim, v_dim = KVPool.layout(cfg)  # (MLA: one latent and its rotary key a position)
-        budget = int(opts.budget_bytes(t.device))
         states = None
-        if linear:  # a slot of recurrent state per session (and the graphs' scratch), at most half the budget
-            per_slot = LinearStates.slot_bytes(linear, self.max_block_size, t.dtype)
-            slots = max(2, min(self.sessions.max_sessions + 2, budget // 2 // per_slot))
+        if linear:
             states = LinearStates(linear, slots, self.max_block_size, t.dtype, t.device)
             budget -= slots * per_slot
-            log.info("recurrent state on the paged forward", layers=len(linear), slots=slots, mib_per_slot=round(per_slot / 2**20, 1))
         kv_layers = set(range(t.num_layers)) - set(linear)
         pages = KVPool.pages_for(kv_heads, k_dim, len(kv_layers), t.dtype, budget, v_dim)
         self.pool = KVPool(t.num_layers, kv_heads, k_dim, pages, t.dtype, t.device, v_dim, kv_layers=kv_layers,
@@ -201,7 +205,8 @@ class VerifierCore:
                 torch.cuda.empty_cache()  # the pool's memory
             return
         log.info("paged forward", rotary=self.runner.rotary, layers=self.runner.prenorm, attention=self.runner.attention,
-                 kv_pages=pages)
+                 kv_pages=pages, **({} if states is None else {"recurrent_layers": len(linear), "recurrent_slots": slots,
+                                                               "mib_per_slot": round(per_slot / 2**20, 1)}))
         # offloaded experts sync once per layer (which experts to fetch): one graph per stretch between them
         if opts.graphs and t.device.type == "cuda":
             self.graphs = GraphRunner(self.runner, (t.max_context + PAGE - 1) // PAGE, wave_sessions=self.max_wave_sessions,
@@ -213,8 +218,8 @@ class VerifierCore:
 
     def _recurrent_layers(self, cfg) -> tuple[dict, str | None]:
         """A hybrid's recurrent layers the paged forward holds a state for ({layer index: module}: Gated DeltaNet, Kimi
-        Delta Attention and LFM2 short-convolution layers on pdflash_kernels.gdn's forwards), and why it cannot run the
-        model (None: it can)."""
+        Delta Attention, Mamba-2 and LFM2 short-convolution layers on pdflash_kernels.gdn's forwards), and why it cannot
+        run the model (None: it can)."""
         from pdflash_kernels import gdn
 
         types = list(getattr(cfg, "layer_types", None) or [])[: self.target.num_layers]
@@ -226,8 +231,8 @@ class VerifierCore:
         other = sorted({types[i] for i in recurrent if i not in served})
         if other:
             return {}, (f"its {', '.join(other)} layers keep a recurrent state the paged KV does not hold (only Gated "
-                        "DeltaNet, Kimi Delta Attention and short-convolution layers on the kernels; such hybrids run on "
-                        "transformers' cache)")
+                        "DeltaNet, Kimi Delta Attention, Mamba-2 and short-convolution layers on the kernels; such "
+                        "hybrids run on transformers' cache)")
         return {i: served[i] for i in recurrent}, None
 
     @property
@@ -241,9 +246,9 @@ class VerifierCore:
 
         lin = self.pool.linear
         recurrent = {} if lin is None else {"recurrent_state": (
-            f"{len(lin.layers)} recurrent layers (Gated DeltaNet, Kimi Delta Attention, Mamba-2, short convolutions): a slot per "
-            f"session ({lin.slots - 1} slots and the graphs' scratch), the last forward's last {lin.pending} tokens pending (replayed as far as the next "
-            "forward starts past them)")}
+            f"{len(lin.layers)} recurrent layers (Gated DeltaNet, Kimi Delta Attention, Mamba-2, short convolutions): a "
+            f"slot per session ({lin.slots - 1} slots and the graphs' scratch), the last forward's last {lin.pending} "
+            "tokens pending (replayed as far as the next forward starts past them)")}
         return {**recurrent, "kv": f"paged: {self.pool.num_pages} pages of {PAGE} positions", "rotary": self.runner.rotary,
                 "layers": self.runner.prenorm, "attention": self.runner.attention,
                 "attention_kv_split": (f"segments of {attention.SEG} positions merged in order; verify forwards of <= "

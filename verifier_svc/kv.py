@@ -86,7 +86,7 @@ class SequenceKV:
         self.max_pages = (max_positions + PAGE - 1) // PAGE
         self.table = torch.zeros(self.max_pages, dtype=torch.int32, device=pool.device)
         # a hybrid's recurrent state: its slot, and where the tokens its last forward left pending start, how many, and
-        # in which half of the slot's pending buffers they are (LinearStates.row)
+        # in which half of the slot's pending buffers they are (`linear_row`)
         self.linear = pool.linear.alloc() if pool.linear is not None else None
         self.pending_at, self.pending_len, self.pending_half = 0, 0, 0
 
@@ -136,8 +136,8 @@ class SequenceKV:
 
 
 class LinearStates:
-    """A hybrid model's recurrent layers on the paged forward (Gated DeltaNet, Kimi Delta Attention: pdflash_kernels.gdn's
-    PagedGDN per layer), one slot per live sequence; slot 0 is the CUDA graphs' scratch (captures write there), never
+    """A hybrid model's recurrent layers on the paged forward (Gated DeltaNet, Kimi Delta Attention, Mamba-2, LFM2 short
+    convolutions: pdflash_kernels.gdn's PagedGDN per layer), one slot per live sequence; slot 0 is the CUDA graphs' scratch (captures write there), never
     handed out. `pending`: the most tokens a forward leaves pending (the longest verify block: a forward's earlier tokens
     enter the state at once)."""
 

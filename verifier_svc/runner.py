@@ -276,12 +276,12 @@ class ForwardRunner:
         ids = torch.tensor([tokens], dtype=torch.long, device=dev)
         pos = torch.arange(start, start + len(tokens), device=dev).unsqueeze(0)
         return self.forward_tensors(ids, pos, seq.table.unsqueeze(0), pages, offsets, None, tuple(feature_layers), last_only,
-                                    linear=self.linear_step([seq.linear_row(start, len(tokens))] if seq.linear is not None
-                                                            else None))
+                                    linear=self.linear_step([seq.linear_row(start, len(tokens))]
+                                                            if self.pool.linear is not None else None))
 
     def linear_step(self, rows: list | None) -> LinearStep | None:
         """The recurrent layers' step for these rows (SequenceKV.linear_row's; None: a model without such layers)."""
-        if rows is None or self.pool.linear is None:
+        if rows is None:
             return None
         return LinearStep(self.pool.linear, torch.tensor(rows, dtype=torch.int32).to(self.pool.device), rows)
 
