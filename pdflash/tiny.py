@@ -20,7 +20,7 @@ ARCHITECTURES = ("qwen3_moe", "mixtral", "gpt_oss")
 MORE_ARCHITECTURES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen2_moe", "olmoe", "glm4_moe", "ernie4_5_moe",
                       "granitemoe", "granitemoeshared", "phimoe", "minimax_m2", "hunyuan_v1_moe", "dots1", "flex_olmo",
                       "exaone_moe", "afmoe", "cohere2_moe", "lfm2_moe", "qwen3_next", "qwen3_5_moe_text", "jamba",
-                      "granitemoehybrid", "kimi_linear")
+                      "granitemoehybrid", "kimi_linear", "nemotron_h")
 EOS = "<|endoftext|>"
 MASK = "<|mask|>"
 # A ChatML-like template, so that GenerateRequest.messages can be tried (and tested) on a tiny checkpoint: each turn
@@ -144,6 +144,10 @@ def generic_config(arch: str, vocab_size: int, eos_id: int, num_layers: int = 2,
     if arch == "kimi_linear":  # Kimi Linear: KDA linear attention and MLA, dense first layer; its own names for sizes
         kw.update(num_experts_per_token=top_k, num_shared_experts=1, linear_num_heads=heads, linear_head_dim=hidden // heads,
                   mlp_layer_types=["dense"] + ["sparse"] * (kw["num_hidden_layers"] - 1))
+    if arch == "nemotron_h":  # Nemotron-H / Nemotron 3: one mixer a block (Mamba-2, MoE with up-only relu^2 experts, attention)
+        kw.update(num_hidden_layers=max(num_layers, 4), mamba_num_heads=hidden // 8, mamba_head_dim=16, n_groups=2,
+                  ssm_state_size=16, chunk_size=16, moe_shared_expert_intermediate_size=expert_width,
+                  layers_block_type=["linear_attention", "moe", "full_attention", "moe"][: max(num_layers, 4)])
     if arch == "lfm2_moe":  # LFM2: short-convolution layers and attention, dense first layers
         kw.update(num_hidden_layers=max(num_layers, 4), num_dense_layers=1,
                   layer_types=["conv", "conv", "full_attention", "conv"][: max(num_layers, 4)])

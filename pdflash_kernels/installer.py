@@ -25,7 +25,7 @@ from torch import nn
 from pdflash_kernels import attention as attn_kernels
 from pdflash_kernels import fused, linear, mla, mxfp4, runtime
 from pdflash_kernels.dispatch import InvariantMode, Recorder
-from pdflash_kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights, moe_forward
+from pdflash_kernels.moe import ACT_GPTOSS, ACT_RELU2, ACT_SILU, ExpertWeights, moe_forward
 from pdflash.hf_compat import cache_kwarg
 
 EXPERTS_IMPL = "batch_invariant"
@@ -82,6 +82,23 @@ def _activation(module: nn.Module, inter: int, row_mul: int, up_off: int) -> tup
     return -1, "an activation the kernels do not implement"
 
 
+def _up_only_activation(module: nn.Module) -> tuple[int, str]:
+    """Which activation an up-only experts module (no gate: transformers' has_gate=False) applies to its up
+    projection, checked numerically against the kernels' formulas."""
+    act_fn = getattr(module, "act_fn", None)
+    if act_fn is None:
+        return -1, "up-only experts without act_fn"
+    z = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)) * 4
+    try:
+        with torch.no_grad():
+            got = act_fn(z)
+    except Exception as e:  # noqa: BLE001 - any failure means "not ours"
+        return -1, f"activation probe failed: {e}"
+    if got.shape == z.shape and torch.allclose(got, torch.relu(z) ** 2, rtol=1e-4, atol=1e-5):
+        return ACT_RELU2, "relu^2"
+    return -1, f"up-only experts with an activation the kernels do not implement ({type(act_fn).__name__})"
+
+
 def _k_major(module: nn.Module, name: str) -> torch.Tensor:
     """The [E, out, in] weight with `in` contiguous. A transposed parameter is re-laid once, and the module
     keeps a transposed view of the new storage, so its own forward (and other implementations) still work."""
@@ -97,20 +114,25 @@ def expert_weights(module: nn.Module, experts_format: str = "native") -> ExpertW
     """The module's weights as the kernels read them, or why it cannot run on them."""
     if experts_format == "mxfp4" and getattr(module, "_pdflash_mxfp4", None) is not None:
         return module._pdflash_mxfp4  # read from the checkpoint at load (verifier_svc.checkpoint)
-    if not getattr(module, "has_gate", True):
-        return "up-only experts (no gate)"
     if getattr(module, "has_post_expert_norm", False):
         return "a norm after each expert"
-    if not hasattr(module, "gate_up_proj") or not hasattr(module, "down_proj"):
-        return "no gate_up_proj/down_proj parameters"
-    w1 = _k_major(module, "gate_up_proj")
-    w2 = _k_major(module, "down_proj")
-    inter = w1.shape[1] // 2
-    row_mul, up_off = (1, inter) if module.is_concatenated else (2, 1)
-    act, why = _activation(module, inter, row_mul, up_off)
+    gated = getattr(module, "has_gate", True)
+    first = "gate_up_proj" if gated else "up_proj"
+    if not hasattr(module, first) or not hasattr(module, "down_proj"):
+        return f"no {first}/down_proj parameters"
+    if gated:
+        w1 = _k_major(module, "gate_up_proj")
+        inter = w1.shape[1] // 2
+        row_mul, up_off = (1, inter) if module.is_concatenated else (2, 1)
+        act, why = _activation(module, inter, row_mul, up_off)
+    else:  # up-only experts (Nemotron-H): w1 is the I up rows; the kernels run one row set (moe.ACT_RELU2)
+        w1 = _k_major(module, "up_proj")
+        row_mul, up_off = 1, 0
+        act, why = _up_only_activation(module)
     if act < 0:
         return why
-    b1 = getattr(module, "gate_up_proj_bias", None) if getattr(module, "has_bias", False) else None
+    w2 = _k_major(module, "down_proj")
+    b1 = getattr(module, first + "_bias", None) if getattr(module, "has_bias", False) else None
     b2 = getattr(module, "down_proj_bias", None) if getattr(module, "has_bias", False) else None
     kw = dict(row_mul=row_mul, up_off=up_off, act=act, alpha=float(getattr(module, "alpha", 1.702)), limit=float(getattr(module, "limit", 7.0)))
     if experts_format == "mxfp4":

@@ -103,6 +103,10 @@ if runtime.triton is not None:  # (a jit function reads a global only as a const
 
 ACT_SILU = 0
 ACT_GPTOSS = 1  # clamp(gate, max=limit), clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1)
+# Up-only experts (no gate; Nemotron-H / Nemotron 3): w1 holds the I up rows alone and h = relu(up)^2. The gate/up GEMM
+# then runs one row set (the down GEMM's form): half the first projection's bytes and work of a gated expert of width I.
+ACT_RELU2 = 2
+GATED_ACTS = (ACT_SILU, ACT_GPTOSS)
 
 
 # FP4 decodes (MoeConfig.decode)
@@ -988,6 +992,9 @@ if triton is not None:
             u = to_bf16(u + bu[None, :], F32DOT).to(tl.float32)
         if ACT == 0:
             h = g / (1.0 + tl.exp(-g)) * u
+        elif ACT == 2:  # up-only: relu(up)^2 (acc_g is the same row set's sums: unused)
+            r = tl.maximum(u, 0.0)
+            h = r * r
         else:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -1020,11 +1027,18 @@ if triton is not None:
         else:
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_g, acc_u = _gemm_rows(
-            acc_g, acc_u, x_ptr, tok, p_ok, stride_xm, w_base, s_base, stride_wn, stride_sn,
-            gate_rows, up_rows, j_ok, K, pid_s * SPAN, SPAN, FP4, True, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, S_AHEAD,
-            S_WORDS, LOOP_STAGES,
-        )
+        if ACT == 2:  # up-only experts: one row set (w1's I rows), as the down GEMM runs it
+            acc_u, acc_g = _gemm_rows(
+                acc_u, acc_g, x_ptr, tok, p_ok, stride_xm, w_base, s_base, stride_wn, stride_sn,
+                up_rows, up_rows, j_ok, K, pid_s * SPAN, SPAN, FP4, False, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, S_AHEAD,
+                S_WORDS, LOOP_STAGES,
+            )
+        else:
+            acc_g, acc_u = _gemm_rows(
+                acc_g, acc_u, x_ptr, tok, p_ok, stride_xm, w_base, s_base, stride_wn, stride_sn,
+                gate_rows, up_rows, j_ok, K, pid_s * SPAN, SPAN, FP4, True, BLOCK_K, DECODE, F32DOT, A_LOAD, SWAP, S_AHEAD,
+                S_WORDS, LOOP_STAGES,
+            )
         if SWAP:
             acc_g = tl.trans(acc_g)
             acc_u = tl.trans(acc_u)
@@ -1514,7 +1528,7 @@ if triton is not None:
 class ExpertWeights:
     """One layer's expert weights as the kernels read them; first dimension = slot.
 
-    bf16: w1 [S, R1, H] (R1 = 2I rows), w2 [S, H, I]. MXFP4: w1 [S, R1, H/2] u8 + s1 [S, R1, H/32] u8, w2
+    bf16: w1 [S, R1, H] (R1 = 2I rows; I for up-only experts, act ACT_RELU2), w2 [S, H, I]. MXFP4: w1 [S, R1, H/2] u8 + s1 [S, R1, H/32] u8, w2
     [S, H, I/2] + s2 [S, H, I/32]. Row r of w1 is gate row j at r = j * row_mul, up row j at j * row_mul + up_off
     (concatenated: row_mul 1, up_off I; gpt-oss interleaved: row_mul 2, up_off 1).
     """
@@ -1546,11 +1560,18 @@ class ExpertWeights:
         return self.w2.shape[1]
 
     @property
+    def gated(self) -> bool:
+        """Whether w1 holds gate and up rows (2I); False for up-only experts (ACT_RELU2: I up rows)."""
+        return self.act in GATED_ACTS
+
+    @property
     def intermediate(self) -> int:
-        return self.w1.shape[1] // 2
+        return self.w1.shape[1] // (2 if self.gated else 1)
 
     @property
     def up_offset(self) -> int:
+        if not self.gated:
+            return 0
         return self.intermediate if self.up_off is None else self.up_off
 
 

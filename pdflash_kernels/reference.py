@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pdflash_kernels import mxfp4
-from pdflash_kernels.moe import ACT_SILU, ExpertWeights
+from pdflash_kernels.moe import ACT_RELU2, ACT_SILU, ExpertWeights
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -64,6 +64,8 @@ def moe_reference(
             u = _bf16(u + b1[up_rows])
         if w.act == ACT_SILU:
             h = g * torch.sigmoid(g) * u
+        elif w.act == ACT_RELU2:  # up-only experts (gate_rows == up_rows)
+            h = torch.relu(u) ** 2
         else:
             g = g.clamp(max=w.limit)
             u = u.clamp(-w.limit, w.limit)

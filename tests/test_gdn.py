@@ -138,7 +138,8 @@ def test_dropping_more_than_the_last_forward_left_pending_is_refused():
 
 
 @pytest.mark.parametrize("keep", [gdn.ROLLBACK_TOKENS, 2])
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text", "kimi_linear", "lfm2_moe", "granitemoehybrid"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text", "kimi_linear", "lfm2_moe", "granitemoehybrid",
+                                  "nemotron_h"])
 def test_the_layer_forward_is_transformers_and_rolls_back_itself(arch, keep, monkeypatch):
     """gdn's forward on a real Qwen3-Next / Qwen3.5 / Kimi Linear / LFM2 / Granite-4.0-H (Mamba-2) layer (float32, the
     references: CPU) gives the layer's own outputs, with and without a cache; after a block whose last 2 tokens are cropped, the next token's output equals a run that
@@ -175,7 +176,7 @@ def test_the_layer_forward_is_transformers_and_rolls_back_itself(arch, keep, mon
 
 @pytest.mark.slow
 @needs_triton
-@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear", "granitemoehybrid"])  # (Qwen3.5, LFM2: the layer tests)
+@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear", "granitemoehybrid", "nemotron_h"])  # (Qwen3.5, LFM2: the layer tests)
 def test_hybrids_with_the_kernels_verify_drafts_exactly_on_any_transformers(arch, tmp_path, monkeypatch):
     """A tiny Qwen3-Next / Kimi Linear (latent attention without positions) / Granite-4.0-H (Mamba-2, no positions) with
     the kernels (Triton's interpreter): every part of the forward is reported batch-invariant (no op left on torch's
@@ -226,7 +227,7 @@ def test_hybrids_with_the_kernels_verify_drafts_exactly_on_any_transformers(arch
 
 
 @pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_triton), False], ids=["kernels", "references"])
-@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear", "lfm2_moe", "granitemoehybrid"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear", "lfm2_moe", "granitemoehybrid", "nemotron_h"])
 def test_the_paged_state_gives_block_ones_bits_in_waves_with_rollbacks(arch, kernels, monkeypatch):
     """The paged form (a state slot per session, pending tokens in alternating halves written by the kernels, every
     count read from device memory: what CUDA graphs replay): two sessions forwarded in solo forwards and in waves of

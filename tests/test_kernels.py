@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdflash_kernels import mxfp4, runtime
-from pdflash_kernels.moe import ACT_GPTOSS, ACT_SILU, ExpertWeights, MoeConfig, align
+from pdflash_kernels.moe import ACT_GPTOSS, ACT_RELU2, ACT_SILU, ExpertWeights, MoeConfig, align
 from pdflash_kernels.reference import attention_reference, moe_reference
 
 LUT = torch.tensor(mxfp4.E2M1_VALUES)
@@ -98,9 +98,10 @@ def test_arena_layout_round_trip(bias):
 # ---- references against plain torch -------------------------------------------------------------------
 def _experts(e=6, h=64, i=32, act=ACT_SILU, bias=False, fp4=False, seed=0):
     g = torch.Generator().manual_seed(seed)
-    w1 = (torch.randn(e, 2 * i, h, generator=g) * 0.2).bfloat16()
+    r1 = i if act == ACT_RELU2 else 2 * i  # (up-only experts: the I up rows alone)
+    w1 = (torch.randn(e, r1, h, generator=g) * 0.2).bfloat16()
     w2 = (torch.randn(e, h, i, generator=g) * 0.2).bfloat16()
-    b1 = (torch.randn(e, 2 * i, generator=g) * 0.2).bfloat16() if bias else None
+    b1 = (torch.randn(e, r1, generator=g) * 0.2).bfloat16() if bias else None
     b2 = (torch.randn(e, h, generator=g) * 0.2).bfloat16() if bias else None
     if fp4:
         q = mxfp4.MXFP4Experts.quantize(w1, w2, b1, b2)
@@ -128,6 +129,60 @@ def test_moe_reference_equals_a_plain_loop_over_experts():
             h = torch.nn.functional.silu(gu[:32]) * gu[32:]
             want[t] += wts[t, s] * (h @ w.w2[e].float().T)
     assert torch.allclose(out.float(), want, atol=0.05, rtol=0.02)
+
+
+def test_up_only_reference_equals_a_plain_loop_over_experts():
+    """Up-only experts (Nemotron-H: no gate, relu(up)^2): w1 holds the I up rows alone."""
+    w = _experts(act=ACT_RELU2, bias=True)
+    assert not w.gated and w.intermediate == 32 and w.up_offset == 0
+    x, ids, wts = _routing(5, 6, 2)
+    out = moe_reference(x, ids, wts, w, 6)
+    want = torch.zeros(5, 64)
+    for t in range(5):
+        for s in range(2):
+            e = int(ids[t, s])
+            u = x[t].float() @ w.w1[e].float().T + w.b1[e].float()
+            want[t] += wts[t, s] * (torch.relu(u) ** 2 @ w.w2[e].float().T + w.b2[e].float())
+    assert torch.allclose(out.float(), want, atol=0.05, rtol=0.02)
+
+
+@needs_triton
+@pytest.mark.parametrize("fp4,fields", [
+    pytest.param(False, {}, id="bf16-base"),
+    pytest.param(False, dict(swap_ab=True, block_n=64), id="bf16-swap64"),
+    pytest.param(True, dict(decode=0), id="fp4-select"),
+    pytest.param(True, dict(a_load=2, decode=3, raster=1), id="fp4-join_bf16_raster"),
+    pytest.param(True, dict(a_load=2, decode=5, persist=4), id="fp4-pair-words-persist"),
+])
+def test_up_only_experts_match_the_reference_and_rows_stay_invariant(fp4, fields, monkeypatch):
+    """Up-only relu^2 experts on the kernels (one row set in the gate/up GEMM): close to the reference, a token's row
+    alone equals its row among others, and a split K (in one launch or two) gives each row the same value in any
+    company."""
+    from pdflash_kernels import linear, moe
+
+    monkeypatch.setattr(runtime, "sm_count", lambda device=None: 1)
+    e, h, i, t, k = 6, 128, 64, 9, 2
+    w = _experts(e=e, h=h, i=i, act=ACT_RELU2, bias=not fp4, fp4=fp4)
+    if fields.get("decode") == 5:
+        w = _pair_weights(w)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    wts = torch.softmax(torch.randn(t, k, generator=g), -1)
+    x = torch.randn(t, h, generator=g).bfloat16()
+    c = dataclasses.replace(MoeConfig(block_m=16, block_n=32, block_k=32, num_stages=1, decode=1), **fields)
+    out = moe.moe_forward(x, ids, wts, w, e, config=c, config2=c)
+    ref = moe_reference(x, ids, wts, w, e)
+    assert (out.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max() + 1e-3
+    alone = moe.moe_forward(x[4:5], ids[4:5], wts[4:5], w, e, config=c, config2=c)
+    assert torch.equal(alone[0], out[4])
+    split = dataclasses.replace(c, split_k=2)
+    one = moe.moe_forward(x, ids, wts, w, e, config=split, config2=split)
+    with monkeypatch.context() as m:
+        m.setattr(linear, "_counters", lambda device, tiles: None)  # no counters: the two-launch path
+        two = moe.moe_forward(x, ids, wts, w, e, config=split, config2=split)
+    assert torch.equal(one, two)
+    assert torch.equal(moe.moe_forward(x[4:5], ids[4:5], wts[4:5], w, e, config=split, config2=split)[0], one[4])
+    assert (one.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max() + 1e-3
 
 
 def test_attention_reference_equals_sdpa():

@@ -45,6 +45,7 @@ class PrefillInput:
     top_logprobs: int = 0  # with logprobs: the likeliest alternatives at each position
 
 
+_STATELESS_BLOCKS = ("moe", "mlp")  # layer types of a hybrid's blocks that keep no state across tokens
 KV_FREE_SHARE = 0.9  # the most of the device's free memory (after the model) an asked --kv-cache-gb may take
 
 
@@ -223,7 +224,9 @@ class VerifierCore:
         from pdflash_kernels import gdn
 
         types = list(getattr(cfg, "layer_types", None) or [])[: self.target.num_layers]
-        recurrent = [i for i, k in enumerate(types) if k == "linear_attention" or "attention" not in k]
+        # (Nemotron-H names a block by its one mixer: "moe" and "mlp" blocks hold no state)
+        recurrent = [i for i, k in enumerate(types)
+                     if k == "linear_attention" or ("attention" not in k and k not in _STATELESS_BLOCKS)]
         if not recurrent:
             return {}, None
         served = {int(m.layer_idx): m for m in self.target.model.modules()

@@ -160,17 +160,21 @@ class ForwardRunner:
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.layer_kw = cache_kwarg(self.inner.layers[0])
         self.rope: RotaryTable | None = None
-        # the rotary module and the final norm (LFM2 names them pos_emb and embedding_norm)
-        self.rotary_emb, self.final_norm = (_submodule(self.inner, names) for names in (("rotary_emb", "pos_emb"),
-                                                                                       ("norm", "embedding_norm")))
+        # the embeddings, the rotary module and the final norm (LFM2 names the last two pos_emb and embedding_norm;
+        # Nemotron-H the embeddings `embeddings` and the norm `norm_f`)
+        self.embed, self.rotary_emb, self.final_norm = (
+            _submodule(self.inner, names) for names in (("embed_tokens", "embeddings"), ("rotary_emb", "pos_emb"),
+                                                        ("norm", "embedding_norm", "norm_f")))
         if self.final_norm is None:
             raise ValueError(f"{type(self.inner).__name__} has no final norm (norm) the paged forward knows")
+        if self.embed is None:
+            raise ValueError(f"{type(self.inner).__name__} has no token embeddings (embed_tokens) the paged forward knows")
         # no rotary module (Granite-4.0-H, Kimi Linear: NoPE): the layers get no position embeddings
         why = ("no max_positions" if max_positions is None else
                "no rotary module" if self.rotary_emb is None else static_rope(self.rotary_emb))
         if why is None:
             with torch.inference_mode():  # the dtype the embeddings hand the rotary module
-                h = self.inner.embed_tokens(torch.zeros(1, 1, dtype=torch.long, device=pool.device))
+                h = self.embed(torch.zeros(1, 1, dtype=torch.long, device=pool.device))
             self.rope = RotaryTable(self.rotary_emb, int(max_positions), h.dtype, pool.device, h.shape[-1])
         self.rotary = (f"table ({max_positions} positions)" if self.rope is not None else
                        "none (the model has no rotary module: its attention takes no positions)" if self.rotary_emb is None
@@ -228,7 +232,7 @@ class ForwardRunner:
         return "fused q/k/v projection, norms, rotary and KV write (2 launches)"
 
     def _layers(self, ids: torch.Tensor, pos: torch.Tensor, cache: PagedLayerCache, feature_layers: tuple[int, ...]):
-        h = self.inner.embed_tokens(ids)
+        h = self.embed(ids)
         kwargs = self._layer_kwargs(h, pos, cache)
         if self.chain is not None:
             h, feats = self.chain.run(h, kwargs, feature_layers)
