@@ -1268,8 +1268,13 @@ def gate_up_order(inter: int, row_mul: int, up_off: int) -> torch.Tensor:
     return torch.cat([j * row_mul, j * row_mul + up_off])
 
 
-def fragments_fit(hidden: int, inter: int) -> str | None:
-    """Why experts of this shape cannot be held as fragment words (None: they can): both GEMMs' K a multiple of 64."""
+def fragments_fit(hidden: int, inter: int, gated: bool = True) -> str | None:
+    """Why experts of this shape cannot be held as fragment words (None: they can): gate and up rows (`gated`), both
+    GEMMs' K a multiple of 64. Up-only experts (no gate rows: pdflash_kernels.moe.ACT_RELU2) are not: the gate/up
+    GEMM's tiles pair gate rows with up rows (`gate_up_order`); pair words and nibbles serve them on the Triton
+    kernels."""
+    if not gated:
+        return "up-only experts (no gate rows): the fragment kernels' gate/up GEMM pairs gate tiles with up tiles"
     if hidden % QUAD or inter % QUAD:
         return f"hidden ({hidden}) and expert width ({inter}) must be multiples of {QUAD}"
     return None
@@ -1316,6 +1321,9 @@ class FragmentExperts:
         """From MXFP4 `pdflash_kernels.moe.ExpertWeights` (nibble order or pair words); refuses scale bytes above 128."""
         if not w.fp4:
             raise ValueError("fragment words hold MXFP4 experts; these are not")
+        if not w.gated:
+            why = fragments_fit(w.hidden, w.intermediate, False)
+            raise ValueError(f"these experts cannot be held as fragment words: {why}")
         rows = gate_up_order(w.intermediate, w.row_mul, w.up_offset).to(w.w1.device)
         b1 = mxfp4.nibble_blocks(w.w1.contiguous(), w.pair_words)[:, rows]
         s1 = w.s1.contiguous()[:, rows]

@@ -363,7 +363,7 @@ def serve_offloaded_experts(model: nn.Module, cache, drop_native: bool = True) -
         module._pdflash_num_experts = num_experts_of(module)
         module.__dict__["_pdflash_next_router"] = found.get(layer + 1)  # not a submodule: no second registration
         if drop_native:  # the host store holds them now; nothing of the experts stays on the device
-            for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            for name in (*_first_projection(module), "down_proj", "down_proj_bias"):
                 p = getattr(module, name, None)
                 if isinstance(p, torch.Tensor):
                     setattr(module, name, nn.Parameter(torch.empty(p.shape[0], 0, dtype=p.dtype, device=p.device), requires_grad=False))
@@ -886,10 +886,16 @@ def _install_linear_attention(model: nn.Module, undo: list) -> list[int]:
     return layers
 
 
+def _first_projection(module: nn.Module) -> tuple[str, str]:
+    """The names of an experts module's first projection and its bias: gate_up_proj (gate and up rows), or up_proj on
+    up-only experts (transformers' has_gate=False: Nemotron-H)."""
+    return ("gate_up_proj", "gate_up_proj_bias") if getattr(module, "has_gate", True) else ("up_proj", "up_proj_bias")
+
+
 def _drop_native(module: nn.Module, w: ExpertWeights) -> None:
     """MXFP4 resident: free the bf16 experts; the packed tensors become the module's buffers (so the byte map
     and `.to()` see them)."""
-    for name in ("gate_up_proj", "down_proj"):
+    for name in (_first_projection(module)[0], "down_proj"):
         p = getattr(module, name)
         setattr(module, name, nn.Parameter(torch.empty(p.shape[0], 0, dtype=p.dtype, device=p.device), requires_grad=False))
     module.register_buffer("pdflash_w1_blocks", w.w1)
@@ -900,16 +906,21 @@ def _drop_native(module: nn.Module, w: ExpertWeights) -> None:
 
 def set_float_experts(module: nn.Module, w: ExpertWeights, dtype: torch.dtype, biases: bool = False) -> None:
     """Give an experts module float weights of `dtype` dequantized from MXFP4 ExpertWeights, in the module's own layout
-    (contiguous, transposed where the module stores [E, in, out]); `biases`: its biases become w's (the bf16 the
-    kernels read) cast to `dtype`. Its own forward then computes with exactly the weights the MXFP4 kernels read."""
+    (contiguous, transposed where the module stores [E, in, out]; w1 into gate_up_proj, or up_proj on up-only experts);
+    `biases`: its biases become w's (the bf16 the kernels read) cast to `dtype`. Its own forward then computes with
+    exactly the weights the MXFP4 kernels read."""
+    first, first_bias = _first_projection(module)
+    if w.gated != getattr(module, "has_gate", True):
+        raise ValueError(f"{'gated' if w.gated else 'up-only'} MXFP4 experts cannot become the float weights of "
+                         f"{type(module).__name__} ({first})")
     w1 = mxfp4.dequantize(mxfp4.nibble_blocks(w.w1, w.pair_words), w.s1, dtype)
     w2 = mxfp4.dequantize(mxfp4.nibble_blocks(w.w2, w.pair_words), w.s2, dtype)
-    if module.is_transposed:
+    if getattr(module, "is_transposed", False):
         w1, w2 = w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
-    module.gate_up_proj = nn.Parameter(w1, requires_grad=False)
+    setattr(module, first, nn.Parameter(w1, requires_grad=False))
     module.down_proj = nn.Parameter(w2, requires_grad=False)
     if biases:
-        for name, b in (("gate_up_proj_bias", w.b1), ("down_proj_bias", w.b2)):
+        for name, b in ((first_bias, w.b1), ("down_proj_bias", w.b2)):
             if b is not None and isinstance(getattr(module, name, None), torch.Tensor):
                 setattr(module, name, nn.Parameter(b.to(dtype), requires_grad=False))
 
@@ -919,7 +930,7 @@ def _forget(module: nn.Module) -> None:
     if getattr(w, "fragments", False):
         w = w.to_weights()
     if w is not None and w.fp4:  # give the module float weights back (dequantized: MXFP4 is lossy)
-        set_float_experts(module, w, module.gate_up_proj.dtype)
+        set_float_experts(module, w, module.down_proj.dtype)
         for name in ("pdflash_w1_blocks", "pdflash_w1_scales", "pdflash_w2_blocks", "pdflash_w2_scales"):
             module._buffers.pop(name, None)
 

@@ -209,29 +209,37 @@ def _align(n: int) -> int:
 class ExpertLayout:
     """Where each part of one MXFP4 expert lies in its contiguous slice of an arena (host store or GPU slot).
 
-    Sections, each starting on a 256-byte boundary, in this order:
-      w1_blocks [2I, H/2] u8 · w1_scales [2I, H/32] u8   (gate rows 0..I-1, then up rows I..2I-1)
+    Sections, each starting on a 256-byte boundary, in this order (R1 = `rows1`: 2I, or I for up-only experts):
+      w1_blocks [R1, H/2] u8 · w1_scales [R1, H/32] u8   (gated: gate and up rows, in the model's order; up-only
+                                                          (`gated` False, Nemotron-H's relu^2): the I up rows alone)
       w2_blocks [H, I/2] u8  · w2_scales [H, I/32] u8
     (a scale row is stored in a multiple of SCALE_ROW_ALIGN bytes, its padding unread: `views` gives [.., K/32])
-      b1 [2I] bf16, b2 [H] bf16                            (only when the experts have biases)
+      b1 [R1] bf16, b2 [H] bf16                            (only when the experts have biases)
     Rows are output features and K (the input dimension) is contiguous inside a row, so a kernel reads a
-    row's packed values with 16-byte loads. `nbytes` (a multiple of 256) is what the byte map reports.
+    row's packed values with 16-byte loads. `nbytes` (a multiple of 256) is what the byte map reports: an up-only
+    expert's slice holds no gate rows, so it is about a third smaller than a gated one of the same width.
     """
 
     hidden: int
     intermediate: int
     has_bias: bool
+    gated: bool = True  # False: up-only experts (no gate; pdflash_kernels.moe.ACT_RELU2), w1 is the I up rows
+
+    @property
+    def rows1(self) -> int:
+        """Rows of w1 (and entries of b1): gate and up rows (2I), or the up rows alone (I)."""
+        return 2 * self.intermediate if self.gated else self.intermediate
 
     def _sections(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        h, i = self.hidden, self.intermediate
+        h, i, r1 = self.hidden, self.intermediate, self.rows1
         s = [
-            ("w1_blocks", (2 * i, h // 2), torch.uint8),
-            ("w1_scales", (2 * i, h // GROUP), torch.uint8),
+            ("w1_blocks", (r1, h // 2), torch.uint8),
+            ("w1_scales", (r1, h // GROUP), torch.uint8),
             ("w2_blocks", (h, i // 2), torch.uint8),
             ("w2_scales", (h, i // GROUP), torch.uint8),
         ]
         if self.has_bias:
-            s += [("b1", (2 * i,), torch.bfloat16), ("b2", (h,), torch.bfloat16)]
+            s += [("b1", (r1,), torch.bfloat16), ("b2", (h,), torch.bfloat16)]
         return s
 
     @staticmethod
@@ -285,13 +293,14 @@ class ExpertLayout:
 
 @dataclasses.dataclass
 class MXFP4Experts:
-    """One layer's routed experts in MXFP4, [E, ...] each (rows = output features, gate rows then up rows)."""
+    """One layer's routed experts in MXFP4, [E, ...] each (rows = output features, gate rows then up rows; up-only
+    experts: the up rows alone, told apart by the shapes: w1 has I rows where w2 has I columns)."""
 
-    w1_blocks: torch.Tensor  # [E, 2I, H/2]
-    w1_scales: torch.Tensor  # [E, 2I, H/32]
+    w1_blocks: torch.Tensor  # [E, R1, H/2] (R1 = 2I, or I up-only)
+    w1_scales: torch.Tensor  # [E, R1, H/32]
     w2_blocks: torch.Tensor  # [E, H, I/2]
     w2_scales: torch.Tensor  # [E, H, I/32]
-    b1: torch.Tensor | None = None  # [E, 2I]
+    b1: torch.Tensor | None = None  # [E, R1]
     b2: torch.Tensor | None = None  # [E, H]
 
     @property
@@ -304,10 +313,19 @@ class MXFP4Experts:
 
     @property
     def intermediate(self) -> int:
-        return self.w1_blocks.shape[1] // 2
+        return self.w2_blocks.shape[2] * 2  # (w2's K: I values, two a byte)
+
+    @property
+    def gated(self) -> bool:
+        """w1 holds gate and up rows (2I); False: the up rows alone (I), up-only experts."""
+        rows = self.w1_blocks.shape[1]
+        if rows not in (self.intermediate, 2 * self.intermediate):
+            raise ValueError(f"w1 has {rows} rows; experts of width {self.intermediate} (w2) have "
+                             f"{2 * self.intermediate} (gate and up) or {self.intermediate} (up-only)")
+        return rows == 2 * self.intermediate
 
     def layout(self) -> ExpertLayout:
-        return ExpertLayout(self.hidden, self.intermediate, self.b1 is not None)
+        return ExpertLayout(self.hidden, self.intermediate, self.b1 is not None, self.gated)
 
     def parts(self, e: int) -> dict[str, torch.Tensor]:
         p = {"w1_blocks": self.w1_blocks[e], "w1_scales": self.w1_scales[e], "w2_blocks": self.w2_blocks[e], "w2_scales": self.w2_scales[e]}
@@ -326,7 +344,7 @@ class MXFP4Experts:
 
     @classmethod
     def quantize(cls, w1: torch.Tensor, w2: torch.Tensor, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None):
-        """w1 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]: float weights -> MXFP4."""
+        """w1 [E, 2I, H] (gate rows then up rows; up-only experts: [E, I, H]), w2 [E, H, I]: float weights -> MXFP4."""
         w1b, w1s = quantize(w1)
         w2b, w2s = quantize(w2)
         bf = (lambda b: None if b is None else b.detach().to(torch.bfloat16).contiguous())

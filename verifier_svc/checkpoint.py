@@ -6,12 +6,15 @@ are all loaded before anything can quantize them. Here instead:
 
 - the model is built by transformers from its config with every *parameter* on the meta device (buffers, such as
   the rotary frequencies, are computed as usual), so nothing of the experts is allocated;
-- every other parameter and persistent buffer is read from the safetensors by its name (the loader needs the
-  checkpoint's names to be the model's own; a checkpoint whose names transformers renames at load, such as
-  Mixtral's `block_sparse_moe.experts.N.w1`, is left to `from_pretrained`: `plan` says so and why);
+- every other parameter and persistent buffer is read from the safetensors by its name: the model's own, or where
+  the checkpoint's are not, the names transformers' own renamings for the model give them at load (its conversion
+  mapping's plain renames, such as Nemotron-H's `backbone.` -> `model.`: `named_as`). A checkpoint whose experts only
+  transformers' merging converters make the model's, such as Mixtral's `block_sparse_moe.experts.N.w1`, is left to
+  `from_pretrained`: `plan` says so and why;
 - the experts are read per layer into the host store (`verifier_svc.expert_store`): gpt-oss's `*_blocks`/`*_scales`
   byte for byte (`pdflash_kernels.mxfp4.from_gpt_oss` only reshapes them), float experts (fused `gate_up_proj`/`down_proj`,
-  or one `experts.N.{gate,up,down}_proj.weight` per expert) quantized with `pdflash_kernels.mxfp4.quantize`.
+  or one `experts.N.{gate,up,down}_proj.weight` per expert; up-only experts, Nemotron-H's: `up_proj`/`down_proj`, or
+  `experts.N.{up,down}_proj.weight`) quantized with `pdflash_kernels.mxfp4.quantize`.
 
 Peak host memory is the non-expert weights + the MXFP4 store + one expert's weights in flight; the mapped file
 pages of the layer being read also count in RSS until its file is closed (one layer of the checkpoint's experts).
@@ -32,7 +35,7 @@ import torch
 from torch import nn
 
 from pdflash_kernels import mxfp4
-from pdflash_kernels.installer import _activation, experts_modules, num_experts_of
+from pdflash_kernels.installer import _activation, _up_only_activation, experts_modules, num_experts_of
 from pdflash_kernels.mxfp4 import ExpertLayout
 
 _MXFP4_PARTS = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
@@ -76,20 +79,35 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
 
 
 class Tensors:
-    """Which safetensors file holds each tensor of a checkpoint directory (headers only; nothing is read)."""
+    """Which safetensors file holds each tensor of a checkpoint directory (headers only; nothing is read). Tensors are
+    named as the checkpoint stores them, or as `renamed` names them (`stored` keeps the checkpoint's own key)."""
 
     def __init__(self, directory: str | pathlib.Path):
         from safetensors import safe_open
 
         self.directory = pathlib.Path(directory)
         self.file: dict[str, pathlib.Path] = {}
+        self.stored: dict[str, str] = {}  # name -> the key the checkpoint stores it under
         self._meta: dict[str, tuple[tuple[int, ...], str]] = {}
         for path in sorted(self.directory.glob("*.safetensors")):
             with safe_open(str(path), "pt") as f:
                 for key in f.keys():
                     sl = f.get_slice(key)
                     self.file[key] = path
+                    self.stored[key] = key
                     self._meta[key] = (tuple(sl.get_shape()), sl.get_dtype())
+
+    def renamed(self, rename: Callable[[str], str]) -> "Tensors":
+        """The same tensors, each named `rename(its stored key)` (nothing is read again)."""
+        out = copy.copy(self)
+        out.file, out.stored, out._meta = {}, {}, {}
+        for name, key in self.stored.items():
+            new = rename(key)
+            if new in out.file:
+                raise ValueError(f"the checkpoint in {self.directory} has two tensors named {new} once renamed as "
+                                 f"transformers loads it ({out.stored[new]}, {key})")
+            out.file[new], out.stored[new], out._meta[new] = self.file[name], key, self._meta[name]
+        return out
 
     def __contains__(self, key: str) -> bool:
         return key in self.file
@@ -111,8 +129,8 @@ class Tensors:
             handles = {path: stack.enter_context(safe_open(str(path), "pt")) for path in {self.file[k] for k in keys}}
 
             def read(key: str, index: int | None = None) -> torch.Tensor:
-                h = handles[self.file[key]]
-                return h.get_tensor(key) if index is None else h.get_slice(key)[index]
+                h, stored = handles[self.file[key]], self.stored[key]
+                return h.get_tensor(stored) if index is None else h.get_slice(stored)[index]
 
             yield read
 
@@ -126,7 +144,7 @@ class Tensors:
         for path, ks in by_file.items():
             with safe_open(str(path), "pt") as f:
                 for k in ks:
-                    yield k, f.get_tensor(k)
+                    yield k, f.get_tensor(self.stored[k])
 
 
 @contextlib.contextmanager
@@ -177,23 +195,38 @@ class ExpertsForm:
     alpha: float
     limit: float
     fp8_block: tuple[int, int] | None = None  # float experts stored block-scaled FP8 (each weight has its scale_inv)
+    gated: bool = True  # False: up-only experts (no gate: up_proj/down_proj, relu^2), w1 the I up rows
 
     @property
     def layout(self) -> ExpertLayout:
-        return ExpertLayout(self.hidden, self.intermediate, self.has_bias)
+        return ExpertLayout(self.hidden, self.intermediate, self.has_bias, self.gated)
+
+    @property
+    def first(self) -> str:
+        """The first projection's name: gate_up_proj, or up_proj on up-only experts."""
+        return "gate_up_proj" if self.gated else "up_proj"
+
+    @property
+    def rows1(self) -> int:
+        return self.layout.rows1
+
+    @property
+    def per_expert(self) -> tuple[str, ...]:
+        """The projections of one expert stored on its own (`experts.N.{name}_proj.weight`), w1's first."""
+        return ("gate", "up", "down") if self.gated else ("up", "down")
 
     def keys(self) -> list[str]:
         p = self.path
         if self.kind == "mxfp4":
             ks = [f"{p}.{n}" for n in _MXFP4_PARTS]
         elif self.kind == "fused":
-            ks = [f"{p}.gate_up_proj", f"{p}.down_proj"]
+            ks = [f"{p}.{self.first}", f"{p}.down_proj"]
         else:
-            ks = [f"{p}.{e}.{n}_proj.weight" for e in range(self.num_experts) for n in ("gate", "up", "down")]
+            ks = [f"{p}.{e}.{n}_proj.weight" for e in range(self.num_experts) for n in self.per_expert]
         if self.fp8_block is not None:
             ks += [f"{k}_scale_inv" for k in ks]
         if self.has_bias:
-            ks += [f"{p}.gate_up_proj_bias", f"{p}.down_proj_bias"]
+            ks += [f"{p}.{self.first}_bias", f"{p}.down_proj_bias"]
         return ks
 
     def expected(self) -> dict[str, tuple[tuple[int, ...], str | None]]:
@@ -208,23 +241,23 @@ class ExpertsForm:
                 f"{p}.down_proj_scales": ((e, h, i // g), "U8"),
             }
         elif self.kind == "fused":
+            r1 = self.rows1
             out = {
-                f"{p}.gate_up_proj": ((e, h, 2 * i) if self.transposed else (e, 2 * i, h), None),
+                f"{p}.{self.first}": ((e, h, r1) if self.transposed else (e, r1, h), None),
                 f"{p}.down_proj": ((e, i, h) if self.transposed else (e, h, i), None),
             }
         else:
             out = {}
             for x in range(e):
-                out[f"{p}.{x}.gate_proj.weight"] = ((i, h), None)
-                out[f"{p}.{x}.up_proj.weight"] = ((i, h), None)
-                out[f"{p}.{x}.down_proj.weight"] = ((h, i), None)
+                for n in self.per_expert:
+                    out[f"{p}.{x}.{n}_proj.weight"] = ((h, i) if n == "down" else (i, h), None)
         if self.fp8_block is not None:  # the weights float8 e4m3, each with its float32 grid of block scales
             bn, bk = self.fp8_block
             for key, (shape, _) in list(out.items()):
                 out[key] = (shape, "F8_E4M3")
                 out[f"{key}_scale_inv"] = ((*shape[:-2], -(-shape[-2] // bn), -(-shape[-1] // bk)), "F32")
         if self.has_bias:
-            out[f"{p}.gate_up_proj_bias"] = ((e, 2 * i), None)
+            out[f"{p}.{self.first}_bias"] = ((e, self.rows1), None)
             out[f"{p}.down_proj_bias"] = ((e, h), None)
         return out
 
@@ -247,12 +280,11 @@ def _check(tensors: Tensors, form: ExpertsForm) -> None:
 
 
 def _why_not(module: nn.Module) -> str | None:
-    if not getattr(module, "has_gate", True):
-        return "up-only experts (no gate)"
     if getattr(module, "has_post_expert_norm", False):
         return "a norm after each expert"
-    if not isinstance(getattr(module, "gate_up_proj", None), torch.Tensor) or not isinstance(getattr(module, "down_proj", None), torch.Tensor):
-        return "no gate_up_proj/down_proj parameters"
+    first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+    if not all(isinstance(getattr(module, n, None), torch.Tensor) for n in (first, "down_proj")):
+        return f"no {first}/down_proj parameters"
     return None
 
 
@@ -263,34 +295,45 @@ def experts_form(tensors: Tensors, path: str, module: nn.Module, mxfp4_config: b
     why = _why_not(module)
     if why:
         return why
-    gu = module.gate_up_proj
+    gated = bool(getattr(module, "has_gate", True))
+    w1 = module.gate_up_proj if gated else module.up_proj
     transposed = bool(getattr(module, "is_transposed", False))
     e = num_experts_of(module)
-    r1, h = (gu.shape[2], gu.shape[1]) if transposed else (gu.shape[1], gu.shape[2])
-    inter = r1 // 2
-    row_mul, up_off = (1, inter) if getattr(module, "is_concatenated", True) else (2, 1)
-    act, why = _activation(module, inter, row_mul, up_off)
+    r1, h = (w1.shape[2], w1.shape[1]) if transposed else (w1.shape[1], w1.shape[2])
+    if gated:
+        inter = r1 // 2
+        row_mul, up_off = (1, inter) if getattr(module, "is_concatenated", True) else (2, 1)
+        act, why = _activation(module, inter, row_mul, up_off)
+    else:  # up-only (Nemotron-H): w1 is the I up rows, read by the kernels' ACT_RELU2
+        inter, row_mul, up_off = r1, 1, 0
+        act, why = _up_only_activation(module)
     if act < 0:
         return why
     has_bias = bool(getattr(module, "has_bias", False))
     if mxfp4_config or f"{path}.gate_up_proj_blocks" in tensors:
+        if not gated:
+            return "up-only experts in MXFP4 blocks (only gpt-oss's gate_up_proj_blocks are read)"
         kind = "mxfp4"
-    elif f"{path}.gate_up_proj" in tensors:
+    elif form_key(path, "fused", gated) in tensors:
         kind = "fused"
-    elif f"{path}.0.gate_proj.weight" in tensors and row_mul == 1 and not has_bias and not transposed:
+    elif form_key(path, "per_expert", gated) in tensors and row_mul == 1 and not has_bias and not transposed:
         kind = "per_expert"
     else:
-        return f"no experts tensors under {path} in a form read here (fused gate_up_proj, experts.N.gate_proj, MXFP4 blocks)"
+        names = "fused gate_up_proj, experts.N.gate_proj, MXFP4 blocks" if gated else "fused up_proj, experts.N.up_proj"
+        return f"no experts tensors under {path} in a form read here ({names})"
     if h % mxfp4.GROUP or inter % mxfp4.GROUP:
         return f"hidden {h} / intermediate {inter} not multiples of {mxfp4.GROUP} (MXFP4 groups)"
-    fp8 = fp8_block if kind != "mxfp4" and fp8_block is not None and f"{form_key(path, kind)}_scale_inv" in tensors else None
+    scaled = kind != "mxfp4" and f"{form_key(path, kind, gated)}_scale_inv" in tensors
+    fp8 = fp8_block if fp8_block is not None and scaled else None
     return ExpertsForm(path, kind, e, h, inter, has_bias, transposed, row_mul, up_off, act,
-                       float(getattr(module, "alpha", 1.702)), float(getattr(module, "limit", 7.0)), fp8)
+                       float(getattr(module, "alpha", 1.702)), float(getattr(module, "limit", 7.0)), fp8, gated)
 
 
-def form_key(path: str, kind: str) -> str:
-    """The first weight tensor of a float experts module stored as `kind`."""
-    return f"{path}.gate_up_proj" if kind == "fused" else f"{path}.0.gate_proj.weight"
+def form_key(path: str, kind: str, gated: bool = True) -> str:
+    """The first weight tensor of a float experts module stored as `kind` (`gated` False: up-only experts)."""
+    if kind == "fused":
+        return f"{path}.{'gate_up_proj' if gated else 'up_proj'}"
+    return f"{path}.0.{'gate' if gated else 'up'}_proj.weight"
 
 
 def read_experts(tensors: Tensors, form: ExpertsForm, quantize_on: torch.device | None = None) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
@@ -300,7 +343,7 @@ def read_experts(tensors: Tensors, form: ExpertsForm, quantize_on: torch.device 
     _check(tensors, form)
     p, e_count = form.path, form.num_experts
     with tensors.open(form.keys()) as read:
-        b1 = read(f"{p}.gate_up_proj_bias").to(torch.bfloat16) if form.has_bias else None
+        b1 = read(f"{p}.{form.first}_bias").to(torch.bfloat16) if form.has_bias else None
         b2 = read(f"{p}.down_proj_bias").to(torch.bfloat16) if form.has_bias else None
         dev = quantize_on or torch.device("cpu")
 
@@ -329,8 +372,8 @@ def read_experts(tensors: Tensors, form: ExpertsForm, quantize_on: torch.device 
 
 
 def _float_expert(read, form: ExpertsForm, e: int, fp8_dtype: torch.dtype):
-    """(key, gate_up [2I, H], key, down [H, I]) of expert e of a float experts layer (rows = output features), as
-    stored; block-scaled FP8 dequantized to `fp8_dtype`."""
+    """(key, gate_up [2I, H] (up [I, H] for up-only experts), key, down [H, I]) of expert e of a float experts layer
+    (rows = output features), as stored; block-scaled FP8 dequantized to `fp8_dtype`."""
     p, fb = form.path, form.fp8_block
 
     def weight(key: str, index: int | None = None) -> torch.Tensor:
@@ -338,10 +381,14 @@ def _float_expert(read, form: ExpertsForm, e: int, fp8_dtype: torch.dtype):
         return w if fb is None else dequantize_fp8(w, read(f"{key}_scale_inv", index), fb, fp8_dtype)
 
     if form.kind == "fused":
-        k1, k2 = f"{p}.gate_up_proj", f"{p}.down_proj"
+        k1, k2 = f"{p}.{form.first}", f"{p}.down_proj"
         w1, w2 = weight(k1, e), weight(k2, e)
         return (k1, w1.T, k2, w2.T) if form.transposed else (k1, w1, k2, w2)
-    k1, k2 = f"{p}.{e}.gate_proj.weight", f"{p}.{e}.down_proj.weight"
+    k2 = f"{p}.{e}.down_proj.weight"
+    if not form.gated:
+        k1 = f"{p}.{e}.up_proj.weight"
+        return k1, weight(k1), k2, weight(k2)
+    k1 = f"{p}.{e}.gate_proj.weight"
     return k1, torch.cat([weight(k1), weight(f"{p}.{e}.up_proj.weight")]), k2, weight(k2)
 
 
@@ -400,10 +447,10 @@ class DirectLoad:
             module = self.model.get_submodule(form.path)
             with self.tensors.open(form.keys()) as read:
                 pairs = [_float_expert(read, form, e, self.dtype)[1::2] for e in range(form.num_experts)]
-                params = {"gate_up_proj": torch.stack([w1.T if form.transposed else w1 for w1, _ in pairs]),
+                params = {form.first: torch.stack([w1.T if form.transposed else w1 for w1, _ in pairs]),
                           "down_proj": torch.stack([w2.T if form.transposed else w2 for _, w2 in pairs])}
                 if form.has_bias:
-                    params["gate_up_proj_bias"] = read(f"{form.path}.gate_up_proj_bias")
+                    params[f"{form.first}_bias"] = read(f"{form.path}.{form.first}_bias")
                     params["down_proj_bias"] = read(f"{form.path}.down_proj_bias")
             for name, t in params.items():
                 setattr(module, name, nn.Parameter(t.to(self.dtype).contiguous(), requires_grad=False))
@@ -412,6 +459,41 @@ class DirectLoad:
         """(layer, iterator of (expert, parts)) for every MoE layer, read lazily (`read_experts`)."""
         for layer, form in self.forms.items():
             yield layer, read_experts(self.tensors, form, quantize_on)
+
+
+def _renamings(model: nn.Module) -> Callable[[str], str] | None:
+    """transformers' plain renamings of checkpoint keys for this model (its conversion mapping's `WeightRenaming`s,
+    which `from_pretrained` applies before anything else: Nemotron-H's `backbone.` -> `model.`), as one function of a
+    key; None where this transformers has none or no such API. Its converters (experts merged from per-expert tensors)
+    are not applied: `experts_form` reads per-expert tensors itself."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    except Exception:  # noqa: BLE001 - an older or newer transformers: the checkpoint's names as they are
+        return None
+    if not renamings:
+        return None
+    return lambda key: apply_renamings(key, renamings)
+
+
+def named_as(tensors: Tensors, model: nn.Module) -> Tensors:
+    """The checkpoint's tensors under the names the model's parameters go by: as stored where every parameter outside
+    the experts is found so, else renamed as transformers renames them at load (`_renamings`) where that finds more."""
+    experts = {id(p) for m in experts_modules(model).values() for p in m.parameters(recurse=False)}
+    names = [n for n, p in model.named_parameters() if id(p) not in experts]
+    found = sum(n in tensors for n in names)
+    if found == len(names):
+        return tensors
+    rename = _renamings(model)
+    if rename is None:
+        return tensors
+    try:
+        renamed = tensors.renamed(rename)
+    except ValueError:  # two tensors under one name: transformers' own load decides (plan then says which is missing)
+        return tensors
+    return renamed if sum(n in renamed for n in names) > found else tensors
 
 
 def plan(directory: str | pathlib.Path, config, dtype: torch.dtype) -> DirectLoad | str:
@@ -435,6 +517,7 @@ def plan(directory: str | pathlib.Path, config, dtype: torch.dtype) -> DirectLoa
     modules = experts_modules(model)
     if not modules:
         return f"{type(model).__name__} has no experts modules"
+    tensors = named_as(tensors, model)
     path_of = {id(m): name for name, m in model.named_modules()}
     forms: dict[int, ExpertsForm] = {}
     for layer, module in modules.items():
@@ -444,7 +527,8 @@ def plan(directory: str | pathlib.Path, config, dtype: torch.dtype) -> DirectLoa
                 raise ValueError(f"layer {layer}: experts the MXFP4 store cannot hold ({form})")
             return form
         forms[layer] = form
-    if len({(f.hidden, f.intermediate, f.has_bias, f.row_mul, f.up_off, f.act, f.alpha, f.limit) for f in forms.values()}) > 1:
+    if len({(f.hidden, f.intermediate, f.has_bias, f.gated, f.row_mul, f.up_off, f.act, f.alpha, f.limit)
+            for f in forms.values()}) > 1:
         return "experts of different shapes or gates in different layers"
     for module in modules.values():  # no expert weight is ever allocated: the store holds them
         for name, p in list(module.named_parameters(recurse=False)):

@@ -5,7 +5,8 @@ copy moves).
 Experts come from the checkpoint's safetensors one layer at a time (`verifier_svc.checkpoint`: gpt-oss's MXFP4
 `*_blocks`/`*_scales` byte for byte, float experts quantized with `pdflash_kernels.mxfp4.quantize`), or from a loaded model
 (`from_model`), rows kept as the model stores them (gate/up concatenated, or gpt-oss's interleave: the kernels read
-both). The byte map of an offloaded verifier is the slice size of every expert: what a verify's union moves, exactly.
+both; up-only experts, Nemotron-H's relu^2, hold their up rows alone: `ExpertLayout.gated` False). The byte map of an
+offloaded verifier is the slice size of every expert: what a verify's union moves, exactly.
 """
 
 from __future__ import annotations
@@ -18,18 +19,32 @@ from pdflash_kernels.installer import expert_weights, experts_modules, num_exper
 from pdflash_kernels.fragments import (FragmentExperts, fragment_experts_over, fragments_fit, from_fragment_parts,
                                        section_bytes, to_fragment_parts)
 from pdflash_kernels.mxfp4 import ExpertLayout, big_scales, from_pair_words, nibble_blocks, to_pair_words
-from pdflash_kernels.moe import ExpertWeights
+from pdflash_kernels.moe import GATED_ACTS, ExpertWeights
 
 
 @dataclasses.dataclass(frozen=True)
 class GateLayout:
-    """How gate/up rows and the activation read in every layer (the same for all layers of a model)."""
+    """How gate/up rows and the activation read in every layer (the same for all layers of a model). The activation
+    says whether there are gate rows at all (`gated`: pdflash_kernels.moe.ACT_RELU2 reads the up rows alone)."""
 
     row_mul: int
     up_off: int
     act: int
     alpha: float
     limit: float
+
+    @property
+    def gated(self) -> bool:
+        return self.act in GATED_ACTS
+
+    @classmethod
+    def of(cls, w: ExpertWeights) -> "GateLayout":
+        return cls(w.row_mul, w.up_offset, w.act, w.alpha, w.limit)
+
+
+def layout_of(w: ExpertWeights) -> ExpertLayout:
+    """The store slice of one of these experts (MXFP4 ExpertWeights: w1 2I rows, or I for up-only experts)."""
+    return ExpertLayout(w.hidden, w.intermediate, w.b1 is not None, w.gated)
 
 
 FORMATS = ("nibbles", "pair_words", "fragments")
@@ -51,8 +66,11 @@ class HostExpertStore:
         fmt = fmt or ("pair_words" if pair_words else "nibbles")
         if fmt not in FORMATS:
             raise ValueError(f"expert store format must be one of {FORMATS}, got {fmt!r}")
+        if layout.gated != gate.gated:  # (the kernels read w1's rows by the activation, the slice holds them by layout)
+            raise ValueError(f"a store of {'gated' if layout.gated else 'up-only'} expert slices with activation "
+                             f"{gate.act}, which reads {'gate and up rows' if gate.gated else 'the up rows alone'}")
         if fmt == "fragments":
-            why = fragments_fit(layout.hidden, layout.intermediate)
+            why = fragments_fit(layout.hidden, layout.intermediate, layout.gated)
             if why:
                 raise ValueError(f"these experts cannot be held as fragment words: {why}")
         self.format, self.demoted = fmt, False
@@ -210,12 +228,15 @@ class HostExpertStore:
             if isinstance(w, str):
                 raise ValueError(f"layer {layer}: experts the MXFP4 store cannot hold ({w})")
             if store is None:
-                layout = ExpertLayout(w.hidden, w.intermediate, w.b1 is not None)
-                gate = GateLayout(w.row_mul, w.up_offset, w.act, w.alpha, w.limit)
+                layout, gate = layout_of(w), GateLayout.of(w)
                 if callable(fmt):  # (a chooser of the format by the experts' shape: moe.expert_format_for)
                     fmt = fmt(layout)
                 store = cls(layout, {l: num_experts_of(m) for l, m in modules.items()}, gate, pin=pin, device=device,
                             pair_words=pair_words, convert_on=convert_on, fmt=fmt)
+            elif (layout_of(w), GateLayout.of(w)) != (store.layout, store.gate):
+                raise ValueError(f"layer {layer}: experts of another shape or gate than the first layer's "
+                                 f"({layout_of(w)}, {GateLayout.of(w)} after {store.layout}, {store.gate}): one store "
+                                 "holds slices of one layout")
             store.put(layer, w)
             if progress is not None:
                 progress(layer)

@@ -84,10 +84,19 @@ def model_name(directory: pathlib.Path) -> str:
 
 
 def expert_format_for(device: torch.device, layout=None) -> str:
-    """The format of the MXFP4 stores of a verifier on `device` (`pdflash_kernels.moe.expert_format_for`)."""
-    from pdflash_kernels.moe import expert_format_for as wanted
+    """The format of the MXFP4 stores of a verifier on `device` (`pdflash_kernels.moe.expert_format_for`); logs why
+    where fragment words are enabled and available but these experts cannot be held so (up-only experts, widths off
+    64: `pdflash_kernels.fragments.fragments_fit`)."""
+    from pdflash_kernels import moe
 
-    return wanted(device, layout)
+    fmt = moe.expert_format_for(device, layout)
+    if fmt != "fragments" and layout is not None and torch.device(device).type == "cuda" and moe.FRAGMENTS:
+        from pdflash_kernels import fragments
+
+        why = fragments.fragments_fit(layout.hidden, layout.intermediate, layout.gated)
+        if fragments.gluon is not None and why:
+            log.info("MXFP4 experts not stored as fragment words", expert_format=fmt, why=why)
+    return fmt
 
 
 def kernels_wanted(mode: str, device: torch.device) -> bool:
@@ -291,7 +300,7 @@ def quantize_experts(model) -> int:
 
     total = 0
     for layer, module in experts_modules(model).items():
-        dtype = module.gate_up_proj.dtype
+        dtype = module.down_proj.dtype  # (gate_up_proj's, or up_proj's on up-only experts: one dtype)
         w = expert_weights(module, "mxfp4")
         if isinstance(w, str):
             raise ValueError(f"layer {layer}: experts MXFP4 cannot hold ({w})")
