@@ -23,7 +23,11 @@ Targets:
   holds one latent a position and attention runs in the absorbed form (pdflash_kernels.mla).
 - `qnext-<N>l`: Qwen3-Next-80B-A3B layer shapes, N >= 4 layers (hidden 2048; three Gated DeltaNet layers of 16 key / 32
   value heads of 128 for each full-attention layer of 16 heads of 256 on 2 KV heads; 64 of the 512 experts (width 512)
-  top-10 and a shared expert), random bf16; the linear-attention layers on pdflash_kernels.gdn, on transformers' cache.
+  top-10 and a shared expert), random bf16; the linear-attention layers on pdflash_kernels.gdn, on the paged forward (a
+  recurrent-state slot per session).
+- `nano-<N>l`: Nemotron 3 Nano 30B-A3B block shapes, N >= 4 blocks (hidden 2688; Mamba-2 of 64 heads of 64, 8 groups,
+  state 128; MoE blocks of 128 up-only relu^2 experts of width 1856, top 6, and a shared expert; attention of 32 heads on
+  2 KV heads without positions, the 4th block), random bf16 (`--mxfp4-experts`: MXFP4 on pair words).
 Random targets use a 4096-token vocabulary and random prompt ids (the same on every run). `--layers N` overrides the
 layer count of every random target; `--tiny` builds them with tiny shapes instead (pdflash.tiny.tiny_config: hidden 64,
 8 experts top-2; gpt-oss's sliding window 64) for CPU smoke runs.
@@ -74,9 +78,9 @@ from benchmarks.inprocess import core_run, drafter_propose, ngram_propose  # noq
 from benchmarks.kernel_bench import device_tag  # noqa: E402
 from verifier_svc.engine import PagedKVOptions, VerifierCore  # noqa: E402
 
-FAMILIES = {"qwen3": "qwen3_moe", "gptoss": "gpt_oss", "dsv3": "deepseek_v3", "qnext": "qwen3_next"}
+FAMILIES = {"qwen3": "qwen3_moe", "gptoss": "gpt_oss", "dsv3": "deepseek_v3", "qnext": "qwen3_next", "nano": "nemotron_h"}
 MXFP4_ARCHS = {"gpt_oss"}  # served as the model ships: MXFP4 experts, resident
-DEFAULTS = {"demo": (4, 128), "qwen3": (4, 128), "gptoss": (2, 64), "dsv3": (2, 64), "qnext": (2, 64)}  # prompts, new tokens
+DEFAULTS = {"demo": (4, 128), "qwen3": (4, 128), "gptoss": (2, 64), "dsv3": (2, 64), "qnext": (2, 64), "nano": (2, 64)}  # prompts, new tokens
 REPLAY_BLOCK = 16
 TINY_VOCAB = 512
 
@@ -106,7 +110,7 @@ def parse_target(name: str, layers: int = 0) -> tuple[str, str | None, int]:
         return "demo", None, 0
     family, _, n = name.partition("-")
     if family not in FAMILIES or not n.endswith("l") or not n[:-1].isdigit() or int(n[:-1]) < 1:
-        raise SystemExit(f"unknown target {name!r}: use demo, qwen3-<N>l, gptoss-<N>l, dsv3-<N>l or qnext-<N>l (e.g. gptoss-24l)")
+        raise SystemExit(f"unknown target {name!r}: use demo, qwen3-<N>l, gptoss-<N>l, dsv3-<N>l, qnext-<N>l or nano-<N>l (e.g. gptoss-24l)")
     return family, FAMILIES[family], layers or int(n[:-1])
 
 

@@ -179,7 +179,8 @@ def make_tiny_checkpoint(out_dir: str | pathlib.Path, arch: str = "qwen3_moe", s
 
 def real_shape_config(arch: str, vocab_size: int = 4096, num_layers: int = 2, eos_id: int = 0):
     """The layer shapes of a real model (Qwen3-30B-A3B, gpt-oss-20b, Mixtral-8x7B, DeepSeek-V3 with 32 of its 256
-    experts, Qwen3-Next-80B-A3B with 64 of its 512 and at least 4 layers), few layers, a small vocabulary: random weights of real size have the near ties that bf16 kernels turn
+    experts, Qwen3-Next-80B-A3B with 64 of its 512 and at least 4 layers, Nemotron 3 Nano 30B-A3B with at least 4
+    blocks), few layers, a small vocabulary: random weights of real size have the near ties that bf16 kernels turn
     into different tokens."""
     common = dict(vocab_size=vocab_size, num_hidden_layers=num_layers, max_position_embeddings=4096, tie_word_embeddings=False,
                   initializer_range=0.05, eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None)
@@ -221,7 +222,22 @@ def real_shape_config(arch: str, vocab_size: int = 4096, num_layers: int = 2, eo
                                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                                layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
                                             for i in range(layers)])
-    raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES} or deepseek_v3, qwen3_next")
+    if arch == "nemotron_h":  # Nemotron 3 Nano 30B-A3B's blocks (Mamba-2, MoE of up-only relu^2 experts, attention
+        # without positions); its 128 experts of width 1856, top 6, a shared expert. The blocks repeat its pattern's
+        # start: Mamba-2, MoE, then attention in the 4th block (then Mamba-2 / MoE again)
+        from transformers import AutoConfig
+
+        layers = max(num_layers, 4)
+        pattern = ["linear_attention", "moe", "linear_attention", "full_attention", "moe"]
+        return AutoConfig.for_model("nemotron_h", **common | dict(num_hidden_layers=layers), hidden_size=2688,
+                                    num_attention_heads=32, num_key_value_heads=2, head_dim=128, mamba_num_heads=64,
+                                    mamba_head_dim=64, n_groups=8, ssm_state_size=128, conv_kernel=4, chunk_size=128,
+                                    n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+                                    moe_shared_expert_intermediate_size=3712, n_group=1, topk_group=1,
+                                    routed_scaling_factor=2.5, norm_topk_prob=True, intermediate_size=3712,
+                                    layers_block_type=[pattern[i % len(pattern)] for i in range(layers)])
+    raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES} or deepseek_v3, qwen3_next, "
+                     "nemotron_h")
 
 
 def make_real_shape_checkpoint(out_dir: str | pathlib.Path, arch: str, num_layers: int = 2, seed: int = 0,

@@ -216,6 +216,9 @@ def test_hybrids_with_the_kernels_verify_drafts_exactly_on_any_transformers(arch
 
     core = VerifierCore(target, max_block_size=8, paged_kv=PagedKVOptions(mode="auto", kv_cache_gb=0.01))
     assert core.pool is not None and core.pool.linear is not None and not core.pool.k[0].numel(), core.paged_off
+    types = target.model.config.get_text_config().layer_types  # KV pages for the attention layers alone
+    assert [bool(core.pool.k[i].numel()) for i in range(len(types))] == [
+        "attention" in k and k != "linear_attention" for k in types], types
     assert core.wave_forward  # (positions: a table, or none at all)
     prompts, n = [[5, 9, 13, 2, 7, 11]], 8
     one = core_run(core, prompts, n, 1)["outputs"]

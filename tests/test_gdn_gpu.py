@@ -4,7 +4,9 @@ kernels give a token the same bits whatever block it is in and whatever was roll
 references; and a Qwen3-Next-shaped model (four layers: three Gated
 DeltaNet layers and a full-attention one, 64 of its 512 experts, random weights) served with the kernels gives its
 block-1 tokens for n-gram drafts, for drafts that roll back mid-block and in multi-session waves, on the paged forward
-with CUDA graphs (a state slot per session) and on transformers' cache alike. Run with `bash benchmarks/gpu.sh OUT gdn`."""
+with CUDA graphs (a state slot per session) and on transformers' cache alike; the same for a Nemotron 3 Nano-shaped
+model (Mamba-2, up-only relu^2 experts bf16 or MXFP4, attention without positions). Run with `bash benchmarks/gpu.sh OUT
+gdn`."""
 
 from __future__ import annotations
 
@@ -118,3 +120,40 @@ def test_qwen3_next_shapes_give_block_one_tokens_for_every_drafter_and_in_waves(
     assert len(core.sessions) == 0 and core.pool.linear.free_slots == core.pool.linear.slots - 1
     dense = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(mode="off"))
     assert [_run(dense, p, _replay(solo[i], 3, vocab), width=16) for i, p in enumerate(prompts)] == solo
+
+
+@pytest.mark.parametrize("experts", ["native", "mxfp4"])
+def test_nemotron_h_shapes_give_block_one_tokens_for_every_drafter_and_in_waves(tmp_path, experts):
+    """Nemotron 3 Nano 30B-A3B's blocks (Mamba-2 at 64 heads of 64 with 8 groups and state 128; MoE blocks of 128
+    up-only relu^2 experts of width 1856, top 6; attention without positions), five blocks, random bf16 weights, the
+    experts bf16 or MXFP4 (up-only experts take pair words, not fragment words), on the paged forward with CUDA graphs:
+    block 1's tokens for n-gram drafts at block 8, for replayed drafts with every 3rd one wrong at block 16, in waves of
+    two sessions, and on transformers' cache; KV pages for the attention block alone."""
+    from transformers import AutoModelForCausalLM
+
+    from pdflash.tiny import real_shape_config
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
+    from verifier_svc.model import serve_mxfp4, wrap_model
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(real_shape_config("nemotron_h", num_layers=5), dtype=torch.bfloat16)
+    target = serve_mxfp4(model, tmp_path, "on") if experts == "mxfp4" else wrap_model(model, tmp_path, kernels="on")
+    assert target.batch_invariant and not target.kernels["uncovered_ops"], target.kernels
+    core = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=4),
+                        max_wave_sessions=4)
+    assert core.graphs is not None and core.pool.linear is not None
+    assert [bool(core.pool.k[i].numel()) for i in range(5)] == [False, False, False, True, False]
+    vocab = target.vocab_size
+    prompts = _prompts(vocab, 2)
+    solo = [_run(core, p, _no_drafts) for p in prompts]
+    for i, p in enumerate(prompts):
+        assert _run(core, p, _ngram(), width=8) == solo[i]
+        assert _run(core, p, _replay(solo[i], 3, vocab), width=16) == solo[i]
+    sessions = [Session(core, p, _replay(solo[i], 3 + 2 * i, vocab), 16, True) for i, p in enumerate(prompts)]
+    run_in_waves(core, sessions)
+    assert [s.out for s in sessions] == solo
+    dense = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(mode="off"))
+    assert [_run(dense, p, _replay(solo[i], 3, vocab), width=16) for i, p in enumerate(prompts)] == solo
+    del core, dense, target, model
+    torch.cuda.empty_cache()

@@ -185,7 +185,10 @@ class VerifierCore:
         if linear:
             states = LinearStates(linear, slots, self.max_block_size, t.dtype, t.device)
             budget -= slots * per_slot
-        kv_layers = set(range(t.num_layers)) - set(linear)
+        # keys for the attention layers: none for the recurrent ones, nor for a hybrid's blocks with no attention at all
+        # (Nemotron-H's MoE and MLP blocks: most of its layers)
+        types = list(getattr(cfg, "layer_types", None) or [])[: t.num_layers]
+        kv_layers = set(range(t.num_layers)) - set(linear) - {i for i, k in enumerate(types) if k in _STATELESS_BLOCKS}
         pages = KVPool.pages_for(kv_heads, k_dim, len(kv_layers), t.dtype, budget, v_dim)
         self.pool = KVPool(t.num_layers, kv_heads, k_dim, pages, t.dtype, t.device, v_dim, kv_layers=kv_layers,
                            linear=states)
