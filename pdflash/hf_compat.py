@@ -45,6 +45,9 @@ def keeps_recurrent_states() -> bool:
     return "recurrent_states_to_keep" in inspect.signature(LinearAttentionCacheLayerMixin.activate_past_recording).parameters
 
 
+STATELESS_BLOCKS = ("moe", "mlp")  # layer types of a hybrid's blocks that keep no state across tokens (Nemotron-H)
+
+
 def new_session_cache(config: Any, max_block: int):
     """A DynamicCache for one session that can drop a verify block's rejected tokens (`crop(-n)`): sliding-window
     layers keep what they would evict, linear-attention / state-space layers (Qwen3-Next, Jamba, ...) the recurrent
@@ -56,6 +59,12 @@ def new_session_cache(config: Any, max_block: int):
         cache.activate_past_recording(recurrent_states_to_keep=max_block)
     else:
         cache.activate_past_recording()
+    # A hybrid's blocks without attention or a recurrence (Nemotron-H's "moe" / "mlp") hold nothing; transformers < 5.25
+    # gives them a linear-attention layer anyway, whose crop then fails on its never-set convolution width
+    types = list(getattr(config.get_text_config(), "layer_types", None) or [])
+    for i, layer in enumerate(cache.layers):
+        if i < len(types) and types[i] in STATELESS_BLOCKS:
+            layer.crop = lambda n: None
     return cache
 
 

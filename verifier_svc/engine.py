@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from pdflash.hf_compat import new_session_cache
+from pdflash.hf_compat import STATELESS_BLOCKS, new_session_cache
 from pdflash.errors import FailedPrecondition, FieldViolation, PdflashError, check
 from pdflash.logging import get_logger
 from pdflash.penalties import Penalties
@@ -45,7 +45,6 @@ class PrefillInput:
     top_logprobs: int = 0  # with logprobs: the likeliest alternatives at each position
 
 
-_STATELESS_BLOCKS = ("moe", "mlp")  # layer types of a hybrid's blocks that keep no state across tokens
 KV_FREE_SHARE = 0.9  # the most of the device's free memory (after the model) an asked --kv-cache-gb may take
 
 
@@ -188,7 +187,7 @@ class VerifierCore:
         # keys for the attention layers: none for the recurrent ones, nor for a hybrid's blocks with no attention at all
         # (Nemotron-H's MoE and MLP blocks: most of its layers)
         types = list(getattr(cfg, "layer_types", None) or [])[: t.num_layers]
-        kv_layers = set(range(t.num_layers)) - set(linear) - {i for i, k in enumerate(types) if k in _STATELESS_BLOCKS}
+        kv_layers = set(range(t.num_layers)) - set(linear) - {i for i, k in enumerate(types) if k in STATELESS_BLOCKS}
         pages = KVPool.pages_for(kv_heads, k_dim, len(kv_layers), t.dtype, budget, v_dim)
         self.pool = KVPool(t.num_layers, kv_heads, k_dim, pages, t.dtype, t.device, v_dim, kv_layers=kv_layers,
                            linear=states)
@@ -229,7 +228,7 @@ class VerifierCore:
         types = list(getattr(cfg, "layer_types", None) or [])[: self.target.num_layers]
         # (Nemotron-H names a block by its one mixer: "moe" and "mlp" blocks hold no state)
         recurrent = [i for i, k in enumerate(types)
-                     if k == "linear_attention" or ("attention" not in k and k not in _STATELESS_BLOCKS)]
+                     if k == "linear_attention" or ("attention" not in k and k not in STATELESS_BLOCKS)]
         if not recurrent:
             return {}, None
         served = {int(m.layer_idx): m for m in self.target.model.modules()
