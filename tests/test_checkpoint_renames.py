@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 
 @pytest.mark.parametrize("arch", ["nemotron_h", "granitemoe", "ernie4_5_moe"])
@@ -19,8 +21,10 @@ def test_a_renamed_checkpoint_loads_directly_as_transformers_loads_it(arch, tmp_
 
     d = make_tiny_checkpoint(tmp_path / arch, arch)
     direct = plan(d, AutoConfig.from_pretrained(d), torch.float32)
-    assert isinstance(direct, DirectLoad), direct
-    assert any(name != key for name, key in direct.tensors.stored.items())  # (some names are transformers' renames)
+    if Version(transformers.__version__) >= Version("5.25"):  # (older ones lack some renamings: their load falls back to
+        # transformers' own, then quantizes, which must give the same model and store all the same)
+        assert isinstance(direct, DirectLoad), direct
+        assert any(name != key for name, key in direct.tensors.stored.items())  # (some names are transformers' renames)
     target = load_target(d, "cpu", experts="mxfp4", expert_cache_gb=1.0)
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     store = offload_experts(model, torch.device("cpu"), 1.0).store

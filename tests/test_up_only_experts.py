@@ -12,6 +12,8 @@ import sys
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 from pdflash_kernels import mxfp4
 from pdflash_kernels.moe import ACT_RELU2, ACT_SILU, ExpertWeights
@@ -22,6 +24,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 
 E, H, I = 6, 64, 32
 NEW = 16
+# transformers < 5.25 has no renaming for Nemotron-H's checkpoint names (`backbone.`): its `--experts mxfp4` load falls
+# back to transformers' own load and quantizes after it (the same tokens; the resident byte map then counts the
+# quantized tensors as they are, unpadded)
+DIRECT = Version(transformers.__version__) >= Version("5.25")
 
 
 def _up_only(bias: bool = False, seed: int = 0) -> tuple[mxfp4.MXFP4Experts, ExpertWeights]:
@@ -169,6 +175,8 @@ def test_the_direct_load_reads_nemotron_h_per_expert_up_only_tensors(nemotron_h)
 
     from verifier_svc.checkpoint import DirectLoad, Tensors, plan
 
+    if not DIRECT:
+        pytest.skip(f"transformers {transformers.__version__} does not rename Nemotron-H's checkpoint names")
     assert "backbone.layers.1.mixer.experts.0.up_proj.weight" in Tensors(nemotron_h)
     direct = plan(nemotron_h, AutoConfig.from_pretrained(nemotron_h), torch.float32)
     assert isinstance(direct, DirectLoad), direct
@@ -236,7 +244,9 @@ def test_resident_mxfp4_nemotron_h_on_the_kernels_gives_transformers_tokens(nemo
     if not runtime.triton_usable("cpu"):
         pytest.skip("needs triton (its CPU interpreter)")
     target = load_target(nemotron_h, "cpu", kernels="on", experts="mxfp4")
-    assert target.expert_cache is None and target.experts_format == "mxfp4" and target.byte_map == {1: [2560] * 8}
+    assert target.expert_cache is None and target.experts_format == "mxfp4"
+    if DIRECT:  # (the store's slices: scale rows padded, sections aligned)
+        assert target.byte_map == {1: [2560] * 8}
     assert target.kernels["experts"] == "triton mxfp4", target.kernels
     (w,) = [m._pdflash_weights for m in experts_modules(target.model).values()]
     assert w.fp4 and not w.gated and w.w1.shape == (8, 32, 32)
