@@ -37,6 +37,9 @@ MODELS = {  # experts, top-k, hidden, expert width
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "mixtral-8x7b": (8, 2, 4096, 14336),
 }
+# Up-only experts (no gate, relu^2: pdflash_kernels.moe.ACT_RELU2), timed with --up-only (not part of issue 12's table):
+# Nemotron 3 Nano 30B-A3B's routed experts
+UP_ONLY_MODELS = {"nemotron-3-nano": (128, 6, 2688, 1856)}
 
 
 def gpu_time_us(fn, reps: int = 50) -> float:
@@ -144,8 +147,15 @@ def hf_experts(model: str):
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    e, k, h, i = MODELS[model]
-    if model == "gpt-oss-20b":
+    e, k, h, i = {**MODELS, **UP_ONLY_MODELS}[model]
+    if model in UP_ONLY_MODELS:
+        from transformers import AutoConfig
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+        cfg = AutoConfig.for_model("nemotron_h", hidden_size=h, moe_intermediate_size=i, n_routed_experts=e,
+                                   num_experts_per_tok=k)
+        cls = NemotronHExperts
+    elif model == "gpt-oss-20b":
         cfg, cls = GptOssConfig(hidden_size=h, intermediate_size=i, num_local_experts=e, num_experts_per_tok=k), GptOssExperts
     elif model == "qwen3-30b-a3b":
         cfg, cls = Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=k), Qwen3MoeExperts
@@ -234,12 +244,12 @@ def copy_same_bytes_us(nbytes: int) -> float:
     return gpu_time_us(lambda: dst.copy_(src))
 
 
-def bench_moe(rate: float) -> list[dict]:
+def bench_moe(rate: float, models: dict | None = None) -> list[dict]:
     from pdflash_kernels.installer import expert_weights
     from pdflash_kernels.moe import moe_forward
 
     rows = []
-    for model, (e, k, h, i) in MODELS.items():
+    for model, (e, k, h, i) in (models or MODELS).items():
         mod = hf_experts(model)
         cases = []
         with torch.inference_mode():  # transformers first: expert_weights re-lays gpt-oss's transposed weights
@@ -251,8 +261,9 @@ def bench_moe(rate: float) -> list[dict]:
                     cases.append((active, tpe, x, ids, wts, gpu_time_us(lambda: mod(x, ids, wts))))
         w_bf16 = expert_weights(mod, "native")
         w_fp4 = as_served(expert_weights(mod, "mxfp4"))
-        bias = (2 * i + h) * 2 if w_bf16.b1 is not None else 0
-        per = {"mxfp4": 2 * i * h // 2 + 2 * i * h // 32 + h * i // 2 + h * i // 32 + bias, "bf16": 3 * h * i * 2 + bias}
+        r1 = 2 * i if w_bf16.gated else i  # w1's rows (up-only experts: the I up rows alone)
+        bias = (r1 + h) * 2 if w_bf16.b1 is not None else 0
+        per = {"mxfp4": r1 * h // 2 + r1 * h // 32 + h * i // 2 + h * i // 32 + bias, "bf16": (r1 + i) * h * 2 + bias}
         for active, tpe, x, ids, wts, t_hf in cases:
             for name, w in (("mxfp4", w_fp4), ("bf16", w_bf16)):
                 with torch.inference_mode():
@@ -592,6 +603,8 @@ def main() -> None:
     ap.add_argument("--sweep-jobs", type=int, default=8, help="parallel compiles before the sweep times (1: one at a time)")
     ap.add_argument("--align-only", action="store_true", help="only the routing step's table (bench_align)")
     ap.add_argument("--align-baseline", default=None, help="another pdflash_kernels/moe.py to time the routing step against")
+    ap.add_argument("--up-only", action="store_true", help="only the up-only experts' table (UP_ONLY_MODELS: Nemotron 3 "
+                    "Nano), to kernels_up_only_<device>.json / .md")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -600,6 +613,21 @@ def main() -> None:
     rate = copy_rate()
     result["copy_rate_bytes_per_s"] = rate
     print(f"device copy: {rate / 1e12:.2f} TB/s (read + write)")
+    if args.up_only:
+        result["moe"] = bench_moe(rate, UP_ONLY_MODELS)
+        up_out = out / f"kernels_up_only_{device_tag()}"
+        up_out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        md = [f"# up-only (relu^2) experts on {result['device']} (`python benchmarks/kernel_bench.py --up-only`)", "",
+              f"Device copy {rate / 1e12:.2f} TB/s (read + write). MXFP4 on pair words (fragment words are for gated "
+              "experts); transformers' NemotronHExperts on grouped_mm in bf16 as the baseline.", "",
+              "| model | weights | tokens/expert | active experts | us (graph) | transformers grouped_mm bf16 us (graph) | "
+              "speedup | weight MB | GB/s | of copy rate |", "|---|---|---|---|---|---|---|---|---|---|"]
+        md += [f"| {r['model']} | {r['weights']} | {r['tokens_per_expert']} | {r['active_experts']} | {r['us']} | "
+               f"{r['torch_bf16_us']} | {r['speedup']}x | {r['weight_bytes'] / 1e6:.1f} | {r['gbps']} | {r['hbm_fraction']:.0%} |"
+               for r in result["moe"]]
+        up_out.with_suffix(".md").write_text("\n".join(md) + "\n")
+        print("\n".join(md))
+        return
     if args.sweep:
         lines = []
 
