@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdflash_kernels import gdn
-from tests.test_gpu_verifier import Session, _ngram, _no_drafts, _prompts, _replay, _run, real_shape_target, run_in_waves
+from tests.test_gpu_verifier import drafts_and_waves_give_block_one, real_shape_target
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -108,18 +108,9 @@ def test_qwen3_next_shapes_give_block_one_tokens_for_every_drafter_and_in_waves(
     the cache, eager) gives the same tokens."""
     from verifier_svc.engine import PagedKVOptions, VerifierCore
 
-    vocab = core.target.vocab_size
-    prompts = _prompts(vocab, 2)
-    solo = [_run(core, p, _no_drafts) for p in prompts]
-    for i, p in enumerate(prompts):
-        assert _run(core, p, _ngram(), width=8) == solo[i]
-        assert _run(core, p, _replay(solo[i], 3, vocab), width=16) == solo[i]
-    sessions = [Session(core, p, _replay(solo[i], 3 + 2 * i, vocab), 16, True) for i, p in enumerate(prompts)]
-    run_in_waves(core, sessions)
-    assert [s.out for s in sessions] == solo
-    assert len(core.sessions) == 0 and core.pool.linear.free_slots == core.pool.linear.slots - 1
     dense = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(mode="off"))
-    assert [_run(dense, p, _replay(solo[i], 3, vocab), width=16) for i, p in enumerate(prompts)] == solo
+    drafts_and_waves_give_block_one(core, dense)
+    assert len(core.sessions) == 0 and core.pool.linear.free_slots == core.pool.linear.slots - 1
 
 
 @pytest.mark.parametrize("experts", ["native", "mxfp4"])
@@ -144,16 +135,7 @@ def test_nemotron_h_shapes_give_block_one_tokens_for_every_drafter_and_in_waves(
                         max_wave_sessions=4)
     assert core.graphs is not None and core.pool.linear is not None
     assert [bool(core.pool.k[i].numel()) for i in range(5)] == [False, False, False, True, False]
-    vocab = target.vocab_size
-    prompts = _prompts(vocab, 2)
-    solo = [_run(core, p, _no_drafts) for p in prompts]
-    for i, p in enumerate(prompts):
-        assert _run(core, p, _ngram(), width=8) == solo[i]
-        assert _run(core, p, _replay(solo[i], 3, vocab), width=16) == solo[i]
-    sessions = [Session(core, p, _replay(solo[i], 3 + 2 * i, vocab), 16, True) for i, p in enumerate(prompts)]
-    run_in_waves(core, sessions)
-    assert [s.out for s in sessions] == solo
     dense = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(mode="off"))
-    assert [_run(dense, p, _replay(solo[i], 3, vocab), width=16) for i, p in enumerate(prompts)] == solo
+    drafts_and_waves_give_block_one(core, dense)
     del core, dense, target, model
     torch.cuda.empty_cache()

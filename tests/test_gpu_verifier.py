@@ -140,6 +140,23 @@ def _ngram():
     return lambda prompt, out, k: ngram_propose(0, prompt, out, k, state)
 
 
+def drafts_and_waves_give_block_one(core, dense=None) -> None:
+    """Two prompts on a real-shape model's paged core (near ties): n-gram drafts at block 8, drafts replaying the output
+    with every 3rd one wrong at block 16 (a rollback most rounds) and the same sessions verified together in waves give
+    block 1's tokens; `dense` (a core on transformers' cache), the same tokens for the replayed drafts there."""
+    vocab = core.target.vocab_size
+    prompts = _prompts(vocab, 2)
+    solo = [_run(core, p, _no_drafts) for p in prompts]
+    for i, p in enumerate(prompts):
+        assert _run(core, p, _ngram(), width=8) == solo[i]
+        assert _run(core, p, _replay(solo[i], 3, vocab), width=16) == solo[i]
+    sessions = [Session(core, p, _replay(solo[i], 3 + 2 * i, vocab), 16, True) for i, p in enumerate(prompts)]
+    run_in_waves(core, sessions)
+    assert [s.out for s in sessions] == solo
+    if dense is not None:
+        assert [_run(dense, p, _replay(solo[i], 3, vocab), width=16) for i, p in enumerate(prompts)] == solo
+
+
 def test_every_drafter_and_width_equals_block_one(core):
     vocab = core.target.vocab_size
     for prompt in _prompts(vocab, 2):

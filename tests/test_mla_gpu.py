@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_gpu_verifier import Session, _no_drafts, _ngram, _prompts, _replay, _run, real_shape_target, run_in_waves
+from tests.test_gpu_verifier import drafts_and_waves_give_block_one, real_shape_target
 from tests.test_mla import _expanded_reference, _pools
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -67,12 +67,4 @@ def core(tmp_path_factory):
 def test_deepseek_v3_shapes_give_block_one_tokens_for_every_drafter_and_in_waves(core):
     """Greedy at real MLA shapes (near ties): n-gram drafts at block 8, drafts replaying the output with every 3rd one
     wrong at block 16 (a rollback most rounds), and the same sessions verified together in waves give block 1's tokens."""
-    vocab = core.target.vocab_size
-    prompts = _prompts(vocab, 2)
-    solo = [_run(core, p, _no_drafts) for p in prompts]
-    for i, p in enumerate(prompts):
-        assert _run(core, p, _ngram(), width=8) == solo[i]
-        assert _run(core, p, _replay(solo[i], 3, vocab), width=16) == solo[i]
-    sessions = [Session(core, p, _replay(solo[i], 3 + 2 * i, vocab), 16, True) for i, p in enumerate(prompts)]
-    run_in_waves(core, sessions)
-    assert [s.out for s in sessions] == solo
+    drafts_and_waves_give_block_one(core)
