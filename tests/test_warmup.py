@@ -77,7 +77,9 @@ def test_warmup_on_the_demo_model_leaves_nothing_behind_and_changes_no_token():
     t = warm.target
     forms = warmup.align_lengths(t.experts_per_token, t.max_context)
     assert t.experts_per_token > 0 and len(forms) >= 3
-    assert report.feature_layers == layers and report.prefills >= 2 + len(forms)  # each form of the align prefilled too
+    # each form of the align prefilled too where it compiles (CUDA); on a CPU nothing compiles, so they are skipped
+    assert report.feature_layers == layers
+    assert report.prefills == 2 + (len(forms) if t.device.type == "cuda" else 0)
     assert report.verifies == 2 * len(warmup.block_sizes(8)) == 8  # blocks 1, 2, 4, 8; without and with features
     assert len(warm.sessions) == 0
     assert warm.warmup_seconds == report.seconds > 0 and cold.warmup_seconds == 0

@@ -8,7 +8,7 @@ captured at load), cuBLAS and the caching allocator set up, the expert cache fil
 `warm(core, feature_layers)` runs what requests run: a prefill of a short prompt, then one verify per bucket the graph
 runner replays (verifier_svc.runner.BUCKETS up to --max-block-size), each carrying the previous call's routed union as
 its projection, without features and again with the drafter's feature layers (and, with multi-session waves on the
-paged KV, one wave per wave-graph bucket: `wave_blocks`); before those, for a MoE target, prefills
+paged KV, one wave per wave-graph bucket: `wave_blocks`); before those, for a MoE target on CUDA, prefills
 whose pairs reach each compiled form of the MoE align (`align_lengths`: up to 513 tokens at one expert a token), and with
 CUDA graphs one prompt per prefill-graph bucket (verifier_svc.runner.PREFILL_BUCKETS), without and with the feature
 layers, and with prefill-wave graphs (multi-session waves on the paged KV) one prefill wave per prefill-wave bucket
@@ -165,7 +165,9 @@ def warm(core: VerifierCore, feature_layers: tuple[int, ...] = ()) -> WarmupRepo
     prefills = verifies = 0
     held: list[_Request] = []
     try:
-        for n in align_lengths(t.experts_per_token, t.max_context):  # prefill only: each form of the MoE align
+        # prefill only: each form of the MoE align, compiled on first use on CUDA (on a CPU nothing compiles: torch's
+        # CPU ops, or the kernels under Triton's interpreter, where these prompts took minutes and warmed nothing)
+        for n in align_lengths(t.experts_per_token, t.max_context) if cuda else ():
             _Request(core, tuple(3 + i % (t.vocab_size - 3) for i in range(n)), ()).end()  # its KV back at once
             prefills += 1
         # each prefill graph's bucket (verifier_svc.runner.PREFILL_BUCKETS), without and with the drafter's features: a
