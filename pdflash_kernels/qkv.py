@@ -25,6 +25,8 @@ the module's own output and pool contents bit for bit.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pdflash_kernels import linear, runtime
@@ -80,8 +82,16 @@ if triton is not None:
                          HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HA: tl.constexpr,
                          SPLIT_A: tl.constexpr, SPLIT_B: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, CAST_FIRST: tl.constexpr, XROUND: tl.constexpr,
                          NROUND: tl.constexpr, ROUND: tl.constexpr, HALF_TABLE: tl.constexpr, BLOCK: tl.constexpr,
-                         EMULATE: tl.constexpr):
+                         EMULATE: tl.constexpr, HB: tl.constexpr = 1):
+        """HB: heads a program (1: one program per (token, head), the GPU's form; > 1, a power of two: HB heads as the rows
+        of one tile, `_qkv_rope_heads`, the CPU interpreter's form, whose cost grows with the programs it runs)."""
         runtime.pdl_begin()
+        if HB > 1:
+            _qkv_rope_heads(ws_a, ws_b, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, kp_ptr, vp_ptr, pages_ptr,
+                            offs_ptr, kps_p, kps_h, kps_s, vps_p, vps_h, vps_s, sc_t, sc_d, M, q_eps, k_eps, scale, HQ, HK, D,
+                            HA, SPLIT_A, SPLIT_B, HAS_BIAS, NORM, CAST_FIRST, XROUND, NROUND, ROUND, HALF_TABLE, BLOCK,
+                            EMULATE, HB)
+            return
         pid = tl.program_id(0)
         t = pid // (HQ + 2 * HK)
         j = pid % (HQ + 2 * HK)
@@ -116,6 +126,82 @@ if triton is not None:
         else:  # v: the projection's value as it is
             h = (j - HQ - HK).to(tl.int64)
             tl.store(vp_ptr + page * vps_p + h * vps_h + off * vps_s + i, x.to(vp_ptr.dtype.element_ty), mask=ok)
+
+
+    @triton.jit
+    def _qkv_rope_heads(ws_a, ws_b, bias_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_ptr, kp_ptr, vp_ptr, pages_ptr, offs_ptr,
+                        kps_p, kps_h, kps_s, vps_p, vps_h, vps_s, sc_t, sc_d, M, q_eps, k_eps, scale,
+                        HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HA: tl.constexpr,
+                        SPLIT_A: tl.constexpr, SPLIT_B: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                        CAST_FIRST: tl.constexpr, XROUND: tl.constexpr, NROUND: tl.constexpr, ROUND: tl.constexpr,
+                        HALF_TABLE: tl.constexpr, BLOCK: tl.constexpr, EMULATE: tl.constexpr, HB: tl.constexpr):
+        """`_qkv_rope_kernel`'s steps for HB heads of one token at once, a head a row of [HB, BLOCK] tiles: each value
+        the same elementwise ops on the same operands, each head's norm a sum over its own row."""
+        HT: tl.constexpr = HQ + 2 * HK
+        nb = (HT + HB - 1) // HB
+        t = tl.program_id(0) // nb
+        j = (tl.program_id(0) % nb) * HB + tl.arange(0, HB)[:, None]
+        i = tl.arange(0, BLOCK)[None, :]
+        ok = (i < D) & (j < HT)
+        half = D // 2
+        ip = tl.where(i < half, i + half, i - half)
+        x = _heads_value(ws_a, ws_b, bias_ptr, t, j, i, ok, M, HA, HT, D, SPLIT_A, SPLIT_B, HAS_BIAS, XROUND, EMULATE)
+        p = _heads_value(ws_a, ws_b, bias_ptr, t, j, ip, ok, M, HA, HT, D, SPLIT_A, SPLIT_B, HAS_BIAS, XROUND, EMULATE)
+        is_q = j < HQ
+        xr, pr = x, p
+        if NORM:
+            acc = tl.zeros((HB, BLOCK), dtype=tl.float32)
+            acc += x * x
+            inv = tl.math.rsqrt(tl.sum(acc, axis=1)[:, None] * scale + tl.where(is_q, q_eps, k_eps))
+            w = tl.where(is_q, tl.load(qn_ptr + i + j * 0, mask=ok, other=0.0), tl.load(kn_ptr + i + j * 0, mask=ok, other=0.0))
+            wp = tl.where(is_q, tl.load(qn_ptr + ip + j * 0, mask=ok, other=0.0),
+                          tl.load(kn_ptr + ip + j * 0, mask=ok, other=0.0))
+            xr = _normed(x, w.to(tl.float32), inv, CAST_FIRST, XROUND, NROUND, EMULATE)
+            pr = _normed(p, wp.to(tl.float32), inv, CAST_FIRST, XROUND, NROUND, EMULATE)
+        sign = tl.where(i < half, -1.0, 1.0)
+        if HALF_TABLE:
+            ci = i % half
+        else:
+            ci = i
+        c = tl.load(cos_ptr + t * sc_t + ci * sc_d + j * 0, mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * sc_t + ci * sc_d + j * 0, mask=ok, other=0.0).to(tl.float32)
+        y = _round(_round(xr * c, ROUND, EMULATE) + _round(sign * pr * s, ROUND, EMULATE), ROUND, EMULATE)
+        page = tl.load(pages_ptr + t).to(tl.int64)
+        off = tl.load(offs_ptr + t).to(tl.int64)
+        tl.store(q_ptr + (t * HQ + j).to(tl.int64) * D + i, y.to(q_ptr.dtype.element_ty), mask=ok & is_q)
+        hk = (j - HQ).to(tl.int64)
+        is_k = (j >= HQ) & (j < HQ + HK)
+        tl.store(kp_ptr + page * kps_p + hk * kps_h + off * kps_s + i, y.to(kp_ptr.dtype.element_ty), mask=ok & is_k)
+        hv = (j - HQ - HK).to(tl.int64)
+        tl.store(vp_ptr + page * vps_p + hv * vps_h + off * vps_s + i, x.to(vp_ptr.dtype.element_ty),
+                 mask=ok & (j >= HQ + HK))
+
+    @triton.jit
+    def _heads_value(ws_a, ws_b, bias_ptr, t, j, i, ok, M, HA: tl.constexpr, HT: tl.constexpr, D: tl.constexpr,
+                     SPLIT_A: tl.constexpr, SPLIT_B: tl.constexpr, HAS_BIAS: tl.constexpr, XROUND: tl.constexpr,
+                     EMULATE: tl.constexpr):
+        """`_value` for a tile of heads j (rows) at i: heads < HA from ws_a, the rest from ws_b."""
+        a = linear.sum_partials(ws_a, t, j * D + i, ok & (j < HA), M, HA * D, SPLIT_A)
+        if HA < HT:
+            b = linear.sum_partials(ws_b, t, (j - HA) * D + i, ok & (j >= HA), M, (HT - HA) * D, SPLIT_B)
+            a = tl.where(j < HA, a, b)
+        if HAS_BIAS:
+            a += tl.load(bias_ptr + j * D + i, mask=ok, other=0.0).to(tl.float32)
+        return _round(a, XROUND, EMULATE)
+
+
+# Heads a program of `_qkv_rope_kernel`: 1 on a GPU; under Triton's CPU interpreter, whose cost is per program and per
+# op whatever the tile's size, every head of a token in one program (the paged-forward tests' prefills spent most of
+# their time in this kernel's (token, head) programs). PDFLASH_QKV_HEADS_PER_PROGRAM=1 runs the GPU's form there too.
+_HB = os.environ.get("PDFLASH_QKV_HEADS_PER_PROGRAM") or None
+
+
+def heads_per_program(heads: int) -> int:
+    """`_qkv_rope_kernel`'s HB for `heads` q, k and v heads: 1 (one program per (token, head)) on a GPU, all of them
+    (a power of two) under the interpreter, unless PDFLASH_QKV_HEADS_PER_PROGRAM says."""
+    if _HB is not None:
+        return max(1, int(_HB))
+    return triton.next_power_of_2(heads) if runtime.interpreting() else 1
 
 
 def out_dtypes(x: torch.dtype, norm_w: torch.dtype | None, cast_first: bool, cos: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
@@ -187,12 +273,13 @@ def qkv_rope_write(x: torch.Tensor, parts: list[tuple[torch.Tensor, linear.Linea
     if t:
         qn, kn, q_eps, k_eps, cast_first = norms if norms is not None else (x, x, 0.0, 0.0, True)
         nround = _ROUNDED[torch.promote_types(qn.dtype, x.dtype)] if cast_first else _ROUNDED[x.dtype]
-        _qkv_rope_kernel[(t * (hq + 2 * hk),)](
+        hb = heads_per_program(hq + 2 * hk)
+        _qkv_rope_kernel[(t * triton.cdiv(hq + 2 * hk, hb),)](
             ws[0], ws[-1], bias if bias is not None else ws[0], qn, kn, cos, sin, q, k_pool, v_pool, pages, offsets,
             k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
             cos.stride(1), cos.stride(2), t, float(q_eps), float(k_eps), 1.0 / d,
             HQ=hq, HK=hk, D=d, HA=ha, SPLIT_A=parts[0][1].split, SPLIT_B=parts[-1][1].split,
             HAS_BIAS=bias is not None, NORM=norms is not None,
             CAST_FIRST=cast_first, XROUND=_ROUNDED[x.dtype], NROUND=nround, ROUND=_ROUNDED[rdtype],
-            HALF_TABLE=cos.shape[-1] != d, BLOCK=_block(d), EMULATE=runtime.interpreting(), **LAUNCH_OPTIONS)
+            HALF_TABLE=cos.shape[-1] != d, BLOCK=_block(d), EMULATE=runtime.interpreting(), HB=hb, **LAUNCH_OPTIONS)
     return q.transpose(1, 2)

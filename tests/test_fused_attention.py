@@ -250,3 +250,29 @@ def test_qkv_rope_write_with_q_apart_when_the_splits_differ():
     got = qkv.qkv_rope_write(x, [(ws[0], cfg_q), (torch.cat(ws[1:]), cfg_kv)], None, hq, hk, d, None, cos, sin, kp, vp,
                              pages, offs)
     assert torch.equal(got, q) and torch.equal(kp, want_k) and torch.equal(vp, want_v)
+
+
+@needs_triton
+@pytest.mark.parametrize("hq,hk,hb", [(5, 2, None), (4, 2, "2"), (3, 1, "8")])
+def test_qkv_heads_in_one_program_give_the_one_head_programs_bits(hq, hk, hb, monkeypatch):
+    """The interpreter's form of qkv_rope_write (HB heads a program, `qkv.heads_per_program`: every head of a token in
+    one tile, or HB = 2 of them) stores q, k and v bit for bit as the GPU's one (token, head) a program does: norms,
+    bias, rotary on a half table, q apart from k|v, heads past the last masked."""
+    d, k, t = 16, 256, 3
+    cfg_q, cfg_kv = linear.linear_config(hq * d, k), linear.linear_config(2 * hk * d, k)
+    x = torch.randn(t, k, generator=G).bfloat16()
+    wq, wkv = _w(hq * d, k), _w(2 * hk * d, k)
+    b = _w((hq + 2 * hk) * d)
+    qn, kn = (torch.rand(d, generator=G) + 0.5).bfloat16(), (torch.rand(d, generator=G) + 0.5).bfloat16()
+    ang = torch.randn(1, t, d // 2, generator=G)
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    pages, offs = torch.tensor([1, 0, 1]), torch.tensor([2, PAGE - 1, 3])
+    out = {}
+    for form in ("1", hb):
+        monkeypatch.setattr(qkv, "_HB", form)
+        kp, vp = torch.zeros(2, hk, PAGE, d).bfloat16(), torch.zeros(2, hk, PAGE, d).bfloat16()
+        q = qkv.qkv_rope_write(x, [(wq, cfg_q), (wkv, cfg_kv)], b, hq, hk, d, (qn, kn, 1e-6, 1e-5, True), cos, sin, kp,
+                               vp, pages, offs)
+        out[form] = (q, kp, vp)
+    assert qkv.heads_per_program(hq + 2 * hk) == (int(hb) if hb else qkv.triton.next_power_of_2(hq + 2 * hk))
+    assert all(torch.equal(a, c) for a, c in zip(out["1"], out[hb])) and out["1"][1].abs().sum() > 0
