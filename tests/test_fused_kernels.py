@@ -279,7 +279,7 @@ for hq, hk, d, split, bias, norm, half, ha in ((32, 4, 128, 8, False, True, Fals
                                               (32, 8, 128, 8, False, False, False, 32)):  # the last: Mixtral, q apart
     p = ptx(qkv._qkv_rope_kernel, qt, dict(HQ=hq, HK=hk, D=d, HA=ha, SPLIT_A=split, SPLIT_B=16 if ha == hq else split,
                                            HAS_BIAS=bias, NORM=norm, CAST_FIRST=True,
-                                           XROUND=1, NROUND=1, ROUND=1, HALF_TABLE=half, BLOCK=d, EMULATE=False))
+                                           XROUND=1, NROUND=1, ROUND=1, HALF_TABLE=half, BLOCK=d, EMULATE=False, HB=1))
     assert "fma." not in p, "a product contracted into a sum (norm or rotary)"
 rt = dict(q_ptr="*bf16", k_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", qo_ptr="*bf16", ko_ptr="*bf16")
 for d, half, rnd in ((128, False, 1), (64, True, 1), (128, False, 0)):
