@@ -17,7 +17,8 @@ the rotary and the paged KV write: 10 launches, most of them tiny. Here:
 2. `qkv_rope_write`: one program per (token, head) of q, k and v adds the K partials in split order and the bias
    (the bits the projection would store), applies the per-head RMSNorm (`pdflash_kernels.fused._rms_norm_kernel`'s
    arithmetic), the rotary (`pdflash_kernels.fused._rotary_kernel`'s), and stores q, and k and v into the layer's page pools
-   at the block's slots.
+   at the block's slots. (Under Triton's CPU interpreter a program takes every head of its token instead, as the rows
+   of one tile: `heads_per_program`, the same values.)
 
 Every value is rounded where the op-by-op path rounds it; `verifier_svc.attention` uses this only after a probe got
 the module's own output and pool contents bit for bit.
