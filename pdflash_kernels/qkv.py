@@ -195,13 +195,15 @@ if triton is not None:
 # op whatever the tile's size, every head of a token in one program (the paged-forward tests' prefills spent most of
 # their time in this kernel's (token, head) programs). PDFLASH_QKV_HEADS_PER_PROGRAM=1 runs the GPU's form there too.
 _HB = os.environ.get("PDFLASH_QKV_HEADS_PER_PROGRAM") or None
+if _HB is not None and not (_HB.isdigit() and int(_HB) >= 1 and int(_HB) & (int(_HB) - 1) == 0):
+    raise ValueError(f"PDFLASH_QKV_HEADS_PER_PROGRAM must be a power of two (heads a program), got {_HB!r}")
 
 
 def heads_per_program(heads: int) -> int:
     """`_qkv_rope_kernel`'s HB for `heads` q, k and v heads: 1 (one program per (token, head)) on a GPU, all of them
     (a power of two) under the interpreter, unless PDFLASH_QKV_HEADS_PER_PROGRAM says."""
     if _HB is not None:
-        return max(1, int(_HB))
+        return int(_HB)
     return triton.next_power_of_2(heads) if runtime.interpreting() else 1
 
 

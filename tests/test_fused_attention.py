@@ -276,3 +276,17 @@ def test_qkv_heads_in_one_program_give_the_one_head_programs_bits(hq, hk, hb, mo
         out[form] = (q, kp, vp)
     assert qkv.heads_per_program(hq + 2 * hk) == (int(hb) if hb else qkv.triton.next_power_of_2(hq + 2 * hk))
     assert all(torch.equal(a, c) for a, c in zip(out["1"], out[hb])) and out["1"][1].abs().sum() > 0
+
+
+def test_qkv_heads_per_program_setting_is_checked():
+    import os
+    import subprocess
+    import sys
+
+    for bad in ("3", "0", "-2", "all"):
+        r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.qkv"], capture_output=True, text=True,
+                           env={**os.environ, "PDFLASH_QKV_HEADS_PER_PROGRAM": bad})
+        assert r.returncode != 0 and "PDFLASH_QKV_HEADS_PER_PROGRAM" in r.stderr, bad
+    r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.qkv as Q; print(Q.heads_per_program(40))"],
+                       capture_output=True, text=True, env={**os.environ, "PDFLASH_QKV_HEADS_PER_PROGRAM": "1"})
+    assert r.stdout.strip() == "1", r.stderr
