@@ -193,18 +193,26 @@ if triton is not None:
 
 # Heads a program of `_qkv_rope_kernel`: 1 on a GPU; under Triton's CPU interpreter, whose cost is per program and per
 # op whatever the tile's size, every head of a token in one program (the paged-forward tests' prefills spent most of
-# their time in this kernel's (token, head) programs). PDFLASH_QKV_HEADS_PER_PROGRAM=1 runs the GPU's form there too.
-_HB = os.environ.get("PDFLASH_QKV_HEADS_PER_PROGRAM") or None
-if _HB is not None and not (_HB.isdigit() and int(_HB) >= 1 and int(_HB) & (int(_HB) - 1) == 0):
-    raise ValueError(f"PDFLASH_QKV_HEADS_PER_PROGRAM must be a power of two (heads a program), got {_HB!r}")
+# their time in this kernel's (token, head) programs). PDFLASH_QKV_HEADS_PER_PROGRAM=N sets it under the interpreter
+# (1: the GPU's form there too); a GPU always runs one head a program, the form its tests check.
+def heads_setting(text: str | None) -> int | None:
+    """PDFLASH_QKV_HEADS_PER_PROGRAM's value: None unset or empty, else a power of two (a ValueError otherwise)."""
+    if not text:
+        return None
+    if not (text.isdigit() and int(text) >= 1 and int(text) & (int(text) - 1) == 0):
+        raise ValueError(f"PDFLASH_QKV_HEADS_PER_PROGRAM must be a power of two (heads a program), got {text!r}")
+    return int(text)
+
+
+_HB = heads_setting(os.environ.get("PDFLASH_QKV_HEADS_PER_PROGRAM"))
 
 
 def heads_per_program(heads: int) -> int:
-    """`_qkv_rope_kernel`'s HB for `heads` q, k and v heads: 1 (one program per (token, head)) on a GPU, all of them
-    (a power of two) under the interpreter, unless PDFLASH_QKV_HEADS_PER_PROGRAM says."""
-    if _HB is not None:
-        return int(_HB)
-    return triton.next_power_of_2(heads) if runtime.interpreting() else 1
+    """`_qkv_rope_kernel`'s HB for `heads` q, k and v heads: 1 (one program per (token, head)) on a GPU; under the
+    interpreter all of them (a power of two) unless PDFLASH_QKV_HEADS_PER_PROGRAM says."""
+    if not runtime.interpreting():
+        return 1
+    return _HB if _HB is not None else triton.next_power_of_2(heads)
 
 
 def out_dtypes(x: torch.dtype, norm_w: torch.dtype | None, cast_first: bool, cos: torch.dtype) -> tuple[torch.dtype, torch.dtype]:

@@ -269,7 +269,7 @@ def test_qkv_heads_in_one_program_give_the_one_head_programs_bits(hq, hk, hb, mo
     pages, offs = torch.tensor([1, 0, 1]), torch.tensor([2, PAGE - 1, 3])
     out = {}
     for form in ("1", hb):
-        monkeypatch.setattr(qkv, "_HB", form)
+        monkeypatch.setattr(qkv, "_HB", qkv.heads_setting(form))
         kp, vp = torch.zeros(2, hk, PAGE, d).bfloat16(), torch.zeros(2, hk, PAGE, d).bfloat16()
         q = qkv.qkv_rope_write(x, [(wq, cfg_q), (wkv, cfg_kv)], b, hq, hk, d, (qn, kn, 1e-6, 1e-5, True), cos, sin, kp,
                                vp, pages, offs)
@@ -278,15 +278,20 @@ def test_qkv_heads_in_one_program_give_the_one_head_programs_bits(hq, hk, hb, mo
     assert all(torch.equal(a, c) for a, c in zip(out["1"], out[hb])) and out["1"][1].abs().sum() > 0
 
 
-def test_qkv_heads_per_program_setting_is_checked():
+
+def test_qkv_heads_per_program_setting_is_checked(monkeypatch):
+    """PDFLASH_QKV_HEADS_PER_PROGRAM: a power of two or a one-line error at import; only the interpreter takes it."""
     import os
     import subprocess
     import sys
 
     for bad in ("3", "0", "-2", "all"):
-        r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.qkv"], capture_output=True, text=True,
-                           env={**os.environ, "PDFLASH_QKV_HEADS_PER_PROGRAM": bad})
-        assert r.returncode != 0 and "PDFLASH_QKV_HEADS_PER_PROGRAM" in r.stderr, bad
-    r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.qkv as Q; print(Q.heads_per_program(40))"],
-                       capture_output=True, text=True, env={**os.environ, "PDFLASH_QKV_HEADS_PER_PROGRAM": "1"})
-    assert r.stdout.strip() == "1", r.stderr
+        with pytest.raises(ValueError, match="PDFLASH_QKV_HEADS_PER_PROGRAM must be a power of two"):
+            qkv.heads_setting(bad)
+    assert qkv.heads_setting("") is None and qkv.heads_setting("4") == 4
+    r = subprocess.run([sys.executable, "-c", "import pdflash_kernels.qkv"], capture_output=True, text=True,
+                       env={**os.environ, "PDFLASH_QKV_HEADS_PER_PROGRAM": "3"})
+    assert r.returncode != 0 and "PDFLASH_QKV_HEADS_PER_PROGRAM must be a power of two" in r.stderr
+    monkeypatch.setattr(qkv, "_HB", 4)
+    monkeypatch.setattr(qkv.runtime, "interpreting", lambda: False)
+    assert qkv.heads_per_program(40) == 1  # a GPU: one head a program whatever the setting
