@@ -618,8 +618,8 @@ def main() -> None:
         up_out = out / f"kernels_up_only_{device_tag()}"
         up_out.with_suffix(".json").write_text(json.dumps(result, indent=1))
         md = [f"# up-only (relu^2) experts on {result['device']} (`python benchmarks/kernel_bench.py --up-only`)", "",
-              f"Device copy {rate / 1e12:.2f} TB/s (read + write). MXFP4 on pair words (fragment words are for gated "
-              "experts); transformers' NemotronHExperts on grouped_mm in bf16 as the baseline.", "",
+              f"Device copy {rate / 1e12:.2f} TB/s (read + write). MXFP4 stored {_served_format_note()}; transformers' "
+              "NemotronHExperts on grouped_mm in bf16 as the baseline.", "",
               "| model | weights | tokens/expert | active experts | us (graph) | transformers grouped_mm bf16 us (graph) | "
               "speedup | weight MB | GB/s | of copy rate |", "|---|---|---|---|---|---|---|---|---|---|"]
         md += [f"| {r['model']} | {r['weights']} | {r['tokens_per_expert']} | {r['active_experts']} | {r['us']} | "

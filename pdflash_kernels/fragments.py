@@ -40,7 +40,8 @@ import typing
 import torch
 
 from pdflash_kernels import mxfp4, runtime
-from pdflash_kernels.moe import FAST_DECODE_MAX_SCALE, Routing, pair_word_decode_asm, triton_cdiv, triton_next_pow2
+from pdflash_kernels.moe import (ACT_RELU2, FAST_DECODE_MAX_SCALE, Routing, pair_word_decode_asm, triton_cdiv,
+                                  triton_next_pow2)
 
 try:  # Gluon (Triton >= 3.5): explicit layouts. Optional like Triton itself.
     from triton.experimental import gluon
@@ -462,7 +463,8 @@ if gluon is not None:
         EPI 0: y (float32) at the block's rows = x[pair // TOPK] @ w^T (EPI 3: x[block row] @ w^T); EPI 1 (gate/up,
         rows [gates; ups] as `gate_up_order` stores them, N = I): the program's tiles are NT / 2 gate tiles and the NT / 2
         up tiles I / 16 tiles further (one A operand), h (bf16) at the block's rows = act(gate (+ bias), up (+ bias)) of
-        x[pair // TOPK]; EPI 2 (down): y (float32) at row `pair` = (h[block row] @ w^T (+ bias)) * routing weight.
+        x[pair // TOPK]; up-only experts (ACT 2, N = I rows of up alone): NT up tiles, h = relu(up (+ bias))^2;
+        EPI 2 (down): y (float32) at row `pair` = (h[block row] @ w^T (+ bias)) * routing weight.
         Rounded where moe's kernels round: bf16 after each projection and bias. SPLIT > 1: K's whole KQS-quad steps cut
         into ranges of SS steps (the quads past the last whole step in the last range), each program's float32 partial
         sums into ws [SPLIT, R, weight rows]; the tile's last program (a counter in cnt as a semaphore) adds them in
@@ -482,7 +484,7 @@ if gluon is not None:
         program for the unused block slots (a routed call's grid is its worst case, ~max(P, E) blocks, of which P / 16
         to E hold pairs). Each tile is the same program body: the same bits."""
         _pdl_begin(PDL)  # before any load: the routing and the slots' copies come from the kernels before
-        TPP0: gl.constexpr = NT // 2 if EPI == 1 else NT  # output tiles a program
+        TPP0: gl.constexpr = NT // 2 if (EPI == 1 and ACT != 2) else NT  # output tiles a program (up-only: ACT 2)
         NTL: gl.constexpr = (N // 16 + TPP0 - 1) // TPP0  # weight tiles a block (the grid's program_id(1) range)
         if PERSIST:
             if DIRECT:
@@ -549,7 +551,7 @@ if gluon is not None:
         XL: gl.constexpr = _layout("x", W)
         QUADS: gl.constexpr = K // 64
         MAIN: gl.constexpr = QUADS // KQS * KQS
-        TWO: gl.constexpr = EPI == 1
+        TWO: gl.constexpr = EPI == 1 and ACT != 2  # gate and up tiles (ACT 2, up-only experts: the up tiles alone)
         TPP: gl.constexpr = NT // 2 if TWO else NT  # output tiles a program
         if DIRECT:
             eid = gl.load(pairs_ptr + b).to(gl.int32)
@@ -659,7 +661,17 @@ if gluon is not None:
                   N: gl.constexpr, EPI: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, ROW_MUL: gl.constexpr,
                   UP_OFF: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, TPP: gl.constexpr, W: gl.constexpr,
                   MMA: gl.constexpr):
-        if EPI == 1:  # gate rows [0, BN / 2) and up rows [BN / 2, BN) of acc apart, through shared memory
+        if EPI == 1 and ACT == 2:  # up-only: h = relu(up (+ bias))^2, rounded as moe's ACT_RELU2 epilogue rounds
+            j = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+            j_ok = j < N
+            mask = j_ok[:, None] & p_ok[None, :]
+            u = acc.to(gl.bfloat16).to(gl.float32)
+            if HAS_BIAS:
+                bu = gl.load(b_ptr + slot.to(gl.int64) * stride_b + j, mask=j_ok, other=0.0).to(gl.float32)
+                u = (u + bu[:, None]).to(gl.bfloat16).to(gl.float32)
+            r = gl.maximum(u, 0.0)
+            gl.store(out_ptr + rows[None, :] * stride_o + j[:, None], (r * r).to(gl.bfloat16), mask=mask)
+        elif EPI == 1:  # gate rows [0, BN / 2) and up rows [BN / 2, BN) of acc apart, through shared memory
             EL: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [1, W], [0, 1])
             ESL: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
             es = gl.allocate_shared_memory(gl.float32, [BN, BM], ESL)
@@ -934,7 +946,8 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
     if words.dtype != torch.int32 or swords.dtype != torch.int32 or words.stride(-1) != 1:
         raise ValueError("words/swords must be to_fragment_words' int32 tensors")
     nt, kqs, num_warps, prefetch, split, stages, xring = tile
-    if nt % num_warps or kqs & (kqs - 1) or (epi == 1 and nt % 2):
+    two = epi == 1 and act != ACT_RELU2  # (gate and up tiles a program)
+    if nt % num_warps or kqs & (kqs - 1) or (two and nt % 2):
         raise ValueError(f"tile {tile}: nt must be a multiple of the warps (and even for gate/up), kqs a power of two")
     if stages:
         _check_async(tile, x, words)
@@ -958,7 +971,7 @@ def _launch(x, r: Routing | DirectPairs, words, swords, out, n: int, topk: int, 
             raise ValueError(f"phase {phase}: a routing made with phase_of_expert")
         args = (r.sorted_pairs, r.block_slot, r.num_blocks, r.block_phase if phase else r.block_slot)
         dkw = {}
-    per_program = nt // 2 if epi == 1 else nt
+    per_program = nt // 2 if two else nt
     grid = (mb, triton_cdiv(n // 16, per_program))
     split, ss = split_plan(quads, kqs, split)
     ws, cnt, rows = x, args[1], 0  # (not read with one range)
@@ -1261,20 +1274,20 @@ def token_chunk(topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile) 
     return max(16, SPLIT_WORKSPACE_BYTES // per_token) if per_token else 1 << 62
 
 
-def gate_up_order(inter: int, row_mul: int, up_off: int) -> torch.Tensor:
+def gate_up_order(inter: int, row_mul: int, up_off: int, gated: bool = True) -> torch.Tensor:
     """w1's rows as the fragment GEMM takes them: the I gate rows, then the I up rows (gpt-oss interleaves them: row_mul
-    2, up_off 1), so a program's gate tiles and up tiles are I / 16 tiles apart and its activation needs no exchange."""
+    2, up_off 1), so a program's gate tiles and up tiles are I / 16 tiles apart and its activation needs no exchange.
+    Up-only experts (`gated` False): their I up rows as they are."""
     j = torch.arange(inter)
+    if not gated:
+        return j
     return torch.cat([j * row_mul, j * row_mul + up_off])
 
 
 def fragments_fit(hidden: int, inter: int, gated: bool = True) -> str | None:
-    """Why experts of this shape cannot be held as fragment words (None: they can): gate and up rows (`gated`), both
-    GEMMs' K a multiple of 64. Up-only experts (no gate rows: pdflash_kernels.moe.ACT_RELU2) are not: the gate/up
-    GEMM's tiles pair gate rows with up rows (`gate_up_order`); pair words and nibbles serve them on the Triton
-    kernels."""
-    if not gated:
-        return "up-only experts (no gate rows): the fragment kernels' gate/up GEMM pairs gate tiles with up tiles"
+    """Why experts of this shape cannot be held as fragment words (None: they can): both GEMMs' K (hidden, expert
+    width) a multiple of 64. Gated experts (gate and up rows, `gate_up_order`) and up-only ones (`gated` False: the up
+    rows alone, pdflash_kernels.moe.ACT_RELU2, whose first GEMM's programs hold up tiles only) both fit."""
     if hidden % QUAD or inter % QUAD:
         return f"hidden ({hidden}) and expert width ({inter}) must be multiples of {QUAD}"
     return None
@@ -1283,8 +1296,8 @@ def fragments_fit(hidden: int, inter: int, gated: bool = True) -> str | None:
 @dataclasses.dataclass
 class FragmentExperts:
     """One layer's MXFP4 experts as fragment words (first dimension = slot): w1 [S, 2I/16, H/64, 8, 4, 4] int32 in
-    `gate_up_order`, s1 [S, 2I/16, H/64, 8]; w2 [S, H/16, I/64, 8, 4, 4], s2 [S, H/16, I/64, 8]; biases as
-    pdflash_kernels.moe.ExpertWeights keeps them (b1 in w1's original row order, read at j * row_mul (+ up_off)).
+    `gate_up_order` (up-only experts, act ACT_RELU2: [S, I/16, ...], the up rows alone), s1 [S, 2I/16, H/64, 8];
+    w2 [S, H/16, I/64, 8, 4, 4], s2 [S, H/16, I/64, 8]; biases as pdflash_kernels.moe.ExpertWeights keeps them (b1 in w1's original row order, read at j * row_mul (+ up_off)).
     The served form on a GPU (verifier_svc.expert_store's "fragments" format): `pdflash_kernels.moe.moe_forward` runs
     `fragment_moe` on it, `pdflash_kernels.reference.moe_reference` reads it through `to_weights`."""
 
@@ -1309,8 +1322,13 @@ class FragmentExperts:
         return self.up_off
 
     @property
+    def gated(self) -> bool:
+        """Whether w1 holds gate and up rows; False for up-only experts (ACT_RELU2: the up rows alone)."""
+        return self.act != ACT_RELU2
+
+    @property
     def intermediate(self) -> int:
-        return self.w1.shape[1] * 8
+        return self.w1.shape[1] * (8 if self.gated else 16)
 
     @property
     def hidden(self) -> int:
@@ -1321,15 +1339,15 @@ class FragmentExperts:
         """From MXFP4 `pdflash_kernels.moe.ExpertWeights` (nibble order or pair words); refuses scale bytes above 128."""
         if not w.fp4:
             raise ValueError("fragment words hold MXFP4 experts; these are not")
-        if not w.gated:
-            why = fragments_fit(w.hidden, w.intermediate, False)
-            raise ValueError(f"these experts cannot be held as fragment words: {why}")
-        rows = gate_up_order(w.intermediate, w.row_mul, w.up_offset).to(w.w1.device)
+        rows = gate_up_order(w.intermediate, w.row_mul, w.up_offset, w.gated).to(w.w1.device)
         b1 = mxfp4.nibble_blocks(w.w1.contiguous(), w.pair_words)[:, rows]
         s1 = w.s1.contiguous()[:, rows]
         b2 = mxfp4.nibble_blocks(w.w2.contiguous(), w.pair_words)
         s2 = w.s2.contiguous()
         check_scales(s1), check_scales(s2)
+        why = fragments_fit(w.hidden, w.intermediate, w.gated)
+        if why:
+            raise ValueError(f"these experts cannot be held as fragment words: {why}")
         f1, t1 = to_fragment_words(b1, s1)
         f2, t2 = to_fragment_words(b2, s2)
         return cls(f1, t1, f2, t2, w.b1, w.b2, w.row_mul, w.up_offset, w.act, w.alpha, w.limit)
@@ -1340,7 +1358,7 @@ class FragmentExperts:
 
         b1, s1 = from_fragment_words(self.w1, self.s1)
         b2, s2 = from_fragment_words(self.w2, self.s2)
-        rows = gate_up_order(self.intermediate, self.row_mul, self.up_off).to(b1.device)
+        rows = gate_up_order(self.intermediate, self.row_mul, self.up_off, self.gated).to(b1.device)
         ob1, os1 = torch.empty_like(b1), torch.empty_like(s1)
         ob1[:, rows], os1[:, rows] = b1, s1
         return ExpertWeights(ob1, b2, os1, s2, self.b1, self.b2, self.row_mul, self.up_off, self.act, self.alpha, self.limit)
@@ -1411,6 +1429,8 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     t1, t2 = config or frag_config(hdim, inter, t * topk)
     if one_launch_refusal(t, topk, hdim, inter, t1, t2) is not None or (fw.b1 is None) != (fw.b2 is None):
         return None  # (one HAS_BIAS for both GEMMs)
+    if not fw.gated:
+        return None  # (its gate/up tiles pair gate with up rows: up-only experts take the four launches)
     p = t * topk
     mb = _moe.max_blocks(p, num_experts, 16)
     ta, tb = triton_cdiv(inter // 16, t1.nt // 2), triton_cdiv(hdim // 16, t2.nt)
@@ -1514,18 +1534,21 @@ _SECTIONS = (("w1_blocks", "w1_scales", True), ("w2_blocks", "w2_scales", False)
 
 def _section_shapes(layout, first: bool) -> tuple[int, int]:
     h, i = layout.hidden, layout.intermediate
-    return (2 * i, h) if first else (h, i)
+    return ((2 * i if getattr(layout, "gated", True) else i), h) if first else (h, i)
 
 
 def to_fragment_parts(parts: dict[str, torch.Tensor], row_mul: int, up_off: int) -> dict[str, torch.Tensor]:
     """Nibble-order parts of experts (w1_blocks [.., 2I, H/2], w1_scales [.., 2I, H/32], w2_blocks, w2_scales; leading
-    dimensions any) -> the bytes each section holds in the fragments format ([.., bytes] uint8). Refuses scale bytes
-    above 128 (`check_scales`)."""
+    dimensions any; up-only experts' w1 [.., I, ..], told apart by w2's width) -> the bytes each section holds in the
+    fragments format ([.., bytes] uint8). Refuses scale bytes above 128 (`check_scales`)."""
     out = {}
+    inter = parts["w2_blocks"].shape[-1] * 2
     for bname, sname, first in _SECTIONS:
         b, sc = parts[bname], parts[sname]
         if first:
-            order = gate_up_order(b.shape[-2] // 2, row_mul, up_off).to(b.device)
+            if b.shape[-2] not in (inter, 2 * inter):
+                raise ValueError(f"w1 has {b.shape[-2]} rows; experts of width {inter} have {2 * inter} or {inter}")
+            order = gate_up_order(inter, row_mul, up_off, b.shape[-2] == 2 * inter).to(b.device)
             b, sc = b[..., order, :], sc[..., order, :]
         check_scales(sc)
         words, swords = to_fragment_words(b.contiguous(), sc.contiguous())
@@ -1545,7 +1568,7 @@ def from_fragment_parts(raw: dict[str, torch.Tensor], layout, row_mul: int, up_o
         swords = raw[sname][..., : n * k // 32].contiguous().view(torch.int32).reshape(*lead, n // 16, k // QUAD, 8)
         b, sc = from_fragment_words(words, swords)
         if first:
-            order = gate_up_order(n // 2, row_mul, up_off).to(b.device)
+            order = gate_up_order(layout.intermediate, row_mul, up_off, getattr(layout, "gated", True)).to(b.device)
             ob, osc = torch.empty_like(b), torch.empty_like(sc)
             ob[..., order, :], osc[..., order, :] = b, sc
             b, sc = ob, osc

@@ -321,6 +321,42 @@ def test_persistent_kernel_compiles_for_sm90(n, k, tile, epi, direct, monkeypatc
     assert ("atom.global" in ptx) == (split > 1)
 
 
+@needs_gluon
+@pytest.mark.parametrize("tile,bias,direct,persist,split", [("4x4w4", False, 0, 0, 1), ("8x2w4aa3", True, 0, 0, 1),
+                                                            ("4x1w4", False, 1, 0, 1), ("4x2w4aa3", False, 1, 1, 1),
+                                                            ("4x4w4ps2", True, 0, 1, 2)])
+def test_up_only_first_gemm_compiles_for_sm90(tile, bias, direct, persist, split, monkeypatch):
+    """The first GEMM of up-only experts (EPI 1, ACT 2: Nemotron 3 Nano's 1856 up rows over K 2688) compiles for sm_90
+    with the tile's MMAs and a program's NT tiles all up tiles: its epilogue (relu(up)^2, bf16) needs no exchange
+    through shared memory, so shared memory holds only the activations (and a staged tile's ring)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    n, k = 1856, 2688
+    nt, kqs, warps, pf, _, stages, xring = F.FragTile.parse(tile)
+    split, ss = F.split_plan(k // 64, kqs, split)
+    const = dict(N=n, K=k, TOPK=6, EPI=1, ACT=2, HAS_BIAS=bias, ROW_MUL=1, UP_OFF=0, PHASE=0, BM=16, NT=nt, KQS=kqs,
+                 W=warps, PREFETCH=pf, SPLIT=split, SS=ss, STAGES=stages, XRING=xring, PERSIST=persist)
+    if direct:
+        const.update(DIRECT=1, E=128, HAS_SLOT=1, HAS_NVALID=1, DP=64, GROUP=1, TAB=1)
+    sig = dict(SIG, out_ptr="*bf16", **{c: "constexpr" for c in const})
+    if direct:
+        sig.update(pairs_ptr="*i64", phase_ptr="*i1")
+    kern = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps})
+    ptx = kern.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16" in ptx and ".local" not in ptx
+    assert direct or "shfl" not in ptx  # (a routing-free call's grouping reduces over the ids with shuffles)
+    assert ptx.count("max.f32") + ptx.count("max.NaN.f32") >= 1  # (the relu)
+    step = nt * kqs * 512 + nt * kqs * 128
+    xtile = 16 * kqs * 64 * 2
+    ring = stages * step + (stages if xring else 1) * xtile if stages else 2 * xtile
+    assert kern.metadata.shared <= ring + 2 * 16 * 64 * 2  # (no gate/up exchange: nt * 16 * 16 * 4 bytes)
+    assert ("atom.global" in ptx) == (split > 1)
+
+
 def test_persist_setting_is_checked(monkeypatch):
     # the H100's A/B (stop 50, benchmarks/persist_ab.py): 8 programs a multiprocessor, calls of up to 512 pairs on the
     # shapes measured faster (Qwen3-30B-A3B, gpt-oss-20b), none elsewhere (Mixtral-8x7B measured slower)
@@ -521,23 +557,29 @@ def test_kernel_rows_are_bit_identical_whatever_the_other_rows(tile):
         assert torch.equal(rows_of_token0(xo, io), alone), others
 
 
-MOE_SHAPES = {  # experts, top-k, hidden, expert width, gpt-oss form (interleaved gate/up rows, biases, clamped SwiGLU)
-    "gpt-oss-20b": (32, 4, 2880, 2880, True),
-    "qwen3-30b-a3b": (128, 8, 2048, 768, False),
-    "small": (8, 2, 320, 192, True),
+MOE_SHAPES = {  # experts, top-k, hidden, expert width, form: "gptoss" (interleaved gate/up rows, biases, clamped
+    # SwiGLU), "silu" (gate rows then up rows), "relu2" (up-only experts, Nemotron-H / Nemotron 3: relu(up)^2), "relu2_bias"
+    "gpt-oss-20b": (32, 4, 2880, 2880, "gptoss"),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, "silu"),
+    "small": (8, 2, 320, 192, "gptoss"),
+    "nemotron-3-nano": (128, 6, 2688, 1856, "relu2"),
+    "small-up": (8, 2, 320, 192, "relu2_bias"),
 }
+UP_ONLY = ("nemotron-3-nano", "small-up")
 
 
 def _moe_case(model, tokens, seed=0):
-    from pdflash_kernels.moe import ACT_GPTOSS, ExpertWeights
+    from pdflash_kernels.moe import ACT_GPTOSS, ACT_RELU2, ExpertWeights
 
-    e, k, h, i, gptoss = MOE_SHAPES[model]
+    e, k, h, i, form = MOE_SHAPES[model]
+    r1 = i if form.startswith("relu2") else 2 * i  # w1's rows (up-only experts: the I up rows alone)
     g = torch.Generator(device="cuda").manual_seed(seed)
-    b1, s1 = mxfp4.quantize(torch.randn(e, 2 * i, h, generator=g, device="cuda") * 0.02)
+    b1, s1 = mxfp4.quantize(torch.randn(e, r1, h, generator=g, device="cuda") * 0.02)
     b2, s2 = mxfp4.quantize(torch.randn(e, h, i, generator=g, device="cuda") * 0.02)
-    kw = dict(row_mul=2, up_off=1, act=ACT_GPTOSS,
-              b1=(torch.randn(e, 2 * i, generator=g, device="cuda") * 0.02).bfloat16(),
-              b2=(torch.randn(e, h, generator=g, device="cuda") * 0.02).bfloat16()) if gptoss else {}
+    kw = dict(row_mul=2, up_off=1, act=ACT_GPTOSS) if form == "gptoss" else dict(act=ACT_RELU2) if r1 == i else {}
+    if form in ("gptoss", "relu2_bias"):
+        kw.update(b1=(torch.randn(e, r1, generator=g, device="cuda") * 0.02).bfloat16(),
+                  b2=(torch.randn(e, h, generator=g, device="cuda") * 0.02).bfloat16())
     w = ExpertWeights(b1, b2, s1, s2, **kw)
     x = torch.randn(tokens, h, generator=g, device="cuda").bfloat16()
     ids = torch.stack([torch.randperm(e, generator=g, device="cuda")[:k] for _ in range(tokens)])
@@ -550,7 +592,9 @@ def _moe_case(model, tokens, seed=0):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model,tokens,tiles", [("gpt-oss-20b", 5, None), ("qwen3-30b-a3b", 17, None), ("small", 40, None),
                                                 ("gpt-oss-20b", 5, "8x4w4ps4,8x4w4ps4"), ("small", 40, "4x1w4s2,4x2w4ps3"),
-                                                ("qwen3-30b-a3b", 17, "8x2w4,4x4w4s2")])
+                                                ("qwen3-30b-a3b", 17, "8x2w4,4x4w4s2"), ("nemotron-3-nano", 17, None),
+                                                ("small-up", 40, None), ("small-up", 40, "4x1w4s2,4x2w4ps3"),
+                                                ("nemotron-3-nano", 5, "4x2w4aa3s3,4x4w4ps2")])
 def test_fragment_moe_matches_the_moe_reference(model, tokens, tiles):
     from pdflash_kernels.reference import moe_reference
 
@@ -565,7 +609,8 @@ def test_fragment_moe_matches_the_moe_reference(model, tokens, tiles):
 @needs_gluon
 @pytest.mark.gpu
 @pytest.mark.parametrize("model,tiles", [("gpt-oss-20b", None), ("qwen3-30b-a3b", None),
-                                         ("gpt-oss-20b", "8x4w4ps4,8x2w4ps4"), ("qwen3-30b-a3b", "4x4w4s2,4x4w4ps2")])
+                                         ("gpt-oss-20b", "8x4w4ps4,8x2w4ps4"), ("qwen3-30b-a3b", "4x4w4s2,4x4w4ps2"),
+                                         ("nemotron-3-nano", None), ("small-up", "4x4w4s2,4x4w4ps2")])
 def test_fragment_moe_rows_are_bit_identical_for_any_batch_and_phases(model, tiles):
     """A token's output row keeps its bits with 0..63 other tokens in the call, and when the experts are computed in
     copy groups (phases) as an expert cache brings them; with K split too."""
@@ -607,7 +652,7 @@ def test_staged_tiles_give_the_register_paths_bits(model, tiles, monkeypatch):
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small"])
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small", "nemotron-3-nano"])
 def test_unsplit_tiles_give_the_same_bits(model, monkeypatch):
     """Every unsplit tile (rows a program, quads a K step, warps, prefetch, staging) adds a row's K products in one
     order, so every one gives the same output bits: what lets FRAG_BY_SIZE pick tiles by the call's size. Four launches
@@ -622,7 +667,7 @@ def test_unsplit_tiles_give_the_same_bits(model, monkeypatch):
         outs = [_four_launches(x[:n], ids[:n], wts[:n], fw, e, config=tuple(map(F.FragTile.parse, c))) for c in tiles]
         for c, o in zip(tiles[1:], outs[1:]):
             assert torch.equal(o, outs[0]), (n, c)
-        if n * k <= 128:
+        if n * k <= 128 and fw.gated:  # (up-only experts take the four launches: fragment_moe_one refuses them)
             saved, F.ONE_LAUNCH_PAIRS = F.ONE_LAUNCH_PAIRS, 128
             try:
                 for c in tiles[2:4]:
@@ -640,7 +685,7 @@ def test_unsplit_tiles_give_the_same_bits(model, monkeypatch):
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small"])
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small", "small-up"])
 def test_persistent_programs_give_the_same_bits(model, monkeypatch):
     """PDFLASH_FP4_PERSIST (a fixed grid of programs walking the live tiles) gives every bit of one program a tile:
     routed calls of 1 to 64 tokens (few experts holding many pairs, and many experts), the routing-free small call,
@@ -715,7 +760,7 @@ def test_grouped_direct_blocks_hold_an_experts_pairs(monkeypatch):
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small"])
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small", "nemotron-3-nano"])
 def test_direct_pairs_give_the_routed_bits(model, monkeypatch):
     """A small call without the routing launch (each program grouping the pairs itself) gives the routed call's bits:
     alone and as the served path (DIRECT_PAIRS), 1 to 128 pairs, spread over experts or all on a token's k experts (an
@@ -791,6 +836,34 @@ def test_direct_pairs_give_the_routed_bits(model, monkeypatch):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, routed(x[:n], ids[:n], wts[:n], fw, e))
+
+
+@cuda
+@needs_gluon
+@pytest.mark.gpu
+def test_up_only_experts_take_the_four_launches(monkeypatch):
+    """Up-only experts (relu(up)^2): the one launch refuses them (its gate/up tiles pair gate rows with up rows) even
+    where every shape takes it, and the served call then gives the four launches' bits; its h rows are relu(up)^2 of
+    the up rows as moe's Triton kernels round them (bf16 after the projection and the bias)."""
+    from pdflash_kernels import moe
+
+    monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 128)
+    e, w, fw, x, ids, wts = _moe_case("small-up", 16, seed=43)
+    assert not fw.gated and fw.b1 is not None
+    assert F.fragment_moe_one(x, ids, wts, fw, e) is None
+    assert torch.equal(F.fragment_moe(x, ids, wts, fw, e, direct=False), _four_launches(x, ids, wts, fw, e))
+    r = moe.align_fused(ids, e, 16)
+    h = torch.zeros((r.max_blocks * 16, fw.intermediate), dtype=torch.bfloat16, device="cuda")
+    F._launch(x, r, fw.w1, fw.s1, h, fw.intermediate, ids.shape[1], 1, F.FragTile(4, 1, 4), 0, fw.b1, fw.act)
+    up = F.frag_gemm(x, r, fw.w1, fw.s1, ids.shape[1], tile=F.FragTile(4, 1, 4))  # (the same sums, no epilogue)
+    u = up.bfloat16().float()
+    slots = r.block_slot.repeat_interleave(16)[: up.shape[0]].long().clamp(min=0)
+    u = (u + fw.b1[slots].float()).bfloat16().float()
+    live = r.sorted_pairs[: up.shape[0]] < r.num_pairs
+    live[int(r.num_blocks.item()) * 16:] = False  # (block slots past the routing's count hold no pairs)
+    relu = u.clamp(min=0)
+    want = (relu * relu).bfloat16()
+    assert bool(live.any()) and torch.equal(h[live], want[live])
 
 
 @cuda

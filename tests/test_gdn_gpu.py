@@ -117,7 +117,8 @@ def test_qwen3_next_shapes_give_block_one_tokens_for_every_drafter_and_in_waves(
 def test_nemotron_h_shapes_give_block_one_tokens_for_every_drafter_and_in_waves(tmp_path, experts):
     """Nemotron 3 Nano 30B-A3B's blocks (Mamba-2 at 64 heads of 64 with 8 groups and state 128; MoE blocks of 128
     up-only relu^2 experts of width 1856, top 6; attention without positions), five blocks, random bf16 weights, the
-    experts bf16 or MXFP4 (up-only experts take pair words, not fragment words), on the paged forward with CUDA graphs:
+    experts bf16 or MXFP4 (fragment words on a GPU with Gluon: the first GEMM's programs hold up tiles alone), on the
+    paged forward with CUDA graphs:
     block 1's tokens for n-gram drafts at block 8, for replayed drafts with every 3rd one wrong at block 16, in waves of
     two sessions, and on transformers' cache; KV pages for the attention block alone."""
     from transformers import AutoModelForCausalLM
@@ -131,6 +132,13 @@ def test_nemotron_h_shapes_give_block_one_tokens_for_every_drafter_and_in_waves(
         model = AutoModelForCausalLM.from_config(real_shape_config("nemotron_h", num_layers=5), dtype=torch.bfloat16)
     target = serve_mxfp4(model, tmp_path, "on") if experts == "mxfp4" else wrap_model(model, tmp_path, kernels="on")
     assert target.batch_invariant and not target.kernels["uncovered_ops"], target.kernels
+    if experts == "mxfp4":
+        from pdflash_kernels import moe
+        from pdflash_kernels.installer import experts_modules
+
+        w = next(iter(experts_modules(target.model).values()))._pdflash_weights
+        want = moe.expert_format_for("cuda", None) == "fragments"  # (Gluon there, PDFLASH_FP4_FRAGMENTS on)
+        assert getattr(w, "fragments", False) == want and not w.gated, type(w)
     core = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=4),
                         max_wave_sessions=4)
     assert core.graphs is not None and core.pool.linear is not None

@@ -1,6 +1,6 @@
 """Up-only experts (no gate: Nemotron-H's relu(up)^2, `pdflash_kernels.moe.ACT_RELU2`) on the MXFP4 paths: an
 expert's slice holds its I up rows alone (`ExpertLayout.gated` False: a smaller slice, the byte map says so), the host
-store keeps and serves them, a GPU never gets them as fragment words (pair words instead), the direct checkpoint load
+store keeps and serves them (nibbles, pair words, and fragment words: a GPU's default), the direct checkpoint load
 reads Nemotron-H's per-expert tensors under transformers' renamed names, and the offloaded (a cache that evicts every
 forward) and resident (the kernels, here under Triton's interpreter) verifiers of a tiny Nemotron-H give the greedy
 tokens of transformers' own forward with the same MXFP4 experts (`verifier_svc.model.quantize_experts`)."""
@@ -30,12 +30,12 @@ NEW = 16
 DIRECT = Version(transformers.__version__) >= Version("5.25")
 
 
-def _up_only(bias: bool = False, seed: int = 0) -> tuple[mxfp4.MXFP4Experts, ExpertWeights]:
+def _up_only(bias: bool = False, seed: int = 0, h: int = H, i: int = I) -> tuple[mxfp4.MXFP4Experts, ExpertWeights]:
     g = torch.Generator().manual_seed(seed)
-    w1 = torch.randn(E, I, H, generator=g) * 0.2  # the I up rows alone
-    w2 = torch.randn(E, H, I, generator=g) * 0.2
-    b1 = torch.randn(E, I, generator=g) * 0.2 if bias else None
-    b2 = torch.randn(E, H, generator=g) * 0.2 if bias else None
+    w1 = torch.randn(E, i, h, generator=g) * 0.2  # the I up rows alone
+    w2 = torch.randn(E, h, i, generator=g) * 0.2
+    b1 = torch.randn(E, i, generator=g) * 0.2 if bias else None
+    b2 = torch.randn(E, h, generator=g) * 0.2 if bias else None
     q = mxfp4.MXFP4Experts.quantize(w1, w2, b1, b2)
     return q, ExpertWeights(q.w1_blocks, q.w2_blocks, q.w1_scales, q.w2_scales, q.b1, q.b2, act=ACT_RELU2)
 
@@ -66,64 +66,81 @@ def test_an_up_only_layout_holds_the_up_rows_alone_and_round_trips():
         mxfp4.MXFP4Experts(q.w1_blocks[:, :5], q.w1_scales[:, :5], q.w2_blocks, q.w2_scales).gated
 
 
-@pytest.mark.parametrize("fmt", ["nibbles", "pair_words"])
+@pytest.mark.parametrize("fmt", ["nibbles", "pair_words", "fragments"])
 def test_the_host_store_serves_up_only_experts_as_they_were(fmt):
     """A store built for up-only experts (layout and activation agree) holds each layer's I up rows; the weights it
-    serves over its arena (and over a slot pool copied from it) compute what the experts themselves compute."""
+    serves over its arena (and over a slot pool copied from it) compute what the experts themselves compute. Fragment
+    words (widths multiples of 64 there) are read back through `FragmentExperts.to_weights`: the same bits."""
     from verifier_svc.expert_store import GateLayout, HostExpertStore, layout_of
 
-    q, w = _up_only(bias=True)
+    h, i = (64, 64) if fmt == "fragments" else (H, I)
+    q, w = _up_only(bias=True, h=h, i=i)
     lay, gate = layout_of(w), GateLayout.of(w)
-    assert lay == ExpertLayout(H, I, True, gated=False) and gate == GateLayout(1, 0, ACT_RELU2, w.alpha, w.limit)
+    assert lay == ExpertLayout(h, i, True, gated=False) and gate == GateLayout(1, 0, ACT_RELU2, w.alpha, w.limit)
     store = HostExpertStore(lay, {0: E, 2: E}, gate, fmt=fmt)
     assert store.byte_map() == {0: [lay.nbytes] * E, 2: [lay.nbytes] * E} and store.slice_bytes == lay.nbytes
     store.put(0, w)
     for e in range(E):
         store.put_expert(2, e, q.parts(E - 1 - e))  # (layer 2: the experts in reverse order, one at a time)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(5, H, generator=g).bfloat16()
+    x = torch.randn(5, h, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(5)])
     wts = torch.softmax(torch.randn(5, 2, generator=g), -1)
     want = moe_reference(x, ids, wts, w, E)
     got = store.layer_weights(0)
-    assert not got.gated and got.intermediate == I and got.pair_words == (fmt == "pair_words")
+    assert not got.gated and got.intermediate == i and got.pair_words == (fmt == "pair_words")
+    assert getattr(got, "fragments", False) == (fmt == "fragments") and store.format == fmt
     assert torch.equal(moe_reference(x, ids, wts, got, E), want)
     pool = store.arena[[store.row(2, E - 1 - e) for e in range(E)]].clone()  # slot e = layer 2's expert E-1-e = q's e
     assert torch.equal(moe_reference(x, ids, wts, store.weights(pool), E), want)
 
 
-def test_up_only_experts_are_never_fragment_words():
-    """Fragment words pair gate tiles with up tiles: up-only experts get pair words on a GPU (with Gluon there and the
-    shape otherwise fitting), and a store asked for fragments refuses them saying why."""
+def test_up_only_experts_are_fragment_words_on_a_gpu():
+    """Up-only experts fit fragment words (the first GEMM's programs hold up tiles alone): a GPU with Gluon stores them
+    so by default where the widths are multiples of 64, and says why not where they are not. FragmentExperts holds the
+    I up rows as they are and gives the same nibbles back; the sections' bytes round-trip (a demoted store's path)."""
     from pdflash_kernels import fragments, moe
     from verifier_svc.expert_store import GateLayout, HostExpertStore
 
     up_only = ExpertLayout(2688, 1856, False, gated=False)  # Nemotron 3 Nano's widths
-    assert fragments.fragments_fit(2688, 1856, gated=False) and "up-only" in fragments.fragments_fit(2688, 1856, False)
+    assert fragments.fragments_fit(2688, 1856, gated=False) is None
+    assert "multiples of 64" in fragments.fragments_fit(2688, 1850, gated=False)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(fragments, "gluon", object())
         m.setattr(moe, "FRAGMENTS", True)
         m.setattr(moe, "PAIR_WORDS", True)
         assert moe.expert_format_for(torch.device("cuda"), ExpertLayout(2880, 2880, False)) == "fragments"
-        assert moe.expert_format_for(torch.device("cuda"), ExpertLayout(2880, 2880, False, gated=False)) == "pair_words"
-        assert moe.expert_format_for(torch.device("cuda"), up_only) == "pair_words"
+        assert moe.expert_format_for(torch.device("cuda"), up_only) == "fragments"
+        odd = ExpertLayout(2688, 1850, False, gated=False)
         import structlog
 
         from verifier_svc.model import expert_format_for
 
         with structlog.testing.capture_logs() as logs:  # (the verifier's chooser says why, once a load)
-            assert expert_format_for(torch.device("cuda"), up_only) == "pair_words"
+            assert expert_format_for(torch.device("cuda"), up_only) == "fragments"
+            assert expert_format_for(torch.device("cuda"), odd) == "pair_words"
         assert [(x["event"], x["expert_format"]) for x in logs] == [
             ("MXFP4 experts not stored as fragment words", "pair_words")]
-        assert "up-only" in logs[0]["why"]
-    with pytest.raises(ValueError, match="up-only"):
-        HostExpertStore(ExpertLayout(64, 64, False, gated=False), {0: 2}, GateLayout(1, 0, ACT_RELU2, 1.0, 7.0),
-                        fmt="fragments")
+        assert "multiples of 64" in logs[0]["why"]
     with pytest.raises(ValueError, match="up-only"):  # a layout and an activation that disagree
         HostExpertStore(ExpertLayout(64, 64, False, gated=False), {0: 2}, GateLayout(1, 64, ACT_SILU, 1.0, 7.0))
-    _, w = _up_only()
-    with pytest.raises(ValueError, match="up-only"):
-        fragments.FragmentExperts.from_weights(w)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        fragments.FragmentExperts.from_weights(_up_only()[1])  # (I = 32)
+    q, w = _up_only(bias=True, h=128, i=64)
+    fw = fragments.FragmentExperts.from_weights(w)
+    assert not fw.gated and fw.intermediate == 64 and fw.hidden == 128 and fw.w1.shape[:2] == (E, 64 // 16)
+    back = fw.to_weights()
+    for name in ("w1", "s1", "w2", "s2", "b1", "b2"):
+        assert torch.equal(getattr(back, name), getattr(w, name)), name
+    assert back.act == ACT_RELU2 and not back.gated
+    parts = dict(w1_blocks=q.w1_blocks, w1_scales=q.w1_scales, w2_blocks=q.w2_blocks, w2_scales=q.w2_scales)
+    raw = fragments.to_fragment_parts(parts, 1, 0)
+    lay = q.layout()
+    assert raw["w1_blocks"].shape == (E, 64 * 128 // 2) and raw["w1_scales"].shape == (E, 64 * 128 // 32)
+    again = fragments.from_fragment_parts(raw, lay, 1, 0)
+    assert all(torch.equal(again[k], v) for k, v in parts.items())
+    with pytest.raises(ValueError, match="rows"):
+        fragments.to_fragment_parts(dict(parts, w1_blocks=q.w1_blocks[:, :48], w1_scales=q.w1_scales[:, :48]), 1, 0)
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +237,7 @@ def test_offloaded_mxfp4_nemotron_h_gives_transformers_tokens(nemotron_h, hf_tok
 
 
 def test_a_pair_word_store_of_up_only_experts_serves_the_same_tokens(nemotron_h, hf_tokens, monkeypatch):
-    """The store a GPU gets for up-only experts (pair words: never fragment words), read here through the torch
+    """The store a GPU gets for up-only experts with fragment words off (pair words), read here through the torch
     reference: the same tokens, the same byte map."""
     from pdflash_kernels import moe
     from verifier_svc.engine import VerifierCore

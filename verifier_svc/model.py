@@ -85,7 +85,7 @@ def model_name(directory: pathlib.Path) -> str:
 
 def expert_format_for(device: torch.device, layout=None) -> str:
     """The format of the MXFP4 stores of a verifier on `device` (`pdflash_kernels.moe.expert_format_for`); logs why
-    where fragment words are enabled and available but these experts cannot be held so (up-only experts, widths off
+    where fragment words are enabled and available but these experts cannot be held so (widths off
     64: `pdflash_kernels.fragments.fragments_fit`)."""
     from pdflash_kernels import moe
 
