@@ -33,8 +33,10 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.kernel_bench import (MODELS, as_served, copy_rate, device_tag, gpu_time_us, hf_experts,  # noqa: E402
-                                     routing, verify_routing)
+from benchmarks.kernel_bench import (MODELS, UP_ONLY_MODELS, as_served, copy_rate, device_tag, gpu_time_us,  # noqa: E402
+                                     hf_experts, routing, verify_routing)
+
+SHAPES = {**MODELS, **UP_ONLY_MODELS}  # (up-only experts, Nemotron 3 Nano: fragment words since stop 64)
 
 
 def row_settings(settings: dict, pairs: int, direct: tuple[int, ...], one_launch: bool) -> dict:
@@ -74,14 +76,15 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
         settings["u16"] = dict(PERSIST_PER_SM=served["PERSIST_PER_SM"], DIRECT_PAIRS=F.DIRECT_BASE, DIRECT_GROUP=False,
                                PERSIST_DIRECT=False)
     for model in models:
-        e, k, h, i = MODELS[model]
+        e, k, h, i = SHAPES[model]
         mod = hf_experts(model)
         w = as_served(expert_weights(mod, "mxfp4"))
         del mod
         if not isinstance(w, F.FragmentExperts):
             raise SystemExit(f"{model}: the served experts are not fragment words here (no Gluon?): nothing to compare")
-        bias = (2 * i + h) * 2 if w.b1 is not None else 0
-        per = 2 * i * h // 2 + 2 * i * h // 32 + h * i // 2 + h * i // 32 + bias
+        r1 = 2 * i if w.gated else i  # w1's rows (up-only experts: the I up rows alone)
+        bias = (r1 + h) * 2 if w.b1 is not None else 0
+        per = r1 * h // 2 + r1 * h // 32 + h * i // 2 + h * i // 32 + bias
         cases = [(a, t) for a in (8, 32, 128) if k <= a <= e for t in tokens] + [("rand", t) for t in verify_tokens]
         for active, tpe in cases:
             if active == "rand":
@@ -166,7 +169,7 @@ def main() -> None:
     per_sm = [int(p) for p in args.per_sm.split(",")]
     models = [m for m in args.models.split(",") if m]
     direct = tuple(int(d) for d in args.direct_pairs.split(",") if d)
-    bad = [m for m in models if m not in MODELS] + [p for p in per_sm if not 0 <= p <= 16] + [d for d in direct if not 0 <= d <= 128]
+    bad = [m for m in models if m not in SHAPES] + [p for p in per_sm if not 0 <= p <= 16] + [d for d in direct if not 0 <= d <= 128]
     if bad:
         ap.error(f"unknown models, --per-sm outside 0..16 or --direct-pairs outside 0..128: {bad}")
     if not torch.cuda.is_available():
