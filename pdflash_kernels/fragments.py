@@ -1112,7 +1112,12 @@ DIRECT_MOST = 128
 # tokens 43.1 / 39.2, 61.2 / 55.8, 89.6 / 86.3; at 16 pairs and fewer slower (8 x 1 16.4 / 17.4). gpt-oss-20b lost on
 # the H200 where its served call is the one launch (a verify's 8 / 16 tokens: 88.1 / 100.6, 133.0 / 174.6).
 DIRECT_BASE = 16
-DIRECT_SHAPES: dict[str, dict[tuple[int, int], int]] = {"NVIDIA H100 80GB HBM3": {(2048, 768): 128},
+# Up-only experts of Nemotron 3 Nano's shape (2688 x 1856, top-6; stop 64, H100, `persist_ab.py --models nemotron-3-nano`,
+# stop64_gpu/call2, served one program a tile / grouped routing-free on the persistent grid, us): 8 experts x 4 tokens
+# (30 pairs) 47.1 / 38.7, 32 x 1 (30) 81.5 / 76.0, a 4-token verify's 24 pairs on 23 experts 71.3 / 66.7, but an 8- or
+# 16-token verify's 48 / 96 pairs on 41 / 71 experts 100.6 / 109.0 and 160.3 / 174.8 (and 128 x 1 261.0 / 275.4): up to
+# 32 pairs there. Not measured on the H200.
+DIRECT_SHAPES: dict[str, dict[tuple[int, int], int]] = {"NVIDIA H100 80GB HBM3": {(2048, 768): 128, (2688, 1856): 32},
                                                         "NVIDIA H200": {(2048, 768): 128}}
 
 
