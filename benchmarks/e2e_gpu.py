@@ -27,7 +27,8 @@ Targets:
   recurrent-state slot per session).
 - `nano-<N>l`: Nemotron 3 Nano 30B-A3B block shapes, N >= 4 blocks (hidden 2688; Mamba-2 of 64 heads of 64, 8 groups,
   state 128; MoE blocks of 128 up-only relu^2 experts of width 1856, top 6, and a shared expert; attention of 32 heads on
-  2 KV heads without positions, the 4th block), random bf16 (`--mxfp4-experts`: MXFP4 on pair words).
+  2 KV heads without positions, the 4th block), random bf16 (`--mxfp4-experts`: MXFP4 as the GPU serves them, fragment words since stop 64;
+  `PDFLASH_FP4_FRAGMENTS=0`: pair words).
 Random targets use a 4096-token vocabulary and random prompt ids (the same on every run). `--layers N` overrides the
 layer count of every random target; `--tiny` builds them with tiny shapes instead (pdflash.tiny.tiny_config: hidden 64,
 8 experts top-2; gpt-oss's sliding window 64) for CPU smoke runs.
