@@ -1292,7 +1292,8 @@ def gate_up_order(inter: int, row_mul: int, up_off: int, gated: bool = True) -> 
 def fragments_fit(hidden: int, inter: int, gated: bool = True) -> str | None:
     """Why experts of this shape cannot be held as fragment words (None: they can): both GEMMs' K (hidden, expert
     width) a multiple of 64. Gated experts (gate and up rows, `gate_up_order`) and up-only ones (`gated` False: the up
-    rows alone, pdflash_kernels.moe.ACT_RELU2, whose first GEMM's programs hold up tiles only) both fit."""
+    rows alone, pdflash_kernels.moe.ACT_RELU2, whose first GEMM's programs hold up tiles only) both fit: `gated` does
+    not change the answer since stop 64 (kept for the callers, which say what they hold)."""
     if hidden % QUAD or inter % QUAD:
         return f"hidden ({hidden}) and expert width ({inter}) must be multiples of {QUAD}"
     return None
@@ -1301,8 +1302,9 @@ def fragments_fit(hidden: int, inter: int, gated: bool = True) -> str | None:
 @dataclasses.dataclass
 class FragmentExperts:
     """One layer's MXFP4 experts as fragment words (first dimension = slot): w1 [S, 2I/16, H/64, 8, 4, 4] int32 in
-    `gate_up_order` (up-only experts, act ACT_RELU2: [S, I/16, ...], the up rows alone), s1 [S, 2I/16, H/64, 8];
-    w2 [S, H/16, I/64, 8, 4, 4], s2 [S, H/16, I/64, 8]; biases as pdflash_kernels.moe.ExpertWeights keeps them (b1 in w1's original row order, read at j * row_mul (+ up_off)).
+    `gate_up_order`, s1 [S, 2I/16, H/64, 8] (up-only experts, act ACT_RELU2: I/16 for 2I/16, the up rows alone);
+    w2 [S, H/16, I/64, 8, 4, 4], s2 [S, H/16, I/64, 8]; biases as pdflash_kernels.moe.ExpertWeights keeps them (b1 in
+    w1's original row order, read at j * row_mul (+ up_off)).
     The served form on a GPU (verifier_svc.expert_store's "fragments" format): `pdflash_kernels.moe.moe_forward` runs
     `fragment_moe` on it, `pdflash_kernels.reference.moe_reference` reads it through `to_weights`."""
 

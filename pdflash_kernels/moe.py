@@ -71,8 +71,8 @@ FRAGMENTS = _FRAGMENTS == "1"
 def expert_format_for(device, layout=None) -> str:
     """The format of the MXFP4 expert stores served on `device` (verifier_svc.expert_store.FORMATS): "fragments" on a
     GPU when enabled, Gluon is there and the experts' shape (`layout`: mxfp4.ExpertLayout; None: any) fits (gated or
-    up-only experts whose widths are multiples of 64: `fragments.fragments_fit` says why not); else "pair_words" on a GPU when
-    enabled; else "nibbles"."""
+    up-only experts whose widths are multiples of 64: `fragments.fragments_fit` says why not); else "pair_words" on a
+    GPU when enabled; else "nibbles"."""
     if torch.device(device).type != "cuda":
         return "nibbles"
     if FRAGMENTS:
