@@ -147,3 +147,51 @@ def test_nemotron_h_shapes_give_block_one_tokens_for_every_drafter_and_in_waves(
     drafts_and_waves_give_block_one(core, dense)
     del core, dense, target, model
     torch.cuda.empty_cache()
+
+
+def test_nemotron_h_offloaded_up_only_experts_give_the_resident_tokens(tmp_path):
+    """Nemotron 3 Nano's blocks (five, random bf16) with their up-only experts in MXFP4 (fragment words where Gluon is
+    there) offloaded to a device cache of one layer's experts + 3 slots, so every forward evicts and copies: block 1,
+    drafts replaying the output with every 3rd one wrong at block 16, and waves give the resident experts' block-1
+    tokens; the cache did copy."""
+    from transformers import AutoModelForCausalLM
+
+    from pdflash.tiny import real_shape_config
+    from tests.test_gpu_verifier import _no_drafts, _prompts, _replay, _run
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
+    from verifier_svc.model import offload_experts, serve_mxfp4, wrap_offloaded
+
+    def build():
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            return AutoModelForCausalLM.from_config(real_shape_config("nemotron_h", num_layers=5), dtype=torch.bfloat16)
+
+    resident = serve_mxfp4(build(), tmp_path, "on")
+    core = VerifierCore(resident, max_block_size=16, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2))
+    prompts = _prompts(core.target.vocab_size, 2)
+    want = [_run(core, p, _no_drafts) for p in prompts]
+    del core, resident
+    torch.cuda.empty_cache()
+    model = build()
+    probe = offload_experts(model, torch.device("cuda"), 100.0)
+    store, per_layer = probe.store, max(probe.store.num_experts.values())
+    from pdflash_kernels import moe
+
+    assert store.format == moe.expert_format_for("cuda", store.layout) and not store.layout.gated
+    small_gb = (per_layer + 3) * store.slice_bytes / 2**30
+    del probe, model
+    torch.cuda.empty_cache()
+    model = build()
+    cache = offload_experts(model, torch.device("cuda"), small_gb)
+    target = wrap_offloaded(model, tmp_path, "on", cache)
+    core = VerifierCore(target, max_block_size=16, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=2),
+                        max_wave_sessions=4)
+    vocab = core.target.vocab_size
+    for i, p in enumerate(prompts):
+        assert _run(core, p, _no_drafts) == want[i], i
+        assert _run(core, p, _replay(want[i], 3, vocab), width=16) == want[i], i
+    drafts_and_waves_give_block_one(core)
+    st = cache.stats
+    assert st.evictions > 0 and st.bytes_moved > per_layer * store.slice_bytes, st
+    del core, target, cache, model
+    torch.cuda.empty_cache()
