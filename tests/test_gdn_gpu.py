@@ -5,8 +5,8 @@ references; and a Qwen3-Next-shaped model (four layers: three Gated
 DeltaNet layers and a full-attention one, 64 of its 512 experts, random weights) served with the kernels gives its
 block-1 tokens for n-gram drafts, for drafts that roll back mid-block and in multi-session waves, on the paged forward
 with CUDA graphs (a state slot per session) and on transformers' cache alike; the same for a Nemotron 3 Nano-shaped
-model (Mamba-2, up-only relu^2 experts bf16 or MXFP4, attention without positions). Run with `bash benchmarks/gpu.sh OUT
-gdn`."""
+model (Mamba-2, up-only relu^2 experts bf16 or MXFP4, attention without positions), and its MXFP4 experts offloaded to
+an evicting device cache give the resident ones' tokens. Run with `bash benchmarks/gpu.sh OUT gdn`."""
 
 from __future__ import annotations
 
