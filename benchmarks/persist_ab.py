@@ -91,7 +91,7 @@ def run(per_sm: list[int], models: list[str], tokens: list[int], rounds: int, di
                 x, ids, wts = verify_routing(e, k, h, tpe, torch.Generator(device="cuda").manual_seed(tpe))
             else:
                 x, ids, wts = routing(e, k, h, active, tpe)
-            one = F.call_path(ids.shape[0], k, h, i, *F.frag_config(h, i, ids.numel())) == "one"  # (as served)
+            one = F.call_path(ids.shape[0], k, h, i, *F.frag_config(h, i, ids.numel()), w.gated) == "one"  # (as served)
             here = row_settings(settings, ids.numel(), direct, one)
             outs, times = {}, {n: [] for n in here}
             with torch.inference_mode():

@@ -1376,11 +1376,15 @@ def _splits_k(hidden: int, inter: int, t1: FragTile, t2: FragTile) -> bool:
     return split_plan(hidden // QUAD, t1.kqs, t1.split)[0] > 1 or split_plan(inter // QUAD, t2.kqs, t2.split)[0] > 1
 
 
-def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile) -> str | None:
-    """Why a call of this shape takes the four launches rather than `fragment_moe_one` (None: it can take one)."""
+def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile,
+                       gated: bool = True) -> str | None:
+    """Why a call of this shape takes the four launches rather than `fragment_moe_one` (None: it can take one).
+    `gated` False: up-only experts, which it does not take."""
     fewest, most = one_launch_range(hidden, inter)
     if tokens * topk == 0:
         return "no pairs"
+    if not gated:
+        return "up-only experts (the one launch's gate/up tiles pair gate rows with up rows)"
     if tokens * topk > most:
         return (f"{tokens * topk} pairs (one launch takes at most {most} on experts of {hidden} x {inter}: "
                 f"ONE_LAUNCH_SHAPES on {device_name() or 'this device'}, PDFLASH_FP4_ONE_LAUNCH_PAIRS)")
@@ -1408,13 +1412,13 @@ def direct_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile
     return None
 
 
-def call_path(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile) -> str:
+def call_path(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile, gated: bool = True) -> str:
     """The launches `fragment_moe` gives a call of this shape on this device without copy groups: "direct" (no routing
     launch: `direct_refusal`), "one" (the routing, then `fragment_moe_one`: `one_launch_refusal`; experts with a bias
     on one GEMM only still take four) or "routed" (the routing and three launches)."""
     if direct_refusal(tokens, topk, hidden, inter, t1, t2) is None:
         return "direct"
-    return "one" if one_launch_refusal(tokens, topk, hidden, inter, t1, t2) is None else "routed"
+    return "one" if one_launch_refusal(tokens, topk, hidden, inter, t1, t2, gated) is None else "routed"
 
 
 def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, fw: FragmentExperts,
@@ -1434,10 +1438,8 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     if hdim != fw.hidden:
         raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
     t1, t2 = config or frag_config(hdim, inter, t * topk)
-    if one_launch_refusal(t, topk, hdim, inter, t1, t2) is not None or (fw.b1 is None) != (fw.b2 is None):
-        return None  # (one HAS_BIAS for both GEMMs)
-    if not fw.gated:
-        return None  # (its gate/up tiles pair gate with up rows: up-only experts take the four launches)
+    if one_launch_refusal(t, topk, hdim, inter, t1, t2, fw.gated) is not None or (fw.b1 is None) != (fw.b2 is None):
+        return None  # (one HAS_BIAS for both GEMMs; up-only experts take the four launches)
     p = t * topk
     mb = _moe.max_blocks(p, num_experts, 16)
     ta, tb = triton_cdiv(inter // 16, t1.nt // 2), triton_cdiv(hdim // 16, t2.nt)
@@ -1486,7 +1488,7 @@ def fragment_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Te
         raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
     t1, t2 = config or frag_config(hdim, inter, t * topk)
     if direct is None:
-        direct = phase_of_expert is None and call_path(t, topk, hdim, inter, t1, t2) == "direct"
+        direct = phase_of_expert is None and call_path(t, topk, hdim, inter, t1, t2, fw.gated) == "direct"
     if not direct and phase_of_expert is None and x.device.type == "cuda":  # (copy groups: the four launches)
         out = fragment_moe_one(x, topk_ids, topk_weights, fw, num_experts, slot_of_expert, n_valid, (t1, t2))
         if out is not None:

@@ -995,6 +995,10 @@ def test_one_launch_takes_small_unsplit_calls(monkeypatch):
     assert F.one_launch_refusal(0, 8, 2048, 768, *q) == "no pairs"
     assert "split K" in F.one_launch_refusal(1, 2, 4096, 14336, F.FragTile(4, 4, 4), F.FragTile(4, 4, 4, split=4))
     assert "warp" in F.one_launch_refusal(1, 8, 2048, 768, F.FragTile(4, 4, 4), F.FragTile(8, 4, 8))
+    assert "up-only" in F.one_launch_refusal(3, 6, 2688, 1856, *q, gated=False)  # (Nemotron's experts: four launches)
+    monkeypatch.setattr(F, "DIRECT_PAIRS", 16)  # (18 pairs: routed on every device, whatever DIRECT_SHAPES says)
+    assert F.call_path(3, 6, 2688, 1856, *q, gated=False) == "routed" and F.call_path(3, 6, 2688, 1856, *q) == "one"
+    monkeypatch.setattr(F, "DIRECT_PAIRS", None)
     monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 0)
     assert "PDFLASH_FP4_ONE_LAUNCH_PAIRS" in F.one_launch_refusal(1, 8, 2048, 768, *q)
     monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", None)  # unset: by device and shape, where it was measured faster
