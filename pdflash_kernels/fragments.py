@@ -787,7 +787,8 @@ if gluon is not None:
         WL: gl.constexpr = _layout("w", W)
         MMA: gl.constexpr = _layout("mma", W)
         XL: gl.constexpr = _layout("x", W)
-        TPP1: gl.constexpr = NT1 // 2
+        TWO1: gl.constexpr = ACT != 2  # gate and up tiles (up-only experts, ACT 2: up tiles alone)
+        TPP1: gl.constexpr = NT1 // 2 if TWO1 else NT1
         TA: gl.constexpr = (I // 16 + TPP1 - 1) // TPP1
         TB: gl.constexpr = (H // 16 + NT2 - 1) // NT2
         Q1: gl.constexpr = H // 64
@@ -825,7 +826,7 @@ if gluon is not None:
                               H, TB, NT2 * 16, BM, W)
             else:
                 xr1 = x_ptr + gl.where(xok, pair_x // TOPK, 0).to(gl.int64) * stride_x
-                w_rows1, s_rows1, n_ok1 = _weight_tiles(w1_ptr, stride_w1, s1_ptr, stride_s1, slot, j, I, Q1, NT1, True,
+                w_rows1, s_rows1, n_ok1 = _weight_tiles(w1_ptr, stride_w1, s1_ptr, stride_s1, slot, j, I, Q1, NT1, TWO1,
                                                         TPP1, WL)
                 acc1 = _tile_sums(xr1, xok, w_rows1, s_rows1, n_ok1, 0, Q1 // KQS1 * KQS1, True, NT1 * 16, BM, NT1, KQS1,
                                   Q1, PF1, W, False, ST1, XR1)
@@ -1379,12 +1380,10 @@ def _splits_k(hidden: int, inter: int, t1: FragTile, t2: FragTile) -> bool:
 def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: FragTile, t2: FragTile,
                        gated: bool = True) -> str | None:
     """Why a call of this shape takes the four launches rather than `fragment_moe_one` (None: it can take one).
-    `gated` False: up-only experts, which it does not take."""
+    `gated` False (up-only experts): their gate/up tiles need not be even."""
     fewest, most = one_launch_range(hidden, inter)
     if tokens * topk == 0:
         return "no pairs"
-    if not gated:
-        return "up-only experts (the one launch's gate/up tiles pair gate rows with up rows)"
     if tokens * topk > most:
         return (f"{tokens * topk} pairs (one launch takes at most {most} on experts of {hidden} x {inter}: "
                 f"ONE_LAUNCH_SHAPES on {device_name() or 'this device'}, PDFLASH_FP4_ONE_LAUNCH_PAIRS)")
@@ -1395,6 +1394,8 @@ def one_launch_refusal(tokens: int, topk: int, hidden: int, inter: int, t1: Frag
         return f"tiles {t1} / {t2} split K"
     if t1.warps != t2.warps:
         return f"tiles {t1} / {t2} have different warp counts"
+    if gated and t1.nt % 2:
+        return f"gate/up tile {t1} has an odd number of weight tiles (half gate, half up)"
     return None
 
 
@@ -1439,10 +1440,10 @@ def fragment_moe_one(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         raise ValueError(f"x has {hdim} features; these experts take {fw.hidden}")
     t1, t2 = config or frag_config(hdim, inter, t * topk)
     if one_launch_refusal(t, topk, hdim, inter, t1, t2, fw.gated) is not None or (fw.b1 is None) != (fw.b2 is None):
-        return None  # (one HAS_BIAS for both GEMMs; up-only experts take the four launches)
+        return None  # (one HAS_BIAS for both GEMMs)
     p = t * topk
     mb = _moe.max_blocks(p, num_experts, 16)
-    ta, tb = triton_cdiv(inter // 16, t1.nt // 2), triton_cdiv(hdim // 16, t2.nt)
+    ta, tb = triton_cdiv(inter // 16, t1.nt // 2 if fw.gated else t1.nt), triton_cdiv(hdim // 16, t2.nt)
     cnt = linear._counters(x.device, 2 + mb + t * tb)
     if cnt is None:
         return None

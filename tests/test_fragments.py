@@ -667,7 +667,7 @@ def test_unsplit_tiles_give_the_same_bits(model, monkeypatch):
         outs = [_four_launches(x[:n], ids[:n], wts[:n], fw, e, config=tuple(map(F.FragTile.parse, c))) for c in tiles]
         for c, o in zip(tiles[1:], outs[1:]):
             assert torch.equal(o, outs[0]), (n, c)
-        if n * k <= 128 and fw.gated:  # (up-only experts take the four launches: fragment_moe_one refuses them)
+        if n * k <= 128:
             saved, F.ONE_LAUNCH_PAIRS = F.ONE_LAUNCH_PAIRS, 128
             try:
                 for c in tiles[2:4]:
@@ -841,17 +841,17 @@ def test_direct_pairs_give_the_routed_bits(model, monkeypatch):
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-def test_up_only_experts_take_the_four_launches(monkeypatch):
-    """Up-only experts (relu(up)^2): the one launch refuses them (its gate/up tiles pair gate rows with up rows) even
-    where every shape takes it, and the served call then gives the four launches' bits; its h rows are relu(up)^2 of
-    the up rows as moe's Triton kernels round them (bf16 after the projection and the bias)."""
+def test_up_only_first_gemm_stores_relu_up_squared(monkeypatch):
+    """Up-only experts (relu(up)^2): the one launch takes them and gives the four launches' bits; the first GEMM's h
+    rows are relu(up)^2 of the up rows as moe's Triton kernels round them (bf16 after the projection and the bias)."""
     from pdflash_kernels import moe
 
     monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 128)
     e, w, fw, x, ids, wts = _moe_case("small-up", 16, seed=43)
     assert not fw.gated and fw.b1 is not None
-    assert F.fragment_moe_one(x, ids, wts, fw, e) is None
-    assert torch.equal(F.fragment_moe(x, ids, wts, fw, e, direct=False), _four_launches(x, ids, wts, fw, e))
+    for tiles in (F.parse_tiles("4x1w4,4x2w4"), F.parse_tiles("4x2w4aa3,4x4w4aa3")):
+        one = F.fragment_moe_one(x, ids, wts, fw, e, config=tiles)
+        assert one is not None and torch.equal(one, _four_launches(x, ids, wts, fw, e, config=tiles)), tiles
     r = moe.align_fused(ids, e, 16)
     h = torch.zeros((r.max_blocks * 16, fw.intermediate), dtype=torch.bfloat16, device="cuda")
     F._launch(x, r, fw.w1, fw.s1, h, fw.intermediate, ids.shape[1], 1, F.FragTile(4, 1, 4), 0, fw.b1, fw.act)
@@ -939,11 +939,13 @@ ONE_SIG = {"x_ptr": "*bf16", "stride_x": "i32", "pairs_ptr": "*i32", "slot_ptr":
 
 
 @needs_gluon
-@pytest.mark.parametrize("h,i,k,tiles,gptoss", [(2048, 768, 8, "4x4w4,4x4w4", False), (2880, 2880, 4, "8x2w4p,4x4w4p", True),
-                                                 (320, 192, 2, "4x4w4,4x4w4", True), (2048, 768, 8, "4x4w4a3,4x4w4aa3", False),
-                                                 (2880, 2880, 4, "4x2w4aa4,4x4w4aa3", True),  # (gpt-oss's served tiles)
-                                                 (2880, 2880, 4, "8x2w4aa3,4x4w4aa3", True)])  # (its big-call size class)
-def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, gptoss, monkeypatch):
+@pytest.mark.parametrize("h,i,k,tiles,act", [(2048, 768, 8, "4x4w4,4x4w4", 0), (2880, 2880, 4, "8x2w4p,4x4w4p", 1),
+                                              (320, 192, 2, "4x4w4,4x4w4", 1), (2048, 768, 8, "4x4w4a3,4x4w4aa3", 0),
+                                              (2880, 2880, 4, "4x2w4aa4,4x4w4aa3", 1),  # (gpt-oss's served tiles)
+                                              (2880, 2880, 4, "8x2w4aa3,4x4w4aa3", 1),  # (its big-call size class)
+                                              (2688, 1856, 6, "4x4w4,4x4w4", 2),  # (up-only: Nemotron 3 Nano's)
+                                              (2688, 1856, 6, "4x2w4aa3,4x4w4aa3", 2)])
+def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, act, monkeypatch):
     """The gate/up, down and combine launch compiles for sm_90 with both tiles' MMAs, its ticket / block / combine
     counters as GPU-scope atomics (acquire on the down tiles' wait), nothing spilled to local memory and at most 25%
     more registers than the larger of its two GEMMs alone (a cap on the SMs' occupancy: ptxas -v)."""
@@ -956,8 +958,9 @@ def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, gptoss, monkeypatch
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    gptoss = act == 1
     t1, t2 = (F.FragTile.parse(t) for t in tiles.split(","))
-    const = dict(H=h, I=i, TOPK=k, ACT=int(gptoss), HAS_BIAS=gptoss, ROW_MUL=2 if gptoss else 1, UP_OFF=int(gptoss), BM=16,
+    const = dict(H=h, I=i, TOPK=k, ACT=act, HAS_BIAS=gptoss, ROW_MUL=2 if gptoss else 1, UP_OFF=int(gptoss), BM=16,
                  NT1=t1.nt, KQS1=t1.kqs, PF1=t1.prefetch, NT2=t2.nt, KQS2=t2.kqs, PF2=t2.prefetch, W=t1.warps,
                  ST1=t1.stages, ST2=t2.stages, XR1=t1.xring, XR2=t2.xring)
     sig = dict(ONE_SIG, **{c: "constexpr" for c in const})
@@ -969,7 +972,7 @@ def test_one_launch_kernel_compiles_for_sm90(h, i, k, tiles, gptoss, monkeypatch
     assert "st.local" not in ptx and "ld.local" not in ptx
     gemms = []
     for t, epi, n, kk, out in ((t1, 1, i, h, "*bf16"), (t2, 2, h, i, "*fp32")):  # each GEMM alone, as four launches run it
-        gconst = dict(N=n, K=kk, TOPK=k, EPI=epi, ACT=int(gptoss), HAS_BIAS=gptoss, ROW_MUL=2 if gptoss else 1,
+        gconst = dict(N=n, K=kk, TOPK=k, EPI=epi, ACT=act, HAS_BIAS=gptoss, ROW_MUL=2 if gptoss else 1,
                       UP_OFF=int(gptoss), PHASE=0, BM=16, NT=t.nt, KQS=t.kqs, W=t.warps, PREFETCH=t.prefetch, SPLIT=1, SS=1,
                       STAGES=t.stages, XRING=t.xring)
         gemms.append(triton.compile(GluonASTSource(F._frag_gemm, dict(SIG, out_ptr=out, **{c: "constexpr" for c in gconst}),
@@ -995,9 +998,11 @@ def test_one_launch_takes_small_unsplit_calls(monkeypatch):
     assert F.one_launch_refusal(0, 8, 2048, 768, *q) == "no pairs"
     assert "split K" in F.one_launch_refusal(1, 2, 4096, 14336, F.FragTile(4, 4, 4), F.FragTile(4, 4, 4, split=4))
     assert "warp" in F.one_launch_refusal(1, 8, 2048, 768, F.FragTile(4, 4, 4), F.FragTile(8, 4, 8))
-    assert "up-only" in F.one_launch_refusal(3, 6, 2688, 1856, *q, gated=False)  # (Nemotron's experts: four launches)
+    odd = (F.FragTile(1, 4, 1), F.FragTile(4, 4, 1))  # (one weight tile a gate/up program: up-only experts only)
+    assert "odd" in F.one_launch_refusal(3, 6, 2688, 1856, *odd)
+    assert F.one_launch_refusal(3, 6, 2688, 1856, *odd, gated=False) is None
     monkeypatch.setattr(F, "DIRECT_PAIRS", 16)  # (18 pairs: routed on every device, whatever DIRECT_SHAPES says)
-    assert F.call_path(3, 6, 2688, 1856, *q, gated=False) == "routed" and F.call_path(3, 6, 2688, 1856, *q) == "one"
+    assert F.call_path(3, 6, 2688, 1856, *odd, gated=False) == "one" and F.call_path(3, 6, 2688, 1856, *odd) == "routed"
     monkeypatch.setattr(F, "DIRECT_PAIRS", None)
     monkeypatch.setattr(F, "ONE_LAUNCH_PAIRS", 0)
     assert "PDFLASH_FP4_ONE_LAUNCH_PAIRS" in F.one_launch_refusal(1, 8, 2048, 768, *q)
@@ -1068,7 +1073,7 @@ def _four_launches(*args, **kw):
 @cuda
 @needs_gluon
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small"])
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "qwen3-30b-a3b", "small", "nemotron-3-nano", "small-up"])
 def test_one_launch_is_bit_identical_to_the_four_launches(model, monkeypatch):
     """Every output bit of the one-launch call equals the four launches' (routing, gate/up, down, combine): 1 to 128
     pairs, tokens sharing experts (a block full, an expert over several blocks), dropped ids, padding rows (n_valid),
