@@ -223,6 +223,20 @@ SIG = {"x_ptr": "*bf16", "stride_x": "i32", "out_ptr": "*fp32", "stride_o": "i32
        "P": "i32", "alpha": "fp32", "limit": "fp32", "tab_ptr": "*i32"}
 
 
+def _compile_gemm(const: dict, warps: int, out: str, direct: bool = False):
+    """`_frag_gemm` compiled for sm_90 (no GPU needed) with these constexprs; `out` the output pointer's type, `direct`
+    the routing-free call's int64 top-k ids and bool keep flags."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = dict(SIG, out_ptr=out, **{c: "constexpr" for c in const})
+    if direct:
+        sig.update(pairs_ptr="*i64", phase_ptr="*i1")
+    return triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps})
+
+
 @needs_gluon
 @pytest.mark.parametrize("n,k,tile,epi", [(5760, 2880, "4x1w4", 0), (2880, 2880, "8x4w4p", 1), (2048, 768, "4x4w4", 2),
                                          (80, 320, "4x2w4p", 3), (2880, 2880, "8x4w4ps4", 1), (14336, 4096, "4x8w4s2", 2),
@@ -276,19 +290,12 @@ def test_direct_pair_kernel_compiles_for_sm90(n, k, tile, epi, has_slot, has_nva
     expert itself, its slot read through the top-k ids) compiles for sm_90 with the same MMAs, nothing in local memory,
     no atomics; int64 top-k ids as the router gives them."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     nt, kqs, warps, pf, split, stages, xring = F.FragTile.parse(tile)
     const = dict(N=n // 2 if epi == 1 else n, K=k, TOPK=8, EPI=epi, ACT=0, HAS_BIAS=False, ROW_MUL=1, UP_OFF=0, PHASE=0,
                  BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf, SPLIT=1, SS=k // 64 // kqs, STAGES=stages, XRING=xring,
                  DIRECT=1, E=128, HAS_SLOT=has_slot, HAS_NVALID=has_nvalid, DP=dp, GROUP=int(dp > 16),
                  TAB=int(dp > 16 and epi == 1))
-    sig = dict(SIG, out_ptr="*bf16" if epi == 1 else "*fp32", pairs_ptr="*i64", phase_ptr="*i1",
-               **{c: "constexpr" for c in const})
-    kern = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps})
+    kern = _compile_gemm(const, warps, "*bf16" if epi == 1 else "*fp32", direct=True)
     ptx = kern.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16" in ptx and ".local" not in ptx and "atom.global" not in ptx
 
@@ -301,20 +308,12 @@ def test_persistent_kernel_compiles_for_sm90(n, k, tile, epi, direct, monkeypatc
     """PERSIST (a fixed grid, each program walking the live tiles) compiles for sm_90 with the tile's MMAs, a loop
     around them, nothing in local memory, and a barrier between tiles (the shared buffers reused)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     nt, kqs, warps, pf, split, stages, xring = F.FragTile.parse(tile)
     split, ss = F.split_plan(k // 64, kqs, split)
     const = dict(N=n // 2 if epi == 1 else n, K=k, TOPK=8, EPI=epi, ACT=0, HAS_BIAS=False, ROW_MUL=1, UP_OFF=0, PHASE=0,
                  BM=16, NT=nt, KQS=kqs, W=warps, PREFETCH=pf, SPLIT=split, SS=ss, STAGES=stages, XRING=xring,
                  DIRECT=direct, E=128, HAS_SLOT=0, HAS_NVALID=0, PERSIST=1, DP=64, GROUP=1)
-    sig = dict(SIG, out_ptr="*bf16" if epi == 1 else "*fp32", **{c: "constexpr" for c in const})
-    if direct:
-        sig.update(pairs_ptr="*i64", phase_ptr="*i1")
-    kern = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps})
+    kern = _compile_gemm(const, warps, "*bf16" if epi == 1 else "*fp32", direct=bool(direct))
     ptx = kern.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16" in ptx and ".local" not in ptx
     assert "%nctaid.x" in ptx  # the walk's stride: the grid's size
@@ -330,10 +329,6 @@ def test_up_only_first_gemm_compiles_for_sm90(tile, bias, direct, persist, split
     with the tile's MMAs and a program's NT tiles all up tiles: its epilogue (relu(up)^2, bf16) needs no exchange
     through shared memory, so shared memory holds only the activations (and a staged tile's ring)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     n, k = 1856, 2688
     nt, kqs, warps, pf, _, stages, xring = F.FragTile.parse(tile)
     split, ss = F.split_plan(k // 64, kqs, split)
@@ -341,11 +336,7 @@ def test_up_only_first_gemm_compiles_for_sm90(tile, bias, direct, persist, split
                  W=warps, PREFETCH=pf, SPLIT=split, SS=ss, STAGES=stages, XRING=xring, PERSIST=persist)
     if direct:
         const.update(DIRECT=1, E=128, HAS_SLOT=1, HAS_NVALID=1, DP=64, GROUP=1, TAB=1)
-    sig = dict(SIG, out_ptr="*bf16", **{c: "constexpr" for c in const})
-    if direct:
-        sig.update(pairs_ptr="*i64", phase_ptr="*i1")
-    kern = triton.compile(GluonASTSource(F._frag_gemm, sig, const), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps})
+    kern = _compile_gemm(const, warps, "*bf16", direct=bool(direct))
     ptx = kern.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16" in ptx and ".local" not in ptx
     assert direct or "shfl" not in ptx  # (a routing-free call's grouping reduces over the ids with shuffles)
