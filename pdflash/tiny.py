@@ -180,7 +180,7 @@ def make_tiny_checkpoint(out_dir: str | pathlib.Path, arch: str = "qwen3_moe", s
 def real_shape_config(arch: str, vocab_size: int = 4096, num_layers: int = 2, eos_id: int = 0):
     """The layer shapes of a real model (Qwen3-30B-A3B, gpt-oss-20b, Mixtral-8x7B, DeepSeek-V3 with 32 of its 256
     experts, Qwen3-Next-80B-A3B with 64 of its 512 and at least 4 layers, Nemotron 3 Nano 30B-A3B with at least 4
-    blocks), few layers, a small vocabulary: random weights of real size have the near ties that bf16 kernels turn
+    blocks, Jamba-1.5-Mini with at least 4 layers), few layers, a small vocabulary: random weights of real size have the near ties that bf16 kernels turn
     into different tokens."""
     common = dict(vocab_size=vocab_size, num_hidden_layers=num_layers, max_position_embeddings=4096, tie_word_embeddings=False,
                   initializer_range=0.05, eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None)
@@ -236,8 +236,19 @@ def real_shape_config(arch: str, vocab_size: int = 4096, num_layers: int = 2, eo
                                     moe_shared_expert_intermediate_size=3712, n_group=1, topk_group=1,
                                     routed_scaling_factor=2.5, norm_topk_prob=True, intermediate_size=3712,
                                     layers_block_type=[pattern[i % len(pattern)] for i in range(layers)])
+    if arch == "jamba":  # Jamba-1.5-Mini's (and v0.1's) layers: Mamba (v1: 8192 channels, state 16, dt rank 256),
+        # attention without positions (32 / 8 heads of 128), 16 experts of width 14336, top 2, every 2nd layer; three
+        # Mamba layers, then attention, as the model's period of 8 starts
+        from transformers import JambaConfig
+
+        layers = max(num_layers, 4)
+        return JambaConfig(**common | dict(num_hidden_layers=layers), hidden_size=4096, num_attention_heads=32,
+                           num_key_value_heads=8, intermediate_size=14336, num_experts=16, num_experts_per_tok=2,
+                           expert_layer_period=2, expert_layer_offset=1, attn_layer_period=4, attn_layer_offset=3,
+                           mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=256, mamba_conv_bias=True,
+                           mamba_proj_bias=False)
     raise ValueError(f"unknown architecture {arch!r}; choose one of {ARCHITECTURES} or deepseek_v3, qwen3_next, "
-                     "nemotron_h")
+                     "nemotron_h, jamba")
 
 
 def make_real_shape_checkpoint(out_dir: str | pathlib.Path, arch: str, num_layers: int = 2, seed: int = 0,

@@ -1,5 +1,7 @@
 """Gated DeltaNet (the linear-attention layers of Qwen3-Next and Qwen3.5-MoE) and Kimi Delta Attention (Kimi Linear:
-the same rule with a decay per key channel), batch-invariant, with their own rollback.
+the same rule with a decay per key channel), batch-invariant, with their own rollback; on the same two kernels the
+state-space layers Mamba-2 (Granite-4.0-H, Nemotron-H: `mamba2_forward`) and Mamba v1 (Jamba: `mamba1_forward`, a decay
+per state and channel, exp(dt[c] A[c, n]), with dt and D one a channel) and LFM2's short convolutions.
 
 transformers runs these layers with a chunked algorithm for a block of tokens and a token-by-token one for a single
 token, and a depthwise `conv1d` whose kernels change with the length: a token's output then depends on how many tokens
@@ -118,7 +120,15 @@ class Rule:
     delta: bool = True
     qk_norm: bool = True
     layout: str = "qkv"  # or "xbc"
-    D: torch.Tensor | None = None  # [Hv] (Mamba-2's skip; the kernel reads it as float32)
+    D: torch.Tensor | None = None  # [Hv] (Mamba-2's skip; Mamba v1's: [Hv * dv], one a value column; read as float32)
+    #: Mamba v1 (Jamba): A [Hv, dk, dv] float32 (-exp(A_log), transposed: state n, channel c); then beta is dt, one a
+    #: value column ([.., Hv * dv]), and the decay is exp(dt[c] A[n, c]) per state element (g is not read)
+    A: torch.Tensor | None = None
+
+    @property
+    def per_column(self) -> bool:
+        """beta (and D) one a value column, the decay from A (Mamba v1), rather than one a value head."""
+        return self.A is not None
 
 
 GDN_RULE = Rule()
@@ -139,15 +149,19 @@ def gated_delta_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     s = state.double().clone()
     out = torch.empty(b, t, hv, v.shape[-1], dtype=torch.float64, device=v.device)
     for i in range(t):
-        decay = g[:, i].double().exp()  # [B, Hv] (a gated DeltaNet's) or [B, Hv, dk] (Kimi Delta Attention's)
-        s = s * (decay[..., None] if g.dim() == 4 else decay[..., None, None])
+        bv = beta[:, i].double().view(b, hv, -1)  # [B, Hv, 1], or Mamba v1's dt [B, Hv, dv]
+        if rule.per_column:  # Mamba v1: exp(dt[c] A[n, c]) per state element
+            s = s * torch.exp(bv[:, :, None, :] * rule.A.double())
+        else:
+            decay = g[:, i].double().exp()  # [B, Hv] (a gated DeltaNet's) or [B, Hv, dk] (Kimi Delta Attention's)
+            s = s * (decay[..., None] if g.dim() == 4 else decay[..., None, None])
         kv = (s * k[:, i, :, :, None]).sum(-2) if rule.delta else 0.0
-        delta = (v[:, i].double() - kv) * beta[:, i].double()[..., None]
+        delta = (v[:, i].double() - kv) * bv
         s = s + k[:, i, :, :, None] * delta[:, :, None, :]
         out[:, i] = (s * q[:, i, :, :, None]).sum(-2)
         if rule.D is not None:
-            out[:, i] += rule.D.double()[:, None] * v[:, i].double()
-    return out.to(v.dtype), s.float()
+            out[:, i] += rule.D.double().view(hv, -1) * v[:, i].double()
+    return out.to(torch.float32 if rule.per_column else v.dtype), s.float()
 
 
 # ---- Triton kernels ------------------------------------------------------------------------------------------------
@@ -243,25 +257,35 @@ if triton is not None:
 
     @triton.jit
     def _delta_token(S, i, A, AC, h, kh, kk, vv, km, vm, sm, s_ptrs, new_row, pend_s, gn_row, gp_s, bn_row, bp_s,
-                     out_row, gw, bw, wtile, snt, spt, sgnt, sgpt, sbnt, sbpt, sot, soh,
+                     out_row, gw, bw, pw, wtile, a_t, snt, spt, sgnt, sgpt, sbnt, sbpt, sot, soh,
                      d_skip, DK: tl.constexpr, DV: tl.constexpr, Q_OFF: tl.constexpr, K_OFF: tl.constexpr,
                      V_OFF: tl.constexpr, SCALE: tl.constexpr, G_VEC: tl.constexpr, WRITE_PEND: tl.constexpr,
-                     DELTA: tl.constexpr, QK_NORM: tl.constexpr, HAS_D: tl.constexpr):
+                     DELTA: tl.constexpr, QK_NORM: tl.constexpr, HAS_D: tl.constexpr, PER_COL: tl.constexpr):
         """Token i of the loop (i < A: a replayed one, from pend; else this forward's i - A): the state after it, and its
         output stored for this forward's tokens; the state after token AC - 1 (the replayed ones and this forward's
         first CT = AC - A) is written back. WRITE_PEND: the programs of `wtile` copy this forward's pending g and beta
-        (its tokens from CT on) to `gw`/`bw`."""
+        (its tokens from CT on) to `gw`/`bw` (PER_COL, Mamba v1: every program its own columns' dt, and the programs of
+        `wtile` the B and C columns of the pending rows to `pw`, which the convolution does not write)."""
         replay = i < A
         t = tl.where(replay, i, i - A)
         row = tl.where(replay, pend_s + t * spt, new_row + t * snt)
         g_row = tl.where(replay, gp_s + t * sgpt, gn_row + t * sgnt)
-        beta = tl.load(tl.where(replay, bp_s + t * sbpt, bn_row + t * sbnt) + h).to(tl.float32)
+        b_row = tl.where(replay, bp_s + t * sbpt, bn_row + t * sbnt)
+        if PER_COL:  # Mamba v1: dt, one a value column
+            beta = tl.load(b_row + h * DV + vv, mask=vm, other=0.0).to(tl.float32)
+        else:
+            beta = tl.load(b_row + h).to(tl.float32)
         k = tl.load(row + K_OFF + kh * DK + kk, mask=km, other=0.0).to(tl.float32)
         if QK_NORM:
             k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
         v = tl.load(row + V_OFF + h * DV + vv, mask=vm, other=0.0).to(tl.float32)
         keep = (i >= AC) & wtile  # (WRITE_PEND) this forward's token left pending: its g and beta copied
-        if G_VEC:  # Kimi Delta Attention: a decay per key channel
+        if PER_COL:  # Mamba v1: exp(dt[c] A[n, c]) per state element
+            S = S * tl.exp(beta[None, :] * a_t)
+            if WRITE_PEND:
+                tl.store(bw + (i - AC) * sbpt + h * DV + vv, beta, mask=vm & (i >= AC))
+                tl.store(pw + (i - AC) * spt + K_OFF + kh * DK + kk, k.to(pw.dtype.element_ty), mask=km & keep)
+        elif G_VEC:  # Kimi Delta Attention: a decay per key channel
             gv = tl.load(g_row + h * DK + kk, mask=km, other=0.0)
             S = S * tl.exp(gv)[:, None]
             if WRITE_PEND:
@@ -271,35 +295,39 @@ if triton is not None:
             S = S * tl.exp(gv)
             if WRITE_PEND:
                 tl.store(gw + (i - AC) * sgpt + h, gv, mask=keep)
-        if WRITE_PEND:
+        if WRITE_PEND and not PER_COL:
             tl.store(bw + (i - AC) * sbpt + h, beta.to(bw.dtype.element_ty), mask=keep)
         if DELTA:
             delta = (v - tl.sum(S * k[:, None], axis=0)) * beta
-        else:  # Mamba-2: S <- S + B (dt x)^T
+        else:  # Mamba: S <- S + B (dt x)^T
             delta = v * beta
         S = tl.fma(k[:, None], delta[None, :], S)
         tl.store(s_ptrs, S, mask=sm & (i == AC - 1))
         q = tl.load(row + Q_OFF + kh * DK + kk, mask=km & (i >= A), other=0.0).to(tl.float32)
+        if PER_COL and WRITE_PEND:
+            tl.store(pw + (i - AC) * spt + Q_OFF + kh * DK + kk, q.to(pw.dtype.element_ty), mask=km & keep)
         if QK_NORM:
             q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * SCALE
         o = tl.sum(S * q[:, None], axis=0)
-        if HAS_D:  # Mamba-2's skip
+        if HAS_D:  # Mamba's skip
             o = tl.fma(d_skip, v, o)
         tl.store(out_row + t * sot + h * soh + vv, o.to(out_row.dtype.element_ty), mask=vm & (i >= A))
         return S
 
     @triton.jit
-    def _delta_kernel(new_ptr, meta_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr, bp_ptr, s_ptr, out_ptr, d_ptr,
+    def _delta_kernel(new_ptr, meta_ptr, pend_ptr, gn_ptr, gp_ptr, bn_ptr, bp_ptr, s_ptr, out_ptr, d_ptr, a_ptr,
                       snt, sps, sph, spt, sgnt, sgps, sgph, sgpt, sbnt, sbps, sbph, sbpt, sss, ssh, sot, soh,
                       HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       Q_OFF: tl.constexpr, K_OFF: tl.constexpr, V_OFF: tl.constexpr, SCALE: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, INTERP: tl.constexpr, G_VEC: tl.constexpr,
-                      WRITE_PEND: tl.constexpr, DELTA: tl.constexpr, QK_NORM: tl.constexpr, HAS_D: tl.constexpr):
+                      WRITE_PEND: tl.constexpr, DELTA: tl.constexpr, QK_NORM: tl.constexpr, HAS_D: tl.constexpr,
+                      PER_COL: tl.constexpr):
         """One program: value head h of sequence b, value columns [v0, v0 + BLOCK_V). Tokens 0 .. A - 1 are the last
         forward's accepted ones (from pend/gp/bp: replayed, no output), A .. A + T - 1 this forward's; the state after
         the replayed ones and this forward's first CT is written back (the new committed state). q, k, v are columns of
         the conv output rows. WRITE_PEND: the programs of the first value-column tile copy this forward's pending g and
-        beta of their head into the other half (the conv kernel copied its pending rows)."""
+        beta of their head into the other half (the conv kernel copied its pending rows). PER_COL (Mamba v1): beta and
+        D one a value column, the decay exp(beta A) from the A tile [dk, dv] of head h, loaded once."""
         b = tl.program_id(0) // HV
         h = tl.program_id(0) % HV
         slot, A, CT, half, row0, T = _meta(meta_ptr, b)
@@ -319,22 +347,30 @@ if triton is not None:
         bp_s = bp_ptr + slot * sbps + half * sbph
         gw = gp_ptr + slot * sgps + (1 - half) * sgph
         bw = bp_ptr + slot * sbps + (1 - half) * sbph
+        pw = pend_ptr + slot * sps + (1 - half) * sph
         wtile = tl.program_id(1) == 0
         AC = A + CT
-        d_skip = tl.load(d_ptr + h).to(tl.float32) if HAS_D else 0.0
+        if PER_COL:
+            d_skip = tl.load(d_ptr + h * DV + vv, mask=vm & HAS_D, other=0.0).to(tl.float32)
+            a_t = tl.load(a_ptr + h * DK * DV + kk[:, None] * DV + vv[None, :], mask=sm, other=0.0)
+        else:
+            d_skip = tl.load(d_ptr + h).to(tl.float32) if HAS_D else 0.0
+            a_t = 0.0
         S = tl.load(s_ptrs, mask=sm, other=0.0)
         if INTERP:  # Triton's interpreter cannot run a range() over a kernel argument
             i = 0
             while i < A + T:
                 S = _delta_token(S, i, A, AC, h, kh, kk, vv, km, vm, sm, s_ptrs, new_row, pend_s, gn_row, gp_s, bn_row,
-                                 bp_s, out_row, gw, bw, wtile, snt, spt, sgnt, sgpt, sbnt, sbpt, sot, soh, d_skip,
-                                 DK, DV, Q_OFF, K_OFF, V_OFF, SCALE, G_VEC, WRITE_PEND, DELTA, QK_NORM, HAS_D)
+                                 bp_s, out_row, gw, bw, pw, wtile, a_t, snt, spt, sgnt, sgpt, sbnt, sbpt, sot, soh,
+                                 d_skip, DK, DV, Q_OFF, K_OFF, V_OFF, SCALE, G_VEC, WRITE_PEND, DELTA, QK_NORM, HAS_D,
+                                 PER_COL)
                 i += 1
         else:
             for i in range(A + T):
                 S = _delta_token(S, i, A, AC, h, kh, kk, vv, km, vm, sm, s_ptrs, new_row, pend_s, gn_row, gp_s, bn_row,
-                                 bp_s, out_row, gw, bw, wtile, snt, spt, sgnt, sgpt, sbnt, sbpt, sot, soh, d_skip,
-                                 DK, DV, Q_OFF, K_OFF, V_OFF, SCALE, G_VEC, WRITE_PEND, DELTA, QK_NORM, HAS_D)
+                                 bp_s, out_row, gw, bw, pw, wtile, a_t, snt, spt, sgnt, sgpt, sbnt, sbpt, sot, soh,
+                                 d_skip, DK, DV, Q_OFF, K_OFF, V_OFF, SCALE, G_VEC, WRITE_PEND, DELTA, QK_NORM, HAS_D,
+                                 PER_COL)
 
 def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and runtime.triton_usable(x.device)
@@ -373,19 +409,21 @@ def _launch_conv(x2: torch.Tensor, meta: torch.Tensor, sequences: int, hist: tor
 
 def _launch_delta(mixed2, g2, beta2, meta, sequences: int, pend, pg, pb, S, out3, hk: int, hv: int, dk: int, dv: int,
                   write_pend: bool, rule: Rule = GDN_RULE) -> None:
-    """mixed2 [rows, C], g2 [rows, Hv(*dk)], beta2 [rows, Hv], out3 [rows, Hv, dv]; pend/pg/pb per slot (and half)."""
+    """mixed2 [rows, C], g2 [rows, Hv(*dk)], beta2 [rows, Hv] (Mamba v1: [rows, Hv * dv], and g2 is not read), out3
+    [rows, Hv, dv]; pend/pg/pb per slot (and half)."""
     half = lambda x: x.stride(1) if x.dim() == 4 else 0  # noqa: E731
     block_k = max(16, triton.next_power_of_2(dk))
     block_v = min(32, max(16, triton.next_power_of_2(dv)))
     q_off, k_off, v_off = _offsets(rule, hk, hv, dk, dv)
     _delta_kernel[(sequences * hv, triton.cdiv(dv, block_v))](
         mixed2, meta, pend, g2, pg, beta2, pb, S, out3, rule.D if rule.D is not None else S,
+        rule.A if rule.A is not None else S,
         mixed2.stride(0), pend.stride(0), half(pend), pend.stride(-2), g2.stride(0), pg.stride(0), half(pg),
         pg.stride(-2), beta2.stride(0), pb.stride(0), half(pb), pb.stride(-2), S.stride(0), S.stride(1),
         out3.stride(0), out3.stride(1),
         HV=hv, REP=hv // hk, DK=dk, DV=dv, Q_OFF=q_off, K_OFF=k_off, V_OFF=v_off, SCALE=1.0 / math.sqrt(dk),
         BLOCK_K=block_k, BLOCK_V=block_v, INTERP=runtime.interpreting(), G_VEC=g2.dim() == 3, WRITE_PEND=write_pend,
-        DELTA=rule.delta, QK_NORM=rule.qk_norm, HAS_D=rule.D is not None, num_warps=4)
+        DELTA=rule.delta, QK_NORM=rule.qk_norm, HAS_D=rule.D is not None, PER_COL=rule.per_column, num_warps=4)
 
 
 def _offsets(rule: Rule, hk: int, hv: int, dk: int, dv: int) -> tuple[int, int, int]:
@@ -418,8 +456,8 @@ def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state:
                 dv: int, commit: int = 0, rule: Rule = GDN_RULE) -> torch.Tensor:
     """The gated delta rule over this forward's tokens after replaying the pending accepted ones: mixed [B, T, C] the
     conv outputs (q | k | v columns), g [B, T, Hv] float32, beta [B, T, Hv]; returns [B, T, Hv, dv] in mixed's dtype
-    and leaves `state.S` the committed state: after the replayed tokens and this forward's first `commit`. `rule`: another
-    recurrence on the same loop (Mamba-2's)."""
+    (Mamba v1's: float32) and leaves `state.S` the committed state: after the replayed tokens and this forward's first
+    `commit`. `rule`: another recurrence on the same loop (Mamba-2's, Mamba v1's)."""
     b, t, _ = mixed.shape
     pend = state.pending
     a = state.accepted if pend is not None else 0
@@ -432,7 +470,7 @@ def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state:
             _, state.S = gated_delta_ref(*_split(mixed[:, :commit], hk, hv, dk, dv, rule), g[:, :commit],
                                          beta[:, :commit], state.S, rule)
         return out
-    out = torch.empty(b, t, hv, dv, dtype=mixed.dtype, device=mixed.device)
+    out = torch.empty(b, t, hv, dv, dtype=torch.float32 if rule.per_column else mixed.dtype, device=mixed.device)
     pm, pg, pb = (pend[1], pend[2], pend[3]) if pend is not None else (mixed, g, beta)
     rows = b * t
     _launch_delta(mixed.reshape(rows, -1), g.reshape(rows, *g.shape[2:]), beta.reshape(rows, -1),
@@ -458,6 +496,8 @@ def _dims(module) -> tuple[int, int, int, int]:
         return 0, 0, 0, 0
     if is_mamba2(module):
         return module.n_groups, module.num_heads, module.ssm_state_size, module.head_dim
+    if is_mamba1(module):
+        return 1, 1, module.ssm_state_size, module.intermediate_size
     if is_kimi_delta(module):
         return module.num_heads, module.num_heads, module.head_dim, module.head_dim
     return module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
@@ -510,24 +550,30 @@ def _masked(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) ->
     return hidden_states
 
 
-def _mix(module, cache, mixed: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor | None) -> torch.Tensor:
+def _mix(module, cache, mixed: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor | None,
+         after_conv=None) -> torch.Tensor:
     """The convolution and the delta rule of one layer's forward over its session state in `cache`; [B, T, Hv, dv] (a
-    short convolution, g and beta None: the convolution's output [B, T, C])."""
+    short convolution, g and beta None: the convolution's output [B, T, C]). `after_conv` (Mamba v1, g and beta None):
+    the convolution's output -> (the delta rule's rows x | B | C, g, beta), computed between the two kernels."""
     step = getattr(cache, "linear_step", None)  # the paged forward (verifier_svc.runner): a slot per session
     if step is not None:
-        return paged_mix(module, step.states.layers[module.layer_idx], step.meta, step.rows, mixed, g, beta)
+        return paged_mix(module, step.states.layers[module.layer_idx], step.meta, step.rows, mixed, g, beta, after_conv)
     bsz, t, _ = mixed.shape
     hk, hv, dk, dv = _dims(module)
-    short = g is None
+    short = g is None and after_conv is None
     mixed = mixed.contiguous()
-    if not short:
-        g, beta = g.contiguous(), beta.contiguous()
     st = _layer_state(module, cache, bsz, mixed.shape[-1], mixed.dtype, mixed.device)
     commit = max(0, t - ROLLBACK_TOKENS) if cache is not None else 0
     conv = causal_conv(mixed, st, *_conv_params(module), commit, act=not short)
-    core = conv if short else gated_delta(conv, g, beta, st, hk, hv, dk, dv, commit, _rule(module))
+    rows = conv
+    if after_conv is not None:
+        rows, g, beta = after_conv(conv)
+        rows = rows.contiguous()
+    if not short:
+        g, beta = g.contiguous(), beta.contiguous()
+    core = conv if short else gated_delta(rows, g, beta, st, hk, hv, dk, dv, commit, _rule(module))
     if cache is not None:
-        pending = (mixed, conv, g, beta)
+        pending = (mixed, rows, g, beta)
         if commit:  # (copies: the slices would keep the whole prompt's tensors alive)
             pending = tuple(x[:, commit:].clone() if x is not None else None for x in pending)
         st.pending, st.accepted = pending, t - commit
@@ -578,14 +624,16 @@ def short_conv_forward(module, hidden_states: torch.Tensor, cache=None, attentio
 
 
 def layer_forward(module):
-    """The forward these kernels give `module` (Gated DeltaNet, Kimi Delta Attention, LFM2's short convolution), or
-    None for any other module."""
+    """The forward these kernels give `module` (Gated DeltaNet, Kimi Delta Attention, Mamba-2, Mamba v1, LFM2's short
+    convolution), or None for any other module."""
     if is_gated_delta_net(module):
         return forward
     if is_kimi_delta(module):
         return kda_forward
     if is_mamba2(module):
         return mamba2_forward
+    if is_mamba1(module):
+        return mamba1_forward
     return short_conv_forward if is_short_conv(module) else None
 
 
@@ -617,6 +665,50 @@ def mamba2_forward(module, hidden_states: torch.Tensor, cache=None, attention_ma
     return module.out_proj(out.to(hidden_states.dtype))
 
 
+def is_mamba1(module) -> bool:
+    """A Mamba (v1) mixer of Jamba's form: in_proj to x | gate, a SiLU causal convolution over x, x_proj to dt | B | C
+    (each through its RMSNorm: dt_layernorm, b_layernorm, c_layernorm), dt_proj, the selective scan with A [channels,
+    state] (`A_log`) and D, out_proj."""
+    parts = ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj", "dt_layernorm", "b_layernorm",
+             "c_layernorm", "ssm_state_size", "intermediate_size", "time_step_rank", "layer_idx")
+    return (all(hasattr(module, p) for p in parts) and not hasattr(module, "n_groups")
+            and getattr(module, "activation", "silu") in ("silu", "swish"))
+
+
+def _mamba1_a(module) -> torch.Tensor:
+    """Mamba v1's A as the kernel reads it: -exp(A_log) [channels, state] float32, transposed to [1, state, channels]
+    (made once per A_log version and device, so a forward and a CUDA graph launch nothing for it)."""
+    key = (module.A_log.data_ptr(), module.A_log._version, module.A_log.device)
+    got = getattr(module, "_pdflash_a", None)
+    if got is None or got[0] != key:
+        a = (-torch.exp(module.A_log.detach().float())).t().contiguous()[None]
+        got = module._pdflash_a = (key, a)
+    return got[1]
+
+
+def mamba1_forward(module, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None, **kwargs):
+    """A Mamba v1 mixer's forward (Jamba) on these kernels: the convolution kernel over x, then x_proj, the dt / B / C
+    norms and dt_proj (the module's own, on the invariant linears), then the delta kernel's Mamba v1 rule token by token:
+    `S <- exp(dt A) * S + B (dt x)^T` per (state, channel) element, `y = S^T C + D x`, dt = softplus(dt_proj(dt) +
+    bias) in float32; y * SiLU(gate) in float32, then out_proj."""
+    cache = _cache_of(cache, kwargs)
+    hidden_states = _masked(hidden_states, attention_mask)
+    bsz, t, _ = hidden_states.shape
+    x, gate = module.in_proj(hidden_states).chunk(2, dim=-1)
+    ds = module.ssm_state_size
+
+    def ssm_inputs(conv: torch.Tensor):
+        conv = _masked(conv, attention_mask)
+        ts, b, c = module.x_proj(conv).split([module.time_step_rank, ds, ds], dim=-1)
+        ts, b, c = module.dt_layernorm(ts), module.b_layernorm(b), module.c_layernorm(c)
+        dt = F.softplus(F.linear(ts, module.dt_proj.weight).float() + module.dt_proj.bias.float())
+        return torch.cat([conv, b.to(conv.dtype), c.to(conv.dtype)], dim=-1), dt, dt
+
+    core = _mix(module, cache, x, None, None, ssm_inputs)  # [B, T, 1, channels] float32
+    y = core.reshape(bsz, t, -1) * F.silu(gate.float())
+    return module.out_proj(y.to(hidden_states.dtype))
+
+
 def is_kimi_delta(module) -> bool:
     """A Kimi Delta Attention layer (Kimi Linear): the gated delta rule with a decay per key channel."""
     parts = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj",
@@ -645,33 +737,37 @@ class PagedGDN:
     verifier_svc.kv's LinearStates holds per layer): `S` [slots, Hv, dk, dv] float32 and `hist` [slots, K - 1, C] as of
     the slot's committed tokens, and its pending tokens (up to `pending` of them, the last forward's, which the next
     forward replays as far as it starts past them) in two halves that forwards alternate between: conv inputs `px`,
-    conv outputs `pc` [slots, 2, P, C], g `pg` [slots, 2, P, Hv or Hv * dk] float32, beta `pb` [slots, 2, P, Hv]. A
-    forward reads one half and the kernels write the tokens it leaves pending into the other, so no program overwrites
-    what another still replays."""
+    conv outputs `pc` [slots, 2, P, W] (W = C; Mamba v1's rows are x | B | C, W = C + 2 dk, the convolution writing x
+    and the delta kernel B and C; px as wide, so both share a row stride), g `pg` [slots, 2, P, Hv or Hv * dk] float32,
+    beta `pb` [slots, 2, P, Hv] (Mamba v1's dt: Hv * dv). A forward reads one half and the kernels write the tokens it
+    leaves pending into the other, so no program overwrites what another still replays."""
 
     def __init__(self, slots: int, hv: int, dk: int, dv: int, k: int, channels: int, per_channel: bool, pending: int,
-                 dtype, device, beta_dtype=None):
+                 dtype, device, beta_dtype=None, per_column: bool = False):
+        width = channels + (2 * dk if per_column else 0)
         self.S = torch.zeros(slots, hv, dk, dv, dtype=torch.float32, device=device)
         self.hist = torch.zeros(slots, k - 1, channels, dtype=dtype, device=device)
-        self.px = torch.zeros(slots, 2, pending, channels, dtype=dtype, device=device)
+        self.px = torch.zeros(slots, 2, pending, width, dtype=dtype, device=device)
         self.pc = torch.zeros_like(self.px)
         self.pg = torch.zeros(slots, 2, pending, hv * (dk if per_channel else 1), dtype=torch.float32, device=device)
-        self.pb = torch.zeros(slots, 2, pending, hv, dtype=beta_dtype or dtype, device=device)
+        self.pb = torch.zeros(slots, 2, pending, hv * (dv if per_column else 1), dtype=beta_dtype or dtype,
+                              device=device)
 
     @classmethod
     def for_module(cls, module, slots: int, pending: int, dtype, device) -> "PagedGDN":
         hk, hv, dk, dv = _dims(module)
         return cls(slots, hv, dk, dv, _conv(module).kernel_size[0], _channels(module), is_kimi_delta(module), pending,
-                   dtype, device, _beta_dtype(module, dtype))
+                   dtype, device, _beta_dtype(module, dtype), is_mamba1(module))
 
     @staticmethod
     def slot_bytes(module, pending: int, dtype) -> int:
         """Device bytes of one slot of `module`'s state."""
         hk, hv, dk, dv = _dims(module)
         c, e = _channels(module), torch.empty((), dtype=dtype).element_size()
+        w = c + (2 * dk if is_mamba1(module) else 0)
         g = hv * (dk if is_kimi_delta(module) else 1)
-        eb = torch.empty((), dtype=_beta_dtype(module, dtype)).element_size()
-        return 4 * hv * dk * dv + (_conv(module).kernel_size[0] - 1) * c * e + 2 * pending * (2 * c * e + 4 * g + hv * eb)
+        eb = torch.empty((), dtype=_beta_dtype(module, dtype)).element_size() * (dv if is_mamba1(module) else 1)
+        return 4 * hv * dk * dv + (_conv(module).kernel_size[0] - 1) * c * e + 2 * pending * (2 * w * e + 4 * g + hv * eb)
 
     def reset(self, slot: int) -> None:
         """A new session's slot: no tokens yet (its pending halves are never read before being written)."""
@@ -682,60 +778,73 @@ class PagedGDN:
 def _channels(module) -> int:
     """The convolution's channels: q | k | v of a delta-rule layer, LFM2's hidden size."""
     hk, hv, dk, dv = _dims(module)
-    return _conv(module).in_channels if is_short_conv(module) else 2 * hk * dk + hv * dv  # (Mamba-2: x | B | C)
+    if is_short_conv(module) or is_mamba1(module):  # (Mamba v1: x alone; B and C come after it, from x_proj)
+        return _conv(module).in_channels
+    return 2 * hk * dk + hv * dv  # (Mamba-2: x | B | C)
 
 
 def _beta_dtype(module, dtype):
-    """beta's dtype: the model's (a sigmoid of a projection), or Mamba-2's dt, float32."""
-    return torch.float32 if is_mamba2(module) else dtype
+    """beta's dtype: the model's (a sigmoid of a projection), or Mamba's dt, float32."""
+    return torch.float32 if is_mamba2(module) or is_mamba1(module) else dtype
 
 
 def _rule(module) -> Rule:
+    if is_mamba1(module):
+        return Rule(delta=False, qk_norm=False, layout="xbc", D=module.D, A=_mamba1_a(module))
     return Rule(delta=False, qk_norm=False, layout="xbc", D=module.D) if is_mamba2(module) else GDN_RULE
 
 
 def paged_mix(module, states: PagedGDN, meta: torch.Tensor, meta_rows: list | None, mixed: torch.Tensor,
-              g: torch.Tensor | None, beta: torch.Tensor | None) -> torch.Tensor:
+              g: torch.Tensor | None, beta: torch.Tensor | None, after_conv=None) -> torch.Tensor:
     """The convolution and the delta rule of one layer over a paged forward's rows ([1, R, ...]: one or several
     sessions' rows one after the other, `meta` [S, 6] int32 on the device, the same rows on the host in `meta_rows`);
-    [1, R, Hv, dv] (a short convolution, g None: [1, R, C]), zero in rows no sequence holds (a CUDA graph's padding)."""
+    [1, R, Hv, dv] (a short convolution, g None: [1, R, C]), zero in rows no sequence holds (a CUDA graph's padding).
+    `after_conv` (Mamba v1): as `_mix`'s, on the convolution's [1, R, C] output."""
     hk, hv, dk, dv = _dims(module)
-    short = g is None
+    short = g is None and after_conv is None
     x2 = mixed[0].contiguous()
+    c = x2.shape[-1]
     conv = torch.zeros_like(x2)
-    out = conv if short else torch.zeros(x2.shape[0], hv, dv, dtype=x2.dtype, device=x2.device)
-    w, bias = _conv_params(module)
     rule = _rule(module)
+    out = conv if short else torch.zeros(x2.shape[0], hv, dv, dtype=torch.float32 if rule.per_column else x2.dtype,
+                                         device=x2.device)
+    w, bias = _conv_params(module)
     if _use_triton(x2):
         _launch_conv(x2, meta, meta.shape[0], states.hist, states.px, states.pc, w, bias, conv, True, act=not short)
-        if not short:
-            _launch_delta(conv, g[0].contiguous(), beta[0].contiguous(), meta, meta.shape[0], states.pc, states.pg,
-                          states.pb, states.S, out, hk, hv, dk, dv, True, rule)
+        if short:
+            return out[None]
+        rows, g, beta = after_conv(conv[None]) if after_conv is not None else (conv[None], g, beta)
+        _launch_delta(rows[0].contiguous(), g[0].contiguous(), beta[0].contiguous(), meta, meta.shape[0], states.pc,
+                      states.pg, states.pb, states.S, out, hk, hv, dk, dv, True, rule)
         return out[None]
-    for slot, a, ct, half, row0, t in (meta_rows if meta_rows is not None else meta.tolist()):  # the references (CPU)
-        if t == 0:
-            continue
-        keep, w_half = t - ct, 1 - half
+    seqs = [r for r in (meta_rows if meta_rows is not None else meta.tolist()) if r[5]]  # the references (CPU)
+    for slot, a, ct, half, row0, t in seqs:
         x = x2[row0: row0 + t][None]
-        y, hist = causal_conv_ref(x, states.hist[slot: slot + 1], states.px[slot: slot + 1, half], a, w, bias, ct,
-                                  act=not short)
+        y, hist = causal_conv_ref(x, states.hist[slot: slot + 1], states.px[slot: slot + 1, half, :, :c], a, w, bias,
+                                  ct, act=not short)
         states.hist[slot] = hist[0]
         conv[row0: row0 + t] = y[0]
-        states.px[slot, w_half, :keep] = x[0, ct:]
-        states.pc[slot, w_half, :keep] = y[0, ct:]
-        if short:
-            continue
+        states.px[slot, 1 - half, :t - ct, :c] = x[0, ct:]
+        states.pc[slot, 1 - half, :t - ct, :c] = y[0, ct:]
+    if short:
+        return out[None]
+    rows, g, beta = after_conv(conv[None]) if after_conv is not None else (conv[None], g, beta)
+    for slot, a, ct, half, row0, t in seqs:
+        keep, w_half = t - ct, 1 - half
+        y = rows[:, row0: row0 + t]
         gs, bs = g[0, row0: row0 + t][None], beta[0, row0: row0 + t][None]
         S = states.S[slot: slot + 1]
         if a:
-            _, S = gated_delta_ref(*_split(states.pc[slot: slot + 1, half, :a], hk, hv, dk, dv, rule),
-                                   states.pg[slot: slot + 1, half, :a].view(1, a, *gs.shape[2:]),
-                                   states.pb[slot: slot + 1, half, :a], S, rule)
+            pb = states.pb[slot: slot + 1, half, :a]
+            pg = pb if rule.per_column else states.pg[slot: slot + 1, half, :a].view(1, a, *gs.shape[2:])
+            _, S = gated_delta_ref(*_split(states.pc[slot: slot + 1, half, :a], hk, hv, dk, dv, rule), pg, pb, S, rule)
         o, _ = gated_delta_ref(*_split(y, hk, hv, dk, dv, rule), gs, bs, S, rule)
         if ct:
             _, S = gated_delta_ref(*_split(y[:, :ct], hk, hv, dk, dv, rule), gs[:, :ct], bs[:, :ct], S, rule)
         states.S[slot] = S[0]
         out[row0: row0 + t] = o[0]
-        states.pg[slot, w_half, :keep] = gs[0, ct:].reshape(keep, -1)
+        states.pc[slot, w_half, :keep] = y[0, ct:]
+        if not rule.per_column:  # (Mamba v1's g is its dt, kept in pb)
+            states.pg[slot, w_half, :keep] = gs[0, ct:].reshape(keep, -1)
         states.pb[slot, w_half, :keep] = bs[0, ct:]
     return out[None]

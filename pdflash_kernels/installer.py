@@ -856,7 +856,7 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
 
     inst = Installation(model, report, f"triton ({ATTN_IMPL}, absolute-position KV chunks)", "triton (linear/matmul/mm/addmm/bmm, sum/mean, softmax)", {}, experts_format, undo, fused_report)
     if linear_layers:
-        inst.linear_attention = ("triton gated delta rule / Mamba-2 scan / short convolution, token by token "
+        inst.linear_attention = ("triton gated delta rule / Mamba and Mamba-2 scans / short convolution, token by token "
                                  f"({len(linear_layers)} layers: pdflash_kernels.gdn; rejected tokens rolled back by "
                                  "replaying the accepted ones)")
     if probe:
@@ -871,7 +871,7 @@ def install(model: nn.Module, experts_format: str = "native", probe: bool = True
 
 def _install_linear_attention(model: nn.Module, undo: list) -> list[int]:
     """Gated DeltaNet layers (Qwen3-Next, Qwen3.5), Kimi Delta Attention layers (Kimi Linear), Mamba-2 mixers
-    (Granite-4.0-H) and LFM2's short convolutions onto pdflash_kernels.gdn's forwards (`gdn.layer_forward`), whose state lives on the session's
+    (Granite-4.0-H, Nemotron-H), Mamba v1 mixers (Jamba) and LFM2's short convolutions onto pdflash_kernels.gdn's forwards (`gdn.layer_forward`), whose state lives on the session's
     cache layer and rolls back itself; the layers' indices. Other linear-attention / state-space layers keep
     transformers' forward (the probe lists their ops as uncovered, and the model is reported not batch-invariant)."""
     from pdflash_kernels import gdn

@@ -126,6 +126,42 @@ def test_a_token_has_the_same_bits_whatever_block_it_is_in_and_whatever_was_roll
     assert torch.equal(st_one.S, st_blocks.S) and torch.equal(st_one.hist, st_blocks.hist)
 
 
+@needs_triton
+def test_mamba_v1_blocks_with_rollbacks_give_block_ones_bits():
+    """Jamba's Mamba (v1) mixer on the kernels (a decay per state and channel, exp(dt A), dt and D a channel; B and C
+    from x_proj after the convolution): blocks that carry rejected tokens, cropped from the session's cache, give every
+    kept token block 1's bits, which are the mixer's own float32 outputs to bf16 rounding."""
+    from transformers.models.jamba.modeling_jamba import JambaMambaMixer
+
+    from pdflash.hf_compat import new_session_cache
+    from pdflash.tiny import generic_config
+
+    cfg = generic_config("jamba", 64, 1, 2)
+    torch.manual_seed(0)
+    ref = JambaMambaMixer(cfg, layer_idx=0).eval()
+    mixer = JambaMambaMixer(cfg, layer_idx=0).eval()
+    mixer.load_state_dict(ref.state_dict())
+    mixer = mixer.to(torch.bfloat16)
+    assert gdn.layer_forward(mixer) is gdn.mamba1_forward and gdn.layer_forward(ref) is gdn.mamba1_forward
+    total = 20
+    h = torch.randn(1, total, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with torch.inference_mode():
+        cache = new_session_cache(cfg, 32)
+        one = torch.cat([gdn.mamba1_forward(mixer, h[:, i:i + 1], cache=cache) for i in range(total)], 1)
+        for split in ([(8, 0)] * 2 + [(4, 0)], [(3, 0), (8, 5), (8, 2), (6, 0), (5, 3)]):
+            cache, kept, at = new_session_cache(cfg, 32), [], 0
+            for n, d in split:
+                junk = torch.randn(1, d, cfg.hidden_size, generator=torch.Generator().manual_seed(100 + at)).bfloat16()
+                out = gdn.mamba1_forward(mixer, torch.cat([h[:, at:at + n - d], junk], 1), cache=cache)
+                if d:
+                    cache.layers[0].crop(-d)  # (the one layer run here; the others hold nothing)
+                kept.append(out[:, :n - d])
+                at += n - d
+            assert torch.equal(torch.cat(kept, 1), one), split
+        want = ref(h.float())
+    torch.testing.assert_close(one.float(), want, rtol=0.0, atol=0.03 * want.abs().max().item())
+
+
 def test_dropping_more_than_the_last_forward_left_pending_is_refused():
     st = gdn.GDNState.zeros(1, HV, DK, DV, K, C, torch.float32, "cpu")
     x = torch.zeros(1, 4, C)
@@ -139,7 +175,7 @@ def test_dropping_more_than_the_last_forward_left_pending_is_refused():
 
 @pytest.mark.parametrize("keep", [gdn.ROLLBACK_TOKENS, 2])
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text", "kimi_linear", "lfm2_moe", "granitemoehybrid",
-                                  "nemotron_h"])
+                                  "nemotron_h", "jamba"])
 def test_the_layer_forward_is_transformers_and_rolls_back_itself(arch, keep, monkeypatch):
     """gdn's forward on a real Qwen3-Next / Qwen3.5 / Kimi Linear / LFM2 / Granite-4.0-H (Mamba-2) layer (float32, the
     references: CPU) gives the layer's own outputs, with and without a cache; after a block whose last 2 tokens are cropped, the next token's output equals a run that
@@ -177,7 +213,7 @@ def test_the_layer_forward_is_transformers_and_rolls_back_itself(arch, keep, mon
 @pytest.mark.slow
 @needs_triton
 @pytest.mark.timeout(1200)  # interpreted Triton: granitemoehybrid took 352-402 s on a 2-core CPU under -n 2
-@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear", "granitemoehybrid", "nemotron_h"])  # (Qwen3.5, LFM2: the layer tests)
+@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear", "granitemoehybrid", "nemotron_h", "jamba"])  # (Qwen3.5, LFM2: the layer tests)
 def test_hybrids_with_the_kernels_verify_drafts_exactly_on_any_transformers(arch, tmp_path, monkeypatch):
     """A tiny Qwen3-Next / Kimi Linear (latent attention without positions) / Granite-4.0-H (Mamba-2, no positions) with
     the kernels (Triton's interpreter): every part of the forward is reported batch-invariant (no op left on torch's
@@ -231,7 +267,7 @@ def test_hybrids_with_the_kernels_verify_drafts_exactly_on_any_transformers(arch
 
 
 @pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_triton), False], ids=["kernels", "references"])
-@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear", "lfm2_moe", "granitemoehybrid", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear", "lfm2_moe", "granitemoehybrid", "nemotron_h", "jamba"])
 def test_the_paged_state_gives_block_ones_bits_in_waves_with_rollbacks(arch, kernels, monkeypatch):
     """The paged form (a state slot per session, pending tokens in alternating halves written by the kernels, every
     count read from device memory: what CUDA graphs replay): two sessions forwarded in solo forwards and in waves of

@@ -82,7 +82,7 @@ def test_the_recurrences_at_real_widths(widths):
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     t = real_shape_target("qwen3_next", tmp_path_factory.mktemp("qnext"), 4)
-    assert t.kernels["linear_attention"].startswith("triton gated delta rule / Mamba-2 scan / short convolution, token by token (3 layers")
+    assert t.kernels["linear_attention"].startswith("triton gated delta rule / Mamba and Mamba-2 scans / short convolution, token by token (3 layers")
     yield t
     del t
     torch.cuda.empty_cache()
@@ -194,4 +194,69 @@ def test_nemotron_h_offloaded_up_only_experts_give_the_resident_tokens(tmp_path)
     st = cache.stats
     assert st.evictions > 0 and st.bytes_moved > per_layer * store.slice_bytes, st
     del core, target, cache, model
+    torch.cuda.empty_cache()
+
+
+def test_mamba_v1_at_jamba_widths_gives_block_ones_bits_and_transformers_outputs():
+    """Jamba-1.5-Mini's Mamba (v1) mixer (8192 channels, state 16, dt rank 256; bf16) on the kernels: a token's output
+    has the same bits at block 1 and in blocks that carry rejected tokens (cropped from the session's cache), and is
+    close to the mixer's own transformers forward in float32."""
+    from transformers.models.jamba.modeling_jamba import JambaMambaMixer
+
+    from pdflash.hf_compat import new_session_cache
+    from pdflash.tiny import real_shape_config
+
+    cfg = real_shape_config("jamba")
+    torch.manual_seed(0)
+    mixer = JambaMambaMixer(cfg, layer_idx=0).eval()
+    ref_mixer = JambaMambaMixer(cfg, layer_idx=0).eval()
+    ref_mixer.load_state_dict(mixer.state_dict())
+    mixer = mixer.to("cuda", torch.bfloat16)
+    assert gdn.layer_forward(mixer) is gdn.mamba1_forward
+    total, hidden = 40, cfg.hidden_size
+    h = (torch.randn(1, total, hidden, generator=torch.Generator().manual_seed(1))).bfloat16().cuda()
+    with torch.inference_mode():
+        cache = new_session_cache(cfg, 32)
+        one = torch.cat([gdn.mamba1_forward(mixer, h[:, i:i + 1], cache=cache) for i in range(total)], 1)
+        for split in ([(16, 0)] * 2 + [(8, 0)], [(7, 0), (16, 13), (16, 9), (16, 0), (11, 4)], [(32, 0), (12, 4)]):
+            cache, kept, at = new_session_cache(cfg, 32), [], 0
+            for n, d in split:
+                keep = n - d
+                junk = torch.randn(1, d, hidden, generator=torch.Generator().manual_seed(100 + at)).bfloat16().cuda()
+                out = gdn.mamba1_forward(mixer, torch.cat([h[:, at:at + keep], junk], 1), cache=cache)
+                if d:
+                    cache.layers[0].crop(-d)  # (the one layer run here; the others hold nothing)
+                kept.append(out[:, :keep])
+                at += keep
+            assert at == total
+            assert torch.equal(torch.cat(kept, 1), one), split
+        want = ref_mixer(h.cpu().float())
+    torch.testing.assert_close(one.cpu().float(), want, rtol=0.0, atol=0.03 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("experts", ["native", "mxfp4"])
+def test_jamba_shapes_give_block_one_tokens_for_every_drafter_and_in_waves(tmp_path, experts):
+    """Jamba-1.5-Mini's layers (three Mamba v1 layers, then attention without positions; 16 experts of width 14336, top
+    2, every 2nd layer), random bf16 weights, the experts bf16 or MXFP4, on the paged forward with CUDA graphs: block 1's
+    tokens for n-gram drafts at block 8, for replayed drafts with every 3rd one wrong at block 16, in waves of two
+    sessions, and on transformers' cache; KV pages for the attention layer alone; every part batch-invariant."""
+    from transformers import AutoModelForCausalLM
+
+    from pdflash.tiny import real_shape_config
+    from verifier_svc.engine import PagedKVOptions, VerifierCore
+    from verifier_svc.model import serve_mxfp4, wrap_model
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(real_shape_config("jamba", num_layers=4), dtype=torch.bfloat16)
+    target = serve_mxfp4(model, tmp_path, "on") if experts == "mxfp4" else wrap_model(model, tmp_path, kernels="on")
+    assert target.batch_invariant and not target.kernels["uncovered_ops"], target.kernels
+    assert "(3 layers" in target.kernels["linear_attention"], target.kernels
+    core = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(kv_cache_gb=4),
+                        max_wave_sessions=4)
+    assert core.graphs is not None and core.pool.linear is not None
+    assert [bool(core.pool.k[i].numel()) for i in range(4)] == [False, False, False, True]
+    dense = VerifierCore(target, max_block_size=32, max_tokens_limit=1024, paged_kv=PagedKVOptions(mode="off"))
+    drafts_and_waves_give_block_one(core, dense)
+    del core, dense, target, model
     torch.cuda.empty_cache()

@@ -161,10 +161,10 @@ class ForwardRunner:
         self.layer_kw = cache_kwarg(self.inner.layers[0])
         self.rope: RotaryTable | None = None
         # the embeddings, the rotary module and the final norm (LFM2 names the last two pos_emb and embedding_norm;
-        # Nemotron-H the embeddings `embeddings` and the norm `norm_f`)
+        # Nemotron-H the embeddings `embeddings` and the norm `norm_f`; Jamba the norm `final_layernorm`)
         self.embed, self.rotary_emb, self.final_norm = (
             _submodule(self.inner, names) for names in (("embed_tokens", "embeddings"), ("rotary_emb", "pos_emb"),
-                                                        ("norm", "embedding_norm", "norm_f")))
+                                                        ("norm", "embedding_norm", "norm_f", "final_layernorm")))
         if self.final_norm is None:
             raise ValueError(f"{type(self.inner).__name__} has no final norm (norm) the paged forward knows")
         if self.embed is None:
