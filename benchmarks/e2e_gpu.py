@@ -29,6 +29,9 @@ Targets:
   state 128; MoE blocks of 128 up-only relu^2 experts of width 1856, top 6, and a shared expert; attention of 32 heads on
   2 KV heads without positions, the 4th block), random bf16 (`--mxfp4-experts`: MXFP4 as the GPU serves them, fragment words since stop 64;
   `PDFLASH_FP4_FRAGMENTS=0`: pair words).
+- `jamba-<N>l`: Jamba-1.5-Mini layer shapes, N >= 4 layers (hidden 4096; Mamba v1 of 8192 channels, state 16, dt rank
+  256, three for each attention layer of 32 heads on 8 KV heads without positions; 16 experts of width 14336, top 2, every
+  2nd layer), random bf16; the Mamba layers on pdflash_kernels.gdn (`mamba1_forward`), on the paged forward.
 Random targets use a 4096-token vocabulary and random prompt ids (the same on every run). `--layers N` overrides the
 layer count of every random target; `--tiny` builds them with tiny shapes instead (pdflash.tiny.tiny_config: hidden 64,
 8 experts top-2; gpt-oss's sliding window 64) for CPU smoke runs.
@@ -79,9 +82,11 @@ from benchmarks.inprocess import core_run, drafter_propose, ngram_propose  # noq
 from benchmarks.kernel_bench import device_tag  # noqa: E402
 from verifier_svc.engine import PagedKVOptions, VerifierCore  # noqa: E402
 
-FAMILIES = {"qwen3": "qwen3_moe", "gptoss": "gpt_oss", "dsv3": "deepseek_v3", "qnext": "qwen3_next", "nano": "nemotron_h"}
+FAMILIES = {"qwen3": "qwen3_moe", "gptoss": "gpt_oss", "dsv3": "deepseek_v3", "qnext": "qwen3_next", "nano": "nemotron_h",
+            "jamba": "jamba"}
 MXFP4_ARCHS = {"gpt_oss"}  # served as the model ships: MXFP4 experts, resident
-DEFAULTS = {"demo": (4, 128), "qwen3": (4, 128), "gptoss": (2, 64), "dsv3": (2, 64), "qnext": (2, 64), "nano": (2, 64)}  # prompts, new tokens
+DEFAULTS = {"demo": (4, 128), "qwen3": (4, 128), "gptoss": (2, 64), "dsv3": (2, 64), "qnext": (2, 64), "nano": (2, 64),
+            "jamba": (2, 64)}  # prompts, new tokens
 REPLAY_BLOCK = 16
 TINY_VOCAB = 512
 
@@ -111,7 +116,7 @@ def parse_target(name: str, layers: int = 0) -> tuple[str, str | None, int]:
         return "demo", None, 0
     family, _, n = name.partition("-")
     if family not in FAMILIES or not n.endswith("l") or not n[:-1].isdigit() or int(n[:-1]) < 1:
-        raise SystemExit(f"unknown target {name!r}: use demo, qwen3-<N>l, gptoss-<N>l, dsv3-<N>l, qnext-<N>l or nano-<N>l (e.g. gptoss-24l)")
+        raise SystemExit(f"unknown target {name!r}: use demo, qwen3-<N>l, gptoss-<N>l, dsv3-<N>l, qnext-<N>l, nano-<N>l or jamba-<N>l (e.g. gptoss-24l)")
     return family, FAMILIES[family], layers or int(n[:-1])
 
 

@@ -58,8 +58,9 @@ def test_the_references_are_transformers_formulas():
     s0 = torch.randn(B, HV, DK, DV) * 0.1
     out, s = gdn.gated_delta_ref(q, k, v, dec, beta, s0)
     rule = getattr(m, "torch_recurrent_gated_delta_rule")
-    want_out, want_s = rule(q, k, v, g=dec, beta=beta, initial_state=s0, output_final_state=True,
-                            use_qk_l2norm_in_kernel=True)
+    rep = HV // HK  # (transformers 5.17's rule takes key heads already repeated to the value heads, as its module does)
+    want_out, want_s = rule(q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v, g=dec, beta=beta,
+                            initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s, want_s, rtol=1e-5, atol=1e-5)
 
