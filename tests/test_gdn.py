@@ -204,8 +204,8 @@ def test_the_layer_forward_is_transformers_and_rolls_back_itself(arch, keep, mon
         kw = {"cache": cache}
         fwd(layer, h[:, :3], **kw)
         fwd(layer, torch.cat([h[:, 3:4], torch.randn(1, 2, h.shape[-1])], 1), **kw)
-        cache.crop(-2)
-        got = fwd(layer, h[:, 4:6], **kw)
+        cache.layers[layer.layer_idx].crop(-2)  # (the one layer run here: transformers 5.17's crop of the empty
+        got = fwd(layer, h[:, 4:6], **kw)      # attention layers fails)
         torch.testing.assert_close(got, want[:, 4:6], rtol=1e-4, atol=1e-5)
         fresh = DynamicCache(config=model.config)
         torch.testing.assert_close(fwd(layer, h, cache=fresh), want, rtol=1e-4, atol=1e-5)
