@@ -202,6 +202,60 @@ if triton is not None:
         tl.store(scores_ptr + r * K + kk, runtime.to_out(vals, scores_ptr, EMULATE), mask=kok)
         tl.store(ids_ptr + r * K + kk, ids, mask=kok)
 
+    @triton.jit
+    def _group_route_kernel(logits_ptr, bias_ptr, scores_ptr, ids_ptr, scale, E: tl.constexpr, K: tl.constexpr,
+                            G: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                            BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr, ws_ptr=None, M=0,
+                            SPLIT: tl.constexpr = 0):
+        """One row of float32 logits -> its top-k by DeepSeek-V3's group routing (Nemotron-H, GLM-4.5, dots1, ...):
+        s = sigmoid(logits); choice = s + the correction bias; each of G groups scored by its two largest choices; the
+        TOPK_GROUP best groups kept; the top k choices of those (largest first, ties to the lower id); their s,
+        / (sum + 1e-20) when NORM, * scale. With SPLIT > 0 the logits are first made from the router linear's K
+        partials (ws_ptr; the bits `matmul` stores) and stored to logits_ptr."""
+        runtime.pdl_begin()
+        r = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK_E)
+        ok = e < E
+        if SPLIT == 0:
+            x = tl.load(logits_ptr + r * E + e, mask=ok, other=0.0).to(tl.float32)
+        else:
+            x = _load_x(ws_ptr, ws_ptr, r, e, M, E, SPLIT, False, 0, EMULATE)
+            tl.store(logits_ptr + r * E + e, x.to(logits_ptr.dtype.element_ty), mask=ok)
+        s = 1.0 / (1.0 + tl.exp(-x))
+        c = tl.where(ok, s + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32), -float("inf"))
+        if G > 1:
+            grp = e // (E // G)
+            gg = tl.arange(0, BLOCK_G)
+            gsc = tl.full((BLOCK_G,), -float("inf"), tl.float32)
+            for g in tl.static_range(G):  # a group's score: its largest choice + its second (a tie counts twice)
+                cg = tl.where(grp == g, c, -float("inf"))
+                m1 = tl.max(cg, axis=0)
+                p1 = tl.min(tl.where(cg == m1, e, BLOCK_E), axis=0)
+                m2 = tl.max(tl.where(e == p1, -float("inf"), cg), axis=0)
+                gsc = tl.where(gg == g, m1 + m2, gsc)
+            keep = e < 0
+            for j in tl.static_range(TOPK_GROUP):  # the best groups, ties to the lower group
+                v = tl.max(gsc, axis=0)
+                pick = tl.min(tl.where(gsc == v, gg, BLOCK_G), axis=0)
+                keep = keep | (grp == pick)
+                gsc = tl.where(gg == pick, -float("inf"), gsc)
+            c = tl.where(keep & ok, c, -float("inf"))
+        kk = tl.arange(0, BLOCK_K)
+        vals = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+        for j in range(K):  # top-k of the choices, largest first, ties to the lower id; the weight is s (no bias)
+            v = tl.max(c, axis=0)
+            pick = tl.min(tl.where(c == v, e, BLOCK_E), axis=0)
+            vals = tl.where(kk == j, tl.sum(tl.where(e == pick, s, 0.0), axis=0), vals)
+            ids = tl.where(kk == j, pick.to(tl.int64), ids)
+            c = tl.where(e == pick, -float("inf"), c)
+        kok = kk < K
+        if NORM:
+            vals = vals / (tl.sum(tl.where(kok, vals, 0.0), axis=0) + 1e-20)
+        vals = vals * scale
+        tl.store(scores_ptr + r * K + kk, runtime.to_out(vals, scores_ptr, EMULATE), mask=kok)
+        tl.store(ids_ptr + r * K + kk, ids, mask=kok)
+
 
 # ---- the Python entry points ------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool) -> torch.Tensor:
@@ -321,3 +375,30 @@ def route(logits: torch.Tensor, top_k: int, softmax_first: bool, norm: bool, sco
                             BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
                             EMULATE=runtime.interpreting(), **LAUNCH_OPTIONS)
     return scores, ids
+
+
+def group_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int, norm: bool,
+                scale: float, score_dtype: torch.dtype = torch.float32,
+                ws: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's group routing of float32 router logits [T, E] (or, `ws`, of the router linear's K partials [S, T, E]
+    from pdflash_kernels.linear.partials, summed here: the logits `matmul` would store, written to `logits`): ->
+    (logits, weights [T, k] of score_dtype, expert ids [T, k] int64, largest choice first), one launch."""
+    if ws is not None:
+        _, t, e = ws.shape
+        logits = torch.empty((t, e), dtype=torch.float32, device=ws.device)
+    else:
+        logits = logits.contiguous()
+        t, e = logits.shape
+    if e % n_group:
+        raise ValueError(f"{e} experts do not split into {n_group} groups")
+    scores = torch.empty((t, top_k), dtype=score_dtype, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    if t:
+        _group_route_kernel[(t,)](logits, bias, scores, ids, float(scale), E=e, K=top_k, G=n_group,
+                                  TOPK_GROUP=topk_group, NORM=norm, BLOCK_E=triton.next_power_of_2(e),
+                                  BLOCK_G=max(2, triton.next_power_of_2(n_group)),
+                                  BLOCK_K=triton.next_power_of_2(top_k), EMULATE=runtime.interpreting(),
+                                  ws_ptr=ws if ws is not None else logits, M=t, SPLIT=0 if ws is None else ws.shape[0],
+                                  **LAUNCH_OPTIONS)
+    return logits, scores, ids
+

@@ -668,6 +668,121 @@ def _rounding_probe(router: nn.Module, variants: list, score_dtype: torch.dtype)
     return [vt for vt, (v, i) in zip(variants, refs) if torch.equal(v[pick], scores) and torch.equal(i[pick], ids)]
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupRoute:
+    """DeepSeek-V3's group routing as a router module holds it (`num_group`, `topk_group`, `norm_topk_prob`,
+    `routed_scaling_factor`, `e_score_correction_bias`; DeepSeek-V3 / Kimi K2, Nemotron-H, GLM-4.5, GLM-4.7-Flash, dots1,
+    EXAONE MoE, Kimi Linear): pdflash_kernels.fused.group_route's parameters."""
+
+    top_k: int
+    n_group: int
+    topk_group: int
+    norm: bool
+    scale: float
+    score_dtype: torch.dtype
+
+
+def _group_route_reference(logits: torch.Tensor, bias: torch.Tensor, g: GroupRoute):
+    """transformers' formula (DeepseekV3TopkRouter.forward after its linear) in plain torch: (weights, ids)."""
+    e = logits.shape[1]
+    s = logits.float().sigmoid()
+    c = s + bias.float()
+    gs = c.view(-1, g.n_group, e // g.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    mask = torch.zeros_like(gs).scatter_(1, torch.topk(gs, g.topk_group, dim=-1)[1], 1)
+    c = c.masked_fill(~mask.bool().repeat_interleave(e // g.n_group, dim=1), float("-inf"))
+    ids = torch.topk(c, g.top_k, dim=-1)[1]
+    w = s.gather(1, ids)
+    if g.norm:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return (w * g.scale).to(g.score_dtype), ids
+
+
+def _same_routes(w: torch.Tensor, ids: torch.Tensor, w_ref: torch.Tensor, ids_ref: torch.Tensor) -> bool:
+    """The same experts a row (in any order: transformers' topk is unsorted) with weights within float32 rounding."""
+    a, b = ids.sort(dim=-1), ids_ref.sort(dim=-1)
+    return (w.dtype == w_ref.dtype and torch.equal(a.values, b.values)
+            and torch.allclose(w.gather(1, a.indices).float(), w_ref.gather(1, b.indices).float(), rtol=1e-4, atol=1e-6))
+
+
+def group_route_variant(router: nn.Module) -> "GroupRoute | str | None":
+    """The router's GroupRoute when its forward returns (logits, weights, ids) that agree with transformers' group
+    routing formula on a probe (and, where Triton runs, with the fused kernel itself: a kernel that fails to build or
+    disagrees is said, not used); None for a router of another form; probed once per class, shape and dtype."""
+    parts = ("e_score_correction_bias", "num_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "top_k")
+    w = getattr(router, "weight", None)
+    if not all(hasattr(router, p) for p in parts) or not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return None
+    key = ("group", type(router), tuple(w.shape), w.dtype, str(w.device), int(router.top_k), int(router.num_group))
+    if key not in _ROUTE_VARIANTS_SEEN:
+        _ROUTE_VARIANTS_SEEN[key] = _group_route_variant(router)
+    return _ROUTE_VARIANTS_SEEN[key]
+
+
+def _group_route_variant(router: nn.Module) -> "GroupRoute | str | None":
+    w, bias = router.weight, router.e_score_correction_bias
+    e = w.shape[0]
+    if not (isinstance(bias, torch.Tensor) and bias.shape == (e,)) or e % int(router.num_group):
+        return None
+    x = torch.randn(6, w.shape[1], generator=torch.Generator().manual_seed(2)).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        try:
+            out = type(router).forward(router, x)
+        except Exception:  # noqa: BLE001
+            return None
+        if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+            return None
+        logits = torch.nn.functional.linear(x.float(), w.float())
+        g = GroupRoute(int(router.top_k), int(router.num_group), int(router.topk_group), bool(router.norm_topk_prob),
+                       float(router.routed_scaling_factor), out[1].dtype)
+        if not torch.allclose(out[0].float(), logits, rtol=1e-4, atol=1e-5) or not _same_routes(
+                out[1], out[2], *_group_route_reference(out[0].float(), bias, g)):
+            return None
+        if runtime.triton_usable(w.device):
+            try:
+                _, fw, fi = fused.group_route(out[0].float(), bias, g.top_k, g.n_group, g.topk_group, g.norm, g.scale,
+                                              g.score_dtype)
+            except Exception as exc:  # noqa: BLE001 - said in the report, the router keeps its own ops
+                return f"the group-routing kernel failed: {type(exc).__name__}: {str(exc)[:200]}"
+            if not _same_routes(fw, fi, out[1], out[2]):
+                return "the group-routing kernel disagreed with the router on a probe"
+    return g
+
+
+def _fused_group_router_forward(router: nn.Module, g: GroupRoute, hidden_states: torch.Tensor):
+    """The router's linear in float32 (its K partials) and group routing in one more launch (pdflash_kernels.fused
+    .group_route): 2 launches for transformers' dozen."""
+    if not runtime.triton_usable(hidden_states.device):
+        return type(router).forward(router, hidden_states)
+    w = router.weight
+    if w.dtype != torch.float32:  # (transformers < 5.25 keeps it in the model's dtype and casts it every forward)
+        key = (w.data_ptr(), w._version)
+        got = router.__dict__.get("_pdflash_w32")
+        if got is None or got[0] != key:
+            got = router.__dict__["_pdflash_w32"] = (key, w.detach().float())
+        w = got[1]
+    x = hidden_states.reshape(-1, w.shape[1]).float()
+    CALLS["fused"] += 1
+    return fused.group_route(None, router.e_score_correction_bias, g.top_k, g.n_group, g.topk_group, g.norm, g.scale,
+                             g.score_dtype, ws=linear.partials(x, w.t()))
+
+
+def router_variant(router: nn.Module):
+    """What fused routing a router takes: ("softmax", route_variant) or ("group", GroupRoute), a reason it cannot
+    (a string), or None (a formula the kernels do not know)."""
+    v = route_variant(router)
+    if v is not None:
+        return ("softmax", v)
+    g = group_route_variant(router)
+    return ("group", g) if isinstance(g, GroupRoute) else g
+
+
+def _fused_any_router_forward(router: nn.Module, variant: tuple, hidden_states: torch.Tensor):
+    kind, v = variant
+    if kind == "group":
+        return _fused_group_router_forward(router, v, hidden_states)
+    return _fused_router_forward(router, v, hidden_states)
+
+
 def _fused_router_forward(router: nn.Module, variant: tuple, hidden_states: torch.Tensor):
     if not runtime.triton_usable(hidden_states.device):
         return type(router).forward(router, hidden_states)
@@ -691,14 +806,14 @@ def _fuse_each(modules: list, variant_of, forward, unit: str, undo: list) -> str
     done, skipped = 0, set()
     for m in modules:
         variant = variant_of(m)
-        if variant is None:
-            skipped.add(type(m).__name__)
+        if variant is None or isinstance(variant, str):
+            skipped.add(f"{type(m).__name__} ({variant or 'an unrecognised formula'})")
             continue
         m.forward = functools.partial(forward, m, variant)
         undo.append(lambda m=m: m.__dict__.pop("forward", None))
         done += 1
     return (f"triton ({done} of {len(modules)} {unit})" if done else "transformers") + (
-        f"; not fused: {', '.join(sorted(skipped))} (an unrecognised formula)" if skipped else "")
+        f"; not fused: {', '.join(sorted(skipped))}" if skipped else "")
 
 
 def install_fused(model: nn.Module) -> tuple[dict[str, str], list]:
@@ -714,7 +829,7 @@ def install_fused(model: nn.Module) -> tuple[dict[str, str], list]:
         undo.append(u)
     found = list(routers(model).values())
     if found:
-        report["router"] = _fuse_each(found, route_variant, _fused_router_forward, "routers", undo)
+        report["router"] = _fuse_each(found, router_variant, _fused_any_router_forward, "routers", undo)
     return report, undo
 
 

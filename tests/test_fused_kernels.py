@@ -153,6 +153,110 @@ def test_route_breaks_ties_to_the_lower_expert():
     assert ids.tolist() == [[5, 0, 1]]
 
 
+# DeepSeek-V3 / Kimi K2 (256 experts, 8 groups, 4 kept, top 8), Nemotron 3 Nano (128, 1 group, top 6), a small one
+GROUP_ROUTES = {"deepseek-v3": (256, 8, 8, 4, True, 2.5), "nemotron-3-nano": (128, 6, 1, 1, True, 2.5),
+                "small": (64, 4, 4, 2, False, 1.0)}
+
+
+def _group_routes(name, t=9, seed=0):
+    from pdflash_kernels.installer import GroupRoute
+
+    e, k, g, tg, norm, scale = GROUP_ROUTES[name]
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(t, e, generator=gen), torch.randn(e, generator=gen) * 0.1, GroupRoute(k, g, tg, norm, scale,
+                                                                                            torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(GROUP_ROUTES))
+def test_group_route_is_the_routers_formula_and_row_invariant(name):
+    """DeepSeek-V3's group routing in one launch (sigmoid, correction bias, groups by their two best, top-k of the kept
+    groups, normalized, scaled): the experts of transformers' formula and its weights to float32 rounding; a row alone
+    has the bits it has among others."""
+    from pdflash_kernels.installer import _group_route_reference, _same_routes
+
+    logits, bias, g = _group_routes(name)
+    _, w, ids = fused.group_route(logits, bias, g.top_k, g.n_group, g.topk_group, g.norm, g.scale)
+    assert _same_routes(w, ids, *_group_route_reference(logits, bias, g))
+    for r in (0, 4):
+        _, w1, i1 = fused.group_route(logits[r:r + 1], bias, g.top_k, g.n_group, g.topk_group, g.norm, g.scale)
+        assert torch.equal(w1, w[r:r + 1]) and torch.equal(i1, ids[r:r + 1])
+    assert bool((ids[:, :-1] != ids[:, 1:]).all())  # k distinct experts
+
+
+@needs_triton
+def test_group_route_from_the_linears_partials_stores_the_linears_logits():
+    """With the router linear's K partials the kernel writes the logits `matmul` stores, bit for bit, and routes them
+    as it routes those logits."""
+    from pdflash_kernels import linear
+
+    _, bias, g = _group_routes("deepseek-v3")
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(5, 128, generator=gen), torch.randn(256, 128, generator=gen) * 0.1
+    logits, fw, fi = fused.group_route(None, bias, g.top_k, g.n_group, g.topk_group, g.norm, g.scale,
+                                       ws=linear.partials(x, w.t()))
+    assert torch.equal(logits, linear.matmul(x, w.t()))
+    _, w2, i2 = fused.group_route(logits, bias, g.top_k, g.n_group, g.topk_group, g.norm, g.scale)
+    assert torch.equal(fw, w2) and torch.equal(fi, i2)
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", ["deepseek_v3", "nemotron_h", "glm4_moe"])
+def test_installed_group_routers_are_fused_and_give_the_op_by_op_logits(arch):
+    """DeepSeek-V3-style routers (Nemotron-H's, GLM-4.5's: sigmoid scores, a correction bias, group top-k) run fused
+    (their linear's partials + one routing launch), and the model's logits are those of the op-by-op routers."""
+    from transformers import AutoModelForCausalLM
+
+    import pdflash_kernels
+    from pdflash.tiny import generic_config
+    from pdflash_kernels import installer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(generic_config(arch, 512, 0, 2), dtype=torch.bfloat16).eval()
+    for r in installer.routers(model).values():
+        torch.nn.init.normal_(r.e_score_correction_bias, std=0.05)  # (random checkpoints hold zeros)
+    other = copy.deepcopy(model)
+    inst = pdflash_kernels.install(model, probe=False)
+    ref = pdflash_kernels.install(other, probe=False, fuse=False)
+    try:
+        n = len(installer.routers(model))
+        assert inst.summary()["fused"]["router"] == f"triton ({n} of {n} routers)", inst.summary()["fused"]
+        assert all(installer.router_variant(r)[0] == "group" for r in installer.routers(model).values())
+        ids = torch.randint(2, 500, (1, 6), generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            a, b = model(ids).logits, other(ids).logits
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.0, atol=2e-2 * b.abs().max().item())
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    finally:
+        inst.uninstall()
+        ref.uninstall()
+
+
+@needs_triton
+def test_a_group_routing_kernel_that_disagrees_is_said_and_not_used(monkeypatch):
+    """A group router whose probe finds the kernel disagreeing with the router keeps its own ops, and the report says
+    why (never a silent fallback)."""
+    from transformers import AutoModelForCausalLM
+
+    from pdflash.tiny import generic_config
+    from pdflash_kernels import installer
+
+    model = AutoModelForCausalLM.from_config(generic_config("deepseek_v3", 512, 0, 2)).eval()
+    real = fused.group_route
+
+    def wrong(*args, **kwargs):
+        logits, w, ids = real(*args, **kwargs)
+        return logits, w, (ids + 1) % model.config.n_routed_experts
+
+    monkeypatch.setattr(fused, "group_route", wrong)
+    monkeypatch.setattr(installer, "_ROUTE_VARIANTS_SEEN", {})
+    report, undo = installer.install_fused(model)
+    for u in undo:
+        u()
+    assert report["router"].startswith("transformers; not fused: DeepseekV3TopkRouter (the group-routing kernel "
+                                       "disagreed with the router on a probe)"), report
+
+
 # ---- the installation --------------------------------------------------------------------------------------
 def _tiny(arch):
     from transformers import AutoModelForCausalLM
@@ -292,6 +396,11 @@ for e, k, sf, norm, st in ((128, 8, True, True, "*bf16"), (32, 4, False, False, 
         ptx(fused._route_kernel, dict(logits_ptr="*bf16", scores_ptr=st, ids_ptr="*i64", **extra),
             dict(E=e, K=k, SOFTMAX_FIRST=sf, NORM=norm, BLOCK_E=e, BLOCK_K=k, EMULATE=False, SPLIT=split,
                  HAS_BIAS=False, XROUND=1, **({} if split else dict(ws_ptr=None, bias_ptr=None))))
+for e, k, g, tg, split in ((256, 8, 8, 4, 0), (256, 8, 8, 4, 8), (128, 6, 1, 1, 8)):  # DeepSeek-V3's, Nemotron 3 Nano's
+    ptx(fused._group_route_kernel, dict(logits_ptr="*fp32", bias_ptr="*fp32", scores_ptr="*fp32", ids_ptr="*i64",
+                                        ws_ptr="*fp32", scale="fp32"),
+        dict(E=e, K=k, G=g, TOPK_GROUP=tg, NORM=True, BLOCK_E=e, BLOCK_G=max(2, g), BLOCK_K=triton.next_power_of_2(k), EMULATE=False,
+             SPLIT=split))
 from pdflash_kernels import linear
 const = dict(N=512, K=2048, K_PER_SPLIT=256, SPLIT=8, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, PRECISION="tf32",
              F32DOT=False, FIXUP=True, PARTIALS=False, MT=1, LOOP_STAGES=None)

@@ -428,6 +428,26 @@ def test_fused_route_equals_the_op_by_op_path(e, k, softmax_first, norm, dtype):
         assert torch.equal(rv, fv[:r]) and torch.equal(ri, fi[:r])
 
 
+@pytest.mark.parametrize("e,k,groups,kept,scale", [(256, 8, 8, 4, 2.5), (128, 6, 1, 1, 2.5)])
+def test_fused_group_route_is_the_routers_formula_and_row_invariant(e, k, groups, kept, scale):
+    """DeepSeek-V3's (and Kimi K2's) and Nemotron 3 Nano's group routing in one launch from the router linear's float32
+    partials: the logits `matmul` stores, transformers' experts and weights to float32 rounding, rows invariant."""
+    from pdflash_kernels import fused, linear
+    from pdflash_kernels.installer import GroupRoute, _group_route_reference, _same_routes
+
+    g = torch.Generator(device=DEV).manual_seed(e)
+    x = torch.randn(256, 2048, generator=g, device=DEV)
+    w = torch.randn(e, 2048, generator=g, device=DEV) * 0.02
+    bias = torch.randn(e, generator=g, device=DEV) * 0.05
+    route = GroupRoute(k, groups, kept, True, scale, torch.float32)
+    logits, fw, fi = fused.group_route(None, bias, k, groups, kept, True, scale, ws=linear.partials(x, w.t()))
+    assert torch.equal(logits, linear.matmul(x, w.t()))
+    assert _same_routes(fw, fi, *_group_route_reference(logits, bias, route))
+    for r in (1, 5, 33):
+        _, rw, ri = fused.group_route(None, bias, k, groups, kept, True, scale, ws=linear.partials(x[:r], w.t()))
+        assert torch.equal(rw, fw[:r]) and torch.equal(ri, fi[:r])
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(32, 4, 128), (64, 8, 64)])
 @pytest.mark.parametrize("window,sinks", [(None, False), (128, True)])
 def test_attention_matches_reference_and_queries_are_invariant(hq, hkv, d, window, sinks):
