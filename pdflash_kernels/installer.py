@@ -766,6 +766,10 @@ def _fused_group_router_forward(router: nn.Module, g: GroupRoute, hidden_states:
                              g.score_dtype, ws=linear.partials(x, w.t()))
 
 
+#: PDFLASH_GROUP_ROUTE=0: group routers keep transformers' ops (the A/B of the fused group routing; default on)
+GROUP_ROUTE = runtime.env_flag("PDFLASH_GROUP_ROUTE", default=True)
+
+
 def router_variant(router: nn.Module):
     """What fused routing a router takes: ("softmax", route_variant) or ("group", GroupRoute), a reason it cannot
     (a string), or None (a formula the kernels do not know)."""
@@ -773,6 +777,8 @@ def router_variant(router: nn.Module):
     if v is not None:
         return ("softmax", v)
     g = group_route_variant(router)
+    if isinstance(g, GroupRoute) and not GROUP_ROUTE:
+        return "PDFLASH_GROUP_ROUTE=0"
     return ("group", g) if isinstance(g, GroupRoute) else g
 
 

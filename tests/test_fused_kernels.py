@@ -235,7 +235,7 @@ def test_installed_group_routers_are_fused_and_give_the_op_by_op_logits(arch):
 @needs_triton
 def test_a_group_routing_kernel_that_disagrees_is_said_and_not_used(monkeypatch):
     """A group router whose probe finds the kernel disagreeing with the router keeps its own ops, and the report says
-    why (never a silent fallback)."""
+    why (never a silent fallback); so does one with PDFLASH_GROUP_ROUTE=0."""
     from transformers import AutoModelForCausalLM
 
     from pdflash.tiny import generic_config
@@ -255,6 +255,13 @@ def test_a_group_routing_kernel_that_disagrees_is_said_and_not_used(monkeypatch)
         u()
     assert report["router"].startswith("transformers; not fused: DeepseekV3TopkRouter (the group-routing kernel "
                                        "disagreed with the router on a probe)"), report
+    monkeypatch.setattr(fused, "group_route", real)
+    monkeypatch.setattr(installer, "_ROUTE_VARIANTS_SEEN", {})
+    monkeypatch.setattr(installer, "GROUP_ROUTE", False)  # PDFLASH_GROUP_ROUTE=0: the A/B's other side
+    report, undo = installer.install_fused(model)
+    for u in undo:
+        u()
+    assert report["router"] == "transformers; not fused: DeepseekV3TopkRouter (PDFLASH_GROUP_ROUTE=0)", report
 
 
 # ---- the installation --------------------------------------------------------------------------------------
