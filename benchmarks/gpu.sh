@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (CI has no GPU):
-#   bash benchmarks/gpu.sh OUT [suite|archs|mla|gdn|confirm|direct|deeptiles|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|persist|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
+#   bash benchmarks/gpu.sh OUT [suite|archs|mla|gdn|grouproute|confirm|direct|deeptiles|waves|wavesbench|prefill|prefillbench|prefillwaves|loadwaves|seed|persist|tests|kernels|fragments|staged|sizes|breakdown|onelaunch|sweep|probe|e2e|stack|offload|fill|dflash|profile|linear|all]...
 # Installs the carried wheels (.whl/py312, not in git: what the GPU machine's image lacks), runs the
 # GPU tests and the benchmarks, and leaves logs and JSON in OUT (copied into benchmarks/results/ afterwards).
 #   suite: the whole test suite (or SUITE_FILES), 8 workers (pytest-xdist; each worker and the stacks it starts get 2 of the 16
@@ -143,6 +143,15 @@ if has gdn; then  # Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention): its 
   timeout ${GDN_TESTS_S:-240} python3 -m pytest -v -p no:cacheprovider --timeout=220 --durations=5 tests/test_gdn_gpu.py 2>&1 | tail -15 | tee "$OUT/gdn_tests.txt"
   timeout ${GDN_E2E_S:-240} python3 benchmarks/e2e_gpu.py --out "$OUT" --targets qnext-4l --blocks 16 ${GDN_E2E_ARGS:---prompts 2 --new-tokens 64} > "$OUT/gdn_e2e.txt" 2>&1
   rc=$?; grep -E "^\| qnext|^- qnext" "$OUT/gdn_e2e.txt" | cut -c1-300; echo "gdn e2e: exit $rc" | tee -a "$OUT/gdn_e2e.txt"
+fi
+if has grouproute; then  # the fused group routing (stop 65): its GPU test, then nano-5l's verify loop with it and with
+  # PDFLASH_GROUP_ROUTE=0 (transformers' ops), MXFP4 experts as served (~8 min)
+  timeout ${GROUP_TESTS_S:-120} python3 -m pytest -v -p no:cacheprovider --timeout=100 tests/test_kernels_gpu.py -k group_route 2>&1 | tail -6 | tee "$OUT/group_route_tests.txt"
+  for on in 1 0; do
+    PDFLASH_GROUP_ROUTE=$on timeout ${GROUP_E2E_S:-200} python3 benchmarks/e2e_gpu.py --out "$OUT" --tag _group_route$on --targets ${GROUP_TARGET:-nano-5l} \
+      --mxfp4-experts --no-hf --blocks 16 --prompts 2 --new-tokens 64 > "$OUT/group_route_e2e$on.txt" 2>&1
+    rc=$?; grep -E "^\| |^- " "$OUT/group_route_e2e$on.txt" | grep -v "^| target\|^|---" | cut -c1-300; echo "PDFLASH_GROUP_ROUTE=$on: exit $rc"
+  done
 fi
 if has e2e; then  # the verify loop in process: demo, qwen3-8l, gptoss-24l (MXFP4 resident) by default (~4-5 min: run it alone)
   timeout ${E2E_S:-540} python3 benchmarks/e2e_gpu.py --out "$OUT" ${E2E_ARGS:-} > "$OUT/e2e.txt" 2>&1
