@@ -362,3 +362,19 @@ def test_a_session_beyond_the_recurrent_state_slots_is_told_to_retry():
     first.free()
     again = SequenceKV(pool, 64)
     assert again.linear == 1 and not states.layers[layer.layer_idx].S[1].any()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear", "lfm2_moe", "granitemoehybrid", "nemotron_h", "jamba"])
+def test_a_slots_stated_bytes_are_what_it_allocates(arch):
+    """PagedGDN.slot_bytes (what --kv-cache-gb's share for the recurrent state is divided by) equals the bytes one slot
+    of the state takes: S, the convolution history, and both halves of the pending rows, g and beta (Mamba v1's rows x |
+    B | C wide and its dt a channel)."""
+    from transformers import AutoModelForCausalLM
+
+    from pdflash.tiny import generic_config
+
+    model = AutoModelForCausalLM.from_config(generic_config(arch, 64, 1, 2))
+    layer = next(m for m in model.modules() if gdn.layer_forward(m) is not None)
+    st = gdn.PagedGDN.for_module(layer, 1, 8, torch.bfloat16, "cpu")
+    held = sum(t.numel() * t.element_size() for t in (st.S, st.hist, st.px, st.pc, st.pg, st.pb))
+    assert gdn.PagedGDN.slot_bytes(layer, 8, torch.bfloat16) == held
