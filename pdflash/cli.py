@@ -547,13 +547,20 @@ def _serving_missing() -> list[str]:
 
 
 def _version() -> str:
-    """The installed distribution's version."""
+    """The installed distribution's version; run from a checkout that is not installed (PYTHONPATH, the GPU machine's
+    copy), the checkout's pyproject.toml's."""
+    import pathlib
+    import tomllib
     from importlib import metadata
 
     try:
         return metadata.version("pdflash")
     except metadata.PackageNotFoundError:
-        return "(not installed: run from a checkout)"
+        pyproject = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+        try:
+            return f"{tomllib.loads(pyproject.read_text())['project']['version']} (a checkout, not installed)"
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "(not installed: run from a checkout)"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ the server's (pdflash/validation.py)."""
 from __future__ import annotations
 
 import math
+import pathlib
 import subprocess
 import sys
 
@@ -131,3 +132,19 @@ def test_pdflash_version(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out == f"pdflash {_version()}\n" and _version()[0].isdigit(), out
+
+
+def test_the_version_of_a_checkout_that_is_not_installed(monkeypatch):
+    """Run from a checkout on PYTHONPATH (the GPU machine's copy), `pdflash --version` says the checkout's
+    pyproject.toml version, and that it is not installed."""
+    import tomllib
+    from importlib import metadata
+
+    from pdflash.cli import _version
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    want = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    assert _version() == f"{want} (a checkout, not installed)"
