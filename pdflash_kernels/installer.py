@@ -712,7 +712,9 @@ def group_route_variant(router: nn.Module) -> "GroupRoute | str | None":
     w = getattr(router, "weight", None)
     if not all(hasattr(router, p) for p in parts) or not isinstance(w, torch.Tensor) or w.dim() != 2:
         return None
-    key = ("group", type(router), tuple(w.shape), w.dtype, str(w.device), int(router.top_k), int(router.num_group))
+    key = ("group", type(router), tuple(w.shape), w.dtype, str(w.device), int(router.top_k), int(router.num_group),
+           int(router.topk_group), bool(router.norm_topk_prob), float(router.routed_scaling_factor))  # (the parameters
+    # GroupRoute takes: a model of the same class with other ones gets its own probe)
     if key not in _ROUTE_VARIANTS_SEEN:
         _ROUTE_VARIANTS_SEEN[key] = _group_route_variant(router)
     return _ROUTE_VARIANTS_SEEN[key]
