@@ -609,17 +609,28 @@ def route_variant(router: nn.Module) -> tuple[bool, bool, torch.dtype] | None:
 _ROUTE_VARIANTS_SEEN: dict = {}
 
 
-def _route_variant(router: nn.Module) -> tuple[bool, bool, torch.dtype] | None:
-    w, b = router.weight, getattr(router, "bias", None)
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(5, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
+def _probe_router(router: nn.Module, rows: int):
+    """(x, the router's own (logits, scores, ids) for x): random probe rows of the weight's dtype put through its
+    forward; None when it fails or returns something else."""
+    w = router.weight
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(2)).to(device=w.device, dtype=w.dtype)
     with torch.no_grad():
         try:
             out = type(router).forward(router, x)
         except Exception:  # noqa: BLE001
             return None
-        if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
-            return None
+    if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+        return None
+    return x, out
+
+
+def _route_variant(router: nn.Module) -> tuple[bool, bool, torch.dtype] | None:
+    w, b = router.weight, getattr(router, "bias", None)
+    probe = _probe_router(router, 5)
+    if probe is None:
+        return None
+    x, out = probe
+    with torch.no_grad():
         logits = torch.nn.functional.linear(x, w, b if isinstance(b, torch.Tensor) else None)
         if not torch.equal(out[0], logits):
             return None
@@ -725,14 +736,11 @@ def _group_route_variant(router: nn.Module) -> "GroupRoute | str | None":
     e = w.shape[0]
     if not (isinstance(bias, torch.Tensor) and bias.shape == (e,)) or e % int(router.num_group):
         return None
-    x = torch.randn(6, w.shape[1], generator=torch.Generator().manual_seed(2)).to(device=w.device, dtype=w.dtype)
+    probe = _probe_router(router, 6)
+    if probe is None:
+        return None
+    x, out = probe
     with torch.no_grad():
-        try:
-            out = type(router).forward(router, x)
-        except Exception:  # noqa: BLE001
-            return None
-        if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
-            return None
         logits = torch.nn.functional.linear(x.float(), w.float())
         g = GroupRoute(int(router.top_k), int(router.num_group), int(router.topk_group), bool(router.norm_topk_prob),
                        float(router.routed_scaling_factor), out[1].dtype)

@@ -716,3 +716,21 @@ def test_tiny_gpt_oss_yarn_is_consistent_so_transformers_does_not_warn():
     for cfg in (tiny_config("gpt_oss", 512, 0), real_shape_config("gpt_oss")):
         rope = cfg.rope_parameters
         assert rope["original_max_position_embeddings"] * rope["factor"] == cfg.max_position_embeddings
+
+
+def test_group_routers_of_one_class_with_other_parameters_are_probed_apart():
+    """Two models of the same router class and shape but another scaling factor each get their own GroupRoute, not
+    the one probed first."""
+    from transformers import AutoModelForCausalLM
+
+    from pdflash.tiny import generic_config
+    from pdflash_kernels import installer
+
+    def route(scale):
+        cfg = generic_config("deepseek_v3", 512, 0, 2)
+        cfg.routed_scaling_factor = scale
+        return installer.group_route_variant(next(iter(installer.routers(AutoModelForCausalLM.from_config(cfg)).values())))
+
+    a, b = route(1.0), route(2.5)
+    assert isinstance(a, installer.GroupRoute) and isinstance(b, installer.GroupRoute), (a, b)
+    assert (a.scale, b.scale) == (1.0, 2.5)
